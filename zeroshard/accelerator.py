@@ -1,0 +1,46 @@
+"""Device abstraction: the same code path runs on CUDA (NCCL) and on CPU (Gloo)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str  # "cuda" or "cpu"
+    comm_backend: str  # "nccl" or "gloo"
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        if self.name == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.name, local_rank)
+
+    def set_device(self, local_rank: int) -> None:
+        if self.name == "cuda":
+            torch.cuda.set_device(local_rank)
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        if self.name == "cuda" and dtype is torch.bfloat16:
+            return torch.cuda.is_bf16_supported()
+        return True
+
+    def max_memory_allocated(self) -> int:
+        """Peak device bytes; on CPU the process's peak resident set."""
+        if self.name == "cuda":
+            return torch.cuda.max_memory_allocated()
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def get_accelerator() -> Accelerator:
+    """CUDA when a GPU is visible, unless ZEROSHARD_ACCELERATOR=cpu forces the CPU path."""
+    forced = os.environ.get("ZEROSHARD_ACCELERATOR", "").lower()
+    if forced not in ("", "cpu", "cuda"):
+        raise ValueError(f"ZEROSHARD_ACCELERATOR={forced!r}: expected 'cpu' or 'cuda'")
+    if forced == "cuda" or (forced == "" and torch.cuda.is_available()):
+        return Accelerator("cuda", "nccl")
+    return Accelerator("cpu", "gloo")

@@ -1,0 +1,104 @@
+"""Process-group setup from the environment that torchrun, mpirun or SLURM leaves behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..accelerator import get_accelerator
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+# (rank, world size, local rank) variable names, most specific launcher first.
+_ENV_SCHEMES = (
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _slurm_master_addr() -> Optional[str]:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    # "node[01-04],other" -> "node01": the first host of the first range
+    head = nodelist.split(",")[0]
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        head = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
+    return head
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from the launcher's environment; (0, 1, 0) when there is none."""
+    for rank_var, size_var, local_var in _ENV_SCHEMES:
+        if rank_var in os.environ and size_var in os.environ:
+            rank, size = int(os.environ[rank_var]), int(os.environ[size_var])
+            local = int(os.environ.get(local_var, os.environ.get("LOCAL_RANK", 0)))
+            return rank, size, local
+    return 0, 1, 0
+
+
+def init_distributed(
+    dist_backend: Optional[str] = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    init_method: Optional[str] = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Join the default process group (no-op when already joined).
+
+    A plain ``python train.py`` with no launcher becomes a one-process group on a free local port.
+    """
+    if dist.is_initialized():
+        return
+    env_rank, env_size, local_rank = env_world()
+    rank = env_rank if rank < 0 else rank
+    world_size = env_size if world_size < 0 else world_size
+    accel = get_accelerator()
+    backend = dist_backend or accel.comm_backend
+    if init_method is None:
+        os.environ.setdefault("MASTER_ADDR", _slurm_master_addr() or "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            if world_size > 1:
+                raise ValueError(
+                    f"rank {rank} of {world_size}: MASTER_PORT is not set; launch with `zeroshard` or torchrun, "
+                    "or export MASTER_ADDR and MASTER_PORT"
+                )
+            os.environ["MASTER_PORT"] = str(_free_port())
+        init_method = "env://"
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    accel.set_device(local_rank)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def destroy() -> None:
+    if is_initialized():
+        dist.destroy_process_group()

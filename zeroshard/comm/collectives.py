@@ -1,0 +1,131 @@
+"""The collectives zeroshard issues, each counted in the ledger and bounded by a timeout.
+
+Every function takes its :class:`Group` explicitly and returns a :class:`Pending` handle; a
+synchronous call is one whose handle was already waited on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .backend import get_rank
+from .groups import Group
+from .ledger import LEDGER
+
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the rank, the op and the group."""
+
+
+@dataclass
+class Pending:
+    op: str
+    group: Group
+    work: Any  # torch Work, or None when nothing was sent (group of one)
+    what: str
+    started: float
+
+    def wait(self, timeout: Optional[timedelta] = None) -> None:
+        if self.work is None:
+            return
+        try:
+            if timeout is None:
+                self.work.wait()
+            else:
+                self.work.wait(timeout)
+        except RuntimeError as err:
+            raise CollectiveError(
+                f"rank {get_rank()}: {self.op} on group '{self.group.name}' (ranks {list(self.group.ranks)}) "
+                f"of {self.what} failed or timed out: {err}"
+            ) from err
+        finally:
+            if LEDGER.timing:
+                LEDGER.add_time(self.op, self.group.name, time.perf_counter() - self.started)
+        self.work = None
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def _issue(op: str, group: Group, tensor: torch.Tensor, wire_factor: float, call, async_op: bool) -> Pending:
+    nbytes = tensor.numel() * tensor.element_size()
+    LEDGER.record(op, group.name, nbytes, nbytes * wire_factor, tuple(tensor.shape), str(tensor.dtype))
+    started = time.perf_counter()
+    try:
+        work = call()
+    except RuntimeError as err:
+        raise CollectiveError(
+            f"rank {get_rank()}: {op} on group '{group.name}' (ranks {list(group.ranks)}) of {_describe(tensor)} "
+            f"failed: {err}"
+        ) from err
+    pending = Pending(op, group, work, _describe(tensor), started)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def _skip(op: str, group: Group) -> Pending:
+    return Pending(op, group, None, "", 0.0)
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False) -> Pending:
+    if group.size == 1:
+        return _skip("all_reduce", group)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    n = group.size
+    return _issue(
+        "all_reduce", group, tensor, 2 * (n - 1) / n,
+        lambda: dist.all_reduce(tensor, op=reduce_op, group=group.handle, async_op=True), async_op,
+    )
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False) -> Pending:
+    """Sum ``input`` (group.size x output.numel()) across the group; rank i keeps chunk i in ``output``."""
+    if group.size == 1:
+        output.copy_(input.view_as(output))
+        return _skip("reduce_scatter", group)
+    n = group.size
+    return _issue(
+        "reduce_scatter", group, input, (n - 1) / n,
+        lambda: _reduce_scatter_flat(output, input, group=group.handle, async_op=True), async_op,
+    )
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False) -> Pending:
+    """Concatenate every rank's ``input`` into ``output`` (group.size x input.numel())."""
+    if group.size == 1:
+        output.view_as(input).copy_(input)
+        return _skip("all_gather", group)
+    n = group.size
+    return _issue(
+        "all_gather", group, output, (n - 1) / n,
+        lambda: _all_gather_flat(output, input, group=group.handle, async_op=True), async_op,
+    )
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Pending:
+    """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
+    if group.size == 1:
+        return _skip("broadcast", group)
+    return _issue(
+        "broadcast", group, tensor, 1.0,
+        lambda: dist.broadcast(tensor, src=src, group=group.handle, async_op=True), async_op,
+    )
+
+
+def barrier(group: Group) -> None:
+    if group.size > 1:
+        LEDGER.record("barrier", group.name, 0, 0.0, (), "")
+        dist.barrier(group=group.handle)

@@ -1,0 +1,65 @@
+"""Per-process record of every collective: bytes always, time only when asked (timing synchronizes)."""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OpTotals:
+    calls: int = 0
+    bytes: int = 0  # message size: the tensor each rank hands to the collective
+    wire_bytes: float = 0.0  # bytes each rank sends under the ring algorithm
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    op: str
+    group: str
+    shape: tuple
+    dtype: str
+
+
+@dataclass
+class CommLedger:
+    """Counts bytes per (op, group). One per process, like the process groups it describes."""
+
+    totals: dict[tuple[str, str], OpTotals] = field(default_factory=lambda: defaultdict(OpTotals))
+    recent: deque = field(default_factory=lambda: deque(maxlen=64))
+    timing: bool = False
+
+    def record(self, op: str, group: str, nbytes: int, wire_bytes: float, shape: tuple, dtype: str) -> None:
+        entry = self.totals[(op, group)]
+        entry.calls += 1
+        entry.bytes += nbytes
+        entry.wire_bytes += wire_bytes
+        self.recent.append(OpRecord(op, group, shape, dtype))
+
+    def add_time(self, op: str, group: str, seconds: float) -> None:
+        self.totals[(op, group)].seconds += seconds
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self.recent.clear()
+
+    def total_wire_bytes(self) -> float:
+        return sum(t.wire_bytes for t in self.totals.values())
+
+    def summary(self) -> dict[tuple[str, str], OpTotals]:
+        return {key: OpTotals(**vars(val)) for key, val in self.totals.items()}
+
+    def format(self) -> str:
+        lines = [f"{'op':<16}{'group':<12}{'calls':>8}{'msg MB':>12}{'wire MB':>12}{'time s':>10}{'algbw GB/s':>12}"]
+        for (op, group), t in sorted(self.totals.items()):
+            algbw = f"{t.bytes / t.seconds / 1e9:.3f}" if t.seconds else "-"
+            time_s = f"{t.seconds:.4f}" if t.seconds else "-"
+            lines.append(
+                f"{op:<16}{group:<12}{t.calls:>8}{t.bytes / 1e6:>12.3f}{t.wire_bytes / 1e6:>12.3f}{time_s:>10}{algbw:>12}"
+            )
+        return "\n".join(lines)
+
+
+# The one ledger of this process: collectives are process-wide state in torch.distributed too.
+LEDGER = CommLedger()

@@ -1,0 +1,115 @@
+"""Reading a config from a dict or JSON file, with errors that name the key, the value and the fix."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import typing
+from pathlib import Path
+from typing import Any, Union
+
+from pydantic import BaseModel, ValidationError
+
+from .schema import UNSUPPORTED_FEATURE_BLOCKS, ZeroshardConfig
+
+ConfigSource = Union[dict, str, os.PathLike, ZeroshardConfig]
+
+
+def parse_config(source: ConfigSource) -> ZeroshardConfig:
+    """Validate a config dict (or the path of a JSON file) into a :class:`ZeroshardConfig`."""
+    if isinstance(source, ZeroshardConfig):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"config file '{path}' does not exist")
+        try:
+            source = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"config file '{path}' is not valid JSON: {err}") from None
+    if not isinstance(source, dict):
+        raise TypeError(f"config must be a dict or a path to a JSON file, got {type(source).__name__}")
+    try:
+        config = ZeroshardConfig.model_validate(source)
+    except ValidationError as err:
+        raise ValueError(format_validation_error(err)) from None
+    _reject_enabled_unsupported(config)
+    return config
+
+
+def _reject_enabled_unsupported(config: ZeroshardConfig) -> None:
+    for key in UNSUPPORTED_FEATURE_BLOCKS:
+        block = getattr(config, key)
+        if block and block.get("enabled", True):
+            raise NotImplementedError(
+                f"config key '{key}' enables a DeepSpeed feature zeroshard does not implement; "
+                f"remove the '{key}' block or set \"enabled\": false"
+            )
+
+
+def _keys_of(model: type[BaseModel]) -> dict[str, type | None]:
+    """Accepted keys of a section (names and aliases), each with its sub-section model if any."""
+    keys: dict[str, type | None] = {}
+    for name, field in model.model_fields.items():
+        sub = next((t for t in _flatten(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)), None)
+        keys[name] = sub
+        if field.alias:
+            keys[field.alias] = sub
+    return keys
+
+
+def _flatten(annotation: Any) -> list:
+    args = typing.get_args(annotation)
+    if not args:
+        return [annotation]
+    return [t for arg in args for t in _flatten(arg)]
+
+
+def _clean_path(loc: tuple) -> tuple[str, dict[str, type | None]]:
+    """Drop pydantic's union-branch tags from an error location; return the key path and the parent's keys."""
+    keys: dict[str, type | None] | None = _keys_of(ZeroshardConfig)
+    parent_keys: dict[str, type | None] = keys
+    free_form = False  # inside a dict-valued field such as optimizer.params: every part is a key
+    parts: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        elif free_form:
+            parts.append(part)
+        elif keys is not None:
+            parts.append(part)
+            parent_keys = keys
+            sub = keys.get(part)
+            free_form = part not in keys or _is_dict_field(parent_keys, part)
+            keys = _keys_of(sub) if sub is not None else None
+        # else: a union-branch tag after a scalar field ("int", "literal['auto']"): not part of the path
+    return ".".join(parts).replace(".[", "["), parent_keys
+
+
+def _is_dict_field(keys: dict[str, type | None], name: str) -> bool:
+    return keys.get(name) is None and name in _DICT_FIELDS
+
+
+_DICT_FIELDS = {"params", "zeropp_loco_param", "parallel_write", *UNSUPPORTED_FEATURE_BLOCKS}
+
+
+def format_validation_error(err: ValidationError) -> str:
+    messages: dict[str, list[str]] = {}
+    values: dict[str, Any] = {}
+    unknown: list[str] = []
+    for e in err.errors():
+        path, parent_keys = _clean_path(e["loc"])
+        if e["type"] == "extra_forbidden":
+            leaf = path.rsplit(".", 1)[-1]
+            close = difflib.get_close_matches(leaf, list(parent_keys), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else "; remove it or check its spelling"
+            unknown.append(f"unknown config key '{path}'{hint}")
+            continue
+        messages.setdefault(path, []).append(e["msg"].removeprefix("Value error, "))
+        values[path] = e.get("input")
+    lines = list(unknown)
+    for path, reasons in messages.items():
+        where = f"config key '{path}' = {values[path]!r}" if path else "config"
+        lines.append(f"{where}: {' or '.join(dict.fromkeys(reasons))}")
+    return "invalid zeroshard/DeepSpeed config:\n  " + "\n  ".join(lines)

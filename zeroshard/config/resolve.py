@@ -1,0 +1,190 @@
+"""Resolving ``"auto"`` values and the batch-size triad, recording every derived value.
+
+DeepSpeed silently drops ``"auto"``; here each one is either resolved from something the caller
+passed (the ``args`` namespace, the data loader, the model's width, the other batch keys) or
+raises an error naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .schema import ZeroshardConfig
+
+# "auto" keys filled from attributes of the caller's ``args`` (HF TrainingArguments names first).
+ARG_SOURCES: dict[str, tuple[str, ...]] = {
+    "optimizer.params.lr": ("learning_rate", "lr"),
+    "optimizer.params.weight_decay": ("weight_decay",),
+    "optimizer.params.eps": ("adam_epsilon", "eps"),
+    "optimizer.params.momentum": ("momentum",),
+    "scheduler.params.warmup_max_lr": ("learning_rate", "lr"),
+    "scheduler.params.cycle_max_lr": ("learning_rate", "lr"),
+    "scheduler.params.warmup_min_lr": ("warmup_min_lr",),
+    "scheduler.params.warmup_num_steps": ("warmup_steps", "warmup_num_steps"),
+    "scheduler.params.total_num_steps": ("max_steps", "total_num_steps"),
+    "gradient_clipping": ("max_grad_norm", "gradient_clipping"),
+    "fp16.enabled": ("fp16",),
+    "bf16.enabled": ("bf16",),
+    "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", "train_micro_batch_size_per_gpu"),
+    "gradient_accumulation_steps": ("gradient_accumulation_steps",),
+    "train_batch_size": ("train_batch_size",),
+}
+
+# "auto" keys that depend on the model's hidden size h (the formulas HF Transformers documents).
+WIDTH_RULES = {
+    "zero_optimization.reduce_bucket_size": lambda h: h * h,
+    "zero_optimization.allgather_bucket_size": lambda h: h * h,
+    "zero_optimization.prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "zero_optimization.param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+@dataclass(frozen=True)
+class BatchTriad:
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+
+def resolve_batch_triad(
+    train_batch_size: Optional[int], micro_batch_size: Optional[int], grad_accum: Optional[int], world_size: int
+) -> BatchTriad:
+    """Infer the missing members of train = micro x accumulation x data-parallel world, as DeepSpeed does."""
+    tb, mb, ga, ws = train_batch_size, micro_batch_size, grad_accum, world_size
+    if tb is not None and mb is not None and ga is not None:
+        pass
+    elif tb is not None and mb is not None:
+        ga, rem = divmod(tb, mb * ws)
+        if rem or ga == 0:
+            raise ValueError(
+                f"train_batch_size {tb} is not divisible by train_micro_batch_size_per_gpu {mb} x world size {ws}; "
+                f"set train_batch_size to a multiple of {mb * ws}"
+            )
+    elif tb is not None and ga is not None:
+        mb, rem = divmod(tb, ga * ws)
+        if rem or mb == 0:
+            raise ValueError(
+                f"train_batch_size {tb} is not divisible by gradient_accumulation_steps {ga} x world size {ws}; "
+                f"set train_batch_size to a multiple of {ga * ws}"
+            )
+    elif mb is not None:
+        ga = ga or 1
+        tb = mb * ga * ws
+    elif tb is not None:
+        ga = 1
+        mb, rem = divmod(tb, ws)
+        if rem or mb == 0:
+            raise ValueError(f"train_batch_size {tb} is not divisible by world size {ws}")
+    else:
+        raise ValueError(
+            "config needs 'train_batch_size' or 'train_micro_batch_size_per_gpu' "
+            "(or both with 'gradient_accumulation_steps')"
+        )
+    if tb != mb * ga * ws:
+        raise ValueError(
+            f"train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps {ga} "
+            f"x world size {ws} = {mb * ga * ws}; fix one of the three or drop train_batch_size to have it inferred"
+        )
+    return BatchTriad(tb, mb, ga)
+
+
+@dataclass
+class AutoContext:
+    """What the caller gave that can resolve ``"auto"``."""
+
+    world_size: int
+    args: Any = None
+    dataloader_batch_size: Optional[int] = None
+    hidden_size: Optional[int] = None
+
+
+@dataclass
+class Resolution:
+    config: ZeroshardConfig
+    batch: BatchTriad
+    derived: list[tuple[str, Any, str]] = field(default_factory=list)  # (key, value, where it came from)
+
+    def report(self) -> str:
+        width = max((len(k) for k, _, _ in self.derived), default=0)
+        return "\n".join(f"  {k:<{width}} = {v!r}  ({src})" for k, v, src in self.derived)
+
+
+def _from_args(ctx: AutoContext, key: str) -> tuple[bool, Any, str]:
+    if ctx.args is None:
+        return False, None, ""
+    for attr in ARG_SOURCES.get(key, ()):
+        value = getattr(ctx.args, attr, None)
+        if value is not None:
+            return True, value, f"args.{attr}"
+    return False, None, ""
+
+
+def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
+    data = config.model_dump(by_alias=False)
+    derived: list[tuple[str, Any, str]] = []
+
+    def resolve_auto(key: str, container: dict, leaf: str) -> None:
+        found, value, source = _from_args(ctx, key)
+        if not found and key in WIDTH_RULES and ctx.hidden_size:
+            found, value, source = True, WIDTH_RULES[key](ctx.hidden_size), f"model hidden size {ctx.hidden_size}"
+        if not found and key == "scheduler.params.warmup_min_lr":
+            found, value, source = True, 0.0, "default for auto"
+        if not found and key == "optimizer.params.betas" and ctx.args is not None:
+            b1, b2 = getattr(ctx.args, "adam_beta1", None), getattr(ctx.args, "adam_beta2", None)
+            if b1 is not None and b2 is not None:
+                found, value, source = True, [b1, b2], "args.adam_beta1/adam_beta2"
+        if not found and (key.startswith("train_") or key == "gradient_accumulation_steps"):
+            container[leaf] = None  # the batch triad is inferred below from the other members
+            return
+        if not found:
+            raise ValueError(
+                f"config key '{key}' is \"auto\" but nothing resolves it: pass it through args "
+                f"({', '.join('args.' + a for a in ARG_SOURCES.get(key, ())) or 'no args attribute applies'}) "
+                "or write a value in the config"
+            )
+        container[leaf] = value
+        derived.append((key, value, source))
+
+    def walk(node: dict, prefix: str) -> None:
+        for leaf, value in list(node.items()):
+            key = f"{prefix}{leaf}"
+            if value == "auto":
+                resolve_auto(key, node, leaf)
+            elif isinstance(value, dict):
+                walk(value, key + ".")
+
+    walk(data, "")
+
+    if data["train_micro_batch_size_per_gpu"] is None and ctx.dataloader_batch_size and data["train_batch_size"] is None:
+        data["train_micro_batch_size_per_gpu"] = ctx.dataloader_batch_size
+        derived.append(("train_micro_batch_size_per_gpu", ctx.dataloader_batch_size, "data loader batch size"))
+    batch = resolve_batch_triad(
+        data["train_batch_size"], data["train_micro_batch_size_per_gpu"], data["gradient_accumulation_steps"],
+        ctx.world_size,
+    )
+    for key, value in (("train_batch_size", batch.train_batch_size),
+                       ("train_micro_batch_size_per_gpu", batch.micro_batch_size),
+                       ("gradient_accumulation_steps", batch.gradient_accumulation_steps)):
+        if data[key] != value:
+            derived.append((key, value, f"batch triad with world size {ctx.world_size}"))
+        data[key] = value
+
+    zero = data["zero_optimization"]
+    if zero["overlap_comm"] is None:
+        zero["overlap_comm"] = zero["stage"] == 3  # DeepSpeed's dynamic default
+        derived.append(("zero_optimization.overlap_comm", zero["overlap_comm"], "default for this stage"))
+    derived.append(("gradient_clipping", data["gradient_clipping"], "effective value; default 0 = off, as in DeepSpeed"))
+    resolved = ZeroshardConfig.model_validate(data)
+    return Resolution(resolved, batch, derived)
+
+
+def model_hidden_size(module) -> Optional[int]:
+    """The model's width: an HF-style ``config.hidden_size``/``n_embd``/``d_model``, else the widest Linear input."""
+    cfg = getattr(module, "config", None)
+    for attr in ("hidden_size", "n_embd", "d_model", "dim"):
+        value = getattr(cfg, attr, None) if cfg is not None else None
+        if isinstance(value, int):
+            return value
+    widths = [m.in_features for m in module.modules() if hasattr(m, "in_features")]
+    return max(widths) if widths else None

@@ -1,0 +1,1 @@
+"""The ``zeroshard`` command-line launcher."""

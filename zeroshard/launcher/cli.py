@@ -1,0 +1,73 @@
+"""``zeroshard [--num_gpus N] script.py [args]``: start N local ranks through torch's elastic agent.
+
+The agent (``torch.distributed.run``, i.e. torchrun) sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* for
+each rank, and when one rank fails it stops the others and exits non-zero, naming the failed rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeroshard",
+        description="Launch a training script on N local processes (GPUs with NCCL, else CPU with Gloo).",
+    )
+    count = parser.add_mutually_exclusive_group()
+    count.add_argument("--num_gpus", "--num_procs", type=int, default=None,
+                       help="processes to start on this node (default: the number of GPUs, or 1 without GPUs)")
+    count.add_argument("--nproc_per_node", type=int, default=None, help="same as --num_gpus (torchrun's name)")
+    parser.add_argument("--num_nodes", type=int, default=1, help="only 1 is supported by this launcher so far")
+    parser.add_argument("--master_addr", default="127.0.0.1", help="rendezvous address (default 127.0.0.1)")
+    parser.add_argument("--master_port", type=int, default=None,
+                        help="rendezvous port (default: a free port chosen by the agent)")
+    parser.add_argument("--module", "-m", action="store_true", help="run the script as a Python module (python -m)")
+    parser.add_argument("--max_restarts", type=int, default=0, help="restarts of the whole group after a failure")
+    parser.add_argument("script", help="the training script (or module with --module)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return parser
+
+
+def _default_procs() -> int:
+    try:
+        import torch
+
+        return max(torch.cuda.device_count(), 1)
+    except ImportError:
+        return 1
+
+
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    nprocs = args.num_gpus or args.nproc_per_node or _default_procs()
+    if nprocs < 1:
+        raise SystemExit(f"zeroshard: --num_gpus must be >= 1, got {nprocs}")
+    if args.num_nodes != 1:
+        raise SystemExit("zeroshard: multi-node launch (--num_nodes > 1) is not supported yet; use one node")
+    if not args.module and not os.path.isfile(args.script):
+        raise SystemExit(f"zeroshard: script '{args.script}' does not exist")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}",
+           f"--max_restarts={args.max_restarts}"]
+    if args.master_port is None:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--nnodes=1", "--node_rank=0", f"--master_addr={args.master_addr}", f"--master_port={args.master_port}"]
+    if args.module:
+        cmd.append("--module")
+    return cmd + [args.script, *args.script_args]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    cmd = torchrun_command(args)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # N ranks on one host: avoid N x cores threads
+    return subprocess.call(cmd, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

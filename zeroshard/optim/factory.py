@@ -1,0 +1,93 @@
+"""Optimizers by DeepSpeed name, and the check that a client optimizer is safe to shard."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from .lamb import Lamb
+from .lion import Lion
+
+# Accepted keys of optimizer.params per DeepSpeed name (lower case, as DeepSpeed matches them).
+_ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction",
+              "fused", "foreach", "set_grad_none", "capturable", "maximize"}
+OPTIMIZER_KEYS: dict[str, set[str]] = {
+    "adam": _ADAM_KEYS,
+    "adamw": _ADAM_KEYS,
+    "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach", "fused"},
+    "adagrad": {"lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value", "foreach", "fused"},
+    "lamb": {"lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff", "max_grad_norm"},
+    "lion": {"lr", "betas", "weight_decay"},
+}
+NOT_IMPLEMENTED = {"onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd", "muon", "cpuadam"}
+
+# Optimizers whose update is elementwise (or shard-aware, like our Lamb): exact on flat ZeRO shards.
+SHARD_SAFE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, Lion, Lamb)
+
+
+def _kernel_flags(cls, params: dict[str, Any]) -> dict[str, Any]:
+    """Prefer torch's fused kernel, else foreach, unless the user chose."""
+    if "fused" in params or "foreach" in params:
+        return {}
+    accepted = inspect.signature(cls).parameters
+    if "fused" in accepted:
+        return {"fused": True}
+    return {"foreach": True} if "foreach" in accepted else {}
+
+
+def build_optimizer(name: str, params: dict[str, Any], param_groups: list[dict], *, zero_stage: int,
+                    allow_untested: bool) -> torch.optim.Optimizer:
+    key = name.lower()
+    params = dict(params)
+    if key in NOT_IMPLEMENTED:
+        raise NotImplementedError(f"optimizer.type '{name}' is not implemented in zeroshard; use Adam, AdamW, Lamb or Lion")
+    if key in OPTIMIZER_KEYS:
+        unknown = sorted(set(params) - OPTIMIZER_KEYS[key])
+        if unknown:
+            raise ValueError(
+                f"unknown config key 'optimizer.params.{unknown[0]}' for optimizer '{name}'; "
+                f"accepted: {sorted(OPTIMIZER_KEYS[key])}"
+            )
+    if key in ("adam", "adamw"):
+        adam_w_mode = params.pop("adam_w_mode", True)
+        if key == "adamw" and adam_w_mode is False:
+            raise ValueError("optimizer 'AdamW' with optimizer.params.adam_w_mode false is contradictory; use 'Adam'")
+        if params.pop("bias_correction", True) is not True:
+            raise NotImplementedError("optimizer.params.bias_correction false is not supported for Adam")
+        for ignored in ("torch_adam", "set_grad_none"):
+            params.pop(ignored, None)
+        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        if "betas" in params:
+            params["betas"] = tuple(params["betas"])
+    elif key == "lamb":
+        params.pop("max_grad_norm", None)  # DeepSpeed's FusedLamb ignores it too: clipping is gradient_clipping
+        cls = Lamb
+    elif key == "lion":
+        cls = Lion
+    elif key == "sgd":
+        cls = torch.optim.SGD
+    elif key == "adagrad":
+        cls = torch.optim.Adagrad
+    else:
+        cls = getattr(torch.optim, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(f"config key 'optimizer.type' = {name!r}: no such optimizer in zeroshard or torch.optim")
+        if zero_stage > 0 and not allow_untested:
+            raise ValueError(
+                f"optimizer.type '{name}' is not verified with ZeRO sharding (its update may not be elementwise); "
+                "set \"zero_allow_untested_optimizer\": true to use it anyway"
+            )
+    try:
+        return cls(param_groups, **params, **_kernel_flags(cls, params))
+    except TypeError as err:
+        raise ValueError(f"optimizer '{name}' rejected optimizer.params {params}: {err}") from None
+
+
+def check_client_optimizer(optimizer: torch.optim.Optimizer, zero_stage: int, allow_untested: bool) -> None:
+    if zero_stage > 0 and not isinstance(optimizer, SHARD_SAFE) and not allow_untested:
+        raise ValueError(
+            f"client optimizer {type(optimizer).__name__} is not verified with ZeRO sharding; "
+            "set \"zero_allow_untested_optimizer\": true to use it anyway"
+        )

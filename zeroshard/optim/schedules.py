@@ -1,0 +1,205 @@
+"""DeepSpeed's learning-rate schedules, as pure functions of the step plus one small stepping class.
+
+Each curve is ``lr(step) -> float`` for one parameter group; :class:`ScheduleRunner` applies it to
+an optimizer's groups. Parameter names and defaults are DeepSpeed's, so configs port unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+
+Curve = Callable[[int], float]
+
+
+def _warmup_fraction(step: int, warmup_steps: int, warmup_type: str) -> float:
+    """Fraction of the warmup done after ``step`` (0-based) steps: log or linear."""
+    warmup_steps = max(2, warmup_steps)
+    step = max(step, 0)  # before the first step() DeepSpeed reports the warmup start
+    if step >= warmup_steps:
+        return 1.0
+    if warmup_type == "log":
+        return math.log(step + 1) / math.log(warmup_steps)
+    return step / warmup_steps
+
+
+def _check_warmup(warmup_num_steps: Any, warmup_type: str) -> None:
+    if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+        raise ValueError(f"scheduler.params.warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
+    if warmup_type not in ("log", "linear"):
+        raise ValueError(f"scheduler.params.warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+
+
+def warmup_lr(base_lr: float, warmup_min_lr: float = 0.0, warmup_max_lr: Optional[float] = None,
+              warmup_num_steps: int = 1000, warmup_type: str = "log") -> Curve:
+    _check_warmup(warmup_num_steps, warmup_type)
+    top = base_lr if warmup_max_lr is None else warmup_max_lr
+    return lambda step: warmup_min_lr + (top - warmup_min_lr) * _warmup_fraction(step, warmup_num_steps, warmup_type)
+
+
+def warmup_decay_lr(base_lr: float, total_num_steps: int, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
+                    warmup_num_steps: int = 1000, warmup_type: str = "log") -> Curve:
+    _check_warmup(warmup_num_steps, warmup_type)
+    warm = max(2, warmup_num_steps)
+
+    def curve(step: int) -> float:
+        if step < warm:
+            gamma = _warmup_fraction(step, warm, warmup_type)
+        else:
+            gamma = max(0.0, (total_num_steps - step) / max(1.0, total_num_steps - warm))
+        return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma
+
+    return curve
+
+
+def warmup_cosine_lr(base_lr: float, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                     warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log") -> Curve:
+    _check_warmup(warmup_num_steps, warmup_type)
+    warm = max(2, warmup_num_steps)
+
+    def curve(step: int) -> float:
+        if step < warm:
+            ratio = warmup_min_ratio + (1 - warmup_min_ratio) * _warmup_fraction(step, warm, warmup_type)
+        else:
+            progress = min(1.0, (step - warm + 1) / max(1, total_num_steps - warm))
+            ratio = max(0.0, cos_min_ratio + (1 - cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
+        return base_lr * ratio
+
+    return curve
+
+
+def lr_range_test(base_lr: float, lr_range_test_min_lr: float = 1e-3, lr_range_test_step_size: int = 2000,
+                  lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False) -> Curve:
+    def curve(step: int) -> float:
+        if step < 0:
+            return lr_range_test_min_lr
+        interval = (step + 1) / lr_range_test_step_size
+        if lr_range_test_staircase:
+            interval = math.floor(interval)
+        return lr_range_test_min_lr * (1 + lr_range_test_step_rate * interval)
+
+    return curve
+
+
+def _one_cycle_scale(step: int, first: float, second: float, first_stairs: int, second_stairs: int) -> float:
+    total = first + second
+    iteration = step + 1
+    x = 1.0 + iteration / total - math.floor(1 + iteration / total)
+    ratio = first / total
+    if x <= ratio:
+        scale, stairs = x / ratio, first_stairs
+    else:
+        scale, stairs = (x - 1) / (ratio - 1), second_stairs
+    if stairs > 0:
+        position = iteration % total
+        steps_in = position * stairs / first if position <= first else (total - position) * stairs / second
+        scale = math.floor(steps_in) / stairs
+    return scale
+
+
+def one_cycle(base_lr: float, cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0.0,
+              cycle_first_step_size: int = 2000, cycle_second_step_size: Optional[int] = None,
+              cycle_first_stair_count: int = 0, cycle_second_stair_count: Optional[int] = None,
+              decay_step_size: int = 0, **momentum_keys: Any) -> Curve:
+    first = float(cycle_first_step_size)
+    second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
+    second_stairs = cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+
+    def curve(step: int) -> float:
+        if step < 0:
+            return cycle_min_lr
+        if step < first + second:
+            scale = _one_cycle_scale(step, first, second, cycle_first_stair_count, second_stairs)
+            return cycle_min_lr + (cycle_max_lr - cycle_min_lr) * scale
+        if decay_step_size == 0 or decay_lr_rate == 0:
+            return cycle_min_lr
+        return cycle_min_lr / (1 + decay_lr_rate * (step - first - second + 1) / decay_step_size)
+
+    return curve
+
+
+def one_cycle_momentum(cycle_first_step_size: int = 2000, cycle_second_step_size: Optional[int] = None,
+                       cycle_first_stair_count: int = 0, cycle_second_stair_count: Optional[int] = None,
+                       decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
+                       cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0, **lr_keys: Any) -> Optional[Curve]:
+    """beta1 moves inversely to the learning rate during the cycle (DeepSpeed keeps beta2 at 0.99)."""
+    if not cycle_momentum:
+        return None
+    first = float(cycle_first_step_size)
+    second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
+    second_stairs = cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+
+    def curve(step: int) -> float:
+        if step < 0:
+            return cycle_min_mom  # DeepSpeed starts beta1 at the cycle minimum before the first step
+        if step < first + second:
+            scale = _one_cycle_scale(step, first, second, cycle_first_stair_count, second_stairs)
+            return cycle_max_mom - (cycle_max_mom - cycle_min_mom) * scale
+        if decay_step_size == 0 or decay_mom_rate == 0:
+            return cycle_max_mom
+        return cycle_max_mom * (1 + decay_mom_rate * (step - first - second + 1) / decay_step_size)
+
+    return curve
+
+
+SCHEDULES: dict[str, Callable[..., Curve]] = {
+    "WarmupLR": warmup_lr,
+    "WarmupDecayLR": warmup_decay_lr,
+    "WarmupCosineLR": warmup_cosine_lr,
+    "OneCycle": one_cycle,
+    "LRRangeTest": lr_range_test,
+}
+
+
+class ScheduleRunner:
+    """Sets each parameter group's lr (and beta1 for OneCycle) from a curve; state is one step counter.
+
+    Curves take the 0-based index of the last step taken; -1 means before the first ``step()``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, curves: list[Curve], momentum: Optional[Curve] = None):
+        self.optimizer = optimizer
+        self.curves = curves
+        self.momentum = momentum
+        self.last_batch_iteration = -1
+        self._apply(-1)  # the lr before the first step(), as DeepSpeed sets it at construction
+
+    def _apply(self, step: int) -> None:
+        for group, curve in zip(self.optimizer.param_groups, self.curves):
+            group["lr"] = curve(step)
+            if self.momentum is not None and "betas" in group:
+                group["betas"] = (self.momentum(step), 0.99)
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def step(self, last_batch_iteration: Optional[int] = None) -> None:
+        self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
+        self._apply(self.last_batch_iteration)
+
+    def get_last_lr(self) -> list[float]:
+        return list(self._last_lr)
+
+    def get_lr(self) -> list[float]:
+        return self.get_last_lr()
+
+    def state_dict(self) -> dict:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_batch_iteration = state["last_batch_iteration"]
+        self._apply(self.last_batch_iteration)
+
+
+def build_schedule(name: str, params: dict[str, Any], optimizer: torch.optim.Optimizer) -> ScheduleRunner:
+    if name not in SCHEDULES:
+        raise ValueError(f"config key 'scheduler.type' = {name!r}: expected one of {sorted(SCHEDULES)}")
+    params = dict(params)
+    params.pop("last_batch_iteration", None)
+    factory = SCHEDULES[name]
+    try:
+        curves = [factory(group["lr"], **params) for group in optimizer.param_groups]
+        momentum = one_cycle_momentum(**params) if name == "OneCycle" and "betas" in optimizer.defaults else None
+    except TypeError as err:
+        raise ValueError(f"scheduler '{name}' rejected scheduler.params {params}: {err}") from None
+    return ScheduleRunner(optimizer, curves, momentum)

@@ -1,0 +1,122 @@
+"""Pure partitioning math: where each parameter lives in a flat buffer and which rank owns what.
+
+Nothing here touches a process group or allocates a tensor, so all of it is unit-tested alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter inside a flat buffer."""
+
+    index: int  # position in the caller's parameter list
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of one slot that falls inside one rank's shard."""
+
+    slot: Slot
+    shard_start: int  # offset inside the shard
+    flat_start: int  # offset inside the flat buffer
+    numel: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Parameters packed back to back, padded so that ``shard_count`` ranks own equal contiguous slices."""
+
+    slots: tuple[Slot, ...]
+    shard_count: int
+
+    @property
+    def numel(self) -> int:
+        return self.slots[-1].end if self.slots else 0
+
+    @property
+    def padded_numel(self) -> int:
+        return round_up(max(self.numel, 1), self.shard_count)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.shard_count
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    def shard_range(self, shard_rank: int) -> tuple[int, int]:
+        if not 0 <= shard_rank < self.shard_count:
+            raise ValueError(f"shard rank {shard_rank} outside [0, {self.shard_count})")
+        start = shard_rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def segments(self, shard_rank: int) -> list[Segment]:
+        """Which parameters (or parts of them) the shard of ``shard_rank`` holds."""
+        lo, hi = self.shard_range(shard_rank)
+        out = []
+        for slot in self.slots:
+            start, end = max(slot.offset, lo), min(slot.end, hi)
+            if start < end:
+                out.append(Segment(slot, start - lo, start, end - start))
+        return out
+
+
+def flat_layout(names: Sequence[str], shapes: Sequence[tuple[int, ...]], shard_count: int,
+                indices: Sequence[int] | None = None) -> FlatLayout:
+    indices = range(len(names)) if indices is None else indices
+    slots, offset = [], 0
+    for index, name, shape in zip(indices, names, shapes):
+        slot = Slot(index, name, tuple(shape), offset)
+        slots.append(slot)
+        offset = slot.end
+    return FlatLayout(tuple(slots), shard_count)
+
+
+def assign_buckets(numels: Sequence[int], bucket_size: int) -> list[list[int]]:
+    """Split positions into consecutive buckets of at most ``bucket_size`` elements.
+
+    A parameter larger than the bucket size gets a bucket of its own; 0 means one bucket for all.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for position, numel in enumerate(numels):
+        if current and bucket_size > 0 and filled + numel > bucket_size:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(position)
+        filled += numel
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucketed_layouts(names: Sequence[str], shapes: Sequence[tuple[int, ...]], bucket_size: int,
+                     shard_count: int) -> list[FlatLayout]:
+    """One flat layout per bucket; slot indices refer to positions in ``names``."""
+    numels = [math.prod(shape) for shape in shapes]
+    return [
+        flat_layout([names[i] for i in bucket], [shapes[i] for i in bucket], shard_count, bucket)
+        for bucket in assign_buckets(numels, bucket_size)
+    ]

@@ -1,0 +1,168 @@
+"""The training engine users drive: forward, backward(loss), step() every micro-batch."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .. import comm
+from ..config import Resolution
+from ..precision import PrecisionPolicy
+from ..zero import ZeroOptimizer
+from .log import log_rank0
+
+
+class ZeroshardEngine(torch.nn.Module):
+    """Wraps the user's module; ``backward`` scales the loss by 1/gradient_accumulation_steps (and the fp16
+    loss scale), gradients are averaged over data-parallel ranks, and ``step`` applies the optimizer only
+    at accumulation boundaries."""
+
+    def __init__(self, module: torch.nn.Module, zero: Optional[ZeroOptimizer], lr_scheduler: Any,
+                 resolution: Resolution, grid: comm.RankGrid, policy: PrecisionPolicy, device: torch.device,
+                 training_dataloader: Any = None):
+        super().__init__()
+        self.module = module
+        self.zero = zero
+        self.lr_scheduler = lr_scheduler
+        self.config = resolution.config
+        self.batch = resolution.batch
+        self.grid = grid
+        self.policy = policy
+        self.device = device
+        self.training_dataloader = training_dataloader
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self._step_applied = False
+        self._last_loss: Optional[float] = None
+        self._timers: dict[str, float] = defaultdict(float)
+        self._window_start = time.perf_counter()
+        if self.config.comms_logger.enabled:
+            comm.LEDGER.timing = True
+
+    # -- the training loop ----------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        started = time.perf_counter()
+        inputs, kwargs = tree_map(self._prepare_input, (inputs, kwargs))
+        out = self.module(*inputs, **kwargs)
+        self._timers["forward"] += time.perf_counter() - started
+        return out
+
+    def _prepare_input(self, value):
+        if not torch.is_tensor(value):
+            return value
+        if value.is_floating_point() and self.policy.compute != torch.float32:
+            return value.to(self.device, self.policy.compute)
+        return value.to(self.device)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        if self.zero is None:
+            raise RuntimeError("engine.backward needs an optimizer: pass optimizer= or add an 'optimizer' config block")
+        started = time.perf_counter()
+        self._last_loss = loss.detach().float().item()
+        self.zero.begin_backward(self.is_gradient_accumulation_boundary())
+        scale = self.zero.loss_scaler.scale / self.batch.gradient_accumulation_steps
+        (loss.float() * scale).backward(retain_graph=retain_graph)
+        reduce_started = time.perf_counter()
+        self.zero.end_backward()
+        self._timers["backward"] += reduce_started - started
+        self._timers["reduce_wait"] += time.perf_counter() - reduce_started
+        return loss
+
+    def step(self) -> None:
+        if self.zero is None:
+            raise RuntimeError("engine.step needs an optimizer: pass optimizer= or add an 'optimizer' config block")
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            started = time.perf_counter()
+            self._step_applied = self.zero.step()
+            if self._step_applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+                log_rank0(f"step {self.global_steps + 1}: gradient overflow, step skipped, "
+                          f"loss scale now {self.zero.loss_scaler.scale:g}")
+            self.global_steps += 1
+            self.global_samples += self.batch.train_batch_size
+            self._timers["optimizer_step"] += time.perf_counter() - started
+            if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
+                self._report()
+        self.micro_steps += 1
+
+    def _report(self) -> None:
+        elapsed = time.perf_counter() - self._window_start
+        samples = self.config.steps_per_print * self.batch.train_batch_size
+        norm = self.get_global_grad_norm()
+        log_rank0(
+            f"step {self.global_steps}: loss {self._last_loss:.4f} lr {self.get_lr()[0]:.3e} "
+            f"loss_scale {self.zero.loss_scaler.scale:g} grad_norm {norm:.4f} "
+            f"samples/s {samples / elapsed:.1f} skipped {self.skipped_steps}"
+        )
+        if self.config.wall_clock_breakdown:
+            log_rank0("time (s) " + " ".join(f"{k} {v:.3f}" for k, v in sorted(self._timers.items())))
+        if self.config.comms_logger.enabled:
+            comm.log_summary(log_rank0)
+        self._timers.clear()
+        self._window_start = time.perf_counter()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def zero_grad(self) -> None:
+        if self.zero is not None:
+            self.zero.zero_grad()
+        else:
+            self.module.zero_grad(set_to_none=True)
+
+    # -- state queries (DeepSpeed names) --------------------------------------------------------
+    @property
+    def optimizer(self) -> Optional[ZeroOptimizer]:
+        return self.zero
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.zero.param_groups] if self.zero else []
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self.zero.global_grad_norm if self.zero else None
+
+    def get_loss_scale(self) -> float:
+        return self.zero.loss_scaler.scale if self.zero else 1.0
+
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.policy.compute == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.policy.compute == torch.bfloat16
+
+    @property
+    def global_rank(self) -> int:
+        return comm.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.grid.world.size
+
+    def state_bytes(self) -> dict[str, int]:
+        """Model-state bytes held by this rank (parameters, master weights, gradient shards, optimizer state)."""
+        return self.zero.state_bytes() if self.zero else {}

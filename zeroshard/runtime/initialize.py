@@ -1,0 +1,184 @@
+"""``zeroshard.initialize``: DeepSpeed's entry point, so existing scripts port by changing the import."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from .. import comm
+from ..accelerator import get_accelerator
+from ..config import AutoContext, model_hidden_size, parse_config, resolve_config
+from ..config.schema import OffloadDevice
+from ..optim import build_optimizer, build_schedule, check_client_optimizer
+from ..precision import LossScaler, PrecisionPolicy
+from ..zero import ZeroOptimizer
+from .engine import ZeroshardEngine
+from .log import log_rank0
+
+OptimizerArg = Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--deepspeed/--zeroshard`` and ``--deepspeed_config/--zeroshard_config`` to a parser."""
+    group = parser.add_argument_group("zeroshard", "zeroshard / DeepSpeed configuration")
+    group.add_argument("--deepspeed", "--zeroshard", dest="deepspeed", action="store_true", default=False,
+                       help="enable zeroshard (accepted for DeepSpeed compatibility)")
+    group.add_argument("--deepspeed_config", "--zeroshard_config", dest="deepspeed_config", default=None, type=str,
+                       help="path to the DeepSpeed-format JSON config")
+    return parser
+
+
+def _config_source(args: Any, config: Any):
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "zeroshard_config", None) or getattr(args, "deepspeed_config", None)
+    if config is not None and from_args is not None:
+        raise ValueError(
+            f"a config was passed both as config= and as args.deepspeed_config ({from_args!r}); pass only one"
+        )
+    source = config if config is not None else from_args
+    if source is None:
+        raise ValueError("no config: pass config= (a dict or JSON path) or args.deepspeed_config")
+    return source
+
+
+def _param_groups(module: torch.nn.Module, model_parameters: Any) -> list[dict]:
+    if model_parameters is None:
+        return [{"params": list(module.parameters())}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": list(g["params"])} for g in items]
+    return [{"params": items}]
+
+
+def _adopt_client_optimizer(client: torch.optim.Optimizer):
+    """Point the client's own parameter groups at the master shards, so a scheduler bound to it keeps working."""
+    def make(master_groups: list[dict]) -> torch.optim.Optimizer:
+        for target, group in zip(client.param_groups, master_groups):
+            target["params"] = group["params"]
+        client.state.clear()
+        return client
+    return make
+
+
+def _broadcast_module(module: torch.nn.Module, group: comm.Group) -> None:
+    """Start every rank from rank 0's weights, as DDP and DeepSpeed do."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            comm.broadcast(tensor.data, src=group.ranks[0], group=group)
+
+
+def initialize(
+    args: Any = None,
+    model: Optional[torch.nn.Module] = None,
+    optimizer: OptimizerArg = None,
+    model_parameters: Any = None,
+    training_data: Optional[Dataset] = None,
+    lr_scheduler: Any = None,
+    config: Any = None,
+    dist_init_required: Optional[bool] = None,
+    collate_fn: Optional[Callable] = None,
+    config_params: Any = None,
+):
+    """Build an engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    ``optimizer`` and ``lr_scheduler`` may be objects or callables (``params -> optimizer``,
+    ``optimizer -> scheduler``); otherwise they are built from the config's blocks by name.
+    """
+    if model is None:
+        raise ValueError("initialize needs model=")
+    if config is None:
+        config = config_params
+    source = _config_source(args, config)
+    if not comm.is_initialized():
+        if dist_init_required is False:
+            raise ValueError("dist_init_required=False but torch.distributed is not initialized")
+        comm.init_distributed()
+    parsed = parse_config(source)
+    zero_cfg = parsed.zero_optimization
+    if zero_cfg.stage == 3:
+        raise NotImplementedError("zero_optimization.stage 3 is not available yet; use stage 0, 1 or 2")
+    for key in ("offload_optimizer", "offload_param"):
+        block = getattr(zero_cfg, key)
+        if block is not None and block.device is not OffloadDevice.none:
+            raise NotImplementedError(f"zero_optimization.{key} (device {block.device.value}) is not available yet")
+
+    grid = comm.build_rank_grid(zero_cfg.shard_group_size)
+    dataloader_batch = training_data.batch_size if isinstance(training_data, DataLoader) else None
+    resolution = resolve_config(parsed, AutoContext(
+        world_size=grid.data_parallel_size, args=args, dataloader_batch_size=dataloader_batch,
+        hidden_size=model_hidden_size(model),
+    ))
+    cfg = resolution.config
+    log_rank0(f"config resolved for {grid.data_parallel_size} rank(s), ZeRO stage {cfg.zero_optimization.stage}:\n"
+              + resolution.report())
+
+    policy = PrecisionPolicy.from_config(cfg)
+    accel = get_accelerator()
+    if not accel.supports_dtype(policy.compute):
+        raise ValueError(f"{policy.compute} is not supported on this {accel.name} device; disable bf16/fp16")
+    device = accel.device(comm.backend.local_rank())
+    model.to(device=device, dtype=policy.compute)
+    _broadcast_module(model, grid.world)
+
+    zero = None
+    param_names = {p: name for name, p in model.named_parameters()}
+    if optimizer is not None or cfg.optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if cfg.optimizer is not None:
+                raise ValueError("both a client optimizer and an 'optimizer' config block were given; drop one")
+            check_client_optimizer(optimizer, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
+            groups = [dict(g) for g in optimizer.param_groups]
+            make = _adopt_client_optimizer(optimizer)
+        elif optimizer is not None:
+            groups = _param_groups(model, model_parameters)
+
+            def make(master_groups, factory=optimizer):
+                built = factory(master_groups)
+                check_client_optimizer(built, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
+                return built
+        else:
+            groups = _param_groups(model, model_parameters)
+
+            def make(master_groups):
+                return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, master_groups,
+                                       zero_stage=cfg.zero_optimization.stage,
+                                       allow_untested=cfg.zero_allow_untested_optimizer)
+        unknown = [p for g in groups for p in g["params"] if p not in param_names]
+        if unknown:
+            raise ValueError(f"{len(unknown)} optimizer parameter(s) (first shape {tuple(unknown[0].shape)}) "
+                             "are not parameters of the model")
+        zero = ZeroOptimizer(
+            groups, param_names, make, stage=cfg.zero_optimization.stage, grid=grid, policy=policy,
+            loss_scaler=LossScaler.from_config(cfg.fp16),
+            bucket_size=cfg.zero_optimization.reduce_bucket_size, overlap_comm=cfg.zero_optimization.overlap_comm,
+            gradient_clipping=cfg.gradient_clipping, gradient_predivide_factor=cfg.gradient_predivide_factor,
+            device=device,
+        )
+
+    scheduler = None
+    if lr_scheduler is not None:
+        if cfg.scheduler is not None:
+            warnings.warn("both lr_scheduler= and a 'scheduler' config block were given; using lr_scheduler=")
+        scheduler = lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(zero.optimizer)
+    elif cfg.scheduler is not None and zero is not None:
+        scheduler = build_schedule(cfg.scheduler.type, cfg.scheduler.params, zero.optimizer)
+
+    dataloader = None
+    if training_data is not None:
+        if isinstance(training_data, DataLoader):
+            dataloader = training_data
+        else:
+            sampler = DistributedSampler(training_data, num_replicas=grid.data_parallel_size,
+                                         rank=grid.world.rank, shuffle=True)
+            dataloader = DataLoader(training_data, batch_size=resolution.batch.micro_batch_size, sampler=sampler,
+                                    collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+
+    engine = ZeroshardEngine(model, zero, scheduler, resolution, grid, policy, device, dataloader)
+    comm.LEDGER.reset()  # count training traffic, not the initial weight broadcast
+    return engine, zero, dataloader, scheduler

@@ -1,0 +1,5 @@
+"""Multi-process harness, a small GPT and parity helpers, for zeroshard's tests and users' own."""
+
+from .harness import WorkerError, WorkerHang, run_distributed
+
+__all__ = ["WorkerError", "WorkerHang", "run_distributed"]

@@ -1,0 +1,116 @@
+"""Run a function on N real processes joined by a Gloo process group (file store), as tests and users need.
+
+``run_distributed(fn, world_size, *args)`` spawns the ranks, returns each rank's return value, and
+turns a crash into an error naming the rank and a hang into an error naming the ranks that never
+finished (after killing every worker).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+
+class WorkerError(RuntimeError):
+    """A rank raised; the message carries its rank and traceback."""
+
+
+class WorkerHang(TimeoutError):
+    """Some ranks did not finish in time; the message names them."""
+
+
+def _worker(fn: Callable, rank: int, world_size: int, store: str, out_dir: str, comm_timeout_s: float,
+            env: dict[str, str], args: tuple) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "ZEROSHARD_ACCELERATOR": env.get("ZEROSHARD_ACCELERATOR", "cpu")})
+    import torch
+
+    from .. import comm
+
+    torch.set_num_threads(1)
+    result_path = Path(out_dir) / f"rank{rank}.pkl"
+    try:
+        comm.init_distributed(init_method=f"file://{store}", rank=rank, world_size=world_size,
+                              timeout=timedelta(seconds=comm_timeout_s))
+        value = fn(*args)
+        payload = ("ok", value)
+    except BaseException:  # report everything, including KeyboardInterrupt, to the parent
+        payload = ("error", traceback.format_exc())
+    with open(result_path, "wb") as f:
+        pickle.dump(payload, f)
+    try:
+        comm.destroy()
+    except Exception:
+        pass
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0,
+                    comm_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks; return the per-rank results in rank order.
+
+    ``fn`` must be importable (module level) and its results picklable (CPU tensors are fine).
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="zeroshard-test-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, store, tmp, comm_timeout_s, env or {}, args),
+                        daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        failed_early = None
+        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+            for rank, p in enumerate(procs):
+                if not p.is_alive() and failed_early is None:
+                    payload = _read(tmp, rank)
+                    if payload is None or payload[0] == "error":
+                        failed_early = rank
+            if failed_early is not None:
+                # give the other ranks a moment to fail on their own (their errors name the op), then stop them
+                grace = time.monotonic() + min(comm_timeout_s + 10, 30)
+                while time.monotonic() < grace and any(p.is_alive() for p in procs):
+                    time.sleep(0.1)
+                break
+            time.sleep(0.05)
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        results, errors = [], []
+        for rank in range(world_size):
+            payload = _read(tmp, rank)
+            if payload is None:
+                if rank not in hung:
+                    errors.append(f"rank {rank} exited with code {procs[rank].exitcode} and no result")
+                results.append(None)
+            elif payload[0] == "error":
+                errors.append(f"rank {rank} failed:\n{payload[1]}")
+                results.append(None)
+            else:
+                results.append(payload[1])
+        if errors:
+            suffix = f"\n(ranks {hung} were still running and were killed)" if hung else ""
+            raise WorkerError("\n".join(errors) + suffix)
+        if hung:
+            raise WorkerHang(f"ranks {hung} of {world_size} did not finish within {timeout_s:.0f}s and were killed")
+        return results
+
+
+def _read(tmp: str, rank: int):
+    path = Path(tmp) / f"rank{rank}.pkl"
+    if not path.exists():
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)

@@ -1,0 +1,125 @@
+"""A flat group: a bucket of trainable parameters in one contiguous buffer, sharded over a group of ranks.
+
+Who owns what, for one flat group on one rank:
+
+- ``buffer`` (compute dtype, whole bucket): the model's parameters are views into it, so an
+  all-gather into ``buffer`` updates the model in place.
+- ``master`` (fp32, this rank's shard): what the optimizer steps. When the compute dtype is fp32
+  it *is* this rank's slice of ``buffer`` (no second copy).
+- ``grad`` (fp32, this rank's shard): reduced gradients, accumulated across micro-batches.
+- ``staging`` (reduce dtype, whole bucket, transient): gradients on their way to the reduction;
+  allocated when the first gradient arrives, freed once the reduction completes.
+
+Stage 0 is a flat group with one shard (all ranks own everything; gradients are all-reduced);
+stages 1 and 2 have one shard per rank of the shard group (gradients are reduce-scattered).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Optional
+
+import torch
+
+from .. import comm
+from ..partition import FlatLayout
+from ..precision import PrecisionPolicy
+
+
+class GradState(Enum):
+    EMPTY = "empty"  # no gradient staged since the last reduction
+    STAGING = "staging"  # some gradients copied into the staging buffer
+    REDUCING = "reducing"  # collective issued, result not yet accumulated
+
+
+class FlatGroup:
+    def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], policy: PrecisionPolicy,
+                 shard_group: comm.Group, replica_group: comm.Group, device: torch.device):
+        if layout.shard_count not in (1, shard_group.size):
+            raise AssertionError(f"layout has {layout.shard_count} shards, shard group has {shard_group.size} ranks")
+        self.layout = layout
+        self.params = params
+        self.policy = policy
+        self.partitioned = layout.shard_count > 1
+        self.shard_group = shard_group
+        self.replica_group = replica_group
+        self.shard_rank = shard_group.rank if self.partitioned else 0
+        self.buffer = torch.zeros(layout.padded_numel, dtype=policy.compute, device=device)
+        with torch.no_grad():
+            for slot, param in zip(layout.slots, params):
+                view = self.buffer[slot.offset:slot.end].view(slot.shape)
+                view.copy_(param.detach())
+                param.data = view
+        lo, hi = layout.shard_range(self.shard_rank)
+        own = self.buffer[lo:hi]
+        self.master_is_buffer = policy.compute == policy.master
+        self.master = own if self.master_is_buffer else own.to(policy.master, copy=True)
+        self.grad = torch.zeros(hi - lo, dtype=policy.master, device=device)
+        self.state = GradState.EMPTY
+        self._staging: Optional[torch.Tensor] = None
+        self._filled = [False] * len(params)
+        self._reduced: Optional[torch.Tensor] = None
+        self._pending: Optional[comm.Pending] = None
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter's gradient is staged: the reduction can start."""
+        return all(self._filled)
+
+    def stage_grad(self, position: int, grad: torch.Tensor) -> None:
+        slot = self.layout.slots[position]
+        if self._staging is None:
+            self._staging = torch.empty(self.layout.padded_numel, dtype=self.policy.reduce, device=self.buffer.device)
+            self.state = GradState.STAGING
+        self._staging[slot.offset:slot.end].copy_(grad.reshape(-1))
+        self._filled[position] = True
+
+    def launch_reduce(self, predivide: float, async_op: bool) -> None:
+        """Issue the reduction; parameters whose gradient never arrived (unused this step) count as zero."""
+        if self._staging is None:
+            self._staging = torch.zeros(self.layout.padded_numel, dtype=self.policy.reduce, device=self.buffer.device)
+        else:
+            for slot, filled in zip(self.layout.slots, self._filled):
+                if not filled:
+                    self._staging[slot.offset:slot.end].zero_()
+            self._staging[self.layout.numel:].zero_()
+        if predivide != 1.0:
+            self._staging.div_(predivide)
+        if self.partitioned:
+            self._reduced = torch.empty(self.layout.shard_numel, dtype=self.policy.reduce, device=self.buffer.device)
+            self._pending = comm.reduce_scatter(self._reduced, self._staging, self.shard_group, async_op=async_op)
+        else:
+            self._reduced = self._staging
+            self._pending = comm.all_reduce(self._staging, self.shard_group, async_op=async_op)
+        self.state = GradState.REDUCING
+
+    def finish_reduce(self, post_scale: float) -> None:
+        """Wait for the reduction and accumulate this rank's part into the fp32 gradient shard."""
+        if self.state is not GradState.REDUCING:
+            raise AssertionError(f"finish_reduce in state {self.state}")
+        self._pending.wait()
+        # hybrid sharding: the shard group reduced one replica's gradients; add the other replicas'
+        comm.all_reduce(self._reduced, self.replica_group)
+        self.grad.add_(self._reduced, alpha=post_scale)
+        self._staging = self._reduced = self._pending = None
+        self._filled = [False] * len(self.params)
+        self.state = GradState.EMPTY
+
+    def publish(self) -> None:
+        """Write the updated master shard into the compute buffer and gather the other ranks' shards."""
+        lo, hi = self.layout.shard_range(self.shard_rank)
+        if not self.master_is_buffer:
+            self.buffer[lo:hi].copy_(self.master)
+        if self.partitioned:
+            comm.all_gather(self.buffer, self.buffer[lo:hi].clone(), self.shard_group)
+
+    def bytes_held(self) -> dict[str, int]:
+        def nbytes(t: Optional[torch.Tensor]) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        return {
+            "params": nbytes(self.buffer),
+            "master": nbytes(self.master),
+            "grad_shard": nbytes(self.grad),
+            "staging": nbytes(self._staging) + (nbytes(self._reduced) if self._reduced is not self._staging else 0),
+        }
