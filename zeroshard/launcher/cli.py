@@ -43,7 +43,8 @@ def _default_procs() -> int:
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
-    nprocs = args.num_gpus or args.nproc_per_node or _default_procs()
+    requested = args.num_gpus if args.num_gpus is not None else args.nproc_per_node
+    nprocs = _default_procs() if requested is None else requested
     if nprocs < 1:
         raise SystemExit(f"zeroshard: --num_gpus must be >= 1, got {nprocs}")
     if args.num_nodes != 1:

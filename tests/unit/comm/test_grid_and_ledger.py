@@ -1,0 +1,24 @@
+import pytest
+
+from zeroshard.comm import CommLedger, grid_layout
+
+
+def test_grid_rows_are_shard_groups():
+    assert grid_layout(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert grid_layout(4, None) == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="shard group size 3 must divide the world size 8"):
+        grid_layout(8, 3)
+
+
+def test_ledger_counts_per_op_and_group():
+    ledger = CommLedger()
+    ledger.record("all_reduce", "world", 400, 400.0, (100,), "torch.float32")
+    ledger.record("all_reduce", "world", 400, 400.0, (100,), "torch.float32")
+    ledger.record("all_gather", "shard", 800, 400.0, (200,), "torch.float32")
+    summary = ledger.summary()
+    assert summary[("all_reduce", "world")].calls == 2 and summary[("all_reduce", "world")].bytes == 800
+    assert ledger.total_wire_bytes() == 1200.0
+    assert "all_gather" in ledger.format()
+    assert len(ledger.recent) == 3
+    ledger.reset()
+    assert ledger.total_wire_bytes() == 0

@@ -1,0 +1,100 @@
+import json
+import warnings
+
+import pytest
+
+from zeroshard.config import parse_config
+
+
+def error_of(cfg) -> str:
+    with pytest.raises(ValueError) as info:
+        parse_config(cfg)
+    return str(info.value)
+
+
+def test_defaults_match_deepspeed():
+    cfg = parse_config({})
+    assert cfg.zero_optimization.stage == 0
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert cfg.zero_optimization.prefetch_bucket_size == 50_000_000
+    assert cfg.gradient_clipping == 0.0
+    assert cfg.steps_per_print == 10
+    assert cfg.fp16.initial_scale_power == 16 and cfg.fp16.loss_scale_window == 1000
+
+
+def test_unknown_keys_are_named_with_a_suggestion():
+    assert "unknown config key 'train_batch_sise'; did you mean 'train_batch_size'?" in error_of({"train_batch_sise": 4})
+    assert "unknown config key 'zero_optimization.stag'; did you mean 'stage'?" in error_of(
+        {"zero_optimization": {"stag": 2}})
+    assert "unknown config key 'zero_optimization.offload_optimizer.nvm_path'" in error_of(
+        {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvm_path": "/x"}}})
+    assert "unknown config key 'bogus'; remove it or check its spelling" in error_of({"bogus": 1})
+
+
+def test_wrong_types_and_ranges_name_key_and_value():
+    msg = error_of({"zero_optimization": {"stage": 5}})
+    assert "config key 'zero_optimization.stage' = 5" in msg and "less than or equal to 3" in msg
+    msg = error_of({"train_batch_size": "big"})
+    assert "config key 'train_batch_size' = 'big'" in msg and "valid integer" in msg and "'auto'" in msg
+    assert "config key 'gradient_clipping' = -1: must be >= 0" in error_of({"gradient_clipping": -1})
+    assert "config key 'train_micro_batch_size_per_gpu' = 0: must be a positive integer" in error_of(
+        {"train_micro_batch_size_per_gpu": 0})
+    assert "config key 'fp16.loss_scale_window' = 0" in error_of({"fp16": {"loss_scale_window": 0}})
+    assert "config key 'zero_optimization.reduce_bucket_size' = -5: must be >= 0" in error_of(
+        {"zero_optimization": {"reduce_bucket_size": -5}})
+
+
+def test_inconsistent_values():
+    assert "fp16.enabled and bf16.enabled are both true" in error_of({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    assert "device 'nvme' needs 'nvme_path'" in error_of({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
+    assert "offload_param works only with stage 3 (stage is 2)" in error_of(
+        {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    assert "either zero_hpz_partition_size or mics_shard_size" in error_of(
+        {"zero_optimization": {"zero_hpz_partition_size": 2, "mics_shard_size": 2}})
+
+
+def test_stage3_aliases_and_field_names_both_work():
+    a = parse_config({"zero_optimization": {"stage3_prefetch_bucket_size": 123, "stage3_max_live_parameters": 7}})
+    b = parse_config({"zero_optimization": {"prefetch_bucket_size": 123, "max_live_parameters": 7}})
+    assert a.zero_optimization == b.zero_optimization
+    assert a.zero_optimization.prefetch_bucket_size == 123
+
+
+def test_deprecated_spellings_map_to_new_keys():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = parse_config({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
+                                                  "cpu_offload": True, "cpu_offload_param": True,
+                                                  "cpu_offload_use_pin_memory": True}})
+    z = cfg.zero_optimization
+    assert z.gather_16bit_weights_on_model_save is True
+    assert z.offload_optimizer.device.value == "cpu" and z.offload_optimizer.pin_memory is True
+    assert z.offload_param.device.value == "cpu"
+    assert any("deprecated" in str(w.message) for w in caught)
+    assert parse_config({"aio": {"thread_count": 3}}).aio.intra_op_parallelism == 3
+    assert parse_config({"zero_optimization": True}).zero_optimization.stage == 1
+    assert parse_config({"bfloat16": {"enabled": True}}).bf16.enabled is True
+
+
+def test_conflicting_deprecated_and_new_key():
+    msg = error_of({"zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True,
+                                          "stage3_gather_16bit_weights_on_model_save": False}})
+    assert "disagree" in msg
+
+
+def test_enabled_unsupported_feature_block_is_refused_disabled_one_accepted():
+    with pytest.raises(NotImplementedError, match="'pipeline'"):
+        parse_config({"pipeline": {"stages": 2}})
+    parse_config({"flops_profiler": {"enabled": False, "profile_step": 1}})
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8}))
+    assert parse_config(str(path)).train_batch_size == 8
+    with pytest.raises(ValueError, match="does not exist"):
+        parse_config(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse_config(bad)

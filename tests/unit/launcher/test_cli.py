@@ -1,0 +1,29 @@
+import sys
+
+import pytest
+
+from zeroshard.launcher.cli import build_parser, torchrun_command
+
+
+def command(*argv):
+    return torchrun_command(build_parser().parse_args(list(argv)))
+
+
+def test_builds_torchrun_command(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cmd = command("--num_gpus", "2", str(script), "--deepspeed_config", "ds.json")
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc_per_node=2" in cmd and "--standalone" in cmd
+    assert cmd[-3:] == [str(script), "--deepspeed_config", "ds.json"]
+    cmd = command("--nproc_per_node", "4", "--master_port", "29511", str(script))
+    assert "--master_port=29511" in cmd and "--standalone" not in cmd and "--nproc_per_node=4" in cmd
+
+
+def test_bad_invocations_exit_with_a_message(tmp_path):
+    with pytest.raises(SystemExit, match="does not exist"):
+        command("--num_gpus", "2", str(tmp_path / "missing.py"))
+    with pytest.raises(SystemExit, match="must be >= 1"):
+        command("--num_gpus", "0", str(tmp_path / "x.py"))
+    with pytest.raises(SystemExit, match="multi-node"):
+        command("--num_nodes", "2", str(tmp_path / "x.py"))
