@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from zeroshard.testing import run_distributed
-from zeroshard.testing.parity import ParityCase, engine_train_many, reference_train, relative_error
+from zeroshard.testing.parity import ParityCase, engine_train_many, model_error, reference_train, relative_error
 
 CASES = [ParityCase(stage=s, gas=g, dtype=d, lr=1e-3) for s in (0, 1, 2) for g in (1, 2) for d in ("fp32", "bf16")]
 CASES += [ParityCase(stage=s, gas=2, optimizer="SGD", lr=0.5, clip=0.05) for s in (0, 1, 2)]
@@ -22,12 +22,6 @@ WORLD_SIZES = (1, 2, 4)
 @pytest.fixture(scope="module")
 def results():
     return {ws: run_distributed(engine_train_many, ws, CASES) for ws in WORLD_SIZES}
-
-
-def model_error(actual, expected) -> float:
-    a = torch.cat([actual[k].flatten() for k in expected])
-    b = torch.cat([expected[k].float().flatten() for k in expected])
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

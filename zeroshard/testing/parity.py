@@ -109,6 +109,13 @@ def engine_train_many(cases: list[ParityCase]) -> list[dict[str, Any]]:
     return [engine_train(case) for case in cases]
 
 
+def model_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """||actual - expected|| / ||expected|| over all tensors concatenated."""
+    a = torch.cat([actual[k].float().flatten() for k in expected])
+    b = torch.cat([expected[k].float().flatten() for k in expected])
+    return ((a - b).norm() / b.norm()).item()
+
+
 def relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
     """Worst per-tensor ||actual - expected|| / ||expected||."""
     worst = 0.0
@@ -120,4 +127,4 @@ def relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
 
 
 __all__ = ["MODEL", "ParityCase", "engine_train", "engine_train_many", "make_batches", "make_model",
-           "reference_train", "relative_error"]
+           "model_error", "reference_train", "relative_error"]

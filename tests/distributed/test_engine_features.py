@@ -1,0 +1,176 @@
+"""Engine behaviour beyond plain parity: parameter groups, frozen and unused parameters, client optimizer
+and scheduler objects, the data loader, accumulation bookkeeping, Lamb on shards."""
+
+import pytest
+import torch
+
+from zeroshard.testing import run_distributed
+from zeroshard.testing.parity import make_batches, make_model, model_error
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000}
+
+
+def _train(engine, rank, world, steps=3, gas=1):
+    for x, y in make_batches(steps, world * 2 * gas):
+        for k in range(gas):
+            rows = slice((k * world + rank) * 2, (k * world + rank + 1) * 2)
+            engine.backward(engine(x[rows], y[rows]))
+            engine.step()
+
+
+def _weights(engine):
+    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+
+
+def param_groups_worker(stage):
+    import zeroshard
+    from zeroshard import comm
+
+    model = make_model()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}]
+    cfg = {**BASE, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, opt, _, _ = zeroshard.initialize(model=model, model_parameters=groups, config=cfg)
+    _train(engine, comm.get_rank(), comm.get_world_size())
+    return {"weights": _weights(engine), "lrs": engine.get_lr(), "wds": [g["weight_decay"] for g in opt.param_groups]}
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_param_groups_keep_their_own_lr_and_weight_decay(stage):
+    results = run_distributed(param_groups_worker, 2, stage)
+    model = make_model()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    ref = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}], lr=1e-3)
+    for x, y in make_batches(3, 4):
+        model(x, y).backward()
+        ref.step()
+        ref.zero_grad()
+    assert results[0]["lrs"] == [1e-3, 5e-3] and results[0]["wds"] == [0.1, 0.0]
+    assert model_error(results[0]["weights"], model.state_dict()) <= 1e-5
+
+
+class BranchyModel(torch.nn.Module):
+    """A frozen embedding, a branch only rank 0 uses, and a shared trunk."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.embed.weight.requires_grad_(False)
+        self.trunk = torch.nn.Linear(8, 8)
+        self.rank0_only = torch.nn.Linear(8, 8)
+
+    def forward(self, x, use_branch):
+        h = self.trunk(self.embed(x))
+        if use_branch:
+            h = h + self.rank0_only(h)
+        return h.pow(2).mean()
+
+
+def frozen_unused_worker(stage, overlap):
+    import zeroshard
+    from zeroshard import comm
+
+    model = BranchyModel()
+    frozen_before = model.embed.weight.detach().clone()
+    cfg = {**BASE, "zero_optimization": {"stage": stage, "overlap_comm": overlap, "reduce_bucket_size": 64},
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
+    rank = comm.get_rank()
+    branch_before = model.rank0_only.weight.detach().clone()
+    for step in range(3):
+        x = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(10 * step + rank))
+        engine.backward(engine(x, use_branch=(rank == 0)))
+        engine.step()
+    return {"frozen_unchanged": torch.equal(model.embed.weight, frozen_before),
+            "branch_moved": not torch.equal(model.rank0_only.weight, branch_before),
+            "weights": _weights(engine)}
+
+
+@pytest.mark.parametrize("stage,overlap", [(0, True), (1, False), (2, True)])
+def test_frozen_and_rank_dependent_unused_parameters(stage, overlap):
+    r0, r1 = run_distributed(frozen_unused_worker, 2, stage, overlap, timeout_s=120)
+    assert r0["frozen_unchanged"] and r1["frozen_unchanged"]
+    assert r0["branch_moved"] and r1["branch_moved"]  # rank 1 never used it, yet it stays in sync
+    for name in r0["weights"]:
+        torch.testing.assert_close(r0["weights"][name], r1["weights"][name], rtol=0, atol=0)
+
+
+def client_objects_worker():
+    import zeroshard
+    from zeroshard import comm
+
+    model = make_model()
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 1.0 / (step + 1))
+    cfg = {**BASE, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}
+    engine, opt, _, lr_sched = zeroshard.initialize(model=model, optimizer=client, lr_scheduler=sched, config=cfg)
+    seen = []
+    rank, world = comm.get_rank(), comm.get_world_size()
+    for x, y in make_batches(3, world * 4):
+        for k in range(2):
+            rows = slice((k * world + rank) * 2, (k * world + rank + 1) * 2)
+            engine.backward(engine(x[rows], y[rows]))
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            seen.append((boundary, engine.was_step_applied(), engine.global_steps, engine.global_samples))
+    return {"seen": seen, "lr": engine.get_lr(), "same_opt": opt.optimizer is client, "same_sched": lr_sched is sched,
+            "norm": engine.get_global_grad_norm(), "weights": _weights(engine),
+            "triad": (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+                      engine.gradient_accumulation_steps(), engine.zero_optimization_stage())}
+
+
+def test_client_optimizer_and_scheduler_objects_and_accumulation_bookkeeping():
+    r0, _ = run_distributed(client_objects_worker, 2)
+    assert r0["same_opt"] and r0["same_sched"]
+    assert r0["seen"] == [(False, False, 0, 0), (True, True, 1, 8), (False, False, 1, 8), (True, True, 2, 16),
+                          (False, False, 2, 16), (True, True, 3, 24)]
+    assert r0["lr"] == [pytest.approx(1e-2 / 4)]  # LambdaLR stepped once per optimizer step
+    assert r0["triad"] == (8, 2, 2, 1) and r0["norm"] > 0
+    model = make_model()
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda step: 1.0 / (step + 1))
+    for x, y in make_batches(3, 8):
+        model(x, y).backward()
+        ref.step()
+        ref_sched.step()
+        ref.zero_grad()
+    assert model_error(r0["weights"], model.state_dict()) <= 1e-5
+
+
+def dataloader_worker():
+    import zeroshard
+
+    data = torch.utils.data.TensorDataset(torch.arange(40).float().unsqueeze(1))
+    model = torch.nn.Linear(1, 1)
+    cfg = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+    engine, _, loader, _ = zeroshard.initialize(model=model, training_data=data, config=cfg)
+    seen = [int(v) for (batch,) in loader for v in batch.flatten()]
+    return {"batch_size": loader.batch_size, "seen": seen, "micro": engine.train_micro_batch_size_per_gpu()}
+
+
+def test_training_data_gets_a_distributed_sampler():
+    r0, r1 = run_distributed(dataloader_worker, 2)
+    assert r0["batch_size"] == r1["batch_size"] == r0["micro"] == 2
+    assert sorted(r0["seen"] + r1["seen"]) == list(range(40)) and not set(r0["seen"]) & set(r1["seen"])
+
+
+def lamb_worker(stage):
+    import zeroshard
+    from zeroshard import comm
+
+    cfg = {**BASE, "zero_optimization": {"stage": stage}, "optimizer": {"type": "Lamb", "params": {"lr": 1e-2}}}
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=cfg)
+    _train(engine, comm.get_rank(), comm.get_world_size())
+    return _weights(engine)
+
+
+def test_lamb_trust_ratios_are_per_parameter_on_shards():
+    stage0 = run_distributed(lamb_worker, 2, 0)[0]
+    stage2 = run_distributed(lamb_worker, 2, 2)[0]
+    for name in stage0:
+        torch.testing.assert_close(stage2[name], stage0[name], rtol=1e-5, atol=1e-7)
