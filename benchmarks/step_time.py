@@ -1,0 +1,111 @@
+"""Step time of zeroshard stages 0-2 against torch DDP, same model, data and global batch, one run.
+
+    python benchmarks/step_time.py [--world 2] [--n_layer 4] [--n_embd 256] [--steps 20]
+
+Each rank trains the same GPT on the same micro-batches; systems alternate inside one process group
+so machine noise hits all of them alike. Reports the median step time and its ratio to DDP, the
+final loss (all systems must agree), and bytes communicated per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from zeroshard.testing import run_distributed
+from zeroshard.testing.models import GPT, GPTConfig
+
+
+def batches(cfg: GPTConfig, steps: int, micro: int, rank: int):
+    gen = torch.Generator().manual_seed(1000 + rank)
+    data = torch.randint(0, cfg.vocab_size, (steps, micro, cfg.block_size + 1), generator=gen)
+    return [(d[:, :-1], d[:, 1:]) for d in data]
+
+
+def run_ddp(cfg, data, lr):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(GPT(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    times, loss = [], None
+    for x, y in data:
+        dist.barrier()
+        t = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t)
+    return times, loss.item(), None
+
+
+def run_zeroshard(cfg, data, lr, stage):
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard import comm
+
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": data[0][0].shape[0], "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": lr}},
+              "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 2_000_000}}
+    engine, _, _, _ = zeroshard.initialize(model=GPT(cfg), config=config)
+    times, loss = [], None
+    comm.LEDGER.reset()
+    for x, y in data:
+        dist.barrier()
+        t = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return times, loss.item(), comm.LEDGER.total_wire_bytes() / len(data)
+
+
+def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int, rounds: int):
+    from zeroshard import comm
+
+    data = batches(cfg, steps, micro, comm.get_rank())
+    systems = {"ddp": lambda: run_ddp(cfg, data, 1e-3)}
+    for stage in (0, 1, 2):
+        systems[f"zeroshard-{stage}"] = lambda s=stage: run_zeroshard(cfg, data, 1e-3, s)
+    results = {name: {"times": [], "loss": None, "bytes": None} for name in systems}
+    for _ in range(rounds):
+        for name, run in systems.items():
+            times, loss, nbytes = run()
+            results[name]["times"] += times[warmup:]
+            results[name]["loss"], results[name]["bytes"] = loss, nbytes
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--n_layer", type=int, default=4)
+    parser.add_argument("--n_embd", type=int, default=256)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd)
+    params = sum(p.numel() for p in GPT(cfg).parameters())
+    results = run_distributed(worker, args.world, cfg, args.steps, args.micro, args.warmup, args.rounds,
+                              timeout_s=3600)[0]
+    base = statistics.median(results["ddp"]["times"])
+    print(f"GPT {params / 1e6:.2f}M params, {args.world} Gloo ranks, micro-batch {args.micro} x {cfg.block_size} tokens")
+    print(f"| system | median step (ms) | ratio to DDP | final loss | wire MB/step/rank |")
+    print(f"|---|---|---|---|---|")
+    for name, r in results.items():
+        med = statistics.median(r["times"])
+        mb = f"{r['bytes'] / 1e6:.2f}" if r["bytes"] is not None else "-"
+        print(f"| {name} | {med * 1e3:.1f} | {med / base:.3f} | {r['loss']:.4f} | {mb} |")
+
+
+if __name__ == "__main__":
+    main()

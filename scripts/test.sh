@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up, then run the whole test suite (unit tests and multi-process Gloo tests on CPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec python3 -m pytest -q tests "$@"

@@ -1,0 +1,65 @@
+"""A distributed failure ends with an error naming the rank and the operation, never a silent hang."""
+
+import time
+
+import pytest
+import torch
+
+from zeroshard.testing import WorkerError, WorkerHang, run_distributed
+
+
+def skip_collective_on_last_rank():
+    from zeroshard import comm
+
+    grid = comm.build_rank_grid()
+    if comm.get_rank() == comm.get_world_size() - 1:
+        time.sleep(30)  # never joins the all-reduce
+        return None
+    comm.all_reduce(torch.ones(4), grid.world)
+
+
+def test_missing_collective_times_out_naming_rank_op_and_group():
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        run_distributed(skip_collective_on_last_rank, 2, comm_timeout_s=3, timeout_s=60)
+    message = str(info.value)
+    assert "rank 0: all_reduce on group 'world' (ranks [0, 1]) of (4,) float32 failed or timed out" in message
+    assert time.monotonic() - started < 45
+
+
+def crash_on_rank_one():
+    from zeroshard import comm
+
+    if comm.get_rank() == 1:
+        raise RuntimeError("boom on purpose")
+    return "fine"
+
+
+def test_crash_names_the_rank():
+    with pytest.raises(WorkerError, match=r"rank 1 failed:[\s\S]*boom on purpose"):
+        run_distributed(crash_on_rank_one, 2, comm_timeout_s=5)
+
+
+def hang_without_collective():
+    from zeroshard import comm
+
+    if comm.get_rank() == 1:
+        time.sleep(60)
+    return comm.get_rank()
+
+
+def test_harness_names_the_hung_rank():
+    with pytest.raises(WorkerHang, match=r"ranks \[1\] of 2 did not finish within 8s"):
+        run_distributed(hang_without_collective, 2, timeout_s=8)
+
+
+def bad_config_worker():
+    import zeroshard
+
+    zeroshard.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 3,
+                                                               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+
+
+def test_inconsistent_batch_for_world_size_is_reported_by_every_rank():
+    with pytest.raises(WorkerError, match="train_batch_size 3 is not divisible by world size 2"):
+        run_distributed(bad_config_worker, 2, comm_timeout_s=10)
