@@ -174,3 +174,30 @@ def test_lamb_trust_ratios_are_per_parameter_on_shards():
     stage2 = run_distributed(lamb_worker, 2, 2)[0]
     for name in stage0:
         torch.testing.assert_close(stage2[name], stage0[name], rtol=1e-5, atol=1e-7)
+
+
+def logging_worker():
+    import contextlib
+    import io
+
+    import zeroshard
+    from zeroshard import comm
+
+    cfg = {**BASE, "steps_per_print": 1, "wall_clock_breakdown": True, "comms_logger": {"enabled": True},
+           "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        engine, _, _, _ = zeroshard.initialize(model=make_model(), config=cfg)
+        _train(engine, comm.get_rank(), comm.get_world_size(), steps=2)
+    return {"log": out.getvalue(), "summary": comm.log_summary(print_fn=lambda text: None)}
+
+
+def test_step_log_wall_clock_and_comms_logger():
+    r0, r1 = run_distributed(logging_worker, 2)
+    log = r0["log"]
+    assert "config resolved for 2 rank(s), ZeRO stage 2" in log
+    assert "step 1: loss" in log and "step 2: loss" in log and "grad_norm" in log and "samples/s" in log
+    assert "time (s)" in log and "optimizer_step" in log and "forward" in log
+    assert "reduce_scatter" in log and "algbw GB/s" in log
+    assert r1["log"] == ""  # only rank 0 logs
+    assert "all_gather" in r0["summary"] and "shard" in r0["summary"]

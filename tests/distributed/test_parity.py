@@ -41,3 +41,19 @@ def test_matches_single_process_reference(results, world_size, index):
         for name, tensor in got.items():
             torch.testing.assert_close(other["params"][name], tensor, rtol=0, atol=0)
     assert per_rank[0]["global_steps"] == case.steps and per_rank[0]["skipped_steps"] == 0
+
+
+HYBRID = [ParityCase(stage=s, gas=g, shard_size=2, lr=1e-3) for s in (1, 2) for g in (1, 2)]
+
+
+def test_hybrid_sharding_two_replicas_of_two_way_shards():
+    """World 4 = 2 replica groups x 2-way shard groups: state is 1/2 per rank, results match the reference."""
+    per_rank = run_distributed(engine_train_many, 4, HYBRID)
+    for index, case in enumerate(HYBRID):
+        got = per_rank[0][index]
+        assert model_error(got["params"], reference_train(case, 4)) <= 1e-5
+        assert got["state_bytes"]["master"] == 4 * -(-got["num_params"] // 2)
+        assert "all_reduce/replica" in got["ledger"] and "reduce_scatter/shard" in got["ledger"]
+        for other in per_rank[1:]:
+            for name, tensor in got["params"].items():
+                torch.testing.assert_close(other[index]["params"][name], tensor, rtol=0, atol=0)

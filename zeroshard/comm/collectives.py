@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ class Pending:
     work: Any  # torch Work, or None when nothing was sent (group of one)
     what: str
     started: float
+    finish: Optional[Callable[[], None]] = None  # local work that completes the collective (see _gloo_*)
 
     def wait(self, timeout: Optional[timedelta] = None) -> None:
         if self.work is None:
@@ -53,13 +54,17 @@ class Pending:
             if LEDGER.timing:
                 LEDGER.add_time(self.op, self.group.name, time.perf_counter() - self.started)
         self.work = None
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
 
 
 def _describe(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
-def _issue(op: str, group: Group, tensor: torch.Tensor, wire_factor: float, call, async_op: bool) -> Pending:
+def _issue(op: str, group: Group, tensor: torch.Tensor, wire_factor: float, call, async_op: bool,
+           finish: Optional[Callable[[], None]] = None) -> Pending:
     nbytes = tensor.numel() * tensor.element_size()
     LEDGER.record(op, group.name, nbytes, nbytes * wire_factor, tuple(tensor.shape), str(tensor.dtype))
     started = time.perf_counter()
@@ -70,7 +75,7 @@ def _issue(op: str, group: Group, tensor: torch.Tensor, wire_factor: float, call
             f"rank {get_rank()}: {op} on group '{group.name}' (ranks {list(group.ranks)}) of {_describe(tensor)} "
             f"failed: {err}"
         ) from err
-    pending = Pending(op, group, work, _describe(tensor), started)
+    pending = Pending(op, group, work, _describe(tensor), started, finish)
     if not async_op:
         pending.wait()
     return pending
@@ -91,12 +96,27 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bo
     )
 
 
+def _is_gloo(group: Group) -> bool:
+    return dist.get_backend(group.handle) == "gloo"
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False) -> Pending:
     """Sum ``input`` (group.size x output.numel()) across the group; rank i keeps chunk i in ``output``."""
     if group.size == 1:
         output.copy_(input.view_as(output))
         return _skip("reduce_scatter", group)
     n = group.size
+    if _is_gloo(group):
+        # Note [gloo flat collectives]: Gloo's reduce_scatter runs at half the speed of a whole all-reduce.
+        # An all-to-all moves exactly the reduce-scatter's bytes (chunk j to rank j); the sum is local.
+        received = torch.empty_like(input)
+
+        def finish() -> None:
+            torch.sum(received.view(n, -1), dim=0, out=output.view(-1))
+
+        return _issue("reduce_scatter", group, input, (n - 1) / n,
+                      lambda: dist.all_to_all_single(received, input, group=group.handle, async_op=True),
+                      async_op, finish)
     return _issue(
         "reduce_scatter", group, input, (n - 1) / n,
         lambda: _reduce_scatter_flat(output, input, group=group.handle, async_op=True), async_op,
@@ -109,6 +129,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
         output.view_as(input).copy_(input)
         return _skip("all_gather", group)
     n = group.size
+    if _is_gloo(group):
+        # See Note [gloo flat collectives]: sending our shard to every rank by all-to-all is faster on Gloo.
+        replicated = input.reshape(1, -1).expand(n, -1).contiguous().view(-1)
+        return _issue("all_gather", group, output, (n - 1) / n,
+                      lambda: dist.all_to_all_single(output, replicated, group=group.handle, async_op=True),
+                      async_op)
     return _issue(
         "all_gather", group, output, (n - 1) / n,
         lambda: _all_gather_flat(output, input, group=group.handle, async_op=True), async_op,

@@ -60,13 +60,15 @@ class ZeroshardEngine(torch.nn.Module):
             return value.to(self.device, self.policy.compute)
         return value.to(self.device)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         if self.zero is None:
             raise RuntimeError("engine.backward needs an optimizer: pass optimizer= or add an 'optimizer' config block")
         started = time.perf_counter()
         self._last_loss = loss.detach().float().item()
         self.zero.begin_backward(self.is_gradient_accumulation_boundary())
-        scale = self.zero.loss_scaler.scale / self.batch.gradient_accumulation_steps
+        scale = self.zero.loss_scaler.scale
+        if scale_wrt_gas:
+            scale /= self.batch.gradient_accumulation_steps
         (loss.float() * scale).backward(retain_graph=retain_graph)
         reduce_started = time.perf_counter()
         self.zero.end_backward()

@@ -111,7 +111,8 @@ class FlatGroup:
         if not self.master_is_buffer:
             self.buffer[lo:hi].copy_(self.master)
         if self.partitioned:
-            comm.all_gather(self.buffer, self.buffer[lo:hi].clone(), self.shard_group)
+            # in-place all-gather: the input is this rank's own chunk of the output
+            comm.all_gather(self.buffer, self.buffer[lo:hi], self.shard_group)
 
     def bytes_held(self) -> dict[str, int]:
         def nbytes(t: Optional[torch.Tensor]) -> int:
