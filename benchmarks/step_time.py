@@ -1,10 +1,11 @@
 """Step time of zeroshard stages 0-2 against torch DDP, same model, data and global batch, one run.
 
-    python benchmarks/step_time.py [--world 2] [--n_layer 4] [--n_embd 256] [--steps 20]
+    python benchmarks/step_time.py [--world 2] [--n_layer 4] [--n_embd 256] [--steps 30]
 
-Each rank trains the same GPT on the same micro-batches; systems alternate inside one process group
-so machine noise hits all of them alike. Reports the median step time and its ratio to DDP, the
-final loss (all systems must agree), and bytes communicated per step.
+Each system trains the same GPT from the same seed on the same micro-batches; the systems take
+turns step by step inside one process group, so machine noise hits all of them alike. Reports the
+median step time and its ratio to DDP, the final loss (all systems must agree), and bytes
+communicated per step.
 """
 
 from __future__ import annotations
@@ -25,61 +26,66 @@ def batches(cfg: GPTConfig, steps: int, micro: int, rank: int):
     return [(d[:, :-1], d[:, 1:]) for d in data]
 
 
-def run_ddp(cfg, data, lr):
-    import torch.distributed as dist
+def ddp_system(cfg, lr):
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     model = DistributedDataParallel(GPT(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-    times, loss = [], None
-    for x, y in data:
-        dist.barrier()
-        t = time.perf_counter()
+
+    def step(x, y):
         loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t)
-    return times, loss.item(), None
+        return loss
+
+    return step
 
 
-def run_zeroshard(cfg, data, lr, stage):
-    import torch.distributed as dist
-
+def zeroshard_system(cfg, lr, stage, micro):
     import zeroshard
-    from zeroshard import comm
 
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": data[0][0].shape[0], "steps_per_print": 10**9,
-              "optimizer": {"type": "AdamW", "params": {"lr": lr}},
-              "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 2_000_000}}
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr}},
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 2_000_000},
+    }
     engine, _, _, _ = zeroshard.initialize(model=GPT(cfg), config=config)
-    times, loss = [], None
-    comm.LEDGER.reset()
-    for x, y in data:
-        dist.barrier()
-        t = time.perf_counter()
+
+    def step(x, y):
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
-        times.append(time.perf_counter() - t)
-    return times, loss.item(), comm.LEDGER.total_wire_bytes() / len(data)
+        return loss
+
+    return step
 
 
-def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int, rounds: int):
+def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int):
+    """Systems take turns step by step, so machine noise hits all of them alike."""
+    import torch.distributed as dist
+
     from zeroshard import comm
 
     data = batches(cfg, steps, micro, comm.get_rank())
-    systems = {"ddp": lambda: run_ddp(cfg, data, 1e-3)}
+    systems = {"ddp": ddp_system(cfg, 1e-3)}
     for stage in (0, 1, 2):
-        systems[f"zeroshard-{stage}"] = lambda s=stage: run_zeroshard(cfg, data, 1e-3, s)
-    results = {name: {"times": [], "loss": None, "bytes": None} for name in systems}
-    for _ in range(rounds):
-        for name, run in systems.items():
-            times, loss, nbytes = run()
-            results[name]["times"] += times[warmup:]
-            results[name]["loss"], results[name]["bytes"] = loss, nbytes
+        systems[f"zeroshard-{stage}"] = zeroshard_system(cfg, 1e-3, stage, micro)
+    results = {name: {"times": [], "loss": None, "bytes": 0.0} for name in systems}
+    for i, (x, y) in enumerate(data):
+        for name, step in systems.items():
+            comm.LEDGER.reset()
+            dist.barrier()
+            started = time.perf_counter()
+            loss = step(x, y)
+            elapsed = time.perf_counter() - started
+            if i >= warmup:
+                results[name]["times"].append(elapsed)
+            results[name]["loss"] = loss.item()
+            results[name]["bytes"] = comm.LEDGER.total_wire_bytes() if name != "ddp" else None
     return results
 
 
@@ -89,18 +95,18 @@ def main():
     parser.add_argument("--n_layer", type=int, default=4)
     parser.add_argument("--n_embd", type=int, default=256)
     parser.add_argument("--micro", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd)
     params = sum(p.numel() for p in GPT(cfg).parameters())
-    results = run_distributed(worker, args.world, cfg, args.steps, args.micro, args.warmup, args.rounds,
-                              timeout_s=3600)[0]
+    results = run_distributed(worker, args.world, cfg, args.steps, args.micro, args.warmup, timeout_s=3600)[0]
     base = statistics.median(results["ddp"]["times"])
-    print(f"GPT {params / 1e6:.2f}M params, {args.world} Gloo ranks, micro-batch {args.micro} x {cfg.block_size} tokens")
-    print(f"| system | median step (ms) | ratio to DDP | final loss | wire MB/step/rank |")
-    print(f"|---|---|---|---|---|")
+    print(
+        f"GPT {params / 1e6:.2f}M params, {args.world} Gloo ranks, micro-batch {args.micro} x {cfg.block_size} tokens"
+    )
+    print("| system | median step (ms) | ratio to DDP | final loss | wire MB/step/rank |")
+    print("|---|---|---|---|---|")
     for name, r in results.items():
         med = statistics.median(r["times"])
         mb = f"{r['bytes'] / 1e6:.2f}" if r["bytes"] is not None else "-"

@@ -29,7 +29,7 @@ class ByteWindows(torch.utils.data.Dataset):
         return len(self.data) - self.block - 1
 
     def __getitem__(self, i):
-        chunk = self.data[i:i + self.block + 1]
+        chunk = self.data[i : i + self.block + 1]
         return chunk[:-1], chunk[1:]
 
 
@@ -49,10 +49,12 @@ def main():
     engine, _, loader, _ = zeroshard.initialize(args=args, model=model, training_data=dataset)
     rank, world = comm.get_rank(), comm.get_world_size()
     if rank == 0:
-        print(f"model: {model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
-              f"ZeRO stage {engine.zero_optimization_stage()}, global batch {engine.train_batch_size()}")
+        print(
+            f"model: {model.num_params() / 1e6:.2f}M parameters, {world} rank(s), "
+            f"ZeRO stage {engine.zero_optimization_stage()}, global batch {engine.train_batch_size()}"
+        )
 
-    tokens, started, step, epoch = 0, time.perf_counter(), 0, 0
+    tokens, started, epoch = 0, time.perf_counter(), 0
     while engine.global_steps < args.steps:
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
@@ -74,11 +76,18 @@ def main():
     if rank == 0:
         print(f"final loss {loss.item():.4f} after {engine.global_steps} steps in {elapsed:.1f}s")
         print(f"tokens/s (all ranks): {stats[0].sum().item() / elapsed:,.0f}")
-        print(f"bytes communicated per rank: {stats[1].mean().item() / 1e6:.1f} MB "
-              f"({stats[1].mean().item() / engine.global_steps / 1e6:.2f} MB/step)")
-        print("peak memory per rank (RSS on CPU): " + ", ".join(f"rank {r}: {stats[2, r].item() / 2**20:.0f} MiB"
-                                                                 for r in range(world)))
-        print("model-state bytes on rank 0: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in engine.state_bytes().items()))
+        print(
+            f"bytes communicated per rank: {stats[1].mean().item() / 1e6:.1f} MB "
+            f"({stats[1].mean().item() / engine.global_steps / 1e6:.2f} MB/step)"
+        )
+        print(
+            "peak memory per rank (RSS on CPU): "
+            + ", ".join(f"rank {r}: {stats[2, r].item() / 2**20:.0f} MiB" for r in range(world))
+        )
+        print(
+            "model-state bytes on rank 0: "
+            + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in engine.state_bytes().items())
+        )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,7 @@ def param_groups_worker(stage):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}]
-    cfg = {**BASE, "zero_optimization": {"stage": stage},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    cfg = {**BASE, "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine, opt, _, _ = zeroshard.initialize(model=model, model_parameters=groups, config=cfg)
     _train(engine, comm.get_rank(), comm.get_world_size())
     return {"weights": _weights(engine), "lrs": engine.get_lr(), "wds": [g["weight_decay"] for g in opt.param_groups]}
@@ -43,8 +42,9 @@ def test_param_groups_keep_their_own_lr_and_weight_decay(stage):
     model = make_model()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    ref = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}], lr=1e-3)
+    ref = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}], lr=1e-3
+    )
     for x, y in make_batches(3, 4):
         model(x, y).backward()
         ref.step()
@@ -77,8 +77,11 @@ def frozen_unused_worker(stage, overlap):
 
     model = BranchyModel()
     frozen_before = model.embed.weight.detach().clone()
-    cfg = {**BASE, "zero_optimization": {"stage": stage, "overlap_comm": overlap, "reduce_bucket_size": 64},
-           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    cfg = {
+        **BASE,
+        "zero_optimization": {"stage": stage, "overlap_comm": overlap, "reduce_bucket_size": 64},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
     engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
     rank = comm.get_rank()
     branch_before = model.rank0_only.weight.detach().clone()
@@ -86,9 +89,11 @@ def frozen_unused_worker(stage, overlap):
         x = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(10 * step + rank))
         engine.backward(engine(x, use_branch=(rank == 0)))
         engine.step()
-    return {"frozen_unchanged": torch.equal(model.embed.weight, frozen_before),
-            "branch_moved": not torch.equal(model.rank0_only.weight, branch_before),
-            "weights": _weights(engine)}
+    return {
+        "frozen_unchanged": torch.equal(model.embed.weight, frozen_before),
+        "branch_moved": not torch.equal(model.rank0_only.weight, branch_before),
+        "weights": _weights(engine),
+    }
 
 
 @pytest.mark.parametrize("stage,overlap", [(0, True), (1, False), (2, True)])
@@ -118,17 +123,33 @@ def client_objects_worker():
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             seen.append((boundary, engine.was_step_applied(), engine.global_steps, engine.global_samples))
-    return {"seen": seen, "lr": engine.get_lr(), "same_opt": opt.optimizer is client, "same_sched": lr_sched is sched,
-            "norm": engine.get_global_grad_norm(), "weights": _weights(engine),
-            "triad": (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
-                      engine.gradient_accumulation_steps(), engine.zero_optimization_stage())}
+    return {
+        "seen": seen,
+        "lr": engine.get_lr(),
+        "same_opt": opt.optimizer is client,
+        "same_sched": lr_sched is sched,
+        "norm": engine.get_global_grad_norm(),
+        "weights": _weights(engine),
+        "triad": (
+            engine.train_batch_size(),
+            engine.train_micro_batch_size_per_gpu(),
+            engine.gradient_accumulation_steps(),
+            engine.zero_optimization_stage(),
+        ),
+    }
 
 
 def test_client_optimizer_and_scheduler_objects_and_accumulation_bookkeeping():
     r0, _ = run_distributed(client_objects_worker, 2)
     assert r0["same_opt"] and r0["same_sched"]
-    assert r0["seen"] == [(False, False, 0, 0), (True, True, 1, 8), (False, False, 1, 8), (True, True, 2, 16),
-                          (False, False, 2, 16), (True, True, 3, 24)]
+    assert r0["seen"] == [
+        (False, False, 0, 0),
+        (True, True, 1, 8),
+        (False, False, 1, 8),
+        (True, True, 2, 16),
+        (False, False, 2, 16),
+        (True, True, 3, 24),
+    ]
     assert r0["lr"] == [pytest.approx(1e-2 / 4)]  # LambdaLR stepped once per optimizer step
     assert r0["triad"] == (8, 2, 2, 1) and r0["norm"] > 0
     model = make_model()
@@ -183,8 +204,14 @@ def logging_worker():
     import zeroshard
     from zeroshard import comm
 
-    cfg = {**BASE, "steps_per_print": 1, "wall_clock_breakdown": True, "comms_logger": {"enabled": True},
-           "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    cfg = {
+        **BASE,
+        "steps_per_print": 1,
+        "wall_clock_breakdown": True,
+        "comms_logger": {"enabled": True},
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         engine, _, _, _ = zeroshard.initialize(model=make_model(), config=cfg)

@@ -56,8 +56,9 @@ def test_harness_names_the_hung_rank():
 def bad_config_worker():
     import zeroshard
 
-    zeroshard.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 3,
-                                                               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    zeroshard.initialize(
+        model=torch.nn.Linear(2, 2), config={"train_batch_size": 3, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    )
 
 
 def test_inconsistent_batch_for_world_size_is_reported_by_every_rank():

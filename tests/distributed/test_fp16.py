@@ -15,14 +15,18 @@ def train_with_injected_overflow(stage: int):
     import zeroshard
     from zeroshard import comm
 
-    case = ParityCase(stage=stage, dtype="fp16", lr=1e-3, extra=(
-        ("fp16", {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 2}),))
+    case = ParityCase(
+        stage=stage,
+        dtype="fp16",
+        lr=1e-3,
+        extra=(("fp16", {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 2}),),
+    )
     engine, _, _, _ = zeroshard.initialize(model=make_model(), config=case.config())
     rank, world = comm.get_rank(), comm.get_world_size()
     history = []
     for step, (x, y) in enumerate(make_batches(5, world * 2)):
         before = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-        loss = engine(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
+        loss = engine(x[rank * 2 : (rank + 1) * 2], y[rank * 2 : (rank + 1) * 2])
         if step == OVERFLOW_STEP and rank == world - 1:
             loss = loss * math.inf  # only the last rank overflows
         engine.backward(loss)

@@ -8,13 +8,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch(*argv, timeout=240):
-    return subprocess.run([sys.executable, "-m", "zeroshard", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "zeroshard", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_example_trains_on_two_cpu_ranks():
-    out = launch("--num_gpus", "2", "examples/train_gpt.py", "--deepspeed_config", "examples/configs/stage2.json",
-                 "--steps", "6", "--n_layer", "1", "--n_embd", "32")
+    out = launch(
+        "--num_gpus",
+        "2",
+        "examples/train_gpt.py",
+        "--deepspeed_config",
+        "examples/configs/stage2.json",
+        "--steps",
+        "6",
+        "--n_layer",
+        "1",
+        "--n_embd",
+        "32",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "model: " in out.stdout and "2 rank(s), ZeRO stage 2" in out.stdout
     assert "final loss" in out.stdout and "tokens/s" in out.stdout and "bytes communicated per rank" in out.stdout

@@ -25,8 +25,11 @@ def results():
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[
-    f"stage{c.stage}-{c.dtype}-gas{c.gas}-{c.optimizer}{'-overlap' if c.overlap_comm else ''}" for c in CASES])
+@pytest.mark.parametrize(
+    "index",
+    range(len(CASES)),
+    ids=[f"stage{c.stage}-{c.dtype}-gas{c.gas}-{c.optimizer}{'-overlap' if c.overlap_comm else ''}" for c in CASES],
+)
 def test_matches_single_process_reference(results, world_size, index):
     case = CASES[index]
     per_rank = [rank_results[index] for rank_results in results[world_size]]

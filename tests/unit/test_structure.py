@@ -10,23 +10,39 @@ DIST_IMPORT = re.compile(r"^\s*(import torch\.distributed|from torch\.distribute
 
 
 def test_only_comm_imports_torch_distributed():
-    offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                 if DIST_IMPORT.search(p.read_text()) and p.relative_to(PACKAGE).parts[0] != "comm"]
+    offenders = [
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if DIST_IMPORT.search(p.read_text()) and p.relative_to(PACKAGE).parts[0] != "comm"
+    ]
     assert offenders == []
 
 
 def test_no_bare_asserts_in_library_code():
-    offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                 if re.search(r"^\s*assert\s", p.read_text(), re.M)]
+    offenders = [
+        str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if re.search(r"^\s*assert\s", p.read_text(), re.M)
+    ]
     assert offenders == []
 
 
 def test_public_api_surface():
     assert set(zeroshard.__all__) >= {"initialize", "add_config_arguments", "init_distributed", "comm"}
     assert callable(zeroshard.comm.log_summary)
-    engine_api = {"backward", "step", "is_gradient_accumulation_boundary", "zero_grad", "was_step_applied",
-                  "get_lr", "get_global_grad_norm", "train_batch_size", "train_micro_batch_size_per_gpu",
-                  "gradient_accumulation_steps", "zero_optimization_stage", "train", "eval"}
+    engine_api = {
+        "backward",
+        "step",
+        "is_gradient_accumulation_boundary",
+        "zero_grad",
+        "was_step_applied",
+        "get_lr",
+        "get_global_grad_norm",
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "zero_optimization_stage",
+        "train",
+        "eval",
+    }
     assert engine_api <= set(dir(zeroshard.ZeroshardEngine))
 
 

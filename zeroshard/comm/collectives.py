@@ -18,7 +18,6 @@ from .backend import get_rank
 from .groups import Group
 from .ledger import LEDGER
 
-
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -63,8 +62,15 @@ def _describe(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
-def _issue(op: str, group: Group, tensor: torch.Tensor, wire_factor: float, call, async_op: bool,
-           finish: Optional[Callable[[], None]] = None) -> Pending:
+def _issue(
+    op: str,
+    group: Group,
+    tensor: torch.Tensor,
+    wire_factor: float,
+    call,
+    async_op: bool,
+    finish: Optional[Callable[[], None]] = None,
+) -> Pending:
     nbytes = tensor.numel() * tensor.element_size()
     LEDGER.record(op, group.name, nbytes, nbytes * wire_factor, tuple(tensor.shape), str(tensor.dtype))
     started = time.perf_counter()
@@ -91,8 +97,12 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bo
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     n = group.size
     return _issue(
-        "all_reduce", group, tensor, 2 * (n - 1) / n,
-        lambda: dist.all_reduce(tensor, op=reduce_op, group=group.handle, async_op=True), async_op,
+        "all_reduce",
+        group,
+        tensor,
+        2 * (n - 1) / n,
+        lambda: dist.all_reduce(tensor, op=reduce_op, group=group.handle, async_op=True),
+        async_op,
     )
 
 
@@ -114,12 +124,22 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, asyn
         def finish() -> None:
             torch.sum(received.view(n, -1), dim=0, out=output.view(-1))
 
-        return _issue("reduce_scatter", group, input, (n - 1) / n,
-                      lambda: dist.all_to_all_single(received, input, group=group.handle, async_op=True),
-                      async_op, finish)
+        return _issue(
+            "reduce_scatter",
+            group,
+            input,
+            (n - 1) / n,
+            lambda: dist.all_to_all_single(received, input, group=group.handle, async_op=True),
+            async_op,
+            finish,
+        )
     return _issue(
-        "reduce_scatter", group, input, (n - 1) / n,
-        lambda: _reduce_scatter_flat(output, input, group=group.handle, async_op=True), async_op,
+        "reduce_scatter",
+        group,
+        input,
+        (n - 1) / n,
+        lambda: _reduce_scatter_flat(output, input, group=group.handle, async_op=True),
+        async_op,
     )
 
 
@@ -132,12 +152,21 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     if _is_gloo(group):
         # See Note [gloo flat collectives]: sending our shard to every rank by all-to-all is faster on Gloo.
         replicated = input.reshape(1, -1).expand(n, -1).contiguous().view(-1)
-        return _issue("all_gather", group, output, (n - 1) / n,
-                      lambda: dist.all_to_all_single(output, replicated, group=group.handle, async_op=True),
-                      async_op)
+        return _issue(
+            "all_gather",
+            group,
+            output,
+            (n - 1) / n,
+            lambda: dist.all_to_all_single(output, replicated, group=group.handle, async_op=True),
+            async_op,
+        )
     return _issue(
-        "all_gather", group, output, (n - 1) / n,
-        lambda: _all_gather_flat(output, input, group=group.handle, async_op=True), async_op,
+        "all_gather",
+        group,
+        output,
+        (n - 1) / n,
+        lambda: _all_gather_flat(output, input, group=group.handle, async_op=True),
+        async_op,
     )
 
 
@@ -146,8 +175,12 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
     if group.size == 1:
         return _skip("broadcast", group)
     return _issue(
-        "broadcast", group, tensor, 1.0,
-        lambda: dist.broadcast(tensor, src=src, group=group.handle, async_op=True), async_op,
+        "broadcast",
+        group,
+        tensor,
+        1.0,
+        lambda: dist.broadcast(tensor, src=src, group=group.handle, async_op=True),
+        async_op,
     )
 
 

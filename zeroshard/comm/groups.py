@@ -71,4 +71,3 @@ def build_rank_grid(shard_size: Optional[int] = None) -> RankGrid:
         if rank in col:
             replica = Group("replica", tuple(col), handle)
     return RankGrid(world=world, shard=shard, replica=replica)
-

@@ -55,9 +55,8 @@ class CommLedger:
         for (op, group), t in sorted(self.totals.items()):
             algbw = f"{t.bytes / t.seconds / 1e9:.3f}" if t.seconds else "-"
             time_s = f"{t.seconds:.4f}" if t.seconds else "-"
-            lines.append(
-                f"{op:<16}{group:<12}{t.calls:>8}{t.bytes / 1e6:>12.3f}{t.wire_bytes / 1e6:>12.3f}{time_s:>10}{algbw:>12}"
-            )
+            sizes = f"{t.bytes / 1e6:>12.3f}{t.wire_bytes / 1e6:>12.3f}"
+            lines.append(f"{op:<16}{group:<12}{t.calls:>8}{sizes}{time_s:>10}{algbw:>12}")
         return "\n".join(lines)
 
 

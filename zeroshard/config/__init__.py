@@ -5,6 +5,15 @@ from .resolve import AutoContext, BatchTriad, Resolution, model_hidden_size, res
 from .schema import OffloadDevice, ZeroConfig, ZeroshardConfig
 
 __all__ = [
-    "AutoContext", "BatchTriad", "ConfigSource", "OffloadDevice", "Resolution", "ZeroConfig", "ZeroshardConfig",
-    "model_hidden_size", "parse_config", "resolve_batch_triad", "resolve_config",
+    "AutoContext",
+    "BatchTriad",
+    "ConfigSource",
+    "OffloadDevice",
+    "Resolution",
+    "ZeroConfig",
+    "ZeroshardConfig",
+    "model_hidden_size",
+    "parse_config",
+    "resolve_batch_triad",
+    "resolve_config",
 ]

@@ -156,16 +156,24 @@ def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
 
     walk(data, "")
 
-    if data["train_micro_batch_size_per_gpu"] is None and ctx.dataloader_batch_size and data["train_batch_size"] is None:
+    if (
+        data["train_micro_batch_size_per_gpu"] is None
+        and ctx.dataloader_batch_size
+        and data["train_batch_size"] is None
+    ):
         data["train_micro_batch_size_per_gpu"] = ctx.dataloader_batch_size
         derived.append(("train_micro_batch_size_per_gpu", ctx.dataloader_batch_size, "data loader batch size"))
     batch = resolve_batch_triad(
-        data["train_batch_size"], data["train_micro_batch_size_per_gpu"], data["gradient_accumulation_steps"],
+        data["train_batch_size"],
+        data["train_micro_batch_size_per_gpu"],
+        data["gradient_accumulation_steps"],
         ctx.world_size,
     )
-    for key, value in (("train_batch_size", batch.train_batch_size),
-                       ("train_micro_batch_size_per_gpu", batch.micro_batch_size),
-                       ("gradient_accumulation_steps", batch.gradient_accumulation_steps)):
+    for key, value in (
+        ("train_batch_size", batch.train_batch_size),
+        ("train_micro_batch_size_per_gpu", batch.micro_batch_size),
+        ("gradient_accumulation_steps", batch.gradient_accumulation_steps),
+    ):
         if data[key] != value:
             derived.append((key, value, f"batch triad with world size {ctx.world_size}"))
         data[key] = value
@@ -174,7 +182,9 @@ def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
     if zero["overlap_comm"] is None:
         zero["overlap_comm"] = zero["stage"] == 3  # DeepSpeed's dynamic default
         derived.append(("zero_optimization.overlap_comm", zero["overlap_comm"], "default for this stage"))
-    derived.append(("gradient_clipping", data["gradient_clipping"], "effective value; default 0 = off, as in DeepSpeed"))
+    derived.append(
+        ("gradient_clipping", data["gradient_clipping"], "effective value; default 0 = off, as in DeepSpeed")
+    )
     resolved = ZeroshardConfig.model_validate(data)
     return Resolution(resolved, batch, derived)
 

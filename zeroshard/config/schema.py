@@ -142,15 +142,18 @@ class ZeroConfig(Section):
             enabled = values.pop(old)
             if not isinstance(enabled, bool):
                 raise ValueError(f"'{old}' must be true or false, got {enabled!r}")
-            warnings.warn(f"config key '{old}' is deprecated; use '{new}': {{\"device\": \"cpu\"}}", FutureWarning)
+            warnings.warn(
+                f"config key '{old}' is deprecated; use '{new}': {{\"device\": \"cpu\"}}", FutureWarning, stacklevel=2
+            )
             if enabled:
                 if values.get(new) is not None:
                     raise ValueError(f"both deprecated '{old}' and '{new}' are set; keep only '{new}'")
                 values[new] = {"device": "cpu", "pin_memory": bool(pin)}
         return values
 
-    @field_validator("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
-                     "param_persistence_threshold")
+    @field_validator(
+        "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "param_persistence_threshold"
+    )
     @classmethod
     def _non_negative(cls, value):
         if value != "auto" and value < 0:
@@ -160,8 +163,10 @@ class ZeroConfig(Section):
     @model_validator(mode="after")
     def _offload_param_needs_stage3(self):
         if self.offload_param is not None and self.offload_param.device is not OffloadDevice.none and self.stage != 3:
-            raise ValueError(f"offload_param works only with stage 3 (stage is {self.stage}); "
-                             "use offload_optimizer for stages 1 and 2")
+            raise ValueError(
+                f"offload_param works only with stage 3 (stage is {self.stage}); "
+                "use offload_optimizer for stages 1 and 2"
+            )
         if self.zero_hpz_partition_size > 1 and self.mics_shard_size > 0:
             raise ValueError("set either zero_hpz_partition_size or mics_shard_size, not both")
         return self
@@ -256,9 +261,23 @@ class DataTypesConfig(Section):
 
 # DeepSpeed feature blocks we parse but do not implement: accepted when absent or disabled.
 UNSUPPORTED_FEATURE_BLOCKS = (
-    "flops_profiler", "elasticity", "autotuning", "compression_training", "data_efficiency",
-    "curriculum_learning", "sparse_attention", "pipeline", "amp", "progressive_layer_drop", "eigenvalue",
-    "quantize_training", "hybrid_engine", "compile", "tensor_parallel", "nebula", "weight_quantization",
+    "flops_profiler",
+    "elasticity",
+    "autotuning",
+    "compression_training",
+    "data_efficiency",
+    "curriculum_learning",
+    "sparse_attention",
+    "pipeline",
+    "amp",
+    "progressive_layer_drop",
+    "eigenvalue",
+    "quantize_training",
+    "hybrid_engine",
+    "compile",
+    "tensor_parallel",
+    "nebula",
+    "weight_quantization",
 )
 
 
@@ -330,7 +349,9 @@ class ZeroshardConfig(Section):
     def _legacy_bool(cls, value):
         # DeepSpeed's oldest format: "zero_optimization": true meant stage 1.
         if isinstance(value, bool):
-            warnings.warn("'zero_optimization': true/false is deprecated; use {\"stage\": N}", FutureWarning)
+            warnings.warn(
+                "'zero_optimization': true/false is deprecated; use {\"stage\": N}", FutureWarning, stacklevel=2
+            )
             return {"stage": 1 if value else 0}
         return value
 

@@ -19,13 +19,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Launch a training script on N local processes (GPUs with NCCL, else CPU with Gloo).",
     )
     count = parser.add_mutually_exclusive_group()
-    count.add_argument("--num_gpus", "--num_procs", type=int, default=None,
-                       help="processes to start on this node (default: the number of GPUs, or 1 without GPUs)")
+    count.add_argument(
+        "--num_gpus",
+        "--num_procs",
+        type=int,
+        default=None,
+        help="processes to start on this node (default: the number of GPUs, or 1 without GPUs)",
+    )
     count.add_argument("--nproc_per_node", type=int, default=None, help="same as --num_gpus (torchrun's name)")
     parser.add_argument("--num_nodes", type=int, default=1, help="only 1 is supported by this launcher so far")
     parser.add_argument("--master_addr", default="127.0.0.1", help="rendezvous address (default 127.0.0.1)")
-    parser.add_argument("--master_port", type=int, default=None,
-                        help="rendezvous port (default: a free port chosen by the agent)")
+    parser.add_argument(
+        "--master_port", type=int, default=None, help="rendezvous port (default: a free port chosen by the agent)"
+    )
     parser.add_argument("--module", "-m", action="store_true", help="run the script as a Python module (python -m)")
     parser.add_argument("--max_restarts", type=int, default=0, help="restarts of the whole group after a failure")
     parser.add_argument("script", help="the training script (or module with --module)")
@@ -51,8 +57,13 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         raise SystemExit("zeroshard: multi-node launch (--num_nodes > 1) is not supported yet; use one node")
     if not args.module and not os.path.isfile(args.script):
         raise SystemExit(f"zeroshard: script '{args.script}' does not exist")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}",
-           f"--max_restarts={args.max_restarts}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nprocs}",
+        f"--max_restarts={args.max_restarts}",
+    ]
     if args.master_port is None:
         cmd.append("--standalone")
     else:

@@ -5,5 +5,4 @@ from .lamb import Lamb
 from .lion import Lion
 from .schedules import SCHEDULES, ScheduleRunner, build_schedule
 
-__all__ = ["Lamb", "Lion", "SCHEDULES", "ScheduleRunner", "build_optimizer", "build_schedule",
-           "check_client_optimizer"]
+__all__ = ["Lamb", "Lion", "SCHEDULES", "ScheduleRunner", "build_optimizer", "build_schedule", "check_client_optimizer"]

@@ -11,8 +11,21 @@ from .lamb import Lamb
 from .lion import Lion
 
 # Accepted keys of optimizer.params per DeepSpeed name (lower case, as DeepSpeed matches them).
-_ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction",
-              "fused", "foreach", "set_grad_none", "capturable", "maximize"}
+_ADAM_KEYS = {
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "adam_w_mode",
+    "torch_adam",
+    "bias_correction",
+    "fused",
+    "foreach",
+    "set_grad_none",
+    "capturable",
+    "maximize",
+}
 OPTIMIZER_KEYS: dict[str, set[str]] = {
     "adam": _ADAM_KEYS,
     "adamw": _ADAM_KEYS,
@@ -37,12 +50,15 @@ def _kernel_flags(cls, params: dict[str, Any]) -> dict[str, Any]:
     return {"foreach": True} if "foreach" in accepted else {}
 
 
-def build_optimizer(name: str, params: dict[str, Any], param_groups: list[dict], *, zero_stage: int,
-                    allow_untested: bool) -> torch.optim.Optimizer:
+def build_optimizer(
+    name: str, params: dict[str, Any], param_groups: list[dict], *, zero_stage: int, allow_untested: bool
+) -> torch.optim.Optimizer:
     key = name.lower()
     params = dict(params)
     if key in NOT_IMPLEMENTED:
-        raise NotImplementedError(f"optimizer.type '{name}' is not implemented in zeroshard; use Adam, AdamW, Lamb or Lion")
+        raise NotImplementedError(
+            f"optimizer.type '{name}' is not implemented in zeroshard; use Adam, AdamW, Lamb or Lion"
+        )
     if key in OPTIMIZER_KEYS:
         unknown = sorted(set(params) - OPTIMIZER_KEYS[key])
         if unknown:
@@ -77,7 +93,7 @@ def build_optimizer(name: str, params: dict[str, Any], param_groups: list[dict],
         if zero_stage > 0 and not allow_untested:
             raise ValueError(
                 f"optimizer.type '{name}' is not verified with ZeRO sharding (its update may not be elementwise); "
-                "set \"zero_allow_untested_optimizer\": true to use it anyway"
+                'set "zero_allow_untested_optimizer": true to use it anyway'
             )
     try:
         return cls(param_groups, **params, **_kernel_flags(cls, params))
@@ -89,5 +105,5 @@ def check_client_optimizer(optimizer: torch.optim.Optimizer, zero_stage: int, al
     if zero_stage > 0 and not isinstance(optimizer, SHARD_SAFE) and not allow_untested:
         raise ValueError(
             f"client optimizer {type(optimizer).__name__} is not verified with ZeRO sharding; "
-            "set \"zero_allow_untested_optimizer\": true to use it anyway"
+            'set "zero_allow_untested_optimizer": true to use it anyway'
         )

@@ -23,10 +23,29 @@ class ShardedNorms:
 
 
 class Lamb(Optimizer):
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 bias_correction: bool = True, max_coeff: float = 10.0, min_coeff: float = 0.01):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff))
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        bias_correction: bool = True,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                betas=tuple(betas),
+                eps=eps,
+                weight_decay=weight_decay,
+                bias_correction=bias_correction,
+                max_coeff=max_coeff,
+                min_coeff=min_coeff,
+            ),
+        )
         self.sharded_norms: Optional[ShardedNorms] = None
 
     def _segments(self, p: torch.Tensor, fallback_id: int) -> list[tuple[int, int, int]]:
@@ -66,8 +85,8 @@ class Lamb(Optimizer):
         for p, update, _, segments in work:
             flat_p, flat_u = p.view(-1), update.view(-1)
             for slot, start, numel in segments:
-                squares[0, slot] += flat_p[start:start + numel].float().pow(2).sum()
-                squares[1, slot] += flat_u[start:start + numel].float().pow(2).sum()
+                squares[0, slot] += flat_p[start : start + numel].float().pow(2).sum()
+                squares[1, slot] += flat_u[start : start + numel].float().pow(2).sum()
         if self.sharded_norms is not None:
             self.sharded_norms.all_reduce(squares)
         norms = squares.sqrt()
@@ -75,8 +94,10 @@ class Lamb(Optimizer):
             flat_p, flat_u = p.view(-1), update.view(-1)
             for slot, start, numel in segments:
                 w_norm, u_norm = norms[0, slot], norms[1, slot]
-                ratio = torch.where((w_norm > 0) & (u_norm > 0),
-                                    (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]),
-                                    torch.ones_like(w_norm))
-                flat_p[start:start + numel].add_(flat_u[start:start + numel] * ratio, alpha=-group["lr"])
+                ratio = torch.where(
+                    (w_norm > 0) & (u_norm > 0),
+                    (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]),
+                    torch.ones_like(w_norm),
+                )
+                flat_p[start : start + numel].add_(flat_u[start : start + numel] * ratio, alpha=-group["lr"])
         return loss

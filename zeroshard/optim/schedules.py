@@ -32,15 +32,26 @@ def _check_warmup(warmup_num_steps: Any, warmup_type: str) -> None:
         raise ValueError(f"scheduler.params.warmup_type must be 'log' or 'linear', got {warmup_type!r}")
 
 
-def warmup_lr(base_lr: float, warmup_min_lr: float = 0.0, warmup_max_lr: Optional[float] = None,
-              warmup_num_steps: int = 1000, warmup_type: str = "log") -> Curve:
+def warmup_lr(
+    base_lr: float,
+    warmup_min_lr: float = 0.0,
+    warmup_max_lr: Optional[float] = None,
+    warmup_num_steps: int = 1000,
+    warmup_type: str = "log",
+) -> Curve:
     _check_warmup(warmup_num_steps, warmup_type)
     top = base_lr if warmup_max_lr is None else warmup_max_lr
     return lambda step: warmup_min_lr + (top - warmup_min_lr) * _warmup_fraction(step, warmup_num_steps, warmup_type)
 
 
-def warmup_decay_lr(base_lr: float, total_num_steps: int, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
-                    warmup_num_steps: int = 1000, warmup_type: str = "log") -> Curve:
+def warmup_decay_lr(
+    base_lr: float,
+    total_num_steps: int,
+    warmup_min_lr: float = 0.0,
+    warmup_max_lr: float = 0.001,
+    warmup_num_steps: int = 1000,
+    warmup_type: str = "log",
+) -> Curve:
     _check_warmup(warmup_num_steps, warmup_type)
     warm = max(2, warmup_num_steps)
 
@@ -54,8 +65,14 @@ def warmup_decay_lr(base_lr: float, total_num_steps: int, warmup_min_lr: float =
     return curve
 
 
-def warmup_cosine_lr(base_lr: float, total_num_steps: int, warmup_min_ratio: float = 0.0,
-                     warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log") -> Curve:
+def warmup_cosine_lr(
+    base_lr: float,
+    total_num_steps: int,
+    warmup_min_ratio: float = 0.0,
+    warmup_num_steps: int = 1000,
+    cos_min_ratio: float = 0.0001,
+    warmup_type: str = "log",
+) -> Curve:
     _check_warmup(warmup_num_steps, warmup_type)
     warm = max(2, warmup_num_steps)
 
@@ -70,8 +87,13 @@ def warmup_cosine_lr(base_lr: float, total_num_steps: int, warmup_min_ratio: flo
     return curve
 
 
-def lr_range_test(base_lr: float, lr_range_test_min_lr: float = 1e-3, lr_range_test_step_size: int = 2000,
-                  lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False) -> Curve:
+def lr_range_test(
+    base_lr: float,
+    lr_range_test_min_lr: float = 1e-3,
+    lr_range_test_step_size: int = 2000,
+    lr_range_test_step_rate: float = 1.0,
+    lr_range_test_staircase: bool = False,
+) -> Curve:
     def curve(step: int) -> float:
         if step < 0:
             return lr_range_test_min_lr
@@ -99,10 +121,18 @@ def _one_cycle_scale(step: int, first: float, second: float, first_stairs: int, 
     return scale
 
 
-def one_cycle(base_lr: float, cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0.0,
-              cycle_first_step_size: int = 2000, cycle_second_step_size: Optional[int] = None,
-              cycle_first_stair_count: int = 0, cycle_second_stair_count: Optional[int] = None,
-              decay_step_size: int = 0, **momentum_keys: Any) -> Curve:
+def one_cycle(
+    base_lr: float,
+    cycle_min_lr: float,
+    cycle_max_lr: float,
+    decay_lr_rate: float = 0.0,
+    cycle_first_step_size: int = 2000,
+    cycle_second_step_size: Optional[int] = None,
+    cycle_first_stair_count: int = 0,
+    cycle_second_stair_count: Optional[int] = None,
+    decay_step_size: int = 0,
+    **momentum_keys: Any,
+) -> Curve:
     first = float(cycle_first_step_size)
     second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
     second_stairs = cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
@@ -120,10 +150,18 @@ def one_cycle(base_lr: float, cycle_min_lr: float, cycle_max_lr: float, decay_lr
     return curve
 
 
-def one_cycle_momentum(cycle_first_step_size: int = 2000, cycle_second_step_size: Optional[int] = None,
-                       cycle_first_stair_count: int = 0, cycle_second_stair_count: Optional[int] = None,
-                       decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
-                       cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0, **lr_keys: Any) -> Optional[Curve]:
+def one_cycle_momentum(
+    cycle_first_step_size: int = 2000,
+    cycle_second_step_size: Optional[int] = None,
+    cycle_first_stair_count: int = 0,
+    cycle_second_stair_count: Optional[int] = None,
+    decay_step_size: int = 0,
+    cycle_momentum: bool = True,
+    cycle_min_mom: float = 0.8,
+    cycle_max_mom: float = 0.9,
+    decay_mom_rate: float = 0.0,
+    **lr_keys: Any,
+) -> Optional[Curve]:
     """beta1 moves inversely to the learning rate during the cycle (DeepSpeed keeps beta2 at 0.99)."""
     if not cycle_momentum:
         return None
@@ -174,7 +212,9 @@ class ScheduleRunner:
         self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def step(self, last_batch_iteration: Optional[int] = None) -> None:
-        self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
+        self.last_batch_iteration = (
+            self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
+        )
         self._apply(self.last_batch_iteration)
 
     def get_last_lr(self) -> list[float]:

@@ -82,8 +82,9 @@ class FlatLayout:
         return out
 
 
-def flat_layout(names: Sequence[str], shapes: Sequence[tuple[int, ...]], shard_count: int,
-                indices: Sequence[int] | None = None) -> FlatLayout:
+def flat_layout(
+    names: Sequence[str], shapes: Sequence[tuple[int, ...]], shard_count: int, indices: Sequence[int] | None = None
+) -> FlatLayout:
     indices = range(len(names)) if indices is None else indices
     slots, offset = [], 0
     for index, name, shape in zip(indices, names, shapes):
@@ -112,8 +113,9 @@ def assign_buckets(numels: Sequence[int], bucket_size: int) -> list[list[int]]:
     return buckets
 
 
-def bucketed_layouts(names: Sequence[str], shapes: Sequence[tuple[int, ...]], bucket_size: int,
-                     shard_count: int) -> list[FlatLayout]:
+def bucketed_layouts(
+    names: Sequence[str], shapes: Sequence[tuple[int, ...]], bucket_size: int, shard_count: int
+) -> list[FlatLayout]:
     """One flat layout per bucket; slot indices refer to positions in ``names``."""
     numels = [math.prod(shape) for shape in shapes]
     return [

@@ -35,9 +35,13 @@ class LossScaler:
         if fp16.loss_scale > 0:
             return cls(scale=float(fp16.loss_scale))
         return cls(
-            scale=float(2**fp16.initial_scale_power), dynamic=True, window=fp16.loss_scale_window,
-            hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
-            min_scale=float(fp16.min_loss_scale), hysteresis_left=fp16.hysteresis,
+            scale=float(2**fp16.initial_scale_power),
+            dynamic=True,
+            window=fp16.loss_scale_window,
+            hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_scale=float(fp16.min_loss_scale),
+            hysteresis_left=fp16.hysteresis,
         )
 
     def update(self, overflow: bool) -> None:

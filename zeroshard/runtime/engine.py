@@ -21,9 +21,17 @@ class ZeroshardEngine(torch.nn.Module):
     loss scale), gradients are averaged over data-parallel ranks, and ``step`` applies the optimizer only
     at accumulation boundaries."""
 
-    def __init__(self, module: torch.nn.Module, zero: Optional[ZeroOptimizer], lr_scheduler: Any,
-                 resolution: Resolution, grid: comm.RankGrid, policy: PrecisionPolicy, device: torch.device,
-                 training_dataloader: Any = None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        zero: Optional[ZeroOptimizer],
+        lr_scheduler: Any,
+        resolution: Resolution,
+        grid: comm.RankGrid,
+        policy: PrecisionPolicy,
+        device: torch.device,
+        training_dataloader: Any = None,
+    ):
         super().__init__()
         self.module = module
         self.zero = zero
@@ -88,8 +96,10 @@ class ZeroshardEngine(torch.nn.Module):
                     self.lr_scheduler.step()
             else:
                 self.skipped_steps += 1
-                log_rank0(f"step {self.global_steps + 1}: gradient overflow, step skipped, "
-                          f"loss scale now {self.zero.loss_scaler.scale:g}")
+                log_rank0(
+                    f"step {self.global_steps + 1}: gradient overflow, step skipped, "
+                    f"loss scale now {self.zero.loss_scaler.scale:g}"
+                )
             self.global_steps += 1
             self.global_samples += self.batch.train_batch_size
             self._timers["optimizer_step"] += time.perf_counter() - started

@@ -26,10 +26,22 @@ OptimizerArg = Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--deepspeed/--zeroshard`` and ``--deepspeed_config/--zeroshard_config`` to a parser."""
     group = parser.add_argument_group("zeroshard", "zeroshard / DeepSpeed configuration")
-    group.add_argument("--deepspeed", "--zeroshard", dest="deepspeed", action="store_true", default=False,
-                       help="enable zeroshard (accepted for DeepSpeed compatibility)")
-    group.add_argument("--deepspeed_config", "--zeroshard_config", dest="deepspeed_config", default=None, type=str,
-                       help="path to the DeepSpeed-format JSON config")
+    group.add_argument(
+        "--deepspeed",
+        "--zeroshard",
+        dest="deepspeed",
+        action="store_true",
+        default=False,
+        help="enable zeroshard (accepted for DeepSpeed compatibility)",
+    )
+    group.add_argument(
+        "--deepspeed_config",
+        "--zeroshard_config",
+        dest="deepspeed_config",
+        default=None,
+        type=str,
+        help="path to the DeepSpeed-format JSON config",
+    )
     return parser
 
 
@@ -58,11 +70,13 @@ def _param_groups(module: torch.nn.Module, model_parameters: Any) -> list[dict]:
 
 def _adopt_client_optimizer(client: torch.optim.Optimizer):
     """Point the client's own parameter groups at the master shards, so a scheduler bound to it keeps working."""
+
     def make(master_groups: list[dict]) -> torch.optim.Optimizer:
         for target, group in zip(client.param_groups, master_groups):
             target["params"] = group["params"]
         client.state.clear()
         return client
+
     return make
 
 
@@ -110,13 +124,20 @@ def initialize(
 
     grid = comm.build_rank_grid(zero_cfg.shard_group_size)
     dataloader_batch = training_data.batch_size if isinstance(training_data, DataLoader) else None
-    resolution = resolve_config(parsed, AutoContext(
-        world_size=grid.data_parallel_size, args=args, dataloader_batch_size=dataloader_batch,
-        hidden_size=model_hidden_size(model),
-    ))
+    resolution = resolve_config(
+        parsed,
+        AutoContext(
+            world_size=grid.data_parallel_size,
+            args=args,
+            dataloader_batch_size=dataloader_batch,
+            hidden_size=model_hidden_size(model),
+        ),
+    )
     cfg = resolution.config
-    log_rank0(f"config resolved for {grid.data_parallel_size} rank(s), ZeRO stage {cfg.zero_optimization.stage}:\n"
-              + resolution.report())
+    log_rank0(
+        f"config resolved for {grid.data_parallel_size} rank(s), ZeRO stage {cfg.zero_optimization.stage}:\n"
+        + resolution.report()
+    )
 
     policy = PrecisionPolicy.from_config(cfg)
     accel = get_accelerator()
@@ -146,25 +167,41 @@ def initialize(
             groups = _param_groups(model, model_parameters)
 
             def make(master_groups):
-                return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, master_groups,
-                                       zero_stage=cfg.zero_optimization.stage,
-                                       allow_untested=cfg.zero_allow_untested_optimizer)
+                return build_optimizer(
+                    cfg.optimizer.type,
+                    cfg.optimizer.params,
+                    master_groups,
+                    zero_stage=cfg.zero_optimization.stage,
+                    allow_untested=cfg.zero_allow_untested_optimizer,
+                )
+
         unknown = [p for g in groups for p in g["params"] if p not in param_names]
         if unknown:
-            raise ValueError(f"{len(unknown)} optimizer parameter(s) (first shape {tuple(unknown[0].shape)}) "
-                             "are not parameters of the model")
+            raise ValueError(
+                f"{len(unknown)} optimizer parameter(s) (first shape {tuple(unknown[0].shape)}) "
+                "are not parameters of the model"
+            )
         zero = ZeroOptimizer(
-            groups, param_names, make, stage=cfg.zero_optimization.stage, grid=grid, policy=policy,
+            groups,
+            param_names,
+            make,
+            stage=cfg.zero_optimization.stage,
+            grid=grid,
+            policy=policy,
             loss_scaler=LossScaler.from_config(cfg.fp16),
-            bucket_size=cfg.zero_optimization.reduce_bucket_size, overlap_comm=cfg.zero_optimization.overlap_comm,
-            gradient_clipping=cfg.gradient_clipping, gradient_predivide_factor=cfg.gradient_predivide_factor,
+            bucket_size=cfg.zero_optimization.reduce_bucket_size,
+            overlap_comm=cfg.zero_optimization.overlap_comm,
+            gradient_clipping=cfg.gradient_clipping,
+            gradient_predivide_factor=cfg.gradient_predivide_factor,
             device=device,
         )
 
     scheduler = None
     if lr_scheduler is not None:
         if cfg.scheduler is not None:
-            warnings.warn("both lr_scheduler= and a 'scheduler' config block were given; using lr_scheduler=")
+            warnings.warn(
+                "both lr_scheduler= and a 'scheduler' config block were given; using lr_scheduler=", stacklevel=2
+            )
         scheduler = lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(zero.optimizer)
     elif cfg.scheduler is not None and zero is not None:
         scheduler = build_schedule(cfg.scheduler.type, cfg.scheduler.params, zero.optimizer)
@@ -174,10 +211,16 @@ def initialize(
         if isinstance(training_data, DataLoader):
             dataloader = training_data
         else:
-            sampler = DistributedSampler(training_data, num_replicas=grid.data_parallel_size,
-                                         rank=grid.world.rank, shuffle=True)
-            dataloader = DataLoader(training_data, batch_size=resolution.batch.micro_batch_size, sampler=sampler,
-                                    collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+            sampler = DistributedSampler(
+                training_data, num_replicas=grid.data_parallel_size, rank=grid.world.rank, shuffle=True
+            )
+            dataloader = DataLoader(
+                training_data,
+                batch_size=resolution.batch.micro_batch_size,
+                sampler=sampler,
+                collate_fn=collate_fn,
+                drop_last=cfg.dataloader_drop_last,
+            )
 
     engine = ZeroshardEngine(model, zero, scheduler, resolution, grid, policy, device, dataloader)
     comm.LEDGER.reset()  # count training traffic, not the initial weight broadcast

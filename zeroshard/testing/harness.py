@@ -26,11 +26,25 @@ class WorkerHang(TimeoutError):
     """Some ranks did not finish in time; the message names them."""
 
 
-def _worker(fn: Callable, rank: int, world_size: int, store: str, out_dir: str, comm_timeout_s: float,
-            env: dict[str, str], args: tuple) -> None:
+def _worker(
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    store: str,
+    out_dir: str,
+    comm_timeout_s: float,
+    env: dict[str, str],
+    args: tuple,
+) -> None:
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "ZEROSHARD_ACCELERATOR": env.get("ZEROSHARD_ACCELERATOR", "cpu")})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "ZEROSHARD_ACCELERATOR": env.get("ZEROSHARD_ACCELERATOR", "cpu"),
+        }
+    )
     import torch
 
     from .. import comm
@@ -38,8 +52,9 @@ def _worker(fn: Callable, rank: int, world_size: int, store: str, out_dir: str, 
     torch.set_num_threads(1)
     result_path = Path(out_dir) / f"rank{rank}.pkl"
     try:
-        comm.init_distributed(init_method=f"file://{store}", rank=rank, world_size=world_size,
-                              timeout=timedelta(seconds=comm_timeout_s))
+        comm.init_distributed(
+            init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=comm_timeout_s)
+        )
         value = fn(*args)
         payload = ("ok", value)
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
@@ -52,8 +67,14 @@ def _worker(fn: Callable, rank: int, world_size: int, store: str, out_dir: str, 
         pass
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240.0,
-                    comm_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> list[Any]:
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 240.0,
+    comm_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks; return the per-rank results in rank order.
 
     ``fn`` must be importable (module level) and its results picklable (CPU tensors are fine).
@@ -62,8 +83,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     with tempfile.TemporaryDirectory(prefix="zeroshard-test-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, store, tmp, comm_timeout_s, env or {}, args),
-                        daemon=True)
+            ctx.Process(
+                target=_worker, args=(fn, r, world_size, store, tmp, comm_timeout_s, env or {}, args), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in procs:

@@ -39,8 +39,11 @@ class ParityCase:
             "gradient_clipping": self.clip,
             "steps_per_print": 10_000,
             "optimizer": {"type": self.optimizer, "params": {"lr": self.lr, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": self.stage, "overlap_comm": self.overlap_comm,
-                                  "reduce_bucket_size": self.bucket_size},
+            "zero_optimization": {
+                "stage": self.stage,
+                "overlap_comm": self.overlap_comm,
+                "reduce_bucket_size": self.bucket_size,
+            },
         }
         if self.shard_size:
             cfg["zero_optimization"]["zero_hpz_partition_size"] = self.shard_size
@@ -126,5 +129,14 @@ def relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
     return worst
 
 
-__all__ = ["MODEL", "ParityCase", "engine_train", "engine_train_many", "make_batches", "make_model",
-           "model_error", "reference_train", "relative_error"]
+__all__ = [
+    "MODEL",
+    "ParityCase",
+    "engine_train",
+    "engine_train_many",
+    "make_batches",
+    "make_model",
+    "model_error",
+    "reference_train",
+    "relative_error",
+]

@@ -33,8 +33,15 @@ class GradState(Enum):
 
 
 class FlatGroup:
-    def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], policy: PrecisionPolicy,
-                 shard_group: comm.Group, replica_group: comm.Group, device: torch.device):
+    def __init__(
+        self,
+        layout: FlatLayout,
+        params: list[torch.nn.Parameter],
+        policy: PrecisionPolicy,
+        shard_group: comm.Group,
+        replica_group: comm.Group,
+        device: torch.device,
+    ):
         if layout.shard_count not in (1, shard_group.size):
             raise AssertionError(f"layout has {layout.shard_count} shards, shard group has {shard_group.size} ranks")
         self.layout = layout
@@ -47,7 +54,7 @@ class FlatGroup:
         self.buffer = torch.zeros(layout.padded_numel, dtype=policy.compute, device=device)
         with torch.no_grad():
             for slot, param in zip(layout.slots, params):
-                view = self.buffer[slot.offset:slot.end].view(slot.shape)
+                view = self.buffer[slot.offset : slot.end].view(slot.shape)
                 view.copy_(param.detach())
                 param.data = view
         lo, hi = layout.shard_range(self.shard_rank)
@@ -71,7 +78,7 @@ class FlatGroup:
         if self._staging is None:
             self._staging = torch.empty(self.layout.padded_numel, dtype=self.policy.reduce, device=self.buffer.device)
             self.state = GradState.STAGING
-        self._staging[slot.offset:slot.end].copy_(grad.reshape(-1))
+        self._staging[slot.offset : slot.end].copy_(grad.reshape(-1))
         self._filled[position] = True
 
     def launch_reduce(self, predivide: float, async_op: bool) -> None:
@@ -81,8 +88,8 @@ class FlatGroup:
         else:
             for slot, filled in zip(self.layout.slots, self._filled):
                 if not filled:
-                    self._staging[slot.offset:slot.end].zero_()
-            self._staging[self.layout.numel:].zero_()
+                    self._staging[slot.offset : slot.end].zero_()
+            self._staging[self.layout.numel :].zero_()
         if predivide != 1.0:
             self._staging.div_(predivide)
         if self.partitioned:

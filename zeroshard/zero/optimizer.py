@@ -69,7 +69,9 @@ class ZeroOptimizer:
         # Stage 0 reduces over the whole data-parallel world; sharded stages over the shard group,
         # then across replica groups.
         shard_group = grid.shard if self.stage_policy.partition_optimizer else grid.world
-        replica_group = grid.replica if self.stage_policy.partition_optimizer else comm.Group("replica", (comm.get_rank(),), None)
+        replica_group = (
+            grid.replica if self.stage_policy.partition_optimizer else comm.Group("replica", (comm.get_rank(),), None)
+        )
 
         self.flat_groups: list[FlatGroup] = []
         self._owner: dict[torch.nn.Parameter, tuple[FlatGroup, int]] = {}
@@ -86,8 +88,9 @@ class ZeroOptimizer:
                 for position, param in enumerate(params):
                     self._owner[param] = (flat, position)
             self.flat_groups.extend(members)
-            master_groups.append({**{k: v for k, v in group.items() if k != "params"},
-                                  "params": [f.master for f in members]})
+            master_groups.append(
+                {**{k: v for k, v in group.items() if k != "params"}, "params": [f.master for f in members]}
+            )
         self.optimizer = make_optimizer(master_groups)
         if isinstance(self.optimizer, Lamb):
             self.optimizer.sharded_norms = self._lamb_norms()
@@ -120,7 +123,7 @@ class ZeroOptimizer:
     def end_backward(self) -> None:
         if not self._reducing:
             return
-        for flat in self.flat_groups[self._next_launch:]:
+        for flat in self.flat_groups[self._next_launch :]:
             flat.launch_reduce(self.predivide, async_op=True)
         post_scale = self.predivide / self.grid.world.size
         for flat in self.flat_groups:
@@ -199,5 +202,9 @@ class ZeroOptimizer:
                 for seg in flat.layout.segments(flat.shard_rank)
             ]
             slot_id += len(flat.layout.slots)
-        reduce = (lambda t: comm.all_reduce(t, self.grid.shard)) if self.stage_policy.partition_optimizer else (lambda t: None)
+        reduce = (
+            (lambda t: comm.all_reduce(t, self.grid.shard))
+            if self.stage_policy.partition_optimizer
+            else (lambda t: None)
+        )
         return ShardedNorms(segments, slot_id, reduce)

@@ -23,11 +23,15 @@ def test_defaults_match_deepspeed():
 
 
 def test_unknown_keys_are_named_with_a_suggestion():
-    assert "unknown config key 'train_batch_sise'; did you mean 'train_batch_size'?" in error_of({"train_batch_sise": 4})
+    assert "unknown config key 'train_batch_sise'; did you mean 'train_batch_size'?" in error_of(
+        {"train_batch_sise": 4}
+    )
     assert "unknown config key 'zero_optimization.stag'; did you mean 'stage'?" in error_of(
-        {"zero_optimization": {"stag": 2}})
+        {"zero_optimization": {"stag": 2}}
+    )
     assert "unknown config key 'zero_optimization.offload_optimizer.nvm_path'" in error_of(
-        {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvm_path": "/x"}}})
+        {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvm_path": "/x"}}}
+    )
     assert "unknown config key 'bogus'; remove it or check its spelling" in error_of({"bogus": 1})
 
 
@@ -38,19 +42,27 @@ def test_wrong_types_and_ranges_name_key_and_value():
     assert "config key 'train_batch_size' = 'big'" in msg and "valid integer" in msg and "'auto'" in msg
     assert "config key 'gradient_clipping' = -1: must be >= 0" in error_of({"gradient_clipping": -1})
     assert "config key 'train_micro_batch_size_per_gpu' = 0: must be a positive integer" in error_of(
-        {"train_micro_batch_size_per_gpu": 0})
+        {"train_micro_batch_size_per_gpu": 0}
+    )
     assert "config key 'fp16.loss_scale_window' = 0" in error_of({"fp16": {"loss_scale_window": 0}})
     assert "config key 'zero_optimization.reduce_bucket_size' = -5: must be >= 0" in error_of(
-        {"zero_optimization": {"reduce_bucket_size": -5}})
+        {"zero_optimization": {"reduce_bucket_size": -5}}
+    )
 
 
 def test_inconsistent_values():
-    assert "fp16.enabled and bf16.enabled are both true" in error_of({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
-    assert "device 'nvme' needs 'nvme_path'" in error_of({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
+    assert "fp16.enabled and bf16.enabled are both true" in error_of(
+        {"fp16": {"enabled": True}, "bf16": {"enabled": True}}
+    )
+    assert "device 'nvme' needs 'nvme_path'" in error_of(
+        {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}
+    )
     assert "offload_param works only with stage 3 (stage is 2)" in error_of(
-        {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+        {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
+    )
     assert "either zero_hpz_partition_size or mics_shard_size" in error_of(
-        {"zero_optimization": {"zero_hpz_partition_size": 2, "mics_shard_size": 2}})
+        {"zero_optimization": {"zero_hpz_partition_size": 2, "mics_shard_size": 2}}
+    )
 
 
 def test_stage3_aliases_and_field_names_both_work():
@@ -63,9 +75,17 @@ def test_stage3_aliases_and_field_names_both_work():
 def test_deprecated_spellings_map_to_new_keys():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = parse_config({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
-                                                  "cpu_offload": True, "cpu_offload_param": True,
-                                                  "cpu_offload_use_pin_memory": True}})
+        cfg = parse_config(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_gather_fp16_weights_on_model_save": True,
+                    "cpu_offload": True,
+                    "cpu_offload_param": True,
+                    "cpu_offload_use_pin_memory": True,
+                }
+            }
+        )
     z = cfg.zero_optimization
     assert z.gather_16bit_weights_on_model_save is True
     assert z.offload_optimizer.device.value == "cpu" and z.offload_optimizer.pin_memory is True
@@ -77,8 +97,14 @@ def test_deprecated_spellings_map_to_new_keys():
 
 
 def test_conflicting_deprecated_and_new_key():
-    msg = error_of({"zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True,
-                                          "stage3_gather_16bit_weights_on_model_save": False}})
+    msg = error_of(
+        {
+            "zero_optimization": {
+                "stage3_gather_fp16_weights_on_model_save": True,
+                "stage3_gather_16bit_weights_on_model_save": False,
+            }
+        }
+    )
     assert "disagree" in msg
 
 

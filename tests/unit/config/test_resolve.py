@@ -5,22 +5,28 @@ import pytest
 from zeroshard.config import AutoContext, parse_config, resolve_batch_triad, resolve_config
 
 
-@pytest.mark.parametrize("given,expected", [
-    ((32, 4, 2), (32, 4, 2)),
-    ((32, 4, None), (32, 4, 2)),
-    ((32, None, 2), (32, 4, 2)),
-    ((None, 4, 2), (32, 4, 2)),
-    ((None, 4, None), (16, 4, 1)),
-    ((32, None, None), (32, 8, 1)),
-])
+@pytest.mark.parametrize(
+    "given,expected",
+    [
+        ((32, 4, 2), (32, 4, 2)),
+        ((32, 4, None), (32, 4, 2)),
+        ((32, None, 2), (32, 4, 2)),
+        ((None, 4, 2), (32, 4, 2)),
+        ((None, 4, None), (16, 4, 1)),
+        ((32, None, None), (32, 8, 1)),
+    ],
+)
 def test_batch_triad_inference(given, expected):
     triad = resolve_batch_triad(*given, world_size=4)
     assert (triad.train_batch_size, triad.micro_batch_size, triad.gradient_accumulation_steps) == expected
 
 
 def test_batch_triad_errors_name_the_arithmetic():
-    with pytest.raises(ValueError, match=r"train_batch_size 32 != train_micro_batch_size_per_gpu 4 x "
-                                         r"gradient_accumulation_steps 2 x world size 2 = 16"):
+    with pytest.raises(
+        ValueError,
+        match=r"train_batch_size 32 != train_micro_batch_size_per_gpu 4 x "
+        r"gradient_accumulation_steps 2 x world size 2 = 16",
+    ):
         resolve_batch_triad(32, 4, 2, world_size=2)
     with pytest.raises(ValueError, match="not divisible by train_micro_batch_size_per_gpu 3 x world size 2"):
         resolve_batch_triad(8, 3, None, world_size=2)
@@ -29,15 +35,34 @@ def test_batch_triad_errors_name_the_arithmetic():
 
 
 HF_STYLE = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
-    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8,
-                          "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto",
-                          "contiguous_gradients": True},
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": "auto",
+        "contiguous_gradients": True,
+    },
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
     "steps_per_print": 2000,
@@ -48,9 +73,20 @@ HF_STYLE = {
 
 
 def hf_args(**over):
-    values = dict(learning_rate=5e-5, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0,
-                  warmup_steps=10, max_steps=100, max_grad_norm=1.0, fp16=False, bf16=True,
-                  per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    values = dict(
+        learning_rate=5e-5,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        warmup_steps=10,
+        max_steps=100,
+        max_grad_norm=1.0,
+        fp16=False,
+        bf16=True,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+    )
     values.update(over)
     return argparse.Namespace(**values)
 
@@ -59,8 +95,12 @@ def test_hf_style_auto_resolves_from_args_and_model_width():
     res = resolve_config(parse_config(HF_STYLE), AutoContext(world_size=2, args=hf_args(), hidden_size=64))
     cfg = res.config
     assert cfg.optimizer.params == {"lr": 5e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
-    assert cfg.scheduler.params == {"warmup_min_lr": 0.0, "warmup_max_lr": 5e-5, "warmup_num_steps": 10,
-                                    "total_num_steps": 100}
+    assert cfg.scheduler.params == {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 5e-5,
+        "warmup_num_steps": 10,
+        "total_num_steps": 100,
+    }
     assert cfg.zero_optimization.reduce_bucket_size == 64 * 64
     assert cfg.gradient_clipping == 1.0 and cfg.bf16.enabled is True and cfg.fp16.enabled is False
     assert (res.batch.train_batch_size, res.batch.micro_batch_size, res.batch.gradient_accumulation_steps) == (16, 4, 2)

@@ -25,7 +25,9 @@ def test_warmup_lr_log_and_linear():
     assert curve[0] == 0.0 and curve[1] == 0.0  # step index 0: log(1) = 0
     assert curve[2] == pytest.approx(math.log(2) / math.log(10))
     assert curve[11] == 1.0 and curve[12] == 1.0
-    lin = lrs("WarmupLR", {"warmup_min_lr": 0.1, "warmup_max_lr": 1.1, "warmup_num_steps": 4, "warmup_type": "linear"}, 6)
+    lin = lrs(
+        "WarmupLR", {"warmup_min_lr": 0.1, "warmup_max_lr": 1.1, "warmup_num_steps": 4, "warmup_type": "linear"}, 6
+    )
     assert lin[1:6] == pytest.approx([0.1, 0.35, 0.6, 0.85, 1.1])
 
 
@@ -35,8 +37,11 @@ def test_warmup_lr_defaults_to_optimizer_lr_as_max():
 
 
 def test_warmup_decay_lr():
-    curve = lrs("WarmupDecayLR", {"total_num_steps": 20, "warmup_max_lr": 1.0, "warmup_num_steps": 10,
-                                  "warmup_type": "linear"}, 21)
+    curve = lrs(
+        "WarmupDecayLR",
+        {"total_num_steps": 20, "warmup_max_lr": 1.0, "warmup_num_steps": 10, "warmup_type": "linear"},
+        21,
+    )
     assert curve[6] == pytest.approx(0.5)  # index 5 of 10
     assert curve[11] == pytest.approx(1.0)  # index 10: (20-10)/(20-10)
     assert curve[16] == pytest.approx(0.5)  # index 15
@@ -44,8 +49,12 @@ def test_warmup_decay_lr():
 
 
 def test_warmup_cosine_lr():
-    curve = lrs("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 10, "warmup_type": "linear",
-                                   "cos_min_ratio": 0.0}, 25, opt(lr=2.0))
+    curve = lrs(
+        "WarmupCosineLR",
+        {"total_num_steps": 20, "warmup_num_steps": 10, "warmup_type": "linear", "cos_min_ratio": 0.0},
+        25,
+        opt(lr=2.0),
+    )
     assert curve[0] == 0.0
     assert curve[6] == pytest.approx(1.0)  # half-way through warmup: ratio 0.5
     assert curve[11] == pytest.approx(2.0 * (1 + math.cos(math.pi * 1 / 10)) / 2)
@@ -55,8 +64,17 @@ def test_warmup_cosine_lr():
 
 def test_one_cycle_lr_and_momentum():
     o = opt()
-    sched = build_schedule("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4,
-                                        "decay_lr_rate": 0.5, "decay_step_size": 2}, o)
+    sched = build_schedule(
+        "OneCycle",
+        {
+            "cycle_min_lr": 0.01,
+            "cycle_max_lr": 0.1,
+            "cycle_first_step_size": 4,
+            "decay_lr_rate": 0.5,
+            "decay_step_size": 2,
+        },
+        o,
+    )
     assert o.param_groups[0]["lr"] == 0.01 and o.param_groups[0]["betas"] == (0.8, 0.99)
     seen = []
     for _ in range(12):
@@ -68,11 +86,13 @@ def test_one_cycle_lr_and_momentum():
 
 
 def test_lr_range_test():
-    cont = lrs("LRRangeTest", {"lr_range_test_min_lr": 0.1, "lr_range_test_step_size": 2,
-                               "lr_range_test_step_rate": 1.0}, 4)
+    cont = lrs(
+        "LRRangeTest", {"lr_range_test_min_lr": 0.1, "lr_range_test_step_size": 2, "lr_range_test_step_rate": 1.0}, 4
+    )
     assert cont == pytest.approx([0.1, 0.15, 0.2, 0.25, 0.3])
-    stair = lrs("LRRangeTest", {"lr_range_test_min_lr": 0.1, "lr_range_test_step_size": 2,
-                                "lr_range_test_staircase": True}, 4)
+    stair = lrs(
+        "LRRangeTest", {"lr_range_test_min_lr": 0.1, "lr_range_test_step_size": 2, "lr_range_test_staircase": True}, 4
+    )
     assert stair == pytest.approx([0.1, 0.1, 0.2, 0.2, 0.3])
 
 
