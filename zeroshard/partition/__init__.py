@@ -1,5 +1,5 @@
 """Pure partitioning math (no process groups, no allocation)."""
 
-from .layout import FlatLayout, Segment, Slot, assign_buckets, bucketed_layouts, flat_layout, round_up
+from .layout import FlatLayout, Segment, Slot, assign_buckets, flat_layout, round_up
 
-__all__ = ["FlatLayout", "Segment", "Slot", "assign_buckets", "bucketed_layouts", "flat_layout", "round_up"]
+__all__ = ["FlatLayout", "Segment", "Slot", "assign_buckets", "flat_layout", "round_up"]

@@ -111,14 +111,3 @@ def assign_buckets(numels: Sequence[int], bucket_size: int) -> list[list[int]]:
     if current:
         buckets.append(current)
     return buckets
-
-
-def bucketed_layouts(
-    names: Sequence[str], shapes: Sequence[tuple[int, ...]], bucket_size: int, shard_count: int
-) -> list[FlatLayout]:
-    """One flat layout per bucket; slot indices refer to positions in ``names``."""
-    numels = [math.prod(shape) for shape in shapes]
-    return [
-        flat_layout([names[i] for i in bucket], [shapes[i] for i in bucket], shard_count, bucket)
-        for bucket in assign_buckets(numels, bucket_size)
-    ]

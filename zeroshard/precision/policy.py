@@ -13,7 +13,8 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 class PrecisionPolicy:
     compute: torch.dtype  # parameters in forward/backward and their gradients
     reduce: torch.dtype  # gradients on the wire
-    master: torch.dtype = torch.float32  # master weights, gradient shards and optimizer state
+    master: torch.dtype = torch.float32  # master weights and optimizer state
+    grad: torch.dtype = torch.float32  # reduced gradient shards, accumulated across micro-batches
 
     @classmethod
     def from_config(cls, config) -> "PrecisionPolicy":
@@ -26,4 +27,10 @@ class PrecisionPolicy:
         if config.fp16.enabled and config.fp16.fp16_master_weights_and_grads:
             raise NotImplementedError("fp16.fp16_master_weights_and_grads: zeroshard keeps fp32 master weights")
         reduce = _DTYPES[config.communication_data_type] if config.communication_data_type else compute
-        return cls(compute=compute, reduce=reduce)
+        # DeepSpeed's stage 3 keeps gradient partitions in the compute dtype (the 16 bytes/parameter of
+        # the ZeRO paper); stages 0-2 accumulate in fp32. data_types.grad_accum_dtype overrides both.
+        if config.data_types.grad_accum_dtype:
+            grad = _DTYPES[config.data_types.grad_accum_dtype]
+        else:
+            grad = compute if config.zero_optimization.stage == 3 else torch.float32
+        return cls(compute=compute, reduce=reduce, grad=grad)

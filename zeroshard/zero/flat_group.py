@@ -24,6 +24,7 @@ import torch
 from .. import comm
 from ..partition import FlatLayout
 from ..precision import PrecisionPolicy
+from . import sharded_param
 
 
 class GradState(Enum):
@@ -32,7 +33,16 @@ class GradState(Enum):
     REDUCING = "reducing"  # collective issued, result not yet accumulated
 
 
+class ParamState(Enum):
+    GATHERED = "gathered"  # the whole buffer exists and the parameters are views into it
+    GATHERING = "gathering"  # all-gather issued, parameters not bound yet
+    SHARDED = "sharded"  # only this rank's shard exists (stage 3); parameters hold no data
+
+
 class FlatGroup:
+    """See the module docstring. ``resident`` groups (stages 0-2, persistent stage-3 parameters) keep the
+    whole buffer; the others (stage 3) gather it before use and free it after."""
+
     def __init__(
         self,
         layout: FlatLayout,
@@ -41,32 +51,81 @@ class FlatGroup:
         shard_group: comm.Group,
         replica_group: comm.Group,
         device: torch.device,
+        resident: bool = True,
     ):
         if layout.shard_count not in (1, shard_group.size):
             raise AssertionError(f"layout has {layout.shard_count} shards, shard group has {shard_group.size} ranks")
         self.layout = layout
         self.params = params
         self.policy = policy
+        self.resident = resident
         self.partitioned = layout.shard_count > 1
         self.shard_group = shard_group
         self.replica_group = replica_group
         self.shard_rank = shard_group.rank if self.partitioned else 0
-        self.buffer = torch.zeros(layout.padded_numel, dtype=policy.compute, device=device)
+        self.device = device
+        full = torch.zeros(layout.padded_numel, dtype=policy.compute, device=device)
         with torch.no_grad():
             for slot, param in zip(layout.slots, params):
-                view = self.buffer[slot.offset : slot.end].view(slot.shape)
-                view.copy_(param.detach())
-                param.data = view
+                full[slot.offset : slot.end].copy_(param.detach().reshape(-1))
         lo, hi = layout.shard_range(self.shard_rank)
-        own = self.buffer[lo:hi]
-        self.master_is_buffer = policy.compute == policy.master
-        self.master = own if self.master_is_buffer else own.to(policy.master, copy=True)
-        self.grad = torch.zeros(hi - lo, dtype=policy.master, device=device)
+        self.buffer: Optional[torch.Tensor] = None
+        self._gather: Optional[comm.Pending] = None
+        if resident:
+            self.shard = full[lo:hi]
+            self._bind(full)
+        else:
+            self.shard = full[lo:hi].clone()
+            for param in params:
+                sharded_param.adopt(param)
+            self.free()
+        del full
+        self.master_is_shard = policy.compute == policy.master
+        self.master = self.shard if self.master_is_shard else self.shard.to(policy.master, copy=True)
+        self.grad = torch.zeros(hi - lo, dtype=policy.grad, device=device)
         self.state = GradState.EMPTY
         self._staging: Optional[torch.Tensor] = None
         self._filled = [False] * len(params)
         self._reduced: Optional[torch.Tensor] = None
         self._pending: Optional[comm.Pending] = None
+
+    # -- parameter lifecycle (stage 3) ---------------------------------------------------------
+    @property
+    def param_state(self) -> ParamState:
+        if self._gather is not None:
+            return ParamState.GATHERING
+        return ParamState.GATHERED if self.buffer is not None else ParamState.SHARDED
+
+    def _bind(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        for slot, param in zip(self.layout.slots, self.params):
+            sharded_param.bind(param, buffer[slot.offset : slot.end].view(slot.shape))
+
+    def gather(self, async_op: bool = False) -> None:
+        """Start (or finish, when synchronous) the all-gather of the whole buffer."""
+        if self.param_state is not ParamState.SHARDED:
+            if not async_op:
+                self.wait_gathered()
+            return
+        self.buffer = torch.empty(self.layout.padded_numel, dtype=self.policy.compute, device=self.device)
+        self._gather = comm.all_gather(self.buffer, self.shard, self.shard_group, async_op=True)
+        if not async_op:
+            self.wait_gathered()
+
+    def wait_gathered(self) -> None:
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+            self._bind(self.buffer)
+
+    def free(self) -> None:
+        """Drop the whole buffer; the parameters keep their identity but no data until the next gather."""
+        if self.resident:
+            raise AssertionError("a resident flat group is never freed")
+        self.wait_gathered()
+        for slot, param in zip(self.layout.slots, self.params):
+            sharded_param.release(param, slot.name, torch.Size(slot.shape))
+        self.buffer = None
 
     @property
     def complete(self) -> bool:
@@ -76,7 +135,7 @@ class FlatGroup:
     def stage_grad(self, position: int, grad: torch.Tensor) -> None:
         slot = self.layout.slots[position]
         if self._staging is None:
-            self._staging = torch.empty(self.layout.padded_numel, dtype=self.policy.reduce, device=self.buffer.device)
+            self._staging = torch.empty(self.layout.padded_numel, dtype=self.policy.reduce, device=self.device)
             self.state = GradState.STAGING
         self._staging[slot.offset : slot.end].copy_(grad.reshape(-1))
         self._filled[position] = True
@@ -84,7 +143,7 @@ class FlatGroup:
     def launch_reduce(self, predivide: float, async_op: bool) -> None:
         """Issue the reduction; parameters whose gradient never arrived (unused this step) count as zero."""
         if self._staging is None:
-            self._staging = torch.zeros(self.layout.padded_numel, dtype=self.policy.reduce, device=self.buffer.device)
+            self._staging = torch.zeros(self.layout.padded_numel, dtype=self.policy.reduce, device=self.device)
         else:
             for slot, filled in zip(self.layout.slots, self._filled):
                 if not filled:
@@ -93,7 +152,7 @@ class FlatGroup:
         if predivide != 1.0:
             self._staging.div_(predivide)
         if self.partitioned:
-            self._reduced = torch.empty(self.layout.shard_numel, dtype=self.policy.reduce, device=self.buffer.device)
+            self._reduced = torch.empty(self.layout.shard_numel, dtype=self.policy.reduce, device=self.device)
             self._pending = comm.reduce_scatter(self._reduced, self._staging, self.shard_group, async_op=async_op)
         else:
             self._reduced = self._staging
@@ -113,21 +172,21 @@ class FlatGroup:
         self.state = GradState.EMPTY
 
     def publish(self) -> None:
-        """Write the updated master shard into the compute buffer and gather the other ranks' shards."""
-        lo, hi = self.layout.shard_range(self.shard_rank)
-        if not self.master_is_buffer:
-            self.buffer[lo:hi].copy_(self.master)
-        if self.partitioned:
+        """Write the updated master shard into the compute shard; a resident group also gathers the others'."""
+        if not self.master_is_shard:
+            self.shard.copy_(self.master)
+        if self.resident and self.partitioned:
             # in-place all-gather: the input is this rank's own chunk of the output
-            comm.all_gather(self.buffer, self.buffer[lo:hi], self.shard_group)
+            comm.all_gather(self.buffer, self.shard, self.shard_group)
 
     def bytes_held(self) -> dict[str, int]:
         def nbytes(t: Optional[torch.Tensor]) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
         return {
-            "params": nbytes(self.buffer),
-            "master": nbytes(self.master),
+            "params": nbytes(self.buffer) if self.resident else nbytes(self.shard),
+            "gathered": 0 if self.resident else nbytes(self.buffer),
+            "master": 0 if self.master_is_shard and not self.resident else nbytes(self.master),
             "grad_shard": nbytes(self.grad),
             "staging": nbytes(self._staging) + (nbytes(self._reduced) if self._reduced is not self._staging else 0),
         }

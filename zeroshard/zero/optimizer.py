@@ -21,7 +21,7 @@ import torch
 from .. import comm
 from ..optim import Lamb
 from ..optim.lamb import ShardedNorms
-from ..partition import bucketed_layouts
+from ..partition import assign_buckets, flat_layout
 from ..precision import LossScaler, PrecisionPolicy
 from .flat_group import FlatGroup
 
@@ -29,13 +29,59 @@ from .flat_group import FlatGroup
 @dataclass(frozen=True)
 class StagePolicy:
     partition_optimizer: bool  # stages >= 1: master weights and optimizer state sharded
-    reduce_every_micro_step: bool  # stage 2: gradients reduced (and freed) during every backward
+    reduce_every_micro_step: bool  # stages 2, 3: gradients reduced (and freed) during every backward
+    partition_params: bool  # stage 3: compute parameters sharded, gathered per unit around its use
 
     @classmethod
     def for_stage(cls, stage: int) -> "StagePolicy":
-        if stage not in (0, 1, 2):
-            raise NotImplementedError(f"zero_optimization.stage {stage} is not handled by the stage 0-2 optimizer")
-        return cls(partition_optimizer=stage >= 1, reduce_every_micro_step=stage == 2)
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization.stage must be 0-3, got {stage}")
+        return cls(partition_optimizer=stage >= 1, reduce_every_micro_step=stage >= 2, partition_params=stage == 3)
+
+
+@dataclass(frozen=True)
+class FlatGroupPlan:
+    group_index: int  # optimizer parameter group
+    params: list  # in flat order
+    resident: bool
+
+
+def plan_flat_groups(
+    param_groups: list[dict],
+    policy: StagePolicy,
+    bucket_size: int,
+    units: Optional[list[list[torch.nn.Parameter]]] = None,
+    persistent: frozenset = frozenset(),
+) -> list[FlatGroupPlan]:
+    """Which parameters share a flat group, in the order their gradients are expected.
+
+    Stages 0-2: buckets of ``bucket_size`` elements per parameter group, last parameter first
+    (backward produces gradients roughly in reverse). Stage 3: one flat group per gather unit and
+    parameter group, units in reverse forward order, then one resident group per parameter group
+    for the persistent (small, always gathered) parameters.
+    """
+    trainable = [[p for p in g["params"] if p.requires_grad] for g in param_groups]
+    plans = []
+    if not policy.partition_params:
+        for index, params in enumerate(trainable):
+            params = params[::-1]
+            numels = [p.numel() for p in params]
+            plans += [
+                FlatGroupPlan(index, [params[i] for i in bucket], True)
+                for bucket in assign_buckets(numels, bucket_size)
+            ]
+        return plans
+    group_of = {p: i for i, params in enumerate(trainable) for p in params}
+    for unit in reversed(units or []):
+        for index in range(len(param_groups)):
+            members = [p for p in unit if group_of.get(p) == index and p not in persistent]
+            if members:
+                plans.append(FlatGroupPlan(index, members, False))
+    for index, params in enumerate(trainable):
+        members = [p for p in params if p in persistent]
+        if members:
+            plans.append(FlatGroupPlan(index, members, True))
+    return plans
 
 
 class ZeroOptimizer:
@@ -56,6 +102,8 @@ class ZeroOptimizer:
         gradient_clipping: float,
         gradient_predivide_factor: float = 1.0,
         device: torch.device,
+        units: Optional[list[list[torch.nn.Parameter]]] = None,
+        persistent: frozenset = frozenset(),
     ):
         self.stage = stage
         self.stage_policy = StagePolicy.for_stage(stage)
@@ -75,23 +123,21 @@ class ZeroOptimizer:
 
         self.flat_groups: list[FlatGroup] = []
         self._owner: dict[torch.nn.Parameter, tuple[FlatGroup, int]] = {}
-        master_groups = []
-        for group in param_groups:
-            # reverse order: backward produces gradients roughly from the last parameter to the first
-            trainable = [p for p in reversed(group["params"]) if p.requires_grad]
-            names = [param_names[p] for p in trainable]
-            members = []
-            for layout in bucketed_layouts(names, [tuple(p.shape) for p in trainable], bucket_size, shard_count):
-                params = [trainable[slot.index] for slot in layout.slots]
-                flat = FlatGroup(layout, params, policy, shard_group, replica_group, device)
-                members.append(flat)
-                for position, param in enumerate(params):
-                    self._owner[param] = (flat, position)
-            self.flat_groups.extend(members)
-            master_groups.append(
-                {**{k: v for k, v in group.items() if k != "params"}, "params": [f.master for f in members]}
+        masters: list[list[torch.Tensor]] = [[] for _ in param_groups]
+        for plan in plan_flat_groups(param_groups, self.stage_policy, bucket_size, units, persistent):
+            layout = flat_layout(
+                [param_names[p] for p in plan.params], [tuple(p.shape) for p in plan.params], shard_count
             )
+            flat = FlatGroup(layout, plan.params, policy, shard_group, replica_group, device, plan.resident)
+            self.flat_groups.append(flat)
+            masters[plan.group_index].append(flat.master)
+            for position, param in enumerate(plan.params):
+                self._owner[param] = (flat, position)
+        master_groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(param_groups, masters)
+        ]
         self.optimizer = make_optimizer(master_groups)
+        self.on_flat_group_complete: Optional[Callable[[FlatGroup], None]] = None
         if isinstance(self.optimizer, Lamb):
             self.optimizer.sharded_norms = self._lamb_norms()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._owner]
@@ -110,6 +156,8 @@ class ZeroOptimizer:
         flat, position = self._owner[param]
         flat.stage_grad(position, param.grad)
         param.grad = None
+        if flat.complete and self.on_flat_group_complete is not None:
+            self.on_flat_group_complete(flat)
         if self.overlap_comm:
             self._launch_ready()
 
@@ -131,8 +179,7 @@ class ZeroOptimizer:
         self._reducing = False
 
     # -- the optimizer step -------------------------------------------------------------------
-    def _grad_norm_squared(self) -> torch.Tensor:
-        grads = [f.grad for f in self.flat_groups]
+    def _grad_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float32)
         squared = torch.stack(torch._foreach_norm(grads)).pow(2).sum().reshape(1)
@@ -143,7 +190,9 @@ class ZeroOptimizer:
     def step(self) -> bool:
         """Unscale, clip and apply the reduced gradients; returns False when an fp16 overflow skipped the step."""
         scale = self.loss_scaler.scale
-        norm = math.sqrt(self._grad_norm_squared().item()) / scale
+        # the optimizer needs gradients in the master dtype (a transient copy when shards are 16-bit)
+        grads = [f.grad if f.grad.dtype == f.master.dtype else f.grad.to(f.master.dtype) for f in self.flat_groups]
+        norm = math.sqrt(self._grad_norm_squared(grads).item()) / scale
         overflow = not math.isfinite(norm)
         self.global_grad_norm = norm
         self.loss_scaler.update(overflow)
@@ -153,11 +202,10 @@ class ZeroOptimizer:
         coef = 1.0 / scale
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:
             coef *= self.gradient_clipping / (norm + 1e-6)
-        grads = [f.grad for f in self.flat_groups]
         if coef != 1.0 and grads:
             torch._foreach_mul_(grads, coef)
-        for flat in self.flat_groups:
-            flat.master.grad = flat.grad
+        for flat, grad in zip(self.flat_groups, grads):
+            flat.master.grad = grad
         self.optimizer.step()
         for flat in self.flat_groups:
             flat.master.grad = None
@@ -182,7 +230,7 @@ class ZeroOptimizer:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds, counted from the tensors themselves."""
-        totals = {"params": 0, "master": 0, "grad_shard": 0, "staging": 0, "optimizer_state": 0}
+        totals = {"params": 0, "gathered": 0, "master": 0, "grad_shard": 0, "staging": 0, "optimizer_state": 0}
         for flat in self.flat_groups:
             for key, value in flat.bytes_held().items():
                 totals[key] += value

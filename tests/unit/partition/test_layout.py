@@ -1,6 +1,6 @@
 import pytest
 
-from zeroshard.partition import assign_buckets, bucketed_layouts, flat_layout, round_up
+from zeroshard.partition import assign_buckets, flat_layout, round_up
 
 
 def test_round_up():
@@ -40,12 +40,6 @@ def test_assign_buckets():
     assert assign_buckets([10, 1, 1], 8) == [[0], [1, 2]]  # oversize parameter alone
     assert assign_buckets([3, 3, 3], 0) == [[0, 1, 2]]  # 0 = one bucket
     assert assign_buckets([], 8) == []
-
-
-def test_bucketed_layouts_keep_caller_indices():
-    layouts = bucketed_layouts(["w0", "w1", "w2"], [(4,), (4,), (4,)], bucket_size=8, shard_count=2)
-    assert [[s.index for s in lay.slots] for lay in layouts] == [[0, 1], [2]]
-    assert [s.offset for s in layouts[1].slots] == [0]
 
 
 def test_empty_layout_still_has_one_element_per_shard():
