@@ -1,7 +1,16 @@
 """The communication layer: the only package that imports ``torch.distributed``."""
 
 from .backend import DEFAULT_TIMEOUT, destroy, env_world, get_rank, get_world_size, init_distributed, is_initialized
-from .collectives import CollectiveError, Pending, all_gather, all_reduce, barrier, broadcast, reduce_scatter
+from .collectives import (
+    CollectiveError,
+    Pending,
+    all_gather,
+    all_reduce,
+    barrier,
+    broadcast,
+    inject_delays,
+    reduce_scatter,
+)
 from .groups import Group, RankGrid, build_rank_grid, grid_layout
 from .ledger import LEDGER, CommLedger, OpTotals
 
@@ -33,6 +42,7 @@ __all__ = [
     "get_world_size",
     "grid_layout",
     "init_distributed",
+    "inject_delays",
     "is_initialized",
     "log_summary",
     "reduce_scatter",

@@ -125,6 +125,7 @@ class ZeroConfig(Section):
     log_trace_cache_warnings: bool = False
     enable_sanity_checks: bool = False
     gather_unit_classes: list[str] = Field(default_factory=list)
+    gather_unit_min_params: int = Field(1_000_000, ge=1)
 
     @model_validator(mode="before")
     @classmethod

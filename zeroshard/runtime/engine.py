@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from typing import Any, Optional
@@ -12,7 +13,8 @@ from torch.utils._pytree import tree_map
 from .. import comm
 from ..config import Resolution
 from ..precision import PrecisionPolicy
-from ..zero import ZeroOptimizer
+from ..zero import ZeroOptimizer, consolidated_state_dict
+from ..zero.stage3 import Stage3Runtime
 from .log import log_rank0
 
 
@@ -31,6 +33,7 @@ class ZeroshardEngine(torch.nn.Module):
         policy: PrecisionPolicy,
         device: torch.device,
         training_dataloader: Any = None,
+        stage3: Optional[Stage3Runtime] = None,
     ):
         super().__init__()
         self.module = module
@@ -42,6 +45,7 @@ class ZeroshardEngine(torch.nn.Module):
         self.policy = policy
         self.device = device
         self.training_dataloader = training_dataloader
+        self.stage3 = stage3
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -80,6 +84,8 @@ class ZeroshardEngine(torch.nn.Module):
         (loss.float() * scale).backward(retain_graph=retain_graph)
         reduce_started = time.perf_counter()
         self.zero.end_backward()
+        if self.stage3 is not None:
+            self.stage3.release_all()
         self._timers["backward"] += reduce_started - started
         self._timers["reduce_wait"] += time.perf_counter() - reduce_started
         return loss
@@ -174,6 +180,31 @@ class ZeroshardEngine(torch.nn.Module):
     @property
     def world_size(self) -> int:
         return self.grid.world.size
+
+    def consolidated_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The module's full state dict on CPU in the compute dtype. Under stage 3 it is gathered one flat
+        group at a time, so no rank ever holds more than one gathered unit besides the result. Every rank
+        must call it; with ``rank0_only`` the others get ``{}``."""
+        flats = self.zero.flat_groups if self.zero is not None else []
+        return consolidated_state_dict(self.module, flats, rank0_only=rank0_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Write the full compute-dtype weights from rank 0 (every rank must call it). Under stage 3 this needs
+        ``stage3_gather_16bit_weights_on_model_save``; returns whether a file was written."""
+        if self.zero_optimization_stage() == 3 and not self.config.zero_optimization.gather_16bit_weights_on_model_save:
+            log_rank0(
+                "save_16bit_model: not saved, because zero_optimization.stage3_gather_16bit_weights_on_model_save "
+                "is false (set it to true to gather the sharded weights)"
+            )
+            return False
+        state = self.consolidated_state_dict(rank0_only=True)
+        if comm.get_rank() == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            torch.save(state, path + ".tmp")
+            os.replace(path + ".tmp", path)  # never leave a half-written file under the final name
+        comm.barrier(self.grid.world)
+        return True
 
     def state_bytes(self) -> dict[str, int]:
         """Model-state bytes held by this rank (parameters, master weights, gradient shards, optimizer state)."""

@@ -17,6 +17,7 @@ from ..config.schema import OffloadDevice
 from ..optim import build_optimizer, build_schedule, check_client_optimizer
 from ..precision import LossScaler, PrecisionPolicy
 from ..zero import ZeroOptimizer
+from ..zero.stage3 import Stage3Runtime, build_units, plan_units
 from .engine import ZeroshardEngine
 from .log import log_rank0
 
@@ -87,6 +88,23 @@ def _broadcast_module(module: torch.nn.Module, group: comm.Group) -> None:
             comm.broadcast(tensor.data, src=group.ranks[0], group=group)
 
 
+def _stage3_plan(model: torch.nn.Module, cfg, gather_unit_classes) -> tuple[list, frozenset]:
+    """Gather units, and the parameters small enough to stay gathered (stage3_param_persistence_threshold)."""
+    z = cfg.zero_optimization
+    names = set(z.gather_unit_classes)
+    for cls in gather_unit_classes or ():
+        names.add(cls if isinstance(cls, str) else cls.__name__)
+    plans = plan_units(model, frozenset(names), z.gather_unit_min_params)
+    persistent = frozenset(p for p in model.parameters() if p.numel() < z.param_persistence_threshold)
+    log_rank0(
+        f"stage 3: {len(plans)} gather units ("
+        + ", ".join(p.name or "<root>" for p in plans[:6])
+        + (", ..." if len(plans) > 6 else "")
+        + f"), {len(persistent)} persistent parameters"
+    )
+    return plans, persistent
+
+
 def initialize(
     args: Any = None,
     model: Optional[torch.nn.Module] = None,
@@ -98,11 +116,14 @@ def initialize(
     dist_init_required: Optional[bool] = None,
     collate_fn: Optional[Callable] = None,
     config_params: Any = None,
+    gather_unit_classes: Any = None,
 ):
     """Build an engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     ``optimizer`` and ``lr_scheduler`` may be objects or callables (``params -> optimizer``,
     ``optimizer -> scheduler``); otherwise they are built from the config's blocks by name.
+    ``gather_unit_classes`` (module classes or class names) adds to ``zero_optimization.gather_unit_classes``:
+    under stage 3 each module of those classes is one gather unit.
     """
     if model is None:
         raise ValueError("initialize needs model=")
@@ -115,8 +136,6 @@ def initialize(
         comm.init_distributed()
     parsed = parse_config(source)
     zero_cfg = parsed.zero_optimization
-    if zero_cfg.stage == 3:
-        raise NotImplementedError("zero_optimization.stage 3 is not available yet; use stage 0, 1 or 2")
     for key in ("offload_optimizer", "offload_param"):
         block = getattr(zero_cfg, key)
         if block is not None and block.device is not OffloadDevice.none:
@@ -147,7 +166,7 @@ def initialize(
     model.to(device=device, dtype=policy.compute)
     _broadcast_module(model, grid.world)
 
-    zero = None
+    zero = stage3 = None
     param_names = {p: name for name, p in model.named_parameters()}
     if optimizer is not None or cfg.optimizer is not None:
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -181,6 +200,9 @@ def initialize(
                 f"{len(unknown)} optimizer parameter(s) (first shape {tuple(unknown[0].shape)}) "
                 "are not parameters of the model"
             )
+        unit_plans, persistent = (
+            _stage3_plan(model, cfg, gather_unit_classes) if cfg.zero_optimization.stage == 3 else ([], frozenset())
+        )
         zero = ZeroOptimizer(
             groups,
             param_names,
@@ -194,7 +216,14 @@ def initialize(
             gradient_clipping=cfg.gradient_clipping,
             gradient_predivide_factor=cfg.gradient_predivide_factor,
             device=device,
+            units=[plan.params for plan in unit_plans],
+            persistent=persistent,
         )
+        if unit_plans:
+            root_unit, units = build_units(unit_plans, zero.flat_groups)
+            z = cfg.zero_optimization
+            stage3 = Stage3Runtime(model, root_unit, units, z.prefetch_bucket_size, z.max_live_parameters)
+            zero.on_flat_group_complete = stage3.on_flat_group_complete
 
     scheduler = None
     if lr_scheduler is not None:
@@ -222,6 +251,6 @@ def initialize(
                 drop_last=cfg.dataloader_drop_last,
             )
 
-    engine = ZeroshardEngine(model, zero, scheduler, resolution, grid, policy, device, dataloader)
+    engine = ZeroshardEngine(model, zero, scheduler, resolution, grid, policy, device, dataloader, stage3)
     comm.LEDGER.reset()  # count training traffic, not the initial weight broadcast
     return engine, zero, dataloader, scheduler

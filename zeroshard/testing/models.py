@@ -17,6 +17,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     tie_weights: bool = True
+    repeat_first_block: bool = False  # run blocks[0] again after the last block (a module used twice)
 
     @property
     def hidden_size(self) -> int:
@@ -69,6 +70,8 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for block in self.blocks:
             x = block(x)
+        if self.config.repeat_first_block:
+            x = self.blocks[0](x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

@@ -31,6 +31,10 @@ class ParityCase:
     bucket_size: int = 500_000_000
     shard_size: int = 0  # hybrid sharding group size; 0 = all ranks
     extra: tuple = field(default=())  # (key, value) pairs merged into the config
+    zero: tuple = field(default=())  # (key, value) pairs merged into zero_optimization
+    comm_delay_s: float = 0.0  # random delays injected around every collective (race testing)
+    model: GPTConfig = MODEL
+    frozen: tuple[str, ...] = ()  # parameter names with requires_grad=False
 
     def config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {
@@ -45,6 +49,7 @@ class ParityCase:
                 "reduce_bucket_size": self.bucket_size,
             },
         }
+        cfg["zero_optimization"].update(dict(self.zero))
         if self.shard_size:
             cfg["zero_optimization"]["zero_hpz_partition_size"] = self.shard_size
         if self.dtype == "bf16":
@@ -55,23 +60,27 @@ class ParityCase:
         return cfg
 
 
-def make_model(seed: int = 0) -> GPT:
+def make_model(seed: int = 0, model: GPTConfig = MODEL, frozen: tuple[str, ...] = ()) -> GPT:
     torch.manual_seed(seed)
-    return GPT(MODEL)
+    gpt = GPT(model)
+    for name, param in gpt.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return gpt
 
 
-def make_batches(steps: int, global_batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(steps: int, global_batch: int, seed: int = 1, vocab_size: int = MODEL.vocab_size):
     gen = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, MODEL.vocab_size, (steps, global_batch, SEQ + 1), generator=gen)
+    data = torch.randint(0, vocab_size, (steps, global_batch, SEQ + 1), generator=gen)
     return [(d[:, :-1], d[:, 1:]) for d in data]
 
 
 def reference_train(case: ParityCase, world_size: int) -> dict[str, torch.Tensor]:
     """Plain single-process fp32 training on the full global batch."""
-    model = make_model()
+    model = make_model(model=case.model, frozen=case.frozen)
     opt_cls = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[case.optimizer]
-    opt = opt_cls(model.parameters(), lr=case.lr, weight_decay=0.01)
-    for x, y in make_batches(case.steps, world_size * case.micro_batch * case.gas):
+    opt = opt_cls([p for p in model.parameters() if p.requires_grad], lr=case.lr, weight_decay=0.01)
+    for x, y in make_batches(case.steps, world_size * case.micro_batch * case.gas, vocab_size=case.model.vocab_size):
         model(x, y).backward()
         if case.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
@@ -85,22 +94,31 @@ def engine_train(case: ParityCase) -> dict[str, Any]:
     import zeroshard
     from zeroshard import comm
 
-    model = make_model()
+    model = make_model(model=case.model, frozen=case.frozen)
+    comm.inject_delays(case.comm_delay_s)
     engine, _, _, _ = zeroshard.initialize(model=model, config=case.config())
     rank, world = comm.get_rank(), comm.get_world_size()
     b = case.micro_batch
     comm.LEDGER.reset()
-    for x, y in make_batches(case.steps, world * b * case.gas):
+    for x, y in make_batches(case.steps, world * b * case.gas, vocab_size=case.model.vocab_size):
         for k in range(case.gas):
             rows = slice((k * world + rank) * b, (k * world + rank + 1) * b)
             loss = engine(x[rows], y[rows])
             engine.backward(loss)
             engine.step()
-    return {
-        "params": {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()},
+    traffic = {
         "wire_bytes": comm.LEDGER.total_wire_bytes(),
         "ledger": {f"{op}/{group}": (t.calls, t.bytes) for (op, group), t in comm.LEDGER.summary().items()},
+    }
+    return {
+        **traffic,
+        "params": {k: v.float() for k, v in engine.consolidated_state_dict(rank0_only=False).items()},
         "state_bytes": engine.state_bytes(),
+        "peak_gathered_numel": engine.stage3.peak_live_numel if engine.stage3 else None,
+        "units": (
+            [(u.name, u.numel) for u in [engine.stage3.root_unit, *engine.stage3.units]] if engine.stage3 else None
+        ),
+        "flat_numels": [(f.layout.padded_numel, f.resident) for f in engine.zero.flat_groups],
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
         "num_params": sum(p.numel() for p in model.parameters()),

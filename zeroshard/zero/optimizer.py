@@ -23,6 +23,7 @@ from ..optim import Lamb
 from ..optim.lamb import ShardedNorms
 from ..partition import assign_buckets, flat_layout
 from ..precision import LossScaler, PrecisionPolicy
+from . import gathered
 from .flat_group import FlatGroup
 
 
@@ -130,6 +131,7 @@ class ZeroOptimizer:
             )
             flat = FlatGroup(layout, plan.params, policy, shard_group, replica_group, device, plan.resident)
             self.flat_groups.append(flat)
+            gathered.register(flat)
             masters[plan.group_index].append(flat.master)
             for position, param in enumerate(plan.params):
                 self._owner[param] = (flat, position)

@@ -9,6 +9,8 @@ shapes, live in a registry here, not in attributes on the parameter.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
@@ -95,6 +97,7 @@ def adopt(param: torch.nn.Parameter) -> None:
     """Give a parameter the class that guards its data (identity and autograd state are unchanged)."""
     if type(param) is torch.nn.Parameter:
         param.__class__ = ZeroParameter
+        weakref.finalize(param, _SHARDED.pop, id(param), None)
     elif not isinstance(param, ZeroParameter):
         raise TypeError(f"ZeRO stage 3 cannot shard a parameter of type {type(param).__name__}")
 

@@ -1,0 +1,229 @@
+"""ZeRO stage 3: parity, memory (16P/N), traffic (3P less the root's second gather), prefetch budget,
+GatheredParameters, the sharded-access error, save_16bit_model, hybrid sharding, injected delays.
+
+Tolerances as for stages 0-2: fp32 whole-model relative error <= 1e-5 (per tensor <= 1e-4), bf16 <= 1e-2.
+"""
+
+import math
+
+import pytest
+import torch
+
+from zeroshard.testing import WorkerError, run_distributed
+from zeroshard.testing.models import GPTConfig
+from zeroshard.testing.parity import (
+    ParityCase,
+    engine_train_many,
+    make_batches,
+    make_model,
+    model_error,
+    reference_train,
+    relative_error,
+)
+
+BLOCK_UNITS = (("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshold", 0), ("overlap_comm", True))
+ODD = GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=30, repeat_first_block=True)
+
+CASES = [ParityCase(stage=3, gas=g, dtype=d, lr=1e-3, zero=BLOCK_UNITS) for g in (1, 2) for d in ("fp32", "bf16")]
+CASES += [
+    # odd sizes that do not divide the world size, a block run twice per forward, frozen parameters
+    ParityCase(stage=3, gas=2, lr=1e-3, zero=BLOCK_UNITS, model=ODD, frozen=("wpe.weight", "blocks.1.fc.bias")),
+    # size-based units and persistent small parameters (LayerNorms, biases stay gathered)
+    ParityCase(
+        stage=3, gas=1, lr=1e-3, zero=(("gather_unit_min_params", 5000), ("stage3_param_persistence_threshold", 200))
+    ),
+    ParityCase(stage=3, gas=2, optimizer="SGD", lr=0.5, clip=0.05, zero=BLOCK_UNITS),
+    ParityCase(stage=3, gas=2, lr=1e-3, zero=BLOCK_UNITS, comm_delay_s=0.003),  # races provoked
+]
+IDS = [
+    "fp32-gas1",
+    "bf16-gas1",
+    "fp32-gas2",
+    "bf16-gas2",
+    "odd-twice-frozen",
+    "size-units-persistent",
+    "sgd-clip",
+    "injected-delays",
+]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def run(request):
+    return request.param, run_distributed(engine_train_many, request.param, CASES)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
+def test_parity_with_single_process(run, index):
+    world, per_rank = run
+    case = CASES[index]
+    got = per_rank[0][index]
+    expected = reference_train(case, world)
+    if case.dtype == "fp32":
+        assert model_error(got["params"], expected) <= 1e-5
+        assert relative_error(got["params"], expected) <= 1e-4
+    else:
+        assert model_error(got["params"], expected) <= 1e-2
+    for other in per_rank[1:]:
+        for name, tensor in got["params"].items():
+            torch.testing.assert_close(other[index]["params"][name], tensor, rtol=0, atol=0)
+
+
+def test_sharded_model_state_is_16_bytes_per_parameter_over_n(run):
+    world, per_rank = run
+    got = per_rank[0][1]  # bf16, Adam
+    shards = sum(numel // world for numel, _ in got["flat_numels"])
+    b = got["state_bytes"]
+    assert b["params"] == 2 * shards and b["master"] == 4 * shards and b["grad_shard"] == 2 * shards
+    assert b["optimizer_state"] == 8 * shards and b["gathered"] == 0
+    total = b["params"] + b["master"] + b["grad_shard"] + b["optimizer_state"]
+    p = got["num_params"]
+    assert 16 * p / world <= total <= 16 * (p / world + len(got["flat_numels"]))
+
+
+@pytest.mark.parametrize("index", [0, 1, 2, 5], ids=["fp32-gas1", "bf16-gas1", "fp32-gas2", "persistent"])
+def test_bytes_per_step_match_analytic(run, index):
+    """Per micro-batch: every non-root unit gathered twice (forward, backward), the root once (it stays gathered
+    from forward to the end of backward), every flat group reduce-scattered once; per step: resident
+    (persistent) groups all-gathered after the step, plus the 4-byte gradient-norm all-reduce."""
+    world, per_rank = run
+    case, got = CASES[index], per_rank[0][index]
+    elem = 4 if case.dtype == "fp32" else 2
+    ring = (world - 1) / world
+    units = dict(got["units"])
+    root = units.pop("<root>")
+    resident = sum(n for n, r in got["flat_numels"] if r)
+    gathers = case.gas * (2 * sum(units.values()) + root) + resident
+    reduces = case.gas * sum(n for n, _ in got["flat_numels"])
+    analytic = (gathers + reduces) * elem * ring + 2 * ring * 4
+    assert got["wire_bytes"] / case.steps == pytest.approx(analytic, rel=1e-12)
+    p = got["num_params"]
+    if case.gas == 1 and not resident:
+        # the ZeRO paper's 3P, less one gather of the root unit
+        assert got["wire_bytes"] / case.steps == pytest.approx((3 * p - root) * elem * ring, rel=2e-2)
+
+
+def budget_worker(prefetch: int, max_live: int):
+    from zeroshard.testing.parity import engine_train
+
+    case = ParityCase(
+        stage=3,
+        lr=1e-3,
+        steps=2,
+        model=GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32),
+        zero=BLOCK_UNITS + (("stage3_prefetch_bucket_size", prefetch), ("stage3_max_live_parameters", max_live)),
+    )
+    result = engine_train(case)
+    return result["peak_gathered_numel"], dict(result["units"])
+
+
+def test_prefetch_budget_bounds_peak_gathered_parameters():
+    peaks = {}
+    for prefetch, max_live in [(0, 10**9), (13000, 10**9), (10**9, 10**9), (10**9, 45000)]:
+        peaks[(prefetch, max_live)], units = run_distributed(budget_worker, 2, prefetch, max_live)[0]
+    root, block = units["<root>"], units["blocks.0"]
+    assert peaks[(0, 10**9)] == root + block  # no prefetch: the root and one block at a time
+    assert peaks[(13000, 10**9)] == root + 2 * block  # one block ahead
+    assert peaks[(10**9, 10**9)] > peaks[(13000, 10**9)]  # raising the budget raises the peak
+    assert peaks[(10**9, 45000)] <= 45000 < peaks[(10**9, 10**9)]  # the live budget caps it
+
+
+def gathered_worker():
+    import zeroshard
+    from zeroshard import comm
+    from zeroshard.zero import GatheredParameters, ShardedParameterError
+
+    model = make_model()
+    cfg = ParityCase(stage=3, zero=BLOCK_UNITS + (("stage3_gather_16bit_weights_on_model_save", True),)).config()
+    engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
+    weight = model.blocks[0].fc.weight
+    try:
+        weight.sum()
+        error = None
+    except ShardedParameterError as err:
+        error = str(err)
+    shape_ok = weight.shape == (128, 32) and weight.numel() == 128 * 32
+    with GatheredParameters([weight], modifier_rank=0):
+        if comm.get_rank() == 0:
+            weight.data.fill_(0.5)
+    kept = engine.consolidated_state_dict(rank0_only=False)["blocks.0.fc.weight"]
+    with GatheredParameters(weight):
+        weight.data.fill_(-1.0)  # no modifier_rank: discarded
+    discarded = engine.consolidated_state_dict(rank0_only=False)["blocks.0.fc.weight"]
+    x, y = make_batches(1, 2 * comm.get_world_size())[0]
+    r = comm.get_rank()
+    engine.backward(engine(x[2 * r : 2 * r + 2], y[2 * r : 2 * r + 2]))
+    engine.step()
+    return {
+        "error": error,
+        "shape_ok": shape_ok,
+        "kept": kept,
+        "discarded": discarded,
+        "peak_after_step": engine.stage3.live_numel,
+    }
+
+
+def test_gathered_parameters_and_sharded_access_error():
+    for result in run_distributed(gathered_worker, 2):
+        assert "parameter 'blocks.0.fc.weight' (128, 32) is sharded by ZeRO stage 3" in result["error"]
+        assert "zeroshard.zero.GatheredParameters" in result["error"]
+        assert result["shape_ok"]
+        assert torch.all(result["kept"] == 0.5) and torch.all(result["discarded"] == 0.5)
+        assert result["peak_after_step"] == 0  # nothing stays gathered between steps
+
+
+def save_worker(tmp: str, gather_flag: bool):
+    import zeroshard
+
+    model = make_model()
+    cfg = ParityCase(
+        stage=3, dtype="bf16", zero=BLOCK_UNITS + (("stage3_gather_16bit_weights_on_model_save", gather_flag),)
+    ).config()
+    engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
+    saved = engine.save_16bit_model(tmp, "model.bin")
+    return saved, engine.consolidated_state_dict(rank0_only=False)
+
+
+def test_save_16bit_model(tmp_path):
+    (saved, full), _ = run_distributed(save_worker, 2, str(tmp_path), True)
+    assert saved
+    on_disk = torch.load(tmp_path / "model.bin")
+    assert set(on_disk) == set(full) and all(torch.equal(on_disk[k], full[k]) for k in full)
+    assert on_disk["blocks.0.fc.weight"].dtype == torch.bfloat16
+    assert on_disk["lm_head.weight"].data_ptr() == on_disk["wte.weight"].data_ptr() or torch.equal(
+        on_disk["lm_head.weight"], on_disk["wte.weight"]
+    )
+    (saved, _), _ = run_distributed(save_worker, 2, str(tmp_path / "no"), False)
+    assert not saved and not (tmp_path / "no").exists()
+
+
+HYBRID = [ParityCase(stage=3, gas=g, shard_size=2, lr=1e-3, zero=BLOCK_UNITS) for g in (1, 2)]
+
+
+def test_hybrid_stage3_two_replicas_of_two_way_shards():
+    per_rank = run_distributed(engine_train_many, 4, HYBRID)
+    for index, case in enumerate(HYBRID):
+        got = per_rank[0][index]
+        assert model_error(got["params"], reference_train(case, 4)) <= 1e-5
+        shards = sum(n // 2 for n, _ in got["flat_numels"])
+        assert got["state_bytes"]["master"] == 0 and got["state_bytes"]["params"] == 4 * shards  # fp32: 1/2 each
+        assert math.isclose(shards, got["num_params"] / 2, rel_tol=0.01)
+        assert "all_reduce/replica" in got["ledger"] and "all_gather/shard" in got["ledger"]
+
+
+def test_unsupported_rank_divergence_is_reported_not_hung():
+    """A stage-3 model whose ranks run different modules fails with a named collective error."""
+    with pytest.raises(WorkerError, match=r"rank \d: \w+ on group 'shard' \(ranks \[0, 1\]\)"):
+        run_distributed(divergent_worker, 2, comm_timeout_s=5, timeout_s=90)
+
+
+def divergent_worker():
+    import zeroshard
+    from zeroshard import comm
+
+    model = make_model()
+    engine, _, _, _ = zeroshard.initialize(model=model, config=ParityCase(stage=3, zero=BLOCK_UNITS).config())
+    if comm.get_rank() == 1:
+        model.blocks = torch.nn.ModuleList([model.blocks[0]])  # rank 1 skips block 1: its gathers never happen
+    x, y = make_batches(1, 4)[0]
+    engine.backward(engine(x[:2], y[:2]))
+    engine.step()

@@ -1,0 +1,43 @@
+import torch.nn as nn
+
+from zeroshard.testing.models import GPT, GPTConfig
+from zeroshard.zero.stage3.units import choose_unit_modules, plan_units
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
+
+
+def test_unit_classes_pick_exactly_those_modules():
+    assert choose_unit_modules(GPT(CFG), frozenset({"Block"}), 0) == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_size_threshold_is_bottom_up():
+    model = GPT(CFG)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    assert choose_unit_modules(model, frozenset(), block) == ["blocks.0", "blocks.1", "blocks.2"]
+    # a threshold above a block but below three blocks makes the ModuleList one unit
+    assert choose_unit_modules(model, frozenset(), 2 * block) == ["blocks"]
+
+
+def test_every_parameter_in_exactly_one_unit_and_tied_weights_in_root():
+    model = GPT(CFG)
+    units = plan_units(model, frozenset({"Block"}))
+    assert [u.name for u in units] == ["", "blocks.0", "blocks.1", "blocks.2"]
+    seen = [p for u in units for p in u.params]
+    assert len(seen) == len(set(seen)) == len(list(model.parameters()))
+    assert any(p is model.wte.weight for p in units[0].params)  # tied with lm_head: root
+    assert all(any(p is q for q in units[1].params) for p in model.blocks[0].parameters())
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(4, 4))
+        self.b = nn.Sequential(nn.Linear(4, 4))
+        self.b[0].weight = self.a[0].weight  # tied across two units
+
+
+def test_weight_tied_across_units_moves_to_root():
+    model = Shared()
+    units = {u.name: u for u in plan_units(model, frozenset({"Sequential"}))}
+    assert any(p is model.a[0].weight for p in units[""].params)
+    assert not any(p is model.a[0].weight for p in units["a"].params + units["b"].params)

@@ -1,0 +1,99 @@
+"""Whole-parameter access under ZeRO: ``GatheredParameters`` and unit-by-unit consolidation."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Iterable, Optional
+
+import torch
+
+from .. import comm
+from .flat_group import FlatGroup, ParamState
+
+# id(parameter) -> the flat group holding it. Keyed by id because tensors compare elementwise; each
+# entry is dropped when its parameter is collected.
+OWNERS: dict[int, FlatGroup] = {}
+
+
+def register(flat: FlatGroup) -> None:
+    for param in flat.params:
+        OWNERS[id(param)] = flat
+        weakref.finalize(param, OWNERS.pop, id(param), None)
+
+
+class GatheredParameters:
+    """Gather the given parameters on enter and re-partition them on exit (a no-op for whole parameters).
+
+    With ``modifier_rank`` the values that rank holds at exit are broadcast and kept, master weights
+    included; without it, changes made inside the context are discarded. Every rank must enter the
+    context together (it issues collectives).
+    """
+
+    def __init__(self, params, modifier_rank: Optional[int] = None, enabled: bool = True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = list(params) if enabled else []
+        self.modifier_rank = modifier_rank
+        self._flats: list[FlatGroup] = []
+        self._was_sharded: list[bool] = []
+
+    def __enter__(self):
+        seen = set()
+        for param in self.params:
+            flat = OWNERS.get(id(param))
+            if flat is not None and id(flat) not in seen:
+                seen.add(id(flat))
+                self._flats.append(flat)
+        for flat in self._flats:
+            self._was_sharded.append(flat.param_state is not ParamState.GATHERED)
+            if flat.resident:
+                continue
+            flat.gather(async_op=False)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.modifier_rank is not None and exc[0] is None:
+            self._keep_modifications()
+        for flat, was_sharded in zip(self._flats, self._was_sharded):
+            if was_sharded and not flat.resident:
+                flat.free()
+
+    def _keep_modifications(self) -> None:
+        world = comm.Group("world", tuple(range(comm.get_world_size())), None)
+        with torch.no_grad():
+            for flat in self._flats:
+                comm.broadcast(flat.buffer, src=self.modifier_rank, group=world)
+                lo, hi = flat.layout.shard_range(flat.shard_rank)
+                flat.shard.copy_(flat.buffer[lo:hi])
+                if not flat.master_is_shard:
+                    flat.master.copy_(flat.shard)
+            owned = {id(p) for f in self._flats for p in f.params}
+            for param in self.params:  # parameters outside any flat group (e.g. frozen ones)
+                if id(param) not in owned:
+                    comm.broadcast(param.data, src=self.modifier_rank, group=world)
+
+
+def consolidated_state_dict(module: torch.nn.Module, flats: Iterable[FlatGroup], rank0_only: bool = True) -> dict:
+    """The module's full state dict on CPU, gathering one flat group at a time (never the whole model)."""
+    keep = not rank0_only or comm.get_rank() == 0
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    result: dict[str, torch.Tensor] = {}
+    handled: set[int] = set()
+    for flat in flats:
+        with GatheredParameters(flat.params):
+            for param in flat.params:
+                handled.add(id(param))
+                if keep:
+                    value = param.detach().to("cpu", copy=True)
+                    for name in names[id(param)]:
+                        result[name] = value
+    if not keep:
+        return {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) not in handled:
+            result[name] = param.detach().to("cpu", copy=True)
+    for name, buffer in module.named_buffers():
+        result[name] = buffer.detach().to("cpu", copy=True)
+    return result

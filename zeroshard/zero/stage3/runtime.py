@@ -1,0 +1,149 @@
+"""Stage 3 at run time: gather each unit before it runs, free it after, prefetch ahead, free after backward.
+
+Hooks only decide *when*; the flat groups own the gather and free (and the comm layer the
+collectives). Every rank must run the same units in the same order (as with FSDP): the gathers
+are collectives issued from these hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..flat_group import FlatGroup, ParamState
+
+
+class GatherUnit:
+    """One module's sharded parameters (one flat group per optimizer parameter group)."""
+
+    def __init__(self, name: str, module: torch.nn.Module, flats: list[FlatGroup]):
+        self.name = name or "<root>"
+        self.module = module
+        self.flats = flats
+        self.numel = sum(f.layout.padded_numel for f in flats)
+
+    @property
+    def sharded(self) -> bool:
+        return all(f.param_state is ParamState.SHARDED for f in self.flats)
+
+    @property
+    def grads_complete(self) -> bool:
+        return all(f.complete for f in self.flats)
+
+
+class Stage3Runtime:
+    def __init__(
+        self,
+        root: torch.nn.Module,
+        root_unit: GatherUnit,
+        units: list[GatherUnit],
+        prefetch_numel: int,
+        max_live_numel: int,
+    ):
+        self.root_unit = root_unit
+        self.units = units  # non-root, pre-order
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.unit_of_flat = {f: u for u in [root_unit, *units] for f in u.flats}
+        self.order: list[GatherUnit] = []  # forward order learned from the last forward
+        self._recording: list[GatherUnit] = []
+        self.live_numel = 0
+        self.peak_live_numel = 0
+        self._handles = [
+            root.register_forward_pre_hook(self._root_pre_forward),
+            root.register_forward_hook(self._root_post_forward),
+        ]
+        for unit in units:
+            self._handles.append(
+                unit.module.register_forward_pre_hook(lambda module, args, unit=unit: self._pre_forward(unit))
+            )
+            self._handles.append(
+                unit.module.register_forward_hook(
+                    lambda module, args, output, unit=unit: self._post_forward(unit, output)
+                )
+            )
+
+    # -- gathering and freeing, with the live-parameter count ------------------------------
+    def _gather(self, unit: GatherUnit, async_op: bool) -> None:
+        if unit.sharded:
+            self.live_numel += unit.numel
+            self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+        for flat in unit.flats:
+            flat.gather(async_op=async_op)
+
+    def _free(self, unit: GatherUnit) -> None:
+        if not unit.sharded:
+            self.live_numel -= unit.numel
+            for flat in unit.flats:
+                flat.free()
+
+    def _prefetch(self, candidates: list[GatherUnit]) -> None:
+        """Issue gathers for the next units while the prefetch and live budgets allow."""
+        issued = 0
+        for unit in candidates:
+            if not unit.sharded:
+                continue
+            if issued + unit.numel > self.prefetch_numel or self.live_numel + unit.numel > self.max_live_numel:
+                break
+            self._gather(unit, async_op=True)
+            issued += unit.numel
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _root_pre_forward(self, module, args) -> None:
+        self._recording = []
+        self._gather(self.root_unit, async_op=False)
+
+    def _root_post_forward(self, module, args, output) -> Any:
+        if self._recording:
+            self.order = self._recording  # re-learned every forward, so a changed order is picked up
+        if not torch.is_grad_enabled():
+            self.release_all()  # no backward follows
+        return output
+
+    def _pre_forward(self, unit: GatherUnit) -> None:
+        self._recording.append(unit)
+        self._gather(unit, async_op=False)
+        position = len(self._recording)
+        if self.order[:position] == self._recording:
+            self._prefetch(self.order[position:])
+
+    def _post_forward(self, unit: GatherUnit, output) -> Any:
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            for tensor in tensors:
+                tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+        self._free(unit)
+        return output
+
+    # -- backward --------------------------------------------------------------------------------
+    def _pre_backward(self, unit: GatherUnit) -> None:
+        if not unit.grads_complete:
+            self._gather(unit, async_op=False)  # gathers, or waits for a prefetch, or nothing if gathered
+            last = max((i for i, u in enumerate(self.order) if u is unit), default=None)
+            if last is not None:
+                self._prefetch([u for u in reversed(self.order[:last]) if u is not unit])
+        return None
+
+    def on_flat_group_complete(self, flat: FlatGroup) -> None:
+        """All gradients of a flat group are staged: once its whole unit is done, free the unit."""
+        unit = self.unit_of_flat.get(flat)
+        if unit is not None and unit is not self.root_unit and unit.grads_complete:
+            self._free(unit)
+
+    def release_all(self) -> None:
+        """End of backward (or of a no-grad forward): nothing stays gathered."""
+        for unit in [self.root_unit, *self.units]:
+            self._free(unit)
+
+
+def build_units(plans, flats: list[FlatGroup]) -> tuple[GatherUnit, list[GatherUnit]]:
+    """Attach each non-resident flat group to the unit whose parameters it holds."""
+    unit_of_param = {p: plan for plan in plans for p in plan.params}
+    members: dict[str, list[FlatGroup]] = {plan.name: [] for plan in plans}
+    for flat in flats:
+        if not flat.resident:
+            members[unit_of_param[flat.params[0]].name].append(flat)
+    units = [GatherUnit(plan.name, plan.module, members[plan.name]) for plan in plans]
+    return units[0], [u for u in units[1:] if u.flats]

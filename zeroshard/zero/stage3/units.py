@@ -1,0 +1,62 @@
+"""Choosing gather units: which modules' parameters are gathered and freed together (pure: no processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+DEFAULT_UNIT_MIN_PARAMS = 1_000_000
+
+
+@dataclass
+class UnitPlan:
+    name: str  # module path; "" for the root unit
+    module: nn.Module
+    params: list[nn.Parameter] = field(default_factory=list)
+
+
+def choose_unit_modules(root: nn.Module, unit_classes: frozenset[str], min_params: int) -> list[str]:
+    """Module paths that become units, pre-order. With ``unit_classes`` exactly the modules of those class
+    names; otherwise, bottom-up, each module whose parameters not yet claimed by a unit below reach
+    ``min_params`` (the way FSDP's size-based wrap policy works)."""
+    chosen: set[str] = set()
+
+    def visit(module: nn.Module, path: str) -> int:
+        remaining = sum(p.numel() for p in module.parameters(recurse=False))
+        for child_name, child in module.named_children():
+            remaining += visit(child, f"{path}.{child_name}" if path else child_name)
+        if not path:
+            return remaining
+        is_unit = type(module).__name__ in unit_classes if unit_classes else remaining >= min_params
+        if is_unit:
+            chosen.add(path)
+            return 0
+        return remaining
+
+    visit(root, "")
+    return [name for name, _ in root.named_modules() if name in chosen]
+
+
+def plan_units(
+    root: nn.Module, unit_classes: frozenset[str] = frozenset(), min_params: int = DEFAULT_UNIT_MIN_PARAMS
+) -> list[UnitPlan]:
+    """The root unit first, then the chosen units in pre-order; each parameter in exactly one unit.
+
+    A parameter belongs to the innermost unit enclosing the module that registers it; a parameter
+    registered in two different units (tied weights across units) goes to the root unit, which stays
+    gathered from the start of forward to the end of backward.
+    """
+    names = choose_unit_modules(root, unit_classes, min_params)
+    modules = dict(root.named_modules())
+    units = {"": UnitPlan("", root)} | {n: UnitPlan(n, modules[n]) for n in names}
+    owner: dict[nn.Parameter, str] = {}
+    for param_name, param in root.named_parameters(remove_duplicate=False):
+        module_path = param_name.rpartition(".")[0]
+        unit = next(
+            (n for n in sorted(names, key=len, reverse=True) if module_path == n or module_path.startswith(n + ".")), ""
+        )
+        owner[param] = unit if owner.get(param, unit) == unit else ""
+    for param, unit in owner.items():
+        units[unit].params.append(param)
+    return [u for u in units.values() if u.params or u.name == ""]
