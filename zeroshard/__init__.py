@@ -14,7 +14,7 @@ Vocabulary used throughout the code:
   gradient-accumulation boundary.
 """
 
-from . import comm
+from . import comm, zero
 from .comm import init_distributed
 from .runtime import ZeroshardEngine, add_config_arguments, initialize
 

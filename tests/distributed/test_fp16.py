@@ -20,23 +20,24 @@ def train_with_injected_overflow(stage: int):
         dtype="fp16",
         lr=1e-3,
         extra=(("fp16", {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 2}),),
+        zero=(("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshold", 0)) if stage == 3 else (),
     )
     engine, _, _, _ = zeroshard.initialize(model=make_model(), config=case.config())
     rank, world = comm.get_rank(), comm.get_world_size()
     history = []
     for step, (x, y) in enumerate(make_batches(5, world * 2)):
-        before = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        before = {k: v.detach().clone() for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
         loss = engine(x[rank * 2 : (rank + 1) * 2], y[rank * 2 : (rank + 1) * 2])
         if step == OVERFLOW_STEP and rank == world - 1:
             loss = loss * math.inf  # only the last rank overflows
         engine.backward(loss)
         engine.step()
-        unchanged = all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+        unchanged = all(torch.equal(before[k], v) for k, v in engine.consolidated_state_dict(rank0_only=False).items())
         history.append((engine.was_step_applied(), unchanged, engine.get_loss_scale()))
     return {"history": history, "skipped": engine.skipped_steps, "steps": engine.global_steps}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_overflow_on_one_rank_skips_everywhere(stage):
     results = run_distributed(train_with_injected_overflow, 2, stage)
     for r in results:

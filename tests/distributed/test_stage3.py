@@ -227,3 +227,69 @@ def divergent_worker():
     x, y = make_batches(1, 4)[0]
     engine.backward(engine(x[:2], y[:2]))
     engine.step()
+
+
+INIT_CASES = [
+    ParityCase(stage=3, gas=g, dtype=d, lr=1e-3, zero=BLOCK_UNITS, zero_init=True, frozen=("wpe.weight",))
+    for g, d in ((1, "fp32"), (2, "bf16"))
+]
+
+
+def test_training_from_a_zero_init_model_matches_the_reference():
+    per_rank = run_distributed(engine_train_many, 2, INIT_CASES)
+    for index, case in enumerate(INIT_CASES):
+        expected = reference_train(case, 2)
+        tolerance = 1e-5 if case.dtype == "fp32" else 1e-2
+        assert model_error(per_rank[0][index]["params"], expected) <= tolerance
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def build_big_model(use_init: bool):
+    import resource
+
+    import zeroshard
+    from zeroshard.testing.models import GPT
+
+    cfg = GPTConfig(vocab_size=4096, block_size=64, n_layer=8, n_head=8, n_embd=1024)
+    before_peak, before_now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes()
+    torch.manual_seed(0)
+    with zeroshard.zero.Init(enabled=use_init):
+        model = GPT(cfg)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before_peak
+    held = rss_bytes() - before_now
+    return max(peak, held), sum(p.numel() for p in model.parameters()) * 4
+
+
+def test_zero_init_builds_a_model_larger_than_what_it_allocates():
+    ((peak_init, full_bytes),) = run_distributed(build_big_model, 1, True)
+    ((peak_plain, _),) = run_distributed(build_big_model, 1, False)
+    assert full_bytes > 400e6
+    # measured: plain ~1.05x the parameter bytes, Init ~0.19x (a few of the largest parameters, allocator slack)
+    assert peak_plain > 0.9 * full_bytes, (peak_plain, full_bytes)  # a normal build holds every parameter
+    assert peak_init < 0.35 * full_bytes, (peak_init, full_bytes)  # under Init: about one parameter at a time
+
+
+def test_zero_init_refuses_a_non_stage3_config():
+    import zeroshard
+
+    with pytest.raises(
+        ValueError, match="zero.Init builds stage-3 models, but the config has zero_optimization.stage 2"
+    ):
+        zeroshard.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 2}})
+
+
+def unit_argument_worker():
+    import zeroshard
+    from zeroshard.testing.models import Block
+
+    cfg = ParityCase(stage=3, zero=(("stage3_param_persistence_threshold", 0),)).config()
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=cfg, gather_unit_classes=[Block])
+    return [u.name for u in engine.stage3.units]
+
+
+def test_gather_unit_classes_python_argument():
+    assert run_distributed(unit_argument_worker, 2)[0] == ["blocks.0", "blocks.1"]

@@ -17,6 +17,7 @@ from ..config.schema import OffloadDevice
 from ..optim import build_optimizer, build_schedule, check_client_optimizer
 from ..precision import LossScaler, PrecisionPolicy
 from ..zero import ZeroOptimizer
+from ..zero.init import Materializer, has_meta_parameters, pending_seed
 from ..zero.stage3 import Stage3Runtime, build_units, plan_units
 from .engine import ZeroshardEngine
 from .log import log_rank0
@@ -81,10 +82,20 @@ def _adopt_client_optimizer(client: torch.optim.Optimizer):
     return make
 
 
+def _move_module(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """``module.to(device, dtype)`` that leaves meta (zero.Init) parameters for the materializer."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            if not tensor.is_meta:
+                tensor.data = tensor.data.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+
+
 def _broadcast_module(module: torch.nn.Module, group: comm.Group) -> None:
     """Start every rank from rank 0's weights, as DDP and DeepSpeed do."""
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
+            if tensor.is_meta:
+                continue  # built under zero.Init: materialized identically on every rank from one seed
             comm.broadcast(tensor.data, src=group.ranks[0], group=group)
 
 
@@ -163,7 +174,12 @@ def initialize(
     if not accel.supports_dtype(policy.compute):
         raise ValueError(f"{policy.compute} is not supported on this {accel.name} device; disable bf16/fp16")
     device = accel.device(comm.backend.local_rank())
-    model.to(device=device, dtype=policy.compute)
+    materialize = None
+    if has_meta_parameters(model):
+        seed = torch.tensor([pending_seed(model) or 0], dtype=torch.int64)
+        comm.broadcast(seed, src=0, group=grid.world)  # one seed for all ranks
+        materialize = Materializer(model, device, int(seed.item()))
+    _move_module(model, device, policy.compute)
     _broadcast_module(model, grid.world)
 
     zero = stage3 = None
@@ -218,12 +234,19 @@ def initialize(
             device=device,
             units=[plan.params for plan in unit_plans],
             persistent=persistent,
+            materialize=materialize,
         )
         if unit_plans:
             root_unit, units = build_units(unit_plans, zero.flat_groups)
             z = cfg.zero_optimization
             stage3 = Stage3Runtime(model, root_unit, units, z.prefetch_bucket_size, z.max_live_parameters)
             zero.on_flat_group_complete = stage3.on_flat_group_complete
+
+    if materialize is not None:  # parameters outside the optimizer (frozen ones) are materialized whole
+        leftover = [p for p in model.parameters() if p.is_meta]
+        materialize(leftover)
+        for param in leftover:
+            param.data = param.data.to(device=device, dtype=policy.compute)
 
     scheduler = None
     if lr_scheduler is not None:

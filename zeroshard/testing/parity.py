@@ -35,6 +35,7 @@ class ParityCase:
     comm_delay_s: float = 0.0  # random delays injected around every collective (race testing)
     model: GPTConfig = MODEL
     frozen: tuple[str, ...] = ()  # parameter names with requires_grad=False
+    zero_init: bool = False  # build the model under zeroshard.zero.Init (values from zero.reset_parameters)
 
     def config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {
@@ -78,6 +79,10 @@ def make_batches(steps: int, global_batch: int, seed: int = 1, vocab_size: int =
 def reference_train(case: ParityCase, world_size: int) -> dict[str, torch.Tensor]:
     """Plain single-process fp32 training on the full global batch."""
     model = make_model(model=case.model, frozen=case.frozen)
+    if case.zero_init:
+        from ..zero import reset_parameters
+
+        reset_parameters(model, seed=0)
     opt_cls = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[case.optimizer]
     opt = opt_cls([p for p in model.parameters() if p.requires_grad], lr=case.lr, weight_decay=0.01)
     for x, y in make_batches(case.steps, world_size * case.micro_batch * case.gas, vocab_size=case.model.vocab_size):
@@ -94,7 +99,8 @@ def engine_train(case: ParityCase) -> dict[str, Any]:
     import zeroshard
     from zeroshard import comm
 
-    model = make_model(model=case.model, frozen=case.frozen)
+    with zeroshard.zero.Init(enabled=case.zero_init, seed=0):
+        model = make_model(model=case.model, frozen=case.frozen)
     comm.inject_delays(case.comm_delay_s)
     engine, _, _, _ = zeroshard.initialize(model=model, config=case.config())
     rank, world = comm.get_rank(), comm.get_world_size()

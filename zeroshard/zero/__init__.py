@@ -1,7 +1,8 @@
-"""ZeRO data parallelism: flat groups, the optimizer for stages 0-3, and whole-parameter access."""
+"""ZeRO data parallelism: flat groups, the optimizer for stages 0-3, zero.Init and whole-parameter access."""
 
 from .flat_group import FlatGroup, GradState, ParamState
 from .gathered import GatheredParameters, consolidated_state_dict
+from .init import Init, reset_parameters
 from .optimizer import StagePolicy, ZeroOptimizer
 from .sharded_param import ShardedParameterError
 
@@ -9,9 +10,11 @@ __all__ = [
     "FlatGroup",
     "GatheredParameters",
     "GradState",
+    "Init",
     "ParamState",
     "ShardedParameterError",
     "StagePolicy",
     "ZeroOptimizer",
     "consolidated_state_dict",
+    "reset_parameters",
 ]

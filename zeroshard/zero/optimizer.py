@@ -105,6 +105,7 @@ class ZeroOptimizer:
         device: torch.device,
         units: Optional[list[list[torch.nn.Parameter]]] = None,
         persistent: frozenset = frozenset(),
+        materialize: Optional[Callable[[list[torch.nn.Parameter]], None]] = None,
     ):
         self.stage = stage
         self.stage_policy = StagePolicy.for_stage(stage)
@@ -126,6 +127,8 @@ class ZeroOptimizer:
         self._owner: dict[torch.nn.Parameter, tuple[FlatGroup, int]] = {}
         masters: list[list[torch.Tensor]] = [[] for _ in param_groups]
         for plan in plan_flat_groups(param_groups, self.stage_policy, bucket_size, units, persistent):
+            if materialize is not None:
+                materialize(plan.params)  # zero.Init: one flat group's parameters at a time
             layout = flat_layout(
                 [param_names[p] for p in plan.params], [tuple(p.shape) for p in plan.params], shard_count
             )

@@ -1,0 +1,176 @@
+"""``zero.Init``: build a model without ever holding all of its parameters.
+
+Inside the context every parameter registered on a module is replaced by a meta-device parameter
+right away (so construction holds at most one real parameter at a time; buffers stay real).
+``zeroshard.initialize`` then materializes the parameters one flat group at a time, just before that
+group is sharded, and each rank keeps only its shard.
+
+Values: each module's parameters are initialized by its ``reset_parameters()`` (then ``param_init_fn``
+if given) under a generator seeded from the Init seed and the module's path, so the result does not
+depend on the order of materialization and is identical on every rank. Initialization code that ran
+in ``__init__`` on the parameters themselves (e.g. ``self.apply(custom_init)``) acted on meta tensors
+and is not replayed: pass it as ``param_init_fn``. :func:`reset_parameters` applies the same values
+to a model built normally (for references and tests).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from ..config import parse_config
+
+ParamInitFn = Callable[[nn.Module], None]
+
+# id(meta parameter) -> (seed, param_init_fn) recorded when it was registered inside an Init context.
+_PENDING: dict[int, tuple[int, Optional[ParamInitFn]]] = {}
+_IGNORED_DEEPSPEED_ARGS = {
+    "data_parallel_group",
+    "mem_efficient_linear",
+    "pin_memory",
+    "mpu",
+    "sequence_data_parallel_group",
+    "zero_param_parallel_group",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+}
+
+
+class Init:
+    def __init__(
+        self,
+        module: Optional[nn.Module] = None,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: Optional[torch.dtype] = None,
+        remote_device: Optional[str] = None,
+        param_init_fn: Optional[ParamInitFn] = None,
+        seed: Optional[int] = None,
+        **deepspeed_args: Any,
+    ):
+        unknown = set(deepspeed_args) - _IGNORED_DEEPSPEED_ARGS
+        if unknown:
+            raise TypeError(f"zero.Init got unexpected argument(s) {sorted(unknown)}")
+        if module is not None:
+            raise NotImplementedError(
+                "zero.Init(module=...) (partitioning an existing model): pass the model "
+                "to zeroshard.initialize with stage 3 instead"
+            )
+        if remote_device not in (None, "cpu", "none"):
+            raise NotImplementedError(f"zero.Init(remote_device={remote_device!r}): parameter offload is not available")
+        source = config_dict_or_path if config_dict_or_path is not None else config
+        if source is not None:
+            stage = parse_config(source).zero_optimization.stage
+            if stage != 3:
+                raise ValueError(f"zero.Init builds stage-3 models, but the config has zero_optimization.stage {stage}")
+        self.enabled = enabled
+        self.dtype = dtype
+        self.param_init_fn = param_init_fn
+        self.seed = torch.initial_seed() if seed is None else seed
+        self._original: Optional[Callable] = None
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        self._original = original = nn.Module.register_parameter
+        init = self
+
+        def register_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+            if param is not None and not param.is_meta:
+                dtype = init.dtype or param.dtype
+                meta = nn.Parameter(
+                    torch.empty_like(param, device="meta", dtype=dtype), requires_grad=param.requires_grad
+                )
+                _PENDING[id(meta)] = (init.seed, init.param_init_fn)  # dropped when materialized
+                param = meta
+            original(module, name, param)
+
+        nn.Module.register_parameter = register_parameter
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._original is not None:
+            nn.Module.register_parameter = self._original
+            self._original = None
+
+
+def _module_seed(seed: int, path: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63)
+
+
+def _canonical_owners(root: nn.Module) -> dict[int, tuple[str, nn.Module]]:
+    """id(param) -> the first module (in named_modules order) that registers it."""
+    owners: dict[int, tuple[str, nn.Module]] = {}
+    for path, module in root.named_modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), (path, module))
+    return owners
+
+
+def _reset_module(
+    path: str, module: nn.Module, seed: int, param_init_fn: Optional[ParamInitFn], owned: set[int], device: torch.device
+) -> None:
+    """Initialize the parameters this module owns, leaving tied parameters owned elsewhere untouched."""
+    foreign = {
+        name: p.detach().clone()
+        for name, p in module.named_parameters(recurse=False)
+        if id(p) not in owned and not p.is_meta
+    }
+    for param in module.parameters(recurse=False):
+        if id(param) in owned and param.is_meta:
+            # a meta tensor's data cannot be replaced in place: swap in a real one, keeping the object
+            real = nn.Parameter(
+                torch.empty_like(param, device=device, dtype=torch.float32), requires_grad=param.requires_grad
+            )
+            torch.utils.swap_tensors(param, real)
+            _PENDING.pop(id(param), None)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(_module_seed(seed, path))
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        if param_init_fn is not None:
+            param_init_fn(module)
+        for name, value in foreign.items():
+            getattr(module, name).copy_(value)
+
+
+def reset_parameters(root: nn.Module, seed: int, param_init_fn: Optional[ParamInitFn] = None) -> None:
+    """Give a normally built model exactly the initial values a zero.Init build of it materializes."""
+    device = next((p.device for p in root.parameters()), torch.device("cpu"))
+    owners = _canonical_owners(root)
+    for path, module in root.named_modules():
+        owned = {id(p) for p in module.parameters(recurse=False) if owners[id(p)][1] is module}
+        if owned:
+            _reset_module(path, module, seed, param_init_fn, owned, device)
+
+
+def has_meta_parameters(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+class Materializer:
+    """Materializes meta parameters on demand, one owning module at a time (see the module docstring)."""
+
+    def __init__(self, root: nn.Module, device: torch.device, seed: int):
+        self.root = root
+        self.device = device
+        self.seed = seed
+        self.owners = _canonical_owners(root)
+
+    def __call__(self, params) -> None:
+        for param in params:
+            if not param.is_meta:
+                continue
+            path, module = self.owners[id(param)]
+            _, param_init_fn = _PENDING.get(id(param), (self.seed, None))
+            owned = {id(p) for p in module.parameters(recurse=False) if self.owners[id(p)][1] is module}
+            _reset_module(path, module, self.seed, param_init_fn, owned, self.device)
+
+
+def pending_seed(module: nn.Module) -> Optional[int]:
+    """The seed recorded by the Init context that built this module's parameters, if any."""
+    return next((_PENDING[id(p)][0] for p in module.parameters() if id(p) in _PENDING), None)
