@@ -20,4 +20,4 @@ from .runtime import ZeroshardEngine, add_config_arguments, initialize
 
 __version__ = "0.1.0"
 
-__all__ = ["ZeroshardEngine", "__version__", "add_config_arguments", "comm", "init_distributed", "initialize"]
+__all__ = ["ZeroshardEngine", "__version__", "add_config_arguments", "comm", "init_distributed", "initialize", "zero"]
