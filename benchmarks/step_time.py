@@ -1,4 +1,4 @@
-"""Step time of zeroshard stages 0-2 against torch DDP, same model, data and global batch, one run.
+"""Step time of zeroshard stages 0-3 against torch DDP and FSDP2, same model, data and global batch, one run.
 
     python benchmarks/step_time.py [--world 2] [--n_layer 4] [--n_embd 256] [--steps 30]
 
@@ -43,6 +43,26 @@ def ddp_system(cfg, lr):
     return step
 
 
+def fsdp2_system(cfg, lr):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
 def zeroshard_system(cfg, lr, stage, micro):
     import zeroshard
 
@@ -51,7 +71,8 @@ def zeroshard_system(cfg, lr, stage, micro):
         "train_micro_batch_size_per_gpu": micro,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": lr}},
-        "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 2_000_000},
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 2_000_000,
+                              "gather_unit_classes": ["Block"], "stage3_param_persistence_threshold": 0},
     }
     engine, _, _, _ = zeroshard.initialize(model=GPT(cfg), config=config)
 
@@ -71,8 +92,8 @@ def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int):
     from zeroshard import comm
 
     data = batches(cfg, steps, micro, comm.get_rank())
-    systems = {"ddp": ddp_system(cfg, 1e-3)}
-    for stage in (0, 1, 2):
+    systems = {"ddp": ddp_system(cfg, 1e-3), "fsdp2": fsdp2_system(cfg, 1e-3)}
+    for stage in (0, 1, 2, 3):
         systems[f"zeroshard-{stage}"] = zeroshard_system(cfg, 1e-3, stage, micro)
     results = {name: {"times": [], "loss": None, "bytes": 0.0} for name in systems}
     for i, (x, y) in enumerate(data):
@@ -85,7 +106,7 @@ def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int):
             if i >= warmup:
                 results[name]["times"].append(elapsed)
             results[name]["loss"] = loss.item()
-            results[name]["bytes"] = comm.LEDGER.total_wire_bytes() if name != "ddp" else None
+            results[name]["bytes"] = comm.LEDGER.total_wire_bytes() if name.startswith("zeroshard") else None
     return results
 
 
