@@ -26,12 +26,8 @@ def batches(cfg: GPTConfig, steps: int, micro: int, rank: int):
     return [(d[:, :-1], d[:, 1:]) for d in data]
 
 
-def ddp_system(cfg, lr):
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.manual_seed(0)
-    model = DistributedDataParallel(GPT(cfg))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+def torch_step(model, opt):
+    """One plain PyTorch training step (the baselines' loop)."""
 
     def step(x, y):
         loss = model(x, y)
@@ -41,6 +37,16 @@ def ddp_system(cfg, lr):
         return loss
 
     return step
+
+
+def ddp_system(cfg, lr):
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(GPT(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+
+    return torch_step(model, opt)
 
 
 def fsdp2_system(cfg, lr):
@@ -53,14 +59,7 @@ def fsdp2_system(cfg, lr):
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
 
-    def step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+    return torch_step(model, opt)
 
 
 def zeroshard_system(cfg, lr, stage, micro):
@@ -71,8 +70,13 @@ def zeroshard_system(cfg, lr, stage, micro):
         "train_micro_batch_size_per_gpu": micro,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": lr}},
-        "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 2_000_000,
-                              "gather_unit_classes": ["Block"], "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "reduce_bucket_size": 2_000_000,
+            "gather_unit_classes": ["Block"],
+            "stage3_param_persistence_threshold": 0,
+        },
     }
     engine, _, _, _ = zeroshard.initialize(model=GPT(cfg), config=config)
 

@@ -293,3 +293,38 @@ def unit_argument_worker():
 
 def test_gather_unit_classes_python_argument():
     assert run_distributed(unit_argument_worker, 2)[0] == ["blocks.0", "blocks.1"]
+
+
+class Checkpointed(torch.nn.Module):
+    """Recomputes the wrapped block in backward (non-reentrant activation checkpointing): the block's
+    forward hooks run again inside backward."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def checkpointed_worker():
+    import zeroshard
+    from zeroshard import comm
+    from zeroshard.testing.models import Block
+
+    model = make_model()
+    model.blocks = torch.nn.ModuleList(Checkpointed(block) for block in model.blocks)
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, config=ParityCase(stage=3, zero=BLOCK_UNITS).config(), gather_unit_classes=[Block]
+    )
+    rank = comm.get_rank()
+    for x, y in make_batches(2, 4):
+        engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+        engine.step()
+    return {k.replace(".block.", "."): v for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
+
+
+def test_activation_checkpointing_recomputes_inside_gathered_units():
+    got = run_distributed(checkpointed_worker, 2)[0]
+    expected = reference_train(ParityCase(stage=3, steps=2), 2)
+    assert model_error({k: v.float() for k, v in got.items()}, expected) <= 1e-5

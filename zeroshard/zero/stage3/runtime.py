@@ -110,6 +110,8 @@ class Stage3Runtime:
             self._prefetch(self.order[position:])
 
     def _post_forward(self, unit: GatherUnit, output) -> Any:
+        if torch._C._current_graph_task_id() != -1:
+            return output  # activation checkpointing recomputes inside backward: the unit is still needed
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             for tensor in tensors:
