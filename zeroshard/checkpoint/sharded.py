@@ -1,0 +1,369 @@
+"""Saving and loading an engine's full training state as a sharded, atomic, pickle-free checkpoint.
+
+Directory layout of ``save_dir``::
+
+    latest                      the tag of the newest complete checkpoint (replaced atomically, last)
+    <tag>/manifest.json         parameters -> pieces, optimizer scalars, counters, scaler, scheduler, config
+    <tag>/rankNNNNN.safetensors this rank's shards (fp32 master, optimizer state), RNG state, and on rank 0
+                                the tensors outside the flat groups (frozen parameters, buffers)
+
+A save is written into ``.<tag>.tmp``, every file fsynced, then renamed to ``<tag>`` and only then
+is ``latest`` updated: a crash at any point leaves the previous checkpoint intact and ``latest``
+pointing at it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from .. import comm
+from .manifest import FORMAT, Piece, overlapping, pieces_for, rank_file
+from .safetensors_io import CheckpointError, Reader, write
+
+PAUSE_ENV = "ZEROSHARD_TEST_PAUSE_BEFORE_COMMIT"  # seconds; lets tests kill a save mid-way
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _json_ready(value: Any, where: str) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{where} must be JSON-serializable (checkpoints never pickle): {err}") from None
+
+
+def _scalar(value: Any) -> dict:
+    if torch.is_tensor(value):
+        return {"value": value.item(), "tensor": True, "dtype": str(value.dtype).removeprefix("torch.")}
+    return {"value": value, "tensor": False}
+
+
+def _unscalar(entry: dict, device) -> Any:
+    if entry["tensor"]:
+        return torch.tensor(entry["value"], dtype=getattr(torch, entry["dtype"]), device=device)
+    return entry["value"]
+
+
+def _elementwise_keys(optimizer, flat) -> list[str]:
+    state = optimizer.state.get(flat.master, {})
+    return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.master.shape)
+
+
+def _writes_flat(engine, flat) -> bool:
+    """One copy of each shard: replica 0 of a sharded group, rank 0 of a replicated one."""
+    if flat.partitioned:
+        return engine.grid.replica.rank == 0 if engine.grid.replica.size > 1 else True
+    return comm.get_rank() == 0
+
+
+def _writer_files(engine, flat) -> list[str]:
+    if not flat.partitioned:
+        return [rank_file(0)]
+    return [rank_file(r) for r in flat.shard_group.ranks]  # replica 0's shard group is the first row
+
+
+def _outside_tensors(engine) -> dict[str, torch.Tensor]:
+    """Frozen parameters and buffers: not in any flat group, whole on every rank."""
+    in_flats = {id(p) for f in engine.zero.flat_groups for p in f.params} if engine.zero else set()
+    out = {f"module.{n}": p for n, p in engine.module.named_parameters() if id(p) not in in_flats}
+    out.update({f"module.{n}": b for n, b in engine.module.named_buffers()})
+    return out
+
+
+def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+         save_latest: bool = True) -> str:
+    """Every rank calls it. Returns the checkpoint directory."""
+    tag = tag or f"global_step{engine.global_steps}"
+    if os.sep in tag or tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' and no leading '.')")
+    client = _json_ready(client_state or {}, "client_state")
+    world, rank = engine.grid.world, comm.get_rank()
+    tmp, final = os.path.join(save_dir, f".{tag}.tmp"), os.path.join(save_dir, tag)
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    comm.barrier(world)
+
+    zero = engine.zero
+    flats = zero.flat_groups if zero else []
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for k, flat in enumerate(flats):
+        if _writes_flat(engine, flat):
+            tensors.append((f"master.fg{k}", flat.master))
+            state = zero.optimizer.state.get(flat.master, {})
+            tensors += [(f"optim.{key}.fg{k}", state[key]) for key in _elementwise_keys(zero.optimizer, flat)]
+    if rank == 0:
+        tensors += list(_outside_tensors(engine).items())
+    tensors.append(("rng.cpu", torch.get_rng_state()))
+    if torch.cuda.is_available():
+        tensors.append(("rng.cuda", torch.cuda.get_rng_state()))
+    specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+    path = os.path.join(tmp, rank_file(rank))
+    crcs = write(path, iter(tensors), specs)
+    sidecar = {"crc": crcs, "size": os.path.getsize(path), "python_rng": random.getstate()}
+    _atomic_write_text(os.path.join(tmp, f"rank{rank:05d}.json"), json.dumps(sidecar))
+    comm.barrier(world)
+
+    if rank == 0:
+        manifest = _manifest(engine, tag, client, tmp)
+        _atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
+        pause = float(os.environ.get(PAUSE_ENV, "0"))
+        if pause:
+            time.sleep(pause)
+        trash = os.path.join(save_dir, f".{tag}.old")
+        if os.path.exists(final):
+            os.replace(final, trash)
+        os.replace(tmp, final)
+        _fsync_dir(save_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+        if save_latest:
+            _atomic_write_text(os.path.join(save_dir, "latest"), tag)
+    comm.barrier(world)
+    return final
+
+
+def _manifest(engine, tag: str, client: dict, tmp: str) -> dict:
+    zero, world_size = engine.zero, engine.grid.world.size
+    files, rng = {}, {}
+    for r in range(world_size):
+        with open(os.path.join(tmp, f"rank{r:05d}.json")) as f:
+            side = json.load(f)
+        os.remove(os.path.join(tmp, f"rank{r:05d}.json"))
+        files[rank_file(r)] = {"size": side["size"], "crc": side["crc"]}
+        rng[str(r)] = side["python_rng"]
+    params: dict[str, dict] = {}
+    flat_groups = []
+    group_of = {id(m): gi for gi, g in enumerate(zero.optimizer.param_groups) for m in g["params"]} if zero else {}
+    for k, flat in enumerate(zero.flat_groups if zero else []):
+        writers = _writer_files(engine, flat)
+        for name, plist in pieces_for(flat.layout, f"fg{k}", writers).items():
+            params.setdefault(name, {"pieces": []})["pieces"] += [p.to_json() for p in plist]
+        for slot, param in zip(flat.layout.slots, flat.params):
+            params[slot.name].update(shape=list(slot.shape), dtype=str(param.dtype).removeprefix("torch."))
+        state = zero.optimizer.state.get(flat.master, {})
+        flat_groups.append({
+            "group": group_of[id(flat.master)],
+            "state_keys": _elementwise_keys(zero.optimizer, flat),
+            "scalars": {key: _scalar(v) for key, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)},
+        })
+    outside = {name.removeprefix("module."): {"file": rank_file(0), "key": name, "shape": list(t.shape)}
+               for name, t in _outside_tensors(engine).items()}
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    return {
+        "format": FORMAT, "tag": tag, "world_size": world_size, "stage": engine.zero_optimization_stage(),
+        "shard_group_size": engine.grid.shard.size,
+        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                     "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps},
+        "loss_scaler": zero.loss_scaler.state_dict() if zero else None,
+        "lr_scheduler": _json_ready(scheduler, "the lr scheduler's state_dict()"),
+        "optimizer": {"param_groups": _json_ready([{k: v for k, v in g.items() if k != "params"}
+                                                   for g in zero.optimizer.param_groups] if zero else [],
+                                                  "optimizer hyperparameters"),
+                      "flat_groups": flat_groups},
+        "params": params, "module_tensors": outside, "files": files, "python_rng": rng,
+        "config": engine.config.model_dump(mode="json"), "client_state": client,
+    }
+
+
+class _Sources:
+    """Readers of one checkpoint directory; each tensor is verified against its checksum once, on first use."""
+
+    def __init__(self, path: str, manifest: dict):
+        self.path, self.manifest = path, manifest
+        self._readers: dict[str, Reader] = {}
+        self._cache: dict[tuple[str, str], torch.Tensor] = {}
+
+    def reader(self, file: str) -> Reader:
+        if file not in self._readers:
+            expected = self.manifest["files"].get(file)
+            if expected is None:
+                raise CheckpointError(f"{self.path}: manifest lists no file {file}")
+            reader = Reader(os.path.join(self.path, file))
+            if reader.size != expected["size"]:
+                raise CheckpointError(f"checkpoint file {reader.path} has {reader.size} bytes, the manifest "
+                                      f"says {expected['size']} (truncated or replaced)")
+            self._readers[file] = reader
+        return self._readers[file]
+
+    def tensor(self, file: str, key: str) -> torch.Tensor:
+        if (file, key) not in self._cache:
+            crc = self.manifest["files"][file]["crc"].get(key)
+            self._cache[(file, key)] = self.reader(file).read(key, crc=crc)
+        return self._cache[(file, key)]
+
+    def release(self) -> None:
+        self._cache.clear()
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+
+
+def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
+    if tag is not None:
+        return tag
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def read_manifest(path: str) -> dict:
+    manifest_path = os.path.join(path, "manifest.json")
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"{path} is not a complete checkpoint: manifest.json is missing")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{manifest_path} is corrupted: {err}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest_path}: unknown format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def assemble(sources: _Sources, pieces: list[Piece], prefix: str, start: int, stop: int,
+             out: torch.Tensor) -> None:
+    """Fill ``out`` with elements [start, stop) of a flattened parameter from the saved pieces."""
+    covered = 0
+    for piece, (s0, s1), (d0, d1) in overlapping(pieces, start, stop):
+        out[d0:d1].copy_(sources.tensor(piece.file, f"{prefix}.{piece.key}")[s0:s1])
+        covered += d1 - d0
+    if covered != stop - start:
+        raise CheckpointError(f"{sources.path}: saved pieces cover {covered} of {stop - start} elements")
+
+
+def _check_params(engine, manifest: dict, strict: bool) -> None:
+    mine = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+    saved = {n: tuple(e["shape"]) for n, e in manifest["params"].items()}
+    saved.update({n: tuple(e["shape"]) for n, e in manifest["module_tensors"].items()})
+    mine.update({n: tuple(b.shape) for n, b in engine.module.named_buffers()})
+    wrong = [f"{n}: checkpoint {saved[n]} vs model {s}" for n, s in mine.items() if n in saved and saved[n] != s]
+    missing = sorted(set(mine) - set(saved))
+    unexpected = sorted(set(saved) - set(mine))
+    if wrong or (strict and (missing or unexpected)):
+        raise CheckpointError(
+            "checkpoint does not match the model: "
+            + "; ".join(filter(None, [f"shape mismatch {wrong}" if wrong else "",
+                                      f"missing from checkpoint {missing}" if missing else "",
+                                      f"not in model {unexpected}" if unexpected else ""]))
+        )
+
+
+def load(engine, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+         load_module_only: bool = False):
+    """Every rank calls it. Returns ``(path, client_state)``, or ``(None, None)`` when there is nothing to load."""
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        warnings.warn(f"no checkpoint to load in {load_dir} (no 'latest' file); starting from scratch", stacklevel=3)
+        return None, None
+    path = os.path.join(load_dir, tag)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    manifest = read_manifest(path)
+    _check_params(engine, manifest, load_module_strict)
+    sources = _Sources(path, manifest)
+    zero = engine.zero
+    try:
+        with torch.no_grad():
+            for flat in zero.flat_groups if zero else []:
+                _load_flat(zero, flat, manifest, sources, load_optimizer_states and not load_module_only)
+                sources.release()
+            for name, entry in manifest["module_tensors"].items():
+                target = _module_tensor(engine.module, name)
+                if target is not None:
+                    target.copy_(sources.tensor(entry["file"], entry["key"]).view(entry["shape"]))
+            sources.release()
+            if not load_module_only:
+                _load_training_state(engine, manifest, sources, load_optimizer_states, load_lr_scheduler_states)
+    finally:
+        sources.close()
+    comm.barrier(engine.grid.world)
+    return path, (None if load_module_only else manifest["client_state"])
+
+
+def _module_tensor(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
+    owner, _, leaf = name.rpartition(".")
+    sub = module.get_submodule(owner) if owner else module
+    return getattr(sub, leaf, None)
+
+
+def _load_flat(zero, flat, manifest: dict, sources: _Sources, with_optimizer: bool) -> None:
+    pieces = {name: [Piece.from_json(p) for p in entry["pieces"]] for name, entry in manifest["params"].items()
+              if any(s.name == name for s in flat.layout.slots)}
+    keys = ["master"]
+    if with_optimizer:
+        saved_keys = {k for g in manifest["optimizer"]["flat_groups"] for k in g["state_keys"]}
+        keys += [f"optim.{k}" for k in sorted(saved_keys)]
+    targets = {"master": flat.master}
+    for key in keys[1:]:
+        targets[key] = torch.zeros_like(flat.master)
+    for seg in flat.layout.segments(flat.shard_rank):
+        start = seg.flat_start - seg.slot.offset
+        for key in keys:
+            assemble(sources, pieces[seg.slot.name], key, start, start + seg.numel,
+                     targets[key][seg.shard_start: seg.shard_start + seg.numel])
+    flat.publish()  # the compute parameters follow the loaded master weights
+    if with_optimizer:
+        group_index = next(i for i, g in enumerate(zero.optimizer.param_groups) if any(m is flat.master for m in g["params"]))
+        scalars = {}
+        for saved in manifest["optimizer"]["flat_groups"]:
+            if saved["group"] == group_index:
+                scalars = saved["scalars"]
+        state = {key.removeprefix("optim."): targets[key] for key in keys[1:]}
+        state.update({k: _unscalar(v, flat.master.device) for k, v in scalars.items()})
+        if state:
+            zero.optimizer.state[flat.master] = state
+
+
+def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: bool, scheduler: bool) -> None:
+    counters = manifest["counters"]
+    engine.global_steps, engine.global_samples = counters["global_steps"], counters["global_samples"]
+    engine.skipped_steps, engine.micro_steps = counters["skipped_steps"], counters["micro_steps"]
+    if engine.zero is not None and manifest["loss_scaler"] is not None:
+        engine.zero.loss_scaler.load_state_dict(manifest["loss_scaler"])
+    if optimizer and engine.zero is not None:
+        saved_groups = manifest["optimizer"]["param_groups"]
+        if len(saved_groups) != len(engine.zero.optimizer.param_groups):
+            raise CheckpointError(f"checkpoint has {len(saved_groups)} optimizer parameter groups, "
+                                  f"the optimizer has {len(engine.zero.optimizer.param_groups)}")
+        for group, saved in zip(engine.zero.optimizer.param_groups, saved_groups):
+            for key, value in saved.items():
+                group[key] = tuple(value) if isinstance(value, list) and isinstance(group.get(key), tuple) else value
+    if scheduler and engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+    rank = comm.get_rank()
+    if manifest["world_size"] == engine.grid.world.size:  # RNG streams are per rank: restore only same-size runs
+        file = rank_file(rank)
+        torch.set_rng_state(sources.tensor(file, "rng.cpu"))
+        if torch.cuda.is_available() and "rng.cuda" in manifest["files"][file]["crc"]:
+            torch.cuda.set_rng_state(sources.tensor(file, "rng.cuda"))
+        state = manifest["python_rng"][str(rank)]
+        random.setstate((state[0], tuple(state[1]), state[2]))
