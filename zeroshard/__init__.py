@@ -14,10 +14,19 @@ Vocabulary used throughout the code:
   gradient-accumulation boundary.
 """
 
-from . import comm, zero
+from . import checkpoint, comm, zero
 from .comm import init_distributed
 from .runtime import ZeroshardEngine, add_config_arguments, initialize
 
 __version__ = "0.1.0"
 
-__all__ = ["ZeroshardEngine", "__version__", "add_config_arguments", "comm", "init_distributed", "initialize", "zero"]
+__all__ = [
+    "ZeroshardEngine",
+    "__version__",
+    "add_config_arguments",
+    "checkpoint",
+    "comm",
+    "init_distributed",
+    "initialize",
+    "zero",
+]

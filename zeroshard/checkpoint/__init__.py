@@ -1,5 +1,15 @@
-"""Sharded, atomic, pickle-free checkpoints that load on any world size and stage."""
+"""Sharded, atomic, pickle-free checkpoints that load on any world size and stage, and their consolidation."""
 
+from .consolidate import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+    load_state_dict_from_zero_checkpoint,
+)
 from .safetensors_io import CheckpointError
 
-__all__ = ["CheckpointError"]
+__all__ = [
+    "CheckpointError",
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "load_state_dict_from_zero_checkpoint",
+]

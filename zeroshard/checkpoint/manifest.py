@@ -39,7 +39,8 @@ def pieces_for(layout, flat_key: str, writer_files: list[str]) -> dict[str, list
     for shard_rank, file in enumerate(writer_files):
         for seg in layout.segments(shard_rank):
             out.setdefault(seg.slot.name, []).append(
-                Piece(file, flat_key, seg.shard_start, seg.flat_start - seg.slot.offset, seg.numel))
+                Piece(file, flat_key, seg.shard_start, seg.flat_start - seg.slot.offset, seg.numel)
+            )
     return out
 
 

@@ -16,9 +16,18 @@ from typing import Iterable, Optional
 
 import torch
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -31,8 +40,12 @@ def _raw(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def write(path: str, tensors: Iterable[tuple[str, torch.Tensor]], specs: list[tuple[str, torch.dtype, tuple]],
-          metadata: Optional[dict[str, str]] = None) -> dict[str, int]:
+def write(
+    path: str,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    specs: list[tuple[str, torch.dtype, tuple]],
+    metadata: Optional[dict[str, str]] = None,
+) -> dict[str, int]:
     """Write tensors (produced lazily, in ``specs`` order) to ``path`` and fsync; returns crc32 per name."""
     header, offset = {}, 0
     for name, dtype, shape in specs:
@@ -80,8 +93,9 @@ class Reader:
         end = max((v["data_offsets"][1] for v in self.header.values()), default=0)
         if self.data_start + end > self.size:
             self._file.close()
-            raise CheckpointError(f"checkpoint file {path} is truncated: {self.size} bytes, "
-                                  f"header describes {self.data_start + end}")
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated: {self.size} bytes, header describes {self.data_start + end}"
+            )
 
     def keys(self) -> list[str]:
         return list(self.header)
@@ -91,24 +105,28 @@ class Reader:
             raise CheckpointError(f"checkpoint file {self.path} has no tensor '{name}'")
         return self.header[name]
 
-    def read(self, name: str, start: int = 0, stop: Optional[int] = None, crc: Optional[int] = None) -> torch.Tensor:
-        """Elements [start, stop) of the flattened tensor; with ``crc`` the whole tensor is read and verified."""
+    def read(self, name: str, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        """Elements [start, stop) of the flattened tensor, reading only those bytes."""
         entry = self.entry(name)
         dtype = DTYPES[entry["dtype"]]
         elem = torch.empty((), dtype=dtype).element_size()
-        numel = torch.Size(entry["shape"]).numel()
-        stop = numel if stop is None else stop
-        if crc is not None:
-            whole = self._read_bytes(entry["data_offsets"][0], numel * elem)
-            if zlib.crc32(whole) != crc:
-                raise CheckpointError(f"checkpoint file {self.path}: tensor '{name}' fails its checksum (corrupted)")
-            data = whole[start * elem: stop * elem]
-        else:
-            data = self._read_bytes(entry["data_offsets"][0] + start * elem, (stop - start) * elem)
+        stop = torch.Size(entry["shape"]).numel() if stop is None else stop
+        data = self._read_bytes(entry["data_offsets"][0] + start * elem, (stop - start) * elem)
         return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
 
-    def read_tensor(self, name: str, crc: Optional[int] = None) -> torch.Tensor:
-        return self.read(name, crc=crc).view(self.entry(name)["shape"])
+    def read_tensor(self, name: str) -> torch.Tensor:
+        return self.read(name).view(self.entry(name)["shape"])
+
+    def verify(self, name: str, crc: int, chunk_bytes: int = 64 << 20) -> None:
+        """Check a tensor's crc32 reading it in fixed-size chunks (memory stays at one chunk)."""
+        begin, end = self.entry(name)["data_offsets"]
+        value, offset = 0, begin
+        while offset < end:
+            data = self._read_bytes(offset, min(chunk_bytes, end - offset))
+            value = zlib.crc32(data, value)
+            offset += len(data)
+        if value != crc:
+            raise CheckpointError(f"checkpoint file {self.path}: tensor '{name}' fails its checksum (corrupted)")
 
     def _read_bytes(self, offset: int, nbytes: int) -> bytes:
         self._file.seek(self.data_start + offset)

@@ -94,8 +94,9 @@ def _outside_tensors(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-         save_latest: bool = True) -> str:
+def save(
+    engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None, save_latest: bool = True
+) -> str:
     """Every rank calls it. Returns the checkpoint directory."""
     tag = tag or f"global_step{engine.global_steps}"
     if os.sep in tag or tag.startswith("."):
@@ -147,6 +148,18 @@ def save(engine, save_dir: str, tag: Optional[str] = None, client_state: Optiona
     return final
 
 
+def _aliases(module: torch.nn.Module) -> dict[str, str]:
+    """Second names of shared parameters (a tied LM head) -> the name they are saved under."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
 def _manifest(engine, tag: str, client: dict, tmp: str) -> dict:
     zero, world_size = engine.zero, engine.grid.world.size
     files, rng = {}, {}
@@ -166,27 +179,51 @@ def _manifest(engine, tag: str, client: dict, tmp: str) -> dict:
         for slot, param in zip(flat.layout.slots, flat.params):
             params[slot.name].update(shape=list(slot.shape), dtype=str(param.dtype).removeprefix("torch."))
         state = zero.optimizer.state.get(flat.master, {})
-        flat_groups.append({
-            "group": group_of[id(flat.master)],
-            "state_keys": _elementwise_keys(zero.optimizer, flat),
-            "scalars": {key: _scalar(v) for key, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)},
-        })
-    outside = {name.removeprefix("module."): {"file": rank_file(0), "key": name, "shape": list(t.shape)}
-               for name, t in _outside_tensors(engine).items()}
+        flat_groups.append(
+            {
+                "group": group_of[id(flat.master)],
+                "state_keys": _elementwise_keys(zero.optimizer, flat),
+                "scalars": {key: _scalar(v) for key, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)},
+            }
+        )
+    outside = {
+        name.removeprefix("module."): {
+            "file": rank_file(0),
+            "key": name,
+            "shape": list(t.shape),
+            "dtype": "float32" if t.is_floating_point() else str(t.dtype).removeprefix("torch."),
+        }
+        for name, t in _outside_tensors(engine).items()
+    }
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     return {
-        "format": FORMAT, "tag": tag, "world_size": world_size, "stage": engine.zero_optimization_stage(),
+        "format": FORMAT,
+        "tag": tag,
+        "world_size": world_size,
+        "stage": engine.zero_optimization_stage(),
         "shard_group_size": engine.grid.shard.size,
-        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                     "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps},
+        "counters": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+            "micro_steps": engine.micro_steps,
+        },
         "loss_scaler": zero.loss_scaler.state_dict() if zero else None,
         "lr_scheduler": _json_ready(scheduler, "the lr scheduler's state_dict()"),
-        "optimizer": {"param_groups": _json_ready([{k: v for k, v in g.items() if k != "params"}
-                                                   for g in zero.optimizer.param_groups] if zero else [],
-                                                  "optimizer hyperparameters"),
-                      "flat_groups": flat_groups},
-        "params": params, "module_tensors": outside, "files": files, "python_rng": rng,
-        "config": engine.config.model_dump(mode="json"), "client_state": client,
+        "optimizer": {
+            "param_groups": _json_ready(
+                [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups] if zero else [],
+                "optimizer hyperparameters",
+            ),
+            "flat_groups": flat_groups,
+        },
+        "params": params,
+        "module_tensors": outside,
+        "files": files,
+        "python_rng": rng,
+        "aliases": _aliases(engine.module),
+        "config": engine.config.model_dump(mode="json"),
+        "client_state": client,
     }
 
 
@@ -196,7 +233,7 @@ class _Sources:
     def __init__(self, path: str, manifest: dict):
         self.path, self.manifest = path, manifest
         self._readers: dict[str, Reader] = {}
-        self._cache: dict[tuple[str, str], torch.Tensor] = {}
+        self._verified: set[tuple[str, str]] = set()
 
     def reader(self, file: str) -> Reader:
         if file not in self._readers:
@@ -205,19 +242,23 @@ class _Sources:
                 raise CheckpointError(f"{self.path}: manifest lists no file {file}")
             reader = Reader(os.path.join(self.path, file))
             if reader.size != expected["size"]:
-                raise CheckpointError(f"checkpoint file {reader.path} has {reader.size} bytes, the manifest "
-                                      f"says {expected['size']} (truncated or replaced)")
+                raise CheckpointError(
+                    f"checkpoint file {reader.path} has {reader.size} bytes, the manifest "
+                    f"says {expected['size']} (truncated or replaced)"
+                )
             self._readers[file] = reader
         return self._readers[file]
 
-    def tensor(self, file: str, key: str) -> torch.Tensor:
-        if (file, key) not in self._cache:
+    def read(self, file: str, key: str, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        """Elements [start, stop) of a saved tensor, after verifying the whole tensor once (streamed)."""
+        reader = self.reader(file)
+        if (file, key) not in self._verified:
             crc = self.manifest["files"][file]["crc"].get(key)
-            self._cache[(file, key)] = self.reader(file).read(key, crc=crc)
-        return self._cache[(file, key)]
-
-    def release(self) -> None:
-        self._cache.clear()
+            if crc is None:
+                raise CheckpointError(f"{self.path}: manifest has no checksum for '{key}' in {file}")
+            reader.verify(key, crc)
+            self._verified.add((file, key))
+        return reader.read(key, start, stop)
 
     def close(self) -> None:
         for reader in self._readers.values():
@@ -248,19 +289,18 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def assemble(sources: _Sources, pieces: list[Piece], prefix: str, start: int, stop: int,
-             out: torch.Tensor) -> None:
+def assemble(sources: _Sources, pieces: list[Piece], prefix: str, start: int, stop: int, out: torch.Tensor) -> None:
     """Fill ``out`` with elements [start, stop) of a flattened parameter from the saved pieces."""
     covered = 0
     for piece, (s0, s1), (d0, d1) in overlapping(pieces, start, stop):
-        out[d0:d1].copy_(sources.tensor(piece.file, f"{prefix}.{piece.key}")[s0:s1])
+        out[d0:d1].copy_(sources.read(piece.file, f"{prefix}.{piece.key}", s0, s1))
         covered += d1 - d0
     if covered != stop - start:
         raise CheckpointError(f"{sources.path}: saved pieces cover {covered} of {stop - start} elements")
 
 
 def _check_params(engine, manifest: dict, strict: bool) -> None:
-    mine = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+    mine = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}  # tied aliases appear once
     saved = {n: tuple(e["shape"]) for n, e in manifest["params"].items()}
     saved.update({n: tuple(e["shape"]) for n, e in manifest["module_tensors"].items()})
     mine.update({n: tuple(b.shape) for n, b in engine.module.named_buffers()})
@@ -270,15 +310,28 @@ def _check_params(engine, manifest: dict, strict: bool) -> None:
     if wrong or (strict and (missing or unexpected)):
         raise CheckpointError(
             "checkpoint does not match the model: "
-            + "; ".join(filter(None, [f"shape mismatch {wrong}" if wrong else "",
-                                      f"missing from checkpoint {missing}" if missing else "",
-                                      f"not in model {unexpected}" if unexpected else ""]))
+            + "; ".join(
+                filter(
+                    None,
+                    [
+                        f"shape mismatch {wrong}" if wrong else "",
+                        f"missing from checkpoint {missing}" if missing else "",
+                        f"not in model {unexpected}" if unexpected else "",
+                    ],
+                )
+            )
         )
 
 
-def load(engine, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
-         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-         load_module_only: bool = False):
+def load(
+    engine,
+    load_dir: str,
+    tag: Optional[str] = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+):
     """Every rank calls it. Returns ``(path, client_state)``, or ``(None, None)`` when there is nothing to load."""
     tag = resolve_tag(load_dir, tag)
     if tag is None:
@@ -291,22 +344,39 @@ def load(engine, load_dir: str, tag: Optional[str] = None, load_module_strict: b
     _check_params(engine, manifest, load_module_strict)
     sources = _Sources(path, manifest)
     zero = engine.zero
-    try:
+    error: Optional[CheckpointError] = None
+    try:  # reading and verifying issues no collective, so a rank that fails cannot strand the others
         with torch.no_grad():
             for flat in zero.flat_groups if zero else []:
                 _load_flat(zero, flat, manifest, sources, load_optimizer_states and not load_module_only)
-                sources.release()
             for name, entry in manifest["module_tensors"].items():
                 target = _module_tensor(engine.module, name)
                 if target is not None:
-                    target.copy_(sources.tensor(entry["file"], entry["key"]).view(entry["shape"]))
-            sources.release()
+                    target.copy_(sources.read(entry["file"], entry["key"]).view(entry["shape"]))
             if not load_module_only:
                 _load_training_state(engine, manifest, sources, load_optimizer_states, load_lr_scheduler_states)
+    except CheckpointError as err:
+        error = err
     finally:
         sources.close()
-    comm.barrier(engine.grid.world)
+    _agree(engine, error, path)
+    with torch.no_grad():
+        for flat in zero.flat_groups if zero else []:
+            flat.publish()  # the compute parameters follow the loaded master weights
     return path, (None if load_module_only else manifest["client_state"])
+
+
+def _agree(engine, error: Optional[CheckpointError], path: str) -> None:
+    """Every rank raises if any rank failed to read its part (the failing ranks with their own message)."""
+    world = engine.grid.world
+    failed = torch.zeros(world.size)
+    failed[comm.get_rank()] = 1.0 if error is not None else 0.0
+    comm.all_reduce(failed, world)
+    if error is not None:
+        raise error
+    if failed.any():
+        ranks = [r for r in range(world.size) if failed[r] > 0]
+        raise CheckpointError(f"loading {path} failed on rank(s) {ranks}; their errors name the file and tensor")
 
 
 def _module_tensor(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
@@ -316,8 +386,11 @@ def _module_tensor(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]
 
 
 def _load_flat(zero, flat, manifest: dict, sources: _Sources, with_optimizer: bool) -> None:
-    pieces = {name: [Piece.from_json(p) for p in entry["pieces"]] for name, entry in manifest["params"].items()
-              if any(s.name == name for s in flat.layout.slots)}
+    pieces = {
+        name: [Piece.from_json(p) for p in entry["pieces"]]
+        for name, entry in manifest["params"].items()
+        if any(s.name == name for s in flat.layout.slots)
+    }
     keys = ["master"]
     if with_optimizer:
         saved_keys = {k for g in manifest["optimizer"]["flat_groups"] for k in g["state_keys"]}
@@ -328,11 +401,18 @@ def _load_flat(zero, flat, manifest: dict, sources: _Sources, with_optimizer: bo
     for seg in flat.layout.segments(flat.shard_rank):
         start = seg.flat_start - seg.slot.offset
         for key in keys:
-            assemble(sources, pieces[seg.slot.name], key, start, start + seg.numel,
-                     targets[key][seg.shard_start: seg.shard_start + seg.numel])
-    flat.publish()  # the compute parameters follow the loaded master weights
+            assemble(
+                sources,
+                pieces[seg.slot.name],
+                key,
+                start,
+                start + seg.numel,
+                targets[key][seg.shard_start : seg.shard_start + seg.numel],
+            )
     if with_optimizer:
-        group_index = next(i for i, g in enumerate(zero.optimizer.param_groups) if any(m is flat.master for m in g["params"]))
+        group_index = next(
+            i for i, g in enumerate(zero.optimizer.param_groups) if any(m is flat.master for m in g["params"])
+        )
         scalars = {}
         for saved in manifest["optimizer"]["flat_groups"]:
             if saved["group"] == group_index:
@@ -346,14 +426,18 @@ def _load_flat(zero, flat, manifest: dict, sources: _Sources, with_optimizer: bo
 def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: bool, scheduler: bool) -> None:
     counters = manifest["counters"]
     engine.global_steps, engine.global_samples = counters["global_steps"], counters["global_samples"]
-    engine.skipped_steps, engine.micro_steps = counters["skipped_steps"], counters["micro_steps"]
+    engine.skipped_steps = counters["skipped_steps"]
+    # resume at an accumulation boundary of *this* run, whose accumulation steps may differ
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     if engine.zero is not None and manifest["loss_scaler"] is not None:
         engine.zero.loss_scaler.load_state_dict(manifest["loss_scaler"])
     if optimizer and engine.zero is not None:
         saved_groups = manifest["optimizer"]["param_groups"]
         if len(saved_groups) != len(engine.zero.optimizer.param_groups):
-            raise CheckpointError(f"checkpoint has {len(saved_groups)} optimizer parameter groups, "
-                                  f"the optimizer has {len(engine.zero.optimizer.param_groups)}")
+            raise CheckpointError(
+                f"checkpoint has {len(saved_groups)} optimizer parameter groups, "
+                f"the optimizer has {len(engine.zero.optimizer.param_groups)}"
+            )
         for group, saved in zip(engine.zero.optimizer.param_groups, saved_groups):
             for key, value in saved.items():
                 group[key] = tuple(value) if isinstance(value, list) and isinstance(group.get(key), tuple) else value
@@ -362,8 +446,8 @@ def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: b
     rank = comm.get_rank()
     if manifest["world_size"] == engine.grid.world.size:  # RNG streams are per rank: restore only same-size runs
         file = rank_file(rank)
-        torch.set_rng_state(sources.tensor(file, "rng.cpu"))
+        torch.set_rng_state(sources.read(file, "rng.cpu"))
         if torch.cuda.is_available() and "rng.cuda" in manifest["files"][file]["crc"]:
-            torch.cuda.set_rng_state(sources.tensor(file, "rng.cuda"))
+            torch.cuda.set_rng_state(sources.read(file, "rng.cuda"))
         state = manifest["python_rng"][str(rank)]
         random.setstate((state[0], tuple(state[1]), state[2]))

@@ -73,7 +73,34 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     return cmd + [args.script, *args.script_args]
 
 
+def convert_main(argv: Sequence[str]) -> int:
+    """``zeroshard convert CKPT_DIR OUT [--tag T] [--max_shard_size 5GB]``."""
+    parser = argparse.ArgumentParser(
+        prog="zeroshard convert", description="Write a checkpoint's fp32 weights as safetensors (streaming)."
+    )
+    parser.add_argument("checkpoint_dir")
+    parser.add_argument("output", help="a .safetensors file, or a directory for (sharded) HF-style files")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
+    parser.add_argument("--max_shard_size", default="5GB")
+    args = parser.parse_args(argv)
+    from ..checkpoint import CheckpointError, convert_zero_checkpoint_to_fp32_state_dict
+
+    try:
+        files = convert_zero_checkpoint_to_fp32_state_dict(
+            args.checkpoint_dir, args.output, tag=args.tag, max_shard_size=args.max_shard_size
+        )
+    except (CheckpointError, ValueError) as err:
+        print(f"zeroshard convert: {err}", file=sys.stderr)
+        return 2
+    for path in files:
+        print(path)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["convert"]:
+        return convert_main(argv[1:])
     args = build_parser().parse_args(argv)
     cmd = torchrun_command(args)
     env = dict(os.environ)

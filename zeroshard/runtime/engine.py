@@ -207,20 +207,33 @@ class ZeroshardEngine(torch.nn.Module):
         comm.barrier(self.grid.world)
         return True
 
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True) -> str:
+    def save_checkpoint(
+        self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None, save_latest: bool = True
+    ) -> str:
         """Save the full training state (every rank calls it); default tag ``global_step{N}``. See
         :mod:`zeroshard.checkpoint.sharded` for the format and its guarantees."""
         return checkpoint_io.save(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Optional[str] = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ):
         """Load a checkpoint saved with any world size and stage; returns ``(load_path, client_state)``,
         or ``(None, None)`` with a warning when ``load_dir`` holds no checkpoint."""
-        return checkpoint_io.load(self, load_dir, tag=tag, load_module_strict=load_module_strict,
-                                  load_optimizer_states=load_optimizer_states,
-                                  load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        return checkpoint_io.load(
+            self,
+            load_dir,
+            tag=tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
 
     def state_bytes(self) -> dict[str, int]:
         """Model-state bytes held by this rank (parameters, master weights, gradient shards, optimizer state)."""

@@ -1,0 +1,288 @@
+"""Checkpoints: bit-identical resume, resharding across world sizes and stages, crash safety,
+corruption errors, consolidation to fp32 / safetensors, the convert CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zeroshard.testing import WorkerHang, run_distributed
+from zeroshard.testing.parity import ParityCase, make_batches, make_model, model_error, reference_train
+
+UNITS = (("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshold", 0))
+SCHEDULE = {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-3}}
+STEPS, SPLIT = 6, 3
+
+
+def build(case):
+    import zeroshard
+
+    cfg = case.config()
+    cfg["scheduler"] = SCHEDULE
+    engine, _, _, _ = zeroshard.initialize(model=make_model(), config=cfg)
+    return engine
+
+
+def train(engine, steps: range, global_batch: int):
+    from zeroshard import comm
+
+    rank, world, gas = comm.get_rank(), comm.get_world_size(), engine.gradient_accumulation_steps()
+    micro = global_batch // (world * gas)
+    batches = make_batches(STEPS, global_batch)
+    for step in steps:
+        x, y = batches[step]
+        for k in range(gas):
+            rows = slice((k * world + rank) * micro, (k * world + rank + 1) * micro)
+            engine.backward(engine(x[rows], y[rows]))
+            engine.step()
+
+
+def optimizer_state(engine):
+    return [
+        {k: (v.clone() if torch.is_tensor(v) else v) for k, v in engine.zero.optimizer.state[f.master].items()}
+        for f in engine.zero.flat_groups
+    ]
+
+
+def run_phase(cases, directory, phase):
+    out = []
+    for index, case in enumerate(cases):
+        engine = build(case)
+        path = os.path.join(directory, str(index))
+        if phase == "straight":
+            train(engine, range(STEPS), 4 * case.gas)
+        elif phase == "save":
+            train(engine, range(SPLIT), 4 * case.gas)
+            engine.save_checkpoint(path, client_state={"epoch": 1, "note": "halfway"})
+            continue
+        else:
+            loaded, client = engine.load_checkpoint(path)
+            assert client == {"epoch": 1, "note": "halfway"} and loaded.endswith(f"global_step{SPLIT}")
+            train(engine, range(SPLIT, STEPS), 4 * case.gas)
+        out.append(
+            {
+                "params": engine.consolidated_state_dict(rank0_only=False),
+                "opt": optimizer_state(engine),
+                "lr": engine.get_lr(),
+                "steps": (engine.global_steps, engine.global_samples),
+                "scale": engine.zero.loss_scaler.state_dict(),
+            }
+        )
+    return out
+
+
+ROUND_TRIP = [
+    ParityCase(stage=s, dtype=d, gas=2, lr=1e-3, zero=UNITS if s == 3 else ())
+    for s in (0, 1, 2, 3)
+    for d in ("fp32", "bf16")
+]
+ROUND_TRIP.append(ParityCase(stage=2, dtype="fp16", gas=2, lr=1e-3))
+
+
+def test_resume_is_bit_identical_to_uninterrupted_training(tmp_path):
+    straight = run_distributed(run_phase, 2, ROUND_TRIP, str(tmp_path), "straight")[0]
+    run_distributed(run_phase, 2, ROUND_TRIP, str(tmp_path), "save")
+    resumed = run_distributed(run_phase, 2, ROUND_TRIP, str(tmp_path), "load")[0]
+    for case, a, b in zip(ROUND_TRIP, straight, resumed):
+        label = f"stage {case.stage} {case.dtype}"
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"]), label
+        for sa, sb in zip(a["opt"], b["opt"]):
+            assert sa.keys() == sb.keys(), label
+            for key in sa:
+                assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), (label, key)
+        assert a["lr"] == b["lr"] and a["steps"] == b["steps"] and a["scale"] == b["scale"], label
+
+
+def reshard_worker(save_case, directory, phase, load_case=None):
+    engine = build(save_case if phase == "save" else load_case)
+    if phase == "save":
+        train(engine, range(SPLIT), 8)
+        engine.save_checkpoint(directory)
+        return None
+    engine.load_checkpoint(directory)
+    train(engine, range(SPLIT, STEPS), 8)
+    return engine.consolidated_state_dict(rank0_only=False)
+
+
+RESHARD = [
+    # (save world, save case, load world, load case); global batch 8 throughout
+    (4, ParityCase(stage=2, lr=1e-3), 2, ParityCase(stage=3, gas=2, lr=1e-3, zero=UNITS)),
+    (4, ParityCase(stage=2, lr=1e-3), 1, ParityCase(stage=0, gas=4, lr=1e-3)),
+    (2, ParityCase(stage=3, gas=2, lr=1e-3, zero=UNITS), 4, ParityCase(stage=3, lr=1e-3, shard_size=2, zero=UNITS)),
+]
+
+
+@pytest.mark.parametrize(
+    "save_world,save_case,load_world,load_case",
+    RESHARD,
+    ids=["4xstage2-to-2xstage3", "4xstage2-to-1xstage0", "2xstage3-to-4xhybrid"],
+)
+def test_resharded_resume_matches_uninterrupted(tmp_path, save_world, save_case, load_world, load_case):
+    run_distributed(reshard_worker, save_world, save_case, str(tmp_path), "save")
+    got = run_distributed(reshard_worker, load_world, save_case, str(tmp_path), "load", load_case)[0]
+    expected = reference_train(ParityCase(stage=0, steps=STEPS, lr=1e-3, micro_batch=8), 1)
+    assert model_error({k: v.float() for k, v in got.items()}, _schedule_reference(expected)) <= 1e-5
+
+
+def _schedule_reference(_unused):
+    """Single-process reference with the same WarmupLR schedule (the engine's)."""
+    from zeroshard.optim import build_schedule
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = build_schedule(SCHEDULE["type"], SCHEDULE["params"], opt)
+    for x, y in make_batches(STEPS, 8):
+        model(x, y).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def crash_worker(directory, tag):
+    engine = build(ParityCase(stage=2, lr=1e-3))
+    train(engine, range(1), 4)
+    engine.save_checkpoint(directory, tag=tag)
+
+
+def load_latest_worker(directory):
+    engine = build(ParityCase(stage=2, lr=1e-3))
+    path, _ = engine.load_checkpoint(directory)
+    return path
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
+    run_distributed(crash_worker, 2, str(tmp_path), "first")
+    with pytest.raises(WorkerHang):
+        run_distributed(
+            crash_worker, 2, str(tmp_path), "second", timeout_s=25, env={"ZEROSHARD_TEST_PAUSE_BEFORE_COMMIT": "120"}
+        )
+    assert (tmp_path / "latest").read_text() == "first"
+    assert not (tmp_path / "second").exists()
+    assert run_distributed(load_latest_worker, 2, str(tmp_path))[0] == str(tmp_path / "first")
+
+
+def corrupt_load_worker(directory):
+    from zeroshard.checkpoint import CheckpointError
+
+    engine = build(ParityCase(stage=2, lr=1e-3))
+    try:
+        engine.load_checkpoint(directory)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def wrong_model_worker(directory):
+    import zeroshard
+    from zeroshard.checkpoint import CheckpointError
+    from zeroshard.testing.models import GPT, GPTConfig
+
+    engine, _, _, _ = zeroshard.initialize(
+        model=GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)),
+        config=ParityCase(stage=2).config(),
+    )
+    try:
+        engine.load_checkpoint(directory)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_corrupted_truncated_missing_and_mismatched_checkpoints_fail_clearly(tmp_path):
+    run_distributed(crash_worker, 2, str(tmp_path), "good")
+    rank1 = tmp_path / "good" / "rank00001.safetensors"
+    original = rank1.read_bytes()
+
+    data = bytearray(original)
+    data[-20] ^= 0xFF  # flip a byte inside the last tensor (rank 1's RNG state)
+    rank1.write_bytes(bytes(data))
+    r0, r1 = run_distributed(corrupt_load_worker, 2, str(tmp_path))
+    assert "rank00001.safetensors: tensor 'rng.cpu' fails its checksum" in r1
+    assert "failed on rank(s) [1]" in r0  # the other rank fails too, instead of hanging
+
+    rank1.write_bytes(original[: len(original) // 2])
+    msg = run_distributed(corrupt_load_worker, 2, str(tmp_path))[1]
+    assert "rank00001.safetensors" in msg and "truncated" in msg
+
+    rank1.unlink()
+    assert "rank00001.safetensors is missing" in run_distributed(corrupt_load_worker, 2, str(tmp_path))[1]
+
+    rank1.write_bytes(original)
+    msg = run_distributed(wrong_model_worker, 2, str(tmp_path))[0]
+    assert "checkpoint does not match the model" in msg and "blocks.1" in msg
+
+
+def no_checkpoint_worker(directory):
+    import warnings
+
+    engine = build(ParityCase(stage=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = engine.load_checkpoint(directory)
+    return result, [str(w.message) for w in caught]
+
+
+def test_loading_from_an_empty_directory_returns_none_with_a_warning(tmp_path):
+    result, messages = run_distributed(no_checkpoint_worker, 2, str(tmp_path))[0]
+    assert result == (None, None) and any("no checkpoint to load" in m for m in messages)
+
+
+def consolidation_worker(directory):
+    engine = build(ParityCase(stage=3, lr=1e-3, zero=UNITS))
+    train(engine, range(2), 4)
+    engine.save_checkpoint(directory)
+    masters = {}
+    from zeroshard.zero import GatheredParameters
+
+    for flat in engine.zero.flat_groups:  # the fp32 master weights, gathered for the comparison
+        with GatheredParameters(flat.params):
+            pass
+    return engine.consolidated_state_dict(rank0_only=False), masters
+
+
+def test_consolidation_to_fp32_state_dict_and_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    import zeroshard
+
+    full, _ = run_distributed(consolidation_worker, 2, str(tmp_path / "ckpt"))[0]
+    state = zeroshard.checkpoint.get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"))
+    assert set(state) == set(full)  # tied lm_head.weight included
+    for name, tensor in full.items():  # fp32 run: the master weights are the model weights
+        assert torch.equal(state[name], tensor.float()), name
+    model = zeroshard.checkpoint.load_state_dict_from_zero_checkpoint(make_model(seed=5), str(tmp_path / "ckpt"))
+    assert torch.equal(model.blocks[0].fc.weight, full["blocks.0.fc.weight"])
+
+    files = zeroshard.checkpoint.convert_zero_checkpoint_to_fp32_state_dict(
+        str(tmp_path / "ckpt"), str(tmp_path / "one.safetensors")
+    )
+    loaded = load_file(files[0])
+    assert all(torch.equal(loaded[k], state[k]) for k in loaded) and "wte.weight" in loaded
+
+    files = zeroshard.checkpoint.convert_zero_checkpoint_to_fp32_state_dict(
+        str(tmp_path / "ckpt"), str(tmp_path / "hf"), max_shard_size="40KB"
+    )
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(files) > 2 and set(index["weight_map"]) == set(loaded)
+    merged = {}
+    for name in set(index["weight_map"].values()):
+        merged.update(load_file(tmp_path / "hf" / name))
+    assert all(torch.equal(merged[k], state[k]) for k in merged)
+
+    out = subprocess.run(
+        [sys.executable, "-m", "zeroshard", "convert", str(tmp_path / "ckpt"), str(tmp_path / "cli.safetensors")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert all(torch.equal(v, loaded[k]) for k, v in load_file(tmp_path / "cli.safetensors").items())
+    out = subprocess.run(
+        [sys.executable, "-m", "zeroshard", "convert", str(tmp_path / "nothing"), str(tmp_path / "x.safetensors")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "has no 'latest' file" in out.stderr

@@ -1,0 +1,149 @@
+"""From a sharded checkpoint to one fp32 state dict or safetensors files, one tensor at a time.
+
+Peak memory is the largest parameter plus a fixed read buffer, whatever the model size: each
+parameter is assembled from its saved pieces, written, and dropped before the next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Iterator, Optional, Union
+
+import torch
+
+from .manifest import Piece
+from .safetensors_io import CheckpointError, write
+from .sharded import _Sources, assemble, read_manifest, resolve_tag
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: Union[int, str]) -> int:
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())
+    if not match:
+        raise ValueError(f"max_shard_size {size!r}: expected bytes or a string like '5GB' or '500MB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def _open(checkpoint_dir: str, tag: Optional[str]) -> tuple[_Sources, dict]:
+    tag = resolve_tag(checkpoint_dir, tag)
+    if tag is None:
+        raise CheckpointError(f"{checkpoint_dir} has no 'latest' file; pass tag=")
+    path = os.path.join(checkpoint_dir, tag)
+    manifest = read_manifest(path)
+    return _Sources(path, manifest), manifest
+
+
+def _entries(manifest: dict) -> list[tuple[str, tuple, str]]:
+    """(name, shape, where) in a stable order: trained parameters, then frozen parameters and buffers."""
+    out = [(n, tuple(e["shape"]), "param") for n, e in manifest["params"].items()]
+    out += [(n, tuple(e["shape"]), "module") for n, e in manifest["module_tensors"].items()]
+    return out
+
+
+def _materialize(sources: _Sources, manifest: dict, name: str, shape: tuple, where: str) -> torch.Tensor:
+    if where == "param":
+        numel = torch.Size(shape).numel()
+        out = torch.empty(numel, dtype=torch.float32)
+        pieces = [Piece.from_json(p) for p in manifest["params"][name]["pieces"]]
+        assemble(sources, pieces, "master", 0, numel, out)
+        return out.view(shape)
+    entry = manifest["module_tensors"][name]
+    value = sources.read(entry["file"], entry["key"]).view(shape)
+    return value.float() if value.is_floating_point() else value
+
+
+def _iter_tensors(checkpoint_dir: str, tag: Optional[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    sources, manifest = _open(checkpoint_dir, tag)
+    try:
+        for name, shape, where in _entries(manifest):
+            yield name, _materialize(sources, manifest, name, shape, where)
+    finally:
+        sources.close()
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The fp32 master weights (and buffers) of a checkpoint as one state dict, tied names included."""
+    state = dict(_iter_tensors(checkpoint_dir, tag))
+    _, manifest = _open(checkpoint_dir, tag)
+    for alias, name in manifest.get("aliases", {}).items():
+        state[alias] = state[name]
+    return state
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str, tag: Optional[str] = None):
+    """Load the checkpoint's fp32 weights into a plain (unsharded) model; returns the model."""
+    model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag), strict=True)
+    return model
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir: str, output_path: str, tag: Optional[str] = None, max_shard_size: Union[int, str] = "5GB"
+) -> list[str]:
+    """Write the fp32 weights as safetensors, streaming one tensor at a time.
+
+    ``output_path`` ending in ``.safetensors`` names a single file; otherwise it is a directory that
+    receives ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files plus
+    ``model.safetensors.index.json`` when the weights exceed ``max_shard_size`` (the layout
+    Hugging Face ``from_pretrained`` reads). Tied names are written once, as in HF. Returns the files.
+    """
+    limit = parse_size(max_shard_size)
+    _, manifest = _open(checkpoint_dir, tag)
+    entries = _entries(manifest)
+    sizes = [torch.Size(shape).numel() * 4 for _, shape, _ in entries]
+    shards: list[list[int]] = [[]]
+    filled = 0
+    for i, size in enumerate(sizes):
+        if shards[-1] and filled + size > limit:
+            shards.append([])
+            filled = 0
+        shards[-1].append(i)
+        filled += size
+    single_file = output_path.endswith(".safetensors")
+    if single_file and len(shards) > 1:
+        raise ValueError(
+            f"the weights ({sum(sizes)} bytes) exceed max_shard_size {max_shard_size}: "
+            "pass a directory as output_path to get sharded files"
+        )
+    directory = os.path.dirname(output_path) if single_file else output_path
+    os.makedirs(directory or ".", exist_ok=True)
+    if single_file:
+        names = [os.path.basename(output_path)]
+    elif len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    sources, manifest = _open(checkpoint_dir, tag)
+    written, weight_map = [], {}
+    try:
+        for file_name, members in zip(names, shards):
+            specs = [(entries[i][0], _dtype_of(manifest, entries[i]), entries[i][1]) for i in members]
+            stream = (
+                (entries[i][0], _materialize(sources, manifest, *entries[i]).to(spec[1]))
+                for i, spec in zip(members, specs)
+            )
+            path = os.path.join(directory, file_name)
+            write(path + ".tmp", stream, specs, metadata={"format": "pt"})
+            os.replace(path + ".tmp", path)
+            written.append(path)
+            weight_map.update({entries[i][0]: file_name for i in members})
+    finally:
+        sources.close()
+    if len(names) > 1:
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+        written.append(os.path.join(directory, "model.safetensors.index.json"))
+    return written
+
+
+def _dtype_of(manifest: dict, entry: tuple) -> torch.dtype:
+    name, _, where = entry
+    if where == "param":
+        return torch.float32
+    dtype = manifest["module_tensors"][name].get("dtype")
+    return getattr(torch, dtype) if dtype else torch.float32
