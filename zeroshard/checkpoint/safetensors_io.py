@@ -117,7 +117,7 @@ class Reader:
     def read_tensor(self, name: str) -> torch.Tensor:
         return self.read(name).view(self.entry(name)["shape"])
 
-    def verify(self, name: str, crc: int, chunk_bytes: int = 64 << 20) -> None:
+    def verify(self, name: str, crc: int, chunk_bytes: int = 16 << 20) -> None:
         """Check a tensor's crc32 reading it in fixed-size chunks (memory stays at one chunk)."""
         begin, end = self.entry(name)["data_offsets"]
         value, offset = 0, begin
