@@ -317,3 +317,34 @@ def test_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
     assert total > 300e6
     assert peak < 4 * largest + (16 << 20), (peak, largest, total)  # never the model: a few tensors + a buffer
     assert (tmp_path / "out" / "model.safetensors").stat().st_size > total
+
+
+def hf_gpt2_worker(directory):
+    import zeroshard
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(config)
+    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 3, "gather_unit_classes": ["GPT2Block"],
+                                "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = zeroshard.initialize(model=model, config=ds)
+    x = torch.randint(0, 64, (2, 8))
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    engine.save_checkpoint(os.path.join(directory, "ckpt"))
+    config.save_pretrained(os.path.join(directory, "hf"))
+    return engine.consolidated_state_dict(rank0_only=False)
+
+
+def test_converted_checkpoint_loads_with_transformers_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import zeroshard
+
+    full = run_distributed(hf_gpt2_worker, 2, str(tmp_path))[0]
+    zeroshard.checkpoint.convert_zero_checkpoint_to_fp32_state_dict(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
+    state = model.state_dict()
+    assert set(full) == set(state)
+    assert all(torch.equal(state[k], full[k].float()) for k in full)

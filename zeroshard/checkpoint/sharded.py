@@ -90,7 +90,10 @@ def _outside_tensors(engine) -> dict[str, torch.Tensor]:
     """Frozen parameters and buffers: not in any flat group, whole on every rank."""
     in_flats = {id(p) for f in engine.zero.flat_groups for p in f.params} if engine.zero else set()
     out = {f"module.{n}": p for n, p in engine.module.named_parameters() if id(p) not in in_flats}
-    out.update({f"module.{n}": b for n, b in engine.module.named_buffers()})
+    for prefix, sub in engine.module.named_modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and name not in sub._non_persistent_buffers_set:  # as state_dict() decides
+                out[f"module.{prefix + '.' if prefix else ''}{name}"] = buffer
     return out
 
 
@@ -303,7 +306,7 @@ def _check_params(engine, manifest: dict, strict: bool) -> None:
     mine = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}  # tied aliases appear once
     saved = {n: tuple(e["shape"]) for n, e in manifest["params"].items()}
     saved.update({n: tuple(e["shape"]) for n, e in manifest["module_tensors"].items()})
-    mine.update({n: tuple(b.shape) for n, b in engine.module.named_buffers()})
+    mine.update({n.removeprefix("module."): tuple(t.shape) for n, t in _outside_tensors(engine).items()})
     wrong = [f"{n}: checkpoint {saved[n]} vs model {s}" for n, s in mine.items() if n in saved and saved[n] != s]
     missing = sorted(set(mine) - set(saved))
     unexpected = sorted(set(saved) - set(mine))
