@@ -326,9 +326,15 @@ def hf_gpt2_worker(directory):
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
     model = GPT2LMHeadModel(config)
-    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": 3, "gather_unit_classes": ["GPT2Block"],
-                                "stage3_param_persistence_threshold": 0}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "gather_unit_classes": ["GPT2Block"],
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
     engine, _, _, _ = zeroshard.initialize(model=model, config=ds)
     x = torch.randint(0, 64, (2, 8))
     engine.backward(engine(input_ids=x, labels=x).loss)
@@ -348,3 +354,31 @@ def test_converted_checkpoint_loads_with_transformers_from_pretrained(tmp_path):
     state = model.state_dict()
     assert set(full) == set(state)
     assert all(torch.equal(state[k], full[k].float()) for k in full)
+
+
+def sampler_worker(directory, phase):
+    import zeroshard
+
+    data = torch.utils.data.TensorDataset(torch.arange(48).float().unsqueeze(1))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+    engine, _, loader, _ = zeroshard.initialize(model=torch.nn.Linear(1, 1), training_data=data, config=cfg)
+    loader.sampler.set_epoch(1)
+    seen = []
+    if phase == "load":
+        engine.load_checkpoint(directory)
+    for (batch,) in loader:
+        seen += [int(v) for v in batch.flatten()]
+        engine.backward(engine(batch).sum())
+        engine.step()
+        if phase == "save" and len(seen) == 6:
+            engine.save_checkpoint(directory)
+            break
+    return seen
+
+
+def test_data_loader_position_resumes_mid_epoch(tmp_path):
+    straight = run_distributed(sampler_worker, 2, str(tmp_path), "straight")
+    first = run_distributed(sampler_worker, 2, str(tmp_path), "save")
+    rest = run_distributed(sampler_worker, 2, str(tmp_path), "load")
+    for rank in range(2):
+        assert first[rank] + rest[rank] == straight[rank]

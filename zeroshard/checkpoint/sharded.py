@@ -151,6 +151,12 @@ def save(
     return final
 
 
+def _sampler(engine):
+    """The data sampler zeroshard created (and so can resume), if any."""
+    sampler = getattr(engine.training_dataloader, "sampler", None)
+    return sampler if hasattr(sampler, "load_state_dict") and hasattr(sampler, "consumed") else None
+
+
 def _aliases(module: torch.nn.Module) -> dict[str, str]:
     """Second names of shared parameters (a tied LM head) -> the name they are saved under."""
     first: dict[int, str] = {}
@@ -227,6 +233,7 @@ def _manifest(engine, tag: str, client: dict, tmp: str) -> dict:
         "aliases": _aliases(engine.module),
         "config": engine.config.model_dump(mode="json"),
         "client_state": client,
+        "sampler": _sampler(engine).state_dict() if _sampler(engine) is not None else None,
     }
 
 
@@ -444,6 +451,8 @@ def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: b
         for group, saved in zip(engine.zero.optimizer.param_groups, saved_groups):
             for key, value in saved.items():
                 group[key] = tuple(value) if isinstance(value, list) and isinstance(group.get(key), tuple) else value
+    if _sampler(engine) is not None and manifest.get("sampler"):
+        _sampler(engine).load_state_dict(manifest["sampler"])
     if scheduler and engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
     rank = comm.get_rank()

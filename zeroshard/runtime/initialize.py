@@ -8,7 +8,6 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
 
 from .. import comm
 from ..accelerator import get_accelerator
@@ -21,6 +20,7 @@ from ..zero.init import Materializer, has_meta_parameters, pending_seed
 from ..zero.stage3 import Stage3Runtime, build_units, plan_units
 from .engine import ZeroshardEngine
 from .log import log_rank0
+from .sampler import ResumableDistributedSampler
 
 OptimizerArg = Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None]
 
@@ -263,7 +263,7 @@ def initialize(
         if isinstance(training_data, DataLoader):
             dataloader = training_data
         else:
-            sampler = DistributedSampler(
+            sampler = ResumableDistributedSampler(
                 training_data, num_replicas=grid.data_parallel_size, rank=grid.world.rank, shuffle=True
             )
             dataloader = DataLoader(

@@ -1,0 +1,43 @@
+"""A DistributedSampler that can resume mid-epoch from a checkpoint."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from torch.utils.data.distributed import DistributedSampler
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """Counts the indices it has handed out in the current epoch so a checkpoint can record the position.
+
+    After ``load_state_dict`` the next iteration of the saved epoch skips what was already consumed
+    (rescaled when the number of ranks changed: every rank takes every world-th index of the same
+    shuffled order). Calling ``set_epoch`` with another epoch drops the pending skip.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.consumed = 0
+        self._skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._skip = 0
+        super().set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self._skip = self._skip, 0
+        self.consumed = skip
+        for position, index in enumerate(super().__iter__()):
+            if position < skip:
+                continue
+            self.consumed = position + 1
+            yield index
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed, "num_replicas": self.num_replicas}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+        self._skip = state["consumed"] * state["num_replicas"] // self.num_replicas
+        self.consumed = self._skip
