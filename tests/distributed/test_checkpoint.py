@@ -320,8 +320,9 @@ def test_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):
 
 
 def hf_gpt2_worker(directory):
-    import zeroshard
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    import zeroshard
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
