@@ -25,8 +25,12 @@ def worker(cfg: GPTConfig, directory: str):
     from zeroshard import comm
 
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 2},
+    }
     engine, _, _, _ = zeroshard.initialize(model=GPT(cfg), config=config)
     x = torch.randint(0, cfg.vocab_size, (1, 9))
     engine.backward(engine(x[:, :-1], x[:, 1:]))

@@ -14,7 +14,7 @@ Vocabulary used throughout the code:
   gradient-accumulation boundary.
 """
 
-from . import checkpoint, comm, zero
+from . import checkpoint, comm, ops, zero
 from .comm import init_distributed
 from .runtime import ZeroshardEngine, add_config_arguments, initialize
 
@@ -26,6 +26,7 @@ __all__ = [
     "add_config_arguments",
     "checkpoint",
     "comm",
+    "ops",
     "init_distributed",
     "initialize",
     "zero",

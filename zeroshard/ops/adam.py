@@ -1,0 +1,37 @@
+"""CPU Adam without a compiler: torch's fused (vectorized, multi-threaded) CPU Adam kernel behind
+DeepSpeed's ``DeepSpeedCPUAdam`` interface, so scripts that construct it keep working."""
+
+from __future__ import annotations
+
+import torch
+
+
+class CPUAdam(torch.optim.AdamW):
+    """Adam with decoupled weight decay (``adamw_mode=True``, the default) or L2 (``adamw_mode=False``),
+    using ``torch.optim`` 's fused kernel; DeepSpeed's argument names."""
+
+    def __init__(
+        self,
+        model_params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ):
+        if not bias_correction:
+            raise NotImplementedError("CPUAdam(bias_correction=False) is not supported")
+        if not fp32_optimizer_states:
+            raise NotImplementedError("CPUAdam keeps fp32 optimizer states")
+        super().__init__(
+            model_params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, fused=True
+        )
+        self.adamw_mode = adamw_mode
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = adamw_mode  # False: weight decay added to the gradient (L2)
+
+
+DeepSpeedCPUAdam = CPUAdam
