@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Iterator, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -57,19 +57,13 @@ def _materialize(sources: _Sources, manifest: dict, name: str, shape: tuple, whe
     return value.float() if value.is_floating_point() else value
 
 
-def _iter_tensors(checkpoint_dir: str, tag: Optional[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    sources, manifest = _open(checkpoint_dir, tag)
-    try:
-        for name, shape, where in _entries(manifest):
-            yield name, _materialize(sources, manifest, name, shape, where)
-    finally:
-        sources.close()
-
-
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
     """The fp32 master weights (and buffers) of a checkpoint as one state dict, tied names included."""
-    state = dict(_iter_tensors(checkpoint_dir, tag))
-    _, manifest = _open(checkpoint_dir, tag)
+    sources, manifest = _open(checkpoint_dir, tag)
+    try:
+        state = {name: _materialize(sources, manifest, name, shape, where) for name, shape, where in _entries(manifest)}
+    finally:
+        sources.close()
     for alias, name in manifest.get("aliases", {}).items():
         state[alias] = state[name]
     return state
@@ -92,7 +86,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     Hugging Face ``from_pretrained`` reads). Tied names are written once, as in HF. Returns the files.
     """
     limit = parse_size(max_shard_size)
-    _, manifest = _open(checkpoint_dir, tag)
+    sources, manifest = _open(checkpoint_dir, tag)
     entries = _entries(manifest)
     sizes = [torch.Size(shape).numel() * 4 for _, shape, _ in entries]
     shards: list[list[int]] = [[]]
@@ -105,6 +99,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         filled += size
     single_file = output_path.endswith(".safetensors")
     if single_file and len(shards) > 1:
+        sources.close()
         raise ValueError(
             f"the weights ({sum(sizes)} bytes) exceed max_shard_size {max_shard_size}: "
             "pass a directory as output_path to get sharded files"
@@ -117,7 +112,6 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         names = ["model.safetensors"]
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    sources, manifest = _open(checkpoint_dir, tag)
     written, weight_map = [], {}
     try:
         for file_name, members in zip(names, shards):

@@ -233,7 +233,7 @@ def _manifest(engine, tag: str, client: dict, tmp: str) -> dict:
         "aliases": _aliases(engine.module),
         "config": engine.config.model_dump(mode="json"),
         "client_state": client,
-        "sampler": _sampler(engine).state_dict() if _sampler(engine) is not None else None,
+        "sampler": sampler.state_dict() if (sampler := _sampler(engine)) is not None else None,
     }
 
 
@@ -397,9 +397,7 @@ def _module_tensor(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]
 
 def _load_flat(zero, flat, manifest: dict, sources: _Sources, with_optimizer: bool) -> None:
     pieces = {
-        name: [Piece.from_json(p) for p in entry["pieces"]]
-        for name, entry in manifest["params"].items()
-        if any(s.name == name for s in flat.layout.slots)
+        slot.name: [Piece.from_json(p) for p in manifest["params"][slot.name]["pieces"]] for slot in flat.layout.slots
     }
     keys = ["master"]
     if with_optimizer:
@@ -451,8 +449,9 @@ def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: b
         for group, saved in zip(engine.zero.optimizer.param_groups, saved_groups):
             for key, value in saved.items():
                 group[key] = tuple(value) if isinstance(value, list) and isinstance(group.get(key), tuple) else value
-    if _sampler(engine) is not None and manifest.get("sampler"):
-        _sampler(engine).load_state_dict(manifest["sampler"])
+    sampler = _sampler(engine)
+    if sampler is not None and manifest.get("sampler"):
+        sampler.load_state_dict(manifest["sampler"])
     if scheduler and engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
     rank = comm.get_rank()
