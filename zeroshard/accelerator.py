@@ -27,6 +27,16 @@ class Accelerator:
             return torch.cuda.is_bf16_supported()
         return True
 
+    @property
+    def can_pin_memory(self) -> bool:
+        """Page-locked host memory only helps (and only exists) with a device to copy to."""
+        return self.name == "cuda"
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (e.g. non-blocking copies out of a host buffer about to be reused)."""
+        if self.name == "cuda":
+            torch.cuda.synchronize()
+
     def max_memory_allocated(self) -> int:
         """Peak device bytes; on CPU the process's peak resident set."""
         if self.name == "cuda":

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -41,10 +42,8 @@ def train(engine, steps: range, global_batch: int):
 
 
 def optimizer_state(engine):
-    return [
-        {k: (v.clone() if torch.is_tensor(v) else v) for k, v in engine.zero.optimizer.state[f.master].items()}
-        for f in engine.zero.flat_groups
-    ]
+    zero = engine.zero
+    return [{**zero.read_flat(k), **zero.flat_scalars(k)} for k in range(len(zero.flat_groups))]
 
 
 def run_phase(cases, directory, phase):
@@ -80,6 +79,17 @@ ROUND_TRIP = [
     for d in ("fp32", "bf16")
 ]
 ROUND_TRIP.append(ParityCase(stage=2, dtype="fp16", gas=2, lr=1e-3))
+SWAP = tempfile.gettempdir()  # swap files are unlinked as soon as they are opened
+CPU_OFFLOAD = (("offload_optimizer", {"device": "cpu"}), ("sub_group_size", 3000))
+NVME_OFFLOAD = (
+    ("offload_optimizer", {"device": "nvme", "nvme_path": SWAP, "buffer_count": 2}),
+    ("offload_param", {"device": "nvme", "nvme_path": SWAP, "max_in_cpu": 0}),
+    ("sub_group_size", 3000),
+)
+ROUND_TRIP += [
+    ParityCase(stage=2, gas=2, lr=1e-3, zero=CPU_OFFLOAD),
+    ParityCase(stage=3, dtype="bf16", gas=2, lr=1e-3, zero=UNITS + NVME_OFFLOAD),
+]
 
 
 def test_resume_is_bit_identical_to_uninterrupted_training(tmp_path):
@@ -87,7 +97,7 @@ def test_resume_is_bit_identical_to_uninterrupted_training(tmp_path):
     run_distributed(run_phase, 2, ROUND_TRIP, str(tmp_path), "save")
     resumed = run_distributed(run_phase, 2, ROUND_TRIP, str(tmp_path), "load")[0]
     for case, a, b in zip(ROUND_TRIP, straight, resumed):
-        label = f"stage {case.stage} {case.dtype}"
+        label = f"stage {case.stage} {case.dtype} {case.zero}"
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"]), label
         for sa, sb in zip(a["opt"], b["opt"]):
             assert sa.keys() == sb.keys(), label
@@ -112,13 +122,20 @@ RESHARD = [
     (4, ParityCase(stage=2, lr=1e-3), 2, ParityCase(stage=3, gas=2, lr=1e-3, zero=UNITS)),
     (4, ParityCase(stage=2, lr=1e-3), 1, ParityCase(stage=0, gas=4, lr=1e-3)),
     (2, ParityCase(stage=3, gas=2, lr=1e-3, zero=UNITS), 4, ParityCase(stage=3, lr=1e-3, shard_size=2, zero=UNITS)),
+    # offloaded state is stored like any other: NVMe-offloaded stage 3 resumes as CPU-offloaded stage 1
+    (
+        2,
+        ParityCase(stage=3, gas=2, lr=1e-3, zero=UNITS + NVME_OFFLOAD),
+        2,
+        ParityCase(stage=1, gas=2, lr=1e-3, zero=CPU_OFFLOAD),
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     "save_world,save_case,load_world,load_case",
     RESHARD,
-    ids=["4xstage2-to-2xstage3", "4xstage2-to-1xstage0", "2xstage3-to-4xhybrid"],
+    ids=["4xstage2-to-2xstage3", "4xstage2-to-1xstage0", "2xstage3-to-4xhybrid", "nvme-stage3-to-cpu-offload-stage1"],
 )
 def test_resharded_resume_matches_uninterrupted(tmp_path, save_world, save_case, load_world, load_case):
     run_distributed(reshard_worker, save_world, save_case, str(tmp_path), "save")

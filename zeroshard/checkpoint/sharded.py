@@ -68,11 +68,6 @@ def _unscalar(entry: dict, device) -> Any:
     return entry["value"]
 
 
-def _elementwise_keys(optimizer, flat) -> list[str]:
-    state = optimizer.state.get(flat.master, {})
-    return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.master.shape)
-
-
 def _writes_flat(engine, flat) -> bool:
     """One copy of each shard: replica 0 of a sharded group, rank 0 of a replicated one."""
     if flat.partitioned:
@@ -115,20 +110,28 @@ def save(
 
     zero = engine.zero
     flats = zero.flat_groups if zero else []
-    tensors: list[tuple[str, torch.Tensor]] = []
+    specs: list[tuple[str, torch.dtype, tuple]] = []
     for k, flat in enumerate(flats):
         if _writes_flat(engine, flat):
-            tensors.append((f"master.fg{k}", flat.master))
-            state = zero.optimizer.state.get(flat.master, {})
-            tensors += [(f"optim.{key}.fg{k}", state[key]) for key in _elementwise_keys(zero.optimizer, flat)]
-    if rank == 0:
-        tensors += list(_outside_tensors(engine).items())
-    tensors.append(("rng.cpu", torch.get_rng_state()))
+            for key in ["master", *zero.flat_state_keys(k)]:
+                name = "master" if key == "master" else f"optim.{key}"
+                specs.append((f"{name}.fg{k}", zero.policy.master, (flat.layout.shard_numel,)))
+    others = list(_outside_tensors(engine).items()) if rank == 0 else []
+    others.append(("rng.cpu", torch.get_rng_state()))
     if torch.cuda.is_available():
-        tensors.append(("rng.cuda", torch.cuda.get_rng_state()))
-    specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+        others.append(("rng.cuda", torch.cuda.get_rng_state()))
+    specs += [(name, t.dtype, tuple(t.shape)) for name, t in others]
+
+    def tensors():  # one flat group's state in memory at a time (it may be read back from NVMe)
+        for k, flat in enumerate(flats):
+            if _writes_flat(engine, flat):
+                state = zero.read_flat(k)
+                yield f"master.fg{k}", state.pop("master")
+                yield from ((f"optim.{key}.fg{k}", state[key]) for key in sorted(state))
+        yield from others
+
     path = os.path.join(tmp, rank_file(rank))
-    crcs = write(path, iter(tensors), specs)
+    crcs = write(path, tensors(), specs)
     sidecar = {"crc": crcs, "size": os.path.getsize(path), "python_rng": random.getstate()}
     _atomic_write_text(os.path.join(tmp, f"rank{rank:05d}.json"), json.dumps(sidecar))
     comm.barrier(world)
@@ -181,18 +184,18 @@ def _manifest(engine, tag: str, client: dict, tmp: str) -> dict:
     params: dict[str, dict] = {}
     flat_groups = []
     group_of = {id(m): gi for gi, g in enumerate(zero.optimizer.param_groups) for m in g["params"]} if zero else {}
+    first_sub = {sub.flat_index: sub for sub in reversed(zero.subgroups)} if zero else {}
     for k, flat in enumerate(zero.flat_groups if zero else []):
         writers = _writer_files(engine, flat)
         for name, plist in pieces_for(flat.layout, f"fg{k}", writers).items():
             params.setdefault(name, {"pieces": []})["pieces"] += [p.to_json() for p in plist]
         for slot, param in zip(flat.layout.slots, flat.params):
             params[slot.name].update(shape=list(slot.shape), dtype=str(param.dtype).removeprefix("torch."))
-        state = zero.optimizer.state.get(flat.master, {})
         flat_groups.append(
             {
-                "group": group_of[id(flat.master)],
-                "state_keys": _elementwise_keys(zero.optimizer, flat),
-                "scalars": {key: _scalar(v) for key, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)},
+                "group": group_of[id(first_sub[k].param)],
+                "state_keys": zero.flat_state_keys(k),
+                "scalars": {key: _scalar(v) for key, v in zero.flat_scalars(k).items()},
             }
         )
     outside = {
@@ -357,8 +360,8 @@ def load(
     error: Optional[CheckpointError] = None
     try:  # reading and verifying issues no collective, so a rank that fails cannot strand the others
         with torch.no_grad():
-            for flat in zero.flat_groups if zero else []:
-                _load_flat(zero, flat, manifest, sources, load_optimizer_states and not load_module_only)
+            for k, flat in enumerate(zero.flat_groups if zero else []):
+                _load_flat(zero, k, flat, manifest, sources, load_optimizer_states and not load_module_only)
             for name, entry in manifest["module_tensors"].items():
                 target = _module_tensor(engine.module, name)
                 if target is not None:
@@ -370,9 +373,9 @@ def load(
     finally:
         sources.close()
     _agree(engine, error, path)
-    with torch.no_grad():
-        for flat in zero.flat_groups if zero else []:
-            flat.publish()  # the compute parameters follow the loaded master weights
+    if zero is not None:
+        with torch.no_grad():
+            zero.publish()  # the compute parameters follow the loaded master weights
     return path, (None if load_module_only else manifest["client_state"])
 
 
@@ -395,7 +398,7 @@ def _module_tensor(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]
     return getattr(sub, leaf, None)
 
 
-def _load_flat(zero, flat, manifest: dict, sources: _Sources, with_optimizer: bool) -> None:
+def _load_flat(zero, index: int, flat, manifest: dict, sources: _Sources, with_optimizer: bool) -> None:
     pieces = {
         slot.name: [Piece.from_json(p) for p in manifest["params"][slot.name]["pieces"]] for slot in flat.layout.slots
     }
@@ -403,9 +406,8 @@ def _load_flat(zero, flat, manifest: dict, sources: _Sources, with_optimizer: bo
     if with_optimizer:
         saved_keys = {k for g in manifest["optimizer"]["flat_groups"] for k in g["state_keys"]}
         keys += [f"optim.{k}" for k in sorted(saved_keys)]
-    targets = {"master": flat.master}
-    for key in keys[1:]:
-        targets[key] = torch.zeros_like(flat.master)
+    device = flat.state_device
+    targets = {key: torch.zeros(flat.layout.shard_numel, dtype=zero.policy.master, device=device) for key in keys}
     for seg in flat.layout.segments(flat.shard_rank):
         start = seg.flat_start - seg.slot.offset
         for key in keys:
@@ -417,18 +419,16 @@ def _load_flat(zero, flat, manifest: dict, sources: _Sources, with_optimizer: bo
                 start + seg.numel,
                 targets[key][seg.shard_start : seg.shard_start + seg.numel],
             )
+    scalars = {}
     if with_optimizer:
+        first = next(s for s in zero.subgroups if s.flat_index == index)
         group_index = next(
-            i for i, g in enumerate(zero.optimizer.param_groups) if any(m is flat.master for m in g["params"])
+            i for i, g in enumerate(zero.optimizer.param_groups) if any(m is first.param for m in g["params"])
         )
-        scalars = {}
         for saved in manifest["optimizer"]["flat_groups"]:
             if saved["group"] == group_index:
-                scalars = saved["scalars"]
-        state = {key.removeprefix("optim."): targets[key] for key in keys[1:]}
-        state.update({k: _unscalar(v, flat.master.device) for k, v in scalars.items()})
-        if state:
-            zero.optimizer.state[flat.master] = state
+                scalars = {k: _unscalar(v, device) for k, v in saved["scalars"].items()}
+    zero.write_flat(index, {key.removeprefix("optim."): value for key, value in targets.items()}, scalars)
 
 
 def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: bool, scheduler: bool) -> None:

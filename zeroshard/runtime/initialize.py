@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from .. import comm
 from ..accelerator import get_accelerator
 from ..config import AutoContext, model_hidden_size, parse_config, resolve_config
-from ..config.schema import OffloadDevice
+from ..offload import OffloadPlan
 from ..optim import build_optimizer, build_schedule, check_client_optimizer
 from ..precision import LossScaler, PrecisionPolicy
 from ..zero import ZeroOptimizer
@@ -147,10 +147,6 @@ def initialize(
         comm.init_distributed()
     parsed = parse_config(source)
     zero_cfg = parsed.zero_optimization
-    for key in ("offload_optimizer", "offload_param"):
-        block = getattr(zero_cfg, key)
-        if block is not None and block.device is not OffloadDevice.none:
-            raise NotImplementedError(f"zero_optimization.{key} (device {block.device.value}) is not available yet")
 
     grid = comm.build_rank_grid(zero_cfg.shard_group_size)
     dataloader_batch = training_data.batch_size if isinstance(training_data, DataLoader) else None
@@ -174,6 +170,7 @@ def initialize(
     if not accel.supports_dtype(policy.compute):
         raise ValueError(f"{policy.compute} is not supported on this {accel.name} device; disable bf16/fp16")
     device = accel.device(comm.backend.local_rank())
+    offload = OffloadPlan.from_config(cfg.zero_optimization, cfg.aio, comm.get_rank(), accel.can_pin_memory)
     materialize = None
     if has_meta_parameters(model):
         seed = torch.tensor([pending_seed(model) or 0], dtype=torch.int64)
@@ -235,11 +232,19 @@ def initialize(
             units=[plan.params for plan in unit_plans],
             persistent=persistent,
             materialize=materialize,
+            offload=offload,
         )
         if unit_plans:
             root_unit, units = build_units(unit_plans, zero.flat_groups)
             z = cfg.zero_optimization
-            stage3 = Stage3Runtime(model, root_unit, units, z.prefetch_bucket_size, z.max_live_parameters)
+            stage3 = Stage3Runtime(
+                model,
+                root_unit,
+                units,
+                z.prefetch_bucket_size,
+                z.max_live_parameters,
+                fetch_ahead=offload.param_buffer_count - 1 if offload.param_device == "nvme" else 0,
+            )
             zero.on_flat_group_complete = stage3.on_flat_group_complete
 
     if materialize is not None:  # parameters outside the optimizer (frozen ones) are materialized whole

@@ -12,12 +12,17 @@ Who owns what, for one flat group on one rank:
 
 Stage 0 is a flat group with one shard (all ranks own everything; gradients are all-reduced);
 stages 1 and 2 have one shard per rank of the shard group (gradients are reduce-scattered).
+
+Offload moves the optimizer side (``master``, ``grad``; the optimizer state follows ``master``)
+to ``state_device`` (host memory), and with ``offload_param`` a stage-3 group's ``shard`` to a
+``home`` (host memory or NVMe, see ``zeroshard.offload.param_store``) from which it is fetched
+just before each gather.
 """
 
 from __future__ import annotations
 
 from enum import Enum
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -52,6 +57,10 @@ class FlatGroup:
         replica_group: comm.Group,
         device: torch.device,
         resident: bool = True,
+        offload_optimizer: bool = False,
+        state_device: Optional[torch.device] = None,
+        pin_memory: bool = False,
+        shard_home: Optional[Callable[[torch.Tensor], Any]] = None,
     ):
         if layout.shard_count not in (1, shard_group.size):
             raise AssertionError(f"layout has {layout.shard_count} shards, shard group has {shard_group.size} ranks")
@@ -71,6 +80,7 @@ class FlatGroup:
         lo, hi = layout.shard_range(self.shard_rank)
         self.buffer: Optional[torch.Tensor] = None
         self._gather: Optional[comm.Pending] = None
+        self.home = None
         if resident:
             self.shard = full[lo:hi]
             self._bind(full)
@@ -80,9 +90,17 @@ class FlatGroup:
                 sharded_param.adopt(param)
             self.free()
         del full
-        self.master_is_shard = policy.compute == policy.master
-        self.master = self.shard if self.master_is_shard else self.shard.to(policy.master, copy=True)
-        self.grad = torch.zeros(hi - lo, dtype=policy.grad, device=device)
+        self.offload_optimizer = offload_optimizer
+        self.state_device = state_device or device
+        self.master_is_shard = policy.compute == policy.master and not offload_optimizer
+        self.master: Optional[torch.Tensor] = self.shard  # the optimizer's fp32 shard; None when it is on NVMe
+        if not self.master_is_shard:
+            self.master = torch.empty(hi - lo, dtype=policy.master, device=self.state_device, pin_memory=pin_memory)
+            self.master.copy_(self.shard)
+        self.grad = torch.zeros(hi - lo, dtype=policy.grad, device=self.state_device, pin_memory=pin_memory)
+        if shard_home is not None and not resident:
+            self.home = shard_home(self.shard)
+            self.shard = None
         self.state = GradState.EMPTY
         self._staging: Optional[torch.Tensor] = None
         self._filled = [False] * len(params)
@@ -108,9 +126,19 @@ class FlatGroup:
                 self.wait_gathered()
             return
         self.buffer = torch.empty(self.layout.padded_numel, dtype=self.policy.compute, device=self.device)
-        self._gather = comm.all_gather(self.buffer, self.shard, self.shard_group, async_op=True)
+        shard = self.shard
+        if self.home is not None:
+            shard = torch.empty(self.layout.shard_numel, dtype=self.policy.compute, device=self.device)
+            shard.copy_(self.home.get(), non_blocking=True)
+            self.home.release()
+        self._gather = comm.all_gather(self.buffer, shard, self.shard_group, async_op=True)
         if not async_op:
             self.wait_gathered()
+
+    def fetch(self) -> None:
+        """Start bringing an offloaded shard towards the device ahead of its gather (NVMe read-ahead)."""
+        if self.home is not None and self.param_state is ParamState.SHARDED:
+            self.home.fetch()
 
     def wait_gathered(self) -> None:
         if self._gather is not None:
@@ -166,27 +194,57 @@ class FlatGroup:
         self._pending.wait()
         # hybrid sharding: the shard group reduced one replica's gradients; add the other replicas'
         comm.all_reduce(self._reduced, self.replica_group)
-        self.grad.add_(self._reduced, alpha=post_scale)
+        self.grad.add_(self._reduced.to(self.grad.device), alpha=post_scale)
         self._staging = self._reduced = self._pending = None
         self._filled = [False] * len(self.params)
         self.state = GradState.EMPTY
 
-    def publish(self) -> None:
-        """Write the updated master shard into the compute shard; a resident group also gathers the others'."""
-        if not self.master_is_shard:
-            self.shard.copy_(self.master)
+    def write_shard(self, start: int, values: torch.Tensor) -> None:
+        """Write updated master values (a range of the shard) into the compute-precision shard."""
+        if self.home is not None:
+            self.home.write(start, values)
+        elif not self.master_is_shard:
+            self.shard[start : start + values.numel()].copy_(values, non_blocking=True)
+
+    def finish_publish(self) -> None:
+        """After ``write_shard`` covered the shard: a resident group gathers the other ranks' updates."""
+        if self.home is not None:
+            self.home.flush()
         if self.resident and self.partitioned:
             # in-place all-gather: the input is this rank's own chunk of the output
             comm.all_gather(self.buffer, self.shard, self.shard_group)
 
-    def bytes_held(self) -> dict[str, int]:
+    def overwrite(self, values: torch.Tensor) -> None:
+        """Replace this rank's shard (compute and master copies) with new values, e.g. from GatheredParameters."""
+        if self.home is not None:
+            self.home.write(0, values)
+            self.home.flush()
+        elif self.shard is not None and values.data_ptr() != self.shard.data_ptr():
+            self.shard.copy_(values)
+        self.write_master(values)
+
+    def write_master(self, values: torch.Tensor) -> None:
+        """Replaced by the optimizer when the master weights live on NVMe."""
+        if not self.master_is_shard:
+            self.master.copy_(values)
+
+    def bytes_held(self) -> dict[str, dict[str, int]]:
+        """Bytes per role and where they live: ``device`` (the accelerator, or the compute side on a
+        CPU-only machine), ``host`` (offloaded to CPU memory) or ``nvme``."""
+
         def nbytes(t: Optional[torch.Tensor]) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
+        state_side = "host" if self.offload_optimizer else "device"
+        params = {"device": nbytes(self.buffer) if self.resident else nbytes(self.shard)}
+        if self.home is not None:
+            params = self.home.bytes()
         return {
-            "params": nbytes(self.buffer) if self.resident else nbytes(self.shard),
-            "gathered": 0 if self.resident else nbytes(self.buffer),
-            "master": 0 if self.master_is_shard and not self.resident else nbytes(self.master),
-            "grad_shard": nbytes(self.grad),
-            "staging": nbytes(self._staging) + (nbytes(self._reduced) if self._reduced is not self._staging else 0),
+            "params": params,
+            "gathered": {"device": 0 if self.resident else nbytes(self.buffer)},
+            "master": {state_side: 0 if self.master_is_shard and not self.resident else nbytes(self.master)},
+            "grad_shard": {state_side: nbytes(self.grad)},
+            "staging": {
+                "device": nbytes(self._staging) + (nbytes(self._reduced) if self._reduced is not self._staging else 0)
+            },
         }

@@ -64,9 +64,7 @@ class GatheredParameters:
             for flat in self._flats:
                 comm.broadcast(flat.buffer, src=self.modifier_rank, group=world)
                 lo, hi = flat.layout.shard_range(flat.shard_rank)
-                flat.shard.copy_(flat.buffer[lo:hi])
-                if not flat.master_is_shard:
-                    flat.master.copy_(flat.shard)
+                flat.overwrite(flat.buffer[lo:hi])
             owned = {id(p) for f in self._flats for p in f.params}
             for param in self.params:  # parameters outside any flat group (e.g. frozen ones)
                 if id(param) not in owned:

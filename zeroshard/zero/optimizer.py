@@ -8,6 +8,11 @@ The stages differ only in two policy bits (see ``StagePolicy``); the mechanism i
   across micro-batches and are reduce-scattered once at the accumulation boundary.
 - stage 2: also gradients sharded: each micro-batch's gradients are reduce-scattered bucket by
   bucket as backward produces them and ``param.grad`` is freed at once.
+
+Without offload the optimizer steps every flat group's master shard in one call. With
+``offload_optimizer`` the shards are cut into sub-groups (``sub_group_size``) stepped one at a time
+on the CPU, each one's update copied to the compute parameters while the next is stepped; with NVMe
+the sub-groups are also swapped in and out around their turn (``zeroshard.offload``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from typing import Callable, Optional
 import torch
 
 from .. import comm
+from ..accelerator import get_accelerator
+from ..offload import OffloadPlan, SubGroup
+from ..offload.optimizer_swap import MASTER, elementwise_keys
 from ..optim import Lamb
 from ..optim.lamb import ShardedNorms
 from ..partition import assign_buckets, flat_layout
@@ -106,6 +114,7 @@ class ZeroOptimizer:
         units: Optional[list[list[torch.nn.Parameter]]] = None,
         persistent: frozenset = frozenset(),
         materialize: Optional[Callable[[list[torch.nn.Parameter]], None]] = None,
+        offload: Optional[OffloadPlan] = None,
     ):
         self.stage = stage
         self.stage_policy = StagePolicy.for_stage(stage)
@@ -123,25 +132,56 @@ class ZeroOptimizer:
             grid.replica if self.stage_policy.partition_optimizer else comm.Group("replica", (comm.get_rank(),), None)
         )
 
+        self.offload = offload or OffloadPlan()
+        plans = plan_flat_groups(param_groups, self.stage_policy, bucket_size, units, persistent)
+        layouts = [
+            flat_layout([param_names[p] for p in plan.params], [tuple(p.shape) for p in plan.params], shard_count)
+            for plan in plans
+        ]
+        largest = max((layout.shard_numel for layout in layouts), default=1)
+        self.swapper = self.offload.optimizer_swapper(
+            min(largest, self.offload.sub_group_size), get_accelerator().synchronize
+        )
+        shard_home = self.offload.shard_homes(policy.compute, largest)
         self.flat_groups: list[FlatGroup] = []
+        self.subgroups: list[SubGroup] = []  # what the optimizer steps, in flat-group order
         self._owner: dict[torch.nn.Parameter, tuple[FlatGroup, int]] = {}
-        masters: list[list[torch.Tensor]] = [[] for _ in param_groups]
-        for plan in plan_flat_groups(param_groups, self.stage_policy, bucket_size, units, persistent):
+        opt_params: list[list[torch.Tensor]] = [[] for _ in param_groups]
+        for plan, layout in zip(plans, layouts):
             if materialize is not None:
                 materialize(plan.params)  # zero.Init: one flat group's parameters at a time
-            layout = flat_layout(
-                [param_names[p] for p in plan.params], [tuple(p.shape) for p in plan.params], shard_count
+            flat = FlatGroup(
+                layout,
+                plan.params,
+                policy,
+                shard_group,
+                replica_group,
+                device,
+                plan.resident,
+                offload_optimizer=self.offload.offloads_optimizer,
+                state_device=torch.device("cpu") if self.offload.offloads_optimizer else None,
+                pin_memory=self.offload.pin_memory,
+                shard_home=shard_home,
             )
-            flat = FlatGroup(layout, plan.params, policy, shard_group, replica_group, device, plan.resident)
             self.flat_groups.append(flat)
             gathered.register(flat)
-            masters[plan.group_index].append(flat.master)
+            for sub in self._split(len(self.flat_groups) - 1, flat):
+                opt_params[plan.group_index].append(sub.param)
+                self.subgroups.append(sub)
             for position, param in enumerate(plan.params):
                 self._owner[param] = (flat, position)
+        self._subgroups_of = [[s for s in self.subgroups if s.flat_index == k] for k in range(len(self.flat_groups))]
         master_groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(param_groups, masters)
+            {**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(param_groups, opt_params)
         ]
         self.optimizer = make_optimizer(master_groups)
+        if self.offload.offloads_optimizer and isinstance(self.optimizer, Lamb):
+            raise ValueError(
+                "optimizer Lamb needs whole-parameter norms across sub-groups and cannot run with "
+                "zero_optimization.offload_optimizer; use Adam/AdamW, Adagrad, Lion or SGD, or remove the offload"
+            )
+        if self.swapper is not None:
+            self.swapper.optimizer = self.optimizer
         self.on_flat_group_complete: Optional[Callable[[FlatGroup], None]] = None
         if isinstance(self.optimizer, Lamb):
             self.optimizer.sharded_norms = self._lamb_norms()
@@ -149,6 +189,28 @@ class ZeroOptimizer:
         self._reducing = False
         self._next_launch = 0
         self.global_grad_norm: Optional[float] = None
+
+    def _split(self, index: int, flat: FlatGroup) -> list[SubGroup]:
+        """The optimizer's tensors for one flat group: its whole master shard, or (offloaded) sub-groups of
+        at most ``sub_group_size`` elements; on NVMe the master leaves memory here."""
+        if not self.offload.offloads_optimizer:
+            return [SubGroup(index, 0, flat.master.numel(), flat.master)]
+        numel, size = flat.master.numel(), self.offload.sub_group_size
+        subs = []
+        for start in range(0, numel, size):
+            stop = min(start + size, numel)
+            if self.swapper is None:
+                subs.append(SubGroup(index, start, stop, flat.master[start:stop]))
+            else:
+                sub = SubGroup(index, start, stop, torch.empty(0))
+                self.swapper.write(sub, {MASTER: flat.master[start:stop]})
+                subs.append(sub)
+        if self.swapper is not None:
+            flat.master = None
+            flat.write_master = lambda values, subs=subs: [
+                self.swapper.write(s, {MASTER: values[s.start : s.stop]}) for s in subs
+            ]
+        return subs
 
     # -- gradient arrival and reduction -------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
@@ -196,7 +258,8 @@ class ZeroOptimizer:
         """Unscale, clip and apply the reduced gradients; returns False when an fp16 overflow skipped the step."""
         scale = self.loss_scaler.scale
         # the optimizer needs gradients in the master dtype (a transient copy when shards are 16-bit)
-        grads = [f.grad if f.grad.dtype == f.master.dtype else f.grad.to(f.master.dtype) for f in self.flat_groups]
+        master_dtype = self.policy.master
+        grads = [f.grad if f.grad.dtype == master_dtype else f.grad.to(master_dtype) for f in self.flat_groups]
         norm = math.sqrt(self._grad_norm_squared(grads).item()) / scale
         overflow = not math.isfinite(norm)
         self.global_grad_norm = norm
@@ -209,14 +272,37 @@ class ZeroOptimizer:
             coef *= self.gradient_clipping / (norm + 1e-6)
         if coef != 1.0 and grads:
             torch._foreach_mul_(grads, coef)
-        for flat, grad in zip(self.flat_groups, grads):
-            flat.master.grad = grad
-        self.optimizer.step()
-        for flat in self.flat_groups:
-            flat.master.grad = None
-            flat.publish()
+        if self.offload.offloads_optimizer:
+            self._step_streamed(grads)
+        else:  # one fused optimizer call over every master shard
+            for sub, grad in zip(self.subgroups, grads):
+                sub.param.grad = grad
+            self.optimizer.step()
+            for sub in self.subgroups:
+                sub.param.grad = None
+            self.publish()
         self.zero_grad()
         return True
+
+    def publish(self) -> None:
+        """Copy the master weights into the compute parameters (after they were replaced, e.g. by a load)."""
+        for sub in self.subgroups:
+            values = self.swapper.read(sub, [MASTER])[MASTER] if self.swapper is not None else sub.param.detach()
+            self.flat_groups[sub.flat_index].write_shard(sub.start, values)
+        for flat in self.flat_groups:
+            flat.finish_publish()
+
+    def _step_streamed(self, grads: list[torch.Tensor]) -> None:
+        """Offload: one sub-group at a time on the CPU; each update's copy to the compute parameters is
+        issued (non-blocking) before the next sub-group is stepped, and NVMe state streams in and out."""
+        subs = self.swapper.steps(self.subgroups) if self.swapper is not None else self.subgroups
+        for sub in subs:
+            sub.param.grad = grads[sub.flat_index][sub.start : sub.stop]
+            self.optimizer.step()
+            sub.param.grad = None
+            self.flat_groups[sub.flat_index].write_shard(sub.start, sub.param.detach())
+        for flat in self.flat_groups:
+            flat.finish_publish()
 
     def zero_grad(self) -> None:
         for flat in self.flat_groups:
@@ -233,19 +319,73 @@ class ZeroOptimizer:
     def state(self):
         return self.optimizer.state
 
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes of model state this rank holds, counted from the tensors themselves."""
-        totals = {"params": 0, "gathered": 0, "master": 0, "grad_shard": 0, "staging": 0, "optimizer_state": 0}
+    def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
+        """Bytes of model state this rank holds per location (``device``, ``host``, ``nvme``) and role,
+        counted from the tensors (and swap-file regions) themselves."""
+        roles = ("params", "gathered", "master", "grad_shard", "staging", "optimizer_state")
+        totals = {where: dict.fromkeys(roles, 0) for where in ("device", "host", "nvme")}
         for flat in self.flat_groups:
-            for key, value in flat.bytes_held().items():
-                totals[key] += value
+            for role, places in flat.bytes_held().items():
+                for where, nbytes in places.items():
+                    totals[where][role] += nbytes
+        state_side = "host" if self.offload.offloads_optimizer else "device"
         for state in self.optimizer.state.values():
             for value in state.values():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    totals["optimizer_state"] += value.numel() * value.element_size()
+                    totals[state_side]["optimizer_state"] += value.numel() * value.element_size()
+        if self.swapper is not None:
+            for sub in self.subgroups:
+                totals["nvme"]["master"] += sub.numel * 4
+                totals["nvme"]["optimizer_state"] += sub.numel * 4 * len(self.swapper.state_keys.get(id(sub.param), []))
+            totals["host"]["optimizer_state"] += self.swapper.bytes_in_memory()  # the staging buffers
+        if self.offload.param_pool is not None:
+            totals["host"]["params"] += self.offload.param_pool.bytes_in_memory
         return totals
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds per role, wherever it lives."""
+        by_location = self.state_bytes_by_location()
+        return {role: sum(places[role] for places in by_location.values()) for role in by_location["device"]}
+
+    # -- per-flat-group state, for checkpoints ------------------------------------------------
+    def flat_state_keys(self, index: int) -> list[str]:
+        """Names of the elementwise optimizer state tensors of one flat group (e.g. exp_avg, exp_avg_sq)."""
+        first = self._subgroups_of[index][0]
+        if self.swapper is not None:
+            return sorted(self.swapper.state_keys.get(id(first.param), []))
+        return elementwise_keys(self.optimizer.state.get(first.param, {}), first.param)
+
+    def flat_scalars(self, index: int) -> dict:
+        """The optimizer's non-elementwise state (e.g. step) of one flat group."""
+        first = self._subgroups_of[index][0]
+        state = self.optimizer.state.get(first.param, {})
+        return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+
+    def read_flat(self, index: int) -> dict[str, torch.Tensor]:
+        """This rank's whole master shard and elementwise optimizer state of one flat group."""
+        subs = self._subgroups_of[index]
+        keys = [MASTER, *self.flat_state_keys(index)]
+        if self.swapper is not None:
+            parts = [self.swapper.read(s) for s in subs]
+        else:
+            parts = [{MASTER: s.param.detach(), **self.optimizer.state.get(s.param, {})} for s in subs]
+        return {key: parts[0][key] if len(parts) == 1 else torch.cat([p[key] for p in parts]) for key in keys}
+
+    def write_flat(self, index: int, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+        """Replace one flat group's master shard and (when given) its optimizer state."""
+        for sub in self._subgroups_of[index]:
+            part = {key: value[sub.start : sub.stop] for key, value in tensors.items()}
+            if self.swapper is not None:
+                self.swapper.write(sub, part)
+                if len(part) > 1:
+                    self.optimizer.state[sub.param] = {k: _copy(v) for k, v in scalars.items()}
+                continue
+            sub.param.detach().copy_(part.pop(MASTER))
+            if part:
+                self.optimizer.state[sub.param] = {**part, **{k: _copy(v) for k, v in scalars.items()}}
+
     def _lamb_norms(self) -> ShardedNorms:
+        # sub-groups are whole master shards here: Lamb is refused with offload
         segments: dict[int, list[tuple[int, int, int]]] = {}
         slot_id = 0
         for flat in self.flat_groups:
@@ -261,3 +401,7 @@ class ZeroOptimizer:
             else (lambda t: None)
         )
         return ShardedNorms(segments, slot_id, reduce)
+
+
+def _copy(value):
+    return value.clone() if torch.is_tensor(value) else value

@@ -41,11 +41,13 @@ class Stage3Runtime:
         units: list[GatherUnit],
         prefetch_numel: int,
         max_live_numel: int,
+        fetch_ahead: int = 0,
     ):
         self.root_unit = root_unit
         self.units = units  # non-root, pre-order
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
+        self.fetch_ahead = fetch_ahead  # offloaded (NVMe) units whose shards are read ahead of their gather
         self.unit_of_flat = {f: u for u in [root_unit, *units] for f in u.flats}
         self.order: list[GatherUnit] = []  # forward order learned from the last forward
         self._recording: list[GatherUnit] = []
@@ -80,15 +82,20 @@ class Stage3Runtime:
                 flat.free()
 
     def _prefetch(self, candidates: list[GatherUnit]) -> None:
-        """Issue gathers for the next units while the prefetch and live budgets allow."""
+        """Issue gathers for the next units while the prefetch and live budgets allow, and start reading
+        the shards of the ones after that from NVMe."""
         issued = 0
-        for unit in candidates:
-            if not unit.sharded:
-                continue
+        pending = [u for u in candidates if u.sharded]
+        gathered = 0
+        for unit in pending:
             if issued + unit.numel > self.prefetch_numel or self.live_numel + unit.numel > self.max_live_numel:
                 break
             self._gather(unit, async_op=True)
             issued += unit.numel
+            gathered += 1
+        for unit in pending[gathered : gathered + self.fetch_ahead]:  # beyond the gather budget: disk reads
+            for flat in unit.flats:
+                flat.fetch()
 
     # -- forward ---------------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:

@@ -1,0 +1,190 @@
+"""Asynchronous file I/O without a compiler: positioned vectored reads and writes from a thread pool.
+
+``os.preadv`` / ``os.pwritev`` release the GIL, so a few Python threads keep a disk busy while the
+training thread computes. Files are opened with ``O_DIRECT`` where the filesystem allows it (no
+page-cache copy; buffers, offsets and lengths are then multiples of ``ALIGNMENT``) and without it
+where it does not (tmpfs, some network filesystems).
+
+Mapping of the DeepSpeed ``aio`` keys: a request is cut into ``block_size`` blocks; one system call
+submits ``queue_depth`` of them as one vectored call (``single_submit``: one block per call);
+``intra_op_parallelism`` threads issue the calls of one request in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+ALIGNMENT = 4096
+
+
+class OffloadIOError(RuntimeError):
+    """An offload read or write failed (disk full, I/O error, file gone); training cannot continue."""
+
+
+def align_up(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """A uint8 host tensor of ``align_up(nbytes)`` bytes starting on an ``ALIGNMENT`` boundary (for O_DIRECT)."""
+    size = align_up(max(nbytes, 1))
+    raw = torch.empty(size + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % ALIGNMENT
+    return raw[skip : skip + size]
+
+
+def _memoryview(buffer: torch.Tensor) -> memoryview:
+    if buffer.dtype != torch.uint8 or not buffer.is_contiguous() or buffer.device.type != "cpu":
+        raise AssertionError("I/O buffers are contiguous uint8 host tensors")
+    return memoryview((ctypes.c_char * buffer.numel()).from_address(buffer.data_ptr())).cast("B")
+
+
+@dataclass(frozen=True)
+class AioSettings:
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    threads: int = 1
+    single_submit: bool = False
+
+    @classmethod
+    def from_config(cls, aio) -> "AioSettings":
+        return cls(
+            block_size=align_up(aio.block_size),
+            queue_depth=aio.queue_depth,
+            threads=aio.intra_op_parallelism,
+            single_submit=aio.single_submit,
+        )
+
+
+class Pending:
+    """A submitted read or write; ``wait`` returns when every block is done or raises ``OffloadIOError``."""
+
+    def __init__(self, futures: list[Future]):
+        self._futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> None:
+        errors = [f.exception() for f in self._futures]
+        self._futures = []
+        for error in errors:
+            if error is not None:
+                raise error
+
+
+class SwapFile:
+    """One swap file, read and written at explicit offsets. The file is unlinked right after it is
+    opened, so it disappears when the process ends, however it ends (its space is freed with it)."""
+
+    def __init__(self, directory: str, name: str, settings: AioSettings, direct: bool = True):
+        self.settings = settings
+        self.fd = -1
+        self.path = os.path.join(directory, name)
+        if not os.path.isdir(directory):
+            raise OffloadIOError(f"nvme_path {directory!r} does not exist or is not a directory; create it first")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise OffloadIOError(f"nvme_path {directory!r} is not writable by this process; choose another directory")
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        direct_flag = getattr(os, "O_DIRECT", 0) if direct else 0
+        try:
+            self.fd = os.open(self.path, flags | direct_flag, 0o600)
+            self.direct = direct_flag != 0
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise OffloadIOError(
+                    f"cannot create swap file {self.path}: {error.strerror} (errno {error.errno}); "
+                    "nvme_path must be a writable directory on a local disk"
+                ) from error
+            self.fd = os.open(self.path, flags, 0o600)  # this filesystem refuses O_DIRECT
+            self.direct = False
+        os.unlink(self.path)
+        self.size = 0
+        self._pool = ThreadPoolExecutor(settings.threads, thread_name_prefix="zeroshard-aio")
+        if self.direct and not self._direct_works():
+            plain = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR)  # same (unlinked) file, without O_DIRECT
+            os.close(self.fd)
+            self.fd, self.direct = plain, False
+
+    def _direct_works(self) -> bool:
+        """Some filesystems accept O_DIRECT at open and refuse it at the first transfer."""
+        probe = aligned_empty(ALIGNMENT)
+        try:
+            os.pwritev(self.fd, [_memoryview(probe)], 0)
+            return True
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise self._error("probe write", 0, ALIGNMENT, error) from error
+            return False
+        finally:
+            os.ftruncate(self.fd, 0)
+
+    def reserve(self, nbytes: int) -> int:
+        """Allocate an aligned region at the end of the file; disk space is claimed now, so a full disk
+        fails here, with a clear error, rather than in the middle of a step."""
+        offset, self.size = self.size, self.size + align_up(nbytes)
+        try:
+            os.posix_fallocate(self.fd, offset, self.size - offset)
+        except OSError as error:
+            self.size = offset
+            raise self._error("reserve", offset, self.size - offset, error) from error
+        return offset
+
+    def _error(self, op: str, offset: int, nbytes: int, error: OSError) -> OffloadIOError:
+        hint = {
+            errno.ENOSPC: "the disk is full: free space or point nvme_path at a larger disk",
+            errno.EFBIG: "the file size limit was hit (ulimit -f or the filesystem's limit)",
+            errno.EDQUOT: "the disk quota is exhausted",
+        }.get(error.errno, "check the disk and the nvme_path setting")
+        return OffloadIOError(
+            f"offload {op} of {nbytes} bytes at offset {offset} of swap file {self.path} failed: "
+            f"{error.strerror or error} (errno {error.errno}); {hint}"
+        )
+
+    def _run(self, write: bool, view: memoryview, offset: int) -> None:
+        """One system call per ``queue_depth`` blocks; short transfers are continued."""
+        op = "write" if write else "read"
+        block = self.settings.block_size
+        depth = 1 if self.settings.single_submit else self.settings.queue_depth
+        done = 0
+        while done < len(view):
+            chunk = view[done : done + block * depth]
+            vectors = [chunk[i : i + block] for i in range(0, len(chunk), block)]
+            try:
+                count = (os.pwritev if write else os.preadv)(self.fd, vectors, offset + done)
+            except OSError as error:
+                raise self._error(op, offset + done, len(chunk), error) from error
+            if count == 0:
+                raise OffloadIOError(
+                    f"offload {op} at offset {offset + done} of swap file {self.path} transferred nothing: "
+                    "the file was truncated or the disk is full"
+                )
+            done += count
+
+    def submit(self, write: bool, buffer: torch.Tensor, offset: int) -> Pending:
+        """Start reading into (or writing from) ``buffer`` at file ``offset``; split across the threads."""
+        view = _memoryview(buffer)
+        if self.direct and (offset % ALIGNMENT or len(view) % ALIGNMENT or buffer.data_ptr() % ALIGNMENT):
+            raise AssertionError("O_DIRECT transfers need aligned offsets, lengths and buffers")
+        if offset + len(view) > self.size:
+            raise AssertionError(f"transfer [{offset}, {offset + len(view)}) outside the reserved {self.size} bytes")
+        parts = self.settings.threads
+        step = align_up(-(-len(view) // parts))
+        return Pending(
+            [self._pool.submit(self._run, write, view[lo : lo + step], offset + lo) for lo in range(0, len(view), step)]
+        )
+
+    def close(self) -> None:
+        if getattr(self, "fd", -1) >= 0:
+            self._pool.shutdown(wait=True)
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self):
+        self.close()

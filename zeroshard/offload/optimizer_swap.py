@@ -1,0 +1,179 @@
+"""Optimizer state on NVMe: fp32 master weights and elementwise optimizer state of every sub-group
+live in one swap file; only ``buffer_count`` sub-groups are in host memory at any time.
+
+The step streams through the sub-groups: while the optimizer updates one, the next ones are read
+ahead and the previous ones written behind (``steps``). The optimizer itself is an ordinary
+``torch.optim`` optimizer over one placeholder tensor per sub-group; before its sub-group is stepped
+the placeholder's data and its state tensors are pointed at the staging buffer, and afterwards
+pointed away again, so no optimizer tensor outlives its turn in memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from .aio import Pending, SwapFile, aligned_empty
+
+MASTER = "master"
+_SWAPPED_OUT = torch.empty(0)  # what a swapped-out sub-group's tensors point at
+
+
+@dataclass
+class SubGroup:
+    """A contiguous range of one flat group's shard that the optimizer steps as one tensor."""
+
+    flat_index: int
+    start: int
+    stop: int
+    param: torch.Tensor  # the optimizer's parameter for this range
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class _Slot:
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> aligned uint8 staging buffer
+    reading: Optional[Pending] = None
+    writing: list[Pending] = field(default_factory=list)
+
+    def finish_writes(self) -> None:
+        for pending in self.writing:
+            pending.wait()
+        self.writing = []
+
+
+def elementwise_keys(state: dict, param: torch.Tensor) -> list[str]:
+    """Optimizer state tensors shaped like the parameter (swapped and checkpointed per element)."""
+    return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.numel() == param.numel() and v.dim() > 0)
+
+
+class NvmeOptimizerSwapper:
+    def __init__(
+        self,
+        file: SwapFile,
+        optimizer: torch.optim.Optimizer,
+        buffer_count: int,
+        max_numel: int,
+        pin: bool,
+        synchronize: Callable[[], None],
+    ):
+        self.file = file
+        self.synchronize = synchronize  # device copies out of a staging buffer finish before it is refilled
+        self.optimizer = optimizer
+        self.max_numel = max_numel
+        self.pin = pin
+        self.regions: dict[tuple[int, str], int] = {}  # (id(param), key) -> file offset
+        self.state_keys: dict[int, list[str]] = {}  # id(param) -> its swapped optimizer state keys
+        self.slots = [_Slot() for _ in range(buffer_count)]
+
+    # -- staging buffers and file regions -------------------------------------------------------
+    def _view(self, slot: _Slot, key: str, numel: int) -> torch.Tensor:
+        if key not in slot.buffers:
+            slot.buffers[key] = aligned_empty(self.max_numel * 4, self.pin)
+        return slot.buffers[key][: numel * 4].view(torch.float32)
+
+    def _io(self, write: bool, sub: SubGroup, slot: _Slot, keys: list[str]) -> list[Pending]:
+        pendings = []
+        for key in keys:
+            region = (id(sub.param), key)
+            if region not in self.regions:
+                self.regions[region] = self.file.reserve(sub.numel * 4)
+                if key != MASTER:
+                    self.state_keys.setdefault(id(sub.param), []).append(key)
+            buffer = slot.buffers[key][: -(-(sub.numel * 4) // 4096) * 4096]
+            pendings.append(self.file.submit(write, buffer, self.regions[region]))
+        return pendings
+
+    def _keys(self, sub: SubGroup) -> list[str]:
+        return [MASTER, *self.state_keys.get(id(sub.param), [])]
+
+    def bytes_on_disk(self) -> int:
+        return self.file.size
+
+    def bytes_in_memory(self) -> int:
+        return sum(b.numel() for slot in self.slots for b in slot.buffers.values())
+
+    # -- moving one sub-group in and out ----------------------------------------------------------
+    def _read(self, sub: SubGroup, slot: _Slot) -> None:
+        slot.finish_writes()
+        self.synchronize()
+        keys = self._keys(sub)
+        for key in keys:
+            self._view(slot, key, sub.numel)
+        pendings = self._io(False, sub, slot, keys)
+        slot.reading = Pending([f for p in pendings for f in p._futures])
+
+    def _bind(self, sub: SubGroup, slot: _Slot) -> None:
+        slot.reading.wait()
+        slot.reading = None
+        sub.param.data = self._view(slot, MASTER, sub.numel)
+        state = self.optimizer.state.get(sub.param)
+        if state:
+            for key in self._keys(sub)[1:]:
+                state[key] = self._view(slot, key, sub.numel)
+
+    def _unbind_and_write(self, sub: SubGroup, slot: _Slot) -> None:
+        state = self.optimizer.state.get(sub.param, {})
+        keys = elementwise_keys(state, sub.param)
+        for key in keys:
+            view = self._view(slot, key, sub.numel)
+            if state[key].data_ptr() != view.data_ptr():  # created by the optimizer on its first step
+                view.copy_(state[key].reshape(-1))
+            state[key] = _SWAPPED_OUT
+        slot.writing = self._io(True, sub, slot, [MASTER, *keys])
+        sub.param.data = _SWAPPED_OUT
+
+    def steps(self, subs: list[SubGroup]) -> Iterator[SubGroup]:
+        """Yield each sub-group with its master weights and state in memory, reading ahead up to
+        ``buffer_count - 1`` sub-groups and writing each back as soon as it has been stepped."""
+        ahead = max(1, len(self.slots) - 1)
+        free = deque(self.slots)
+        queued: deque[tuple[SubGroup, _Slot]] = deque()
+        issued = 0
+        try:
+            for sub in subs:
+                while issued < len(subs) and len(queued) < ahead and free:
+                    slot = free.popleft()
+                    self._read(subs[issued], slot)
+                    queued.append((subs[issued], slot))
+                    issued += 1
+                current, slot = queued.popleft()
+                assert current is sub
+                self._bind(sub, slot)
+                yield sub
+                self._unbind_and_write(sub, slot)
+                free.append(slot)
+        finally:
+            for slot in self.slots:
+                if slot.reading is not None:
+                    slot.reading.wait()
+                    slot.reading = None
+                slot.finish_writes()
+
+    # -- whole-sub-group access (initialization, checkpoints, GatheredParameters) ----------------
+    def read(self, sub: SubGroup, keys: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
+        """Copies of the sub-group's master weights and elementwise state (or of the given keys)."""
+        slot = self.slots[0]
+        slot.finish_writes()
+        self.synchronize()
+        keys = keys or self._keys(sub)
+        for key in keys:
+            self._view(slot, key, sub.numel)
+        for pending in self._io(False, sub, slot, keys):
+            pending.wait()
+        return {key: self._view(slot, key, sub.numel).clone() for key in keys}
+
+    def write(self, sub: SubGroup, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the sub-group's master weights and/or elementwise state (synchronously)."""
+        slot = self.slots[0]
+        slot.finish_writes()
+        for key, value in tensors.items():
+            self._view(slot, key, sub.numel).copy_(value.reshape(-1))
+        for pending in self._io(True, sub, slot, list(tensors)):
+            pending.wait()

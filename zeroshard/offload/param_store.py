@@ -1,0 +1,123 @@
+"""Where a stage-3 parameter shard lives between gathers when ``offload_param`` is on.
+
+A flat group asks its home for the shard just before the all-gather (``get``), gives it back
+(``release``), and writes the updated shard after the optimizer step (``write`` then ``flush``).
+``HostShard`` keeps it in (pinned) host memory; ``NvmeShard`` keeps it in a swap file and stages it
+through one of ``buffer_count`` host buffers of ``buffer_size`` elements, read ahead by ``fetch``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+import torch
+
+from .aio import Pending, SwapFile, align_up, aligned_empty
+
+
+class HostShard:
+    def __init__(self, values: torch.Tensor, pin: bool):
+        self.tensor = torch.empty(values.shape, dtype=values.dtype, pin_memory=pin)
+        self.tensor.copy_(values)
+
+    def fetch(self) -> None:
+        pass
+
+    def get(self) -> torch.Tensor:
+        return self.tensor
+
+    def release(self) -> None:
+        pass
+
+    def write(self, start: int, values: torch.Tensor) -> None:
+        self.tensor[start : start + values.numel()].copy_(values)
+
+    def flush(self) -> None:
+        pass
+
+    def bytes(self) -> dict[str, int]:
+        return {"host": self.tensor.numel() * self.tensor.element_size(), "nvme": 0}
+
+
+class BufferPool:
+    """``count`` aligned host buffers; a buffer handed back with a pending write is reused only after it."""
+
+    def __init__(self, count: int, nbytes: int, pin: bool):
+        self.count = count
+        self.nbytes = nbytes
+        self.bytes_in_memory = count * align_up(nbytes)
+        self._free: deque[tuple[torch.Tensor, Optional[Pending]]] = deque(
+            (aligned_empty(nbytes, pin), None) for _ in range(count)
+        )
+
+    def try_acquire(self) -> Optional[torch.Tensor]:
+        """A buffer for reading ahead, keeping one back so a demand read never waits on a prefetch."""
+        return self.acquire() if len(self._free) > 1 else None
+
+    def acquire(self) -> torch.Tensor:
+        if not self._free:
+            raise AssertionError("every offload_param buffer is in use; raise offload_param.buffer_count")
+        buffer, pending = self._free.popleft()
+        if pending is not None:
+            pending.wait()
+        return buffer
+
+    def give_back(self, buffer: torch.Tensor, pending: Optional[Pending] = None) -> None:
+        self._free.append((buffer, pending))
+
+
+class NvmeShard:
+    def __init__(self, values: torch.Tensor, file: SwapFile, pool: BufferPool):
+        self.numel, self.dtype = values.numel(), values.dtype
+        self.nbytes = self.numel * values.element_size()
+        self.file, self.pool = file, pool
+        self.offset = file.reserve(self.nbytes)
+        self._buffer: Optional[torch.Tensor] = None
+        self._reading: Optional[Pending] = None
+        self.write(0, values)
+        self.flush()
+
+    def _io_view(self) -> torch.Tensor:
+        return self._buffer[: -(-self.nbytes // 4096) * 4096]
+
+    def _values(self) -> torch.Tensor:
+        return self._buffer[: self.nbytes].view(self.dtype)
+
+    def fetch(self) -> None:
+        """Start reading the shard into a free buffer, if one is free."""
+        if self._buffer is None and (buffer := self.pool.try_acquire()) is not None:
+            self._buffer = buffer
+            self._reading = self.file.submit(False, self._io_view(), self.offset)
+
+    def get(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = self.pool.acquire()
+            self._reading = self.file.submit(False, self._io_view(), self.offset)
+        if self._reading is not None:
+            self._reading.wait()
+            self._reading = None
+        return self._values()
+
+    def release(self) -> None:
+        if self._buffer is not None:
+            self.pool.give_back(self._buffer)
+            self._buffer = None
+
+    def write(self, start: int, values: torch.Tensor) -> None:
+        """Overwrite part of the shard in the staging buffer (the whole shard is written between ``flush`` es)."""
+        if self._buffer is None:
+            self._buffer = self.pool.acquire()
+        if self._reading is not None:  # a read-ahead still landing in this buffer
+            self._reading.wait()
+            self._reading = None
+        self._values()[start : start + values.numel()].copy_(values)
+
+    def flush(self) -> None:
+        """Write the staged shard behind; the buffer returns to the pool once the write is done."""
+        if self._buffer is not None:
+            self.pool.give_back(self._buffer, self.file.submit(True, self._io_view(), self.offset))
+            self._buffer = None
+
+    def bytes(self) -> dict[str, int]:
+        return {"host": 0, "nvme": self.nbytes}
