@@ -85,6 +85,13 @@ class OffloadOptimizerConfig(_OffloadBase):
     fast_init: bool = False
     ratio: float = Field(1.0, ge=0.0, le=1.0)
 
+    @field_validator("ratio")
+    @classmethod
+    def _whole_offload(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError("partial offload (ratio < 1) is not supported; use 1.0 or remove the key")
+        return value
+
 
 class ZeroConfig(Section):
     stage: int = Field(0, ge=0, le=3)
@@ -168,6 +175,9 @@ class ZeroConfig(Section):
                 f"offload_param works only with stage 3 (stage is {self.stage}); "
                 "use offload_optimizer for stages 1 and 2"
             )
+        if self.offload_optimizer is not None and self.offload_optimizer.device is not OffloadDevice.none:
+            if self.stage == 0:
+                raise ValueError("offload_optimizer needs a sharded optimizer: set stage to 1, 2 or 3")
         if self.zero_hpz_partition_size > 1 and self.mics_shard_size > 0:
             raise ValueError("set either zero_hpz_partition_size or mics_shard_size, not both")
         return self
@@ -217,6 +227,13 @@ class AioConfig(Section):
     single_submit: bool = False
     overlap_events: bool = True
     use_gds: bool = False
+
+    @field_validator("use_gds")
+    @classmethod
+    def _no_gds(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("GPUDirect Storage is not supported; set it to false")
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -35,21 +35,11 @@ class OffloadPlan:
         opt, par = zero_cfg.offload_optimizer, zero_cfg.offload_param
         plan = cls(sub_group_size=zero_cfg.sub_group_size, aio=AioSettings.from_config(aio_cfg), rank=rank)
         if opt is not None and opt.device.value != "none":
-            if opt.ratio != 1.0:
-                raise ValueError(
-                    f"zero_optimization.offload_optimizer.ratio={opt.ratio}: partial offload is not supported; "
-                    "use 1.0 (or remove the key)"
-                )
             plan.optimizer_device = opt.device.value
             plan.optimizer_nvme_path = str(opt.nvme_path) if opt.nvme_path is not None else None
             plan.optimizer_buffer_count = opt.buffer_count
             plan.pin_memory |= opt.pin_memory and can_pin
         if par is not None and par.device.value != "none":
-            if zero_cfg.stage != 3:
-                raise ValueError(
-                    f"zero_optimization.offload_param needs stage 3 (got stage {zero_cfg.stage}): "
-                    "only stage 3 shards parameters; use offload_optimizer for stages 1 and 2"
-                )
             plan.param_device = par.device.value
             plan.param_nvme_path = str(par.nvme_path) if par.nvme_path is not None else None
             plan.param_buffer_count, plan.param_buffer_size, plan.max_in_cpu = (
@@ -58,10 +48,6 @@ class OffloadPlan:
                 par.max_in_cpu,
             )
             plan.pin_memory |= par.pin_memory and can_pin
-        if aio_cfg.use_gds:
-            raise ValueError("aio.use_gds: GPUDirect Storage is not supported; set it to false")
-        if plan.offloads_optimizer and zero_cfg.stage == 0:
-            raise ValueError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (got stage 0)")
         return plan
 
     @property

@@ -1,0 +1,213 @@
+"""Offload: parity with the same config without offload (bit-identical: the math is the same, only
+where it runs changes), model-state bytes by location against the analytic values, bounded host
+memory for NVMe state, swap files left behind (none), and the errors for unusable NVMe paths."""
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from zeroshard.offload.aio import align_up
+from zeroshard.testing import run_distributed
+from zeroshard.testing.parity import ParityCase, engine_train_many, make_model, model_error, reference_train
+
+SWAP = tempfile.gettempdir()  # swap files are unlinked as soon as they are opened, so nothing accumulates
+UNITS = (("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshold", 0))
+SUB_GROUP = 1000  # small, so every flat group is several sub-groups and the NVMe pipeline cycles its buffers
+NVME_BUFFERS = 2
+
+
+def offload(optimizer=None, param=None):
+    zero = [("sub_group_size", SUB_GROUP)]
+    if optimizer == "cpu":
+        zero.append(("offload_optimizer", {"device": "cpu", "pin_memory": True}))
+    if optimizer == "nvme":
+        zero.append(("offload_optimizer", {"device": "nvme", "nvme_path": SWAP, "buffer_count": NVME_BUFFERS}))
+    if param == "cpu":
+        zero.append(("offload_param", {"device": "cpu"}))
+    if param == "nvme":  # every shard on NVMe, read through 3 buffers
+        zero.append(("offload_param", {"device": "nvme", "nvme_path": SWAP, "max_in_cpu": 0, "buffer_count": 3}))
+    return tuple(zero)
+
+
+VARIANTS = {
+    1: [(None, None), ("cpu", None), ("nvme", None)],
+    2: [(None, None), ("cpu", None), ("nvme", None)],
+    3: [(None, None), ("cpu", None), ("nvme", None), ("cpu", "cpu"), ("nvme", "nvme"), (None, "nvme")],
+}
+
+
+def cases(stage, dtype="fp32", clip=0.0):
+    units = UNITS if stage == 3 else ()
+    return [
+        ParityCase(stage=stage, dtype=dtype, gas=2, lr=1e-3, clip=clip, zero=units + offload(*variant))
+        for variant in VARIANTS[stage]
+    ]
+
+
+@pytest.mark.parametrize(
+    "stage,dtype,clip", [(1, "fp32", 0.0), (2, "fp32", 0.0), (2, "bf16", 0.05), (3, "fp32", 0.0), (3, "bf16", 0.05)]
+)
+def test_offload_matches_the_same_run_without_offload(stage, dtype, clip):
+    runs = cases(stage, dtype, clip)
+    results = run_distributed(engine_train_many, 2, runs)[0]
+    baseline = results[0]
+    if dtype == "fp32" and clip == 0.0:
+        assert model_error(baseline["params"], reference_train(runs[0], 2)) <= 1e-5
+    for variant, result in zip(VARIANTS[stage][1:], results[1:]):
+        for name, value in baseline["params"].items():
+            assert torch.equal(result["params"][name], value), (variant, name)
+        check_memory(variant, result, dtype)
+
+
+def check_memory(variant, result, dtype):
+    """Model-state bytes per location, from the tensors the engine holds, against the analytic split."""
+    optimizer, param = variant
+    where = result["state_bytes_by_location"]
+    shard = sum(numel for numel, resident in result["flat_numels"]) // 2  # elements this rank owns
+    compute = 2 if dtype == "bf16" else 4
+    device, host, nvme = where["device"], where["host"], where["nvme"]
+    if optimizer is not None:  # nothing of the optimizer side stays on the device
+        assert device["master"] == device["grad_shard"] == device["optimizer_state"] == 0
+        assert host["grad_shard"] in (4 * shard, compute * shard)  # stage-3 gradient shards: compute dtype
+    if optimizer == "cpu":
+        assert host["master"] == 4 * shard and host["optimizer_state"] == 8 * shard  # fp32 master, Adam m and v
+    if optimizer == "nvme":
+        assert nvme["master"] == 4 * shard and nvme["optimizer_state"] == 8 * shard
+        # host copies of NVMe state: at most buffer_count staging buffers of one sub-group (master, m, v)
+        assert host["master"] == 0
+        assert host["optimizer_state"] <= NVME_BUFFERS * 3 * align_up(SUB_GROUP * 4)
+    if param == "cpu":
+        assert device["params"] == 0 and host["params"] == compute * shard  # only gathered units on device
+    if param == "nvme":
+        assert device["params"] == 0 and nvme["params"] == compute * shard
+        assert host["params"] <= 3 * align_up(max(n for n, _ in result["flat_numels"]) // 2 * compute)
+    assert device["gathered"] == 0  # between steps nothing stays gathered
+
+
+def swap_hygiene_worker(swap_dir):
+    """Swap files never show up in nvme_path (unlinked at once) and training works with a 1-buffer pipeline."""
+    import zeroshard
+    from zeroshard import comm
+
+    case = ParityCase(
+        stage=3,
+        lr=1e-3,
+        zero=UNITS
+        + (
+            ("sub_group_size", 700),
+            ("offload_optimizer", {"device": "nvme", "nvme_path": swap_dir, "buffer_count": 1}),
+            ("offload_param", {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0, "buffer_count": 1}),
+        ),
+    )
+    engine, *_ = zeroshard.initialize(model=make_model(), config=case.config())
+    listed = os.listdir(swap_dir)
+    x = torch.randint(0, 64, (2, 8))
+    for _ in range(2):
+        engine.backward(engine(x, x))
+        engine.step()
+    comm.barrier(engine.grid.world)
+    return listed, engine.zero.swapper.bytes_on_disk(), engine.consolidated_state_dict(rank0_only=False)
+
+
+def test_swap_files_leave_nothing_behind(tmp_path):
+    results = run_distributed(swap_hygiene_worker, 2, str(tmp_path))
+    for listed, on_disk, params in results:
+        assert listed == [] and on_disk > 0
+        assert all(torch.isfinite(v).all() for v in params.values())
+    assert os.listdir(tmp_path) == []
+
+
+def config_error_worker(zero, optimizer="AdamW"):
+    import zeroshard
+
+    case = ParityCase(stage=zero.get("stage", 2), optimizer=optimizer, zero=tuple(zero.items()))
+    try:
+        zeroshard.initialize(model=make_model(), config=case.config())
+    except Exception as error:  # noqa: BLE001 - the test inspects the type and message
+        return type(error).__name__, str(error)
+    return None
+
+
+NVME = {"device": "nvme", "nvme_path": SWAP}
+BAD = [
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/no/such/dir"}}, "AdamW", "does not exist"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/proc"}}, "AdamW", "cannot create swap file"),
+    ({"offload_optimizer": {"device": "nvme"}}, "AdamW", "nvme_path"),
+    ({"offload_param": {"device": "cpu"}}, "AdamW", "offload_param works only with stage 3"),
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "AdamW", "set stage to 1, 2 or 3"),
+    ({"offload_optimizer": {"device": "cpu"}}, "Lamb", "Lamb"),
+    ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "AdamW", "zero_optimization.offload_optimizer.ratio"),
+    (
+        {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {**NVME, "max_in_cpu": 0, "buffer_size": 10},
+        },
+        "AdamW",
+        "offload_param.buffer_size",
+    ),
+]
+
+
+def config_errors_worker(settings):
+    return [config_error_worker(zero, optimizer) for zero, optimizer, _ in settings]
+
+
+def test_unusable_offload_settings_fail_at_initialize_naming_the_key():
+    for (zero, _, message), got in zip(BAD, run_distributed(config_errors_worker, 1, BAD)[0]):
+        assert got is not None and message in got[1], (zero, got)
+
+
+def small_tmpfs(path, size):
+    os.makedirs(path, exist_ok=True)
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root); the RLIMIT_FSIZE test in tests/unit/offload covers it")
+
+
+def test_full_disk_is_a_clear_error(tmp_path):
+    """A 16 KiB tmpfs as nvme_path: the swap space is claimed at initialize, which fails with ENOSPC."""
+    disk = tmp_path / "disk"
+    small_tmpfs(disk, "16k")
+    try:
+        zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(disk)}}
+        name, message = run_distributed(config_error_worker, 1, zero)[0]
+        assert name == "OffloadIOError" and "disk is full" in message and str(disk) in message, message
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def io_failure_worker(checkpoint_dir):
+    """Train, checkpoint, lose the swap file's contents mid-run: the step fails clearly and the last
+    checkpoint still loads."""
+    import zeroshard
+    from zeroshard.offload import OffloadIOError
+
+    cfg = ParityCase(stage=2, lr=1e-3, zero=offload("nvme")).config()
+    engine, *_ = zeroshard.initialize(model=make_model(), config=cfg)
+    x = torch.randint(0, 64, (2, 8))
+    engine.backward(engine(x, x))
+    engine.step()
+    engine.save_checkpoint(checkpoint_dir)
+    saved = engine.consolidated_state_dict(rank0_only=False)
+    os.ftruncate(engine.zero.swapper.file.fd, 0)  # the swap file loses its contents
+    engine.backward(engine(x, x))
+    try:
+        engine.step()
+        failure = None
+    except OffloadIOError as error:
+        failure = str(error)
+    fresh, *_ = zeroshard.initialize(model=make_model(seed=5), config=cfg)
+    fresh.load_checkpoint(checkpoint_dir)
+    restored = fresh.consolidated_state_dict(rank0_only=False)
+    return failure, all(torch.equal(saved[k], restored[k]) for k in saved)
+
+
+def test_swap_io_failure_stops_training_and_keeps_the_checkpoint(tmp_path):
+    for failure, restored in run_distributed(io_failure_worker, 2, str(tmp_path)):
+        assert failure is not None and "swap file" in failure and "truncated" in failure
+        assert restored
