@@ -288,8 +288,14 @@ class ZeroOptimizer:
         """Copy the master weights into the compute parameters (after they were replaced, e.g. by a load)."""
         for sub in self.subgroups:
             values = self.swapper.read(sub, [MASTER])[MASTER] if self.swapper is not None else sub.param.detach()
-            self.flat_groups[sub.flat_index].write_shard(sub.start, values)
-        for flat in self.flat_groups:
+            self._write_back(sub, values)
+
+    def _write_back(self, sub: SubGroup, values: torch.Tensor) -> None:
+        """Updated master values into the compute parameters; a flat group is finished (its NVMe home
+        written, a resident group gathered) with its last sub-group, freeing its staging at once."""
+        flat = self.flat_groups[sub.flat_index]
+        flat.write_shard(sub.start, values)
+        if sub.stop == flat.layout.shard_numel:
             flat.finish_publish()
 
     def _step_streamed(self, grads: list[torch.Tensor]) -> None:
@@ -300,9 +306,7 @@ class ZeroOptimizer:
             sub.param.grad = grads[sub.flat_index][sub.start : sub.stop]
             self.optimizer.step()
             sub.param.grad = None
-            self.flat_groups[sub.flat_index].write_shard(sub.start, sub.param.detach())
-        for flat in self.flat_groups:
-            flat.finish_publish()
+            self._write_back(sub, sub.param.detach())
 
     def zero_grad(self) -> None:
         for flat in self.flat_groups:
