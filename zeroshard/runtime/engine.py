@@ -238,3 +238,7 @@ class ZeroshardEngine(torch.nn.Module):
     def state_bytes(self) -> dict[str, int]:
         """Model-state bytes held by this rank (parameters, master weights, gradient shards, optimizer state)."""
         return self.zero.state_bytes() if self.zero else {}
+
+    def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
+        """The same, split by where it lives: ``device``, ``host`` (offloaded) and ``nvme`` (swap files)."""
+        return self.zero.state_bytes_by_location() if self.zero else {}

@@ -120,7 +120,7 @@ def engine_train(case: ParityCase) -> dict[str, Any]:
         **traffic,
         "params": {k: v.float() for k, v in engine.consolidated_state_dict(rank0_only=False).items()},
         "state_bytes": engine.state_bytes(),
-        "state_bytes_by_location": engine.zero.state_bytes_by_location(),
+        "state_bytes_by_location": engine.state_bytes_by_location(),
         "peak_gathered_numel": engine.stage3.peak_live_numel if engine.stage3 else None,
         "units": (
             [(u.name, u.numel) for u in [engine.stage3.root_unit, *engine.stage3.units]] if engine.stage3 else None

@@ -78,7 +78,8 @@ class FlatGroup:
             for slot, param in zip(layout.slots, params):
                 full[slot.offset : slot.end].copy_(param.detach().reshape(-1))
         lo, hi = layout.shard_range(self.shard_rank)
-        self.buffer: Optional[torch.Tensor] = None
+        self.buffer: Optional[torch.Tensor] = None  # the gathered parameters (None while sharded)
+        self._storage: Optional[torch.Tensor] = None  # stage 3: the buffer, kept (at zero bytes) while sharded
         self._gather: Optional[comm.Pending] = None
         self.home = None
         if resident:
@@ -125,7 +126,11 @@ class FlatGroup:
             if not async_op:
                 self.wait_gathered()
             return
-        self.buffer = torch.empty(self.layout.padded_numel, dtype=self.policy.compute, device=self.device)
+        if self._storage is None:
+            self._storage = torch.empty(self.layout.padded_numel, dtype=self.policy.compute, device=self.device)
+        else:
+            self._storage.untyped_storage().resize_(self.layout.padded_numel * self._storage.element_size())
+        self.buffer = self._storage
         shard = self.shard
         if self.home is not None:
             shard = torch.empty(self.layout.shard_numel, dtype=self.policy.compute, device=self.device)
@@ -147,12 +152,19 @@ class FlatGroup:
             self._bind(self.buffer)
 
     def free(self) -> None:
-        """Drop the whole buffer; the parameters keep their identity but no data until the next gather."""
+        """Drop the whole buffer; the parameters keep their identity but no data until the next gather.
+
+        The memory is released by shrinking the buffer's storage to zero bytes rather than by dropping the
+        tensor: autograd keeps views of the gathered weights for backward (e.g. the transposed weight of a
+        linear layer), which would otherwise pin every unit's gathered buffer from forward to backward.
+        The next gather regrows the same storage, so those views see the re-gathered values."""
         if self.resident:
             raise AssertionError("a resident flat group is never freed")
         self.wait_gathered()
         for slot, param in zip(self.layout.slots, self.params):
             sharded_param.release(param, slot.name, torch.Size(slot.shape))
+        if self.buffer is not None:
+            self.buffer.untyped_storage().resize_(0)
         self.buffer = None
 
     @property

@@ -70,7 +70,7 @@ class Init:
         self.enabled = enabled
         self.dtype = dtype
         self.param_init_fn = param_init_fn
-        self.seed = torch.initial_seed() if seed is None else seed
+        self.seed = (torch.initial_seed() if seed is None else seed) % 2**63  # fits the int64 broadcast
         self._original: Optional[Callable] = None
 
     def __enter__(self) -> "Init":

@@ -18,6 +18,7 @@ the sub-groups are also swapped in and out around their turn (``zeroshard.offloa
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -33,6 +34,8 @@ from ..partition import assign_buckets, flat_layout
 from ..precision import LossScaler, PrecisionPolicy
 from . import gathered
 from .flat_group import FlatGroup
+
+MAX_IN_FLIGHT = 2  # overlapped reductions pending at once (each holds one bucket's staging buffer)
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,7 @@ class ZeroOptimizer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._owner]
         self._reducing = False
         self._next_launch = 0
+        self._in_flight: deque[FlatGroup] = deque()  # reductions launched, not yet accumulated
         self.global_grad_norm: Optional[float] = None
 
     def _split(self, index: int, flat: FlatGroup) -> list[SubGroup]:
@@ -225,24 +229,30 @@ class ZeroOptimizer:
         param.grad = None
         if flat.complete and self.on_flat_group_complete is not None:
             self.on_flat_group_complete(flat)
-        if self.overlap_comm:
-            self._launch_ready()
+        self._launch_ready()
 
     def _launch_ready(self) -> None:
-        # Launch strictly in flat-group order so every rank issues the same sequence of collectives,
-        # even when ranks produce gradients in different orders or skip unused parameters.
+        """Reduce the flat groups whose gradients are complete, strictly in flat-group order so every rank
+        issues the same sequence of collectives (even when ranks produce gradients in different orders or
+        skip unused parameters). At most ``MAX_IN_FLIGHT`` reductions (none without ``overlap_comm``) stay
+        pending, so staging memory is a few buckets, never the whole model's gradients."""
+        limit = MAX_IN_FLIGHT if self.overlap_comm else 0
         while self._next_launch < len(self.flat_groups) and self.flat_groups[self._next_launch].complete:
-            self.flat_groups[self._next_launch].launch_reduce(self.predivide, async_op=True)
+            flat = self.flat_groups[self._next_launch]
+            flat.launch_reduce(self.predivide, async_op=self.overlap_comm)
+            self._in_flight.append(flat)
             self._next_launch += 1
+            while len(self._in_flight) > limit:
+                self._in_flight.popleft().finish_reduce(self.predivide / self.grid.world.size)
 
     def end_backward(self) -> None:
         if not self._reducing:
             return
         for flat in self.flat_groups[self._next_launch :]:
             flat.launch_reduce(self.predivide, async_op=True)
-        post_scale = self.predivide / self.grid.world.size
-        for flat in self.flat_groups:
-            flat.finish_reduce(post_scale)
+            self._in_flight.append(flat)
+        while self._in_flight:
+            self._in_flight.popleft().finish_reduce(self.predivide / self.grid.world.size)
         self._reducing = False
 
     # -- the optimizer step -------------------------------------------------------------------
