@@ -12,13 +12,21 @@ Every mode runs ZeRO stage 3 (the most memory-frugal placement) with the model b
   the gathered unit stay in RAM.
 For each mode the peak resident memory is measured at two model sizes; the slope (bytes of RAM per
 parameter) and the disk's free space give the largest model that fits, which is reported as a
-projection (a measured run at that size takes too long on 2 cores to repeat here).
+projection (a measured run at that size takes too long on 2 cores to repeat here). Both sizes should
+have more blocks than the reductions and prefetches in flight (about 4), or the slope also counts
+those bounded transients.
+
+The ranks run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (set here unless already set): glibc then
+returns every freed block over 1 MiB to the OS at once instead of keeping it in its heap, which
+lowers peak RSS a lot for the alternating gather/free pattern of stage 3 (and costs some speed).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # before any rank starts (they inherit it)
 import resource
 import shutil
 import time
@@ -82,11 +90,12 @@ def worker(cfg: GPTConfig, mode: str, nvme_path: str, steps: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, nargs=2, default=[4, 16])
+    parser.add_argument("--layers", type=int, nargs=2, default=[6, 14])
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--modes", nargs="+", default=["none", "cpu", "nvme"])
     parser.add_argument("--nvme_path", default="/tmp")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--check", type=int, metavar="LAYERS", help="only run this size (e.g. one past a projection)")
     args = parser.parse_args()
     free_disk = shutil.disk_usage(args.nvme_path).free
     print(
@@ -98,7 +107,7 @@ def main():
     projections = []
     for mode in args.modes:
         points = []
-        for layers in args.layers:
+        for layers in [args.check] if args.check else args.layers:
             cfg = GPTConfig(vocab_size=8192, block_size=SEQ, n_layer=layers, n_head=16, n_embd=args.width)
             r = run_distributed(worker, 2, cfg, mode, args.nvme_path, args.steps, timeout_s=3600)[0]
             points.append(r)
@@ -106,6 +115,8 @@ def main():
                 f"| {mode} | {r['params'] / 1e6:.0f}M | {r['step_s']:.2f} | {r['peak_rss'] / 2**30:.2f} | "
                 f"{r['ram_state'] / 2**30:.2f} | {r['nvme_state'] / 2**30:.2f} |"
             )
+        if args.check:
+            continue
         small, large = points
         ram_per_param = 2 * (large["peak_rss"] - small["peak_rss"]) / (large["params"] - small["params"])
         base = 2 * small["peak_rss"] - ram_per_param * small["params"]

@@ -108,15 +108,26 @@ def swap_hygiene_worker(swap_dir):
     for _ in range(2):
         engine.backward(engine(x, x))
         engine.step()
+    # a modification through GatheredParameters reaches the NVMe-resident parameter shard and master weights
+    weight = engine.module.blocks[1].fc.weight
+    with zeroshard.zero.GatheredParameters([weight], modifier_rank=0):
+        if comm.get_rank() == 0:
+            weight.data.fill_(0.5)
+    flat = next(k for k, f in enumerate(engine.zero.flat_groups) if any(p is weight for p in f.params))
+    masters = engine.zero.read_flat(flat)["master"]
     comm.barrier(engine.grid.world)
-    return listed, engine.zero.swapper.bytes_on_disk(), engine.consolidated_state_dict(rank0_only=False)
+    params = engine.consolidated_state_dict(rank0_only=False)
+    return listed, engine.zero.swapper.bytes_on_disk(), params, masters
 
 
 def test_swap_files_leave_nothing_behind(tmp_path):
     results = run_distributed(swap_hygiene_worker, 2, str(tmp_path))
-    for listed, on_disk, params in results:
+    for listed, on_disk, params, _ in results:
         assert listed == [] and on_disk > 0
         assert all(torch.isfinite(v).all() for v in params.values())
+        assert (params["blocks.1.fc.weight"] == 0.5).all()
+    # the ranks' master shards on NVMe together hold the whole modified weight
+    assert sum(int((masters == 0.5).sum()) for *_, masters in results) == params["blocks.1.fc.weight"].numel()
     assert os.listdir(tmp_path) == []
 
 
@@ -139,6 +150,7 @@ BAD = [
     ({"offload_param": {"device": "cpu"}}, "AdamW", "offload_param works only with stage 3"),
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "AdamW", "set stage to 1, 2 or 3"),
     ({"offload_optimizer": {"device": "cpu"}}, "Lamb", "Lamb"),
+    ({"offload_optimizer": NVME}, "Adagrad", "creates its state when constructed"),
     ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "AdamW", "zero_optimization.offload_optimizer.ratio"),
     (
         {

@@ -134,7 +134,7 @@ class FlatGroup:
         shard = self.shard
         if self.home is not None:
             shard = torch.empty(self.layout.shard_numel, dtype=self.policy.compute, device=self.device)
-            shard.copy_(self.home.get(), non_blocking=True)
+            shard.copy_(self.home.get())  # blocking: the home's staging buffer is reused after release
             self.home.release()
         self._gather = comm.all_gather(self.buffer, shard, self.shard_group, async_op=True)
         if not async_op:

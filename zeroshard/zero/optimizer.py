@@ -184,6 +184,11 @@ class ZeroOptimizer:
                 "zero_optimization.offload_optimizer; use Adam/AdamW, Adagrad, Lion or SGD, or remove the offload"
             )
         if self.swapper is not None:
+            if any(self.optimizer.state.values()):
+                raise ValueError(
+                    f"{type(self.optimizer).__name__} creates its state when constructed, which NVMe offload "
+                    "cannot swap; with offload_optimizer.device 'nvme' use Adam, AdamW, Lion or SGD"
+                )
             self.swapper.optimizer = self.optimizer
         self.on_flat_group_complete: Optional[Callable[[FlatGroup], None]] = None
         if isinstance(self.optimizer, Lamb):
