@@ -125,6 +125,8 @@ def main():
         fit = min(fit_ram, free_disk / disk_per_param) if disk_per_param else fit_ram
         time_per_param = large["step_s"] / large["params"]
         projections.append((mode, ram_per_param, disk_per_param, fit, fit * time_per_param))
+    if not projections:
+        return
     print(
         "\n| mode | RAM bytes / parameter (both ranks) | disk bytes / parameter | largest model (projected) "
         "| step s at that size (projected, linear) |"
