@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -13,13 +15,14 @@ def launch(*argv, timeout=240):
     )
 
 
-def test_example_trains_on_two_cpu_ranks():
+@pytest.mark.parametrize("config,stage", [("stage2.json", 2), ("stage3_offload_nvme.json", 3)])
+def test_example_trains_on_two_cpu_ranks(config, stage):
     out = launch(
         "--num_gpus",
         "2",
         "examples/train_gpt.py",
         "--deepspeed_config",
-        "examples/configs/stage2.json",
+        f"examples/configs/{config}",
         "--steps",
         "6",
         "--n_layer",
@@ -28,7 +31,7 @@ def test_example_trains_on_two_cpu_ranks():
         "32",
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "model: " in out.stdout and "2 rank(s), ZeRO stage 2" in out.stdout
+    assert "model: " in out.stdout and f"2 rank(s), ZeRO stage {stage}" in out.stdout
     assert "final loss" in out.stdout and "tokens/s" in out.stdout and "bytes communicated per rank" in out.stdout
 
 

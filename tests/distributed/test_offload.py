@@ -173,24 +173,29 @@ def test_unusable_offload_settings_fail_at_initialize_naming_the_key():
         assert got is not None and message in got[1], (zero, got)
 
 
-def small_tmpfs(path, size):
+def small_tmpfs(path, options):
     os.makedirs(path, exist_ok=True)
-    if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    ).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root); the RLIMIT_FSIZE test in tests/unit/offload covers it")
 
 
-def test_full_disk_is_a_clear_error(tmp_path):
-    """A 16 KiB tmpfs as nvme_path: the swap space is claimed at initialize, which fails with ENOSPC."""
-    disk = tmp_path / "disk"
-    small_tmpfs(disk, "16k")
+def test_full_or_read_only_disk_is_a_clear_error(tmp_path):
+    """A 16 KiB tmpfs as nvme_path: the swap space is claimed at initialize, which fails with ENOSPC;
+    a read-only mount fails when the swap file is created."""
+    full, read_only = tmp_path / "full", tmp_path / "read-only"
+    small_tmpfs(full, "size=16k")
+    small_tmpfs(read_only, "size=1m,ro")
     try:
-        zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(disk)}}
-        name, message = run_distributed(config_error_worker, 1, zero)[0]
-        assert name == "OffloadIOError" and "disk is full" in message and str(disk) in message, message
+        settings = [
+            ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}}, "AdamW", None)
+            for path in (full, read_only)
+        ]
+        (name, message), (ro_name, ro_message) = run_distributed(config_errors_worker, 1, settings)[0]
+        assert name == "OffloadIOError" and "disk is full" in message and str(full) in message, message
+        assert ro_name == "OffloadIOError" and "Read-only file system" in ro_message, ro_message
     finally:
-        subprocess.run(["umount", str(disk)], check=True)
+        for path in (full, read_only):
+            subprocess.run(["umount", str(path)], capture_output=True)
 
 
 def io_failure_worker(checkpoint_dir):

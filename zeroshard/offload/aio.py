@@ -89,8 +89,6 @@ class SwapFile:
         self.path = os.path.join(directory, name)
         if not os.path.isdir(directory):
             raise OffloadIOError(f"nvme_path {directory!r} does not exist or is not a directory; create it first")
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise OffloadIOError(f"nvme_path {directory!r} is not writable by this process; choose another directory")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         direct_flag = getattr(os, "O_DIRECT", 0) if direct else 0
         try:

@@ -144,7 +144,8 @@ class NvmeOptimizerSwapper:
                     queued.append((subs[issued], slot))
                     issued += 1
                 current, slot = queued.popleft()
-                assert current is sub
+                if current is not sub:
+                    raise AssertionError("sub-groups must be stepped in the order they were read")
                 self._bind(sub, slot)
                 yield sub
                 self._unbind_and_write(sub, slot)

@@ -1,5 +1,8 @@
 """Configs as users bring them (HF Trainer, Lightning, DeepSpeed tutorials) parse or fail as documented."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from zeroshard.config import parse_config
@@ -142,3 +145,22 @@ def test_typo_in_realistic_config_is_named():
         ValueError, match="unknown config key 'zero_optimization.overlap_com'; did you mean 'overlap_comm'"
     ):
         parse_config(cfg)
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples" / "configs").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_shipped_example_configs_parse(path):
+    parse_config(json.loads(path.read_text()))
+
+
+def test_offload_keys_are_checked():
+    with pytest.raises(ValueError, match="ratio"):
+        parse_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
+    with pytest.raises(ValueError, match="use_gds"):
+        parse_config({"aio": {"use_gds": True}})
+    with pytest.raises(ValueError, match="set stage to 1, 2 or 3"):
+        parse_config({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
+    cfg = parse_config({"aio": {"thread_count": 4}})  # the old name
+    assert cfg.aio.intra_op_parallelism == 4
