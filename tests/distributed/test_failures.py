@@ -64,3 +64,51 @@ def bad_config_worker():
 def test_inconsistent_batch_for_world_size_is_reported_by_every_rank():
     with pytest.raises(WorkerError, match="train_batch_size 3 is not divisible by world size 2"):
         run_distributed(bad_config_worker, 2, comm_timeout_s=10)
+
+
+def diverging_worker(kind):
+    """Three warm-up all-reduces, then rank 1 skips one (kind 'skip') or swaps two (kind 'reorder')."""
+    from zeroshard import comm
+
+    world = comm.build_rank_grid().world
+    small, large = torch.ones(4), torch.ones(8)
+    for _ in range(3):
+        comm.all_reduce(small, world)
+    if comm.get_rank() == 1:
+        if kind == "reorder":
+            comm.broadcast(large, 0, world)  # DIVERGENT-BROADCAST
+        comm.all_reduce(small, world)
+    else:
+        comm.all_reduce(small, world)  # EXPECTED-ALL-REDUCE
+        if kind == "reorder":
+            comm.broadcast(large, 0, world)
+    if kind == "skip" and comm.get_rank() != 1:
+        comm.all_reduce(small, world)  # rank 1 never issues this one
+    comm.barrier(world)  # SKIPPING-RANK-BARRIER
+
+
+def _line_of(marker: str) -> int:
+    lines = open(__file__).read().splitlines()
+    return next(i + 1 for i, line in enumerate(lines) if line.rstrip().endswith(marker))
+
+
+@pytest.mark.parametrize("kind", ["reorder", "skip"])
+def test_diverged_collective_names_the_rank_and_call_site(kind):
+    with pytest.raises(WorkerError) as info:
+        run_distributed(diverging_worker, 3, kind, comm_timeout_s=4, timeout_s=90)
+    message = str(info.value)
+    if kind == "reorder":
+        assert (
+            f"collective #4: rank 1 called broadcast on 'world' of (8,) float32 at "
+            f"tests/distributed/test_failures.py:{_line_of('# DIVERGENT-BROADCAST')}" in message
+        ), message
+        assert (
+            f"while ranks 0,2 called all_reduce on 'world' of (4,) float32 at "
+            f"tests/distributed/test_failures.py:{_line_of('# EXPECTED-ALL-REDUCE')}" in message
+        ), message
+    else:
+        assert (
+            "collective #5: rank 1 called barrier on 'world' at "
+            f"tests/distributed/test_failures.py:{_line_of('# SKIPPING-RANK-BARRIER')} "
+            "while ranks 0,2 called all_reduce on 'world' of (4,) float32" in message
+        ), message

@@ -102,3 +102,13 @@ def local_rank() -> int:
 def destroy() -> None:
     if is_initialized():
         dist.destroy_process_group()
+
+
+def default_store():
+    """The default process group's key-value store (for out-of-band exchanges such as hang forensics)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError):
+        return None

@@ -15,9 +15,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .backend import get_rank
+from .backend import default_store, get_rank, get_world_size
 from .groups import Group
 from .ledger import LEDGER
+from .trace import TRACE, diagnose
+
+FORENSICS_WAIT_S = 10.0  # how long a failing rank waits for the other ranks' collective traces
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -42,7 +45,14 @@ def _maybe_delay() -> None:
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names the rank, the op and the group."""
+    """A collective failed or timed out; the message names the rank, the op, the group and, from the ranks'
+    collective traces, the first rank and call site that diverged."""
+
+
+def _failure(message: str) -> CollectiveError:
+    store = default_store()
+    verdict = diagnose(store, get_rank(), get_world_size(), FORENSICS_WAIT_S) if store is not None else None
+    return CollectiveError(message + (f"\n  trace comparison: {verdict}" if verdict else ""))
 
 
 @dataclass
@@ -64,7 +74,7 @@ class Pending:
             else:
                 self.work.wait(timeout)
         except RuntimeError as err:
-            raise CollectiveError(
+            raise _failure(
                 f"rank {get_rank()}: {self.op} on group '{self.group.name}' (ranks {list(self.group.ranks)}) "
                 f"of {self.what} failed or timed out: {err}"
             ) from err
@@ -91,13 +101,14 @@ def _issue(
     finish: Optional[Callable[[], None]] = None,
 ) -> Pending:
     nbytes = tensor.numel() * tensor.element_size()
-    LEDGER.record(op, group.name, nbytes, nbytes * wire_factor, tuple(tensor.shape), str(tensor.dtype))
+    LEDGER.record(op, group.name, nbytes, nbytes * wire_factor)
+    TRACE.record(op, group.name, tuple(tensor.shape), str(tensor.dtype))
     _maybe_delay()
     started = time.perf_counter()
     try:
         work = call()
     except RuntimeError as err:
-        raise CollectiveError(
+        raise _failure(
             f"rank {get_rank()}: {op} on group '{group.name}' (ranks {list(group.ranks)}) of {_describe(tensor)} "
             f"failed: {err}"
         ) from err
@@ -206,5 +217,9 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
 
 def barrier(group: Group) -> None:
     if group.size > 1:
-        LEDGER.record("barrier", group.name, 0, 0.0, (), "")
-        dist.barrier(group=group.handle)
+        LEDGER.record("barrier", group.name, 0, 0.0)
+        TRACE.record("barrier", group.name, (), "")
+        try:
+            dist.barrier(group=group.handle)
+        except RuntimeError as err:
+            raise _failure(f"rank {get_rank()}: barrier on group '{group.name}' failed or timed out: {err}") from err

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 
@@ -14,35 +14,24 @@ class OpTotals:
     seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class OpRecord:
-    op: str
-    group: str
-    shape: tuple
-    dtype: str
-
-
 @dataclass
 class CommLedger:
     """Counts bytes per (op, group). One per process, like the process groups it describes."""
 
     totals: dict[tuple[str, str], OpTotals] = field(default_factory=lambda: defaultdict(OpTotals))
-    recent: deque = field(default_factory=lambda: deque(maxlen=64))
     timing: bool = False
 
-    def record(self, op: str, group: str, nbytes: int, wire_bytes: float, shape: tuple, dtype: str) -> None:
+    def record(self, op: str, group: str, nbytes: int, wire_bytes: float) -> None:
         entry = self.totals[(op, group)]
         entry.calls += 1
         entry.bytes += nbytes
         entry.wire_bytes += wire_bytes
-        self.recent.append(OpRecord(op, group, shape, dtype))
 
     def add_time(self, op: str, group: str, seconds: float) -> None:
         self.totals[(op, group)].seconds += seconds
 
     def reset(self) -> None:
         self.totals.clear()
-        self.recent.clear()
 
     def total_wire_bytes(self) -> float:
         return sum(t.wire_bytes for t in self.totals.values())
