@@ -12,9 +12,9 @@ def test_grid_rows_are_shard_groups():
 
 def test_ledger_counts_per_op_and_group():
     ledger = CommLedger()
-    ledger.record("all_reduce", "world", 400, 400.0, (100,), "torch.float32")
-    ledger.record("all_reduce", "world", 400, 400.0, (100,), "torch.float32")
-    ledger.record("all_gather", "shard", 800, 400.0, (200,), "torch.float32")
+    ledger.record("all_reduce", "world", 400, 400.0)
+    ledger.record("all_reduce", "world", 400, 400.0)
+    ledger.record("all_gather", "shard", 800, 400.0)
     summary = ledger.summary()
     assert summary[("all_reduce", "world")].calls == 2 and summary[("all_reduce", "world")].bytes == 800
     assert ledger.total_wire_bytes() == 1200.0
