@@ -19,6 +19,5 @@ def test_ledger_counts_per_op_and_group():
     assert summary[("all_reduce", "world")].calls == 2 and summary[("all_reduce", "world")].bytes == 800
     assert ledger.total_wire_bytes() == 1200.0
     assert "all_gather" in ledger.format()
-    assert len(ledger.recent) == 3
     ledger.reset()
     assert ledger.total_wire_bytes() == 0
