@@ -40,12 +40,15 @@ class CommLedger:
         return {key: OpTotals(**vars(val)) for key, val in self.totals.items()}
 
     def format(self) -> str:
-        lines = [f"{'op':<16}{'group':<12}{'calls':>8}{'msg MB':>12}{'wire MB':>12}{'time s':>10}{'algbw GB/s':>12}"]
+        header = f"{'op':<16}{'group':<12}{'calls':>8}{'msg MB':>12}{'wire MB':>12}{'time s':>10}"
+        lines = [header + f"{'algbw GB/s':>12}{'busbw GB/s':>12}"]
         for (op, group), t in sorted(self.totals.items()):
+            # algorithmic bandwidth: message bytes / time; bus bandwidth: bytes each rank put on the wire / time
             algbw = f"{t.bytes / t.seconds / 1e9:.3f}" if t.seconds else "-"
+            busbw = f"{t.wire_bytes / t.seconds / 1e9:.3f}" if t.seconds else "-"
             time_s = f"{t.seconds:.4f}" if t.seconds else "-"
             sizes = f"{t.bytes / 1e6:>12.3f}{t.wire_bytes / 1e6:>12.3f}"
-            lines.append(f"{op:<16}{group:<12}{t.calls:>8}{sizes}{time_s:>10}{algbw:>12}")
+            lines.append(f"{op:<16}{group:<12}{t.calls:>8}{sizes}{time_s:>10}{algbw:>12}{busbw:>12}")
         return "\n".join(lines)
 
 

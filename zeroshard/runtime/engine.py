@@ -8,15 +8,18 @@ from collections import defaultdict
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import comm
+from ..accelerator import get_accelerator
 from ..checkpoint import sharded as checkpoint_io
 from ..config import Resolution
 from ..precision import PrecisionPolicy
 from ..zero import ZeroOptimizer, consolidated_state_dict
 from ..zero.stage3 import Stage3Runtime
 from .log import log_rank0
+from .memory import MemoryTracker, format_table
+from .monitor import Monitors
 
 
 class ZeroshardEngine(torch.nn.Module):
@@ -55,6 +58,11 @@ class ZeroshardEngine(torch.nn.Module):
         self._last_loss: Optional[float] = None
         self._timers: dict[str, float] = defaultdict(float)
         self._window_start = time.perf_counter()
+        self._window_tokens = 0
+        self._memory_reported = False
+        self.monitors = Monitors(self.config, comm.get_rank())
+        self.memory = MemoryTracker()
+        self._sample_memory()
         if self.config.comms_logger.enabled:
             comm.LEDGER.timing = True
 
@@ -62,9 +70,23 @@ class ZeroshardEngine(torch.nn.Module):
     def forward(self, *inputs, **kwargs):
         started = time.perf_counter()
         inputs, kwargs = tree_map(self._prepare_input, (inputs, kwargs))
+        tokens = next(
+            (t for t in tree_flatten((inputs, kwargs))[0] if torch.is_tensor(t) and not t.is_floating_point()), None
+        )
+        self._window_tokens += tokens.numel() if tokens is not None else 0  # token ids: batch x sequence
         out = self.module(*inputs, **kwargs)
         self._timers["forward"] += time.perf_counter() - started
+        self._sample_memory()
         return out
+
+    def _sample_memory(self) -> None:
+        if self.zero is not None:
+            self.memory.sample(self.zero.state_bytes_by_location(), get_accelerator().max_memory_allocated())
+
+    def memory_breakdown(self) -> dict[str, list[dict[str, int]]]:
+        """Model-state bytes by category (parameters, gradients, optimizer state, communication buffers,
+        gathered units; and per location) at start and at the largest sample, for every rank: a collective."""
+        return self.memory.all_ranks(self.grid.world) if self.zero is not None else {}
 
     def _prepare_input(self, value):
         if not torch.is_tensor(value):
@@ -83,6 +105,7 @@ class ZeroshardEngine(torch.nn.Module):
         if scale_wrt_gas:
             scale /= self.batch.gradient_accumulation_steps
         (loss.float() * scale).backward(retain_graph=retain_graph)
+        self._sample_memory()
         reduce_started = time.perf_counter()
         self.zero.end_backward()
         if self.stage3 is not None:
@@ -110,6 +133,16 @@ class ZeroshardEngine(torch.nn.Module):
             self.global_steps += 1
             self.global_samples += self.batch.train_batch_size
             self._timers["optimizer_step"] += time.perf_counter() - started
+            self._sample_memory()
+            if self.monitors.enabled:
+                self.monitors.write(
+                    [
+                        ("Train/Samples/train_loss", self._last_loss, self.global_samples),
+                        ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
+                        ("Train/Samples/loss_scale", self.zero.loss_scaler.scale, self.global_samples),
+                        ("Train/Samples/grad_norm", self.get_global_grad_norm(), self.global_samples),
+                    ]
+                )
             if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
                 self._report()
         self.micro_steps += 1
@@ -118,16 +151,25 @@ class ZeroshardEngine(torch.nn.Module):
         elapsed = time.perf_counter() - self._window_start
         samples = self.config.steps_per_print * self.batch.train_batch_size
         norm = self.get_global_grad_norm()
+        clip = self.config.gradient_clipping
+        clipped = min(norm, clip) if clip > 0 and norm is not None else norm
+        tokens = self._window_tokens * self.grid.data_parallel_size
         log_rank0(
             f"step {self.global_steps}: loss {self._last_loss:.4f} lr {self.get_lr()[0]:.3e} "
-            f"loss_scale {self.zero.loss_scaler.scale:g} grad_norm {norm:.4f} "
-            f"samples/s {samples / elapsed:.1f} skipped {self.skipped_steps}"
+            f"loss_scale {self.zero.loss_scaler.scale:g} grad_norm {norm:.4f} (clipped {clipped:.4f}) "
+            f"samples/s {samples / elapsed:.1f} tokens/s {tokens / elapsed:.0f} skipped {self.skipped_steps}"
         )
         if self.config.wall_clock_breakdown:
+            if self.stage3 is not None:
+                self._timers["gather_wait"] = self.stage3.take_gather_seconds()
             log_rank0("time (s) " + " ".join(f"{k} {v:.3f}" for k, v in sorted(self._timers.items())))
         if self.config.comms_logger.enabled:
             comm.log_summary(log_rank0)
+        if not self._memory_reported:  # once: the model-state memory of every rank at start and at its peak
+            self._memory_reported = True
+            log_rank0(format_table(self.memory_breakdown()))
         self._timers.clear()
+        self._window_tokens = 0
         self._window_start = time.perf_counter()
 
     def is_gradient_accumulation_boundary(self) -> bool:

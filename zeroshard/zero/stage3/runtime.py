@@ -7,6 +7,7 @@ are collectives issued from these hooks.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ class Stage3Runtime:
         self._recording: list[GatherUnit] = []
         self.live_numel = 0
         self.peak_live_numel = 0
+        self._gather_seconds = 0.0
         self._handles = [
             root.register_forward_pre_hook(self._root_pre_forward),
             root.register_forward_hook(self._root_post_forward),
@@ -69,11 +71,18 @@ class Stage3Runtime:
 
     # -- gathering and freeing, with the live-parameter count ------------------------------
     def _gather(self, unit: GatherUnit, async_op: bool) -> None:
+        started = time.perf_counter()
         if unit.sharded:
             self.live_numel += unit.numel
             self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
         for flat in unit.flats:
             flat.gather(async_op=async_op)
+        self._gather_seconds += time.perf_counter() - started
+
+    def take_gather_seconds(self) -> float:
+        """Time spent issuing and waiting for gathers since the last call (for wall_clock_breakdown)."""
+        seconds, self._gather_seconds = self._gather_seconds, 0.0
+        return seconds
 
     def _free(self, unit: GatherUnit) -> None:
         if not unit.sharded:

@@ -1,0 +1,106 @@
+"""What users see: the steps_per_print line, wall-clock breakdown, comms logger, the memory breakdown
+(printed once and as a dict), CSV monitor files, and a clear error for TensorBoard without its package."""
+
+import contextlib
+import csv
+import io
+import os
+
+import pytest
+
+from zeroshard.testing import run_distributed
+from zeroshard.testing.parity import ParityCase, make_batches, make_model
+
+UNITS = (("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshold", 0))
+
+
+def logging_worker(output_dir):
+    import zeroshard
+    from zeroshard import comm
+
+    case = ParityCase(stage=3, lr=1e-3, clip=0.01, zero=UNITS)
+    cfg = case.config()
+    cfg.update(
+        steps_per_print=2,
+        wall_clock_breakdown=True,
+        comms_logger={"enabled": True},
+        csv_monitor={"enabled": True, "output_path": output_dir, "job_name": "run"},
+    )
+    engine, *_ = zeroshard.initialize(model=make_model(), config=cfg)
+    out = io.StringIO()
+    rank, world = comm.get_rank(), comm.get_world_size()
+    with contextlib.redirect_stdout(out):
+        for x, y in make_batches(4, 2 * world):
+            engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+            engine.step()
+        breakdown = engine.memory_breakdown()
+    return out.getvalue(), breakdown, engine.state_bytes()
+
+
+def test_logs_monitors_and_memory_breakdown(tmp_path):
+    results = run_distributed(logging_worker, 2, str(tmp_path))
+    log, breakdown, state = results[0]
+    assert results[1][0] == ""  # only rank 0 logs
+    step_lines = [line for line in log.splitlines() if line.startswith("[zeroshard] step ")]
+    assert len(step_lines) == 2, log
+    for field in (
+        "loss ",
+        "lr ",
+        "loss_scale ",
+        "grad_norm ",
+        "(clipped 0.0100)",
+        "samples/s ",
+        "tokens/s ",
+        "skipped 0",
+    ):
+        assert field in step_lines[0], (field, step_lines[0])
+    timing = next(line for line in log.splitlines() if line.startswith("[zeroshard] time (s)"))
+    for field in ("forward", "backward", "reduce_wait", "optimizer_step", "gather_wait"):
+        assert field in timing, timing
+    assert "busbw GB/s" in log and "reduce_scatter" in log and "all_gather" in log
+    assert log.count("model-state memory (MiB)") == 1  # printed once
+    # the dict: every rank, start and peak; parameters at peak = this rank's parameter shard
+    assert len(breakdown["start"]) == len(breakdown["peak"]) == 2
+    assert breakdown["peak"][0]["parameters"] == state["params"]
+    assert breakdown["peak"][0]["optimizer_state"] == state["master"] + state["optimizer_state"]
+    assert breakdown["peak"][0]["gathered_units"] > 0  # sampled after forward, with the root unit gathered
+    with open(tmp_path / "run" / "Train_Samples_train_loss.csv") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "Train/Samples/train_loss"] and [int(r[0]) for r in rows[1:]] == [4, 8, 12, 16]
+    assert os.path.exists(tmp_path / "run" / "Train_Samples_grad_norm.csv")
+
+
+def tensorboard_worker(output_dir):
+    import zeroshard
+
+    cfg = ParityCase(stage=1).config()
+    cfg["tensorboard"] = {"enabled": True, "output_path": output_dir}
+    try:
+        zeroshard.initialize(model=make_model(), config=cfg)
+    except ImportError as err:
+        return str(err)
+    return None
+
+
+def test_tensorboard_without_its_package_is_a_clear_error(tmp_path):
+    try:
+        import tensorboard  # noqa: F401
+
+        pytest.skip("tensorboard is installed here")
+    except ImportError:
+        pass
+    message = run_distributed(tensorboard_worker, 1, str(tmp_path))[0]
+    assert message is not None and "pip install tensorboard" in message
+
+
+def test_memory_table_is_readable():
+    from zeroshard.runtime.memory import format_table
+
+    row = {"parameters": 2**20, "gradients": 2**21, "process_peak": 3 * 2**20}
+    text = format_table({"start": [row], "peak": [row]})
+    assert text.splitlines()[1].split() == [
+        "phase",
+        "rank",
+        *"params grads optim comm_buf gathered device host nvme proc_peak".split(),
+    ]
+    assert text.splitlines()[2].split()[:4] == ["start", "0", "1.00", "2.00"]
