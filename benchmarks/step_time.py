@@ -62,7 +62,7 @@ def fsdp2_system(cfg, lr):
     return torch_step(model, opt)
 
 
-def zeroshard_system(cfg, lr, stage, micro):
+def zeroshard_system(cfg, lr, stage, micro, extra_zero=None):
     import zeroshard
 
     torch.manual_seed(0)
@@ -76,6 +76,7 @@ def zeroshard_system(cfg, lr, stage, micro):
             "reduce_bucket_size": 2_000_000,
             "gather_unit_classes": ["Block"],
             "stage3_param_persistence_threshold": 0,
+            **(extra_zero or {}),
         },
     }
     engine, _, _, _ = zeroshard.initialize(model=GPT(cfg), config=config)
@@ -86,6 +87,7 @@ def zeroshard_system(cfg, lr, stage, micro):
         engine.step()
         return loss
 
+    step.engine = engine
     return step
 
 

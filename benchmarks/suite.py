@@ -1,0 +1,269 @@
+"""Side by side: torch DDP, torch FSDP2, DeepSpeed ZeRO-1/2/3 and zeroshard stages 0-3 (+ CPU offload) on
+the same GPT, data, seed and global batch; one command, a markdown report with PNG plots.
+
+    python benchmarks/suite.py [--sizes small medium] [--world 2] [--steps 12] [--out docs/benchmark-report]
+
+Per model size, every system is built in one process group and the systems take turns step by step
+(so machine noise hits all alike): median step time, tokens/s, ratio to DDP, loss after the last
+step (every system must agree: one that trains differently is not comparable), bytes communicated
+per step against the analytic value (zeroshard, where the ledger counts them). Then each system
+trains alone in fresh processes for the peak RSS per rank and its model-state bytes against the
+analytic ZeRO value. DeepSpeed is optional (``pip install deepspeed``; it runs on Gloo with
+``DS_ACCELERATOR=cpu``); it is skipped with a message if it cannot be imported. Plots need
+matplotlib (skipped with a message otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_time import batches, ddp_system, fsdp2_system, zeroshard_system  # noqa: E402
+
+from zeroshard.testing import run_distributed  # noqa: E402
+from zeroshard.testing.models import GPT, GPTConfig  # noqa: E402
+
+SIZES = {  # name -> (layers, width, vocabulary)
+    "small": (4, 256, 512),
+    "medium": (6, 512, 8192),
+    "large": (12, 768, 8192),
+}
+LOSS_TOLERANCE = 1e-3  # relative: fp32 systems differ only in reduction order
+ENV = {"DS_ACCELERATOR": "cpu"}
+
+
+def have_deepspeed() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any import failure means "skip it"
+        print(f"DeepSpeed skipped: cannot import it ({type(err).__name__}: {err}); pip install deepspeed")
+        return False
+    return True
+
+
+def deepspeed_system(cfg: GPTConfig, lr: float, stage: int, micro: int):
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 2_000_000},
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    step.engine = engine
+    return step
+
+
+def build(name: str, cfg: GPTConfig, micro: int):
+    lr = 1e-3
+    if name == "ddp":
+        return ddp_system(cfg, lr)
+    if name == "fsdp2":
+        return fsdp2_system(cfg, lr)
+    kind, _, rest = name.partition("-")
+    if kind == "deepspeed":
+        return deepspeed_system(cfg, lr, int(rest), micro)
+    stage, _, offload = rest.partition("-")
+    extra = {"offload_optimizer": {"device": "cpu"}} if offload == "offload" else {}
+    return zeroshard_system(cfg, lr, int(stage), micro, extra)
+
+
+def analytic_model_state(name: str, params: int, world: int) -> float:
+    """The ZeRO paper's model-state bytes per rank for fp32 Adam: 4 (weights) + 4 (gradients) + 8 (Adam)."""
+    stage = {"ddp": 0, "fsdp2": 3}.get(name)
+    if stage is None:
+        stage = int(name.split("-")[1])
+    return {0: 16 * params, 1: 8 * params + 8 * params / world, 2: 4 * params + 12 * params / world}.get(
+        stage, 16 * params / world
+    )
+
+
+def timing_worker(cfg: GPTConfig, names: list[str], steps: int, micro: int, warmup: int) -> dict:
+    import torch.distributed as dist
+
+    from zeroshard import comm
+
+    data = batches(cfg, steps, micro, comm.get_rank())
+    systems = {name: build(name, cfg, micro) for name in names}
+    out = {name: {"times": [], "loss": None, "wire": None, "analytic_wire": None} for name in names}
+    for i, (x, y) in enumerate(data):
+        for name, step in systems.items():
+            comm.LEDGER.reset()
+            dist.barrier()
+            started = time.perf_counter()
+            loss = step(x, y)
+            elapsed = time.perf_counter() - started
+            if i >= warmup:
+                out[name]["times"].append(elapsed)
+            out[name]["loss"] = loss.item()
+            if name.startswith("zeroshard"):
+                out[name]["wire"] = comm.LEDGER.total_wire_bytes()
+                out[name]["analytic_wire"] = analytic_wire(step.engine, comm.get_world_size())
+    return out
+
+
+def analytic_wire(engine, world: int) -> float:
+    """Ring bytes per rank per step: 2P (stages 0-2; reduce-scatter + all-gather or one all-reduce), and for
+    stage 3 every unit gathered twice (forward, backward) except the root, which stays gathered, plus one
+    reduce-scatter of everything; plus the 4-byte gradient-norm all-reduce of the sharded stages."""
+    share = (world - 1) / world
+    flats = engine.zero.flat_groups
+    element = flats[0].buffer.element_size() if flats[0].buffer is not None else 4
+    padded = sum(f.layout.padded_numel for f in flats) * element
+    if engine.zero_optimization_stage() == 0:
+        return 2 * share * padded
+    norm = 2 * share * 4
+    if engine.stage3 is None:
+        return 2 * share * padded + norm
+    root = sum(f.layout.padded_numel for f in engine.stage3.root_unit.flats) * element
+    return share * (2 * padded - root + padded) + norm
+
+
+def memory_worker(cfg: GPTConfig, name: str, micro: int) -> dict:
+    from zeroshard import comm
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    step = build(name, cfg, micro)
+    for x, y in batches(cfg, 2, micro, comm.get_rank()):
+        step(x, y)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    engine = getattr(step, "engine", None)
+    state = None
+    if name.startswith("zeroshard"):
+        b = engine.state_bytes()
+        aliased = b["master"] if engine.zero.flat_groups[0].master_is_shard else 0  # fp32: master is the params
+        state = b["params"] + b["grad_shard"] + b["optimizer_state"] + b["master"] - aliased
+    return {"peak_rss": peak, "rss_growth": peak - before, "model_state": state}
+
+
+def run_size(size: str, world: int, steps: int, micro: int, warmup: int, names: list[str]) -> dict:
+    layers, width, vocab = SIZES[size]
+    cfg = GPTConfig(vocab_size=vocab, block_size=64, n_layer=layers, n_head=8 if width >= 512 else 4, n_embd=width)
+    params = sum(p.numel() for p in GPT(cfg).parameters())
+    timing = run_distributed(timing_worker, world, cfg, names, steps, micro, warmup, timeout_s=7200, env=ENV)[0]
+    memory = {
+        name: run_distributed(memory_worker, world, cfg, name, micro, timeout_s=3600, env=ENV)[0] for name in names
+    }
+    return {"params": params, "cfg": cfg, "timing": timing, "memory": memory, "tokens": micro * cfg.block_size * world}
+
+
+def report(results: dict, world: int, names: list[str], out: str) -> str:
+    lines = [
+        "# Benchmark report",
+        "",
+        f"{world} Gloo ranks on this machine ({os.cpu_count()} cores), fp32, AdamW, GPT, micro-batch "
+        "tokens per rank as listed; systems interleaved step by step in one process group; memory measured "
+        "with each system alone. Generated by `python benchmarks/suite.py`.",
+    ]
+    for size, r in results.items():
+        timing, memory = r["timing"], r["memory"]
+        base = statistics.median(timing["ddp"]["times"])
+        ref_loss = timing["ddp"]["loss"]
+        lines += [
+            "",
+            f"## {size}: {r['params'] / 1e6:.1f}M parameters ({r['cfg'].n_layer} layers, width {r['cfg'].n_embd})",
+            "",
+            "| system | median step ms | tokens/s | ratio to DDP | final loss | wire MB/step/rank | analytic | "
+            "peak RSS/rank MiB | model state/rank MB | analytic (16 B/param ZeRO) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name in names:
+            t, m = timing[name], memory[name]
+            med = statistics.median(t["times"])
+            agree = abs(t["loss"] - ref_loss) <= LOSS_TOLERANCE * abs(ref_loss)
+            wire = f"{t['wire'] / 1e6:.2f}" if t["wire"] is not None else "-"
+            analytic = f"{t['analytic_wire'] / 1e6:.2f}" if t["analytic_wire"] is not None else "-"
+            state = f"{m['model_state'] / 1e6:.1f}" if m["model_state"] is not None else "-"
+            lines.append(
+                f"| {name} | {med * 1e3:.1f} | {r['tokens'] / med:.0f} | {med / base:.3f} | "
+                f"{t['loss']:.4f}{'' if agree else ' (differs!)'} | {wire} | {analytic} | "
+                f"{m['peak_rss'] / 2**20:.0f} | {state} | {analytic_model_state(name, r['params'], world) / 1e6:.1f} |"
+            )
+    if len(results) > 1:
+        lines += ["", "## Scaling: median step time (ms) by model size", ""]
+        sizes = list(results)
+        lines.append("| system | " + " | ".join(f"{s} ({results[s]['params'] / 1e6:.1f}M)" for s in sizes) + " |")
+        lines.append("|---|" + "---|" * len(sizes))
+        for name in names:
+            cells = [f"{statistics.median(results[s]['timing'][name]['times']) * 1e3:.1f}" for s in sizes]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    plots = plot(results, names, out)
+    lines += ["", *[f"![{title}]({os.path.basename(path)})" for title, path in plots]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, names: list[str], out: str) -> list[tuple[str, str]]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: pip install matplotlib")
+        return []
+    made = []
+    for size, r in results.items():
+        base = statistics.median(r["timing"]["ddp"]["times"])
+        ratios = [statistics.median(r["timing"][n]["times"]) / base for n in names]
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.bar(
+            names,
+            ratios,
+            color=["#888" if n in ("ddp", "fsdp2") or n.startswith("deepspeed") else "#2a6" for n in names],
+        )
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_ylabel("step time / DDP")
+        ax.set_title(f"{size}: {r['params'] / 1e6:.1f}M parameters")
+        ax.tick_params(axis="x", rotation=45)
+        fig.tight_layout()
+        path = os.path.join(out, f"step_time_{size}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        made.append((f"step time ratio, {size}", path))
+    return made
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(SIZES))
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--out", default="docs/benchmark-report")
+    parser.add_argument("--no_deepspeed", action="store_true")
+    args = parser.parse_args()
+    names = ["ddp", "fsdp2"]
+    if not args.no_deepspeed and have_deepspeed():
+        names += ["deepspeed-1", "deepspeed-2", "deepspeed-3"]
+    names += ["zeroshard-0", "zeroshard-1", "zeroshard-2", "zeroshard-3", "zeroshard-3-offload"]
+    os.makedirs(args.out, exist_ok=True)
+    results = {size: run_size(size, args.world, args.steps, args.micro, args.warmup, names) for size in args.sizes}
+    text = report(results, args.world, names, args.out)
+    with open(os.path.join(args.out, "README.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return results
+
+
+if __name__ == "__main__":
+    main()
