@@ -91,17 +91,14 @@ def zeroshard_system(cfg, lr, stage, micro, extra_zero=None):
     return step
 
 
-def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int):
-    """Systems take turns step by step, so machine noise hits all of them alike."""
+def take_turns(systems: dict, data: list, warmup: int, after_step=None) -> dict:
+    """Systems take turns step by step, so machine noise hits all of them alike. ``after_step(name, step)``
+    may add to a system's record right after its step (e.g. the bytes the ledger counted for it)."""
     import torch.distributed as dist
 
     from zeroshard import comm
 
-    data = batches(cfg, steps, micro, comm.get_rank())
-    systems = {"ddp": ddp_system(cfg, 1e-3), "fsdp2": fsdp2_system(cfg, 1e-3)}
-    for stage in (0, 1, 2, 3):
-        systems[f"zeroshard-{stage}"] = zeroshard_system(cfg, 1e-3, stage, micro)
-    results = {name: {"times": [], "loss": None, "bytes": 0.0} for name in systems}
+    results = {name: {"times": [], "loss": None} for name in systems}
     for i, (x, y) in enumerate(data):
         for name, step in systems.items():
             comm.LEDGER.reset()
@@ -112,8 +109,23 @@ def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int):
             if i >= warmup:
                 results[name]["times"].append(elapsed)
             results[name]["loss"] = loss.item()
-            results[name]["bytes"] = comm.LEDGER.total_wire_bytes() if name.startswith("zeroshard") else None
+            if after_step is not None:
+                results[name].update(after_step(name, step))
     return results
+
+
+def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int):
+    from zeroshard import comm
+
+    data = batches(cfg, steps, micro, comm.get_rank())
+    systems = {"ddp": ddp_system(cfg, 1e-3), "fsdp2": fsdp2_system(cfg, 1e-3)}
+    for stage in (0, 1, 2, 3):
+        systems[f"zeroshard-{stage}"] = zeroshard_system(cfg, 1e-3, stage, micro)
+
+    def wire(name, step):
+        return {"bytes": comm.LEDGER.total_wire_bytes() if name.startswith("zeroshard") else None}
+
+    return take_turns(systems, data, warmup, wire)
 
 
 def main():

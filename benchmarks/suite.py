@@ -24,12 +24,11 @@ import os
 import resource
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import batches, ddp_system, fsdp2_system, zeroshard_system  # noqa: E402
+from step_time import batches, ddp_system, fsdp2_system, take_turns, zeroshard_system  # noqa: E402
 
 from zeroshard.testing import run_distributed  # noqa: E402
 from zeroshard.testing.models import GPT, GPTConfig  # noqa: E402
@@ -102,27 +101,20 @@ def analytic_model_state(name: str, params: int, world: int) -> float:
 
 
 def timing_worker(cfg: GPTConfig, names: list[str], steps: int, micro: int, warmup: int) -> dict:
-    import torch.distributed as dist
-
     from zeroshard import comm
 
     data = batches(cfg, steps, micro, comm.get_rank())
     systems = {name: build(name, cfg, micro) for name in names}
-    out = {name: {"times": [], "loss": None, "wire": None, "analytic_wire": None} for name in names}
-    for i, (x, y) in enumerate(data):
-        for name, step in systems.items():
-            comm.LEDGER.reset()
-            dist.barrier()
-            started = time.perf_counter()
-            loss = step(x, y)
-            elapsed = time.perf_counter() - started
-            if i >= warmup:
-                out[name]["times"].append(elapsed)
-            out[name]["loss"] = loss.item()
-            if name.startswith("zeroshard"):
-                out[name]["wire"] = comm.LEDGER.total_wire_bytes()
-                out[name]["analytic_wire"] = analytic_wire(step.engine, comm.get_world_size())
-    return out
+
+    def wire(name, step):
+        if not name.startswith("zeroshard"):
+            return {"wire": None, "analytic_wire": None}
+        return {
+            "wire": comm.LEDGER.total_wire_bytes(),
+            "analytic_wire": analytic_wire(step.engine, comm.get_world_size()),
+        }
+
+    return take_turns(systems, data, warmup, wire)
 
 
 def analytic_wire(engine, world: int) -> float:
