@@ -80,6 +80,11 @@ def zeroshard_system(cfg, lr, stage, micro, extra_zero=None):
         },
     }
     engine, _, _, _ = zeroshard.initialize(model=GPT(cfg), config=config)
+    return engine_step(engine)
+
+
+def engine_step(engine):
+    """One step of a DeepSpeed-style engine (zeroshard's or DeepSpeed's); the engine stays reachable."""
 
     def step(x, y):
         loss = engine(x, y)

@@ -28,7 +28,14 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import batches, ddp_system, fsdp2_system, take_turns, zeroshard_system  # noqa: E402
+from step_time import (  # noqa: E402
+    batches,
+    ddp_system,
+    engine_step,
+    fsdp2_system,
+    take_turns,
+    zeroshard_system,
+)
 
 from zeroshard.testing import run_distributed  # noqa: E402
 from zeroshard.testing.models import GPT, GPTConfig  # noqa: E402
@@ -65,15 +72,7 @@ def deepspeed_system(cfg: GPTConfig, lr: float, stage: int, micro: int):
         "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 2_000_000},
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-
-    def step(x, y):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    step.engine = engine
-    return step
+    return engine_step(engine)
 
 
 def build(name: str, cfg: GPTConfig, micro: int):

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .aio import Pending, SwapFile, aligned_empty
+from .aio import Pending, SwapFile, align_up, aligned_empty
 
 MASTER = "master"
 _SWAPPED_OUT = torch.empty(0)  # what a swapped-out sub-group's tensors point at
@@ -86,7 +86,7 @@ class NvmeOptimizerSwapper:
                 self.regions[region] = self.file.reserve(sub.numel * 4)
                 if key != MASTER:
                     self.state_keys.setdefault(id(sub.param), []).append(key)
-            buffer = slot.buffers[key][: -(-(sub.numel * 4) // 4096) * 4096]
+            buffer = slot.buffers[key][: align_up(sub.numel * 4)]
             pendings.append(self.file.submit(write, buffer, self.regions[region]))
         return pendings
 

@@ -79,7 +79,7 @@ class NvmeShard:
         self.flush()
 
     def _io_view(self) -> torch.Tensor:
-        return self._buffer[: -(-self.nbytes // 4096) * 4096]
+        return self._buffer[: align_up(self.nbytes)]
 
     def _values(self) -> torch.Tensor:
         return self._buffer[: self.nbytes].view(self.dtype)
