@@ -1,20 +1,17 @@
 """Side by side: torch DDP, torch FSDP2, DeepSpeed ZeRO-1/2/3 and zeroshard stages 0-3 (+ CPU offload) on
 the same GPT, data, seed and global batch; one command, a markdown report with PNG plots.
 
-    python benchmarks/suite.py [--sizes small medium] [--world 2] [--steps 12] [--out docs/benchmark-report]
+    python benchmarks/suite.py [--runs small:2 medium:2 large:2 small:4 medium:4] [--steps 12]
 
-Per model size, every system is built in one process group and the systems take turns step by step
-(so machine noise hits all alike): median step time, tokens/s, ratio to DDP, loss after the last
-step (every system must agree: one that trains differently is not comparable), bytes communicated
-per step against the analytic value (zeroshard, where the ledger counts them). Then each system
-trains alone in fresh processes for the peak RSS per rank and its model-state bytes against the
-analytic ZeRO value. DeepSpeed is optional (``pip install deepspeed``; it runs on Gloo with
-``DS_ACCELERATOR=cpu``); it is skipped with a message if it cannot be imported. Plots need
-matplotlib (skipped with a message otherwise).
-
-The interleaved timing holds every system's model state at once (about 10 systems x up to 16 bytes
-per parameter per rank): on this 24 GiB machine "medium" (23M parameters) fits and "large" (93M)
-is killed by the OOM killer; larger models need a machine with more memory.
+Per run (model size x ranks): median step time, tokens/s, ratio to DDP, loss after the last step
+(every system must agree: one that trains differently is not comparable), bytes communicated per
+step against the analytic value (zeroshard, where the ledger counts them), peak RSS per rank and
+model-state bytes against the analytic ZeRO value. When ten copies of the model state fit in half of
+this machine's memory the systems are built in one process group and take turns step by step (machine
+noise hits all alike), and memory is measured with each system alone in fresh processes; larger runs
+time each system alone. DeepSpeed is optional (``pip install deepspeed``; it runs on Gloo with
+``DS_ACCELERATOR=cpu``); it is skipped with a message if it cannot be imported. Plots need matplotlib
+(skipped with a message otherwise).
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ import statistics
 import sys
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_time import (  # noqa: E402
@@ -45,6 +43,7 @@ SIZES = {  # name -> (layers, width, vocabulary)
     "medium": (6, 512, 8192),
     "large": (12, 768, 8192),
 }
+DEFAULT_RUNS = ["small:2", "medium:2", "large:2", "small:4", "medium:4"]
 LOSS_TOLERANCE = 1e-3  # relative: fp32 systems differ only in reduction order
 ENV = {"DS_ACCELERATOR": "cpu"}
 
@@ -100,20 +99,37 @@ def analytic_model_state(name: str, params: int, world: int) -> float:
 
 
 def timing_worker(cfg: GPTConfig, names: list[str], steps: int, micro: int, warmup: int) -> dict:
+    """Every system in one process group, taking turns step by step."""
     from zeroshard import comm
 
     data = batches(cfg, steps, micro, comm.get_rank())
     systems = {name: build(name, cfg, micro) for name in names}
+    return take_turns(systems, data, warmup, wire_bytes)
 
-    def wire(name, step):
-        if not name.startswith("zeroshard"):
-            return {"wire": None, "analytic_wire": None}
-        return {
-            "wire": comm.LEDGER.total_wire_bytes(),
-            "analytic_wire": analytic_wire(step.engine, comm.get_world_size()),
-        }
 
-    return take_turns(systems, data, warmup, wire)
+def alone_worker(cfg: GPTConfig, name: str, micro: int, steps: int, warmup: int) -> dict:
+    """One system in fresh processes: its timing (when ``steps`` allows), peak RSS and model-state bytes."""
+    from zeroshard import comm
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    step = build(name, cfg, micro)
+    result = take_turns({name: step}, batches(cfg, steps, micro, comm.get_rank()), warmup, wire_bytes)[name]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    state = None
+    if name.startswith("zeroshard"):
+        b = step.engine.state_bytes()
+        aliased = b["master"] if step.engine.zero.flat_groups[0].master_is_shard else 0  # fp32: master = params
+        state = b["params"] + b["grad_shard"] + b["optimizer_state"] + b["master"] - aliased
+    return {**result, "peak_rss": peak, "rss_growth": peak - before, "model_state": state}
+
+
+def wire_bytes(name: str, step) -> dict:
+    """Bytes the ledger counted for a zeroshard step, and the analytic value (other systems: not counted)."""
+    from zeroshard import comm
+
+    if not name.startswith("zeroshard"):
+        return {"wire": None, "analytic_wire": None}
+    return {"wire": comm.LEDGER.total_wire_bytes(), "analytic_wire": analytic_wire(step.engine, comm.get_world_size())}
 
 
 def analytic_wire(engine, world: int) -> float:
@@ -133,49 +149,63 @@ def analytic_wire(engine, world: int) -> float:
     return share * (2 * padded - root + padded) + norm
 
 
-def memory_worker(cfg: GPTConfig, name: str, micro: int) -> dict:
-    from zeroshard import comm
-
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    step = build(name, cfg, micro)
-    for x, y in batches(cfg, 2, micro, comm.get_rank()):
-        step(x, y)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    engine = getattr(step, "engine", None)
-    state = None
-    if name.startswith("zeroshard"):
-        b = engine.state_bytes()
-        aliased = b["master"] if engine.zero.flat_groups[0].master_is_shard else 0  # fp32: master is the params
-        state = b["params"] + b["grad_shard"] + b["optimizer_state"] + b["master"] - aliased
-    return {"peak_rss": peak, "rss_growth": peak - before, "model_state": state}
-
-
-def run_size(size: str, world: int, steps: int, micro: int, warmup: int, names: list[str]) -> dict:
+def gpt_config(size: str) -> GPTConfig:
     layers, width, vocab = SIZES[size]
-    cfg = GPTConfig(vocab_size=vocab, block_size=64, n_layer=layers, n_head=8 if width >= 512 else 4, n_embd=width)
+    return GPTConfig(vocab_size=vocab, block_size=64, n_layer=layers, n_head=8 if width >= 512 else 4, n_embd=width)
+
+
+def fits_interleaved(params: int, world: int, systems: int) -> bool:
+    """Interleaving holds every system's model state (up to 16 B/param per rank, ~1.5x with activations and
+    buffers) at once; use it only while that stays under half of this machine's memory."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return systems * 16 * params * world * 1.5 < 0.5 * memory
+
+
+def run_size(size: str, world: int, steps: int, micro: int, warmup: int, names: list[str], alone=None) -> dict:
+    """One model size on ``world`` ranks: interleaved timing when every system fits in memory at once
+    (``alone=None`` decides; True/False forces), else each system timed alone in fresh processes."""
+    cfg = gpt_config(size)
     params = sum(p.numel() for p in GPT(cfg).parameters())
-    timing = run_distributed(timing_worker, world, cfg, names, steps, micro, warmup, timeout_s=7200, env=ENV)[0]
-    memory = {
-        name: run_distributed(memory_worker, world, cfg, name, micro, timeout_s=3600, env=ENV)[0] for name in names
+    alone = not fits_interleaved(params, world, len(names)) if alone is None else alone
+    timing = None
+    if not alone:
+        timing = run_distributed(timing_worker, world, cfg, names, steps, micro, warmup, timeout_s=7200, env=ENV)[0]
+    memory = {}
+    for name in tqdm(names, desc=f"{size} x {world} ranks", unit="system", leave=False):
+        measure = (steps, warmup) if alone else (2, 0)
+        memory[name] = run_distributed(alone_worker, world, cfg, name, micro, *measure, timeout_s=7200, env=ENV)[0]
+    return {
+        "params": params,
+        "cfg": cfg,
+        "world": world,
+        "alone": alone,
+        "timing": memory if alone else timing,
+        "memory": memory,
+        "tokens": micro * cfg.block_size * world,
     }
-    return {"params": params, "cfg": cfg, "timing": timing, "memory": memory, "tokens": micro * cfg.block_size * world}
 
 
-def report(results: dict, world: int, names: list[str], out: str) -> str:
+def report(results: dict, names: list[str], out: str) -> str:
+    """``results``: run label ("small x 2 ranks") -> ``run_size``'s record."""
     lines = [
         "# Benchmark report",
         "",
-        f"{world} Gloo ranks on this machine ({os.cpu_count()} cores), fp32, AdamW, GPT, micro-batch "
-        "tokens per rank as listed; systems interleaved step by step in one process group; memory measured "
-        "with each system alone. Generated by `python benchmarks/suite.py`.",
+        f"Gloo ranks on this machine ({os.cpu_count()} cores), fp32, AdamW, GPT with 64-token sequences, "
+        "the same seed, data and global batch for every system. Step times are medians after warm-up; "
+        "*interleaved* runs have all systems take turns step by step in one process group (machine noise hits "
+        "all alike), *alone* runs time each system in its own processes (sizes whose ten copies would not fit "
+        "in memory). Peak RSS and model-state bytes are measured with each system alone. Generated by "
+        "`python benchmarks/suite.py`.",
     ]
-    for size, r in results.items():
+    for label, r in results.items():
         timing, memory = r["timing"], r["memory"]
         base = statistics.median(timing["ddp"]["times"])
         ref_loss = timing["ddp"]["loss"]
+        world = r["world"]
         lines += [
             "",
-            f"## {size}: {r['params'] / 1e6:.1f}M parameters ({r['cfg'].n_layer} layers, width {r['cfg'].n_embd})",
+            f"## {label}: {r['params'] / 1e6:.1f}M parameters ({r['cfg'].n_layer} layers, width {r['cfg'].n_embd}), "
+            f"{'alone' if r['alone'] else 'interleaved'}, {r['tokens']} tokens per step",
             "",
             "| system | median step ms | tokens/s | ratio to DDP | final loss | wire MB/step/rank | analytic | "
             "peak RSS/rank MiB | model state/rank MB | analytic (16 B/param ZeRO) |",
@@ -194,13 +224,14 @@ def report(results: dict, world: int, names: list[str], out: str) -> str:
                 f"{m['peak_rss'] / 2**20:.0f} | {state} | {analytic_model_state(name, r['params'], world) / 1e6:.1f} |"
             )
     if len(results) > 1:
-        lines += ["", "## Scaling: median step time (ms) by model size", ""]
-        sizes = list(results)
-        lines.append("| system | " + " | ".join(f"{s} ({results[s]['params'] / 1e6:.1f}M)" for s in sizes) + " |")
-        lines.append("|---|" + "---|" * len(sizes))
-        for name in names:
-            cells = [f"{statistics.median(results[s]['timing'][name]['times']) * 1e3:.1f}" for s in sizes]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        labels = list(results)
+        header = "| system | " + " | ".join(f"{k} ({results[k]['params'] / 1e6:.1f}M)" for k in labels) + " |"
+        for title, cell in (
+            ("median step time (ms)", lambda r, n: f"{statistics.median(r['timing'][n]['times']) * 1e3:.1f}"),
+            ("peak RSS per rank (MiB)", lambda r, n: f"{r['memory'][n]['peak_rss'] / 2**20:.0f}"),
+        ):
+            lines += ["", f"## Scaling: {title} by model size and ranks", "", header, "|---|" + "---|" * len(labels)]
+            lines += [f"| {n} | " + " | ".join(cell(results[k], n) for k in labels) + " |" for n in names]
     plots = plot(results, names, out)
     lines += ["", *[f"![{title}]({os.path.basename(path)})" for title, path in plots]]
     return "\n".join(lines) + "\n"
@@ -216,7 +247,7 @@ def plot(results: dict, names: list[str], out: str) -> list[tuple[str, str]]:
         print("plots skipped: pip install matplotlib")
         return []
     made = []
-    for size, r in results.items():
+    for label, r in results.items():
         base = statistics.median(r["timing"]["ddp"]["times"])
         ratios = [statistics.median(r["timing"][n]["times"]) / base for n in names]
         fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -227,33 +258,42 @@ def plot(results: dict, names: list[str], out: str) -> list[tuple[str, str]]:
         )
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_ylabel("step time / DDP")
-        ax.set_title(f"{size}: {r['params'] / 1e6:.1f}M parameters")
+        ax.set_title(f"{label}: {r['params'] / 1e6:.1f}M parameters")
         ax.tick_params(axis="x", rotation=45)
         fig.tight_layout()
-        path = os.path.join(out, f"step_time_{size}.png")
+        path = os.path.join(out, f"step_time_{label.replace(' ', '_')}.png")
         fig.savefig(path, dpi=100)
         plt.close(fig)
-        made.append((f"step time ratio, {size}", path))
+        made.append((f"step time ratio, {label}", path))
     return made
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(SIZES))
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, help="SIZE:RANKS pairs, sizes: " + ", ".join(SIZES))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--out", default="docs/benchmark-report")
+    parser.add_argument("--alone", action="store_true", help="time every system alone, even when all fit at once")
     parser.add_argument("--no_deepspeed", action="store_true")
     args = parser.parse_args()
+    runs = []
+    for spec in args.runs:
+        size, _, world = spec.partition(":")
+        if size not in SIZES or not world.isdigit():
+            parser.error(f"--runs {spec!r}: expected SIZE:RANKS with SIZE one of {', '.join(SIZES)}, e.g. small:2")
+        runs.append((size, int(world)))
     names = ["ddp", "fsdp2"]
     if not args.no_deepspeed and have_deepspeed():
         names += ["deepspeed-1", "deepspeed-2", "deepspeed-3"]
     names += ["zeroshard-0", "zeroshard-1", "zeroshard-2", "zeroshard-3", "zeroshard-3-offload"]
     os.makedirs(args.out, exist_ok=True)
-    results = {size: run_size(size, args.world, args.steps, args.micro, args.warmup, names) for size in args.sizes}
-    text = report(results, args.world, names, args.out)
+    results = {}
+    for size, world in tqdm(runs, desc="suite", unit="run"):
+        alone = True if args.alone else None
+        results[f"{size} x {world} ranks"] = run_size(size, world, args.steps, args.micro, args.warmup, names, alone)
+    text = report(results, names, args.out)
     with open(os.path.join(args.out, "README.md"), "w") as f:
         f.write(text)
     print(text)

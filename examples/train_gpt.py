@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import zeroshard
 from zeroshard import comm
@@ -39,6 +40,7 @@ def main():
     parser.add_argument("--n_layer", type=int, default=4)
     parser.add_argument("--n_embd", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no_progress", action="store_true", help="no progress bar (rank 0, on stderr)")
     zeroshard.add_config_arguments(parser)
     args = parser.parse_args()
 
@@ -55,6 +57,7 @@ def main():
         )
 
     tokens, started, epoch = 0, time.perf_counter(), 0
+    bar = tqdm(total=args.steps, desc="train", unit="step", disable=rank != 0 or args.no_progress)
     while engine.global_steps < args.steps:
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
@@ -62,9 +65,13 @@ def main():
             engine.backward(loss)
             engine.step()
             tokens += x.numel()
+            if engine.global_steps > bar.n:
+                bar.update(engine.global_steps - bar.n)
+                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
             if engine.global_steps >= args.steps:
                 break
         epoch += 1
+    bar.close()
     elapsed = time.perf_counter() - started
 
     # gather each rank's numbers with one all-reduce of a slot per rank

@@ -14,7 +14,7 @@ NAMES = ["ddp", "fsdp2", "zeroshard-0", "zeroshard-1", "zeroshard-2", "zeroshard
 
 def test_suite_smoke(tmp_path):
     suite.SIZES["tiny"] = (2, 64, 128)  # 2 layers, width 64: every parameter count here is even
-    result = suite.run_size("tiny", world=2, steps=3, micro=2, warmup=1, names=NAMES)
+    result = suite.run_size("tiny", world=2, steps=3, micro=2, warmup=1, names=NAMES, alone=False)
     timing, memory, params = result["timing"], result["memory"], result["params"]
     reference = timing["ddp"]["loss"]
     for name in NAMES:
@@ -25,5 +25,5 @@ def test_suite_smoke(tmp_path):
     # fp32 + Adam after a step: stage 2 = 4P (weights) + 12P/N (gradient shard, Adam); stage 3 = 16P/N
     assert memory["zeroshard-2"]["model_state"] == suite.analytic_model_state("zeroshard-2", params, 2)
     assert memory["zeroshard-3"]["model_state"] == suite.analytic_model_state("zeroshard-3", params, 2)
-    text = suite.report({"tiny": result}, 2, NAMES, str(tmp_path))
+    text = suite.report({"tiny x 2 ranks": result}, NAMES, str(tmp_path))
     assert "| zeroshard-3 |" in text and "(differs!)" not in text

@@ -290,6 +290,7 @@ def test_consolidation_to_fp32_state_dict_and_safetensors(tmp_path):
         text=True,
     )
     assert out.returncode == 0, out.stderr
+    assert "convert: 100%" in out.stderr  # the progress bar, in bytes written
     assert all(torch.equal(v, loaded[k]) for k, v in load_file(tmp_path / "cli.safetensors").items())
     out = subprocess.run(
         [sys.executable, "-m", "zeroshard", "convert", str(tmp_path / "nothing"), str(tmp_path / "x.safetensors")],

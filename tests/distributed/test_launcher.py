@@ -33,6 +33,7 @@ def test_example_trains_on_two_cpu_ranks(config, stage):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "model: " in out.stdout and f"2 rank(s), ZeRO stage {stage}" in out.stdout
     assert "final loss" in out.stdout and "tokens/s" in out.stdout and "bytes communicated per rank" in out.stdout
+    assert "train: 100%" in out.stderr and "6/6" in out.stderr  # rank 0's progress bar
 
 
 def test_failing_rank_stops_all_ranks_with_its_error(tmp_path):

@@ -12,6 +12,7 @@ import re
 from typing import Optional, Union
 
 import torch
+from tqdm import tqdm
 
 from .manifest import Piece
 from .safetensors_io import CheckpointError, write
@@ -76,14 +77,19 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir: str, output_path: str, tag: Optional[str] = None, max_shard_size: Union[int, str] = "5GB"
+    checkpoint_dir: str,
+    output_path: str,
+    tag: Optional[str] = None,
+    max_shard_size: Union[int, str] = "5GB",
+    progress: bool = False,
 ) -> list[str]:
     """Write the fp32 weights as safetensors, streaming one tensor at a time.
 
     ``output_path`` ending in ``.safetensors`` names a single file; otherwise it is a directory that
     receives ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files plus
     ``model.safetensors.index.json`` when the weights exceed ``max_shard_size`` (the layout
-    Hugging Face ``from_pretrained`` reads). Tied names are written once, as in HF. Returns the files.
+    Hugging Face ``from_pretrained`` reads). Tied names are written once, as in HF. ``progress`` shows a
+    bar of bytes written (the ``zeroshard convert`` CLI turns it on). Returns the files.
     """
     limit = parse_size(max_shard_size)
     sources, manifest = _open(checkpoint_dir, tag)
@@ -113,19 +119,23 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     written, weight_map = [], {}
+    bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="convert", disable=not progress)
     try:
         for file_name, members in zip(names, shards):
             specs = [(entries[i][0], _dtype_of(manifest, entries[i]), entries[i][1]) for i in members]
-            stream = (
-                (entries[i][0], _materialize(sources, manifest, *entries[i]).to(spec[1]))
-                for i, spec in zip(members, specs)
-            )
+
+            def stream(members=members, specs=specs):
+                for i, (name, dtype, _) in zip(members, specs):
+                    yield name, _materialize(sources, manifest, *entries[i]).to(dtype)
+                    bar.update(sizes[i])
+
             path = os.path.join(directory, file_name)
-            write(path + ".tmp", stream, specs, metadata={"format": "pt"})
+            write(path + ".tmp", stream(), specs, metadata={"format": "pt"})
             os.replace(path + ".tmp", path)
             written.append(path)
             weight_map.update({entries[i][0]: file_name for i in members})
     finally:
+        bar.close()
         sources.close()
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}

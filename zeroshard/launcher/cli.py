@@ -74,7 +74,7 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 
 
 def convert_main(argv: Sequence[str]) -> int:
-    """``zeroshard convert CKPT_DIR OUT [--tag T] [--max_shard_size 5GB]``."""
+    """``zeroshard convert CKPT_DIR OUT [--tag T] [--max_shard_size 5GB] [--no_progress]``."""
     parser = argparse.ArgumentParser(
         prog="zeroshard convert", description="Write a checkpoint's fp32 weights as safetensors (streaming)."
     )
@@ -82,12 +82,17 @@ def convert_main(argv: Sequence[str]) -> int:
     parser.add_argument("output", help="a .safetensors file, or a directory for (sharded) HF-style files")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
     parser.add_argument("--max_shard_size", default="5GB")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bar (on stderr)")
     args = parser.parse_args(argv)
     from ..checkpoint import CheckpointError, convert_zero_checkpoint_to_fp32_state_dict
 
     try:
         files = convert_zero_checkpoint_to_fp32_state_dict(
-            args.checkpoint_dir, args.output, tag=args.tag, max_shard_size=args.max_shard_size
+            args.checkpoint_dir,
+            args.output,
+            tag=args.tag,
+            max_shard_size=args.max_shard_size,
+            progress=not args.no_progress,
         )
     except (CheckpointError, ValueError) as err:
         print(f"zeroshard convert: {err}", file=sys.stderr)
