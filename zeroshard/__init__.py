@@ -14,8 +14,9 @@ Vocabulary used throughout the code:
   gradient-accumulation boundary.
 """
 
-from . import checkpoint, comm, ops, zero
+from . import checkpoint, comm, inference, ops, zero
 from .comm import init_distributed
+from .inference import init_empty_weights, init_inference
 from .runtime import ZeroshardEngine, add_config_arguments, initialize
 
 __version__ = "0.1.0"
@@ -26,8 +27,11 @@ __all__ = [
     "add_config_arguments",
     "checkpoint",
     "comm",
+    "inference",
     "ops",
     "init_distributed",
+    "init_empty_weights",
+    "init_inference",
     "initialize",
     "zero",
 ]

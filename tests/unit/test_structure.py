@@ -26,7 +26,13 @@ def test_no_bare_asserts_in_library_code():
 
 
 def test_public_api_surface():
-    assert set(zeroshard.__all__) >= {"initialize", "add_config_arguments", "init_distributed", "comm"}
+    assert set(zeroshard.__all__) >= {
+        "initialize",
+        "add_config_arguments",
+        "init_distributed",
+        "comm",
+        "init_inference",
+    }
     assert callable(zeroshard.comm.log_summary)
     engine_api = {
         "backward",

@@ -11,7 +11,7 @@ from .collectives import (
     inject_delays,
     reduce_scatter,
 )
-from .groups import Group, RankGrid, build_rank_grid, grid_layout
+from .groups import Group, RankGrid, build_rank_grid, build_tensor_parallel_group, grid_layout
 from .ledger import LEDGER, CommLedger, OpTotals
 
 
@@ -36,6 +36,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "build_rank_grid",
+    "build_tensor_parallel_group",
     "destroy",
     "env_world",
     "get_rank",

@@ -71,3 +71,22 @@ def build_rank_grid(shard_size: Optional[int] = None) -> RankGrid:
         if rank in col:
             replica = Group("replica", tuple(col), handle)
     return RankGrid(world=world, shard=shard, replica=replica)
+
+
+def build_tensor_parallel_group(tp_size: int) -> Group:
+    """Consecutive ranks in groups of ``tp_size`` (a collective call; every rank creates every group)."""
+    world_size, rank = get_world_size(), get_rank()
+    if tp_size > world_size or world_size % tp_size:
+        raise ValueError(
+            f"tensor_parallel.tp_size {tp_size} must divide the number of ranks {world_size}: "
+            f"launch with a multiple of {tp_size} processes (e.g. zeroshard --num_gpus {tp_size} ...)"
+        )
+    rows = grid_layout(world_size, tp_size)
+    if len(rows) == 1:
+        return Group("tensor", tuple(rows[0]), None)
+    mine = None
+    for row in rows:
+        handle = dist.new_group(row) if tp_size > 1 else None
+        if rank in row:
+            mine = Group("tensor", tuple(row), handle)
+    return mine

@@ -20,6 +20,17 @@ def parse_config(source: ConfigSource) -> ZeroshardConfig:
     """Validate a config dict (or the path of a JSON file) into a :class:`ZeroshardConfig`."""
     if isinstance(source, ZeroshardConfig):
         return source
+    source = load_json_or_dict(source)
+    try:
+        config = ZeroshardConfig.model_validate(source)
+    except ValidationError as err:
+        raise ValueError(format_validation_error(err)) from None
+    _reject_enabled_unsupported(config)
+    return config
+
+
+def load_json_or_dict(source: Union[dict, str, os.PathLike]) -> dict:
+    """A config dict as given, or read from the JSON file it names."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
@@ -30,12 +41,7 @@ def parse_config(source: ConfigSource) -> ZeroshardConfig:
             raise ValueError(f"config file '{path}' is not valid JSON: {err}") from None
     if not isinstance(source, dict):
         raise TypeError(f"config must be a dict or a path to a JSON file, got {type(source).__name__}")
-    try:
-        config = ZeroshardConfig.model_validate(source)
-    except ValidationError as err:
-        raise ValueError(format_validation_error(err)) from None
-    _reject_enabled_unsupported(config)
-    return config
+    return dict(source)
 
 
 def _reject_enabled_unsupported(config: ZeroshardConfig) -> None:
@@ -66,9 +72,9 @@ def _flatten(annotation: Any) -> list:
     return [t for arg in args for t in _flatten(arg)]
 
 
-def _clean_path(loc: tuple) -> tuple[str, dict[str, type | None]]:
+def _clean_path(loc: tuple, root: type[BaseModel]) -> tuple[str, dict[str, type | None]]:
     """Drop pydantic's union-branch tags from an error location; return the key path and the parent's keys."""
-    keys: dict[str, type | None] | None = _keys_of(ZeroshardConfig)
+    keys: dict[str, type | None] | None = _keys_of(root)
     parent_keys: dict[str, type | None] = keys
     free_form = False  # inside a dict-valued field such as optimizer.params: every part is a key
     parts: list[str] = []
@@ -94,12 +100,14 @@ def _is_dict_field(keys: dict[str, type | None], name: str) -> bool:
 _DICT_FIELDS = {"params", "zeropp_loco_param", "parallel_write", *UNSUPPORTED_FEATURE_BLOCKS}
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(
+    err: ValidationError, root: type[BaseModel] = ZeroshardConfig, what: str = "zeroshard/DeepSpeed config"
+) -> str:
     messages: dict[str, list[str]] = {}
     values: dict[str, Any] = {}
     unknown: list[str] = []
     for e in err.errors():
-        path, parent_keys = _clean_path(e["loc"])
+        path, parent_keys = _clean_path(e["loc"], root)
         if e["type"] == "extra_forbidden":
             leaf = path.rsplit(".", 1)[-1]
             close = difflib.get_close_matches(leaf, list(parent_keys), n=1)
@@ -112,4 +120,4 @@ def format_validation_error(err: ValidationError) -> str:
     for path, reasons in messages.items():
         where = f"config key '{path}' = {values[path]!r}" if path else "config"
         lines.append(f"{where}: {' or '.join(dict.fromkeys(reasons))}")
-    return "invalid zeroshard/DeepSpeed config:\n  " + "\n  ".join(lines)
+    return f"invalid {what}:\n  " + "\n  ".join(lines)

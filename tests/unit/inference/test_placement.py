@@ -1,0 +1,110 @@
+"""Placement decisions are pure: checked on real model classes without processes."""
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from zeroshard.config.inference import parse_inference_config
+from zeroshard.inference import PlacementError, plan_tensor_parallel
+from zeroshard.inference.placement import vocab_range
+
+
+def gpt2(n_head=4):
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=48, n_head=n_head, vocab_size=101, n_positions=32)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def llama(heads=8, kv_heads=2):
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=64,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_gpt2_layers_placed_by_role():
+    plan = plan_tensor_parallel(gpt2(), 2)
+    styles = {p.name: (p.style, p.fused, p.transposed) for p in plan.layers}
+    assert styles["transformer.wte"][0] == "vocab_embedding" and styles["lm_head"][0] == "vocab_head"
+    assert styles["transformer.h.0.attn.c_attn"] == ("column", 3, True)  # q|k|v packed in one Conv1D
+    assert styles["transformer.h.0.attn.c_proj"] == ("row", 1, True)
+    assert styles["transformer.h.1.mlp.c_fc"][0] == "column" and styles["transformer.h.1.mlp.c_proj"][0] == "row"
+    assert "transformer.wpe" not in styles  # position embeddings stay replicated
+    assert plan.attention == ["transformer.h.0.attn", "transformer.h.1.attn"]
+
+
+def test_llama_grouped_query_attention():
+    plan = plan_tensor_parallel(llama(), 2)
+    styles = {p.name.rpartition(".")[2]: p.style for p in plan.layers}
+    assert {k: styles[k] for k in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")} == dict.fromkeys(
+        ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), "column"
+    )
+    assert styles["o_proj"] == styles["down_proj"] == "row"
+    with pytest.raises(PlacementError, match=r"num_key_value_heads = 2 is not divisible by tp_size 4"):
+        plan_tensor_parallel(llama(kv_heads=2), 4)
+
+
+def test_head_count_not_divisible_names_it():
+    with pytest.raises(PlacementError, match=r"num_attention_heads = 6 is not divisible by tp_size 4"):
+        plan_tensor_parallel(gpt2(n_head=6), 4)
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(8, 8)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+
+def test_unknown_layer_is_named():
+    with pytest.raises(PlacementError, match=r"cannot place layer 'router' \(Linear 8->8\).*injection_policy"):
+        plan_tensor_parallel(Odd(), 2)
+
+
+def test_injection_policy():
+    plan = plan_tensor_parallel(nn.Sequential(Odd()), 2, injection_policy={Odd: ("fc2",)})
+    assert {p.name: p.style for p in plan.layers} == {"0.router": "column", "0.fc1": "column", "0.fc2": "row"}
+    plan = plan_tensor_parallel(nn.Sequential(Odd()), 2, injection_policy={"Odd": "fc2"})  # class name, one layer
+    assert len(plan.layers) == 3
+    with pytest.raises(PlacementError, match=r"'fc3' is not a linear layer of '0'"):
+        plan_tensor_parallel(nn.Sequential(Odd()), 2, injection_policy={Odd: ("fc3",)})
+    with pytest.raises(PlacementError, match=r"names \['Block'\] but the model has no such block"):
+        plan_tensor_parallel(Odd(), 2, injection_policy={"Block": ("fc2",)})
+    with pytest.raises(PlacementError, match=r"column-parallel layer '0.router' has 8 output features"):
+        plan_tensor_parallel(nn.Sequential(Odd()), 3, injection_policy={Odd: ("fc2",)})
+
+
+def test_small_vocabulary_stays_replicated_below_threshold():
+    model = gpt2()
+    plan = plan_tensor_parallel(model, 2, vocab_parallel_min_bytes=model.lm_head.weight.numel() * 4 + 1)
+    assert not any(p.style.startswith("vocab") for p in plan.layers)
+
+
+@pytest.mark.parametrize("vocab,parts", [(101, 2), (101, 4), (8, 4), (5, 4)])
+def test_vocab_ranges_cover_the_vocabulary_once(vocab, parts):
+    ranges = [vocab_range(vocab, parts, i) for i in range(parts)]
+    assert [r[2] for r in ranges] == [-(-vocab // parts)] * parts
+    covered = [i for start, stop, _ in ranges for i in range(start, stop)]
+    assert covered == list(range(vocab))
+
+
+def test_config_keys_and_aliases():
+    assert parse_inference_config({"tensor_parallel": {"tp_size": 2}, "dtype": "bf16"}).dtype is torch.bfloat16
+    assert parse_inference_config(None, mp_size=4).tp_size == 4
+    assert parse_inference_config({"tensor_parallel": {"tp_size": 2}}, tensor_parallel=4).tp_size == 4
+    assert parse_inference_config({"tensor_parallel": {"tp_size": 2, "enabled": False}}).tp_size == 1
+    with pytest.raises(ValueError, match=r"unknown config key 'tensor_paralel'; did you mean 'tensor_parallel'"):
+        parse_inference_config({"tensor_paralel": {"tp_size": 2}})
+    with pytest.raises(ValueError, match=r"unknown config key 'tensor_parallel.tp'"):
+        parse_inference_config({"tensor_parallel": {"tp": 2}})
+    with pytest.raises(ValueError, match=r"mp_size=2 and tensor_parallel.tp_size=4 disagree"):
+        parse_inference_config({"tensor_parallel": {"tp_size": 4}, "mp_size": 2})
+    with pytest.raises(ValueError, match=r"'dtype' = 'int8'.*unknown dtype"):
+        parse_inference_config(None, dtype="int8")
+    with pytest.raises(ValueError, match=r"replace_with_kernel_inject.*no fused inference kernels"):
+        parse_inference_config({"replace_with_kernel_inject": True})

@@ -1,0 +1,13 @@
+"""Tensor-parallel inference: ``init_inference`` shards a model's layers over ranks and serves it."""
+
+from .engine import InferenceEngine, init_empty_weights, init_inference
+from .placement import PlacementError, TensorParallelPlan, plan_tensor_parallel
+
+__all__ = [
+    "InferenceEngine",
+    "PlacementError",
+    "TensorParallelPlan",
+    "init_empty_weights",
+    "init_inference",
+    "plan_tensor_parallel",
+]

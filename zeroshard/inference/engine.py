@@ -1,0 +1,275 @@
+"""``init_inference``: shard a trained model over a tensor-parallel group and serve it.
+
+Each rank replaces the planned layers (``placement``) by their tensor-parallel versions (``layers``)
+holding only its slice, read straight from the weight source (``weights``); everything else is
+replicated. Built on the meta device (``init_empty_weights``) a model never holds more than one
+full tensor at a time, so a rank's memory is about 1/N of the sharded weights plus the replicated ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..accelerator import get_accelerator
+from ..checkpoint import CheckpointError
+from ..comm.backend import local_rank
+from ..config.inference import InferenceConfig, parse_inference_config
+from ..runtime.log import log_rank0
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from .placement import (
+    HEAD_COUNT_ATTRIBUTES,
+    WIDTH_ATTRIBUTES,
+    LayerPlan,
+    TensorParallelPlan,
+    features,
+    plan_tensor_parallel,
+    split_range,
+    vocab_range,
+)
+from .weights import ModuleSource, WeightSource, open_source
+
+
+class InferenceEngine:
+    """``engine(*inputs)`` runs the sharded model without autograd; ``engine.generate`` delegates to a
+    Hugging Face model's ``generate`` (sampling options and the KV cache work: each rank caches its heads)."""
+
+    def __init__(self, module: nn.Module, config: InferenceConfig, group: comm.Group, plan: TensorParallelPlan):
+        self.module = module
+        self.config = config
+        self.group = group
+        self.plan = plan
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        if not hasattr(self.module, "generate"):
+            raise TypeError(f"{type(self.module).__name__} has no generate(); call the engine for logits")
+        sampling = kwargs.get("do_sample")
+        if sampling is None:
+            sampling = getattr(getattr(self.module, "generation_config", None), "do_sample", False)
+        if sampling:  # every rank must draw the same tokens, or their collectives fall out of step
+            seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+            comm.broadcast(seed, self.group.ranks[0], self.group)
+            torch.manual_seed(int(seed))
+        with torch.no_grad():
+            return self.module.generate(*args, **kwargs)
+
+    def parameter_bytes(self) -> int:
+        """Bytes of this rank's parameters (tied ones once)."""
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+
+def init_inference(
+    model: nn.Module,
+    config: Union[dict, str, os.PathLike, None] = None,
+    tensor_parallel: Union[dict, int, None] = None,
+    dtype: Union[torch.dtype, str, None] = None,
+    checkpoint: Union[dict, str, os.PathLike, None] = None,
+    injection_policy: Optional[dict] = None,
+    mp_size: Optional[int] = None,
+    **kwargs: Any,
+) -> InferenceEngine:
+    """Shard ``model`` over ``tensor_parallel["tp_size"]`` ranks (DeepSpeed's ``init_inference``).
+
+    Weights come from ``checkpoint`` (a state dict, a ``.safetensors`` file, a Hugging Face checkpoint
+    directory, or a zeroshard training checkpoint) or, without one, from the model itself; a model
+    built under :func:`init_empty_weights` needs ``checkpoint``. Layers are placed automatically for
+    GPT-2, Llama-family and OPT models; any other model takes ``injection_policy={BlockClass: ("attn.out",
+    "mlp.down")}`` naming the row-parallel layers of each block. The model is modified in place.
+    """
+    settings = parse_inference_config(
+        config,
+        tensor_parallel=tensor_parallel,
+        dtype=dtype,
+        checkpoint=checkpoint,
+        injection_policy=injection_policy,
+        mp_size=mp_size,
+        **kwargs,
+    )
+    if not comm.is_initialized():
+        comm.init_distributed()
+    group = comm.build_tensor_parallel_group(settings.tp_size)
+    accelerator = get_accelerator()
+    device = accelerator.device(local_rank())
+    dtype = settings.dtype
+    if dtype is not None and not accelerator.supports_dtype(dtype):
+        raise ValueError(f"dtype {dtype} is not supported on {accelerator.name}")
+    if hasattr(model, "set_attn_implementation"):  # Hugging Face: attention through scaled_dot_product_attention
+        model.set_attn_implementation("sdpa")
+    plan = plan_tensor_parallel(
+        model, settings.tp_size, settings.injection_policy, settings.tensor_parallel.vocab_parallel_min_bytes
+    )
+    source = open_source(settings.checkpoint, model)
+    try:
+        _shard(model, plan, source, group, Cast(dtype, device), reload=not isinstance(source, ModuleSource))
+    finally:
+        source.close()
+    model.eval()
+    engine = InferenceEngine(model, settings, group, plan)
+    log_rank0(
+        f"init_inference: tp_size {settings.tp_size}, {len(plan.layers)} layers sharded, "
+        f"{engine.parameter_bytes() / 2**20:.1f} MiB of parameters on rank 0"
+    )
+    return engine
+
+
+class Cast:
+    """Copies a tensor read from a source into a new tensor on the target device (floating point in the
+    target dtype), so no view keeps a full source tensor alive."""
+
+    def __init__(self, dtype: Optional[torch.dtype], device: torch.device):
+        self.dtype, self.device = dtype, device
+
+    def __call__(self, tensor: Optional[torch.Tensor], keep_dtype: bool = False) -> Optional[torch.Tensor]:
+        if tensor is None:
+            return None
+        dtype = tensor.dtype if keep_dtype or self.dtype is None or not tensor.is_floating_point() else self.dtype
+        return torch.empty(tensor.shape, dtype=dtype, device=self.device).copy_(tensor)
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Every name of every tensor: tied weights (GPT-2's LM head and embedding) share one entry."""
+    by_tensor: dict[int, list[str]] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        by_tensor.setdefault(id(tensor), []).append(name)
+    return {name: names for names in by_tensor.values() for name in names}
+
+
+class _Reader:
+    """Reads by any of a tensor's names, so a checkpoint that stores a tied weight once still loads."""
+
+    def __init__(self, source: WeightSource, aliases: dict[str, list[str]]):
+        self.source, self.aliases = source, aliases
+
+    def has(self, name: str) -> bool:
+        return any(n in self.source.names for n in self.aliases.get(name, [name]))
+
+    def __call__(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None):
+        for candidate in self.aliases.get(name, [name]):
+            if candidate in self.source.names:
+                return self.source.read(candidate, dim, start, stop)
+        raise CheckpointError(f"the checkpoint has no tensor '{name}' (nor a tied alias of it)")
+
+
+def _shard(
+    model: nn.Module, plan: TensorParallelPlan, source: WeightSource, group: comm.Group, cast: Cast, reload: bool
+) -> None:
+    read = _Reader(source, _aliases(model))
+    original_weights: dict[int, str] = {}
+    for p in plan.layers:
+        original_weights.setdefault(id(model.get_submodule(p.name).weight), p.name)
+    built: dict[str, nn.Module] = {}
+    for layer in plan.layers:  # vocab embeddings come first, so a tied LM head finds its shard
+        module = model.get_submodule(layer.name)
+        tied_to = original_weights.get(id(module.weight))
+        shared = built[tied_to].weight if tied_to != layer.name and tied_to in built else None
+        built[layer.name] = _build(layer, module, read, group, cast, shared)
+        model.set_submodule(layer.name, built[layer.name])
+    sharded = {id(t) for m in built.values() for t in m.parameters()}
+    _place_replicated(model, read, cast, sharded, reload)
+    for name in plan.attention:
+        module = model.get_submodule(name)
+        for attribute in (*HEAD_COUNT_ATTRIBUTES, *WIDTH_ATTRIBUTES):
+            value = getattr(module, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(module, attribute, value // group.size)
+
+
+def _build(
+    layer: LayerPlan,
+    module: nn.Module,
+    read: _Reader,
+    group: comm.Group,
+    cast: Cast,
+    shared: Optional[nn.Parameter],
+) -> nn.Module:
+    n, rank = group.size, group.rank
+    weight, bias = f"{layer.name}.weight", f"{layer.name}.bias"
+    has_bias = getattr(module, "bias", None) is not None
+    if layer.style == "column":
+        fan_in, fan_out = features(module)
+        part = fan_out // layer.fused
+        lo, hi = split_range(part, n, rank, f"layer '{layer.name}' output features")
+        dim = 1 if layer.transposed else 0
+        w = torch.cat([read(weight, dim, k * part + lo, k * part + hi) for k in range(layer.fused)], dim)
+        b = torch.cat([read(bias, 0, k * part + lo, k * part + hi) for k in range(layer.fused)]) if has_bias else None
+        return ColumnParallelLinear(cast(w.t() if layer.transposed else w), cast(b))
+    if layer.style == "row":
+        fan_in, _ = features(module)
+        lo, hi = split_range(fan_in, n, rank, f"layer '{layer.name}' input features")
+        w = read(weight, 0 if layer.transposed else 1, lo, hi)
+        return RowParallelLinear(cast(w.t() if layer.transposed else w), cast(read(bias)) if has_bias else None, group)
+    vocab = module.weight.shape[0]
+    start, stop, per = vocab_range(vocab, n, rank)
+    if layer.style == "vocab_embedding":
+        return VocabParallelEmbedding(_padded(cast(read(weight, 0, start, stop)), per), start, stop, group)
+    w = shared if shared is not None else _padded(cast(read(weight, 0, start, stop)), per)
+    b = _padded(cast(read(bias, 0, start, stop)), per) if has_bias else None
+    return VocabParallelHead(w, b, vocab, group)
+
+
+def _padded(rows: torch.Tensor, per: int) -> torch.Tensor:
+    """The vocabulary slice with zero rows appended up to the common per-rank size."""
+    if rows.shape[0] == per:
+        return rows
+    return torch.cat([rows, rows.new_zeros((per - rows.shape[0], *rows.shape[1:]))])
+
+
+def _place_replicated(model: nn.Module, read: _Reader, cast: Cast, sharded: set[int], reload: bool) -> None:
+    """Every parameter and buffer not sharded: read whole (from the checkpoint, or kept from the model) and
+    moved to the device; tied ones stay tied."""
+    done: dict[int, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for attribute, param in list(module._parameters.items()):
+            if param is None or id(param) in sharded:
+                continue
+            if id(param) not in done:
+                value = read(prefix + attribute) if reload or param.is_meta else param.detach()
+                done[id(param)] = nn.Parameter(cast(value), requires_grad=False)
+            module._parameters[attribute] = done[id(param)]
+        for attribute, buffer in list(module._buffers.items()):
+            if buffer is None:
+                continue
+            if id(buffer) not in done:
+                name = prefix + attribute
+                if (reload or buffer.is_meta) and read.has(name):
+                    value = read(name)
+                elif buffer.is_meta:
+                    raise CheckpointError(
+                        f"buffer '{name}' is on the meta device and not in the checkpoint: build the model under "
+                        "zeroshard.init_empty_weights() (parameters on meta, buffers real)"
+                    )
+                else:
+                    value = buffer
+                done[id(buffer)] = cast(value, keep_dtype=True)
+            module._buffers[attribute] = done[id(buffer)]
+
+
+@contextlib.contextmanager
+def init_empty_weights():
+    """Build a model with its parameters on the meta device (no memory) and its buffers real, for
+    ``init_inference(model, checkpoint=...)`` to fill with each rank's shards only."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register

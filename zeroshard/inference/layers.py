@@ -1,0 +1,89 @@
+"""The tensor-parallel layers: each holds its rank's slice of a weight and communicates in forward only.
+
+Every rank of the tensor-parallel group runs the same forward on the same inputs; column-parallel
+outputs stay split (the attention / MLP code in between works on this rank's heads or units), and
+the row-parallel and vocabulary layers bring every rank back to the full, identical activation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X W_i^T + b_i: this rank's output features; no communication."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"local in={self.weight.shape[1]}, out={self.weight.shape[0]}"
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_i X_i W_i^T + b: this rank's input features, partial sums all-reduced, the bias added once."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], group: comm.Group):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        comm.all_reduce(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"local in={self.weight.shape[1]}, out={self.weight.shape[0]}, all-reduce over {self.group.size}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, stop) of the vocabulary: ids outside them look up zeros, and the sum over ranks is the
+    full embedding."""
+
+    def __init__(self, weight: torch.Tensor, start: int, stop: int, group: comm.Group):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start, self.stop, self.group = start, stop, group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.stop)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        comm.all_reduce(out, self.group)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"vocabulary rows [{self.start}, {self.stop}) of {self.weight.shape[0]} per rank"
+
+
+class VocabParallelHead(nn.Module):
+    """Logits of this rank's vocabulary slice, all-gathered so every rank returns the full logits."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], vocab: int, group: comm.Group):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.vocab, self.group = vocab, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = F.linear(x, self.weight, self.bias).contiguous()
+        n = self.group.size
+        gathered = local.new_empty((n, *local.shape))
+        comm.all_gather(gathered, local, self.group)
+        return gathered.movedim(0, -2).flatten(-2)[..., : self.vocab]
+
+    def extra_repr(self) -> str:
+        return f"vocabulary {self.vocab}, {self.weight.shape[0]} rows per rank, all-gather over {self.group.size}"

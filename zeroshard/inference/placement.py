@@ -1,0 +1,220 @@
+"""Where each layer goes under tensor parallelism: pure decisions from the module tree, no communication.
+
+Column-parallel layers split their output features (each rank computes some heads or some MLP
+units), row-parallel layers split their input features (partial sums, all-reduced), and the
+vocabulary embedding / LM head split the vocabulary. A column layer feeding a row layer needs no
+communication in between, which is why attention q/k/v and MLP up/gate are column-parallel and
+attention output / MLP down are row-parallel (Megatron-LM's layout).
+
+Hugging Face ``Conv1D`` (GPT-2) stores its weight as (in, out); plans record that so the loader
+slices the right dimension. GPT-2's ``c_attn`` packs q, k and v side by side (``fused=3``): each
+third is split separately so every rank keeps whole heads of all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from torch import nn
+
+Style = Literal["column", "row", "vocab_embedding", "vocab_head"]
+
+# Layer names of the supported architectures (GPT-2, Llama/Mistral/Qwen2, OPT) and common kin.
+COLUMN_NAMES = {
+    "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",  # Llama family, OPT attention
+    "c_attn", "c_fc",  # GPT-2
+    "fc1", "fc_in", "w1", "w3", "wq", "wk", "wv", "query", "key", "value", "dense_h_to_4h",
+}  # fmt: skip
+ROW_NAMES = {"o_proj", "down_proj", "out_proj", "c_proj", "fc2", "fc_out", "w2", "wo", "dense_4h_to_h"}
+FUSED = {"c_attn": 3}  # column layers whose output packs several projections side by side
+REPLICATED_NAMES = {"project_in", "project_out"}  # OPT's small embedding-width projections
+HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads", "n_kv_heads")
+WIDTH_ATTRIBUTES = ("embed_dim", "split_size", "all_head_size")  # per-rank width the attention code reads
+
+
+class PlacementError(ValueError):
+    """A layer or head count that cannot be split over the requested ranks; names the layer and the fix."""
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    name: str  # module path in the model
+    style: Style
+    fused: int = 1
+    transposed: bool = False  # weight stored (in, out), as HF Conv1D does
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    layers: list[LayerPlan]
+    attention: list[str]  # modules whose head-count / width attributes become per-rank values
+    tp_size: int
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")  # transformers.pytorch_utils.Conv1D
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a linear layer of either weight layout."""
+    rows, cols = module.weight.shape
+    return (rows, cols) if _is_conv1d(module) else (cols, rows)
+
+
+def split_range(size: int, parts: int, index: int, what: str) -> tuple[int, int]:
+    """Rank ``index``'s [start, stop) of ``size`` split evenly into ``parts``."""
+    if size % parts:
+        raise PlacementError(f"{what}: {size} is not divisible by tp_size {parts}")
+    per = size // parts
+    return index * per, (index + 1) * per
+
+
+def vocab_range(vocab: int, parts: int, index: int) -> tuple[int, int, int]:
+    """Rank ``index``'s rows [start, stop) of a vocabulary split into ``parts`` equal padded slices of ``per``
+    rows (the last slice may hold fewer real rows; its padding rows are zero and their logits dropped)."""
+    per = -(-vocab // parts)
+    start = min(index * per, vocab)
+    return start, min(start + per, vocab), per
+
+
+def plan_tensor_parallel(
+    model: nn.Module,
+    tp_size: int,
+    injection_policy: Optional[dict] = None,
+    vocab_parallel_min_bytes: int = 0,
+) -> TensorParallelPlan:
+    """Place every linear layer: by the known layer names (automatic), or by ``injection_policy`` =
+    ``{BlockClass or class name: (row-parallel layer paths inside the block)}`` (every other linear layer
+    inside such a block is column-parallel, layers outside all blocks stay replicated)."""
+    _check_head_counts(model, tp_size)
+    names = {id(m): n for n, m in model.named_modules()}
+    vocab = _vocab_layers(model, names)
+    layers = [
+        LayerPlan(name, style)
+        for name, style in vocab.items()
+        if model.get_submodule(name).weight.numel() * model.get_submodule(name).weight.element_size()
+        >= vocab_parallel_min_bytes
+    ]  # smaller ones stay replicated
+    if injection_policy is None:
+        layers += _automatic(model, set(vocab))
+    else:
+        layers += _from_policy(model, injection_policy, set(vocab))
+    for plan in layers:
+        _check_divisible(model.get_submodule(plan.name), plan, tp_size)
+    column_parents = {plan.name.rpartition(".")[0] for plan in layers if plan.style == "column"}
+    attention = [
+        parent
+        for parent in sorted(column_parents)
+        if any(isinstance(getattr(model.get_submodule(parent), a, None), int) for a in HEAD_COUNT_ATTRIBUTES)
+    ]
+    for parent in attention:
+        module = model.get_submodule(parent)
+        for attribute in (*HEAD_COUNT_ATTRIBUTES, *WIDTH_ATTRIBUTES):
+            value = getattr(module, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value % tp_size:
+                raise PlacementError(
+                    f"{parent}.{attribute} = {value} is not divisible by tp_size {tp_size}: "
+                    "choose a tp_size that divides the head count"
+                )
+    return TensorParallelPlan(layers=layers, attention=attention, tp_size=tp_size)
+
+
+def _check_head_counts(model: nn.Module, tp_size: int) -> None:
+    config = getattr(model, "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads", "n_head"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value % tp_size:
+            raise PlacementError(
+                f"{type(config).__name__}.{key} = {value} is not divisible by tp_size {tp_size}: every rank must "
+                "hold whole attention heads (and whole key/value heads with grouped-query attention)"
+            )
+
+
+def _vocab_layers(model: nn.Module, names: dict[int, str]) -> dict[str, Style]:
+    """Hugging Face models name their input embedding and LM head: the layers that may split the vocabulary."""
+    found: dict[str, Style] = {}
+    for getter, style in (("get_input_embeddings", "vocab_embedding"), ("get_output_embeddings", "vocab_head")):
+        try:
+            module = getattr(model, getter)() if hasattr(model, getter) else None
+        except (NotImplementedError, AttributeError):
+            module = None
+        if module is None or id(module) not in names:
+            continue
+        if style == "vocab_embedding" and type(module) is not nn.Embedding:
+            continue  # e.g. a scaled or custom embedding: left replicated
+        if style == "vocab_head" and type(module) is not nn.Linear:
+            continue
+        found[names[id(module)]] = style
+    return found
+
+
+def _automatic(model: nn.Module, skip: set[str]) -> list[LayerPlan]:
+    plans = []
+    for name, module in model.named_modules():
+        if name in skip or not is_linear(module):
+            continue
+        leaf = name.rpartition(".")[2]
+        if leaf in COLUMN_NAMES:
+            plans.append(LayerPlan(name, "column", FUSED.get(leaf, 1), _is_conv1d(module)))
+        elif leaf in ROW_NAMES:
+            plans.append(LayerPlan(name, "row", 1, _is_conv1d(module)))
+        elif leaf not in REPLICATED_NAMES:
+            fan_in, fan_out = features(module)
+            raise PlacementError(
+                f"cannot place layer '{name}' ({type(module).__name__} {fan_in}->{fan_out}) for tensor parallelism: "
+                "its role is not known; pass injection_policy={BlockClass: ('<row-parallel layer>', ...)} naming "
+                "the layers whose outputs are summed (attention output, MLP down projection)"
+            )
+    return plans
+
+
+def _from_policy(model: nn.Module, policy: dict, skip: set[str]) -> list[LayerPlan]:
+    plans, matched = [], set()
+    for block_name, block in model.named_modules():
+        key = next((k for k in policy if _matches(block, k)), None)
+        if key is None:
+            continue
+        matched.add(key)
+        rows = policy[key]
+        rows = (rows,) if isinstance(rows, str) else tuple(rows)
+        for row in rows:
+            try:
+                layer = block.get_submodule(row)
+            except AttributeError:
+                layer = None
+            if layer is None or not is_linear(layer):
+                raise PlacementError(
+                    f"injection_policy for {type(block).__name__}: '{row}' is not a linear layer of '{block_name}'"
+                )
+        for name, module in block.named_modules():
+            full = f"{block_name}.{name}" if block_name else name
+            if name and is_linear(module) and full not in skip:
+                style: Style = "row" if name in rows else "column"
+                plans.append(LayerPlan(full, style, 1, _is_conv1d(module)))
+    missing = [k for k in policy if k not in matched]
+    if missing:
+        raise PlacementError(f"injection_policy names {missing} but the model has no such block")
+    return plans
+
+
+def _matches(module: nn.Module, key) -> bool:
+    return type(module) is key if isinstance(key, type) else type(module).__name__ == key
+
+
+def _check_divisible(module: nn.Module, plan: LayerPlan, tp_size: int) -> None:
+    fan_in, fan_out = features(module)
+    if plan.style == "column":
+        if fan_out % plan.fused or (fan_out // plan.fused) % tp_size:
+            raise PlacementError(
+                f"column-parallel layer '{plan.name}' has {fan_out} output features"
+                f"{f' in {plan.fused} fused parts' if plan.fused > 1 else ''}, not divisible by tp_size {tp_size}"
+            )
+    elif plan.style == "row" and fan_in % tp_size:
+        raise PlacementError(
+            f"row-parallel layer '{plan.name}' has {fan_in} input features, not divisible by tp_size {tp_size}"
+        )
