@@ -28,3 +28,22 @@ def test_cuda_parity():
     for case, result in zip(CASES, results):
         bound = 1e-5 if case.dtype == "fp32" else 1e-2  # the reference runs on the CPU in fp32
         assert model_error(result["params"], reference_train(case, world)) <= bound, case
+
+
+def tp_worker() -> dict:
+    import zeroshard
+    from tests.distributed.test_inference import hf_model, prompts
+
+    ids = prompts()
+    expected = hf_model("llama")(ids).logits  # on the CPU
+    engine = zeroshard.init_inference(
+        hf_model("llama"), tensor_parallel={"tp_size": torch.distributed.get_world_size()}
+    )
+    logits = engine(ids).logits
+    return {"device": str(logits.device), "error": (logits.cpu() - expected).abs().max().item()}
+
+
+def test_cuda_tensor_parallel_inference():
+    world = min(torch.cuda.device_count(), 2)
+    r = run_distributed(tp_worker, world, env={"ZEROSHARD_ACCELERATOR": "cuda"})[0]
+    assert r["device"].startswith("cuda") and r["error"] <= 1e-4

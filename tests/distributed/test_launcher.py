@@ -51,3 +51,15 @@ def test_failing_rank_stops_all_ranks_with_its_error(tmp_path):
     combined = out.stdout + out.stderr
     assert "ValueError: rank one gives up" in combined
     assert "rank: 1" in combined  # the elastic agent's summary names the failed rank
+
+
+def test_tensor_parallel_inference_example_under_the_launcher():
+    out = launch(
+        "--num_gpus",
+        "2",
+        "examples/tp_inference.py",
+        *("--n_layer", "1", "--n_embd", "32", "--n_head", "4", "--vocab", "101", "--new_tokens", "5"),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "tp_size 2, gpt2" in out.stdout and "tokens/s" in out.stdout
+    assert "generated ids (identical on all ranks: True)" in out.stdout

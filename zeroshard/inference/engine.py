@@ -39,13 +39,30 @@ class InferenceEngine:
     """``engine(*inputs)`` runs the sharded model without autograd; ``engine.generate`` delegates to a
     Hugging Face model's ``generate`` (sampling options and the KV cache work: each rank caches its heads)."""
 
-    def __init__(self, module: nn.Module, config: InferenceConfig, group: comm.Group, plan: TensorParallelPlan):
+    def __init__(
+        self,
+        module: nn.Module,
+        config: InferenceConfig,
+        group: comm.Group,
+        plan: TensorParallelPlan,
+        device: torch.device,
+    ):
         self.module = module
         self.config = config
         self.group = group
         self.plan = plan
+        self.device = device
+
+    def _on_device(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Tensor arguments moved to this rank's device (inputs usually arrive on the CPU)."""
+
+        def move(value: Any) -> Any:
+            return value.to(self.device) if isinstance(value, torch.Tensor) else value
+
+        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._on_device(args, kwargs)
         with torch.no_grad():
             return self.module(*args, **kwargs)
 
@@ -61,6 +78,7 @@ class InferenceEngine:
             seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
             comm.broadcast(seed, self.group.ranks[0], self.group)
             torch.manual_seed(int(seed))
+        args, kwargs = self._on_device(args, kwargs)
         with torch.no_grad():
             return self.module.generate(*args, **kwargs)
 
@@ -115,7 +133,7 @@ def init_inference(
     finally:
         source.close()
     model.eval()
-    engine = InferenceEngine(model, settings, group, plan)
+    engine = InferenceEngine(model, settings, group, plan, device)
     log_rank0(
         f"init_inference: tp_size {settings.tp_size}, {len(plan.layers)} layers sharded, "
         f"{engine.parameter_bytes() / 2**20:.1f} MiB of parameters on rank 0"
