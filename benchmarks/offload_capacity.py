@@ -27,12 +27,12 @@ import argparse
 import os
 
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # before any rank starts (they inherit it)
-import resource
 import shutil
 import time
 
 import torch
 
+from zeroshard.accelerator import host_peak_rss
 from zeroshard.testing import run_distributed
 from zeroshard.testing.models import GPT, GPTConfig
 
@@ -82,7 +82,7 @@ def worker(cfg: GPTConfig, mode: str, nvme_path: str, steps: int) -> dict:
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "step_s": min(times[1:] or times),
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": host_peak_rss(),
         "ram_state": sum(where["device"].values()) + sum(where["host"].values()),
         "nvme_state": sum(where["nvme"].values()),
     }

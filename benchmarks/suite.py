@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 
@@ -35,6 +34,7 @@ from step_time import (  # noqa: E402
     zeroshard_system,
 )
 
+from zeroshard.accelerator import host_peak_rss  # noqa: E402
 from zeroshard.testing import run_distributed  # noqa: E402
 from zeroshard.testing.models import GPT, GPTConfig  # noqa: E402
 
@@ -111,10 +111,10 @@ def alone_worker(cfg: GPTConfig, name: str, micro: int, steps: int, warmup: int)
     """One system in fresh processes: its timing (when ``steps`` allows), peak RSS and model-state bytes."""
     from zeroshard import comm
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = host_peak_rss()
     step = build(name, cfg, micro)
     result = take_turns({name: step}, batches(cfg, steps, micro, comm.get_rank()), warmup, wire_bytes)[name]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = host_peak_rss()
     state = None
     if name.startswith("zeroshard"):
         b = step.engine.state_bytes()

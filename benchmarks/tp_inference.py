@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import tempfile
 import time
@@ -21,6 +20,7 @@ import time
 import torch
 import transformers
 
+from zeroshard.accelerator import host_peak_rss
 from zeroshard.testing import run_distributed
 
 
@@ -34,7 +34,7 @@ def worker(directory: str, dtype: str, tp: int, prompt_len: int, new_tokens: int
     import zeroshard
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
-    idle = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    idle = host_peak_rss()
     with zeroshard.init_empty_weights():
         model = transformers.GPT2LMHeadModel(gpt2_config())
     started = time.perf_counter()
@@ -53,7 +53,7 @@ def worker(directory: str, dtype: str, tp: int, prompt_len: int, new_tokens: int
     return {
         "param_bytes": engine.parameter_bytes(),
         "peak_device": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": host_peak_rss(),
         "idle_rss": idle,
         "load_s": load,
         "prefill_s": statistics.median(prefill),

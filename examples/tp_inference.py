@@ -31,7 +31,13 @@ def build(args) -> torch.nn.Module:
         cls = transformers.LlamaForCausalLM
     else:
         config = transformers.GPT2Config(
-            n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab, n_positions=1024
+            n_layer=args.n_layer,
+            n_embd=args.n_embd,
+            n_head=args.n_head,
+            vocab_size=args.vocab,
+            n_positions=1024,
+            bos_token_id=args.vocab - 1,
+            eos_token_id=args.vocab - 1,
         )
         cls = transformers.GPT2LMHeadModel
     torch.manual_seed(args.seed)
@@ -65,11 +71,13 @@ def main():
     )
     prompt = torch.randint(0, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed))
 
+    engine(prompt)  # warm-up
     started = time.perf_counter()
     engine(prompt)
     prefill = time.perf_counter() - started
     started = time.perf_counter()
-    ids = engine.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+    new = args.new_tokens
+    ids = engine.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     decode = time.perf_counter() - started
 
     # every rank's parameter bytes and generated ids, gathered with one all-reduce of a slot per rank

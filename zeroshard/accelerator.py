@@ -41,9 +41,23 @@ class Accelerator:
         """Peak device bytes; on CPU the process's peak resident set."""
         if self.name == "cuda":
             return torch.cuda.max_memory_allocated()
-        import resource
+        return host_peak_rss()
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def host_peak_rss() -> int:
+    """This process's peak resident set in bytes. Linux's VmHWM, not ``ru_maxrss``: a spawned process
+    inherits its parent's ``ru_maxrss`` across fork and exec, so a worker started by a big parent would
+    report the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def get_accelerator() -> Accelerator:

@@ -10,6 +10,7 @@ import tempfile
 import pytest
 import torch
 
+from zeroshard.accelerator import host_peak_rss
 from zeroshard.testing import WorkerHang, run_distributed
 from zeroshard.testing.parity import ParityCase, make_batches, make_model, model_error, reference_train
 
@@ -313,13 +314,11 @@ def big_checkpoint_worker(directory):
 
 
 def convert_worker(directory, output):
-    import resource
-
     import zeroshard
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = host_peak_rss()
     zeroshard.checkpoint.convert_zero_checkpoint_to_fp32_state_dict(directory, output)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return host_peak_rss() - before
 
 
 def test_conversion_memory_is_bounded_by_the_largest_tensor(tmp_path):

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from zeroshard.accelerator import host_peak_rss
 from zeroshard.testing import WorkerError, run_distributed
 from zeroshard.testing.models import GPTConfig
 from zeroshard.testing.parity import (
@@ -249,17 +250,15 @@ def rss_bytes() -> int:
 
 
 def build_big_model(use_init: bool):
-    import resource
-
     import zeroshard
     from zeroshard.testing.models import GPT
 
     cfg = GPTConfig(vocab_size=4096, block_size=64, n_layer=8, n_head=8, n_embd=1024)
-    before_peak, before_now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes()
+    before_peak, before_now = host_peak_rss(), rss_bytes()
     torch.manual_seed(0)
     with zeroshard.zero.Init(enabled=use_init):
         model = GPT(cfg)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before_peak
+    peak = host_peak_rss() - before_peak
     held = rss_bytes() - before_now
     return max(peak, held), sum(p.numel() for p in model.parameters()) * 4
 
