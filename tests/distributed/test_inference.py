@@ -195,11 +195,19 @@ def plain_worker(tmp: str) -> dict:
     )
     from_checkpoint = (served(ids) - trained.eval()(ids)).abs().max().item()
     changed = (trained(ids) - reference(ids)).abs().max().item()
+    if torch.distributed.get_rank() == 0:  # the same weights as one consolidated safetensors file
+        zeroshard.checkpoint.convert_zero_checkpoint_to_fp32_state_dict(tmp, f"{tmp}/served.safetensors")
+    torch.distributed.barrier()
+    with zeroshard.init_empty_weights():
+        empty = PlainTransformer()
+    single = zeroshard.init_inference(empty, mp_size=2, checkpoint=f"{tmp}/served.safetensors", injection_policy=POLICY)
+    from_file = (single(ids) - trained(ids)).abs().max().item()
     return {
         "plain": plain,
         "bytes": engine.parameter_bytes(),
         "expected": expected,
         "from_checkpoint": from_checkpoint,
+        "from_file": from_file,
         "changed": changed,
     }
 
@@ -208,6 +216,7 @@ def test_plain_model_with_injection_policy_and_training_checkpoint(tmp_path):
     r = run_distributed(plain_worker, 2, str(tmp_path / "ckpt"), timeout_s=600)[0]
     assert r["plain"] <= TOLERANCE and r["bytes"] == r["expected"]
     assert r["from_checkpoint"] <= TOLERANCE and r["changed"] > 1e-3  # the served weights are the trained ones
+    assert r["from_file"] <= TOLERANCE
 
 
 def loading_worker(directory: str) -> dict:
@@ -230,11 +239,14 @@ def loading_worker(directory: str) -> dict:
         from_state = (state(ids).logits - logits).abs().max().item()
         bf16 = zeroshard.init_inference(hf_model(kind, seed=3), tensor_parallel={"tp_size": 2}, dtype="bf16")
         bf16_logits = bf16(ids).logits
+        fp16 = zeroshard.init_inference(hf_model(kind, seed=3), tensor_parallel={"tp_size": 2}, dtype=torch.float16)
+        fp16_logits = fp16(ids).logits
         out[kind] = {
             "from_dir": from_dir,
             "from_state": from_state,
             "bf16_dtype": str(next(bf16.module.parameters()).dtype),
             "bf16_error": (bf16_logits.float() - logits).abs().max().item() / logits.abs().max().item(),
+            "fp16_error": (fp16_logits.float() - logits).abs().max().item() / logits.abs().max().item(),
         }
     try:
         zeroshard.init_inference(hf_model("gpt2", meta=True), tensor_parallel={"tp_size": 2})
@@ -243,11 +255,12 @@ def loading_worker(directory: str) -> dict:
     return out
 
 
-def test_loading_from_hf_directory_state_dict_and_bf16(tmp_path):
+def test_loading_from_hf_directory_state_dict_and_half_precision(tmp_path):
     r = run_distributed(loading_worker, 2, str(tmp_path), timeout_s=600)[0]
     for kind in ("gpt2", "llama"):
         assert r[kind]["from_dir"] <= TOLERANCE and r[kind]["from_state"] <= TOLERANCE, kind
         assert r[kind]["bf16_dtype"] == "torch.bfloat16" and r[kind]["bf16_error"] < 0.05, kind
+        assert r[kind]["fp16_error"] < 0.01, kind
     assert "on the meta device: pass checkpoint=" in r["meta_without_checkpoint"]
 
 
