@@ -1,6 +1,7 @@
 """Sharded, atomic, pickle-free checkpoints that load on any world size and stage, and their consolidation."""
 
 from .consolidate import (
+    CheckpointTensors,
     convert_zero_checkpoint_to_fp32_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,
     load_state_dict_from_zero_checkpoint,
@@ -9,6 +10,7 @@ from .safetensors_io import CheckpointError
 
 __all__ = [
     "CheckpointError",
+    "CheckpointTensors",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",

@@ -58,14 +58,34 @@ def _materialize(sources: _Sources, manifest: dict, name: str, shape: tuple, whe
     return value.float() if value.is_floating_point() else value
 
 
+class CheckpointTensors:
+    """A checkpoint's fp32 weights and buffers by name, tied aliases included; each ``read`` assembles one
+    tensor from its saved shards, so a reader holds one tensor at a time."""
+
+    def __init__(self, checkpoint_dir: str, tag: Optional[str] = None):
+        self.sources, self.manifest = _open(checkpoint_dir, tag)
+        self.entries = {name: (name, shape, where) for name, shape, where in _entries(self.manifest)}
+        self.aliases = self.manifest.get("aliases", {})
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.entries) | set(self.aliases)
+
+    def read(self, name: str) -> torch.Tensor:
+        return _materialize(self.sources, self.manifest, *self.entries[self.aliases.get(name, name)])
+
+    def close(self) -> None:
+        self.sources.close()
+
+
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
     """The fp32 master weights (and buffers) of a checkpoint as one state dict, tied names included."""
-    sources, manifest = _open(checkpoint_dir, tag)
+    tensors = CheckpointTensors(checkpoint_dir, tag)
     try:
-        state = {name: _materialize(sources, manifest, name, shape, where) for name, shape, where in _entries(manifest)}
+        state = {name: tensors.read(name) for name in tensors.entries}
     finally:
-        sources.close()
-    for alias, name in manifest.get("aliases", {}).items():
+        tensors.close()
+    for alias, name in tensors.aliases.items():
         state[alias] = state[name]
     return state
 

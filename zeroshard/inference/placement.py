@@ -94,12 +94,12 @@ def plan_tensor_parallel(
     _check_head_counts(model, tp_size)
     names = {id(m): n for n, m in model.named_modules()}
     vocab = _vocab_layers(model, names)
-    layers = [
+    weights = {name: model.get_submodule(name).weight for name in vocab}
+    layers = [  # smaller vocabulary layers stay replicated
         LayerPlan(name, style)
         for name, style in vocab.items()
-        if model.get_submodule(name).weight.numel() * model.get_submodule(name).weight.element_size()
-        >= vocab_parallel_min_bytes
-    ]  # smaller ones stay replicated
+        if weights[name].numel() * weights[name].element_size() >= vocab_parallel_min_bytes
+    ]
     if injection_policy is None:
         layers += _automatic(model, set(vocab))
     else:

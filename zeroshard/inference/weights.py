@@ -15,8 +15,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointError
-from ..checkpoint.consolidate import _entries, _materialize, _open
+from ..checkpoint import CheckpointError, CheckpointTensors
 from ..checkpoint.safetensors_io import Reader
 
 
@@ -116,17 +115,14 @@ class ZeroCheckpointSource(WeightSource):
     """A zeroshard training checkpoint: the fp32 master weights (and buffers), one tensor assembled at a time."""
 
     def __init__(self, path: str, tag: Optional[str] = None):
-        self.sources, self.manifest = _open(path, tag)
-        self.entries = {name: (name, shape, where) for name, shape, where in _entries(self.manifest)}
-        for alias, name in self.manifest.get("aliases", {}).items():
-            self.entries[alias] = self.entries[name]
-        self.names = set(self.entries)
+        self.tensors = CheckpointTensors(path, tag)
+        self.names = self.tensors.names
 
     def read(self, name, dim=None, start=0, stop=None):
-        return _narrow(_materialize(self.sources, self.manifest, *self.entries[name]), dim, start, stop)
+        return _narrow(self.tensors.read(name), dim, start, stop)
 
     def close(self):
-        self.sources.close()
+        self.tensors.close()
 
 
 def open_source(checkpoint: Union[None, dict, str, os.PathLike], model: nn.Module) -> WeightSource:
