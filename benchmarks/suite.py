@@ -170,17 +170,17 @@ def run_size(size: str, world: int, steps: int, micro: int, warmup: int, names: 
     timing = None
     if not alone:
         timing = run_distributed(timing_worker, world, cfg, names, steps, micro, warmup, timeout_s=7200, env=ENV)[0]
-    memory = {}
+    by_system = {}  # each system alone: its memory, and its timing when not interleaved
     for name in tqdm(names, desc=f"{size} x {world} ranks", unit="system", leave=False):
         measure = (steps, warmup) if alone else (2, 0)
-        memory[name] = run_distributed(alone_worker, world, cfg, name, micro, *measure, timeout_s=7200, env=ENV)[0]
+        by_system[name] = run_distributed(alone_worker, world, cfg, name, micro, *measure, timeout_s=7200, env=ENV)[0]
     return {
         "params": params,
         "cfg": cfg,
         "world": world,
         "alone": alone,
-        "timing": memory if alone else timing,
-        "memory": memory,
+        "timing": by_system if alone else timing,
+        "memory": by_system,
         "tokens": micro * cfg.block_size * world,
     }
 

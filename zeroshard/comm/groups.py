@@ -53,40 +53,35 @@ def grid_layout(world_size: int, shard_size: Optional[int]) -> list[list[int]]:
     return [list(range(start, start + shard_size)) for start in range(0, world_size, shard_size)]
 
 
+def _own_group(name: str, partition: list, world_size: int) -> Group:
+    """This rank's part of ``partition`` (rank lists covering the world) as a group. Every rank calls this
+    with the same partition: creating a process group is collective over the world. A part that is the
+    whole world uses the default group; a part of one rank needs none (its collectives are skipped)."""
+    rank, mine = get_rank(), None
+    for part in map(tuple, partition):
+        handle = dist.new_group(list(part)) if 1 < len(part) < world_size else None
+        if rank in part:
+            mine = Group(name, part, handle)
+    return mine
+
+
 def build_rank_grid(shard_size: Optional[int] = None) -> RankGrid:
     """Create the groups every rank must create together (collective call)."""
-    world_size, rank = get_world_size(), get_rank()
+    world_size = get_world_size()
     rows = grid_layout(world_size, shard_size)
-    world = Group("world", tuple(range(world_size)), None)
-    if len(rows) == 1:
-        # a replica group of one needs no process group: collectives on a group of one are skipped
-        return RankGrid(world=world, shard=Group("shard", world.ranks, None), replica=Group("replica", (rank,), None))
-    shard = replica = None
-    for row in rows:  # every rank takes part in creating every group
-        handle = dist.new_group(row)
-        if rank in row:
-            shard = Group("shard", tuple(row), handle)
-    for col in zip(*rows):
-        handle = dist.new_group(list(col))
-        if rank in col:
-            replica = Group("replica", tuple(col), handle)
-    return RankGrid(world=world, shard=shard, replica=replica)
+    return RankGrid(
+        world=Group("world", tuple(range(world_size)), None),
+        shard=_own_group("shard", rows, world_size),
+        replica=_own_group("replica", list(zip(*rows)), world_size),
+    )
 
 
 def build_tensor_parallel_group(tp_size: int) -> Group:
-    """Consecutive ranks in groups of ``tp_size`` (a collective call; every rank creates every group)."""
-    world_size, rank = get_world_size(), get_rank()
-    if tp_size > world_size or world_size % tp_size:
+    """Consecutive ranks in groups of ``tp_size`` (a collective call)."""
+    world_size = get_world_size()
+    if world_size % tp_size:
         raise ValueError(
             f"tensor_parallel.tp_size {tp_size} must divide the number of ranks {world_size}: "
             f"launch with a multiple of {tp_size} processes (e.g. zeroshard --num_gpus {tp_size} ...)"
         )
-    rows = grid_layout(world_size, tp_size)
-    if len(rows) == 1:
-        return Group("tensor", tuple(rows[0]), None)
-    mine = None
-    for row in rows:
-        handle = dist.new_group(row) if tp_size > 1 else None
-        if rank in row:
-            mine = Group("tensor", tuple(row), handle)
-    return mine
+    return _own_group("tensor", grid_layout(world_size, tp_size), world_size)
