@@ -1,6 +1,15 @@
 """The communication layer: the only package that imports ``torch.distributed``."""
 
-from .backend import DEFAULT_TIMEOUT, destroy, env_world, get_rank, get_world_size, init_distributed, is_initialized
+from .backend import (
+    DEFAULT_TIMEOUT,
+    destroy,
+    destroy_at_exit,
+    env_world,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_initialized,
+)
 from .collectives import (
     CollectiveError,
     Pending,
@@ -11,7 +20,7 @@ from .collectives import (
     inject_delays,
     reduce_scatter,
 )
-from .groups import Group, RankGrid, build_rank_grid, build_tensor_parallel_group, grid_layout
+from .groups import Group, RankGrid, build_rank_grid, build_tensor_parallel_group, destroy_groups, grid_layout
 from .ledger import LEDGER, CommLedger, OpTotals
 
 
@@ -38,6 +47,8 @@ __all__ = [
     "build_rank_grid",
     "build_tensor_parallel_group",
     "destroy",
+    "destroy_at_exit",
+    "destroy_groups",
     "env_world",
     "get_rank",
     "get_world_size",

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
 from ..accelerator import get_accelerator
+from .trace import announce_exit
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -80,7 +83,40 @@ def init_distributed(
         init_method = "env://"
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     accel.set_device(local_rank)
+    _import_before_joining()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    destroy_at_exit()
+
+
+def _import_before_joining() -> None:
+    """Note [a process group that outlives destroy]: some torch modules (``torch.distributed.nn`` and others that
+    ``torch._dynamo`` pulls in, which the first optimizer construction imports) take ``group=group.WORLD`` as a
+    default argument. Imported after the process group exists, they hold it forever: ``destroy_process_group``
+    then cannot free it, its Gloo worker threads outlive the interpreter, and a worker that drops a finished
+    collective's tensors during interpreter shutdown aborts the process (SIGABRT after a clean run). Imported
+    first, their defaults hold ``None``."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.nn  # noqa: F401
+
+
+_destroy_registered = False  # the interpreter's exit is process-wide, so is this one flag
+
+
+def destroy_at_exit() -> None:
+    """Make sure the process group is torn down when the script ends, whether or not the user does it.
+
+    A process that exits with Gloo's (or NCCL's) threads still running aborts in C++ static destruction
+    ("terminate called without an active exception", SIGABRT), and a scheduler then marks a finished job as
+    failed. ``atexit`` runs after the script's last line, also when the user never calls anything."""
+    global _destroy_registered
+    if not _destroy_registered:
+        _destroy_registered = True
+        atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    # an uncaught exception leaves sys.last_value behind: that rank did not end normally
+    destroy(announce=not hasattr(sys, "last_value"))
 
 
 def is_initialized() -> bool:
@@ -99,9 +135,16 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def destroy() -> None:
-    if is_initialized():
-        dist.destroy_process_group()
+def destroy(announce: bool = True) -> None:
+    """Leave the process group (every group): a local call, ranks may do it at different moments. With
+    ``announce``, first tell the other ranks through the store that this rank's script ended normally, so a rank
+    still waiting in a collective names it as such."""
+    if not is_initialized():
+        return
+    store = default_store()
+    if announce and store is not None:
+        announce_exit(store, get_rank())
+    dist.destroy_process_group()
 
 
 def default_store():

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .backend import default_store, get_rank, get_world_size
 from .groups import Group
 from .ledger import LEDGER
-from .trace import TRACE, diagnose
+from .trace import TRACE, TraceEntry, diagnose
 
 FORENSICS_WAIT_S = 10.0  # how long a failing rank waits for the other ranks' collective traces
 
@@ -49,9 +49,9 @@ class CollectiveError(RuntimeError):
     collective traces, the first rank and call site that diverged."""
 
 
-def _failure(message: str) -> CollectiveError:
+def _failure(message: str, entry: Optional[TraceEntry] = None) -> CollectiveError:
     store = default_store()
-    verdict = diagnose(store, get_rank(), get_world_size(), FORENSICS_WAIT_S) if store is not None else None
+    verdict = diagnose(store, get_rank(), get_world_size(), FORENSICS_WAIT_S, entry) if store is not None else None
     return CollectiveError(message + (f"\n  trace comparison: {verdict}" if verdict else ""))
 
 
@@ -63,6 +63,7 @@ class Pending:
     what: str
     started: float
     finish: Optional[Callable[[], None]] = None  # local work that completes the collective (see _gloo_*)
+    entry: Optional[TraceEntry] = None  # this collective in the trace
 
     def wait(self, timeout: Optional[timedelta] = None) -> None:
         if self.work is None:
@@ -76,7 +77,8 @@ class Pending:
         except RuntimeError as err:
             raise _failure(
                 f"rank {get_rank()}: {self.op} on group '{self.group.name}' (ranks {list(self.group.ranks)}) "
-                f"of {self.what} failed or timed out: {err}"
+                f"of {self.what} failed or timed out: {err}",
+                self.entry,
             ) from err
         finally:
             if LEDGER.timing:
@@ -102,7 +104,7 @@ def _issue(
 ) -> Pending:
     nbytes = tensor.numel() * tensor.element_size()
     LEDGER.record(op, group.name, nbytes, nbytes * wire_factor)
-    TRACE.record(op, group.name, tuple(tensor.shape), str(tensor.dtype))
+    entry = TRACE.record(op, group.name, tuple(tensor.shape), str(tensor.dtype))
     _maybe_delay()
     started = time.perf_counter()
     try:
@@ -110,9 +112,10 @@ def _issue(
     except RuntimeError as err:
         raise _failure(
             f"rank {get_rank()}: {op} on group '{group.name}' (ranks {list(group.ranks)}) of {_describe(tensor)} "
-            f"failed: {err}"
+            f"failed: {err}",
+            entry,
         ) from err
-    pending = Pending(op, group, work, _describe(tensor), started, finish)
+    pending = Pending(op, group, work, _describe(tensor), started, finish, entry)
     if not async_op:
         pending.wait()
     return pending
@@ -218,8 +221,10 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
 def barrier(group: Group) -> None:
     if group.size > 1:
         LEDGER.record("barrier", group.name, 0, 0.0)
-        TRACE.record("barrier", group.name, (), "")
+        entry = TRACE.record("barrier", group.name, (), "")
         try:
             dist.barrier(group=group.handle)
         except RuntimeError as err:
-            raise _failure(f"rank {get_rank()}: barrier on group '{group.name}' failed or timed out: {err}") from err
+            raise _failure(
+                f"rank {get_rank()}: barrier on group '{group.name}' failed or timed out: {err}", entry
+            ) from err

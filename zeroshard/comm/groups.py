@@ -76,6 +76,15 @@ def build_rank_grid(shard_size: Optional[int] = None) -> RankGrid:
     )
 
 
+def destroy_groups(grid: RankGrid) -> None:
+    """Tear down the process groups ``build_rank_grid`` created (the default group stays: it is not ours)."""
+    if not dist.is_initialized():
+        return
+    for group in {grid.shard, grid.replica}:
+        if group.handle is not None:
+            dist.destroy_process_group(group.handle)
+
+
 def build_tensor_parallel_group(tp_size: int) -> Group:
     """Consecutive ranks in groups of ``tp_size`` (a collective call)."""
     world_size = get_world_size()

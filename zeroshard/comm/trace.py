@@ -17,7 +17,11 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(_COMM_DIR)
+_TORCH_DIR = os.path.dirname(os.path.abspath(__import__("torch").__file__))
+_INTERNAL = (_PACKAGE_DIR + os.sep, _TORCH_DIR + os.sep)  # frames between the user's code and the collective
 _KEY = "zeroshard/trace/{rank}"
+_EXIT_KEY = "zeroshard/exit/{rank}"  # set by a rank whose script ended normally: its last collective's number
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,7 @@ class TraceEntry:
     group: str
     shape: tuple
     dtype: str
-    site: str  # file:line of the code that issued it (the first frame outside zeroshard.comm)
+    site: str  # the user's file:line (first frame outside zeroshard), with the zeroshard frame beside it
 
     def signature(self) -> tuple:
         return (self.op, self.group, tuple(self.shape), self.dtype)
@@ -37,14 +41,32 @@ class TraceEntry:
         return f"{self.op} on '{self.group}'{what} at {self.site}"
 
 
+def _where(frame) -> str:
+    name = frame.f_code.co_filename
+    if name.startswith("<"):
+        return f"{name}:{frame.f_lineno}"
+    path = os.path.abspath(name)
+    if path.startswith(_PACKAGE_DIR + os.sep):
+        path = os.path.join("zeroshard", os.path.relpath(path, _PACKAGE_DIR))
+    else:
+        path = os.path.relpath(path)
+    return f"{path}:{frame.f_lineno}"
+
+
 def _call_site() -> str:
+    """``train.py:12``, or ``train.py:12 (zeroshard/zero/flat_group.py:150)`` when zeroshard code issued the
+    collective on the user's behalf: the user's frame says which step of their script, ours which mechanism."""
     frame = sys._getframe(2)
     while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _COMM_DIR:
         frame = frame.f_back
+    ours = None
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL):
+        if ours is None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+            ours = frame
+        frame = frame.f_back
     if frame is None:
-        return "?"
-    name = frame.f_code.co_filename
-    return f"{name if name.startswith('<') else os.path.relpath(name)}:{frame.f_lineno}"
+        return _where(ours) if ours is not None else "?"
+    return _where(frame) + (f" ({_where(ours)})" if ours is not None else "")
 
 
 class CollectiveTrace:
@@ -54,9 +76,11 @@ class CollectiveTrace:
         self.entries: deque[TraceEntry] = deque(maxlen=size)
         self.seq = 0
 
-    def record(self, op: str, group: str, shape: tuple, dtype: str) -> None:
+    def record(self, op: str, group: str, shape: tuple, dtype: str) -> TraceEntry:
         self.seq += 1
-        self.entries.append(TraceEntry(self.seq, op, group, tuple(shape), dtype, _call_site()))
+        entry = TraceEntry(self.seq, op, group, tuple(shape), dtype, _call_site())
+        self.entries.append(entry)
+        return entry
 
     def to_json(self) -> str:
         return json.dumps([asdict(e) for e in self.entries])
@@ -73,12 +97,26 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
 
-def describe_divergence(traces: dict[int, list[TraceEntry]], world_size: int) -> str:
-    """Name the first collective the ranks disagree on, and the ranks that did not report."""
-    silent = [r for r in range(world_size) if r not in traces]
+def describe_divergence(
+    traces: dict[int, list[TraceEntry]],
+    world_size: int,
+    exited: Optional[dict[int, int]] = None,
+    waiting: Optional[tuple[int, TraceEntry]] = None,
+) -> str:
+    """Name the ranks whose script ended (``exited``: rank -> number of its last collective) and where the
+    failing rank waits (``waiting``: rank, entry), then the first collective the still-running ranks disagree
+    on, and the ranks that did not report."""
+    exited = exited or {}
+    lead = [f"rank {r} exited normally after collective #{seq} (its script ended)" for r, seq in sorted(exited.items())]
+    if exited and waiting is not None:
+        rank, entry = waiting
+        lead.append(f"rank {rank} is waiting in collective #{entry.seq} {entry.describe()}")
+    silent = [r for r in range(world_size) if r not in traces and r not in exited]
     notes = [f"{_ranks(silent)} did not report (exited, crashed, or stuck outside a collective)"] if silent else []
+    notes = [*lead, *notes]
+    traces = {r: t for r, t in traces.items() if r not in exited}
     reporting = {r: {e.seq: e for e in entries} for r, entries in traces.items()}
-    if not reporting:
+    if not reporting or (lead and len(reporting) == 1):
         return "; ".join(notes)
     first = max(min(t) if t else 1 for t in reporting.values())  # oldest collective every buffer still holds
     last = max(max(t) if t else 0 for t in reporting.values())
@@ -106,22 +144,34 @@ def describe_divergence(traces: dict[int, list[TraceEntry]], world_size: int) ->
             theirs = f"{_ranks(agreed)} issued none"
         else:
             theirs = f"{_ranks(agreed)} called {reporting[agreed[0]][seq].describe()}"
-        return "; ".join([f"collective #{seq}: " + "; ".join(parts) + f" while {theirs}", *notes])
+        return "; ".join([*lead, f"collective #{seq}: " + "; ".join(parts) + f" while {theirs}", *notes[len(lead) :]])
     tail = next(iter(reporting.values()))
     last_entry = tail.get(last)
     agreed = f"the reporting ranks agree on their last {last - first + 1} collective(s)"
     if last_entry is not None:
         agreed += f" (last: #{last} {last_entry.describe()})"
-    return "; ".join([agreed, *notes])
+    return "; ".join([*lead, agreed, *notes[len(lead) :]])
 
 
-def diagnose(store, rank: int, world_size: int, wait_s: float) -> str:
-    """Publish this rank's trace, collect the others' for up to ``wait_s`` seconds, describe the divergence."""
+def announce_exit(store, rank: int) -> None:
+    """A rank whose script ended normally says so, with its trace, before it leaves: a rank still waiting in a
+    collective then reads "rank 1 exited normally after collective #13" instead of "did not report"."""
+    try:
+        store.set(_KEY.format(rank=rank), TRACE.to_json())
+        store.set(_EXIT_KEY.format(rank=rank), str(TRACE.seq))
+    except Exception:  # noqa: BLE001 - the store may already be gone (its host rank ended first)
+        pass
+
+
+def diagnose(store, rank: int, world_size: int, wait_s: float, waiting: Optional[TraceEntry] = None) -> str:
+    """Publish this rank's trace, collect the others' (and their exit notes) for up to ``wait_s`` seconds,
+    describe the divergence. ``waiting`` is the collective this rank failed in."""
     try:
         store.set(_KEY.format(rank=rank), TRACE.to_json())
     except Exception as err:  # noqa: BLE001 - the store may be gone with a dead rank 0
         return f"(no trace comparison: the store is unreachable: {err})"
     traces = {rank: list(TRACE.entries)}
+    exited: dict[int, int] = {}
     deadline = time.monotonic() + wait_s
     pending = [r for r in range(world_size) if r != rank]
     while pending and time.monotonic() < deadline:
@@ -136,4 +186,10 @@ def diagnose(store, rank: int, world_size: int, wait_s: float) -> str:
                 break
         if pending:
             time.sleep(0.2)
-    return describe_divergence(traces, world_size)
+    for other in traces:
+        try:
+            if other != rank and store.check([_EXIT_KEY.format(rank=other)]):
+                exited[other] = int(store.get(_EXIT_KEY.format(rank=other)).decode())
+        except Exception:  # noqa: BLE001
+            break
+    return describe_divergence(traces, world_size, exited, (rank, waiting) if waiting is not None else None)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
+import weakref
 from collections import defaultdict
 from typing import Any, Optional
 
@@ -65,6 +67,11 @@ class ZeroshardEngine(torch.nn.Module):
         self._sample_memory()
         if self.config.comms_logger.enabled:
             comm.LEDGER.timing = True
+        self._destroyed = False
+        # a script that never calls destroy() still releases the engine before the process group goes
+        # (atexit runs handlers last-registered first); a weak reference, so the hook keeps nothing alive
+        self._at_exit = _weak_call(weakref.WeakMethod(self.destroy))
+        atexit.register(self._at_exit)
 
     # -- the training loop ----------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -100,11 +107,12 @@ class ZeroshardEngine(torch.nn.Module):
             raise RuntimeError("engine.backward needs an optimizer: pass optimizer= or add an 'optimizer' config block")
         started = time.perf_counter()
         self._last_loss = loss.detach().float().item()
-        self.zero.begin_backward(self.is_gradient_accumulation_boundary())
         scale = self.zero.loss_scaler.scale
         if scale_wrt_gas:
             scale /= self.batch.gradient_accumulation_steps
-        (loss.float() * scale).backward(retain_graph=retain_graph)
+        scaled = loss.float() * scale
+        self.zero.begin_backward(self.is_gradient_accumulation_boundary(), scaled)
+        scaled.backward(retain_graph=retain_graph)
         self._sample_memory()
         reduce_started = time.perf_counter()
         self.zero.end_backward()
@@ -180,6 +188,21 @@ class ZeroshardEngine(torch.nn.Module):
             self.zero.zero_grad()
         else:
             self.module.zero_grad(set_to_none=True)
+
+    def destroy(self) -> None:
+        """Release what the engine holds (DeepSpeed's name): finish reductions in flight, remove the gradient
+        and stage-3 module hooks (under stage 3 the module is unusable afterwards), and tear down the process
+        groups it created. Idempotent; also run at interpreter exit for scripts that never call it."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        atexit.unregister(self._at_exit)
+        if self.zero is not None:
+            self.zero.destroy()
+        if self.stage3 is not None:
+            self.stage3.destroy()
+        comm.destroy_groups(self.grid)
+        self.monitors.close()
 
     # -- state queries (DeepSpeed names) --------------------------------------------------------
     @property
@@ -284,3 +307,12 @@ class ZeroshardEngine(torch.nn.Module):
     def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
         """The same, split by where it lives: ``device``, ``host`` (offloaded) and ``nvme`` (swap files)."""
         return self.zero.state_bytes_by_location() if self.zero else {}
+
+
+def _weak_call(method: weakref.WeakMethod):
+    def call() -> None:
+        bound = method()
+        if bound is not None:
+            bound()
+
+    return call

@@ -145,6 +145,7 @@ def initialize(
         if dist_init_required is False:
             raise ValueError("dist_init_required=False but torch.distributed is not initialized")
         comm.init_distributed()
+    comm.destroy_at_exit()  # also when the caller (Lightning, accelerate, a user) created the process group
     parsed = parse_config(source)
     zero_cfg = parsed.zero_optimization
 

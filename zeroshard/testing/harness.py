@@ -55,6 +55,7 @@ def _worker(
         comm.init_distributed(
             init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=comm_timeout_s)
         )
+        (Path(out_dir) / f"rank{rank}.started").touch()
         value = fn(*args)
         payload = ("ok", value)
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
@@ -62,7 +63,7 @@ def _worker(
     with open(result_path, "wb") as f:
         pickle.dump(payload, f)
     try:
-        comm.destroy()
+        comm.destroy(announce=payload[0] == "ok")
     except Exception:
         pass
 
@@ -74,10 +75,13 @@ def run_distributed(
     timeout_s: float = 240.0,
     comm_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
+    start_timeout_s: float = 600.0,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks; return the per-rank results in rank order.
 
-    ``fn`` must be importable (module level) and its results picklable (CPU tensors are fine).
+    ``fn`` must be importable (module level) and its results picklable (CPU tensors are fine). ``timeout_s``
+    counts from the moment every rank has joined the process group: spawning and importing torch take
+    seconds to minutes on a loaded machine and are bounded separately by ``start_timeout_s``.
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="zeroshard-test-") as tmp:
@@ -90,9 +94,12 @@ def run_distributed(
         ]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + start_timeout_s + timeout_s
+        started = False
         failed_early = None
         while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+            if not started and all((Path(tmp) / f"rank{r}.started").exists() for r in range(world_size)):
+                started, deadline = True, time.monotonic() + timeout_s
             for rank, p in enumerate(procs):
                 if not p.is_alive() and failed_early is None:
                     payload = _read(tmp, rank)
@@ -125,6 +132,10 @@ def run_distributed(
         if errors:
             suffix = f"\n(ranks {hung} were still running and were killed)" if hung else ""
             raise WorkerError("\n".join(errors) + suffix)
+        if hung and not started:
+            raise WorkerHang(
+                f"ranks {hung} of {world_size} did not start within {start_timeout_s:.0f}s and were killed"
+            )
         if hung:
             raise WorkerHang(f"ranks {hung} of {world_size} did not finish within {timeout_s:.0f}s and were killed")
         return results

@@ -104,7 +104,11 @@ class FlatGroup:
             self.shard = None
         self.state = GradState.EMPTY
         self._staging: Optional[torch.Tensor] = None
-        self._filled = [False] * len(params)
+        # Gradient contributions per parameter in this backward, and how many the last backward brought. A
+        # parameter recomputed by reentrant activation checkpointing gets one per recomputation (each nested
+        # backward fires its hook), so one arrival does not always mean its gradient is final.
+        self.arrived = [0] * len(params)
+        self.expected: list[Optional[int]] = [None] * len(params)  # None: not yet seen in a backward
         self._reduced: Optional[torch.Tensor] = None
         self._pending: Optional[comm.Pending] = None
 
@@ -169,24 +173,30 @@ class FlatGroup:
 
     @property
     def complete(self) -> bool:
-        """Every parameter's gradient is staged: the reduction can start."""
-        return all(self._filled)
+        """Every parameter brought as many gradient contributions as in the last backward (one, before the first):
+        the reduction can start."""
+        return all(n >= (e or 1) for n, e in zip(self.arrived, self.expected))
 
     def stage_grad(self, position: int, grad: torch.Tensor) -> None:
+        """Stage one gradient contribution; a second one for the same parameter (a reentrant recomputation) adds."""
         slot = self.layout.slots[position]
         if self._staging is None:
             self._staging = torch.empty(self.layout.padded_numel, dtype=self.policy.reduce, device=self.device)
             self.state = GradState.STAGING
-        self._staging[slot.offset : slot.end].copy_(grad.reshape(-1))
-        self._filled[position] = True
+        target = self._staging[slot.offset : slot.end]
+        if self.arrived[position]:
+            target.add_(grad.reshape(-1))
+        else:
+            target.copy_(grad.reshape(-1))
+        self.arrived[position] += 1
 
     def launch_reduce(self, predivide: float, async_op: bool) -> None:
         """Issue the reduction; parameters whose gradient never arrived (unused this step) count as zero."""
         if self._staging is None:
             self._staging = torch.zeros(self.layout.padded_numel, dtype=self.policy.reduce, device=self.device)
         else:
-            for slot, filled in zip(self.layout.slots, self._filled):
-                if not filled:
+            for slot, arrived in zip(self.layout.slots, self.arrived):
+                if not arrived:
                     self._staging[slot.offset : slot.end].zero_()
             self._staging[self.layout.numel :].zero_()
         if predivide != 1.0:
@@ -208,7 +218,8 @@ class FlatGroup:
         comm.all_reduce(self._reduced, self.replica_group)
         self.grad.add_(self._reduced.to(self.grad.device), alpha=post_scale)
         self._staging = self._reduced = self._pending = None
-        self._filled = [False] * len(self.params)
+        self.expected = [n or e for n, e in zip(self.arrived, self.expected)]  # learned for the next backward
+        self.arrived = [0] * len(self.params)
         self.state = GradState.EMPTY
 
     def write_shard(self, start: int, values: torch.Tensor) -> None:

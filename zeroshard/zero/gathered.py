@@ -21,6 +21,12 @@ def register(flat: FlatGroup) -> None:
         weakref.finalize(param, OWNERS.pop, id(param), None)
 
 
+def unregister(flat: FlatGroup) -> None:
+    for param in flat.params:
+        if OWNERS.get(id(param)) is flat:
+            del OWNERS[id(param)]
+
+
 class GatheredParameters:
     """Gather the given parameters on enter and re-partition them on exit (a no-op for whole parameters).
 

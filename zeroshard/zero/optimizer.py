@@ -148,7 +148,8 @@ class ZeroOptimizer:
         shard_home = self.offload.shard_homes(policy.compute, largest)
         self.flat_groups: list[FlatGroup] = []
         self.subgroups: list[SubGroup] = []  # what the optimizer steps, in flat-group order
-        self._owner: dict[torch.nn.Parameter, tuple[FlatGroup, int]] = {}
+        self._owner: dict[torch.nn.Parameter, tuple[int, int]] = {}  # parameter -> (flat group index, position)
+        self.param_names = param_names
         opt_params: list[list[torch.Tensor]] = [[] for _ in param_groups]
         for plan, layout in zip(plans, layouts):
             if materialize is not None:
@@ -172,7 +173,7 @@ class ZeroOptimizer:
                 opt_params[plan.group_index].append(sub.param)
                 self.subgroups.append(sub)
             for position, param in enumerate(plan.params):
-                self._owner[param] = (flat, position)
+                self._owner[param] = (len(self.flat_groups) - 1, position)
         self._subgroups_of = [[s for s in self.subgroups if s.flat_index == k] for k in range(len(self.flat_groups))]
         master_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(param_groups, opt_params)
@@ -196,6 +197,8 @@ class ZeroOptimizer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._owner]
         self._reducing = False
         self._next_launch = 0
+        self._outer_task: Optional[int] = None  # autograd graph task of the engine's backward call
+        self._launch_limit = 0  # flat groups from this index wait for the end of backward (see _on_grad)
         self._in_flight: deque[FlatGroup] = deque()  # reductions launched, not yet accumulated
         self.global_grad_norm: Optional[float] = None
 
@@ -222,17 +225,45 @@ class ZeroOptimizer:
         return subs
 
     # -- gradient arrival and reduction -------------------------------------------------------
-    def begin_backward(self, boundary: bool) -> None:
+    def begin_backward(self, boundary: bool, root: torch.Tensor) -> None:
+        """Called before ``root.backward()``; ``root`` tells which autograd graph task is the outer backward."""
         self._reducing = boundary or self.stage_policy.reduce_every_micro_step
         self._next_launch = 0
+        self._launch_limit = len(self.flat_groups)
+        self._outer_task = None
+        if root.requires_grad:
+            root.register_hook(self._note_outer_task)
+
+    def _note_outer_task(self, grad: torch.Tensor) -> None:
+        self._outer_task = torch._C._current_graph_task_id()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
+        """Note [gradient contributions]: a parameter's hook fires once per backward graph that reaches it. In
+        one graph, autograd sums all uses first; but reentrant activation checkpointing (``use_reentrant=True``)
+        recomputes each region and runs a nested backward for it, so a parameter used in k such regions fires k
+        times. Contributions are added in staging; a flat group is reduced once every parameter brought as many
+        as in the last backward. The first time a parameter's gradient comes from a nested backward, how many
+        will follow is unknown: that flat group (and, to keep every rank's collectives in one order, the ones
+        after it) waits for the end of backward. A contribution after its group's reduction started is refused."""
         if not self._reducing:
             return  # gradients accumulate in param.grad until the boundary
-        flat, position = self._owner[param]
+        index, position = self._owner[param]
+        flat = self.flat_groups[index]
+        if index < self._next_launch:
+            raise RuntimeError(
+                f"rank {comm.get_rank()}: parameter '{self.param_names[param]}' received another gradient after "
+                "its reduction had started: it is used again in a later part of backward (e.g. both inside and "
+                "outside a reentrant activation checkpoint), whose gradient zeroshard cannot add any more. Use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
+        nested = torch._C._current_graph_task_id() != self._outer_task
+        if nested and flat.expected[position] is None:
+            self._launch_limit = min(self._launch_limit, index)
+        was_complete = flat.complete
         flat.stage_grad(position, param.grad)
         param.grad = None
-        if flat.complete and self.on_flat_group_complete is not None:
+        if flat.complete and not was_complete and self.on_flat_group_complete is not None:
+            # only on becoming complete: a further recomputation, gathered again, still needs its weights
             self.on_flat_group_complete(flat)
         self._launch_ready()
 
@@ -242,7 +273,7 @@ class ZeroOptimizer:
         skip unused parameters). At most ``MAX_IN_FLIGHT`` reductions (none without ``overlap_comm``) stay
         pending, so staging memory is a few buckets, never the whole model's gradients."""
         limit = MAX_IN_FLIGHT if self.overlap_comm else 0
-        while self._next_launch < len(self.flat_groups) and self.flat_groups[self._next_launch].complete:
+        while self._next_launch < self._launch_limit and self.flat_groups[self._next_launch].complete:
             flat = self.flat_groups[self._next_launch]
             flat.launch_reduce(self.predivide, async_op=self.overlap_comm)
             self._in_flight.append(flat)
@@ -328,6 +359,16 @@ class ZeroOptimizer:
             flat.grad.zero_()
             for param in flat.params:
                 param.grad = None
+
+    def destroy(self) -> None:
+        """Finish the reductions still in flight and remove the gradient hooks (see ``ZeroshardEngine.destroy``)."""
+        while self._in_flight:
+            self._in_flight.popleft().finish_reduce(self.predivide / self.grid.world.size)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for flat in self.flat_groups:
+            gathered.unregister(flat)
 
     # -- introspection ----------------------------------------------------------------------
     @property

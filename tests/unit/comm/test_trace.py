@@ -39,3 +39,14 @@ def test_trace_round_trips_and_records_the_caller():
     loaded = CollectiveTrace.from_json(trace.to_json())
     assert [e.seq for e in loaded] == [2, 3] and loaded[0].shape == (2, 3)
     assert loaded[0].site.startswith("tests/unit/comm/test_trace.py:")  # the code that issued it
+
+
+def test_a_rank_that_exited_normally_and_where_the_others_wait():
+    traces = {0: entries("all_reduce", "all_reduce", "reduce_scatter"), 1: entries("all_reduce", "all_reduce")}
+    waiting = traces[0][-1]
+    text = describe_divergence(traces, 2, exited={1: 2}, waiting=(0, waiting))
+    assert text.startswith(
+        "rank 1 exited normally after collective #2 (its script ended); rank 0 is waiting in collective #3 "
+        "reduce_scatter on 'world' of (4,) float32 at train.py:12"
+    ), text
+    assert "did not report" not in text

@@ -1,3 +1,4 @@
+import pytest
 import torch.nn as nn
 
 from zeroshard.testing.models import GPT, GPTConfig
@@ -14,8 +15,33 @@ def test_size_threshold_is_bottom_up():
     model = GPT(CFG)
     block = sum(p.numel() for p in model.blocks[0].parameters())
     assert choose_unit_modules(model, frozenset(), block) == ["blocks.0", "blocks.1", "blocks.2"]
-    # a threshold above a block but below three blocks makes the ModuleList one unit
-    assert choose_unit_modules(model, frozenset(), 2 * block) == ["blocks"]
+    # above a block but below three blocks: the ModuleList is never called, so it is never a unit; the
+    # blocks' parameters pass up to the root
+    assert choose_unit_modules(model, frozenset(), 2 * block) == []
+
+
+def test_leftovers_of_a_container_go_to_the_nearest_ancestor_that_runs():
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)})
+
+        def forward(self, x):
+            return self.layers["b"](self.layers["a"](x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = Body()
+            self.head = nn.Linear(8, 2)
+
+    # each Linear (72 parameters) is below the threshold, the ModuleDict (144) reaches it but never runs
+    assert choose_unit_modules(Net(), frozenset(), 100) == ["body"]
+
+
+def test_container_class_as_unit_class_is_refused():
+    with pytest.raises(ValueError, match=r"container class\(es\) \['ModuleList'\]"):
+        choose_unit_modules(GPT(CFG), frozenset({"ModuleList"}), 0)
 
 
 def test_every_parameter_in_exactly_one_unit_and_tied_weights_in_root():

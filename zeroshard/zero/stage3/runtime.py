@@ -150,6 +150,13 @@ class Stage3Runtime:
         if unit is not None and unit is not self.root_unit and unit.grads_complete:
             self._free(unit)
 
+    def destroy(self) -> None:
+        """Remove the module hooks; nothing stays gathered."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.release_all()
+
     def release_all(self) -> None:
         """End of backward (or of a no-grad forward): nothing stays gathered."""
         for unit in [self.root_unit, *self.units]:

@@ -16,10 +16,24 @@ class UnitPlan:
     params: list[nn.Parameter] = field(default_factory=list)
 
 
+def runs(module: nn.Module) -> bool:
+    """Whether calling the module runs code of its own. Containers (``ModuleList``, ``ModuleDict``,
+    ``ParameterList``, ...) keep ``nn.Module``'s unimplemented ``forward``: they are never called, so the
+    hooks that gather a unit before it runs would never fire for them."""
+    return type(module).forward is not nn.Module.forward
+
+
 def choose_unit_modules(root: nn.Module, unit_classes: frozenset[str], min_params: int) -> list[str]:
     """Module paths that become units, pre-order. With ``unit_classes`` exactly the modules of those class
-    names; otherwise, bottom-up, each module whose parameters not yet claimed by a unit below reach
-    ``min_params`` (the way FSDP's size-based wrap policy works)."""
+    names; otherwise, bottom-up, each module that runs and whose parameters not yet claimed by a unit below
+    reach ``min_params`` (the way FSDP's size-based wrap policy works). A container never becomes a unit:
+    its parameters and its children's leftovers pass up to the nearest ancestor that runs (or the root)."""
+    containers = sorted({type(m).__name__ for m in root.modules() if type(m).__name__ in unit_classes and not runs(m)})
+    if containers:
+        raise ValueError(
+            f"gather_unit_classes names container class(es) {containers}: a container is never called, so its "
+            "parameters could never be gathered before use; name the block class it holds instead"
+        )
     chosen: set[str] = set()
 
     def visit(module: nn.Module, path: str) -> int:
@@ -28,7 +42,7 @@ def choose_unit_modules(root: nn.Module, unit_classes: frozenset[str], min_param
             remaining += visit(child, f"{path}.{child_name}" if path else child_name)
         if not path:
             return remaining
-        is_unit = type(module).__name__ in unit_classes if unit_classes else remaining >= min_params
+        is_unit = type(module).__name__ in unit_classes if unit_classes else remaining >= min_params and runs(module)
         if is_unit:
             chosen.add(path)
             return 0
