@@ -35,6 +35,8 @@ def _open(checkpoint_dir: str, tag: Optional[str]) -> tuple[_Sources, dict]:
     if tag is None:
         raise CheckpointError(f"{checkpoint_dir} has no 'latest' file; pass tag=")
     path = os.path.join(checkpoint_dir, tag)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
     manifest = read_manifest(path)
     return _Sources(path, manifest), manifest
 

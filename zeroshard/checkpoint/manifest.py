@@ -8,9 +8,20 @@ or stage reads, for each of its own shard segments, exactly the pieces that over
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
 from dataclasses import dataclass
+from typing import Any, Optional
 
-FORMAT = "zeroshard-checkpoint/1"
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, conint, conlist
+
+from .safetensors_io import CheckpointError
+
+FORMAT = "zeroshard-checkpoint/2"  # /2: the manifest and every file header carry checksums
+_TORCH_DTYPES = {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+_RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
 
 
 def rank_file(rank: int) -> str:
@@ -30,7 +41,166 @@ class Piece:
 
     @classmethod
     def from_json(cls, value: list) -> "Piece":
-        return cls(*value)
+        return cls(*value)  # validated (types and bounds) by ``validate`` when the manifest was read
+
+
+def plain_name(value: str, what: str, where: str) -> str:
+    """A file name or tag must name an entry *inside* the checkpoint directory: no separators, no '..', not
+    absolute. Anything else would let an edited manifest (or 'latest') read files from elsewhere."""
+    if (
+        not isinstance(value, str)
+        or not value
+        or value in (".", "..")
+        or "/" in value
+        or "\\" in value
+        or (os.altsep and os.altsep in value)
+        or "\x00" in value
+    ):
+        raise CheckpointError(f"{where}: {what} {value!r} is not a plain name inside the checkpoint directory")
+    return value
+
+
+# -- the manifest's schema: what a loader may rely on, checked before anything is read -----------------
+NonNegative = conint(ge=0, strict=True)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class FileEntry(_Strict):
+    size: NonNegative
+    header_crc: NonNegative
+    crc: dict[str, NonNegative]
+
+
+class ParamEntry(_Strict):
+    pieces: list[conlist(Any, min_length=5, max_length=5)]
+    shape: list[NonNegative]
+    dtype: str
+
+
+class ModuleTensorEntry(_Strict):
+    file: str
+    key: str
+    shape: list[NonNegative]
+    dtype: str
+
+
+class Counters(_Strict):
+    global_steps: NonNegative
+    global_samples: NonNegative
+    skipped_steps: NonNegative
+    micro_steps: NonNegative
+
+
+class FlatGroupState(_Strict):
+    group: NonNegative
+    state_keys: list[str]
+    scalars: dict[str, dict]
+
+
+class OptimizerState(_Strict):
+    param_groups: list[dict]
+    flat_groups: list[FlatGroupState]
+
+
+class Manifest(_Loose):
+    format: str
+    tag: str
+    world_size: conint(ge=1, strict=True)
+    stage: conint(ge=0, le=3, strict=True)
+    shard_group_size: conint(ge=1, strict=True)
+    counters: Counters
+    loss_scaler: Optional[dict]
+    lr_scheduler: Any
+    optimizer: OptimizerState
+    params: dict[str, ParamEntry]
+    module_tensors: dict[str, ModuleTensorEntry]
+    files: dict[str, FileEntry]
+    python_rng: dict[str, list]
+    aliases: dict[str, str]
+    config: dict
+    client_state: dict
+    sampler: Optional[dict] = Field(default=None)
+
+
+def _digest(body: dict) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def seal(body: dict) -> dict:
+    """The manifest as written: its body plus a checksum over it."""
+    return {**body, "checksum": _digest(body)}
+
+
+def validate(data: Any, where: str) -> dict:
+    """Check a loaded manifest completely before any of it is used: its own checksum, its structure, and
+    every piece against the parameter it fills and the file list. Returns the body (without the checksum).
+    Each problem is a :class:`CheckpointError` naming ``where`` and the field."""
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{where}: the manifest is a {type(data).__name__}, expected a JSON object")
+    if data.get("format") != FORMAT:
+        found = data.get("format")
+        hint = " (written by an older zeroshard: load it with that version and save again)" if found else ""
+        raise CheckpointError(f"{where}: unknown format {found!r}, expected {FORMAT!r}{hint}")
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    try:
+        expected = _digest(body)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}: the manifest holds values JSON cannot carry ({err})") from None
+    if data.get("checksum") != expected:
+        raise CheckpointError(f"{where}: the manifest fails its checksum (edited or damaged after it was written)")
+    try:
+        manifest = Manifest.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        raise CheckpointError(f"{where}: field '{field}': {first['msg']}") from None
+    for name in manifest.files:
+        plain_name(name, "file", where)
+        if not _RANK_FILE.fullmatch(name):
+            raise CheckpointError(f"{where}: file {name!r} is not a rank file (rankNNNNN.safetensors)")
+    for name, entry in manifest.params.items():
+        if entry.dtype not in _TORCH_DTYPES:
+            raise CheckpointError(f"{where}: parameter '{name}' has unknown dtype {entry.dtype!r}")
+        _check_pieces(name, entry, manifest.files, where)
+    for name, entry in manifest.module_tensors.items():
+        if entry.file not in manifest.files:
+            raise CheckpointError(f"{where}: module tensor '{name}' names file {entry.file!r}, not in 'files'")
+        if entry.dtype not in _TORCH_DTYPES:
+            raise CheckpointError(f"{where}: module tensor '{name}' has unknown dtype {entry.dtype!r}")
+        plain_name(entry.file, "file", where)
+    for alias, name in manifest.aliases.items():
+        if name not in manifest.params and name not in manifest.module_tensors:
+            raise CheckpointError(f"{where}: alias '{alias}' names '{name}', which the checkpoint does not hold")
+    return body
+
+
+def _check_pieces(name: str, entry: ParamEntry, files: dict, where: str) -> None:
+    numel = 1
+    for dim in entry.shape:
+        numel *= dim
+    field = f"params.{name}.pieces"
+    for i, raw in enumerate(entry.pieces):
+        file, key, tensor_offset, param_offset, count = raw
+        if not (isinstance(file, str) and isinstance(key, str)):
+            raise CheckpointError(f"{where}: {field}[{i}]: file and key must be strings")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (tensor_offset, param_offset, count)):
+            raise CheckpointError(f"{where}: {field}[{i}]: offsets and count must be integers")
+        plain_name(file, "file", where)
+        if file not in files:
+            raise CheckpointError(f"{where}: {field}[{i}] names file {file!r}, which 'files' does not list")
+        if tensor_offset < 0 or param_offset < 0 or count <= 0 or param_offset + count > numel:
+            raise CheckpointError(
+                f"{where}: {field}[{i}] (tensor offset {tensor_offset}, parameter offset {param_offset}, {count} "
+                f"elements) lies outside parameter '{name}' of {numel} elements"
+            )
 
 
 def pieces_for(layout, flat_key: str, writer_files: list[str]) -> dict[str, list[Piece]]:

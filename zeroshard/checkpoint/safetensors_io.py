@@ -12,6 +12,7 @@ import json
 import os
 import struct
 import zlib
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -40,13 +41,19 @@ def _raw(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+@dataclass(frozen=True)
+class Written:
+    header_crc: int  # crc32 of the JSON header: names, dtypes, shapes and offsets
+    crcs: dict[str, int]  # crc32 of each tensor's bytes
+
+
 def write(
     path: str,
     tensors: Iterable[tuple[str, torch.Tensor]],
     specs: list[tuple[str, torch.dtype, tuple]],
     metadata: Optional[dict[str, str]] = None,
-) -> dict[str, int]:
-    """Write tensors (produced lazily, in ``specs`` order) to ``path`` and fsync; returns crc32 per name."""
+) -> Written:
+    """Write tensors (produced lazily, in ``specs`` order) to ``path`` and fsync; returns the checksums."""
     header, offset = {}, 0
     for name, dtype, shape in specs:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -68,13 +75,35 @@ def write(
             f.write(raw)
         f.flush()
         os.fsync(f.fileno())
-    return crcs
+    return Written(zlib.crc32(blob), crcs)
+
+
+def _check_entry(name: str, entry) -> None:
+    """One header entry is well formed: a known dtype, a shape, and offsets spanning exactly its bytes."""
+    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
+        raise ValueError(f"tensor '{name}': unknown dtype {entry.get('dtype') if isinstance(entry, dict) else entry!r}")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ValueError(f"tensor '{name}': bad shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise ValueError(f"tensor '{name}': bad data_offsets {offsets!r}")
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=DTYPES[entry["dtype"]]).element_size()
+    if offsets[1] - offsets[0] != nbytes:
+        span = offsets[1] - offsets[0]
+        raise ValueError(f"tensor '{name}': data_offsets span {span} bytes, dtype and shape give {nbytes}")
 
 
 class Reader:
     """Random access to one safetensors file; every read names the file and tensor when it fails."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, header_crc: Optional[int] = None):
+        """``header_crc``, when the caller knows it (a zeroshard manifest does), must match the header's crc32:
+        the data checksums cannot catch an edited dtype or shape, the header checksum does."""
         self.path = path
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint file {path} is missing")
@@ -84,12 +113,25 @@ class Reader:
             (length,) = struct.unpack("<Q", self._file.read(8))
             if length > self.size - 8:
                 raise ValueError(f"header of {length} bytes in a {self.size}-byte file")
-            self.header = json.loads(self._file.read(length))
+            blob = self._file.read(length)
+            if header_crc is not None and zlib.crc32(blob) != header_crc:
+                raise CheckpointError(
+                    f"checkpoint file {path}: its header (names, dtypes, shapes, offsets) fails its checksum "
+                    "(edited or damaged)"
+                )
+            self.header = json.loads(blob)
+            if not isinstance(self.header, dict):
+                raise ValueError("the header is not a JSON object")
+            self.metadata = self.header.pop("__metadata__", {})
+            for name, entry in self.header.items():
+                _check_entry(name, entry)
         except (struct.error, ValueError, UnicodeDecodeError) as err:
             self._file.close()
             raise CheckpointError(f"checkpoint file {path} is truncated or corrupted: bad header ({err})") from None
+        except CheckpointError:
+            self._file.close()
+            raise
         self.data_start = 8 + length
-        self.metadata = self.header.pop("__metadata__", {})
         end = max((v["data_offsets"][1] for v in self.header.values()), default=0)
         if self.data_start + end > self.size:
             self._file.close()
@@ -110,7 +152,12 @@ class Reader:
         entry = self.entry(name)
         dtype = DTYPES[entry["dtype"]]
         elem = torch.empty((), dtype=dtype).element_size()
-        stop = torch.Size(entry["shape"]).numel() if stop is None else stop
+        numel = torch.Size(entry["shape"]).numel()
+        stop = numel if stop is None else stop
+        if not 0 <= start <= stop <= numel:
+            raise CheckpointError(
+                f"checkpoint file {self.path}: elements [{start}, {stop}) of tensor '{name}' requested, it has {numel}"
+            )
         data = self._read_bytes(entry["data_offsets"][0] + start * elem, (stop - start) * elem)
         return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
 

@@ -8,8 +8,10 @@ Directory layout of ``save_dir``::
                                 the tensors outside the flat groups (frozen parameters, buffers)
 
 A save is written into ``.<tag>.tmp``, every file fsynced, then renamed to ``<tag>`` and only then
-is ``latest`` updated: a crash at any point leaves the previous checkpoint intact and ``latest``
-pointing at it.
+is ``latest`` updated: a crash at any point leaves ``latest`` naming a complete checkpoint (see
+``_commit`` for re-saving an existing tag). Nothing outside the checksummed data is trusted on load: the
+manifest carries its own checksum and each file's header checksum, every piece is bounds-checked, and
+file names and tags must be plain names inside the checkpoint directory (``manifest.validate``).
 """
 
 from __future__ import annotations
@@ -18,17 +20,16 @@ import json
 import os
 import random
 import shutil
-import time
 import warnings
 from typing import Any, Optional
 
 import torch
 
 from .. import comm
-from .manifest import FORMAT, Piece, overlapping, pieces_for, rank_file
+from .manifest import FORMAT, Piece, overlapping, pieces_for, plain_name, rank_file, seal, validate
 from .safetensors_io import CheckpointError, Reader, write
 
-PAUSE_ENV = "ZEROSHARD_TEST_PAUSE_BEFORE_COMMIT"  # seconds; lets tests kill a save mid-way
+_PATH_BYTES = 4096  # a save directory's absolute path, exchanged between ranks to check they agree
 
 
 def _fsync_dir(path: str) -> None:
@@ -97,16 +98,22 @@ def save(
 ) -> str:
     """Every rank calls it. Returns the checkpoint directory."""
     tag = tag or f"global_step{engine.global_steps}"
-    if os.sep in tag or tag.startswith("."):
+    if not isinstance(tag, str) or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' and no leading '.')")
+    plain_name(tag, "checkpoint tag", save_dir)
     client = _json_ready(client_state or {}, "client_state")
     world, rank = engine.grid.world, comm.get_rank()
+    _same_directory_on_every_rank(save_dir, world)
     tmp, final = os.path.join(save_dir, f".{tag}.tmp"), os.path.join(save_dir, tag)
+    error = None
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    comm.barrier(world)
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as err:
+            error = err
+    _agree_on_write(engine, error, save_dir, tmp)
 
     zero = engine.zero
     flats = zero.flat_groups if zero else []
@@ -131,27 +138,102 @@ def save(
         yield from others
 
     path = os.path.join(tmp, rank_file(rank))
-    crcs = write(path, tensors(), specs)
-    sidecar = {"crc": crcs, "size": os.path.getsize(path), "python_rng": random.getstate()}
-    _atomic_write_text(os.path.join(tmp, f"rank{rank:05d}.json"), json.dumps(sidecar))
-    comm.barrier(world)
+    try:
+        written = write(path, tensors(), specs)
+        sidecar = {
+            "crc": written.crcs,
+            "header_crc": written.header_crc,
+            "size": os.path.getsize(path),
+            "python_rng": random.getstate(),
+        }
+        _atomic_write_text(os.path.join(tmp, f"rank{rank:05d}.json"), json.dumps(sidecar))
+    except OSError as err:
+        error = err
+    _agree_on_write(engine, error, save_dir, tmp)
 
     if rank == 0:
-        manifest = _manifest(engine, tag, client, tmp)
-        _atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
-        pause = float(os.environ.get(PAUSE_ENV, "0"))
-        if pause:
-            time.sleep(pause)
-        trash = os.path.join(save_dir, f".{tag}.old")
-        if os.path.exists(final):
-            os.replace(final, trash)
-        os.replace(tmp, final)
-        _fsync_dir(save_dir)
-        shutil.rmtree(trash, ignore_errors=True)
-        if save_latest:
-            _atomic_write_text(os.path.join(save_dir, "latest"), tag)
+        try:
+            manifest = seal(_manifest(engine, tag, client, tmp))
+            _atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
+        except OSError as err:
+            error = err
+    _agree_on_write(engine, error, save_dir, tmp)
+    if rank == 0:
+        _commit(save_dir, tag, save_latest)
     comm.barrier(world)
     return final
+
+
+def _commit(save_dir: str, tag: str, save_latest: bool) -> None:
+    """Move the complete ``.<tag>.tmp`` into place as ``<tag>`` and point ``latest`` at it.
+
+    Re-saving an existing tag cannot swap two directories atomically, so ``latest`` first moves to the new
+    complete copy (``.<tag>.tmp``) when it named the old one; the old directory is moved away, the new one
+    renamed, and ``latest`` set to ``<tag>``. A crash between the rename and the last write leaves ``latest``
+    naming ``.<tag>.tmp``, which ``resolve_tag`` reads as ``<tag>``. Every step is fsynced, so at every moment
+    ``latest`` names a complete checkpoint."""
+    tmp, final = os.path.join(save_dir, f".{tag}.tmp"), os.path.join(save_dir, tag)
+    latest = os.path.join(save_dir, "latest")
+    replacing = os.path.exists(final)
+    if replacing and _read_latest(save_dir) == tag:
+        _atomic_write_text(latest, f".{tag}.tmp")
+    trash = os.path.join(save_dir, f".{tag}.old")
+    if replacing:
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+    os.replace(tmp, final)
+    _fsync_dir(save_dir)
+    if save_latest or _read_latest(save_dir) == f".{tag}.tmp":
+        _atomic_write_text(latest, tag)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _same_directory_on_every_rank(save_dir: str, world: comm.Group) -> None:
+    """Every rank must write into one directory (a path built from each rank's clock or hostname would split
+    a checkpoint in pieces): compare the absolute paths before anything is written."""
+    if world.size == 1:
+        return
+    mine = os.path.abspath(save_dir).encode()[:_PATH_BYTES]
+    local = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
+    local[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    every = torch.empty(world.size * _PATH_BYTES, dtype=torch.uint8)
+    comm.all_gather(every, local, world)
+    paths = [bytes(row.tolist()).rstrip(b"\x00").decode() for row in every.view(world.size, _PATH_BYTES)]
+    if len(set(paths)) > 1:
+        listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise ValueError(
+            f"save_checkpoint: the ranks name different save directories ({listing}); every rank must pass the "
+            "same save_dir (build it once, e.g. on rank 0, and share it)"
+        )
+
+
+def _agree_on_write(engine, error: Optional[OSError], save_dir: str, tmp: str) -> None:
+    """After each writing phase: if any rank failed (disk full, permissions), every rank raises, the partial
+    ``.tmp`` directory is removed, and the checkpoint that ``latest`` names is untouched."""
+    world = engine.grid.world
+    failed = torch.zeros(world.size)
+    failed[comm.get_rank()] = 1.0 if error is not None else 0.0
+    comm.all_reduce(failed, world)
+    if not failed.any():
+        return
+    if comm.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    kept = _read_latest(save_dir)
+    kept_text = f"the previous checkpoint '{kept}' is kept" if kept else "no earlier checkpoint was there"
+    ranks = [r for r in range(world.size) if failed[r] > 0]
+    cause = f"{error.strerror or error} ({error.filename or tmp})" if error is not None else "see those ranks' errors"
+    raise CheckpointError(
+        f"saving a checkpoint into {save_dir} failed on rank(s) {ranks}: {cause}; the partial save was removed "
+        f"and {kept_text}"
+    )
+
+
+def _read_latest(save_dir: str) -> Optional[str]:
+    try:
+        with open(os.path.join(save_dir, "latest")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def _sampler(engine):
@@ -179,7 +261,7 @@ def _manifest(engine, tag: str, client: dict, tmp: str) -> dict:
         with open(os.path.join(tmp, f"rank{r:05d}.json")) as f:
             side = json.load(f)
         os.remove(os.path.join(tmp, f"rank{r:05d}.json"))
-        files[rank_file(r)] = {"size": side["size"], "crc": side["crc"]}
+        files[rank_file(r)] = {"size": side["size"], "header_crc": side["header_crc"], "crc": side["crc"]}
         rng[str(r)] = side["python_rng"]
     params: dict[str, dict] = {}
     flat_groups = []
@@ -253,7 +335,7 @@ class _Sources:
             expected = self.manifest["files"].get(file)
             if expected is None:
                 raise CheckpointError(f"{self.path}: manifest lists no file {file}")
-            reader = Reader(os.path.join(self.path, file))
+            reader = Reader(os.path.join(self.path, plain_name(file, "file", self.path)), expected["header_crc"])
             if reader.size != expected["size"]:
                 raise CheckpointError(
                     f"checkpoint file {reader.path} has {reader.size} bytes, the manifest "
@@ -279,13 +361,17 @@ class _Sources:
 
 
 def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
+    """The tag to load: ``tag``, else the one ``latest`` names (a plain name inside ``load_dir``)."""
     if tag is not None:
-        return tag
+        return plain_name(tag, "checkpoint tag", load_dir)
     latest = os.path.join(load_dir, "latest")
     if not os.path.isfile(latest):
         return None
     with open(latest) as f:
-        return f.read().strip()
+        tag = plain_name(f.read().strip(), "tag in 'latest'", latest)
+    if tag.startswith(".") and tag.endswith(".tmp") and not os.path.isdir(os.path.join(load_dir, tag)):
+        return tag[1:-4]  # a re-save of this tag ended between its rename and rewriting 'latest' (see _commit)
+    return tag
 
 
 def read_manifest(path: str) -> dict:
@@ -295,11 +381,9 @@ def read_manifest(path: str) -> dict:
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{manifest_path} is corrupted: {err}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{manifest_path}: unknown format {manifest.get('format')!r}, expected {FORMAT!r}")
-    return manifest
+    return validate(manifest, manifest_path)
 
 
 def assemble(sources: _Sources, pieces: list[Piece], prefix: str, start: int, stop: int, out: torch.Tensor) -> None:
@@ -457,8 +541,23 @@ def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: b
     rank = comm.get_rank()
     if manifest["world_size"] == engine.grid.world.size:  # RNG streams are per rank: restore only same-size runs
         file = rank_file(rank)
-        torch.set_rng_state(sources.read(file, "rng.cpu"))
+        torch.set_rng_state(_rng_state(sources, file, "rng.cpu", torch.get_rng_state()))
         if torch.cuda.is_available() and "rng.cuda" in manifest["files"][file]["crc"]:
-            torch.cuda.set_rng_state(sources.read(file, "rng.cuda"))
-        state = manifest["python_rng"][str(rank)]
-        random.setstate((state[0], tuple(state[1]), state[2]))
+            torch.cuda.set_rng_state(_rng_state(sources, file, "rng.cuda", torch.cuda.get_rng_state()))
+        state = manifest["python_rng"].get(str(rank))
+        try:
+            random.setstate((state[0], tuple(state[1]), state[2]))
+        except (TypeError, ValueError, IndexError) as err:
+            raise CheckpointError(
+                f"{sources.path}: field 'python_rng.{rank}' is not a Python RNG state ({err})"
+            ) from None
+
+
+def _rng_state(sources: _Sources, file: str, key: str, current: torch.Tensor) -> torch.Tensor:
+    entry = sources.reader(file).entry(key)
+    if entry["dtype"] != "U8" or entry["shape"] != list(current.shape):
+        raise CheckpointError(
+            f"checkpoint file {sources.reader(file).path}: '{key}' is {entry['dtype']} {entry['shape']}, an RNG "
+            f"state is U8 {list(current.shape)}"
+        )
+    return sources.read(file, key)
