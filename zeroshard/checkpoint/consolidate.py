@@ -73,6 +73,9 @@ class CheckpointTensors:
     def names(self) -> set[str]:
         return set(self.entries) | set(self.aliases)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[self.aliases.get(name, name)][1]
+
     def read(self, name: str) -> torch.Tensor:
         return _materialize(self.sources, self.manifest, *self.entries[self.aliases.get(name, name)])
 
@@ -152,7 +155,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(
                     bar.update(sizes[i])
 
             path = os.path.join(directory, file_name)
-            write(path + ".tmp", stream(), specs, metadata={"format": "pt"})
+            try:
+                write(path + ".tmp", stream(), specs, metadata={"format": "pt"})
+            except BaseException:
+                if os.path.exists(path + ".tmp"):
+                    os.remove(path + ".tmp")  # never leave a partial file behind
+                raise
             os.replace(path + ".tmp", path)
             written.append(path)
             weight_map.update({entries[i][0]: file_name for i in members})

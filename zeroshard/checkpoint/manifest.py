@@ -170,16 +170,32 @@ def validate(data: Any, where: str) -> dict:
         if entry.dtype not in _TORCH_DTYPES:
             raise CheckpointError(f"{where}: parameter '{name}' has unknown dtype {entry.dtype!r}")
         _check_pieces(name, entry, manifest.files, where)
+    _check_disjoint(manifest.params, where)
     for name, entry in manifest.module_tensors.items():
         if entry.file not in manifest.files:
             raise CheckpointError(f"{where}: module tensor '{name}' names file {entry.file!r}, not in 'files'")
         if entry.dtype not in _TORCH_DTYPES:
             raise CheckpointError(f"{where}: module tensor '{name}' has unknown dtype {entry.dtype!r}")
         plain_name(entry.file, "file", where)
+    for rank, state in manifest.python_rng.items():
+        if not _is_python_rng_state(state):
+            raise CheckpointError(f"{where}: field 'python_rng.{rank}' is not a Python RNG state")
     for alias, name in manifest.aliases.items():
         if name not in manifest.params and name not in manifest.module_tensors:
             raise CheckpointError(f"{where}: alias '{alias}' names '{name}', which the checkpoint does not hold")
     return body
+
+
+def _is_python_rng_state(state: list) -> bool:
+    """``random.getstate()`` as JSON: [version, 625 integers, gauss_next (null or a number)]."""
+    return (
+        len(state) == 3
+        and isinstance(state[0], int)
+        and isinstance(state[1], list)
+        and len(state[1]) == 625
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in state[1])
+        and (state[2] is None or isinstance(state[2], (int, float)))
+    )
 
 
 def _check_pieces(name: str, entry: ParamEntry, files: dict, where: str) -> None:
@@ -201,6 +217,37 @@ def _check_pieces(name: str, entry: ParamEntry, files: dict, where: str) -> None
                 f"{where}: {field}[{i}] (tensor offset {tensor_offset}, parameter offset {param_offset}, {count} "
                 f"elements) lies outside parameter '{name}' of {numel} elements"
             )
+
+
+def _check_disjoint(params: dict[str, ParamEntry], where: str) -> None:
+    """Pieces tile each parameter exactly once, and no two pieces share elements of a saved tensor: a shifted
+    offset that stays inside the tensor would otherwise read a neighbour's values."""
+    spans: dict[tuple[str, str], list[tuple[int, int, str, int]]] = {}
+    for name, entry in params.items():
+        covered = 0
+        for i, (file, key, tensor_offset, param_offset, count) in sorted(
+            enumerate(entry.pieces), key=lambda item: item[1][3]
+        ):
+            if param_offset != covered:
+                raise CheckpointError(
+                    f"{where}: params.{name}.pieces[{i}] starts at parameter offset {param_offset}, the pieces "
+                    f"before it end at {covered} (gap or overlap)"
+                )
+            covered += count
+            spans.setdefault((file, key), []).append((tensor_offset, tensor_offset + count, name, i))
+        numel = 1
+        for dim in entry.shape:
+            numel *= dim
+        if covered != numel:
+            raise CheckpointError(f"{where}: the pieces of parameter '{name}' cover {covered} of {numel} elements")
+    for (file, key), ranges in spans.items():
+        ranges.sort()
+        for (_, end, name, i), (start, _, other, j) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise CheckpointError(
+                    f"{where}: params.{other}.pieces[{j}] overlaps params.{name}.pieces[{i}] in tensor '{key}' "
+                    f"of {file}"
+                )
 
 
 def pieces_for(layout, flat_key: str, writer_files: list[str]) -> dict[str, list[Piece]]:

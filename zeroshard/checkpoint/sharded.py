@@ -29,7 +29,7 @@ from .. import comm
 from .manifest import FORMAT, Piece, overlapping, pieces_for, plain_name, rank_file, seal, validate
 from .safetensors_io import CheckpointError, Reader, write
 
-_PATH_BYTES = 4096  # a save directory's absolute path, exchanged between ranks to check they agree
+_TEXT_BYTES = 4096  # a path or an error message, exchanged between ranks
 
 
 def _fsync_dir(path: str) -> None:
@@ -191,20 +191,26 @@ def _commit(save_dir: str, tag: str, save_latest: bool) -> None:
 def _same_directory_on_every_rank(save_dir: str, world: comm.Group) -> None:
     """Every rank must write into one directory (a path built from each rank's clock or hostname would split
     a checkpoint in pieces): compare the absolute paths before anything is written."""
-    if world.size == 1:
-        return
-    mine = os.path.abspath(save_dir).encode()[:_PATH_BYTES]
-    local = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
-    local[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    every = torch.empty(world.size * _PATH_BYTES, dtype=torch.uint8)
-    comm.all_gather(every, local, world)
-    paths = [bytes(row.tolist()).rstrip(b"\x00").decode() for row in every.view(world.size, _PATH_BYTES)]
+    paths = _gather_text(os.path.abspath(save_dir), world)
     if len(set(paths)) > 1:
         listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
         raise ValueError(
             f"save_checkpoint: the ranks name different save directories ({listing}); every rank must pass the "
             "same save_dir (build it once, e.g. on rank 0, and share it)"
         )
+
+
+def _gather_text(text: str, world: comm.Group) -> list[str]:
+    """Every rank's ``text`` (cut at ``_TEXT_BYTES`` bytes), in rank order: one small all-gather."""
+    if world.size == 1:
+        return [text]
+    mine = text.encode()[:_TEXT_BYTES]
+    local = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
+    local[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else local[:0]
+    every = torch.empty(world.size * _TEXT_BYTES, dtype=torch.uint8)
+    comm.all_gather(every, local, world)
+    rows = every.view(world.size, _TEXT_BYTES)
+    return [bytes(row.tolist()).rstrip(b"\x00").decode(errors="replace") for row in rows]
 
 
 def _agree_on_write(engine, error: Optional[OSError], save_dir: str, tmp: str) -> None:
@@ -464,16 +470,19 @@ def load(
 
 
 def _agree(engine, error: Optional[CheckpointError], path: str) -> None:
-    """Every rank raises if any rank failed to read its part (the failing ranks with their own message)."""
+    """Every rank raises if any rank failed to read its part: the failing ranks with their own message, the
+    others with the first failing rank's (so every rank's log names the file and field)."""
     world = engine.grid.world
     failed = torch.zeros(world.size)
     failed[comm.get_rank()] = 1.0 if error is not None else 0.0
     comm.all_reduce(failed, world)
+    if not failed.any():
+        return
+    messages = _gather_text(str(error) if error is not None else "", world)
     if error is not None:
         raise error
-    if failed.any():
-        ranks = [r for r in range(world.size) if failed[r] > 0]
-        raise CheckpointError(f"loading {path} failed on rank(s) {ranks}; their errors name the file and tensor")
+    ranks = [r for r in range(world.size) if failed[r] > 0]
+    raise CheckpointError(f"loading {path} failed on rank(s) {ranks}: rank {ranks[0]}: {messages[ranks[0]]}")
 
 
 def _module_tensor(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]:

@@ -165,10 +165,14 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
 
 
 class _Reader:
-    """Reads by any of a tensor's names, so a checkpoint that stores a tied weight once still loads."""
+    """Reads by any of a tensor's names, so a checkpoint that stores a tied weight once still loads; every
+    tensor's shape is checked against the model's before it is read, and a floating-point tensor of the model
+    must come from floating-point data (a slice of the wrong shape or an integer tensor would load silently)."""
 
-    def __init__(self, source: WeightSource, aliases: dict[str, list[str]]):
-        self.source, self.aliases = source, aliases
+    def __init__(self, source: WeightSource, model: nn.Module):
+        self.source, self.aliases = source, _aliases(model)
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        self.expected = {name: (tuple(t.shape), t.is_floating_point()) for name, t in named}
 
     def has(self, name: str) -> bool:
         return any(n in self.source.names for n in self.aliases.get(name, [name]))
@@ -176,14 +180,26 @@ class _Reader:
     def __call__(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None):
         for candidate in self.aliases.get(name, [name]):
             if candidate in self.source.names:
-                return self.source.read(candidate, dim, start, stop)
+                shape, floating = self.expected.get(name, (None, False))
+                found = tuple(self.source.shape(candidate))
+                if shape is not None and found != shape:
+                    raise CheckpointError(
+                        f"the checkpoint's '{candidate}' has shape {list(found)}, the model's '{name}' {list(shape)}"
+                    )
+                value = self.source.read(candidate, dim, start, stop)
+                if floating and not value.is_floating_point():
+                    raise CheckpointError(
+                        f"the checkpoint's '{candidate}' holds {value.dtype} data, the model's '{name}' is "
+                        "floating point"
+                    )
+                return value
         raise CheckpointError(f"the checkpoint has no tensor '{name}' (nor a tied alias of it)")
 
 
 def _shard(
     model: nn.Module, plan: TensorParallelPlan, source: WeightSource, group: comm.Group, cast: Cast, reload: bool
 ) -> None:
-    read = _Reader(source, _aliases(model))
+    read = _Reader(source, model)
     original_weights: dict[int, str] = {}
     for p in plan.layers:
         original_weights.setdefault(id(model.get_submodule(p.name).weight), p.name)

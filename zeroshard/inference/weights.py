@@ -16,11 +16,16 @@ import torch
 from torch import nn
 
 from ..checkpoint import CheckpointError, CheckpointTensors
+from ..checkpoint.manifest import plain_name
 from ..checkpoint.safetensors_io import Reader
 
 
 class WeightSource:
     names: set[str]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The whole tensor's shape, known before any of it is read."""
+        raise NotImplementedError
 
     def read(self, name: str, dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
         raise NotImplementedError
@@ -41,6 +46,9 @@ class StateDictSource(WeightSource):
         self.state = state
         self.names = set(state)
 
+    def shape(self, name):
+        return tuple(self.state[name].shape)
+
     def read(self, name, dim=None, start=0, stop=None):
         return _narrow(self.state[name], dim, start, stop)
 
@@ -52,6 +60,9 @@ class ModuleSource(WeightSource):
         self.tensors = dict(model.named_parameters(remove_duplicate=False))
         self.tensors.update(model.named_buffers(remove_duplicate=False))
         self.names = set(self.tensors)
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
 
     def read(self, name, dim=None, start=0, stop=None):
         tensor = self.tensors[name]
@@ -70,9 +81,13 @@ class SafetensorsSource(WeightSource):
         if os.path.isdir(path):
             index = os.path.join(path, "model.safetensors.index.json")
             if os.path.isfile(index):
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-                files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+                try:
+                    with open(index) as f:
+                        weight_map = json.load(f)["weight_map"]
+                    items = weight_map.items()
+                except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+                    raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({err!r})") from None
+                files = {name: os.path.join(path, plain_name(file, "weight_map file", index)) for name, file in items}
             elif os.path.isfile(os.path.join(path, "model.safetensors")):
                 files = None
                 path = os.path.join(path, "model.safetensors")
@@ -97,6 +112,9 @@ class SafetensorsSource(WeightSource):
             self.readers[file] = Reader(file)
         return self.readers[file]
 
+    def shape(self, name):
+        return tuple(self._reader(self.files[name]).entry(name)["shape"])
+
     def read(self, name, dim=None, start=0, stop=None):
         reader = self._reader(self.files[name])
         shape = reader.entry(name)["shape"]
@@ -117,6 +135,9 @@ class ZeroCheckpointSource(WeightSource):
     def __init__(self, path: str, tag: Optional[str] = None):
         self.tensors = CheckpointTensors(path, tag)
         self.names = self.tensors.names
+
+    def shape(self, name):
+        return self.tensors.shape(name)
 
     def read(self, name, dim=None, start=0, stop=None):
         return _narrow(self.tensors.read(name), dim, start, stop)

@@ -97,6 +97,9 @@ def convert_main(argv: Sequence[str]) -> int:
     except (CheckpointError, ValueError) as err:
         print(f"zeroshard convert: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        print(f"zeroshard convert: cannot write {err.filename or args.output}: {err.strerror or err}", file=sys.stderr)
+        return 2
     for path in files:
         print(path)
     return 0

@@ -1,0 +1,256 @@
+"""Tampered or damaged checkpoints never load silently: every case raises ``CheckpointError`` naming the file
+and the field, on every rank, through ``load_checkpoint``, ``zeroshard convert`` and ``init_inference``.
+
+Edits that leave the manifest's checksum stale are caught by it; to reach the checks behind it (bounds,
+plain names, schema), the same edits are also made with the checksum recomputed ("resealed"), as a buggy
+writer or a deliberate edit would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroshard.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB, SEQ = 64, 8
+
+
+def gpt2(meta: bool = False):
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
+    torch.manual_seed(0)
+    if meta:
+        import zeroshard
+
+        with zeroshard.init_empty_weights():
+            return transformers.GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def engine_for_gpt2():
+    import zeroshard
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine, *_ = zeroshard.initialize(model=gpt2(), config=config)
+    return engine
+
+
+def save_worker(directory: str) -> None:
+    engine = engine_for_gpt2()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(engine.global_rank))
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(directory, tag="good")
+
+
+# -- the edits -----------------------------------------------------------------------------------------
+def _manifest_path(d: Path) -> Path:
+    return d / "good" / "manifest.json"
+
+
+def _edit_manifest(d: Path, change, reseal: bool) -> None:
+    from zeroshard.checkpoint.manifest import seal
+
+    data = json.loads(_manifest_path(d).read_text())
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    body = change(body)
+    _manifest_path(d).write_text(json.dumps(seal(body) if reseal else {**body, "checksum": data["checksum"]}))
+
+
+def _first_piece(body: dict) -> list:
+    return next(iter(body["params"].values()))["pieces"][0]
+
+
+def _set(index: int, value):
+    def change(body):
+        _first_piece(body)[index] = value(_first_piece(body)[index]) if callable(value) else value
+        return body
+
+    return change
+
+
+def _foreign_file(name: str):
+    def change(body):
+        piece = _first_piece(body)
+        body["files"][name] = body["files"][piece[0]]
+        piece[0] = name
+        return body
+
+    return change
+
+
+def _edit_header(d: Path, old: bytes, new: bytes) -> None:
+    path = d / "good" / "rank00000.safetensors"
+    data = bytearray(path.read_bytes())
+    (length,) = __import__("struct").unpack("<Q", data[:8])
+    header = bytes(data[8 : 8 + length]).replace(old, new, 1)
+    header = header[:length] if header[length:].strip() == b"" else header  # longer: eat the alignment padding
+    assert len(header) == length
+    data[8 : 8 + length] = header
+    path.write_bytes(bytes(data))
+
+
+def _header_crc(d: Path) -> int:
+    data = (d / "good" / "rank00000.safetensors").read_bytes()
+    (length,) = __import__("struct").unpack("<Q", data[:8])
+    return zlib.crc32(data[8 : 8 + length])
+
+
+def _huge_rng_resealed(d: Path) -> None:
+    """The RNG tensor's header entry claims a huge shape; the header checksum in the manifest is updated."""
+    _edit_header(d, b'"rng.cpu":{"dtype":"U8","shape":[', b'"rng.cpu":{"dtype":"U8","shape":[9')
+    crc = _header_crc(d)
+
+    def change(body):
+        body["files"]["rank00000.safetensors"]["header_crc"] = crc
+        return body
+
+    _edit_manifest(d, change, reseal=True)
+
+
+# name -> (edit of a copy of the checkpoint directory, text the error must contain)
+CASES = {
+    "offset-minus-6-stale": (lambda d: _edit_manifest(d, _set(2, -6), False), "fails its checksum"),
+    "offset-minus-6": (lambda d: _edit_manifest(d, _set(2, -6), True), "lies outside parameter"),
+    "offset-plus-4": (lambda d: _edit_manifest(d, _set(2, lambda v: v + 4), True), "overlaps"),
+    "param-offset-minus-2": (lambda d: _edit_manifest(d, _set(3, -2), True), "lies outside parameter"),
+    "offset-past-tensor": (lambda d: _edit_manifest(d, _set(2, lambda v: v + 10**9), True), "requested"),
+    "file-dotdot": (lambda d: _edit_manifest(d, _foreign_file("../../x.safetensors"), True), "not a plain name"),
+    "file-absolute": (lambda d: _edit_manifest(d, _foreign_file("/tmp/x.safetensors"), True), "not a plain name"),
+    "latest-absolute": (lambda d: (d / "latest").write_text(str(d / "good")), "not a plain name"),
+    "latest-dotdot": (lambda d: (d / "latest").write_text("../good"), "not a plain name"),
+    "header-dtype": (lambda d: _edit_header(d, b'"F32"', b'"I32"'), "header (names, dtypes, shapes, offsets) fails"),
+    "huge-rng-shape": (_huge_rng_resealed, "bad header"),
+    "no-params": (lambda d: _edit_manifest(d, lambda b: {k: v for k, v in b.items() if k != "params"}, True), "params"),
+    "params-list": (lambda d: _edit_manifest(d, lambda b: {**b, "params": []}, True), "field 'params'"),
+    "manifest-list": (lambda d: _manifest_path(d).write_text("[]"), "is a list"),
+    "manifest-truncated": (lambda d: _manifest_path(d).write_text(_manifest_path(d).read_text()[:100]), "corrupted"),
+    "bad-python-rng": (lambda d: _edit_manifest(d, lambda b: {**b, "python_rng": {"0": [1], "1": [1]}}, True), "rng"),
+}
+
+
+@pytest.fixture(scope="module")
+def tampered(tmp_path_factory):
+    base = tmp_path_factory.mktemp("tamper")
+    run_distributed(save_worker, 2, str(base / "original"))
+    for name, (edit, _) in CASES.items():
+        shutil.copytree(base / "original", base / name)
+        edit(base / name)
+    # Hugging Face directories for init_inference: an index pointing outside, and a weight of half its rows
+    model = gpt2()
+    model.save_pretrained(base / "hf-good", max_shard_size="20KB")
+    shutil.copytree(base / "hf-good", base / "hf-index-dotdot")
+    index_path = base / "hf-index-dotdot" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "../hf-good/" + index["weight_map"][first]
+    index_path.write_text(json.dumps(index))
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state["transformer.h.0.attn.c_proj.weight"] = state["transformer.h.0.attn.c_proj.weight"][:16].clone()
+    (base / "hf-half-rows").mkdir()
+    save_file(state, str(base / "hf-half-rows" / "model.safetensors"))
+    return base
+
+
+def load_everywhere(base: str, names: list[str]) -> dict:
+    """Every rank tries each tampered checkpoint through load_checkpoint and init_inference."""
+    import zeroshard
+    from zeroshard.checkpoint import CheckpointError
+
+    engine = engine_for_gpt2()
+    out = {}
+    for name in names:
+        try:
+            engine.load_checkpoint(os.path.join(base, name))
+            out[("load", name)] = "loaded"
+        except CheckpointError as err:
+            out[("load", name)] = str(err)
+        try:
+            zeroshard.init_inference(
+                gpt2(meta=True), tensor_parallel={"tp_size": 2}, checkpoint=os.path.join(base, name)
+            )
+            out[("inference", name)] = "loaded"
+        except CheckpointError as err:
+            out[("inference", name)] = str(err)
+    return out
+
+
+HF_CASES = {"hf-index-dotdot": "not a plain name", "hf-half-rows": "has shape [16, 32], the model's"}
+
+
+@pytest.fixture(scope="module")
+def attempts(tampered):
+    return run_distributed(load_everywhere, 2, str(tampered), [*CASES, "original", *HF_CASES], timeout_s=600)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_load_checkpoint_refuses_on_every_rank(attempts, name):
+    for rank, per_rank in enumerate(attempts):
+        assert CASES[name][1] in per_rank[("load", name)], (rank, per_rank[("load", name)])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_init_inference_refuses(attempts, name):
+    for per_rank in attempts:
+        assert CASES[name][1] in per_rank[("inference", name)], per_rank[("inference", name)]
+
+
+@pytest.mark.parametrize("name", list(HF_CASES))
+def test_init_inference_refuses_bad_hugging_face_checkpoints(attempts, name):
+    for per_rank in attempts:
+        assert HF_CASES[name] in per_rank[("inference", name)], per_rank[("inference", name)]
+
+
+def test_the_untouched_checkpoint_loads(attempts):
+    for per_rank in attempts:
+        assert per_rank[("load", "original")] == "loaded" and per_rank[("inference", "original")] == "loaded"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_convert_refuses_with_exit_code_2(tampered, tmp_path, capsys, name):
+    from zeroshard.launcher.cli import main
+
+    assert main(["convert", str(tampered / name), str(tmp_path / "out.safetensors"), "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zeroshard convert: ") and CASES[name][1] in err, err
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_convert_cli_end_to_end_on_a_tampered_checkpoint(tampered, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "zeroshard", "convert", str(tampered / "header-dtype"), str(tmp_path / "o")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "fails" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_convert_to_an_unwritable_output_is_a_message_not_a_traceback(tampered, tmp_path, capsys):
+    from zeroshard.launcher.cli import main
+
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where a directory is needed")
+    assert main(["convert", str(tampered / "original"), str(blocked / "out"), "--no_progress"]) == 2
+    assert "cannot write" in capsys.readouterr().err
