@@ -427,3 +427,119 @@ def test_data_loader_position_resumes_mid_epoch(tmp_path):
     rest = run_distributed(sampler_worker, 2, str(tmp_path), "load")
     for rank in range(2):
         assert first[rank] + rest[rank] == straight[rank]
+
+
+def disk_full_worker(directory):
+    """The first save succeeds; during the second, rank 1's file-size limit (as a full disk would) stops its
+    write. Every rank must raise one error naming the directory and what was kept."""
+    import resource
+    import signal
+
+    from zeroshard import comm
+    from zeroshard.checkpoint import CheckpointError
+
+    engine = build(ParityCase(stage=2, lr=1e-3))
+    train(engine, range(1), 4)
+    engine.save_checkpoint(directory, tag="first")
+    if comm.get_rank() == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        engine.save_checkpoint(directory, tag="second")
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_disk_full_during_save_names_the_path_and_keeps_the_previous_checkpoint(tmp_path):
+    messages = run_distributed(disk_full_worker, 2, str(tmp_path))
+    for message in messages:
+        assert message is not None and f"into {tmp_path} failed on rank(s) [1]" in message, message
+        assert "the previous checkpoint 'first' is kept" in message and "removed" in message
+    assert "File too large" in messages[1]
+    assert sorted(os.listdir(tmp_path)) == ["first", "latest"]  # no .second.tmp left behind
+    assert run_distributed(load_latest_worker, 2, [str(tmp_path)])[0] == [str(tmp_path / "first")]
+
+
+def split_directory_worker(directory):
+    from zeroshard import comm
+
+    engine = build(ParityCase(stage=2, lr=1e-3))
+    try:
+        engine.save_checkpoint(os.path.join(directory, f"run-{comm.get_rank()}"))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_save_dir_that_differs_between_ranks_is_one_clear_error(tmp_path):
+    messages = run_distributed(split_directory_worker, 2, str(tmp_path))
+    for message in messages:
+        assert f"rank 0: {tmp_path}/run-0, rank 1: {tmp_path}/run-1" in message, message
+    assert os.listdir(tmp_path) == []
+
+
+def precision_switch_worker(directory):
+    """Save in one precision, resume in the other: the loss scale comes from *this* run's config."""
+    import contextlib
+    import io
+
+    out = {}
+    for saved, resumed in (("fp32", "fp16"), ("fp16", "fp32")):
+        engine = build(ParityCase(stage=2, lr=1e-3, dtype=saved))
+        train(engine, range(1), 4)
+        path = os.path.join(directory, f"{saved}-to-{resumed}")
+        engine.save_checkpoint(path)
+        engine = build(ParityCase(stage=2, lr=1e-3, dtype=resumed))
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            engine.load_checkpoint(path)
+        out[resumed] = (engine.get_loss_scale(), log.getvalue())
+    return out
+
+
+def test_loss_scale_after_switching_precision(tmp_path):
+    out = run_distributed(precision_switch_worker, 2, str(tmp_path))[0]
+    scale, log = out["fp16"]
+    assert scale == 2.0**8  # the fp16 config's initial_scale_power (8 in ParityCase), not the fp32 run's 1.0
+    assert "reset loss scale to 256 from the fp16 config (the checkpoint ran without fp16)" in log, log
+    scale, log = out["fp32"]
+    assert scale == 1.0 and "dropped the checkpoint's fp16 loss scale" in log, log
+    assert "restored step 1" in log
+
+
+def gained_layer_worker(directory):
+    import contextlib
+    import io
+
+    import zeroshard
+    from zeroshard.testing.models import GPTConfig
+    from zeroshard.testing.parity import MODEL
+
+    engine = build(ParityCase(stage=2, lr=1e-3))
+    train(engine, range(1), 4)
+    engine.save_checkpoint(directory)
+    saved = engine.consolidated_state_dict(rank0_only=False)
+    bigger = make_model(seed=5, model=GPTConfig(**{**MODEL.__dict__, "n_layer": MODEL.n_layer + 1}))
+    fresh = {k: v.clone() for k, v in bigger.state_dict().items()}
+    config = ParityCase(stage=2, lr=1e-3).config()
+    engine, *_ = zeroshard.initialize(model=bigger, config=config)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        engine.load_checkpoint(directory, load_module_strict=False)
+    loaded = engine.consolidated_state_dict(rank0_only=False)
+    try:
+        engine.load_checkpoint(directory)  # strict (the default) still refuses
+        strict = None
+    except Exception as err:  # noqa: BLE001
+        strict = str(err)
+    return saved, fresh, loaded, log.getvalue(), strict
+
+
+def test_load_non_strict_into_a_model_that_gained_a_layer(tmp_path):
+    saved, fresh, loaded, log, strict = run_distributed(gained_layer_worker, 2, str(tmp_path))[0]
+    new = [k for k in loaded if k.startswith("blocks.2.")]
+    assert new and all(torch.equal(loaded[k], fresh[k]) for k in new)  # kept as initialized
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)  # everything else restored
+    assert "kept as initialized (not in the checkpoint) ['blocks.2." in log and "ignored (not in the model) []" in log
+    assert strict is not None and "missing from checkpoint ['blocks.2." in strict

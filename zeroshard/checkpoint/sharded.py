@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 
 from .. import comm
+from ..runtime.log import log_rank0
 from .manifest import FORMAT, Piece, overlapping, pieces_for, plain_name, rank_file, seal, validate
 from .safetensors_io import CheckpointError, Reader, write
 
@@ -402,7 +403,8 @@ def assemble(sources: _Sources, pieces: list[Piece], prefix: str, start: int, st
         raise CheckpointError(f"{sources.path}: saved pieces cover {covered} of {stop - start} elements")
 
 
-def _check_params(engine, manifest: dict, strict: bool) -> None:
+def _check_params(engine, manifest: dict, strict: bool) -> tuple[list[str], list[str]]:
+    """Shapes must match; with ``strict`` the names too. Returns (missing from the checkpoint, not in the model)."""
     mine = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}  # tied aliases appear once
     saved = {n: tuple(e["shape"]) for n, e in manifest["params"].items()}
     saved.update({n: tuple(e["shape"]) for n, e in manifest["module_tensors"].items()})
@@ -410,6 +412,8 @@ def _check_params(engine, manifest: dict, strict: bool) -> None:
     wrong = [f"{n}: checkpoint {saved[n]} vs model {s}" for n, s in mine.items() if n in saved and saved[n] != s]
     missing = sorted(set(mine) - set(saved))
     unexpected = sorted(set(saved) - set(mine))
+    if not (wrong or (strict and (missing or unexpected))):
+        return missing, unexpected
     if wrong or (strict and (missing or unexpected)):
         raise CheckpointError(
             "checkpoint does not match the model: "
@@ -444,25 +448,34 @@ def load(
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     manifest = read_manifest(path)
-    _check_params(engine, manifest, load_module_strict)
+    missing, unexpected = _check_params(engine, manifest, load_module_strict)
     sources = _Sources(path, manifest)
     zero = engine.zero
     error: Optional[CheckpointError] = None
+    report: list[str] = []
     try:  # reading and verifying issues no collective, so a rank that fails cannot strand the others
         with torch.no_grad():
             for k, flat in enumerate(zero.flat_groups if zero else []):
                 _load_flat(zero, k, flat, manifest, sources, load_optimizer_states and not load_module_only)
             for name, entry in manifest["module_tensors"].items():
-                target = _module_tensor(engine.module, name)
+                target = _module_tensor(engine.module, name) if name not in unexpected else None
                 if target is not None:
                     target.copy_(sources.read(entry["file"], entry["key"]).view(entry["shape"]))
             if not load_module_only:
-                _load_training_state(engine, manifest, sources, load_optimizer_states, load_lr_scheduler_states)
+                report = _load_training_state(
+                    engine, manifest, sources, load_optimizer_states, load_lr_scheduler_states
+                )
     except CheckpointError as err:
         error = err
     finally:
         sources.close()
     _agree(engine, error, path)
+    if missing or unexpected:
+        report.append(
+            f"load_module_strict=False: kept as initialized (not in the checkpoint) {missing}; "
+            f"ignored (not in the model) {unexpected}"
+        )
+    log_rank0(f"load_checkpoint {path}: " + "; ".join(report or ["module weights restored"]))
     if zero is not None:
         with torch.no_grad():
             zero.publish()  # the compute parameters follow the loaded master weights
@@ -492,8 +505,13 @@ def _module_tensor(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]
 
 
 def _load_flat(zero, index: int, flat, manifest: dict, sources: _Sources, with_optimizer: bool) -> None:
+    """Replace one flat group's master shard (and optimizer state) with the saved values; a parameter the
+    checkpoint lacks (load_module_strict=False) keeps its current master weights and zero optimizer state."""
+    saved = manifest["params"]
     pieces = {
-        slot.name: [Piece.from_json(p) for p in manifest["params"][slot.name]["pieces"]] for slot in flat.layout.slots
+        slot.name: [Piece.from_json(p) for p in saved[slot.name]["pieces"]]
+        for slot in flat.layout.slots
+        if slot.name in saved
     }
     keys = ["master"]
     if with_optimizer:
@@ -501,7 +519,11 @@ def _load_flat(zero, index: int, flat, manifest: dict, sources: _Sources, with_o
         keys += [f"optim.{k}" for k in sorted(saved_keys)]
     device = flat.state_device
     targets = {key: torch.zeros(flat.layout.shard_numel, dtype=zero.policy.master, device=device) for key in keys}
+    if len(pieces) < len(flat.layout.slots):
+        targets["master"].copy_(zero.read_flat(index)["master"])
     for seg in flat.layout.segments(flat.shard_rank):
+        if seg.slot.name not in pieces:
+            continue
         start = seg.flat_start - seg.slot.offset
         for key in keys:
             assemble(
@@ -524,14 +546,31 @@ def _load_flat(zero, index: int, flat, manifest: dict, sources: _Sources, with_o
     zero.write_flat(index, {key.removeprefix("optim."): value for key, value in targets.items()}, scalars)
 
 
-def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: bool, scheduler: bool) -> None:
+def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: bool, scheduler: bool) -> list[str]:
+    """Counters, loss scale, optimizer hyperparameters, sampler, scheduler and RNG; returns what was restored
+    and what was reset, for the load report."""
+    report = []
     counters = manifest["counters"]
     engine.global_steps, engine.global_samples = counters["global_steps"], counters["global_samples"]
     engine.skipped_steps = counters["skipped_steps"]
     # resume at an accumulation boundary of *this* run, whose accumulation steps may differ
     engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    report.append(f"restored step {engine.global_steps}")
+    saved_fp16 = bool(manifest["config"].get("fp16", {}).get("enabled", False))
     if engine.zero is not None and manifest["loss_scaler"] is not None:
-        engine.zero.loss_scaler.load_state_dict(manifest["loss_scaler"])
+        scaler = engine.zero.loss_scaler
+        if saved_fp16 and engine.fp16_enabled():
+            try:
+                scaler.load_state_dict(manifest["loss_scaler"])
+            except ValueError as err:
+                raise CheckpointError(f"{sources.path}: field 'loss_scaler': {err}") from None
+            report.append(f"restored loss scale {scaler.scale:g}")
+        elif engine.fp16_enabled():  # the checkpoint's scale (1.0) means nothing to an fp16 run
+            report.append(
+                f"reset loss scale to {scaler.scale:g} from the fp16 config (the checkpoint ran without fp16)"
+            )
+        elif saved_fp16:
+            report.append("dropped the checkpoint's fp16 loss scale (this run does not use fp16)")
     if optimizer and engine.zero is not None:
         saved_groups = manifest["optimizer"]["param_groups"]
         if len(saved_groups) != len(engine.zero.optimizer.param_groups):
@@ -542,6 +581,7 @@ def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: b
         for group, saved in zip(engine.zero.optimizer.param_groups, saved_groups):
             for key, value in saved.items():
                 group[key] = tuple(value) if isinstance(value, list) and isinstance(group.get(key), tuple) else value
+        report.append("restored optimizer state" if any(manifest["optimizer"]["flat_groups"]) else "")
     sampler = _sampler(engine)
     if sampler is not None and manifest.get("sampler"):
         sampler.load_state_dict(manifest["sampler"])
@@ -560,6 +600,10 @@ def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: b
             raise CheckpointError(
                 f"{sources.path}: field 'python_rng.{rank}' is not a Python RNG state ({err})"
             ) from None
+        report.append("restored RNG states")
+    else:
+        report.append(f"RNG states not restored (saved by {manifest['world_size']} ranks)")
+    return [line for line in report if line]
 
 
 def _rng_state(sources: _Sources, file: str, key: str, current: torch.Tensor) -> torch.Tensor:

@@ -74,5 +74,9 @@ class LossScaler:
         return {k: getattr(self, k) for k in ("scale", "clean_steps", "hysteresis_left", "stuck_steps")}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        """Only the four progress fields; the policy (dynamic, window, minimum) is this run's config."""
+        for key in ("scale", "clean_steps", "hysteresis_left", "stuck_steps"):
+            value = state.get(key, getattr(self, key))
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"loss scaler state '{key}' = {value!r} is not a non-negative number")
+            setattr(self, key, type(getattr(self, key))(value))
