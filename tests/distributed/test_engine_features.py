@@ -228,3 +228,30 @@ def test_step_log_wall_clock_and_comms_logger():
     assert "reduce_scatter" in log and "algbw GB/s" in log
     assert r1["log"] == ""  # only rank 0 logs
     assert "all_gather" in r0["summary"] and "shard" in r0["summary"]
+
+
+def non_finite_worker(stage, dtype):
+    """One parameter's gradient is NaN on every step (as a bad batch or an overflowing layer makes it)."""
+    import zeroshard
+    from zeroshard.testing.parity import ParityCase, make_batches, make_model
+    from zeroshard.zero import NonFiniteGradientError
+
+    config = ParityCase(stage=stage, dtype=dtype, extra=(("max_consecutive_skipped_steps", 3),)).config()
+    engine, *_ = zeroshard.initialize(model=make_model(), config=config)
+    poisoned = engine.module.blocks[1].fc.weight
+    poisoned.register_hook(lambda grad: grad * float("nan"))
+    try:
+        for x, y in make_batches(6, 2):
+            engine.backward(engine(x, y))
+            engine.step()
+    except NonFiniteGradientError as err:
+        return str(err), engine.skipped_steps
+    return None, engine.skipped_steps
+
+
+@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (2, "bf16"), (3, "fp32")])
+def test_non_finite_gradients_stop_training_after_the_configured_skipped_steps(stage, dtype):
+    for message, skipped in run_distributed(non_finite_worker, 2, stage, dtype):
+        assert skipped == 2 and message is not None, (skipped, message)
+        assert message.startswith("optimizer step 3: gradients were non-finite for 3 steps in a row"), message
+        assert "first at parameter 'blocks.1.fc.weight'" in message, message

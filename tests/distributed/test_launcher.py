@@ -80,3 +80,34 @@ def test_clean_runs_exit_zero_every_time(tmp_path, ranks, runs, stage):
     failed = [(i, out.returncode, (out.stdout + out.stderr)[-2000:]) for i, out in enumerate(outs) if out.returncode]
     assert not failed, f"{len(failed)} of {runs} clean runs exited non-zero; first: {failed[0]}"
     assert all(out.stdout.count("finished") == ranks for out in outs)
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+    """A scheduler cancelling a job signals the launcher: the agent and every rank must stop with it."""
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "forever.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+        "while True:\n"
+        "    time.sleep(0.1)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-m", "zeroshard", "--num_gpus", "2", str(script)], cwd=ROOT)
+    pids = [tmp_path / "pid0", tmp_path / "pid1"]
+    while not all(p.exists() and p.read_text() for p in pids):
+        assert launcher.poll() is None, "the launcher ended before the ranks started"
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 128 + signal.SIGTERM
+    for pid in (int(p.read_text()) for p in pids):
+        for _ in range(100):  # the agent reaps its workers before it exits; allow a moment for the kernel
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"rank process {pid} is still running after the launcher was stopped")

@@ -305,6 +305,9 @@ class ZeroshardConfig(Section):
     gradient_accumulation_steps: Union[int, Auto, None] = Field(None)
     steps_per_print: Optional[int] = Field(10, ge=1)
     gradient_clipping: Union[float, Auto] = 0.0
+    # zeroshard's own: stop after this many optimizer steps in a row were skipped for non-finite gradients
+    # without a dynamic fp16 loss scale to recover them (fp32/bf16, or a static fp16 scale); 0 never stops
+    max_consecutive_skipped_steps: int = Field(20, ge=0)
     prescale_gradients: bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0)
     communication_data_type: Optional[DTypeName] = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from typing import Optional, Sequence
@@ -39,20 +40,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _default_procs() -> int:
+def _gpu_count() -> int:
     try:
         import torch
 
-        return max(torch.cuda.device_count(), 1)
+        return torch.cuda.device_count()
     except ImportError:
-        return 1
+        return 0
+
+
+def check_process_count(nprocs: int, gpus: int, cores: int) -> Optional[str]:
+    """Refuse more ranks than GPUs (two ranks on one GPU fail late, in NCCL); without GPUs, warn when the ranks
+    outnumber the CPU cores. Returns the warning, if any (pure: counts in, verdict out)."""
+    if nprocs < 1:
+        raise SystemExit(f"zeroshard: --num_gpus must be >= 1, got {nprocs}")
+    if gpus and nprocs > gpus:
+        raise SystemExit(
+            f"zeroshard: --num_gpus {nprocs} but this machine has {gpus} GPU(s); start at most {gpus} ranks "
+            "(or hide the GPUs with CUDA_VISIBLE_DEVICES= to run on the CPU)"
+        )
+    if not gpus and nprocs > cores:
+        return (
+            f"zeroshard: warning: {nprocs} CPU ranks on {cores} core(s): the ranks share cores and every "
+            "collective waits for the slowest; expect each rank to run about "
+            f"{nprocs / cores:.1f}x slower than alone"
+        )
+    return None
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     requested = args.num_gpus if args.num_gpus is not None else args.nproc_per_node
-    nprocs = _default_procs() if requested is None else requested
-    if nprocs < 1:
-        raise SystemExit(f"zeroshard: --num_gpus must be >= 1, got {nprocs}")
+    gpus = _gpu_count()
+    nprocs = max(gpus, 1) if requested is None else requested
+    warning = check_process_count(nprocs, gpus, os.cpu_count() or 1)
+    if warning:
+        print(warning, file=sys.stderr)
     if args.num_nodes != 1:
         raise SystemExit("zeroshard: multi-node launch (--num_nodes > 1) is not supported yet; use one node")
     if not args.module and not os.path.isfile(args.script):
@@ -113,7 +135,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cmd = torchrun_command(args)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # N ranks on one host: avoid N x cores threads
-    return subprocess.call(cmd, env=env)
+    return run_agent(cmd, env)
+
+
+def run_agent(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the elastic agent; SIGTERM or SIGINT sent to this launcher is passed on to the agent, which stops
+    every rank (it would otherwise keep training as an orphan). The exit code is then 128 + the signal's
+    number, as a shell reports a process ended by that signal."""
+    agent = subprocess.Popen(cmd, env=env)
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        if agent.poll() is None:
+            agent.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = agent.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        return 128 + received[0]
+    return code if code >= 0 else 128 - code
 
 
 if __name__ == "__main__":

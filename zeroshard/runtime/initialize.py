@@ -229,6 +229,7 @@ def initialize(
             overlap_comm=cfg.zero_optimization.overlap_comm,
             gradient_clipping=cfg.gradient_clipping,
             gradient_predivide_factor=cfg.gradient_predivide_factor,
+            max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps,
             device=device,
             units=[plan.params for plan in unit_plans],
             persistent=persistent,

@@ -3,7 +3,7 @@
 from .flat_group import FlatGroup, GradState, ParamState
 from .gathered import GatheredParameters, consolidated_state_dict
 from .init import Init, reset_parameters
-from .optimizer import StagePolicy, ZeroOptimizer
+from .optimizer import NonFiniteGradientError, StagePolicy, ZeroOptimizer
 from .sharded_param import ShardedParameterError
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "GatheredParameters",
     "GradState",
     "Init",
+    "NonFiniteGradientError",
     "ParamState",
     "ShardedParameterError",
     "StagePolicy",

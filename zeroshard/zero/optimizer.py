@@ -35,6 +35,11 @@ from ..precision import LossScaler, PrecisionPolicy
 from . import gathered
 from .flat_group import FlatGroup
 
+
+class NonFiniteGradientError(RuntimeError):
+    """Gradients were inf/nan for too many optimizer steps in a row with no loss scale to recover them."""
+
+
 MAX_IN_FLIGHT = 2  # overlapped reductions pending at once (each holds one bucket's staging buffer)
 
 
@@ -113,6 +118,7 @@ class ZeroOptimizer:
         overlap_comm: bool,
         gradient_clipping: float,
         gradient_predivide_factor: float = 1.0,
+        max_consecutive_skipped_steps: int = 0,
         device: torch.device,
         units: Optional[list[list[torch.nn.Parameter]]] = None,
         persistent: frozenset = frozenset(),
@@ -127,6 +133,9 @@ class ZeroOptimizer:
         self.overlap_comm = overlap_comm
         self.gradient_clipping = gradient_clipping
         self.predivide = gradient_predivide_factor
+        self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
+        self.consecutive_skipped = 0
+        self.steps_taken = 0  # optimizer steps attempted (applied or skipped)
         shard_count = grid.shard.size if self.stage_policy.partition_optimizer else 1
         # Stage 0 reduces over the whole data-parallel world; sharded stages over the shard group,
         # then across replica groups.
@@ -309,10 +318,21 @@ class ZeroOptimizer:
         norm = math.sqrt(self._grad_norm_squared(grads).item()) / scale
         overflow = not math.isfinite(norm)
         self.global_grad_norm = norm
+        self.steps_taken += 1
         self.loss_scaler.update(overflow)
         if overflow:
+            self.consecutive_skipped += 1
+            limit = self.max_consecutive_skipped_steps
+            if not self.loss_scaler.dynamic and limit and self.consecutive_skipped >= limit:
+                raise NonFiniteGradientError(
+                    f"optimizer step {self.steps_taken}: gradients were non-finite for {self.consecutive_skipped} "
+                    f"steps in a row (every one skipped), first at parameter '{self._first_non_finite(grads)}'; "
+                    "check the loss and the data for inf/nan, lower the learning rate, or raise "
+                    "max_consecutive_skipped_steps (0 never stops)"
+                )
             self.zero_grad()
             return False
+        self.consecutive_skipped = 0
         coef = 1.0 / scale
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:
             coef *= self.gradient_clipping / (norm + 1e-6)
@@ -329,6 +349,24 @@ class ZeroOptimizer:
             self.publish()
         self.zero_grad()
         return True
+
+    def _first_non_finite(self, grads: list[torch.Tensor]) -> str:
+        """The first parameter, in flat-group order over all ranks' shards, with a non-finite gradient."""
+        big = len(self.flat_groups) * (1 << 40)
+        first = torch.tensor([big], dtype=torch.int64)
+        for index, (flat, grad) in enumerate(zip(self.flat_groups, grads)):
+            bad = (~torch.isfinite(grad)).nonzero()
+            if bad.numel():
+                lo, _ = flat.layout.shard_range(flat.shard_rank)
+                first[0] = index * (1 << 40) + lo + int(bad[0, 0])
+                break
+        if self.stage_policy.partition_optimizer:
+            comm.all_reduce(first, self.grid.shard, op="min")
+        index, offset = divmod(int(first.item()), 1 << 40)
+        if index >= len(self.flat_groups):
+            return "?"
+        slot = next((s for s in self.flat_groups[index].layout.slots if s.offset <= offset < s.end), None)
+        return slot.name if slot is not None else "?"
 
     def publish(self) -> None:
         """Copy the master weights into the compute parameters (after they were replaced, e.g. by a load)."""

@@ -27,3 +27,14 @@ def test_bad_invocations_exit_with_a_message(tmp_path):
         command("--num_gpus", "0", str(tmp_path / "x.py"))
     with pytest.raises(SystemExit, match="multi-node"):
         command("--num_nodes", "2", str(tmp_path / "x.py"))
+
+
+def test_process_count_against_gpus_and_cores():
+    from zeroshard.launcher.cli import check_process_count
+
+    with pytest.raises(SystemExit, match=r"--num_gpus 4 but this machine has 2 GPU\(s\)"):
+        check_process_count(4, gpus=2, cores=64)
+    assert check_process_count(2, gpus=2, cores=1) is None
+    assert check_process_count(2, gpus=0, cores=2) is None
+    warning = check_process_count(16, gpus=0, cores=2)
+    assert "16 CPU ranks on 2 core(s)" in warning and "8.0x slower" in warning
