@@ -255,3 +255,64 @@ def test_non_finite_gradients_stop_training_after_the_configured_skipped_steps(s
         assert skipped == 2 and message is not None, (skipped, message)
         assert message.startswith("optimizer step 3: gradients were non-finite for 3 steps in a row"), message
         assert "first at parameter 'blocks.1.fc.weight'" in message, message
+
+
+def honoured_keys_worker(directory):
+    """DeepSpeed keys zeroshard honours, each with and without the setting."""
+    import warnings
+
+    import zeroshard
+    from zeroshard import comm
+    from zeroshard.ops.adam import CPUAdam
+    from zeroshard.testing.parity import ParityCase, make_batches, make_model
+
+    out = {}
+    rank = comm.get_rank()
+
+    def with_unused(ignore):
+        model = make_model()
+        model.spare = torch.nn.Linear(4, 4)  # never used in forward
+        config = ParityCase(stage=2, zero=(("ignore_unused_parameters", ignore),)).config()
+        engine, *_ = zeroshard.initialize(model=model, config=config)
+        x, y = make_batches(1, 2)[0]
+        engine.backward(engine(x, y))
+        engine.step()
+
+    with_unused(True)
+    try:
+        with_unused(False)
+    except RuntimeError as err:
+        out["unused"] = str(err)
+
+    offload = (("offload_optimizer", {"device": "cpu"}),)
+    for force, make in ((True, torch.optim.AdamW), (False, torch.optim.AdamW), (True, CPUAdam)):
+        model = make_model()
+        config = ParityCase(stage=2, zero=offload, extra=(("zero_force_ds_cpu_optimizer", force),)).config()
+        del config["optimizer"]
+        try:
+            zeroshard.initialize(model=model, optimizer=make(model.parameters(), lr=1e-3), config=config)
+            out[(force, make.__name__)] = "ok"
+        except ValueError as err:
+            out[(force, make.__name__)] = str(err)
+
+    for validation in ("Fail", "Warn"):
+        config = ParityCase(stage=2, extra=(("checkpoint", {"tag_validation": validation}),)).config()
+        engine, *_ = zeroshard.initialize(model=make_model(), config=config)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                out[validation] = engine.save_checkpoint(directory, tag=f"tag-of-rank{rank}")
+            except ValueError as err:
+                out[validation] = str(err)
+        out[validation + "-warnings"] = [str(w.message) for w in caught]
+    return out
+
+
+def test_deepspeed_keys_that_zeroshard_honours(tmp_path):
+    for r in run_distributed(honoured_keys_worker, 2, str(tmp_path)):
+        assert "received no gradient in this backward ['spare.bias', 'spare.weight']" in r["unused"], r["unused"]
+        assert "offload_optimizer with a client optimizer (AdamW)" in r[(True, "AdamW")]
+        assert r[(False, "AdamW")] == "ok" and r[(True, "CPUAdam")] == "ok"
+        assert "the ranks pass different tags (rank 0: 'tag-of-rank0', rank 1: 'tag-of-rank1')" in r["Fail"]
+        assert r["Warn"] == str(tmp_path / "tag-of-rank0")
+        assert any("saved as rank 0's tag 'tag-of-rank0'" in w for w in r["Warn-warnings"])

@@ -104,7 +104,7 @@ def save(
     plain_name(tag, "checkpoint tag", save_dir)
     client = _json_ready(client_state or {}, "client_state")
     world, rank = engine.grid.world, comm.get_rank()
-    _same_directory_on_every_rank(save_dir, world)
+    tag = _ranks_agree(save_dir, tag, world, engine.config.checkpoint.tag_validation.lower())
     tmp, final = os.path.join(save_dir, f".{tag}.tmp"), os.path.join(save_dir, tag)
     error = None
     if rank == 0:
@@ -189,16 +189,26 @@ def _commit(save_dir: str, tag: str, save_latest: bool) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _same_directory_on_every_rank(save_dir: str, world: comm.Group) -> None:
+def _ranks_agree(save_dir: str, tag: str, world: comm.Group, tag_validation: str) -> str:
     """Every rank must write into one directory (a path built from each rank's clock or hostname would split
-    a checkpoint in pieces): compare the absolute paths before anything is written."""
-    paths = _gather_text(os.path.abspath(save_dir), world)
+    a checkpoint in pieces): compare the absolute paths before anything is written. Differing tags are
+    refused, warned about or ignored as ``checkpoint.tag_validation`` says (DeepSpeed's key; rank 0's tag
+    names the checkpoint)."""
+    pairs = [text.split("\n", 1) for text in _gather_text(f"{os.path.abspath(save_dir)}\n{tag}", world)]
+    paths, tags = [p[0] for p in pairs], [p[-1] for p in pairs]
+    if len(set(tags)) > 1 and tag_validation != "ignore":
+        listing = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+        message = f"save_checkpoint: the ranks pass different tags ({listing})"
+        if tag_validation == "fail":
+            raise ValueError(message + '; pass one tag on every rank (checkpoint.tag_validation is "Fail")')
+        warnings.warn(message + f"; the checkpoint is saved as rank 0's tag {tags[0]!r}", stacklevel=4)
     if len(set(paths)) > 1:
         listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
         raise ValueError(
             f"save_checkpoint: the ranks name different save directories ({listing}); every rank must pass the "
             "same save_dir (build it once, e.g. on rank 0, and share it)"
         )
+    return tags[0]
 
 
 def _gather_text(text: str, world: comm.Group) -> list[str]:

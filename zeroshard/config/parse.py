@@ -26,22 +26,56 @@ def parse_config(source: ConfigSource) -> ZeroshardConfig:
     except ValidationError as err:
         raise ValueError(format_validation_error(err)) from None
     _reject_enabled_unsupported(config)
+    reject_refused(config)
     return config
+
+
+def reject_refused(section: BaseModel, path: str = "") -> None:
+    """Refuse, naming the key, any value but the default of a key zeroshard parses but does not implement."""
+    for name, field in type(section).model_fields.items():
+        value = getattr(section, name)
+        key = f"{path}{field.alias or name}"
+        extra = field.json_schema_extra or {}
+        if "refused" in extra and value != field.get_default(call_default_factory=True):
+            raise NotImplementedError(
+                f"config key '{key}' = {value!r} is not implemented by zeroshard ({extra['refused']}); remove the "
+                f"key or set it to {field.get_default(call_default_factory=True)!r}"
+            )
+        if isinstance(value, BaseModel):
+            reject_refused(value, f"{key}.")
 
 
 def load_json_or_dict(source: Union[dict, str, os.PathLike]) -> dict:
     """A config dict as given, or read from the JSON file it names."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
+        if path.is_dir():
+            raise ValueError(f"config file '{path}' is a directory; pass the JSON file inside it")
         if not path.is_file():
             raise ValueError(f"config file '{path}' does not exist")
         try:
-            source = json.loads(path.read_text())
+            source = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
         except json.JSONDecodeError as err:
             raise ValueError(f"config file '{path}' is not valid JSON: {err}") from None
+        except _DuplicateKey as err:
+            raise ValueError(f"config file '{path}': {err}") from None
     if not isinstance(source, dict):
         raise TypeError(f"config must be a dict or a path to a JSON file, got {type(source).__name__}")
     return dict(source)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """JSON lets a key appear twice and keeps the last; a config where it happens is a mistake to point out."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"key '{key}' appears twice in one object ({out[key]!r} and {value!r}); keep one")
+        out[key] = value
+    return out
 
 
 def _reject_enabled_unsupported(config: ZeroshardConfig) -> None:

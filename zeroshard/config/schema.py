@@ -6,6 +6,8 @@ unchanged. Values that may be ``"auto"`` stay ``"auto"`` here; :mod:`.resolve` r
 
 from __future__ import annotations
 
+import math
+import typing
 import warnings
 from enum import Enum
 from pathlib import Path
@@ -14,13 +16,54 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Auto = Literal["auto"]
+_NO_AC = "DeepSpeed's activation-checkpointing API is not implemented; use torch.utils.checkpoint"
+_ONLY_ENABLED = "used only by an enabled block, which is refused"
 DTypeName = Literal["fp32", "fp16", "bf16"]
 
 
 class Section(BaseModel):
-    """Every config section rejects unknown keys and accepts both field names and DeepSpeed aliases."""
+    """Every config section rejects unknown keys and accepts both field names and DeepSpeed aliases.
+
+    Numbers are numbers: ``true``/``false`` is refused where a number is expected (JSON would otherwise make
+    ``"stage": true`` stage 1), and so are NaN and infinity (``gradient_clipping: NaN`` would disable
+    clipping)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        for name, field in cls.model_fields.items():
+            key = next((k for k in (name, field.alias) if k and k in values), None)
+            if key is None or not _takes_number(field.annotation):
+                continue
+            value = values[key]
+            if isinstance(value, bool):
+                raise ValueError(f"'{key}' must be a number, not {str(value).lower()}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"'{key}' must be a finite number, not {value}")
+        return values
+
+
+def _takes_number(annotation: Any) -> bool:
+    """The field accepts an int or a float (and not a bool)."""
+    args = typing.get_args(annotation) or (annotation,)
+    kinds = {a for arg in args for a in (typing.get_args(arg) or (arg,))}
+    return bool(kinds & {int, float}) and bool not in kinds
+
+
+def refused(default: Any, reason: str, **kwargs) -> Any:
+    """A DeepSpeed key zeroshard parses but does not implement: any value but ``default`` is refused with a
+    ``NotImplementedError`` naming the key (``parse_config``)."""
+    return Field(default, json_schema_extra={"refused": reason}, **kwargs)
+
+
+def satisfied(default: Any, reason: str, **kwargs) -> Any:
+    """A DeepSpeed key whose every value zeroshard already satisfies (a performance hint whose effect is
+    built in, or a guarantee zeroshard always gives); ``reason`` says why, and the docs list it."""
+    return Field(default, json_schema_extra={"satisfied": reason}, **kwargs)
 
 
 def _rename_deprecated(values: Any, old: str, new: str) -> Any:
@@ -38,7 +81,7 @@ def _rename_deprecated(values: Any, old: str, new: str) -> Any:
 
 class FP16Config(Section):
     enabled: Union[bool, Auto] = False
-    auto_cast: bool = False
+    auto_cast: bool = refused(False, "autocast of the forward is not implemented; cast inputs yourself")
     loss_scale: float = Field(0.0, ge=0, description="0 selects dynamic loss scaling")
     initial_scale_power: int = Field(16, ge=0, le=64)
     loss_scale_window: int = Field(1000, gt=0)
@@ -50,8 +93,8 @@ class FP16Config(Section):
 
 class BF16Config(Section):
     enabled: Union[bool, Auto] = False
-    immediate_grad_update: bool = True
-    check_grad_overflow: bool = False
+    immediate_grad_update: bool = refused(True, "gradients are always reduced as they are produced")
+    check_grad_overflow: bool = refused(True, "a step with non-finite gradients is always skipped")
 
 
 class OffloadDevice(str, Enum):
@@ -80,57 +123,63 @@ class OffloadParamConfig(_OffloadBase):
 
 class OffloadOptimizerConfig(_OffloadBase):
     buffer_count: int = Field(4, ge=1)
-    pipeline_read: bool = False
-    pipeline_write: bool = False
-    fast_init: bool = False
-    ratio: float = Field(1.0, ge=0.0, le=1.0)
-
-    @field_validator("ratio")
-    @classmethod
-    def _whole_offload(cls, value: float) -> float:
-        if value != 1.0:
-            raise ValueError("partial offload (ratio < 1) is not supported; use 1.0 or remove the key")
-        return value
+    pipeline_read: bool = satisfied(False, "NVMe reads always run ahead of the sub-group being stepped")
+    pipeline_write: bool = satisfied(False, "NVMe writes always run behind the sub-group being stepped")
+    fast_init: bool = satisfied(False, "a start-up speed hint")
+    ratio: float = refused(1.0, "partial offload (ratio < 1) is not supported", ge=0.0, le=1.0)
 
 
 class ZeroConfig(Section):
     stage: int = Field(0, ge=0, le=3)
-    contiguous_gradients: bool = True
+    contiguous_gradients: bool = satisfied(True, "gradients are always reduced from contiguous flat buffers")
     reduce_scatter: bool = True
     reduce_bucket_size: Union[int, Auto] = Field(500_000_000)
-    use_multi_rank_bucket_allreduce: bool = True
-    allgather_partitions: bool = True
+    use_multi_rank_bucket_allreduce: bool = satisfied(True, "a performance hint; buckets are reduced in order")
+    allgather_partitions: bool = satisfied(True, "updated shards are always all-gathered")
     allgather_bucket_size: Union[int, Auto] = Field(500_000_000)
     overlap_comm: Optional[bool] = None
-    load_from_fp32_weights: bool = True
-    elastic_checkpoint: bool = False
+    load_from_fp32_weights: bool = refused(True, "checkpoints always restore the fp32 master weights")
+    elastic_checkpoint: bool = satisfied(False, "checkpoints always load on any world size and stage")
     offload_param: Optional[OffloadParamConfig] = None
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     sub_group_size: int = Field(1_000_000_000, ge=1)
     prefetch_bucket_size: Union[int, Auto] = Field(50_000_000, alias="stage3_prefetch_bucket_size")
     param_persistence_threshold: Union[int, Auto] = Field(100_000, alias="stage3_param_persistence_threshold")
-    model_persistence_threshold: int = Field(2**63 - 1, ge=0, alias="stage3_model_persistence_threshold")
+    model_persistence_threshold: int = refused(
+        2**63 - 1,
+        "only stage3_param_persistence_threshold is implemented",
+        ge=0,
+        alias="stage3_model_persistence_threshold",
+    )
     max_live_parameters: int = Field(1_000_000_000, ge=0, alias="stage3_max_live_parameters")
-    max_reuse_distance: int = Field(1_000_000_000, ge=0, alias="stage3_max_reuse_distance")
+    max_reuse_distance: int = refused(
+        1_000_000_000, "units are always freed after use", ge=0, alias="stage3_max_reuse_distance"
+    )
     gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
-    module_granularity_threshold: int = Field(0, ge=0, alias="stage3_module_granularity_threshold")
-    use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params")
-    allgather_sequential: bool = Field(False, alias="stage3_allgather_sequential")
+    module_granularity_threshold: int = refused(
+        0, "use gather_unit_min_params or gather_unit_classes", ge=0, alias="stage3_module_granularity_threshold"
+    )
+    use_all_reduce_for_fetch_params: bool = refused(
+        False, "parameters are gathered with all-gather", alias="stage3_use_all_reduce_for_fetch_params"
+    )
+    allgather_sequential: bool = refused(False, "not implemented", alias="stage3_allgather_sequential")
     ignore_unused_parameters: bool = True
-    legacy_stage1: bool = False
-    round_robin_gradients: bool = False
+    legacy_stage1: bool = refused(False, "the legacy stage 1 is not implemented")
+    round_robin_gradients: bool = satisfied(False, "a CPU-offload performance hint; shards are already contiguous")
     zero_hpz_partition_size: int = Field(1, ge=1)
-    zero_quantized_weights: bool = False
-    zero_quantized_nontrainable_weights: bool = False
-    zero_quantized_gradients: bool = False
-    zeropp_loco_param: Optional[dict[str, Any]] = None
+    zero_quantized_weights: bool = refused(False, "ZeRO++ quantized weights are not implemented yet")
+    zero_quantized_nontrainable_weights: bool = refused(False, "ZeRO++ quantized weights are not implemented yet")
+    zero_quantized_gradients: bool = refused(False, "ZeRO++ quantized gradients are not implemented yet")
+    zeropp_loco_param: Optional[dict[str, Any]] = refused(None, "ZeRO++ LoCo is not implemented yet")
     mics_shard_size: int = Field(-1, ge=-1)
-    mics_hierarchical_params_gather: bool = False
-    memory_efficient_linear: bool = True
-    pipeline_loading_checkpoint: bool = False
-    override_module_apply: bool = True
-    log_trace_cache_warnings: bool = False
-    enable_sanity_checks: bool = False
+    mics_hierarchical_params_gather: bool = refused(False, "hierarchical MiCS gathers are not implemented")
+    memory_efficient_linear: bool = satisfied(True, "stage 3 frees gathered weights saved for backward already")
+    pipeline_loading_checkpoint: bool = refused(False, "not implemented")
+    override_module_apply: bool = refused(
+        True, "module.apply is never overridden; under stage 3 use GatheredParameters around it"
+    )
+    log_trace_cache_warnings: bool = refused(False, "not implemented")
+    enable_sanity_checks: bool = refused(False, "not implemented")
     gather_unit_classes: list[str] = Field(default_factory=list)
     gather_unit_min_params: int = Field(1_000_000, ge=1)
 
@@ -195,7 +244,7 @@ class ZeroConfig(Section):
 class OptimizerConfig(Section):
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
-    legacy_fusion: bool = False
+    legacy_fusion: bool = refused(False, "not implemented")
 
 
 class SchedulerConfig(Section):
@@ -205,19 +254,19 @@ class SchedulerConfig(Section):
 
 class CommsLoggerConfig(Section):
     enabled: bool = False
-    verbose: bool = False
-    prof_all: bool = True
-    debug: bool = False
-    prof_ops: list[str] = Field(default_factory=list)
+    verbose: bool = refused(False, "the comms logger prints per-op totals, not every call")
+    prof_all: bool = refused(True, "every op is counted")
+    debug: bool = refused(False, "not implemented")
+    prof_ops: list[str] = refused([], "every op is counted")
 
 
 class ActivationCheckpointingConfig(Section):
-    partition_activations: bool = False
-    contiguous_memory_optimization: bool = False
-    cpu_checkpointing: bool = False
-    number_checkpoints: Optional[int] = Field(None, ge=1)
-    synchronize_checkpoint_boundary: bool = False
-    profile: bool = False
+    partition_activations: bool = refused(False, _NO_AC)
+    contiguous_memory_optimization: bool = refused(False, _NO_AC)
+    cpu_checkpointing: bool = refused(False, _NO_AC)
+    number_checkpoints: Optional[int] = refused(None, _NO_AC, ge=1)
+    synchronize_checkpoint_boundary: bool = refused(False, _NO_AC)
+    profile: bool = refused(False, _NO_AC)
 
 
 class AioConfig(Section):
@@ -225,15 +274,8 @@ class AioConfig(Section):
     queue_depth: int = Field(8, gt=0)
     intra_op_parallelism: int = Field(1, ge=1)
     single_submit: bool = False
-    overlap_events: bool = True
-    use_gds: bool = False
-
-    @field_validator("use_gds")
-    @classmethod
-    def _no_gds(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("GPUDirect Storage is not supported; set it to false")
-        return value
+    overlap_events: bool = satisfied(True, "reads and writes always overlap the optimizer step")
+    use_gds: bool = refused(False, "GPUDirect Storage is not supported")
 
     @model_validator(mode="before")
     @classmethod
@@ -243,9 +285,9 @@ class AioConfig(Section):
 
 class CheckpointConfig(Section):
     tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail", "IGNORE", "WARN", "FAIL"] = "Warn"
-    load_universal: bool = False
-    use_node_local_storage: bool = False
-    parallel_write: dict[str, Any] = Field(default_factory=dict)
+    load_universal: bool = refused(False, "zeroshard checkpoints reshard natively; universal ones do not load")
+    use_node_local_storage: bool = refused(False, "not implemented")
+    parallel_write: dict[str, Any] = refused({}, "every rank always writes its own file in parallel")
 
 
 class MonitorConfig(Section):
@@ -255,22 +297,24 @@ class MonitorConfig(Section):
 
 
 class WandbConfig(Section):
-    enabled: bool = False
-    group: Optional[str] = None
-    team: Optional[str] = None
-    project: str = "deepspeed"
+    """Parsed so configs that carry a disabled block load; the monitor itself is not implemented."""
+
+    enabled: bool = refused(False, "the wandb monitor is not implemented; use csv_monitor or tensorboard")
+    group: Optional[str] = satisfied(None, _ONLY_ENABLED)
+    team: Optional[str] = satisfied(None, _ONLY_ENABLED)
+    project: str = satisfied("deepspeed", _ONLY_ENABLED)
 
 
 class CometConfig(Section):
-    enabled: bool = False
-    samples_log_interval: int = 100
-    project: Optional[str] = None
-    workspace: Optional[str] = None
-    api_key: Optional[str] = None
-    experiment_name: Optional[str] = None
-    experiment_key: Optional[str] = None
-    online: Optional[bool] = None
-    mode: Optional[str] = None
+    enabled: bool = refused(False, "the comet monitor is not implemented; use csv_monitor or tensorboard")
+    samples_log_interval: int = satisfied(100, _ONLY_ENABLED)
+    project: Optional[str] = satisfied(None, _ONLY_ENABLED)
+    workspace: Optional[str] = satisfied(None, _ONLY_ENABLED)
+    api_key: Optional[str] = satisfied(None, _ONLY_ENABLED)
+    experiment_name: Optional[str] = satisfied(None, _ONLY_ENABLED)
+    experiment_key: Optional[str] = satisfied(None, _ONLY_ENABLED)
+    online: Optional[bool] = satisfied(None, _ONLY_ENABLED)
+    mode: Optional[str] = satisfied(None, _ONLY_ENABLED)
 
 
 class DataTypesConfig(Section):
@@ -308,7 +352,7 @@ class ZeroshardConfig(Section):
     # zeroshard's own: stop after this many optimizer steps in a row were skipped for non-finite gradients
     # without a dynamic fp16 loss scale to recover them (fp32/bf16, or a static fp16 scale); 0 never stops
     max_consecutive_skipped_steps: int = Field(20, ge=0)
-    prescale_gradients: bool = False
+    prescale_gradients: bool = refused(False, "gradients are divided by the world size after the reduction")
     gradient_predivide_factor: float = Field(1.0, gt=0)
     communication_data_type: Optional[DTypeName] = None
     fp16: FP16Config = Field(default_factory=FP16Config)
@@ -320,9 +364,9 @@ class ZeroshardConfig(Section):
     zero_force_ds_cpu_optimizer: bool = True
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
-    dump_state: bool = False
-    sparse_gradients: bool = False
-    disable_allgather: bool = False
+    dump_state: bool = refused(False, "not implemented")
+    sparse_gradients: bool = refused(False, "sparse gradients are not implemented")
+    disable_allgather: bool = refused(False, "not implemented")
     dataloader_drop_last: bool = False
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
@@ -350,6 +394,14 @@ class ZeroshardConfig(Section):
     tensor_parallel: Optional[dict[str, Any]] = None
     nebula: Optional[dict[str, Any]] = None
     weight_quantization: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _steps_per_print_infinity(cls, values: Any) -> Any:
+        # accelerate writes Infinity, meaning "never"; any other non-finite number is refused
+        if isinstance(values, dict) and values.get("steps_per_print") == math.inf:
+            values = {**values, "steps_per_print": None}
+        return values
 
     @field_validator("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     @classmethod

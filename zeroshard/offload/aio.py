@@ -126,12 +126,12 @@ class SwapFile:
     def reserve(self, nbytes: int) -> int:
         """Allocate an aligned region at the end of the file; disk space is claimed now, so a full disk
         fails here, with a clear error, rather than in the middle of a step."""
-        offset, self.size = self.size, self.size + align_up(nbytes)
+        offset, length = self.size, align_up(nbytes)
         try:
-            os.posix_fallocate(self.fd, offset, self.size - offset)
+            os.posix_fallocate(self.fd, offset, length)
         except OSError as error:
-            self.size = offset
-            raise self._error("reserve", offset, self.size - offset, error) from error
+            raise self._error("reserve", offset, length, error) from error
+        self.size = offset + length
         return offset
 
     def _error(self, op: str, offset: int, nbytes: int, error: OSError) -> OffloadIOError:

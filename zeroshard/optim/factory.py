@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..ops.adam import CPUAdam
 from .lamb import Lamb
 from .lion import Lion
 
@@ -101,9 +102,19 @@ def build_optimizer(
         raise ValueError(f"optimizer '{name}' rejected optimizer.params {params}: {err}") from None
 
 
-def check_client_optimizer(optimizer: torch.optim.Optimizer, zero_stage: int, allow_untested: bool) -> None:
+def check_client_optimizer(
+    optimizer: torch.optim.Optimizer, zero_stage: int, allow_untested: bool, force_cpu_optimizer: bool = False
+) -> None:
+    """``force_cpu_optimizer`` is DeepSpeed's ``zero_force_ds_cpu_optimizer`` with ``offload_optimizer``: a client
+    optimizer must then be the CPU Adam (a generic one steps far slower on the CPU)."""
     if zero_stage > 0 and not isinstance(optimizer, SHARD_SAFE) and not allow_untested:
         raise ValueError(
             f"client optimizer {type(optimizer).__name__} is not verified with ZeRO sharding; "
             'set "zero_allow_untested_optimizer": true to use it anyway'
+        )
+    if force_cpu_optimizer and not isinstance(optimizer, CPUAdam):
+        raise ValueError(
+            f"offload_optimizer with a client optimizer ({type(optimizer).__name__}): use "
+            "zeroshard.ops.adam.CPUAdam (DeepSpeedCPUAdam) or an 'optimizer' config block, or set "
+            '"zero_force_ds_cpu_optimizer": false to step it on the CPU anyway'
         )

@@ -182,11 +182,14 @@ def initialize(
 
     zero = stage3 = None
     param_names = {p: name for name, p in model.named_parameters()}
+    force_cpu_optimizer = offload.offloads_optimizer and cfg.zero_force_ds_cpu_optimizer
     if optimizer is not None or cfg.optimizer is not None:
         if isinstance(optimizer, torch.optim.Optimizer):
             if cfg.optimizer is not None:
                 raise ValueError("both a client optimizer and an 'optimizer' config block were given; drop one")
-            check_client_optimizer(optimizer, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
+            check_client_optimizer(
+                optimizer, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer, force_cpu_optimizer
+            )
             groups = [dict(g) for g in optimizer.param_groups]
             make = _adopt_client_optimizer(optimizer)
         elif optimizer is not None:
@@ -194,7 +197,9 @@ def initialize(
 
             def make(master_groups, factory=optimizer):
                 built = factory(master_groups)
-                check_client_optimizer(built, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
+                check_client_optimizer(
+                    built, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer, force_cpu_optimizer
+                )
                 return built
         else:
             groups = _param_groups(model, model_parameters)
@@ -228,6 +233,7 @@ def initialize(
             bucket_size=cfg.zero_optimization.reduce_bucket_size,
             overlap_comm=cfg.zero_optimization.overlap_comm,
             gradient_clipping=cfg.gradient_clipping,
+            ignore_unused_parameters=cfg.zero_optimization.ignore_unused_parameters,
             gradient_predivide_factor=cfg.gradient_predivide_factor,
             max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps,
             device=device,

@@ -119,6 +119,7 @@ class ZeroOptimizer:
         gradient_clipping: float,
         gradient_predivide_factor: float = 1.0,
         max_consecutive_skipped_steps: int = 0,
+        ignore_unused_parameters: bool = True,
         device: torch.device,
         units: Optional[list[list[torch.nn.Parameter]]] = None,
         persistent: frozenset = frozenset(),
@@ -134,6 +135,7 @@ class ZeroOptimizer:
         self.gradient_clipping = gradient_clipping
         self.predivide = gradient_predivide_factor
         self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
+        self.ignore_unused_parameters = ignore_unused_parameters
         self.consecutive_skipped = 0
         self.steps_taken = 0  # optimizer steps attempted (applied or skipped)
         shard_count = grid.shard.size if self.stage_policy.partition_optimizer else 1
@@ -293,12 +295,33 @@ class ZeroOptimizer:
     def end_backward(self) -> None:
         if not self._reducing:
             return
+        if not self.ignore_unused_parameters:
+            self._refuse_unused()
         for flat in self.flat_groups[self._next_launch :]:
             flat.launch_reduce(self.predivide, async_op=True)
             self._in_flight.append(flat)
         while self._in_flight:
             self._in_flight.popleft().finish_reduce(self.predivide / self.grid.world.size)
         self._reducing = False
+
+    def _refuse_unused(self) -> None:
+        """``ignore_unused_parameters: false`` (DeepSpeed's stage-3 check): a trainable parameter that received no
+        gradient in this backward stops training on every rank (one small all-reduce agrees on it)."""
+        unused = [
+            self.param_names[param]
+            for flat in self.flat_groups[self._next_launch :]
+            for param, arrived in zip(flat.params, flat.arrived)
+            if not arrived
+        ]
+        count = torch.tensor([len(unused)], dtype=torch.int64)
+        comm.all_reduce(count, self.grid.world, op="max")
+        if count.item():
+            where = f"{unused[:8]}{' ...' if len(unused) > 8 else ''}" if unused else "(on another rank)"
+            raise RuntimeError(
+                f"rank {comm.get_rank()}: parameters received no gradient in this backward {where}, and "
+                "zero_optimization.ignore_unused_parameters is false; freeze them (requires_grad=False), use them, "
+                "or set ignore_unused_parameters to true"
+            )
 
     # -- the optimizer step -------------------------------------------------------------------
     def _grad_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:

@@ -79,6 +79,7 @@ def test_file_size_limit_is_a_clear_error(tmp_path):
         with pytest.raises(OffloadIOError, match="file size limit") as info:
             file.reserve(4 << 20)
         assert "errno 27" in str(info.value) and file.path in str(info.value)
+        assert f"reserve of {4 << 20} bytes at offset {512 * 1024}" in str(info.value)  # once it said "of 0 bytes"
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old)
         signal.signal(signal.SIGXFSZ, handler)
