@@ -190,9 +190,8 @@ def test_save_16bit_model(tmp_path):
     on_disk = torch.load(tmp_path / "model.bin")
     assert set(on_disk) == set(full) and all(torch.equal(on_disk[k], full[k]) for k in full)
     assert on_disk["blocks.0.fc.weight"].dtype == torch.bfloat16
-    assert on_disk["lm_head.weight"].data_ptr() == on_disk["wte.weight"].data_ptr() or torch.equal(
-        on_disk["lm_head.weight"], on_disk["wte.weight"]
-    )
+    # the tied head is stored as the embedding itself (one storage), not as an equal copy
+    assert on_disk["lm_head.weight"].untyped_storage().data_ptr() == on_disk["wte.weight"].untyped_storage().data_ptr()
     (saved, _), _ = run_distributed(save_worker, 2, str(tmp_path / "no"), False)
     assert not saved and not (tmp_path / "no").exists()
 
@@ -307,23 +306,31 @@ class Checkpointed(torch.nn.Module):
 
 
 def checkpointed_worker():
+    """The same training with and without recomputation (lr 1e-3, as the other stage-3 parity cases)."""
     import zeroshard
     from zeroshard import comm
     from zeroshard.testing.models import Block
+    from zeroshard.testing.parity import engine_train
 
+    case = ParityCase(stage=3, steps=2, lr=1e-3, zero=BLOCK_UNITS)
     model = make_model()
     model.blocks = torch.nn.ModuleList(Checkpointed(block) for block in model.blocks)
-    engine, _, _, _ = zeroshard.initialize(
-        model=model, config=ParityCase(stage=3, zero=BLOCK_UNITS).config(), gather_unit_classes=[Block]
-    )
+    engine, _, _, _ = zeroshard.initialize(model=model, config=case.config(), gather_unit_classes=[Block])
     rank = comm.get_rank()
     for x, y in make_batches(2, 4):
         engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
         engine.step()
-    return {k.replace(".block.", "."): v for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
+    checkpointed = {k.replace(".block.", "."): v for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
+    return checkpointed, engine_train(case)["params"]
 
 
 def test_activation_checkpointing_recomputes_inside_gathered_units():
-    got = run_distributed(checkpointed_worker, 2)[0]
-    expected = reference_train(ParityCase(stage=3, steps=2), 2)
-    assert model_error({k: v.float() for k, v in got.items()}, expected) <= 1e-5
+    """Recomputation is exact: bitwise the run without checkpointing. (This test once compared with the reference
+    at lr 1e-2 and failed on some machines with 1.07e-05 > 1e-5: the runs were bitwise reproducible, and the
+    plain stage-3 run had the same error, i.e. no timing-dependent order: per-rank means averaged vs one
+    full-batch mean round differently, and Adam at lr 1e-2 amplifies that rounding on near-zero gradients.)"""
+    checkpointed, plain = run_distributed(checkpointed_worker, 2)[0]
+    for name, tensor in plain.items():
+        assert torch.equal(checkpointed[name].float(), tensor), name
+    expected = reference_train(ParityCase(stage=3, steps=2, lr=1e-3), 2)
+    assert model_error({k: v.float() for k, v in checkpointed.items()}, expected) <= 1e-5
