@@ -441,13 +441,16 @@ def disk_full_worker(directory):
     engine = build(ParityCase(stage=2, lr=1e-3))
     train(engine, range(1), 4)
     engine.save_checkpoint(directory, tag="first")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     if comm.get_rank() == 1:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
     try:
         engine.save_checkpoint(directory, tag="second")
     except CheckpointError as err:
         return str(err)
+    finally:  # the harness's result file and the process group's file store need the space afterwards
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     return None
 
 

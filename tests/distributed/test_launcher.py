@@ -97,8 +97,12 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
     )
     launcher = subprocess.Popen([sys.executable, "-m", "zeroshard", "--num_gpus", "2", str(script)], cwd=ROOT)
     pids = [tmp_path / "pid0", tmp_path / "pid1"]
+    give_up = time.monotonic() + 600  # a guard against a hang, not a speed requirement
     while not all(p.exists() and p.read_text() for p in pids):
         assert launcher.poll() is None, "the launcher ended before the ranks started"
+        if time.monotonic() > give_up:
+            launcher.kill()
+            raise AssertionError("the ranks did not start within 10 minutes")
         time.sleep(0.2)
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=120) == 128 + signal.SIGTERM

@@ -46,6 +46,9 @@ def test_public_api_surface():
         "train_micro_batch_size_per_gpu",
         "gradient_accumulation_steps",
         "zero_optimization_stage",
+        "destroy",
+        "save_checkpoint",
+        "load_checkpoint",
         "train",
         "eval",
     }

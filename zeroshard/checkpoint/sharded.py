@@ -224,20 +224,24 @@ def _gather_text(text: str, world: comm.Group) -> list[str]:
     return [bytes(row.tolist()).rstrip(b"\x00").decode(errors="replace") for row in rows]
 
 
-def _agree_on_write(engine, error: Optional[OSError], save_dir: str, tmp: str) -> None:
-    """After each writing phase: if any rank failed (disk full, permissions), every rank raises, the partial
-    ``.tmp`` directory is removed, and the checkpoint that ``latest`` names is untouched."""
-    world = engine.grid.world
+def _failed_ranks(error: Optional[Exception], world: comm.Group) -> list[int]:
+    """The ranks whose ``error`` is set (one small all-reduce, so every rank knows them all)."""
     failed = torch.zeros(world.size)
     failed[comm.get_rank()] = 1.0 if error is not None else 0.0
     comm.all_reduce(failed, world)
-    if not failed.any():
+    return [r for r in range(world.size) if failed[r] > 0]
+
+
+def _agree_on_write(engine, error: Optional[OSError], save_dir: str, tmp: str) -> None:
+    """After each writing phase: if any rank failed (disk full, permissions), every rank raises, the partial
+    ``.tmp`` directory is removed, and the checkpoint that ``latest`` names is untouched."""
+    ranks = _failed_ranks(error, engine.grid.world)
+    if not ranks:
         return
     if comm.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     kept = _read_latest(save_dir)
     kept_text = f"the previous checkpoint '{kept}' is kept" if kept else "no earlier checkpoint was there"
-    ranks = [r for r in range(world.size) if failed[r] > 0]
     cause = f"{error.strerror or error} ({error.filename or tmp})" if error is not None else "see those ranks' errors"
     raise CheckpointError(
         f"saving a checkpoint into {save_dir} failed on rank(s) {ranks}: {cause}; the partial save was removed "
@@ -495,16 +499,12 @@ def load(
 def _agree(engine, error: Optional[CheckpointError], path: str) -> None:
     """Every rank raises if any rank failed to read its part: the failing ranks with their own message, the
     others with the first failing rank's (so every rank's log names the file and field)."""
-    world = engine.grid.world
-    failed = torch.zeros(world.size)
-    failed[comm.get_rank()] = 1.0 if error is not None else 0.0
-    comm.all_reduce(failed, world)
-    if not failed.any():
+    ranks = _failed_ranks(error, engine.grid.world)
+    if not ranks:
         return
-    messages = _gather_text(str(error) if error is not None else "", world)
+    messages = _gather_text(str(error) if error is not None else "", engine.grid.world)
     if error is not None:
         raise error
-    ranks = [r for r in range(world.size) if failed[r] > 0]
     raise CheckpointError(f"loading {path} failed on rank(s) {ranks}: rank {ranks[0]}: {messages[ranks[0]]}")
 
 
