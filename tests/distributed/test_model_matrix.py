@@ -275,4 +275,6 @@ def test_units_are_modules_that_run(trained):
         assert not any(name.endswith(("h", "layers", "layer", "blocks")) for name in got["units"]), (case, got)
         if case.threshold == "above-model":
             assert got["units"] == [], case
-    assert "transformer.h.0.attn.c_attn" in by_case[Case("gpt2", threshold="inside-block")]["units"]
+    # the regression: the blocks' leftovers (attn.c_proj, layer norms) used to make the ModuleList a unit
+    assert by_case[Case("gpt2-768")]["units"][:2] == ["transformer", "transformer.h.0.attn.c_attn"]
+    assert "transformer.h.0.mlp" in by_case[Case("gpt2", threshold="inside-block")]["units"]
