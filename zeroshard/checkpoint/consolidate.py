@@ -15,8 +15,8 @@ import torch
 from tqdm import tqdm
 
 from .manifest import Piece
+from .reading import Sources, assemble, read_manifest, resolve_tag
 from .safetensors_io import CheckpointError, write
-from .sharded import _Sources, assemble, read_manifest, resolve_tag
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -30,7 +30,7 @@ def parse_size(size: Union[int, str]) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def _open(checkpoint_dir: str, tag: Optional[str]) -> tuple[_Sources, dict]:
+def _open(checkpoint_dir: str, tag: Optional[str]) -> tuple[Sources, dict]:
     tag = resolve_tag(checkpoint_dir, tag)
     if tag is None:
         raise CheckpointError(f"{checkpoint_dir} has no 'latest' file; pass tag=")
@@ -38,7 +38,7 @@ def _open(checkpoint_dir: str, tag: Optional[str]) -> tuple[_Sources, dict]:
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     manifest = read_manifest(path)
-    return _Sources(path, manifest), manifest
+    return Sources(path, manifest), manifest
 
 
 def _entries(manifest: dict) -> list[tuple[str, tuple, str]]:
@@ -48,7 +48,7 @@ def _entries(manifest: dict) -> list[tuple[str, tuple, str]]:
     return out
 
 
-def _materialize(sources: _Sources, manifest: dict, name: str, shape: tuple, where: str) -> torch.Tensor:
+def _materialize(sources: Sources, manifest: dict, name: str, shape: tuple, where: str) -> torch.Tensor:
     if where == "param":
         numel = torch.Size(shape).numel()
         out = torch.empty(numel, dtype=torch.float32)

@@ -27,8 +27,9 @@ import torch
 
 from .. import comm
 from ..runtime.log import log_rank0
-from .manifest import FORMAT, Piece, overlapping, pieces_for, plain_name, rank_file, seal, validate
-from .safetensors_io import CheckpointError, Reader, write
+from .manifest import FORMAT, Piece, pieces_for, plain_name, rank_file, seal
+from .reading import Sources, assemble, read_manifest, resolve_tag
+from .safetensors_io import CheckpointError, write
 
 _TEXT_BYTES = 4096  # a path or an error message, exchanged between ranks
 
@@ -343,80 +344,6 @@ def _manifest(engine, tag: str, client: dict, tmp: str) -> dict:
     }
 
 
-class _Sources:
-    """Readers of one checkpoint directory; each tensor is verified against its checksum once, on first use."""
-
-    def __init__(self, path: str, manifest: dict):
-        self.path, self.manifest = path, manifest
-        self._readers: dict[str, Reader] = {}
-        self._verified: set[tuple[str, str]] = set()
-
-    def reader(self, file: str) -> Reader:
-        if file not in self._readers:
-            expected = self.manifest["files"].get(file)
-            if expected is None:
-                raise CheckpointError(f"{self.path}: manifest lists no file {file}")
-            reader = Reader(os.path.join(self.path, plain_name(file, "file", self.path)), expected["header_crc"])
-            if reader.size != expected["size"]:
-                raise CheckpointError(
-                    f"checkpoint file {reader.path} has {reader.size} bytes, the manifest "
-                    f"says {expected['size']} (truncated or replaced)"
-                )
-            self._readers[file] = reader
-        return self._readers[file]
-
-    def read(self, file: str, key: str, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
-        """Elements [start, stop) of a saved tensor, after verifying the whole tensor once (streamed)."""
-        reader = self.reader(file)
-        if (file, key) not in self._verified:
-            crc = self.manifest["files"][file]["crc"].get(key)
-            if crc is None:
-                raise CheckpointError(f"{self.path}: manifest has no checksum for '{key}' in {file}")
-            reader.verify(key, crc)
-            self._verified.add((file, key))
-        return reader.read(key, start, stop)
-
-    def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
-
-
-def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
-    """The tag to load: ``tag``, else the one ``latest`` names (a plain name inside ``load_dir``)."""
-    if tag is not None:
-        return plain_name(tag, "checkpoint tag", load_dir)
-    latest = os.path.join(load_dir, "latest")
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        tag = plain_name(f.read().strip(), "tag in 'latest'", latest)
-    if tag.startswith(".") and tag.endswith(".tmp") and not os.path.isdir(os.path.join(load_dir, tag)):
-        return tag[1:-4]  # a re-save of this tag ended between its rename and rewriting 'latest' (see _commit)
-    return tag
-
-
-def read_manifest(path: str) -> dict:
-    manifest_path = os.path.join(path, "manifest.json")
-    if not os.path.isfile(manifest_path):
-        raise CheckpointError(f"{path} is not a complete checkpoint: manifest.json is missing")
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{manifest_path} is corrupted: {err}") from None
-    return validate(manifest, manifest_path)
-
-
-def assemble(sources: _Sources, pieces: list[Piece], prefix: str, start: int, stop: int, out: torch.Tensor) -> None:
-    """Fill ``out`` with elements [start, stop) of a flattened parameter from the saved pieces."""
-    covered = 0
-    for piece, (s0, s1), (d0, d1) in overlapping(pieces, start, stop):
-        out[d0:d1].copy_(sources.read(piece.file, f"{prefix}.{piece.key}", s0, s1))
-        covered += d1 - d0
-    if covered != stop - start:
-        raise CheckpointError(f"{sources.path}: saved pieces cover {covered} of {stop - start} elements")
-
-
 def _check_params(engine, manifest: dict, strict: bool) -> tuple[list[str], list[str]]:
     """Shapes must match; with ``strict`` the names too. Returns (missing from the checkpoint, not in the model)."""
     mine = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}  # tied aliases appear once
@@ -463,7 +390,7 @@ def load(
         raise CheckpointError(f"checkpoint {path} does not exist")
     manifest = read_manifest(path)
     missing, unexpected = _check_params(engine, manifest, load_module_strict)
-    sources = _Sources(path, manifest)
+    sources = Sources(path, manifest)
     zero = engine.zero
     error: Optional[CheckpointError] = None
     report: list[str] = []
@@ -514,7 +441,7 @@ def _module_tensor(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]
     return getattr(sub, leaf, None)
 
 
-def _load_flat(zero, index: int, flat, manifest: dict, sources: _Sources, with_optimizer: bool) -> None:
+def _load_flat(zero, index: int, flat, manifest: dict, sources: Sources, with_optimizer: bool) -> None:
     """Replace one flat group's master shard (and optimizer state) with the saved values; a parameter the
     checkpoint lacks (load_module_strict=False) keeps its current master weights and zero optimizer state."""
     saved = manifest["params"]
@@ -556,7 +483,7 @@ def _load_flat(zero, index: int, flat, manifest: dict, sources: _Sources, with_o
     zero.write_flat(index, {key.removeprefix("optim."): value for key, value in targets.items()}, scalars)
 
 
-def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: bool, scheduler: bool) -> list[str]:
+def _load_training_state(engine, manifest: dict, sources: Sources, optimizer: bool, scheduler: bool) -> list[str]:
     """Counters, loss scale, optimizer hyperparameters, sampler, scheduler and RNG; returns what was restored
     and what was reset, for the load report."""
     report = []
@@ -616,7 +543,7 @@ def _load_training_state(engine, manifest: dict, sources: _Sources, optimizer: b
     return [line for line in report if line]
 
 
-def _rng_state(sources: _Sources, file: str, key: str, current: torch.Tensor) -> torch.Tensor:
+def _rng_state(sources: Sources, file: str, key: str, current: torch.Tensor) -> torch.Tensor:
     entry = sources.reader(file).entry(key)
     if entry["dtype"] != "U8" or entry["shape"] != list(current.shape):
         raise CheckpointError(
