@@ -125,12 +125,12 @@ class Reader:
             self.metadata = self.header.pop("__metadata__", {})
             for name, entry in self.header.items():
                 _check_entry(name, entry)
+        except CheckpointError:  # a ValueError too: caught first, it says what is wrong already
+            self._file.close()
+            raise
         except (struct.error, ValueError, UnicodeDecodeError) as err:
             self._file.close()
             raise CheckpointError(f"checkpoint file {path} is truncated or corrupted: bad header ({err})") from None
-        except CheckpointError:
-            self._file.close()
-            raise
         self.data_start = 8 + length
         end = max((v["data_offsets"][1] for v in self.header.values()), default=0)
         if self.data_start + end > self.size:
