@@ -355,20 +355,19 @@ def _check_params(engine, manifest: dict, strict: bool) -> tuple[list[str], list
     unexpected = sorted(set(saved) - set(mine))
     if not (wrong or (strict and (missing or unexpected))):
         return missing, unexpected
-    if wrong or (strict and (missing or unexpected)):
-        raise CheckpointError(
-            "checkpoint does not match the model: "
-            + "; ".join(
-                filter(
-                    None,
-                    [
-                        f"shape mismatch {wrong}" if wrong else "",
-                        f"missing from checkpoint {missing}" if missing else "",
-                        f"not in model {unexpected}" if unexpected else "",
-                    ],
-                )
+    raise CheckpointError(
+        "checkpoint does not match the model: "
+        + "; ".join(
+            filter(
+                None,
+                [
+                    f"shape mismatch {wrong}" if wrong else "",
+                    f"missing from checkpoint {missing}" if missing else "",
+                    f"not in model {unexpected}" if unexpected else "",
+                ],
             )
         )
+    )
 
 
 def load(
