@@ -16,6 +16,7 @@ Vocabulary used throughout the code:
 
 from . import checkpoint, comm, inference, ops, zero
 from .comm import init_distributed
+from .compat import install_as_deepspeed
 from .inference import init_empty_weights, init_inference
 from .runtime import ZeroshardEngine, add_config_arguments, initialize
 
@@ -33,5 +34,6 @@ __all__ = [
     "init_empty_weights",
     "init_inference",
     "initialize",
+    "install_as_deepspeed",
     "zero",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -43,18 +44,68 @@ class Accelerator:
             return torch.cuda.max_memory_allocated()
         return host_peak_rss()
 
+    # -- DeepSpeed's accelerator interface (clients such as HF call these by name) --------------------------
+    def device_name(self, device_index: Optional[int] = None) -> str:
+        """``"cuda"`` / ``"cuda:1"``, or ``"cpu"`` (a CPU has no index)."""
+        if device_index is None or self.name == "cpu":
+            return self.name
+        return f"{self.name}:{device_index}"
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device() if self.name == "cuda" else 0
+
+    def current_device_name(self) -> str:
+        return self.device_name(self.current_device()) if self.name == "cuda" else "cpu"
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count() if self.name == "cuda" else 1
+
+    def memory_allocated(self) -> int:
+        """Device bytes in use now; on CPU the process's resident set."""
+        if self.name == "cuda":
+            return torch.cuda.memory_allocated()
+        return host_rss()
+
+    def is_bf16_supported(self) -> bool:
+        return self.supports_dtype(torch.bfloat16)
+
+    def is_fp16_supported(self) -> bool:
+        return True
+
+    def communication_backend_name(self) -> str:
+        return self.comm_backend
+
+    def empty_cache(self) -> None:
+        if self.name == "cuda":
+            torch.cuda.empty_cache()
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def _status_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def host_rss() -> int:
+    """This process's resident set now, in bytes (0 where /proc is unavailable)."""
+    return (_status_kib("VmRSS") or 0) * 1024
+
 
 def host_peak_rss() -> int:
     """This process's peak resident set in bytes. Linux's VmHWM, not ``ru_maxrss``: a spawned process
     inherits its parent's ``ru_maxrss`` across fork and exec, so a worker started by a big parent would
     report the parent's peak."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = _status_kib("VmHWM")
+    if peak is not None:
+        return peak * 1024
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

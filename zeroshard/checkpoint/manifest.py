@@ -126,6 +126,8 @@ class Manifest(_Loose):
     aliases: dict[str, str]
     config: dict
     client_state: dict
+    client_tensors: dict[str, ModuleTensorEntry] = Field(default_factory=dict)  # tensors of client_state
+    excluded_frozen: list[str] = Field(default_factory=list)  # saved with exclude_frozen_parameters
     sampler: Optional[dict] = Field(default=None)
 
 
@@ -171,12 +173,13 @@ def validate(data: Any, where: str) -> dict:
             raise CheckpointError(f"{where}: parameter '{name}' has unknown dtype {entry.dtype!r}")
         _check_pieces(name, entry, manifest.files, where)
     _check_disjoint(manifest.params, where)
-    for name, entry in manifest.module_tensors.items():
-        if entry.file not in manifest.files:
-            raise CheckpointError(f"{where}: module tensor '{name}' names file {entry.file!r}, not in 'files'")
-        if entry.dtype not in _TORCH_DTYPES:
-            raise CheckpointError(f"{where}: module tensor '{name}' has unknown dtype {entry.dtype!r}")
-        plain_name(entry.file, "file", where)
+    for kind, entries in (("module tensor", manifest.module_tensors), ("client_state tensor", manifest.client_tensors)):
+        for name, entry in entries.items():
+            if entry.file not in manifest.files:
+                raise CheckpointError(f"{where}: {kind} '{name}' names file {entry.file!r}, not in 'files'")
+            if entry.dtype not in _TORCH_DTYPES:
+                raise CheckpointError(f"{where}: {kind} '{name}' has unknown dtype {entry.dtype!r}")
+            plain_name(entry.file, "file", where)
     for rank, state in manifest.python_rng.items():
         if not _is_python_rng_state(state):
             raise CheckpointError(f"{where}: field 'python_rng.{rank}' is not a Python RNG state")

@@ -59,6 +59,39 @@ def _json_ready(value: Any, where: str) -> Any:
         raise TypeError(f"{where} must be JSON-serializable (checkpoints never pickle): {err}") from None
 
 
+_TENSOR_MARK = "__zeroshard_tensor__"
+
+
+def _split_client_state(client_state: Optional[dict]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``client_state`` as JSON with each tensor replaced by a reference, and the tensors by reference name: the
+    tensors are stored in rank 0's safetensors file (Lightning keeps e.g. ``ModelCheckpoint``'s best score there
+    as a tensor), never pickled."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def strip(value: Any) -> Any:
+        if torch.is_tensor(value):
+            name = f"client.{len(tensors)}"
+            tensors[name] = value.detach().to("cpu").contiguous()
+            return {_TENSOR_MARK: name}
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [strip(v) for v in value]
+        return value
+
+    return _json_ready(strip(client_state or {}), "client_state"), tensors
+
+
+def _restore_client_state(client: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(client, dict):
+        if set(client) == {_TENSOR_MARK} and client[_TENSOR_MARK] in tensors:
+            return tensors[client[_TENSOR_MARK]]
+        return {k: _restore_client_state(v, tensors) for k, v in client.items()}
+    if isinstance(client, list):
+        return [_restore_client_state(v, tensors) for v in client]
+    return client
+
+
 def _scalar(value: Any) -> dict:
     if torch.is_tensor(value):
         return {"value": value.item(), "tensor": True, "dtype": str(value.dtype).removeprefix("torch.")}
@@ -84,10 +117,14 @@ def _writer_files(engine, flat) -> list[str]:
     return [rank_file(r) for r in flat.shard_group.ranks]  # replica 0's shard group is the first row
 
 
-def _outside_tensors(engine) -> dict[str, torch.Tensor]:
+def _outside_tensors(engine, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
     """Frozen parameters and buffers: not in any flat group, whole on every rank."""
     in_flats = {id(p) for f in engine.zero.flat_groups for p in f.params} if engine.zero else set()
-    out = {f"module.{n}": p for n, p in engine.module.named_parameters() if id(p) not in in_flats}
+    out = {
+        f"module.{n}": p
+        for n, p in engine.module.named_parameters()
+        if id(p) not in in_flats and not (exclude_frozen and not p.requires_grad)
+    }
     for prefix, sub in engine.module.named_modules():
         for name, buffer in sub.named_buffers(recurse=False):
             if buffer is not None and name not in sub._non_persistent_buffers_set:  # as state_dict() decides
@@ -96,16 +133,23 @@ def _outside_tensors(engine) -> dict[str, torch.Tensor]:
 
 
 def save(
-    engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None, save_latest: bool = True
+    engine,
+    save_dir: str,
+    tag: Optional[str] = None,
+    client_state: Optional[dict] = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
 ) -> str:
-    """Every rank calls it. Returns the checkpoint directory."""
+    """Every rank calls it. Returns the checkpoint directory. ``exclude_frozen_parameters`` leaves parameters
+    without gradients out (a fine-tune's frozen base); loading such a checkpoint keeps the model's own values
+    for them and says so."""
     tag = tag or f"global_step{engine.global_steps}"
     if not isinstance(tag, str) or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' and no leading '.')")
     plain_name(tag, "checkpoint tag", save_dir)
-    client = _json_ready(client_state or {}, "client_state")
+    client, client_tensors = _split_client_state(client_state)
     world, rank = engine.grid.world, comm.get_rank()
-    tag = _ranks_agree(save_dir, tag, world, engine.config.checkpoint.tag_validation.lower())
+    tag = _ranks_agree(save_dir, tag, world, engine.settings.checkpoint.tag_validation.lower())
     tmp, final = os.path.join(save_dir, f".{tag}.tmp"), os.path.join(save_dir, tag)
     error = None
     if rank == 0:
@@ -125,7 +169,8 @@ def save(
             for key in ["master", *zero.flat_state_keys(k)]:
                 name = "master" if key == "master" else f"optim.{key}"
                 specs.append((f"{name}.fg{k}", zero.policy.master, (flat.layout.shard_numel,)))
-    others = list(_outside_tensors(engine).items()) if rank == 0 else []
+    outside = _outside_tensors(engine, exclude_frozen_parameters)
+    others = [*outside.items(), *client_tensors.items()] if rank == 0 else []
     others.append(("rng.cpu", torch.get_rng_state()))
     if torch.cuda.is_available():
         others.append(("rng.cuda", torch.cuda.get_rng_state()))
@@ -155,7 +200,7 @@ def save(
 
     if rank == 0:
         try:
-            manifest = seal(_manifest(engine, tag, client, tmp))
+            manifest = seal(_manifest(engine, tag, client, client_tensors, outside, tmp))
             _atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
         except OSError as err:
             error = err
@@ -276,7 +321,9 @@ def _aliases(module: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _manifest(engine, tag: str, client: dict, tmp: str) -> dict:
+def _manifest(
+    engine, tag: str, client: dict, client_tensors: dict[str, torch.Tensor], outside: dict[str, torch.Tensor], tmp: str
+) -> dict:
     zero, world_size = engine.zero, engine.grid.world.size
     files, rng = {}, {}
     for r in range(world_size):
@@ -302,15 +349,16 @@ def _manifest(engine, tag: str, client: dict, tmp: str) -> dict:
                 "scalars": {key: _scalar(v) for key, v in zero.flat_scalars(k).items()},
             }
         )
-    outside = {
+    module_tensors = {
         name.removeprefix("module."): {
             "file": rank_file(0),
             "key": name,
             "shape": list(t.shape),
             "dtype": "float32" if t.is_floating_point() else str(t.dtype).removeprefix("torch."),
         }
-        for name, t in _outside_tensors(engine).items()
+        for name, t in outside.items()
     }
+    excluded = [n.removeprefix("module.") for n in _outside_tensors(engine) if n not in outside]
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     return {
         "format": FORMAT,
@@ -334,12 +382,22 @@ def _manifest(engine, tag: str, client: dict, tmp: str) -> dict:
             "flat_groups": flat_groups,
         },
         "params": params,
-        "module_tensors": outside,
+        "module_tensors": module_tensors,
+        "excluded_frozen": excluded,
         "files": files,
         "python_rng": rng,
         "aliases": _aliases(engine.module),
-        "config": engine.config.model_dump(mode="json"),
+        "config": engine.settings.model_dump(mode="json"),
         "client_state": client,
+        "client_tensors": {
+            name: {
+                "file": rank_file(0),
+                "key": name,
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+            }
+            for name, t in client_tensors.items()
+        },
         "sampler": sampler.state_dict() if (sampler := _sampler(engine)) is not None else None,
     }
 
@@ -351,7 +409,7 @@ def _check_params(engine, manifest: dict, strict: bool) -> tuple[list[str], list
     saved.update({n: tuple(e["shape"]) for n, e in manifest["module_tensors"].items()})
     mine.update({n.removeprefix("module."): tuple(t.shape) for n, t in _outside_tensors(engine).items()})
     wrong = [f"{n}: checkpoint {saved[n]} vs model {s}" for n, s in mine.items() if n in saved and saved[n] != s]
-    missing = sorted(set(mine) - set(saved))
+    missing = sorted(set(mine) - set(saved) - set(manifest.get("excluded_frozen", [])))
     unexpected = sorted(set(saved) - set(mine))
     if not (wrong or (strict and (missing or unexpected))):
         return missing, unexpected
@@ -393,6 +451,7 @@ def load(
     zero = engine.zero
     error: Optional[CheckpointError] = None
     report: list[str] = []
+    client_state = None
     try:  # reading and verifying issues no collective, so a rank that fails cannot strand the others
         with torch.no_grad():
             for k, flat in enumerate(zero.flat_groups if zero else []):
@@ -401,6 +460,13 @@ def load(
                 target = _module_tensor(engine.module, name) if name not in unexpected else None
                 if target is not None:
                     target.copy_(sources.read(entry["file"], entry["key"]).view(entry["shape"]))
+            client_state = _restore_client_state(
+                manifest["client_state"],
+                {
+                    name: sources.read(entry["file"], entry["key"]).view(entry["shape"]).clone()
+                    for name, entry in manifest.get("client_tensors", {}).items()
+                },
+            )
             if not load_module_only:
                 report = _load_training_state(
                     engine, manifest, sources, load_optimizer_states, load_lr_scheduler_states
@@ -419,7 +485,7 @@ def load(
     if zero is not None:
         with torch.no_grad():
             zero.publish()  # the compute parameters follow the loaded master weights
-    return path, (None if load_module_only else manifest["client_state"])
+    return path, (None if load_module_only else client_state)
 
 
 def _agree(engine, error: Optional[CheckpointError], path: str) -> None:

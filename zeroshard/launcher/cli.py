@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--module", "-m", action="store_true", help="run the script as a Python module (python -m)")
     parser.add_argument("--max_restarts", type=int, default=0, help="restarts of the whole group after a failure")
+    parser.add_argument(
+        "--as_deepspeed",
+        action="store_true",
+        help="serve `import deepspeed` from zeroshard in every rank, so an unmodified DeepSpeed / Hugging Face / "
+        "Accelerate script runs on zeroshard (see zeroshard.install_as_deepspeed)",
+    )
     parser.add_argument("script", help="the training script (or module with --module)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return parser
@@ -90,6 +96,9 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         cmd.append("--standalone")
     else:
         cmd += ["--nnodes=1", "--node_rank=0", f"--master_addr={args.master_addr}", f"--master_port={args.master_port}"]
+    if args.as_deepspeed:  # every rank starts in the runner, which installs the alias before the script runs
+        cmd.append("--module")
+        return cmd + ["zeroshard.compat.run", *(["-m"] if args.module else []), args.script, *args.script_args]
     if args.module:
         cmd.append("--module")
     return cmd + [args.script, *args.script_args]
@@ -135,6 +144,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cmd = torchrun_command(args)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # N ranks on one host: avoid N x cores threads
+    if args.as_deepspeed:
+        env["ZEROSHARD_AS_DEEPSPEED"] = "1"
     return run_agent(cmd, env)
 
 

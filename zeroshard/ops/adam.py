@@ -35,3 +35,26 @@ class CPUAdam(torch.optim.AdamW):
 
 
 DeepSpeedCPUAdam = CPUAdam
+
+
+class FusedAdam(torch.optim.AdamW):
+    """DeepSpeed's ``FusedAdam`` (Adam with decoupled weight decay by default) as torch's fused Adam kernel, which
+    needs no build step. ``set_grad_none`` is accepted for compatibility (gradients are always set to None)."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ):
+        if not bias_correction:
+            raise NotImplementedError("FusedAdam(bias_correction=False) is not supported")
+        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = adam_w_mode

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import time
 import weakref
@@ -45,7 +46,8 @@ class ZeroshardEngine(torch.nn.Module):
         self.module = module
         self.zero = zero
         self.lr_scheduler = lr_scheduler
-        self.config = resolution.config
+        self.settings = resolution.config  # typed; ``config`` is DeepSpeed's dict view of it
+        self._config_dict = resolution.config.model_dump(by_alias=True, mode="json")
         self.batch = resolution.batch
         self.grid = grid
         self.policy = policy
@@ -57,15 +59,16 @@ class ZeroshardEngine(torch.nn.Module):
         self.skipped_steps = 0
         self.micro_steps = 0
         self._step_applied = False
+        self._boundary_override: Optional[bool] = None
         self._last_loss: Optional[float] = None
         self._timers: dict[str, float] = defaultdict(float)
         self._window_start = time.perf_counter()
         self._window_tokens = 0
         self._memory_reported = False
-        self.monitors = Monitors(self.config, comm.get_rank())
+        self.monitors = Monitors(self.settings, comm.get_rank())
         self.memory = MemoryTracker()
         self._sample_memory()
-        if self.config.comms_logger.enabled:
+        if self.settings.comms_logger.enabled:
             comm.LEDGER.timing = True
         self._destroyed = False
         # a script that never calls destroy() still releases the engine before the process group goes
@@ -151,15 +154,15 @@ class ZeroshardEngine(torch.nn.Module):
                         ("Train/Samples/grad_norm", self.get_global_grad_norm(), self.global_samples),
                     ]
                 )
-            if self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
+            if self.settings.steps_per_print and self.global_steps % self.settings.steps_per_print == 0:
                 self._report()
         self.micro_steps += 1
 
     def _report(self) -> None:
         elapsed = time.perf_counter() - self._window_start
-        samples = self.config.steps_per_print * self.batch.train_batch_size
+        samples = self.settings.steps_per_print * self.batch.train_batch_size
         norm = self.get_global_grad_norm()
-        clip = self.config.gradient_clipping
+        clip = self.settings.gradient_clipping
         clipped = min(norm, clip) if clip > 0 and norm is not None else norm
         tokens = self._window_tokens * self.grid.data_parallel_size
         log_rank0(
@@ -167,11 +170,11 @@ class ZeroshardEngine(torch.nn.Module):
             f"loss_scale {self.zero.loss_scaler.scale:g} grad_norm {norm:.4f} (clipped {clipped:.4f}) "
             f"samples/s {samples / elapsed:.1f} tokens/s {tokens / elapsed:.0f} skipped {self.skipped_steps}"
         )
-        if self.config.wall_clock_breakdown:
+        if self.settings.wall_clock_breakdown:
             if self.stage3 is not None:
                 self._timers["gather_wait"] = self.stage3.take_gather_seconds()
             log_rank0("time (s) " + " ".join(f"{k} {v:.3f}" for k, v in sorted(self._timers.items())))
-        if self.config.comms_logger.enabled:
+        if self.settings.comms_logger.enabled:
             comm.log_summary(log_rank0)
         if not self._memory_reported:  # once: the model-state memory of every rank at start and at its peak
             self._memory_reported = True
@@ -181,7 +184,28 @@ class ZeroshardEngine(torch.nn.Module):
         self._window_start = time.perf_counter()
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Let the caller decide where accumulation ends (Accelerate counts micro-batches itself and calls
+        ``step`` only at boundaries); from the first call on, the engine's own count no longer decides."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's ``no_sync``: micro-batches inside accumulate without being reduced. Under ZeRO stages 0 and 1
+        gradients are reduced once, at the accumulation boundary, so non-boundary micro-batches are already
+        local; stages 2 and 3 reduce each micro-batch as its gradients appear (they keep only a shard) and refuse
+        it, as DeepSpeed does."""
+        if self.zero_optimization_stage() >= 2:
+            raise RuntimeError(
+                f"no_sync() is not compatible with ZeRO stage {self.zero_optimization_stage()}: gradients are "
+                "reduced as they are produced so that each rank keeps only its shard; use "
+                "gradient_accumulation_steps (engine.backward/step) instead"
+            )
+        yield
 
     def zero_grad(self) -> None:
         if self.zero is not None:
@@ -231,7 +255,7 @@ class ZeroshardEngine(torch.nn.Module):
         return self.batch.gradient_accumulation_steps
 
     def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
+        return self.settings.zero_optimization.stage
 
     def fp16_enabled(self) -> bool:
         return self.policy.compute == torch.float16
@@ -244,6 +268,15 @@ class ZeroshardEngine(torch.nn.Module):
         return comm.get_rank()
 
     @property
+    def local_rank(self) -> int:
+        return comm.backend.local_rank()
+
+    @property
+    def config(self) -> dict:
+        """The resolved configuration as DeepSpeed's dict (its key names, every ``"auto"`` filled in)."""
+        return self._config_dict
+
+    @property
     def world_size(self) -> int:
         return self.grid.world.size
 
@@ -254,10 +287,23 @@ class ZeroshardEngine(torch.nn.Module):
         flats = self.zero.flat_groups if self.zero is not None else []
         return consolidated_state_dict(self.module, flats, rank0_only=rank0_only)
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's name for ``stage3_gather_16bit_weights_on_model_save``."""
+        return self.settings.zero_optimization.gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The full compute-dtype state dict on rank 0 (``{}`` elsewhere), gathered unit by unit; the name
+        Accelerate and HF call (every rank must call it)."""
+        state = self.consolidated_state_dict(rank0_only=True)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Write the full compute-dtype weights from rank 0 (every rank must call it). Under stage 3 this needs
         ``stage3_gather_16bit_weights_on_model_save``; returns whether a file was written."""
-        if self.zero_optimization_stage() == 3 and not self.config.zero_optimization.gather_16bit_weights_on_model_save:
+        if self.zero_optimization_stage() == 3 and not self.zero_gather_16bit_weights_on_model_save():
             log_rank0(
                 "save_16bit_model: not saved, because zero_optimization.stage3_gather_16bit_weights_on_model_save "
                 "is false (set it to true to gather the sharded weights)"
@@ -273,11 +319,23 @@ class ZeroshardEngine(torch.nn.Module):
         return True
 
     def save_checkpoint(
-        self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None, save_latest: bool = True
+        self,
+        save_dir: str,
+        tag: Optional[str] = None,
+        client_state: Optional[dict] = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
-        """Save the full training state (every rank calls it); default tag ``global_step{N}``. See
-        :mod:`zeroshard.checkpoint.sharded` for the format and its guarantees."""
-        return checkpoint_io.save(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        """Save the full training state (every rank calls it); default tag ``global_step{N}``. ``client_state``
+        may hold JSON values and tensors. See :mod:`zeroshard.checkpoint.sharded` for the format and guarantees."""
+        return checkpoint_io.save(
+            self,
+            save_dir,
+            tag=tag,
+            client_state=client_state,
+            save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
 
     def load_checkpoint(
         self,

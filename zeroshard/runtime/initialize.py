@@ -16,7 +16,7 @@ from ..offload import OffloadPlan
 from ..optim import build_optimizer, build_schedule, check_client_optimizer
 from ..precision import LossScaler, PrecisionPolicy
 from ..zero import ZeroOptimizer
-from ..zero.init import Materializer, has_meta_parameters, pending_seed
+from ..zero.init import Materializer, has_meta_parameters, pending_seed, release_pending
 from ..zero.stage3 import Stage3Runtime, build_units, plan_units
 from .engine import ZeroshardEngine
 from .log import log_rank0
@@ -260,6 +260,7 @@ def initialize(
         materialize(leftover)
         for param in leftover:
             param.data = param.data.to(device=device, dtype=policy.compute)
+    release_pending(model.parameters())
 
     scheduler = None
     if lr_scheduler is not None:

@@ -8,7 +8,9 @@ from typing import Iterable, Optional
 import torch
 
 from .. import comm
+from ..accelerator import get_accelerator
 from .flat_group import FlatGroup, ParamState
+from .init import creation_order, materialize_pending
 
 # id(parameter) -> the flat group holding it. Keyed by id because tensors compare elementwise; each
 # entry is dropped when its parameter is collected.
@@ -32,24 +34,32 @@ class GatheredParameters:
 
     With ``modifier_rank`` the values that rank holds at exit are broadcast and kept, master weights
     included; without it, changes made inside the context are discarded. Every rank must enter the
-    context together (it issues collectives).
+    context together (it issues collectives). Parameters built under ``zero.Init`` and not yet handed to
+    ``initialize`` get their data here (see :mod:`zeroshard.zero.init`), so a pretrained-weight load into
+    them is kept.
     """
 
     def __init__(self, params, modifier_rank: Optional[int] = None, enabled: bool = True):
         if isinstance(params, torch.Tensor):
             params = [params]
-        self.params = list(params) if enabled else []
+        params = list(params) if enabled else []
+        # Clients may pass a set (Hugging Face does), whose order differs between ranks; every rank must issue the
+        # same collectives in the same order, so zero.Init parameters go in creation order.
+        order = {id(p): creation_order(p) for p in params}
+        self.params = sorted(params, key=lambda p: -1 if order[id(p)] is None else order[id(p)])
         self.modifier_rank = modifier_rank
         self._flats: list[FlatGroup] = []
         self._was_sharded: list[bool] = []
 
     def __enter__(self):
+        materialize_pending(self.params, get_accelerator().device(comm.backend.local_rank()))
         seen = set()
         for param in self.params:
             flat = OWNERS.get(id(param))
             if flat is not None and id(flat) not in seen:
                 seen.add(id(flat))
                 self._flats.append(flat)
+        self._flats.sort(key=lambda f: f.layout.slots[0].name)  # rank-independent order (names are unique)
         for flat in self._flats:
             self._was_sharded.append(flat.param_state is not ParamState.GATHERED)
             if flat.resident:

@@ -11,22 +11,45 @@ depend on the order of materialization and is identical on every rank. Initializ
 in ``__init__`` on the parameters themselves (e.g. ``self.apply(custom_init)``) acted on meta tensors
 and is not replayed: pass it as ``param_init_fn``. :func:`reset_parameters` applies the same values
 to a model built normally (for references and tests).
+
+Writing weights before ``initialize`` (how Hugging Face's ``from_pretrained`` loads under ZeRO-3): inside
+``GatheredParameters(params, modifier_rank=r)`` a parameter that has no data yet is materialized (its
+module's initial values, seeded by the Init seed and the parameter's registration order, the same on every
+rank), the modifier writes it, and at exit rank ``r``'s values are broadcast and kept; ``initialize`` then
+shards those values instead of initial ones. After the Init context has closed, any other access to a
+parameter with no data raises :class:`~zeroshard.zero.ShardedParameterError` naming it: a load that would
+have been a silent no-op on a meta tensor is an error.
 """
 
 from __future__ import annotations
 
+import weakref
 import zlib
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
 
 from ..config import parse_config
+from . import sharded_param
 
 ParamInitFn = Callable[[nn.Module], None]
 
-# id(meta parameter) -> (seed, param_init_fn) recorded when it was registered inside an Init context.
-_PENDING: dict[int, tuple[int, Optional[ParamInitFn]]] = {}
+
+@dataclass(frozen=True)
+class _Pending:
+    """How to give a parameter registered inside an Init context its initial value."""
+
+    seed: int
+    param_init_fn: Optional[ParamInitFn]
+    module: weakref.ref  # the module that registered it
+    ordinal: int  # registration order inside its Init context: a rank-independent identity before paths exist
+
+
+# id(meta parameter) -> how to materialize it; recorded at registration, dropped by ``initialize``
+# (``release_pending``) once the model is sharded.
+_PENDING: dict[int, _Pending] = {}
 _IGNORED_DEEPSPEED_ARGS = {
     "data_parallel_group",
     "mem_efficient_linear",
@@ -72,6 +95,7 @@ class Init:
         self.param_init_fn = param_init_fn
         self.seed = (torch.initial_seed() if seed is None else seed) % 2**63  # fits the int64 broadcast
         self._original: Optional[Callable] = None
+        self._created: list[tuple[nn.Parameter, str]] = []  # until __exit__ guards them
 
     def __enter__(self) -> "Init":
         if not self.enabled:
@@ -85,7 +109,8 @@ class Init:
                 meta = nn.Parameter(
                     torch.empty_like(param, device="meta", dtype=dtype), requires_grad=param.requires_grad
                 )
-                _PENDING[id(meta)] = (init.seed, init.param_init_fn)  # dropped when materialized
+                _PENDING[id(meta)] = _Pending(init.seed, init.param_init_fn, weakref.ref(module), len(init._created))
+                init._created.append((meta, f"{type(module).__name__}.{name}"))
                 param = meta
             original(module, name, param)
 
@@ -96,6 +121,11 @@ class Init:
         if self._original is not None:
             nn.Module.register_parameter = self._original
             self._original = None
+        # construction is over: from here a write to a parameter still without data is an error, not a no-op
+        for param, name in self._created:
+            if param.is_meta:
+                sharded_param.guard_pending(param, name)
+        self._created.clear()
 
 
 def _module_seed(seed: int, path: str) -> int:
@@ -114,27 +144,25 @@ def _canonical_owners(root: nn.Module) -> dict[int, tuple[str, nn.Module]]:
 def _reset_module(
     path: str, module: nn.Module, seed: int, param_init_fn: Optional[ParamInitFn], owned: set[int], device: torch.device
 ) -> None:
-    """Initialize the parameters this module owns, leaving tied parameters owned elsewhere untouched."""
-    foreign = {
-        name: p.detach().clone()
-        for name, p in module.named_parameters(recurse=False)
-        if id(p) not in owned and not p.is_meta
-    }
+    """Initialize the owned parameters of this module that have no data yet, leaving the others (tied ones owned
+    elsewhere, ones already materialized or loaded) as they are."""
+    keep = {name: p.detach().clone() for name, p in module.named_parameters(recurse=False) if not p.is_meta}
     for param in module.parameters(recurse=False):
         if id(param) in owned and param.is_meta:
             # a meta tensor's data cannot be replaced in place: swap in a real one, keeping the object
+            sharded_param.forget(param)
             real = nn.Parameter(
-                torch.empty_like(param, device=device, dtype=torch.float32), requires_grad=param.requires_grad
+                torch.empty(param.shape, device=device, dtype=torch.float32), requires_grad=param.requires_grad
             )
+            real.__dict__.update(param.__dict__)  # swap_tensors swaps attributes too: keep those clients set
             torch.utils.swap_tensors(param, real)
-            _PENDING.pop(id(param), None)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(_module_seed(seed, path))
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
         if param_init_fn is not None:
             param_init_fn(module)
-        for name, value in foreign.items():
+        for name, value in keep.items():
             getattr(module, name).copy_(value)
 
 
@@ -166,11 +194,38 @@ class Materializer:
             if not param.is_meta:
                 continue
             path, module = self.owners[id(param)]
-            _, param_init_fn = _PENDING.get(id(param), (self.seed, None))
+            pending = _PENDING.get(id(param))
             owned = {id(p) for p in module.parameters(recurse=False) if self.owners[id(p)][1] is module}
-            _reset_module(path, module, self.seed, param_init_fn, owned, self.device)
+            _reset_module(path, module, self.seed, pending and pending.param_init_fn, owned, self.device)
 
 
 def pending_seed(module: nn.Module) -> Optional[int]:
     """The seed recorded by the Init context that built this module's parameters, if any."""
-    return next((_PENDING[id(p)][0] for p in module.parameters() if id(p) in _PENDING), None)
+    return next((_PENDING[id(p)].seed for p in module.parameters() if id(p) in _PENDING), None)
+
+
+def materialize_pending(params: Iterable[nn.Parameter], device: torch.device) -> list[nn.Parameter]:
+    """Give parameters built under zero.Init that have no data yet their initial values now, before
+    ``initialize`` (for writes such as a pretrained-weight load). Returns the ones materialized."""
+    done = []
+    for param in params:
+        pending = _PENDING.get(id(param))
+        module = pending.module() if pending is not None else None
+        if module is None or not param.is_meta:
+            continue
+        owned = {id(p) for p in module.parameters(recurse=False) if p.is_meta and id(p) in _PENDING}
+        ordinal = min(_PENDING[i].ordinal for i in owned)
+        _reset_module(f"#{ordinal}", module, pending.seed, pending.param_init_fn, owned, device)
+        done.append(param)
+    return done
+
+
+def creation_order(param: nn.Parameter) -> Optional[int]:
+    """The registration order of a parameter built under zero.Init (the same on every rank), else None."""
+    pending = _PENDING.get(id(param))
+    return pending.ordinal if pending is not None else None
+
+
+def release_pending(params: Iterable[nn.Parameter]) -> None:
+    for param in params:
+        _PENDING.pop(id(param), None)

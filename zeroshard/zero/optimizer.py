@@ -101,8 +101,13 @@ def plan_flat_groups(
     return plans
 
 
-class ZeroOptimizer:
-    """Owns the flat groups of every optimizer parameter group and drives one optimizer over their shards."""
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Owns the flat groups of every optimizer parameter group and drives one optimizer over their shards.
+
+    It is a ``torch.optim.Optimizer`` to the clients that check (Lightning, Accelerate, LR schedulers bound to
+    ``engine.optimizer``): ``param_groups``, ``state``, ``defaults``, ``step``, ``zero_grad``, ``state_dict`` and
+    ``load_state_dict`` are its own; the base class's constructor is not run (the groups are the wrapped
+    optimizer's)."""
 
     def __init__(
         self,
@@ -190,6 +195,8 @@ class ZeroOptimizer:
             {**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(param_groups, opt_params)
         ]
         self.optimizer = make_optimizer(master_groups)
+        self.defaults = self.optimizer.defaults
+        self.overflow = False  # DeepSpeed's name: whether the last step was skipped for non-finite gradients
         if self.offload.offloads_optimizer and isinstance(self.optimizer, Lamb):
             raise ValueError(
                 "optimizer Lamb needs whole-parameter norms across sub-groups and cannot run with "
@@ -332,14 +339,14 @@ class ZeroOptimizer:
             comm.all_reduce(squared, self.grid.shard)
         return squared
 
-    def step(self) -> bool:
+    def step(self, closure=None) -> bool:
         """Unscale, clip and apply the reduced gradients; returns False when an fp16 overflow skipped the step."""
         scale = self.loss_scaler.scale
         # the optimizer needs gradients in the master dtype (a transient copy when shards are 16-bit)
         master_dtype = self.policy.master
         grads = [f.grad if f.grad.dtype == master_dtype else f.grad.to(master_dtype) for f in self.flat_groups]
         norm = math.sqrt(self._grad_norm_squared(grads).item()) / scale
-        overflow = not math.isfinite(norm)
+        overflow = self.overflow = not math.isfinite(norm)
         self.global_grad_norm = norm
         self.steps_taken += 1
         self.loss_scaler.update(overflow)
@@ -415,7 +422,7 @@ class ZeroOptimizer:
             sub.param.grad = None
             self._write_back(sub, sub.param.detach())
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for flat in self.flat_groups:
             flat.grad.zero_()
             for param in flat.params:
@@ -439,6 +446,48 @@ class ZeroOptimizer:
     @property
     def state(self):
         return self.optimizer.state
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    cur_scale = loss_scale  # DeepSpeed's fp16 optimizers use both names
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer state (master weights, elementwise state and step counters per flat
+        group) and the loss scaler: what a ZeRO optimizer's ``state_dict`` holds in DeepSpeed too. It loads back
+        into the same world size and stage only; resharding goes through ``engine.save_checkpoint``."""
+        return {
+            "zeroshard_shard": {
+                "shard_rank": [flat.shard_rank for flat in self.flat_groups],
+                "shard_numel": [flat.layout.shard_numel for flat in self.flat_groups],
+                "flat_groups": [
+                    {"tensors": {k: v.clone() for k, v in self.read_flat(i).items()}, "scalars": self.flat_scalars(i)}
+                    for i in range(len(self.flat_groups))
+                ],
+            },
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        shard = state_dict.get("zeroshard_shard")
+        if shard is None:
+            raise ValueError("ZeroOptimizer.load_state_dict: not a zeroshard optimizer state (no 'zeroshard_shard')")
+        mine = [flat.layout.shard_numel for flat in self.flat_groups]
+        ranks = [flat.shard_rank for flat in self.flat_groups]
+        if shard["shard_numel"] != mine or shard["shard_rank"] != ranks:
+            raise ValueError(
+                f"rank {comm.get_rank()}: optimizer state of shards {shard['shard_numel']} (shard ranks "
+                f"{shard['shard_rank']}) does not fit this optimizer's {mine} ({ranks}): it was saved with another "
+                "world size, stage or model; use engine.save_checkpoint/load_checkpoint to change those"
+            )
+        for index, group in enumerate(shard["flat_groups"]):
+            self.write_flat(index, group["tensors"], group["scalars"])
+        for target, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
+            target.update(saved)
+        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.publish()
 
     def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
         """Bytes of model state this rank holds per location (``device``, ``host``, ``nvme``) and role,

@@ -1,0 +1,152 @@
+"""torch.distributed's call signatures (``group=None`` is the world, a torch ``ProcessGroup`` is accepted) over
+zeroshard's collectives, so calls made the torch way are still counted by the ledger, traced, and fail with an
+error naming the rank and operation. Served to DeepSpeed clients as ``deepspeed.comm``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from .backend import destroy, local_rank
+from .backend import get_rank as _get_rank
+from .backend import get_world_size as _get_world_size
+from .backend import is_initialized as _is_initialized
+from .collectives import Pending
+from .collectives import all_gather as _all_gather
+from .collectives import all_reduce as _all_reduce
+from .collectives import barrier as _barrier
+from .collectives import broadcast as _broadcast
+from .collectives import reduce_scatter as _reduce_scatter
+from .groups import Group
+from .ledger import LEDGER
+
+_OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
+
+
+def _group(group) -> Group:
+    if group is None or group is dist.group.WORLD:
+        return Group("world", tuple(range(get_world_size())), None)
+    if isinstance(group, Group):
+        return group
+    return Group("user", tuple(dist.get_process_group_ranks(group)), group)
+
+
+def _op(op) -> str:
+    try:
+        return _OPS[op]
+    except KeyError:
+        raise ValueError(f"deepspeed.comm: reduce op {op} is not supported (SUM, MAX or MIN)") from None
+
+
+def _result(pending: Pending, async_op: bool):
+    return pending if async_op else None
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    return _result(_all_reduce(tensor, _group(group), op=_op(op), async_op=async_op), async_op)
+
+
+def inference_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None):
+    return all_reduce(tensor, op=op, group=group)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    return _result(_broadcast(tensor, src, _group(group), async_op=async_op), async_op)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None, async_op=False):
+    return _result(_all_gather(output_tensor, input_tensor, _group(group), async_op=async_op), async_op)
+
+
+def reduce_scatter_tensor(
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False
+):
+    if _op(op) != "sum":
+        raise ValueError("deepspeed.comm.reduce_scatter_tensor: only ReduceOp.SUM is supported")
+    return _result(_reduce_scatter(output_tensor, input_tensor, _group(group), async_op=async_op), async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None, async_op: bool = False):
+    """The list form, through one flat all-gather (completed before returning; the handle is already done)."""
+    flat = torch.empty(len(tensor_list) * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    pending = _all_gather(flat, tensor.contiguous().view(-1), _group(group))
+    for out, chunk in zip(tensor_list, flat.chunk(len(tensor_list))):
+        out.copy_(chunk.view_as(out))
+    return _result(pending, async_op)
+
+
+def barrier(group=None, async_op: bool = False, device_ids=None) -> None:
+    _barrier(_group(group))
+
+
+def get_rank(group=None) -> int:
+    if group is None or not is_initialized():
+        return _get_rank()
+    return dist.get_rank(group)
+
+
+def get_world_size(group=None) -> int:
+    if group is None or not is_initialized():
+        return _get_world_size()
+    return dist.get_world_size(group)
+
+
+def get_local_rank() -> int:
+    return local_rank()
+
+
+def get_global_rank(group=None, group_rank: int = 0) -> int:
+    return dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+
+def is_initialized() -> bool:
+    return _is_initialized()
+
+
+def is_available() -> bool:
+    return dist.is_available()
+
+
+def new_group(ranks):
+    return dist.new_group(ranks)
+
+
+def get_world_group():
+    return dist.group.WORLD
+
+
+def destroy_process_group(group=None) -> None:
+    if group is None:
+        destroy()
+    else:
+        dist.destroy_process_group(group)
+
+
+def log_summary(show_straggler: bool = False) -> str:
+    """Print (and return) the ledger's bytes and calls per (op, group)."""
+    text = LEDGER.format()
+    print(text)
+    return text
+
+
+__all__ = [
+    "ReduceOp",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "destroy_process_group",
+    "get_global_rank",
+    "get_local_rank",
+    "get_rank",
+    "get_world_group",
+    "get_world_size",
+    "inference_all_reduce",
+    "is_available",
+    "is_initialized",
+    "log_summary",
+    "new_group",
+    "reduce_scatter_tensor",
+]

@@ -1,0 +1,34 @@
+"""DeepSpeed's public namespace over zeroshard (what ``import deepspeed`` gives after
+:func:`zeroshard.install_as_deepspeed`). Every name is a zeroshard object or a thin adapter over one; see
+:mod:`zeroshard.compat.alias` for how the alias is installed and docs/deepspeed-compat.md for the list."""
+
+from zeroshard import __version__ as __zeroshard_version__
+from zeroshard.inference import init_inference
+from zeroshard.runtime import add_config_arguments
+
+from ..alias import DEEPSPEED_API_VERSION
+from . import accelerator, checkpoint, checkpointing, comm, moe, ops, runtime, utils, zero
+from .comm import init_distributed
+from .runtime.engine import DeepSpeedEngine, initialize
+
+__version__ = DEEPSPEED_API_VERSION
+__version_major__, __version_minor__, __version_patch__ = map(int, DEEPSPEED_API_VERSION.split("."))
+
+__all__ = [
+    "DeepSpeedEngine",
+    "__version__",
+    "__zeroshard_version__",
+    "accelerator",
+    "add_config_arguments",
+    "checkpoint",
+    "checkpointing",
+    "comm",
+    "init_distributed",
+    "init_inference",
+    "initialize",
+    "moe",
+    "ops",
+    "runtime",
+    "utils",
+    "zero",
+]

@@ -1,0 +1,5 @@
+"""``deepspeed.checkpoint``."""
+
+from . import utils
+
+__all__ = ["utils"]

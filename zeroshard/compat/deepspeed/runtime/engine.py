@@ -1,0 +1,53 @@
+"""``deepspeed.runtime.engine``: the engine class and DeepSpeed's ``initialize`` signature."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from zeroshard import initialize as _initialize
+from zeroshard.runtime import ZeroshardEngine
+
+DeepSpeedEngine = ZeroshardEngine
+
+
+def initialize(
+    args: Any = None,
+    model: Any = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: Optional[int] = None,
+    mpu: Any = None,
+    dist_init_required: Optional[bool] = None,
+    collate_fn: Optional[Callable] = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+):
+    """``deepspeed.initialize``: :func:`zeroshard.initialize` with DeepSpeed's full signature. Model parallelism
+    through ``mpu``/``mesh_param`` is refused (zeroshard is data parallel; tensor parallelism is inference-only)."""
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError(
+            "deepspeed.initialize(mpu=..., mesh_param=...): model/sequence parallel training is not supported by "
+            "zeroshard; train data-parallel (ZeRO) and use init_inference for tensor parallelism"
+        )
+    if distributed_port is not None:
+        import os
+
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    return _initialize(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        config=config,
+        dist_init_required=dist_init_required,
+        collate_fn=collate_fn,
+        config_params=config_params,
+    )
+
+
+__all__ = ["DeepSpeedEngine", "initialize"]

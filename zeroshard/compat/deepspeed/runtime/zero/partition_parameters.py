@@ -1,0 +1,26 @@
+"""``deepspeed.runtime.zero.partition_parameters``: the names Hugging Face reaches for in this module."""
+
+import torch
+
+from zeroshard.accelerator import get_accelerator
+from zeroshard.zero import GatheredParameters, Init
+from zeroshard.zero.sharded_param import ZeroParamStatus, register_external_parameter
+
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_device=None):
+    """DeepSpeed's Init re-types tensor constructors called inside it; zeroshard's Init leaves constructors alone
+    (only registered parameters change), so this returns ``fn`` unchanged. It exists because clients swap it
+    (Hugging Face's ``prevent_arange_dtype_change``)."""
+    return fn
+
+
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "get_accelerator",
+    "register_external_parameter",
+    "zero_wrapper_for_fp_tensor_constructor",
+]
