@@ -11,6 +11,9 @@ Three ways in, all the same mechanism: calling :func:`install_as_deepspeed`; the
 ``zeroshard --as_deepspeed`` (which runs the script through :mod:`zeroshard.compat.run`); and the environment
 variable ``ZEROSHARD_AS_DEEPSPEED=1``, read at interpreter start by the ``zeroshard-as-deepspeed.pth`` file
 the package installs (for ``torchrun``, ``accelerate launch``, SLURM).
+
+On a machine without a GPU the same finder adapts Accelerate so that it runs DeepSpeed on CPU ranks
+(:mod:`zeroshard.compat.accelerate_cpu`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import pathlib
 import sys
 import warnings
 from typing import Optional
+
+from . import accelerate_cpu
 
 DEEPSPEED_API_VERSION = "0.19.8"  # the DeepSpeed release whose public API zeroshard.compat.deepspeed follows
 ENV_FLAG = "ZEROSHARD_AS_DEEPSPEED"
@@ -66,12 +71,38 @@ class _Loader(importlib.abc.Loader):
         sys.modules[module.__name__] = importlib.import_module(_target_name(module.__name__))
 
 
+class _AdaptingLoader(importlib.abc.Loader):
+    """Runs a third-party module's own loader, then a zeroshard adapter on the loaded module."""
+
+    def __init__(self, inner, adapt):
+        self.inner, self.adapt = inner, adapt
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.inner.exec_module(module)
+        self.adapt(module)
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
+        if fullname == accelerate_cpu.MODULE and accelerate_cpu.applies():
+            return self._adapted(fullname, path, target, accelerate_cpu.adapt)
         name = _target_name(fullname)
         if name is None or importlib.util.find_spec(name) is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
+
+    def _adapted(self, fullname, path, target, adapt):
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                spec.loader = _AdaptingLoader(spec.loader, adapt)
+                return spec
+        return None
 
     def find_distributions(self, context=None):
         name = getattr(context, "name", None)
