@@ -56,3 +56,110 @@ def test_hf_zero3_from_pretrained_loads_every_weight(tmp_path):
     GPT2LMHeadModel(config).save_pretrained(tmp_path)
     out = launch(SCRIPTS / "hf_zero3_from_pretrained.py", tmp_path)
     assert "differing: []" in out.stdout and "compared 28 tensors" in out.stdout
+
+
+def live_engine_worker(checkpoint_dir: str) -> dict:
+    """DeepSpeed's engine, optimizer, parameter and comm names on a live stage-3 engine, through `deepspeed.`."""
+    import zeroshard
+
+    zeroshard.install_as_deepspeed()
+    import deepspeed
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
+    model[0].bias.requires_grad_(False)  # a frozen parameter
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": float("inf"),  # Accelerate writes Infinity: never print
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    out = {
+        "local_rank": engine.local_rank,
+        "device": str(engine.device),
+        "stage": engine.config.get("zero_optimization")["stage"],
+        "is_optimizer": isinstance(engine.optimizer, torch.optim.Optimizer)
+        and isinstance(engine.optimizer, deepspeed.runtime.base_optimizer.DeepSpeedOptimizer),
+        "scale": (optimizer.loss_scale, optimizer.cur_scale, optimizer.overflow),
+        "ds": [(p.ds_numel, tuple(p.ds_shape), p.ds_status.name, p.partition_numel()) for p in model.parameters()],
+        "gather16": engine.zero_gather_16bit_weights_on_model_save(),
+    }
+    try:
+        with engine.no_sync():
+            pass
+    except RuntimeError as err:
+        out["no_sync"] = str(err)
+    # Accelerate drives the boundary itself
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(deepspeed.comm.get_rank()))
+    for boundary in (False, True):
+        engine.set_gradient_accumulation_boundary(boundary)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    out["global_steps"] = engine.global_steps
+    deepspeed.comm.all_reduce(torch.ones(4))  # torch's signature, counted by the ledger
+    deepspeed.comm.barrier()
+    out["ledger_all_reduce_world"] = zeroshard.comm.LEDGER.summary()[("all_reduce", "world")].calls
+    gathered = [torch.zeros(2) for _ in range(2)]
+    deepspeed.comm.all_gather(gathered, torch.full((2,), float(deepspeed.comm.get_rank())))
+    out["all_gather"] = [t.tolist() for t in gathered]
+    state = optimizer.state_dict()
+    before = engine._zero3_consolidated_16bit_state_dict()
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    optimizer.load_state_dict(state)  # back to the saved master weights and Adam state
+    after = engine._zero3_consolidated_16bit_state_dict()
+    out["restored"] = all(torch.equal(before[k], after[k]) for k in before)
+    engine.save_checkpoint(checkpoint_dir, client_state={"best": torch.tensor(0.5)}, exclude_frozen_parameters=True)
+    _, client = engine.load_checkpoint(checkpoint_dir)
+    out["client_best"] = client["best"].item()
+    engine.destroy()
+    return out
+
+
+def test_live_engine_answers_deepspeed_names(tmp_path):
+    from zeroshard.testing import run_distributed
+
+    r0, r1 = run_distributed(live_engine_worker, 2, str(tmp_path), timeout_s=180)
+    assert (r0["local_rank"], r1["local_rank"]) == (0, 1) and r0["device"] == "cpu"
+    assert r0["stage"] == 3 and r0["is_optimizer"] and r0["scale"] == (1.0, 1.0, False)
+    # full shapes; trainable parameters absent between steps, each rank holding its part; the frozen bias whole
+    assert [d[:3] for d in r0["ds"]] == [
+        (60, (10, 6), "NOT_AVAILABLE"),
+        (10, (10,), "AVAILABLE"),
+        (30, (3, 10), "NOT_AVAILABLE"),
+        (3, (3,), "NOT_AVAILABLE"),
+    ]
+    trainable = [0, 2, 3]
+    assert sum(r0["ds"][i][3] + r1["ds"][i][3] for i in trainable) == 93
+    assert r0["ds"][1][3] == r1["ds"][1][3] == 10
+    assert "not compatible with ZeRO stage 3" in r0["no_sync"]
+    assert r0["global_steps"] == 1  # one step at the boundary the caller set
+    assert r0["ledger_all_reduce_world"] >= 1
+    assert r0["all_gather"] == [[0.0, 0.0], [1.0, 1.0]]
+    assert r0["restored"] and r1["restored"]
+    assert r0["client_best"] == 0.5 and r1["client_best"] == 0.5
+
+
+def test_cifar_style_deepspeed_script_runs_unmodified():
+    out = result(
+        launch(SCRIPTS / "cifar_style.py", "--deepspeed", "--deepspeed_config", SCRIPTS / "cifar_ds_config.json")
+    )
+    assert out["steps"] == 16 and out["device"] == "cpu" and out["backend"] == "gloo"
+    assert out["last4_mean_all_ranks"] < 0.92 * out["first"]  # it learns
+    assert out["memory_allocated"] > 0
+
+
+def test_bert_style_script_saves_and_resumes_with_client_state(tmp_path):
+    args = ["--checkpoint_dir", tmp_path, "--deepspeed_config", SCRIPTS / "bert_ds_config.json"]
+    full = result(launch(SCRIPTS / "bert_mlm_style.py", *args))
+    resumed = result(launch(SCRIPTS / "bert_mlm_style.py", *args, "--resume"))
+    assert full["global_steps"] == resumed["global_steps"] == 6
+    assert resumed["losses"] == full["losses"][3:]  # the resumed run continues exactly (weights, Adam, RNG, data)
+    client = resumed["client"]
+    assert (client["step"], client["note"], client["best_loss_is_tensor"]) == (3, "hello", True)
+    assert abs(client["best_loss"] - min(full["losses"][:3])) < 1e-5  # a tensor in client_state, stored unpickled

@@ -17,6 +17,7 @@ from ..optim import build_optimizer, build_schedule, check_client_optimizer
 from ..precision import LossScaler, PrecisionPolicy
 from ..zero import ZeroOptimizer
 from ..zero.init import Materializer, has_meta_parameters, pending_seed, release_pending
+from ..zero.sharded_param import adopt
 from ..zero.stage3 import Stage3Runtime, build_units, plan_units
 from .engine import ZeroshardEngine
 from .log import log_rank0
@@ -261,6 +262,9 @@ def initialize(
         for param in leftover:
             param.data = param.data.to(device=device, dtype=policy.compute)
     release_pending(model.parameters())
+    if stage3 is not None:  # every stage-3 parameter answers DeepSpeed's ds_* attributes, resident and frozen too
+        for param in model.parameters():
+            adopt(param)
 
     scheduler = None
     if lr_scheduler is not None:
