@@ -1,0 +1,75 @@
+"""An Accelerate training loop, run the same way with DeepSpeed (zeroshard, stages 2/3) and with Accelerate's own
+DDP path, to compare. `zeroshard --as_deepspeed --num_gpus 2 accelerate_train.py {ddp|ds2|ds3} OUT_DIR`."""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator, DeepSpeedPlugin
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = x @ torch.randn(8, 2, generator=g) + 0.1 * torch.randn(64, 2, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def full_loss(model, dataset) -> float:
+    x, y = dataset.tensors
+    with torch.no_grad():
+        return F.mse_loss(model(x), y).item()
+
+
+def main(mode: str, out_dir: str) -> None:
+    if mode == "ddp":
+        accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    else:
+        plugin = DeepSpeedPlugin(zero_stage=int(mode[-1]), gradient_accumulation_steps=2, zero3_save_16bit_model=True)
+        accelerator = Accelerator(deepspeed_plugin=plugin)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dataset = data()
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    def epoch() -> None:
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(F.mse_loss(model(x), y))
+                if accelerator.sync_gradients:  # under DeepSpeed the engine clips (gradient_clipping 1.0)
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+
+    epoch()
+    epoch()
+    final = full_loss(model, dataset)
+    accelerator.save_state(f"{out_dir}/state")
+    epoch()  # move away from the saved state ...
+    moved = full_loss(model, dataset)
+    accelerator.load_state(f"{out_dir}/state")  # ... and back
+    restored = full_loss(model, dataset)
+    weights = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        total = sum(v.double().sum().item() for v in weights.values())
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "final": final,
+                    "moved": moved,
+                    "restored": restored,
+                    "weights_sum": total,
+                    "distributed_type": str(accelerator.distributed_type),
+                    "processes": accelerator.num_processes,
+                }
+            )
+        )
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
