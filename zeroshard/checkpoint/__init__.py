@@ -5,6 +5,7 @@ from .consolidate import (
     convert_zero_checkpoint_to_fp32_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,
     load_state_dict_from_zero_checkpoint,
+    read_client_state,
 )
 from .safetensors_io import CheckpointError
 
@@ -14,4 +15,5 @@ __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
+    "read_client_state",
 ]

@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch
 from tqdm import tqdm
 
+from .client_state import read_client_tensors, restore_client_state
 from .manifest import Piece
 from .reading import Sources, assemble, read_manifest, resolve_tag
 from .safetensors_io import CheckpointError, write
@@ -93,6 +94,15 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[
     for alias, name in tensors.aliases.items():
         state[alias] = state[name]
     return state
+
+
+def read_client_state(checkpoint_dir: str, tag: Optional[str] = None) -> dict:
+    """The ``client_state`` saved with a checkpoint (tensors included), without building an engine."""
+    sources, manifest = _open(checkpoint_dir, tag)
+    try:
+        return restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest))
+    finally:
+        sources.close()
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str, tag: Optional[str] = None):

@@ -27,6 +27,7 @@ import torch
 
 from .. import comm
 from ..runtime.log import log_rank0
+from .client_state import json_ready, read_client_tensors, restore_client_state, split_client_state
 from .manifest import FORMAT, Piece, pieces_for, plain_name, rank_file, seal
 from .reading import Sources, assemble, read_manifest, resolve_tag
 from .safetensors_io import CheckpointError, write
@@ -50,46 +51,6 @@ def _atomic_write_text(path: str, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _json_ready(value: Any, where: str) -> Any:
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"{where} must be JSON-serializable (checkpoints never pickle): {err}") from None
-
-
-_TENSOR_MARK = "__zeroshard_tensor__"
-
-
-def _split_client_state(client_state: Optional[dict]) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``client_state`` as JSON with each tensor replaced by a reference, and the tensors by reference name: the
-    tensors are stored in rank 0's safetensors file (Lightning keeps e.g. ``ModelCheckpoint``'s best score there
-    as a tensor), never pickled."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def strip(value: Any) -> Any:
-        if torch.is_tensor(value):
-            name = f"client.{len(tensors)}"
-            tensors[name] = value.detach().to("cpu").contiguous()
-            return {_TENSOR_MARK: name}
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [strip(v) for v in value]
-        return value
-
-    return _json_ready(strip(client_state or {}), "client_state"), tensors
-
-
-def _restore_client_state(client: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(client, dict):
-        if set(client) == {_TENSOR_MARK} and client[_TENSOR_MARK] in tensors:
-            return tensors[client[_TENSOR_MARK]]
-        return {k: _restore_client_state(v, tensors) for k, v in client.items()}
-    if isinstance(client, list):
-        return [_restore_client_state(v, tensors) for v in client]
-    return client
 
 
 def _scalar(value: Any) -> dict:
@@ -147,7 +108,7 @@ def save(
     if not isinstance(tag, str) or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' and no leading '.')")
     plain_name(tag, "checkpoint tag", save_dir)
-    client, client_tensors = _split_client_state(client_state)
+    client, client_tensors = split_client_state(client_state)
     world, rank = engine.grid.world, comm.get_rank()
     tag = _ranks_agree(save_dir, tag, world, engine.settings.checkpoint.tag_validation.lower())
     tmp, final = os.path.join(save_dir, f".{tag}.tmp"), os.path.join(save_dir, tag)
@@ -373,9 +334,9 @@ def _manifest(
             "micro_steps": engine.micro_steps,
         },
         "loss_scaler": zero.loss_scaler.state_dict() if zero else None,
-        "lr_scheduler": _json_ready(scheduler, "the lr scheduler's state_dict()"),
+        "lr_scheduler": json_ready(scheduler, "the lr scheduler's state_dict()"),
         "optimizer": {
-            "param_groups": _json_ready(
+            "param_groups": json_ready(
                 [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups] if zero else [],
                 "optimizer hyperparameters",
             ),
@@ -460,13 +421,7 @@ def load(
                 target = _module_tensor(engine.module, name) if name not in unexpected else None
                 if target is not None:
                     target.copy_(sources.read(entry["file"], entry["key"]).view(entry["shape"]))
-            client_state = _restore_client_state(
-                manifest["client_state"],
-                {
-                    name: sources.read(entry["file"], entry["key"]).view(entry["shape"]).clone()
-                    for name, entry in manifest.get("client_tensors", {}).items()
-                },
-            )
+            client_state = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest))
             if not load_module_only:
                 report = _load_training_state(
                     engine, manifest, sources, load_optimizer_states, load_lr_scheduler_states

@@ -340,7 +340,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return squared
 
     def step(self, closure=None) -> bool:
-        """Unscale, clip and apply the reduced gradients; returns False when an fp16 overflow skipped the step."""
+        """Unscale, clip and apply the reduced gradients; returns False when an fp16 overflow skipped the step.
+        A ``closure`` (torch's convention) is evaluated first."""
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
         scale = self.loss_scaler.scale
         # the optimizer needs gradients in the master dtype (a transient copy when shards are 16-bit)
         master_dtype = self.policy.master

@@ -1,0 +1,103 @@
+"""A Lightning training script run under Lightning's own launcher (2 CPU processes) with a chosen strategy.
+
+usage: train.py OUT_DIR STRATEGY [--precision P] [--epochs N] [--resume CKPT] [--cpu_adam]
+STRATEGY: ddp | zeroshard_stage_2 | ... (registered names) | class3 (ZeroshardStrategy(stage=3), every parameter sharded)
+Prints RESULT {...} on rank 0: the full-data loss after training, the gradient-clipping evidence, the paths."""
+
+import argparse
+import json
+import os
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import zeroshard.lightning  # noqa: F401  (registers the "zeroshard*" strategy names)
+from zeroshard.lightning import ZeroshardStrategy
+from zeroshard.ops.adam import DeepSpeedCPUAdam
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = x @ torch.randn(8, 2, generator=g) * 3 + 0.1 * torch.randn(64, 2, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, hidden: int = 16, lr: float = 0.02, cpu_adam: bool = False):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 2))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        cls = DeepSpeedCPUAdam if self.hparams.cpu_adam else torch.optim.AdamW
+        optimizer = cls(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 4, gamma=0.5)}
+
+    def full_data_loss(self) -> float:
+        x, y = data().tensors
+        with torch.no_grad():
+            return F.mse_loss(self(x.to(self.dtype_of_inputs())), y).float().item()
+
+    def dtype_of_inputs(self):
+        return next(p.dtype for p in self.parameters())
+
+    def on_train_start(self):
+        self.initial_loss = self.full_data_loss()
+
+    def on_train_end(self):
+        self.full_loss = self.full_data_loss()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("strategy")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--cpu_adam", action="store_true")
+    args = parser.parse_args()
+
+    L.seed_everything(0)
+    strategy = ZeroshardStrategy(stage=3, stage3_param_persistence_threshold=0) if args.strategy == "class3" else args.strategy
+    checkpoints = ModelCheckpoint(dirpath=f"{args.out_dir}/ckpt", save_top_k=-1, every_n_epochs=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        precision=args.precision,
+        max_epochs=args.epochs,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,  # small: it clips on most steps
+        callbacks=[checkpoints],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = Regressor(cpu_adam=args.cpu_adam)
+    loader = torch.utils.data.DataLoader(data(), batch_size=4, shuffle=False)
+    trainer.fit(model, loader, ckpt_path=args.resume)
+    trainer.save_checkpoint(f"{args.out_dir}/final.ckpt")
+    if trainer.is_global_zero:
+        print("RESULT " + json.dumps({
+            "full_loss": model.full_loss,
+            "initial_loss": model.initial_loss,
+            "global_step": trainer.global_step,
+            "checkpoints": sorted(os.listdir(f"{args.out_dir}/ckpt")),
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "grad_norm": trainer.strategy.engine.get_global_grad_norm() if hasattr(trainer.strategy, "engine") else None,
+        }))
+
+
+if __name__ == "__main__":
+    main()
