@@ -91,3 +91,31 @@ def test_convert_then_load_from_checkpoint(runs, tmp_path):
 def test_mixed_precision_trains(tmp_path, strategy, precision):
     out = run("train.py", tmp_path, strategy, "--precision", precision, "--epochs", "2", cwd=tmp_path)
     assert out["full_loss"] < 0.9 * out["initial_loss"] and out["global_step"] == 8
+
+
+def test_fabric_trains_saves_and_loads_like_fabric_ddp(tmp_path):
+    reference = run("fabric_train.py", tmp_path / "ddp", "ddp", cwd=tmp_path)
+    mine = run("fabric_train.py", tmp_path / "zeroshard", "zeroshard", cwd=tmp_path)
+    for key in ("initial", "trained", "moved", "restored"):
+        assert mine[key] == pytest.approx(reference[key], rel=TOLERANCE), key
+    assert mine["trained"] < 0.8 * mine["initial"] and mine["moved"] != mine["trained"]
+    assert mine["restored"] == mine["trained"]  # fabric.load went back to the saved weights and optimizer
+    assert mine["step"] == 5 and mine["best"] == pytest.approx(mine["trained"])  # plain values and tensors too
+
+
+def test_lightning_cli_with_deepspeed_cpu_adam_class_path(tmp_path):
+    out = run(
+        "cli.py",
+        "fit",
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=2",
+        "--trainer.strategy=zeroshard_stage_2_offload",
+        "--trainer.max_steps=2",
+        "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        "--optimizer.class_path=zeroshard.ops.adam.DeepSpeedCPUAdam",
+        "--optimizer.init_args.lr=0.01",
+        cwd=tmp_path,
+    )
+    assert out == {"optimizer": "CPUAdam", "steps": 2}

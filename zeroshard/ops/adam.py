@@ -12,7 +12,7 @@ class CPUAdam(torch.optim.AdamW):
 
     def __init__(
         self,
-        model_params,
+        params=None,
         lr: float = 1e-3,
         bias_correction: bool = True,
         betas=(0.9, 0.999),
@@ -21,13 +21,24 @@ class CPUAdam(torch.optim.AdamW):
         amsgrad: bool = False,
         adamw_mode: bool = True,
         fp32_optimizer_states: bool = True,
+        *,
+        model_params=None,
     ):
+        """``params`` is torch's name for the first argument (LightningCLI fills it); ``model_params`` DeepSpeed's."""
+        if (params is None) == (model_params is None):
+            raise TypeError("CPUAdam takes the parameters once: params=... (or DeepSpeed's model_params=...)")
         if not bias_correction:
             raise NotImplementedError("CPUAdam(bias_correction=False) is not supported")
         if not fp32_optimizer_states:
             raise NotImplementedError("CPUAdam keeps fp32 optimizer states")
         super().__init__(
-            model_params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, fused=True
+            params if params is not None else model_params,
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            fused=True,
         )
         self.adamw_mode = adamw_mode
         for group in self.param_groups:

@@ -1,7 +1,7 @@
 """A Lightning training script run under Lightning's own launcher (2 CPU processes) with a chosen strategy.
 
 usage: train.py OUT_DIR STRATEGY [--precision P] [--epochs N] [--resume CKPT] [--cpu_adam]
-STRATEGY: ddp | zeroshard_stage_2 | ... (registered names) | class3 (ZeroshardStrategy(stage=3), every parameter sharded)
+STRATEGY: ddp | a registered zeroshard name | class3 (ZeroshardStrategy(stage=3), every parameter sharded)
 Prints RESULT {...} on rank 0: the full-data loss after training, the gradient-clipping evidence, the paths."""
 
 import argparse
@@ -69,7 +69,9 @@ def main() -> None:
     args = parser.parse_args()
 
     L.seed_everything(0)
-    strategy = ZeroshardStrategy(stage=3, stage3_param_persistence_threshold=0) if args.strategy == "class3" else args.strategy
+    strategy = (
+        ZeroshardStrategy(stage=3, stage3_param_persistence_threshold=0) if args.strategy == "class3" else args.strategy
+    )
     checkpoints = ModelCheckpoint(dirpath=f"{args.out_dir}/ckpt", save_top_k=-1, every_n_epochs=1)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -89,14 +91,21 @@ def main() -> None:
     trainer.fit(model, loader, ckpt_path=args.resume)
     trainer.save_checkpoint(f"{args.out_dir}/final.ckpt")
     if trainer.is_global_zero:
-        print("RESULT " + json.dumps({
-            "full_loss": model.full_loss,
-            "initial_loss": model.initial_loss,
-            "global_step": trainer.global_step,
-            "checkpoints": sorted(os.listdir(f"{args.out_dir}/ckpt")),
-            "lr": trainer.optimizers[0].param_groups[0]["lr"],
-            "grad_norm": trainer.strategy.engine.get_global_grad_norm() if hasattr(trainer.strategy, "engine") else None,
-        }))
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "full_loss": model.full_loss,
+                    "initial_loss": model.initial_loss,
+                    "global_step": trainer.global_step,
+                    "checkpoints": sorted(os.listdir(f"{args.out_dir}/ckpt")),
+                    "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                    "grad_norm": trainer.strategy.engine.get_global_grad_norm()
+                    if hasattr(trainer.strategy, "engine")
+                    else None,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":
