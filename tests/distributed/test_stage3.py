@@ -334,3 +334,49 @@ def test_activation_checkpointing_recomputes_inside_gathered_units():
         assert torch.equal(checkpointed[name].float(), tensor), name
     expected = reference_train(ParityCase(stage=3, steps=2, lr=1e-3), 2)
     assert model_error({k: v.float() for k, v in checkpointed.items()}, expected) <= 1e-5
+
+
+def pretrained_worker(path: str, stage: int) -> dict:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import zeroshard
+
+    config = GPT2Config.from_pretrained(path)
+    with zeroshard.zero.Init():
+        model = GPT2LMHeadModel(config)
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = zeroshard.initialize(model=model, config=ds, pretrained=path)
+    return engine.consolidated_state_dict(rank0_only=False)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_pretrained_weights_fill_a_zero_init_model_exactly(tmp_path, stage):
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    expected = load_file(tmp_path / "model.safetensors")
+    for state in run_distributed(pretrained_worker, 2, str(tmp_path), stage):
+        assert all(torch.equal(state[name], value) for name, value in expected.items())
+        assert torch.equal(state["lm_head.weight"], expected["transformer.wte.weight"])  # the tied head
+
+
+def test_pretrained_weights_missing_a_parameter_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=96, n_positions=16, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["transformer.h.0.mlp.c_fc.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(
+        WorkerError, match=r"lacks 1 parameter\(s\) of the model: \['transformer.h.0.mlp.c_fc.weight'\]"
+    ):
+        run_distributed(pretrained_worker, 2, str(tmp_path), 3)

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from .. import comm
 from ..accelerator import get_accelerator
 from ..config import AutoContext, model_hidden_size, parse_config, resolve_config
+from ..inference.weights import open_source
 from ..offload import OffloadPlan
 from ..optim import build_optimizer, build_schedule, check_client_optimizer
 from ..precision import LossScaler, PrecisionPolicy
@@ -100,6 +101,14 @@ def _broadcast_module(module: torch.nn.Module, group: comm.Group) -> None:
             comm.broadcast(tensor.data, src=group.ranks[0], group=group)
 
 
+def _load_buffers(model: torch.nn.Module, source) -> None:
+    """Buffers the pretrained weights carry (e.g. normalization statistics); zero.Init leaves buffers real."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in source.names:
+                buffer.copy_(source.read(name).to(buffer.dtype))
+
+
 def _stage3_plan(model: torch.nn.Module, cfg, gather_unit_classes) -> tuple[list, frozenset]:
     """Gather units, and the parameters small enough to stay gathered (stage3_param_persistence_threshold)."""
     z = cfg.zero_optimization
@@ -129,6 +138,7 @@ def initialize(
     collate_fn: Optional[Callable] = None,
     config_params: Any = None,
     gather_unit_classes: Any = None,
+    pretrained: Any = None,
 ):
     """Build an engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
@@ -136,6 +146,9 @@ def initialize(
     ``optimizer -> scheduler``); otherwise they are built from the config's blocks by name.
     ``gather_unit_classes`` (module classes or class names) adds to ``zero_optimization.gather_unit_classes``:
     under stage 3 each module of those classes is one gather unit.
+    ``pretrained`` (a safetensors file, a Hugging Face checkpoint directory or a zeroshard checkpoint) fills a
+    model built under ``zero.Init``: every rank reads the weights of one flat group at a time and keeps its
+    shard, so no rank ever holds the whole model and nothing is broadcast.
     """
     if model is None:
         raise ValueError("initialize needs model=")
@@ -174,10 +187,19 @@ def initialize(
     device = accel.device(comm.backend.local_rank())
     offload = OffloadPlan.from_config(cfg.zero_optimization, cfg.aio, comm.get_rank(), accel.can_pin_memory)
     materialize = None
+    if pretrained is not None and not has_meta_parameters(model):
+        raise ValueError(
+            "pretrained= fills a model built under zeroshard.zero.Init; load a normally built model's weights "
+            "(model.load_state_dict) before initialize"
+        )
     if has_meta_parameters(model):
         seed = torch.tensor([pending_seed(model) or 0], dtype=torch.int64)
         comm.broadcast(seed, src=0, group=grid.world)  # one seed for all ranks
-        materialize = Materializer(model, device, int(seed.item()))
+        source = open_source(pretrained, model) if pretrained is not None else None
+        materialize = Materializer(model, device, int(seed.item()), source)
+        missing = materialize.missing() if source is not None else []
+        if missing:
+            raise ValueError(f"pretrained={pretrained!r} lacks {len(missing)} parameter(s) of the model: {missing[:8]}")
     _move_module(model, device, policy.compute)
     _broadcast_module(model, grid.world)
 
@@ -261,6 +283,9 @@ def initialize(
         materialize(leftover)
         for param in leftover:
             param.data = param.data.to(device=device, dtype=policy.compute)
+        if materialize.source is not None:
+            _load_buffers(model, materialize.source)
+            materialize.source.close()
     release_pending(model.parameters())
     if stage3 is not None:  # every stage-3 parameter answers DeepSpeed's ds_* attributes, resident and frozen too
         for param in model.parameters():

@@ -181,12 +181,16 @@ def has_meta_parameters(module: nn.Module) -> bool:
 
 
 class Materializer:
-    """Materializes meta parameters on demand, one owning module at a time (see the module docstring)."""
+    """Materializes meta parameters on demand, one owning module at a time (see the module docstring): with
+    their initial values, or read from ``source`` (pretrained weights: an object with ``names`` and
+    ``read(name)``, see :mod:`zeroshard.inference.weights`), so each rank reads what it needs itself and keeps
+    only its shard once the flat group is built."""
 
-    def __init__(self, root: nn.Module, device: torch.device, seed: int):
+    def __init__(self, root: nn.Module, device: torch.device, seed: int, source: Any = None):
         self.root = root
         self.device = device
         self.seed = seed
+        self.source = source
         self.owners = _canonical_owners(root)
 
     def __call__(self, params) -> None:
@@ -194,9 +198,31 @@ class Materializer:
             if not param.is_meta:
                 continue
             path, module = self.owners[id(param)]
+            if self.source is not None:
+                self._read(path, module)
+                continue
             pending = _PENDING.get(id(param))
             owned = {id(p) for p in module.parameters(recurse=False) if self.owners[id(p)][1] is module}
             _reset_module(path, module, self.seed, pending and pending.param_init_fn, owned, self.device)
+
+    def _read(self, path: str, module: nn.Module) -> None:
+        for local, param in module.named_parameters(recurse=False):
+            if not param.is_meta or self.owners[id(param)][1] is not module:
+                continue
+            name = f"{path}.{local}" if path else local
+            value = self.source.read(name)
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"pretrained weight '{name}' has shape {tuple(value.shape)}, the model {tuple(param.shape)}"
+                )
+            sharded_param.forget(param)
+            real = nn.Parameter(value.to(self.device, torch.float32, copy=True), requires_grad=param.requires_grad)
+            real.__dict__.update(param.__dict__)
+            torch.utils.swap_tensors(param, real)
+
+    def missing(self) -> list[str]:
+        """Parameters without data that the source does not have (with a source, every one must be there)."""
+        return sorted(n for n, p in self.root.named_parameters() if p.is_meta and n not in self.source.names)
 
 
 def pending_seed(module: nn.Module) -> Optional[int]:
