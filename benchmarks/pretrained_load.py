@@ -7,7 +7,8 @@
 
     python benchmarks/pretrained_load.py [--world 2] [--n_layer 12] [--n_embd 768] [--vocab 32000]
 
-Reports each rank's peak resident set (VmHWM) above the interpreter's after imports, and the parameter bytes.
+Reports each rank's peak resident set (VmHWM) above the interpreter's after imports, the model-state bytes the
+rank keeps (its shards), and the difference: what loading cost on top.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def worker(path: str, way: str) -> dict:
             model = GPT2LMHeadModel(GPT2Config.from_pretrained(path))
         engine, *_ = zeroshard.initialize(model=model, config=CONFIG, pretrained=path)
     params = sum(p.numel() for p in model.parameters())
-    return {"peak_above_baseline": host_peak_rss() - baseline, "param_bytes": params * 4}
+    state = sum(engine.state_bytes().values())  # what the rank keeps: its shards of parameters and gradients
+    return {"peak_above_baseline": host_peak_rss() - baseline, "param_bytes": params * 4, "state_bytes": state}
 
 
 def main() -> None:
@@ -79,6 +81,10 @@ def main() -> None:
             results[way] = {
                 "peak_MiB_per_rank": [round(r["peak_above_baseline"] / 2**20) for r in ranks],
                 "param_MiB": round(ranks[0]["param_bytes"] / 2**20),
+                "kept_state_MiB_per_rank": [round(r["state_bytes"] / 2**20) for r in ranks],
+                "loading_overhead_MiB_per_rank": [
+                    round((r["peak_above_baseline"] - r["state_bytes"]) / 2**20) for r in ranks
+                ],
             }
     print(json.dumps(results, indent=1))
 

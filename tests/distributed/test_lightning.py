@@ -38,6 +38,7 @@ def runs(tmp_path_factory):
         "stage2": ["zeroshard_stage_2"],
         "stage3": ["class3"],
         "offload": ["zeroshard_stage_2_offload", "--cpu_adam"],
+        "offload3": ["zeroshard_stage_3_offload", "--cpu_adam"],
     }
     results = {name: run("train.py", base / name, *args, cwd=base) for name, args in plan.items()}
     results["resumed"] = run(
@@ -47,7 +48,7 @@ def runs(tmp_path_factory):
     return results
 
 
-@pytest.mark.parametrize("name", ["stage2", "stage3", "offload"])
+@pytest.mark.parametrize("name", ["stage2", "stage3", "offload", "offload3"])
 def test_trainer_matches_lightning_ddp(runs, name):
     reference, mine = runs["ddp"], runs[name]
     assert mine["initial_loss"] == pytest.approx(reference["initial_loss"], rel=TOLERANCE)
@@ -85,6 +86,11 @@ def test_convert_then_load_from_checkpoint(runs, tmp_path):
 
     saved = load_file(tmp_path / "model.safetensors")
     assert saved.keys() == weights.keys() and all(torch.equal(saved[k], model.state_dict()[k]) for k in saved)
+
+
+def test_optimizer_from_the_config_block(tmp_path):
+    out = run("train.py", tmp_path, "ignored", "--config_optimizer", "--epochs", "2", cwd=tmp_path)
+    assert out["full_loss"] < 0.9 * out["initial_loss"] and out["global_step"] == 8 and out["lr"] == 0.02
 
 
 @pytest.mark.parametrize("strategy,precision", [("class3", "16-mixed"), ("zeroshard_stage_3", "bf16-mixed")])

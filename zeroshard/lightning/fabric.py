@@ -22,7 +22,7 @@ from zeroshard import comm
 from zeroshard.zero import Init
 
 from . import config as configs
-from .strategy import CHECKPOINT_TAG, STRATEGIES
+from .strategy import CHECKPOINT_TAG, STRATEGIES, join_process_group
 
 
 class ZeroshardFabricStrategy(DDPStrategy):
@@ -56,18 +56,8 @@ class ZeroshardFabricStrategy(DDPStrategy):
 
     def _setup_distributed(self) -> None:
         self._set_world_ranks()
-        env = self.cluster_environment
-        os.environ.update(
-            {
-                "MASTER_ADDR": env.main_address,
-                "MASTER_PORT": str(env.main_port),
-                "RANK": str(self.global_rank),
-                "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(self.local_rank),
-            }
-        )
         self._process_group_backend = self._get_process_group_backend()
-        comm.init_distributed(self._process_group_backend, timeout=self._timeout or comm.DEFAULT_TIMEOUT)
+        join_process_group(self, self._process_group_backend, self._timeout)
 
     @property
     def zero_stage_3(self) -> bool:

@@ -29,6 +29,22 @@ CHECKPOINT_TAG = "checkpoint"  # the tag inside each Lightning checkpoint direct
 _NOT_SAVED = ("state_dict", "optimizer_states")  # held by the engine's checkpoint itself
 
 
+def join_process_group(strategy, backend: str, timeout: Optional[timedelta]) -> None:
+    """Join through zeroshard (its exit handling applies) at the address and ranks Lightning's cluster
+    environment chose; shared by the Trainer and Fabric strategies."""
+    env = strategy.cluster_environment
+    os.environ.update(
+        {
+            "MASTER_ADDR": env.main_address,
+            "MASTER_PORT": str(env.main_port),
+            "RANK": str(strategy.global_rank),
+            "WORLD_SIZE": str(strategy.world_size),
+            "LOCAL_RANK": str(strategy.local_rank),
+        }
+    )
+    comm.init_distributed(backend, timeout=timeout or comm.DEFAULT_TIMEOUT)
+
+
 class ZeroshardStrategy(DDPStrategy):
     """Train a ``LightningModule`` with a zeroshard engine.
 
@@ -97,18 +113,8 @@ class ZeroshardStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         """Join the process group through zeroshard (Gloo on CPU, NCCL on GPU), so its exit handling applies."""
         self.set_world_ranks()
-        env = self.cluster_environment
-        os.environ.update(
-            {
-                "MASTER_ADDR": env.main_address,
-                "MASTER_PORT": str(env.main_port),
-                "RANK": str(self.global_rank),
-                "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(self.local_rank),
-            }
-        )
         self._process_group_backend = self._get_process_group_backend()
-        comm.init_distributed(self._process_group_backend, timeout=self._timeout or comm.DEFAULT_TIMEOUT)
+        join_process_group(self, self._process_group_backend, self._timeout)
 
     @property
     def zero_stage_3(self) -> bool:

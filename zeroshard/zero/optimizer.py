@@ -451,6 +451,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state(self):
         return self.optimizer.state
 
+    def add_param_group(self, param_group: dict) -> None:
+        raise NotImplementedError(
+            "parameters cannot join a ZeRO optimizer after initialize (they would not be sharded or reduced); "
+            "pass every parameter group to initialize"
+        )
+
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.scale

@@ -38,3 +38,12 @@ def test_process_count_against_gpus_and_cores():
     assert check_process_count(2, gpus=0, cores=2) is None
     warning = check_process_count(16, gpus=0, cores=2)
     assert "16 CPU ranks on 2 core(s)" in warning and "8.0x slower" in warning
+
+
+def test_as_deepspeed_runs_every_rank_through_the_compat_runner(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cmd = command("--as_deepspeed", "--num_gpus", "2", str(script), "--deepspeed", "ds.json")
+    assert cmd[-5:] == ["--module", "zeroshard.compat.run", str(script), "--deepspeed", "ds.json"]
+    module = command("--as_deepspeed", "--module", "--num_gpus", "2", "pkg.train")
+    assert module[-4:] == ["--module", "zeroshard.compat.run", "-m", "pkg.train"]

@@ -26,7 +26,7 @@ def data():
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, hidden: int = 16, lr: float = 0.02, cpu_adam: bool = False):
+    def __init__(self, hidden: int = 16, lr: float = 0.02, cpu_adam: bool = False, config_optimizer: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 2))
@@ -39,6 +39,8 @@ class Regressor(L.LightningModule):
         return F.mse_loss(self(x), y)
 
     def configure_optimizers(self):
+        if self.hparams.config_optimizer:
+            return None  # the strategy's config has an "optimizer" block
         cls = DeepSpeedCPUAdam if self.hparams.cpu_adam else torch.optim.AdamW
         optimizer = cls(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 4, gamma=0.5)}
@@ -66,12 +68,20 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--cpu_adam", action="store_true")
+    parser.add_argument("--config_optimizer", action="store_true", help="optimizer from the config block")
     args = parser.parse_args()
 
     L.seed_everything(0)
-    strategy = (
-        ZeroshardStrategy(stage=3, stage3_param_persistence_threshold=0) if args.strategy == "class3" else args.strategy
-    )
+    if args.config_optimizer:
+        config = {
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": 2},
+        }
+        strategy = ZeroshardStrategy(config=config)
+    elif args.strategy == "class3":
+        strategy = ZeroshardStrategy(stage=3, stage3_param_persistence_threshold=0)
+    else:
+        strategy = args.strategy
     checkpoints = ModelCheckpoint(dirpath=f"{args.out_dir}/ckpt", save_top_k=-1, every_n_epochs=1)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -86,7 +96,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = Regressor(cpu_adam=args.cpu_adam)
+    model = Regressor(cpu_adam=args.cpu_adam, config_optimizer=args.config_optimizer)
     loader = torch.utils.data.DataLoader(data(), batch_size=4, shuffle=False)
     trainer.fit(model, loader, ckpt_path=args.resume)
     trainer.save_checkpoint(f"{args.out_dir}/final.ckpt")
