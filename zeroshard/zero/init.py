@@ -144,9 +144,13 @@ def _canonical_owners(root: nn.Module) -> dict[int, tuple[str, nn.Module]]:
 def _reset_module(
     path: str, module: nn.Module, seed: int, param_init_fn: Optional[ParamInitFn], owned: set[int], device: torch.device
 ) -> None:
-    """Initialize the owned parameters of this module that have no data yet, leaving the others (tied ones owned
-    elsewhere, ones already materialized or loaded) as they are."""
-    keep = {name: p.detach().clone() for name, p in module.named_parameters(recurse=False) if not p.is_meta}
+    """Initialize the parameters in ``owned`` (meta ones get storage first), leaving the module's others (tied ones
+    owned elsewhere, ones already materialized or loaded) as they are."""
+    keep = {  # materialize_pending passes only the parameters still without data as owned
+        name: p.detach().clone()
+        for name, p in module.named_parameters(recurse=False)
+        if id(p) not in owned and not p.is_meta
+    }
     for param in module.parameters(recurse=False):
         if id(param) in owned and param.is_meta:
             # a meta tensor's data cannot be replaced in place: swap in a real one, keeping the object
