@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional
 
 from zeroshard import initialize as _initialize
@@ -33,8 +34,6 @@ def initialize(
             "zeroshard; train data-parallel (ZeRO) and use init_inference for tensor parallelism"
         )
     if distributed_port is not None:
-        import os
-
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     return _initialize(
         args=args,
