@@ -220,7 +220,8 @@ class Materializer:
                     f"pretrained weight '{name}' has shape {tuple(value.shape)}, the model {tuple(param.shape)}"
                 )
             sharded_param.forget(param)
-            real = nn.Parameter(value.to(self.device, torch.float32), requires_grad=param.requires_grad)
+            # a compact copy: what the reader returns may view a larger read buffer, which would stay alive
+            real = nn.Parameter(value.to(self.device, torch.float32, copy=True), requires_grad=param.requires_grad)
             real.__dict__.update(param.__dict__)
             torch.utils.swap_tensors(param, real)
 
