@@ -27,6 +27,10 @@ def load_config(config: Union[None, str, os.PathLike, dict]) -> Optional[dict]:
     return copy.deepcopy(config)
 
 
+def zero_stage(config: dict) -> int:
+    return config.get("zero_optimization", {}).get("stage", 0)
+
+
 def default_config(
     stage: int,
     offload_optimizer: bool = False,

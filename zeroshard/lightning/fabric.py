@@ -61,7 +61,7 @@ class ZeroshardFabricStrategy(DDPStrategy):
 
     @property
     def zero_stage_3(self) -> bool:
-        return self.config.get("zero_optimization", {}).get("stage") == 3
+        return configs.zero_stage(self.config) == 3
 
     @property
     def model(self) -> Optional[zeroshard.ZeroshardEngine]:

@@ -118,7 +118,7 @@ class ZeroshardStrategy(DDPStrategy):
 
     @property
     def zero_stage_3(self) -> bool:
-        return self.config.get("zero_optimization", {}).get("stage") == 3
+        return configs.zero_stage(self.config) == 3
 
     @property
     def handles_gradient_accumulation(self) -> bool:
