@@ -178,3 +178,42 @@ def test_accelerate_deepspeed_plugin_matches_accelerate_ddp(tmp_path):
         assert abs(run["final"] - runs["ddp"]["final"]) <= 1e-5 * runs["ddp"]["final"]
         assert abs(run["weights_sum"] - runs["ddp"]["weights_sum"]) <= 1e-5 * abs(runs["ddp"]["weights_sum"])
         assert run["restored"] == run["final"] and run["moved"] != run["final"]  # load_state went back exactly
+
+
+def no_sync_worker() -> dict:
+    import zeroshard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    reference = torch.nn.Linear(4, 2)
+    reference.load_state_dict(model.state_dict())
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, *_ = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
+    inputs = [
+        torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * r + i)) for r in range(2) for i in range(2)
+    ]
+    mine = inputs[2 * zeroshard.comm.get_rank() : 2 * zeroshard.comm.get_rank() + 2]
+    with engine.no_sync():
+        engine.backward(engine(mine[0]).square().mean())
+        engine.step()  # inside no_sync nothing is a boundary: no step
+    engine.backward(engine(mine[1]).square().mean())
+    engine.step()
+    # the same update by hand: gradients of both micro-batches summed, averaged over the 2 ranks
+    loss = sum(reference(x).square().mean() for x in inputs) / 2
+    loss.backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad
+    state = engine.consolidated_state_dict(rank0_only=False)
+    return {
+        "steps": engine.global_steps,
+        "error": max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()),
+    }
+
+
+def test_no_sync_accumulates_locally_under_stage_1():
+    from zeroshard.testing import run_distributed
+
+    for out in run_distributed(no_sync_worker, 2):
+        assert out["steps"] == 1 and out["error"] < 1e-6

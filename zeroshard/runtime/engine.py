@@ -59,7 +59,8 @@ class ZeroshardEngine(torch.nn.Module):
         self.skipped_steps = 0
         self.micro_steps = 0
         self._step_applied = False
-        self._boundary_override: Optional[bool] = None
+        self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary
+        self._in_no_sync = False
         self._last_loss: Optional[float] = None
         self._timers: dict[str, float] = defaultdict(float)
         self._window_start = time.perf_counter()
@@ -184,6 +185,8 @@ class ZeroshardEngine(torch.nn.Module):
         self._window_start = time.perf_counter()
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._in_no_sync:
+            return False
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
@@ -195,17 +198,21 @@ class ZeroshardEngine(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """DDP's ``no_sync``: micro-batches inside accumulate without being reduced. Under ZeRO stages 0 and 1
-        gradients are reduced once, at the accumulation boundary, so non-boundary micro-batches are already
-        local; stages 2 and 3 reduce each micro-batch as its gradients appear (they keep only a shard) and refuse
-        it, as DeepSpeed does."""
+        """DDP's ``no_sync``: backward passes inside accumulate gradients locally, unreduced (no micro-batch
+        inside is an accumulation boundary). Stages 0 and 1 reduce once per boundary anyway; stages 2 and 3
+        reduce each micro-batch as its gradients appear (each rank keeps only a shard) and refuse it, as
+        DeepSpeed does."""
         if self.zero_optimization_stage() >= 2:
             raise RuntimeError(
                 f"no_sync() is not compatible with ZeRO stage {self.zero_optimization_stage()}: gradients are "
                 "reduced as they are produced so that each rank keeps only its shard; use "
                 "gradient_accumulation_steps (engine.backward/step) instead"
             )
-        yield
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
 
     def zero_grad(self) -> None:
         if self.zero is not None:
