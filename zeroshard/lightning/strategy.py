@@ -213,7 +213,7 @@ class ZeroshardStrategy(DDPStrategy):
     @contextmanager
     def model_sharded_context(self):
         """Under stage 3, ``configure_model`` builds the model without ever holding all of it (``zero.Init``)."""
-        with Init(enabled=self.zero_stage_3, config_dict_or_path=self.config) if self.zero_stage_3 else nullcontext():
+        with Init(config_dict_or_path=self.config) if self.zero_stage_3 else nullcontext():
             yield
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
