@@ -101,6 +101,37 @@ def _broadcast_module(module: torch.nn.Module, group: comm.Group) -> None:
             comm.broadcast(tensor.data, src=group.ranks[0], group=group)
 
 
+def _materializer(model: torch.nn.Module, pretrained: Any, world: comm.Group, device) -> Optional[Materializer]:
+    """For a model built under zero.Init: what gives its parameters data, one flat group at a time (initial
+    values from one seed shared by every rank, or ``pretrained`` weights, which must cover every parameter)."""
+    if not has_meta_parameters(model):
+        if pretrained is not None:
+            raise ValueError(
+                "pretrained= fills a model built under zeroshard.zero.Init; load a normally built model's weights "
+                "(model.load_state_dict) before initialize"
+            )
+        return None
+    seed = torch.tensor([pending_seed(model) or 0], dtype=torch.int64)
+    comm.broadcast(seed, src=0, group=world)  # one seed for all ranks
+    source = open_source(pretrained, model) if pretrained is not None else None
+    materialize = Materializer(model, device, int(seed.item()), source)
+    missing = materialize.missing() if source is not None else []
+    if missing:
+        raise ValueError(f"pretrained={pretrained!r} lacks {len(missing)} parameter(s) of the model: {missing[:8]}")
+    return materialize
+
+
+def _finish_materialization(model: torch.nn.Module, materialize: Materializer, device, dtype: torch.dtype) -> None:
+    """Parameters outside the optimizer (frozen ones) are materialized whole; pretrained buffers are copied."""
+    leftover = [p for p in model.parameters() if p.is_meta]
+    materialize(leftover)
+    for param in leftover:
+        param.data = param.data.to(device=device, dtype=dtype)
+    if materialize.source is not None:
+        _load_buffers(model, materialize.source)
+        materialize.source.close()
+
+
 def _load_buffers(model: torch.nn.Module, source) -> None:
     """Buffers the pretrained weights carry (e.g. normalization statistics); zero.Init leaves buffers real."""
     with torch.no_grad():
@@ -186,20 +217,7 @@ def initialize(
         raise ValueError(f"{policy.compute} is not supported on this {accel.name} device; disable bf16/fp16")
     device = accel.device(comm.backend.local_rank())
     offload = OffloadPlan.from_config(cfg.zero_optimization, cfg.aio, comm.get_rank(), accel.can_pin_memory)
-    materialize = None
-    if pretrained is not None and not has_meta_parameters(model):
-        raise ValueError(
-            "pretrained= fills a model built under zeroshard.zero.Init; load a normally built model's weights "
-            "(model.load_state_dict) before initialize"
-        )
-    if has_meta_parameters(model):
-        seed = torch.tensor([pending_seed(model) or 0], dtype=torch.int64)
-        comm.broadcast(seed, src=0, group=grid.world)  # one seed for all ranks
-        source = open_source(pretrained, model) if pretrained is not None else None
-        materialize = Materializer(model, device, int(seed.item()), source)
-        missing = materialize.missing() if source is not None else []
-        if missing:
-            raise ValueError(f"pretrained={pretrained!r} lacks {len(missing)} parameter(s) of the model: {missing[:8]}")
+    materialize = _materializer(model, pretrained, grid.world, device)
     _move_module(model, device, policy.compute)
     _broadcast_module(model, grid.world)
 
@@ -278,15 +296,9 @@ def initialize(
             )
             zero.on_flat_group_complete = stage3.on_flat_group_complete
 
-    if materialize is not None:  # parameters outside the optimizer (frozen ones) are materialized whole
-        leftover = [p for p in model.parameters() if p.is_meta]
-        materialize(leftover)
-        for param in leftover:
-            param.data = param.data.to(device=device, dtype=policy.compute)
-        if materialize.source is not None:
-            _load_buffers(model, materialize.source)
-            materialize.source.close()
-    release_pending(model.parameters())
+    if materialize is not None:
+        _finish_materialization(model, materialize, device, policy.compute)
+    release_pending(model.parameters())  # also those a gather materialized before initialize (HF's loading)
     if stage3 is not None:  # every stage-3 parameter answers DeepSpeed's ds_* attributes, resident and frozen too
         for param in model.parameters():
             adopt(param)
