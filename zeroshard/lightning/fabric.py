@@ -115,18 +115,19 @@ class ZeroshardFabricStrategy(DDPStrategy):
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         raise NotImplementedError("set gradient_clipping in the strategy's config: the engine clips at the step")
 
-    def _split_state(self, state: dict) -> tuple[dict, bool]:
-        engine_items = [k for k, v in state.items() if v is self._engine or v is self._engine.optimizer]
-        engine_items += [k for k, v in state.items() if isinstance(v, Module) and k not in engine_items]
-        client = {k: v for k, v in state.items() if k not in engine_items}
-        return client, bool(engine_items)
+    def _held_by_engine(self, value: Any) -> bool:
+        """The module and optimizer: saved and restored by the engine's checkpoint itself."""
+        return value is self._engine or value is self._engine.optimizer or isinstance(value, Module)
 
     def save_checkpoint(self, path, state: dict, storage_options=None, filter=None) -> None:
         if storage_options is not None or filter is not None:
             raise TypeError("ZeroshardFabricStrategy.save_checkpoint takes neither storage_options nor filter")
         path = self.broadcast(str(path))
-        client, _ = self._split_state(state)
-        client = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in client.items()}
+        client = {
+            k: (v.state_dict() if hasattr(v, "state_dict") else v)
+            for k, v in state.items()
+            if not self._held_by_engine(v)
+        }
         self._engine.save_checkpoint(path, tag=CHECKPOINT_TAG, client_state=client)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None) -> dict[str, Any]:
@@ -138,7 +139,7 @@ class ZeroshardFabricStrategy(DDPStrategy):
             return client
         rest = dict(client)
         for key, target in state.items():
-            if target is self._engine or target is self._engine.optimizer or isinstance(target, Module):
+            if self._held_by_engine(target):
                 continue
             if key not in rest:
                 if strict:

@@ -141,6 +141,15 @@ def _canonical_owners(root: nn.Module) -> dict[int, tuple[str, nn.Module]]:
     return owners
 
 
+def _give_data(param: nn.Parameter, data: torch.Tensor) -> None:
+    """A meta tensor's data cannot be replaced in place: swap in a real one, keeping the parameter object and
+    the attributes clients set on it (``swap_tensors`` swaps those too)."""
+    sharded_param.forget(param)
+    real = nn.Parameter(data, requires_grad=param.requires_grad)
+    real.__dict__.update(param.__dict__)
+    torch.utils.swap_tensors(param, real)
+
+
 def _reset_module(
     path: str, module: nn.Module, seed: int, param_init_fn: Optional[ParamInitFn], owned: set[int], device: torch.device
 ) -> None:
@@ -153,13 +162,7 @@ def _reset_module(
     }
     for param in module.parameters(recurse=False):
         if id(param) in owned and param.is_meta:
-            # a meta tensor's data cannot be replaced in place: swap in a real one, keeping the object
-            sharded_param.forget(param)
-            real = nn.Parameter(
-                torch.empty(param.shape, device=device, dtype=torch.float32), requires_grad=param.requires_grad
-            )
-            real.__dict__.update(param.__dict__)  # swap_tensors swaps attributes too: keep those clients set
-            torch.utils.swap_tensors(param, real)
+            _give_data(param, torch.empty(param.shape, device=device, dtype=torch.float32))
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(_module_seed(seed, path))
         if hasattr(module, "reset_parameters"):
@@ -219,11 +222,8 @@ class Materializer:
                 raise ValueError(
                     f"pretrained weight '{name}' has shape {tuple(value.shape)}, the model {tuple(param.shape)}"
                 )
-            sharded_param.forget(param)
             # a compact copy: what the reader returns may view a larger read buffer, which would stay alive
-            real = nn.Parameter(value.to(self.device, torch.float32, copy=True), requires_grad=param.requires_grad)
-            real.__dict__.update(param.__dict__)
-            torch.utils.swap_tensors(param, real)
+            _give_data(param, value.to(self.device, torch.float32, copy=True))
 
     def missing(self) -> list[str]:
         """Parameters without data that the source does not have (with a source, every one must be there)."""
