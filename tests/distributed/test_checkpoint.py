@@ -534,7 +534,7 @@ def gained_layer_worker(directory):
     try:
         engine.load_checkpoint(directory)  # strict (the default) still refuses
         strict = None
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         strict = str(err)
     return saved, fresh, loaded, log.getvalue(), strict
 

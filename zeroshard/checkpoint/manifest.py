@@ -24,8 +24,10 @@ _TORCH_DTYPES = {"float64", "float32", "float16", "bfloat16", "int64", "int32", 
 _RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
 
 
-def rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.safetensors"
+def rank_file(rank: int, suffix: str = ".safetensors") -> str:
+    """A rank's file in a checkpoint directory: its tensors (``.safetensors``), or its checksums while saving
+    (``.json``, folded into the manifest)."""
+    return f"rank{rank:05d}{suffix}"
 
 
 @dataclass(frozen=True)

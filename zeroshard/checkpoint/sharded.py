@@ -31,6 +31,7 @@ from .client_state import json_ready, read_client_tensors, restore_client_state,
 from .manifest import FORMAT, Piece, pieces_for, plain_name, rank_file, seal
 from .reading import Sources, assemble, read_manifest, resolve_tag
 from .safetensors_io import CheckpointError, write
+from .view import TrainingState
 
 _TEXT_BYTES = 4096  # a path or an error message, exchanged between ranks
 
@@ -65,28 +66,28 @@ def _unscalar(entry: dict, device) -> Any:
     return entry["value"]
 
 
-def _writes_flat(engine, flat) -> bool:
+def _writes_flat(state: TrainingState, flat) -> bool:
     """One copy of each shard: replica 0 of a sharded group, rank 0 of a replicated one."""
     if flat.partitioned:
-        return engine.grid.replica.rank == 0 if engine.grid.replica.size > 1 else True
+        return state.grid.replica.rank == 0 if state.grid.replica.size > 1 else True
     return comm.get_rank() == 0
 
 
-def _writer_files(engine, flat) -> list[str]:
+def _writer_files(flat) -> list[str]:
     if not flat.partitioned:
         return [rank_file(0)]
     return [rank_file(r) for r in flat.shard_group.ranks]  # replica 0's shard group is the first row
 
 
-def _outside_tensors(engine, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+def _outside_tensors(state: TrainingState, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
     """Frozen parameters and buffers: not in any flat group, whole on every rank."""
-    in_flats = {id(p) for f in engine.zero.flat_groups for p in f.params} if engine.zero else set()
+    in_flats = {id(p) for f in state.optimizer.flat_groups for p in f.params} if state.optimizer else set()
     out = {
         f"module.{n}": p
-        for n, p in engine.module.named_parameters()
+        for n, p in state.module.named_parameters()
         if id(p) not in in_flats and not (exclude_frozen and not p.requires_grad)
     }
-    for prefix, sub in engine.module.named_modules():
+    for prefix, sub in state.module.named_modules():
         for name, buffer in sub.named_buffers(recurse=False):
             if buffer is not None and name not in sub._non_persistent_buffers_set:  # as state_dict() decides
                 out[f"module.{prefix + '.' if prefix else ''}{name}"] = buffer
@@ -94,7 +95,7 @@ def _outside_tensors(engine, exclude_frozen: bool = False) -> dict[str, torch.Te
 
 
 def save(
-    engine,
+    state: TrainingState,
     save_dir: str,
     tag: Optional[str] = None,
     client_state: Optional[dict] = None,
@@ -104,13 +105,13 @@ def save(
     """Every rank calls it. Returns the checkpoint directory. ``exclude_frozen_parameters`` leaves parameters
     without gradients out (a fine-tune's frozen base); loading such a checkpoint keeps the model's own values
     for them and says so."""
-    tag = tag or f"global_step{engine.global_steps}"
+    tag = tag or f"global_step{state.counters.global_steps}"
     if not isinstance(tag, str) or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' and no leading '.')")
     plain_name(tag, "checkpoint tag", save_dir)
     client, client_tensors = split_client_state(client_state)
-    world, rank = engine.grid.world, comm.get_rank()
-    tag = _ranks_agree(save_dir, tag, world, engine.settings.checkpoint.tag_validation.lower())
+    world, rank = state.grid.world, comm.get_rank()
+    tag = _ranks_agree(save_dir, tag, world, state.config.checkpoint.tag_validation.lower())
     tmp, final = os.path.join(save_dir, f".{tag}.tmp"), os.path.join(save_dir, tag)
     error = None
     if rank == 0:
@@ -120,17 +121,17 @@ def save(
             os.makedirs(tmp)
         except OSError as err:
             error = err
-    _agree_on_write(engine, error, save_dir, tmp)
+    _agree_on_write(world, error, save_dir, tmp)
 
-    zero = engine.zero
+    zero = state.optimizer
     flats = zero.flat_groups if zero else []
     specs: list[tuple[str, torch.dtype, tuple]] = []
     for k, flat in enumerate(flats):
-        if _writes_flat(engine, flat):
+        if _writes_flat(state, flat):
             for key in ["master", *zero.flat_state_keys(k)]:
                 name = "master" if key == "master" else f"optim.{key}"
-                specs.append((f"{name}.fg{k}", zero.policy.master, (flat.layout.shard_numel,)))
-    outside = _outside_tensors(engine, exclude_frozen_parameters)
+                specs.append((f"{name}.fg{k}", zero.master_dtype, (flat.layout.shard_numel,)))
+    outside = _outside_tensors(state, exclude_frozen_parameters)
     others = [*outside.items(), *client_tensors.items()] if rank == 0 else []
     others.append(("rng.cpu", torch.get_rng_state()))
     if torch.cuda.is_available():
@@ -139,10 +140,10 @@ def save(
 
     def tensors():  # one flat group's state in memory at a time (it may be read back from NVMe)
         for k, flat in enumerate(flats):
-            if _writes_flat(engine, flat):
-                state = zero.read_flat(k)
-                yield f"master.fg{k}", state.pop("master")
-                yield from ((f"optim.{key}.fg{k}", state[key]) for key in sorted(state))
+            if _writes_flat(state, flat):
+                saved = zero.read_flat(k)
+                yield f"master.fg{k}", saved.pop("master")
+                yield from ((f"optim.{key}.fg{k}", saved[key]) for key in sorted(saved))
         yield from others
 
     path = os.path.join(tmp, rank_file(rank))
@@ -154,18 +155,18 @@ def save(
             "size": os.path.getsize(path),
             "python_rng": random.getstate(),
         }
-        _atomic_write_text(os.path.join(tmp, f"rank{rank:05d}.json"), json.dumps(sidecar))
+        _atomic_write_text(os.path.join(tmp, rank_file(rank, ".json")), json.dumps(sidecar))
     except OSError as err:
         error = err
-    _agree_on_write(engine, error, save_dir, tmp)
+    _agree_on_write(world, error, save_dir, tmp)
 
     if rank == 0:
         try:
-            manifest = seal(_manifest(engine, tag, client, client_tensors, outside, tmp))
+            manifest = seal(_manifest(state, tag, client, client_tensors, outside, tmp))
             _atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
         except OSError as err:
             error = err
-    _agree_on_write(engine, error, save_dir, tmp)
+    _agree_on_write(world, error, save_dir, tmp)
     if rank == 0:
         _commit(save_dir, tag, save_latest)
     comm.barrier(world)
@@ -239,10 +240,10 @@ def _failed_ranks(error: Optional[Exception], world: comm.Group) -> list[int]:
     return [r for r in range(world.size) if failed[r] > 0]
 
 
-def _agree_on_write(engine, error: Optional[OSError], save_dir: str, tmp: str) -> None:
+def _agree_on_write(world: comm.Group, error: Optional[OSError], save_dir: str, tmp: str) -> None:
     """After each writing phase: if any rank failed (disk full, permissions), every rank raises, the partial
     ``.tmp`` directory is removed, and the checkpoint that ``latest`` names is untouched."""
-    ranks = _failed_ranks(error, engine.grid.world)
+    ranks = _failed_ranks(error, world)
     if not ranks:
         return
     if comm.get_rank() == 0:
@@ -264,12 +265,6 @@ def _read_latest(save_dir: str) -> Optional[str]:
         return None
 
 
-def _sampler(engine):
-    """The data sampler zeroshard created (and so can resume), if any."""
-    sampler = getattr(engine.training_dataloader, "sampler", None)
-    return sampler if hasattr(sampler, "load_state_dict") and hasattr(sampler, "consumed") else None
-
-
 def _aliases(module: torch.nn.Module) -> dict[str, str]:
     """Second names of shared parameters (a tied LM head) -> the name they are saved under."""
     first: dict[int, str] = {}
@@ -283,29 +278,32 @@ def _aliases(module: torch.nn.Module) -> dict[str, str]:
 
 
 def _manifest(
-    engine, tag: str, client: dict, client_tensors: dict[str, torch.Tensor], outside: dict[str, torch.Tensor], tmp: str
+    state: TrainingState,
+    tag: str,
+    client: dict,
+    client_tensors: dict[str, torch.Tensor],
+    outside: dict[str, torch.Tensor],
+    tmp: str,
 ) -> dict:
-    zero, world_size = engine.zero, engine.grid.world.size
+    zero, world_size = state.optimizer, state.grid.world.size
     files, rng = {}, {}
     for r in range(world_size):
-        with open(os.path.join(tmp, f"rank{r:05d}.json")) as f:
+        with open(os.path.join(tmp, rank_file(r, ".json"))) as f:
             side = json.load(f)
-        os.remove(os.path.join(tmp, f"rank{r:05d}.json"))
+        os.remove(os.path.join(tmp, rank_file(r, ".json")))
         files[rank_file(r)] = {"size": side["size"], "header_crc": side["header_crc"], "crc": side["crc"]}
         rng[str(r)] = side["python_rng"]
     params: dict[str, dict] = {}
     flat_groups = []
-    group_of = {id(m): gi for gi, g in enumerate(zero.optimizer.param_groups) for m in g["params"]} if zero else {}
-    first_sub = {sub.flat_index: sub for sub in reversed(zero.subgroups)} if zero else {}
     for k, flat in enumerate(zero.flat_groups if zero else []):
-        writers = _writer_files(engine, flat)
+        writers = _writer_files(flat)
         for name, plist in pieces_for(flat.layout, f"fg{k}", writers).items():
             params.setdefault(name, {"pieces": []})["pieces"] += [p.to_json() for p in plist]
         for slot, param in zip(flat.layout.slots, flat.params):
             params[slot.name].update(shape=list(slot.shape), dtype=str(param.dtype).removeprefix("torch."))
         flat_groups.append(
             {
-                "group": group_of[id(first_sub[k].param)],
+                "group": zero.flat_param_group(k),
                 "state_keys": zero.flat_state_keys(k),
                 "scalars": {key: _scalar(v) for key, v in zero.flat_scalars(k).items()},
             }
@@ -319,25 +317,26 @@ def _manifest(
         }
         for name, t in outside.items()
     }
-    excluded = [n.removeprefix("module.") for n in _outside_tensors(engine) if n not in outside]
-    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    excluded = [n.removeprefix("module.") for n in _outside_tensors(state) if n not in outside]
+    scheduler = state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None
+    counters = state.counters
     return {
         "format": FORMAT,
         "tag": tag,
         "world_size": world_size,
-        "stage": engine.zero_optimization_stage(),
-        "shard_group_size": engine.grid.shard.size,
+        "stage": state.config.zero_optimization.stage,
+        "shard_group_size": state.grid.shard.size,
         "counters": {
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "skipped_steps": engine.skipped_steps,
-            "micro_steps": engine.micro_steps,
+            "global_steps": counters.global_steps,
+            "global_samples": counters.global_samples,
+            "skipped_steps": counters.skipped_steps,
+            "micro_steps": counters.micro_steps,
         },
         "loss_scaler": zero.loss_scaler.state_dict() if zero else None,
         "lr_scheduler": json_ready(scheduler, "the lr scheduler's state_dict()"),
         "optimizer": {
             "param_groups": json_ready(
-                [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups] if zero else [],
+                [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups] if zero else [],
                 "optimizer hyperparameters",
             ),
             "flat_groups": flat_groups,
@@ -347,8 +346,8 @@ def _manifest(
         "excluded_frozen": excluded,
         "files": files,
         "python_rng": rng,
-        "aliases": _aliases(engine.module),
-        "config": engine.settings.model_dump(mode="json"),
+        "aliases": _aliases(state.module),
+        "config": state.config.model_dump(mode="json"),
         "client_state": client,
         "client_tensors": {
             name: {
@@ -359,16 +358,16 @@ def _manifest(
             }
             for name, t in client_tensors.items()
         },
-        "sampler": sampler.state_dict() if (sampler := _sampler(engine)) is not None else None,
+        "sampler": state.sampler.state_dict() if state.sampler is not None else None,
     }
 
 
-def _check_params(engine, manifest: dict, strict: bool) -> tuple[list[str], list[str]]:
+def _check_params(state: TrainingState, manifest: dict, strict: bool) -> tuple[list[str], list[str]]:
     """Shapes must match; with ``strict`` the names too. Returns (missing from the checkpoint, not in the model)."""
-    mine = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}  # tied aliases appear once
+    mine = {n: tuple(p.shape) for n, p in state.module.named_parameters()}  # tied aliases appear once
     saved = {n: tuple(e["shape"]) for n, e in manifest["params"].items()}
     saved.update({n: tuple(e["shape"]) for n, e in manifest["module_tensors"].items()})
-    mine.update({n.removeprefix("module."): tuple(t.shape) for n, t in _outside_tensors(engine).items()})
+    mine.update({n.removeprefix("module."): tuple(t.shape) for n, t in _outside_tensors(state).items()})
     wrong = [f"{n}: checkpoint {saved[n]} vs model {s}" for n, s in mine.items() if n in saved and saved[n] != s]
     missing = sorted(set(mine) - set(saved) - set(manifest.get("excluded_frozen", [])))
     unexpected = sorted(set(saved) - set(mine))
@@ -390,7 +389,7 @@ def _check_params(engine, manifest: dict, strict: bool) -> tuple[list[str], list
 
 
 def load(
-    engine,
+    state: TrainingState,
     load_dir: str,
     tag: Optional[str] = None,
     load_module_strict: bool = True,
@@ -407,9 +406,9 @@ def load(
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     manifest = read_manifest(path)
-    missing, unexpected = _check_params(engine, manifest, load_module_strict)
+    missing, unexpected = _check_params(state, manifest, load_module_strict)
     sources = Sources(path, manifest)
-    zero = engine.zero
+    zero = state.optimizer
     error: Optional[CheckpointError] = None
     report: list[str] = []
     client_state = None
@@ -418,19 +417,17 @@ def load(
             for k, flat in enumerate(zero.flat_groups if zero else []):
                 _load_flat(zero, k, flat, manifest, sources, load_optimizer_states and not load_module_only)
             for name, entry in manifest["module_tensors"].items():
-                target = _module_tensor(engine.module, name) if name not in unexpected else None
+                target = _module_tensor(state.module, name) if name not in unexpected else None
                 if target is not None:
                     target.copy_(sources.read(entry["file"], entry["key"]).view(entry["shape"]))
             client_state = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest))
             if not load_module_only:
-                report = _load_training_state(
-                    engine, manifest, sources, load_optimizer_states, load_lr_scheduler_states
-                )
+                report = _load_training_state(state, manifest, sources, load_optimizer_states, load_lr_scheduler_states)
     except CheckpointError as err:
         error = err
     finally:
         sources.close()
-    _agree(engine, error, path)
+    _agree(state.grid.world, error, path)
     if missing or unexpected:
         report.append(
             f"load_module_strict=False: kept as initialized (not in the checkpoint) {missing}; "
@@ -443,13 +440,13 @@ def load(
     return path, (None if load_module_only else client_state)
 
 
-def _agree(engine, error: Optional[CheckpointError], path: str) -> None:
+def _agree(world: comm.Group, error: Optional[CheckpointError], path: str) -> None:
     """Every rank raises if any rank failed to read its part: the failing ranks with their own message, the
     others with the first failing rank's (so every rank's log names the file and field)."""
-    ranks = _failed_ranks(error, engine.grid.world)
+    ranks = _failed_ranks(error, world)
     if not ranks:
         return
-    messages = _gather_text(str(error) if error is not None else "", engine.grid.world)
+    messages = _gather_text(str(error) if error is not None else "", world)
     if error is not None:
         raise error
     raise CheckpointError(f"loading {path} failed on rank(s) {ranks}: rank {ranks[0]}: {messages[ranks[0]]}")
@@ -474,8 +471,8 @@ def _load_flat(zero, index: int, flat, manifest: dict, sources: Sources, with_op
     if with_optimizer:
         saved_keys = {k for g in manifest["optimizer"]["flat_groups"] for k in g["state_keys"]}
         keys += [f"optim.{k}" for k in sorted(saved_keys)]
-    device = flat.state_device
-    targets = {key: torch.zeros(flat.layout.shard_numel, dtype=zero.policy.master, device=device) for key in keys}
+    device = zero.state_device
+    targets = {key: torch.zeros(flat.layout.shard_numel, dtype=zero.master_dtype, device=device) for key in keys}
     if len(pieces) < len(flat.layout.slots):
         targets["master"].copy_(zero.read_flat(index)["master"])
     for seg in flat.layout.segments(flat.shard_rank):
@@ -493,66 +490,65 @@ def _load_flat(zero, index: int, flat, manifest: dict, sources: Sources, with_op
             )
     scalars = {}
     if with_optimizer:
-        first = next(s for s in zero.subgroups if s.flat_index == index)
-        group_index = next(
-            i for i, g in enumerate(zero.optimizer.param_groups) if any(m is first.param for m in g["params"])
-        )
+        group_index = zero.flat_param_group(index)
         for saved in manifest["optimizer"]["flat_groups"]:
             if saved["group"] == group_index:
                 scalars = {k: _unscalar(v, device) for k, v in saved["scalars"].items()}
     zero.write_flat(index, {key.removeprefix("optim."): value for key, value in targets.items()}, scalars)
 
 
-def _load_training_state(engine, manifest: dict, sources: Sources, optimizer: bool, scheduler: bool) -> list[str]:
+def _load_training_state(
+    state: TrainingState, manifest: dict, sources: Sources, optimizer: bool, scheduler: bool
+) -> list[str]:
     """Counters, loss scale, optimizer hyperparameters, sampler, scheduler and RNG; returns what was restored
     and what was reset, for the load report."""
     report = []
-    counters = manifest["counters"]
-    engine.global_steps, engine.global_samples = counters["global_steps"], counters["global_samples"]
-    engine.skipped_steps = counters["skipped_steps"]
+    saved, counters = manifest["counters"], state.counters
+    counters.global_steps, counters.global_samples = saved["global_steps"], saved["global_samples"]
+    counters.skipped_steps = saved["skipped_steps"]
     # resume at an accumulation boundary of *this* run, whose accumulation steps may differ
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    report.append(f"restored step {engine.global_steps}")
+    counters.micro_steps = counters.global_steps * state.gradient_accumulation_steps
+    report.append(f"restored step {counters.global_steps}")
     saved_fp16 = bool(manifest["config"].get("fp16", {}).get("enabled", False))
-    if engine.zero is not None and manifest["loss_scaler"] is not None:
-        scaler = engine.zero.loss_scaler
-        if saved_fp16 and engine.fp16_enabled():
+    zero = state.optimizer
+    if zero is not None and manifest["loss_scaler"] is not None:
+        scaler = zero.loss_scaler
+        if saved_fp16 and state.fp16:
             try:
                 scaler.load_state_dict(manifest["loss_scaler"])
             except ValueError as err:
                 raise CheckpointError(f"{sources.path}: field 'loss_scaler': {err}") from None
             report.append(f"restored loss scale {scaler.scale:g}")
-        elif engine.fp16_enabled():  # the checkpoint's scale (1.0) means nothing to an fp16 run
+        elif state.fp16:  # the checkpoint's scale (1.0) means nothing to an fp16 run
             report.append(
                 f"reset loss scale to {scaler.scale:g} from the fp16 config (the checkpoint ran without fp16)"
             )
         elif saved_fp16:
             report.append("dropped the checkpoint's fp16 loss scale (this run does not use fp16)")
-    if optimizer and engine.zero is not None:
+    if optimizer and zero is not None:
         saved_groups = manifest["optimizer"]["param_groups"]
-        if len(saved_groups) != len(engine.zero.optimizer.param_groups):
+        if len(saved_groups) != len(zero.param_groups):
             raise CheckpointError(
                 f"checkpoint has {len(saved_groups)} optimizer parameter groups, "
-                f"the optimizer has {len(engine.zero.optimizer.param_groups)}"
+                f"the optimizer has {len(zero.param_groups)}"
             )
-        for group, saved in zip(engine.zero.optimizer.param_groups, saved_groups):
-            for key, value in saved.items():
+        for group, hyper in zip(zero.param_groups, saved_groups):
+            for key, value in hyper.items():
                 group[key] = tuple(value) if isinstance(value, list) and isinstance(group.get(key), tuple) else value
         report.append("restored optimizer state" if any(manifest["optimizer"]["flat_groups"]) else "")
-    sampler = _sampler(engine)
-    if sampler is not None and manifest.get("sampler"):
-        sampler.load_state_dict(manifest["sampler"])
-    if scheduler and engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+    if state.sampler is not None and manifest.get("sampler"):
+        state.sampler.load_state_dict(manifest["sampler"])
+    if scheduler and state.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
+        state.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
     rank = comm.get_rank()
-    if manifest["world_size"] == engine.grid.world.size:  # RNG streams are per rank: restore only same-size runs
+    if manifest["world_size"] == state.grid.world.size:  # RNG streams are per rank: restore only same-size runs
         file = rank_file(rank)
         torch.set_rng_state(_rng_state(sources, file, "rng.cpu", torch.get_rng_state()))
         if torch.cuda.is_available() and "rng.cuda" in manifest["files"][file]["crc"]:
             torch.cuda.set_rng_state(_rng_state(sources, file, "rng.cuda", torch.cuda.get_rng_state()))
-        state = manifest["python_rng"].get(str(rank))
+        python_rng = manifest["python_rng"].get(str(rank))
         try:
-            random.setstate((state[0], tuple(state[1]), state[2]))
+            random.setstate((python_rng[0], tuple(python_rng[1]), python_rng[2]))
         except (TypeError, ValueError, IndexError) as err:
             raise CheckpointError(
                 f"{sources.path}: field 'python_rng.{rank}' is not a Python RNG state ({err})"

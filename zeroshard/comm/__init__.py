@@ -20,21 +20,27 @@ from .collectives import (
     inject_delays,
     reduce_scatter,
 )
+from .context import DEFAULT_CONTEXT, CommContext
 from .groups import Group, RankGrid, build_rank_grid, build_tensor_parallel_group, destroy_groups, grid_layout
-from .ledger import LEDGER, CommLedger, OpTotals
+from .ledger import CommLedger, OpTotals
+
+LEDGER = DEFAULT_CONTEXT.ledger  # every collective of this process (an engine's own: engine.comm_ledger)
 
 
 def log_summary(print_fn=print) -> str:
-    """Print (and return) bytes and calls per (op, group) counted since start or the last reset."""
+    """Print (and return) bytes and calls per (op, group) this process issued, counted since start or the last
+    reset of the default context's ledger."""
     text = LEDGER.format()
     print_fn(text)
     return text
 
 
 __all__ = [
+    "DEFAULT_CONTEXT",
     "DEFAULT_TIMEOUT",
     "LEDGER",
     "CollectiveError",
+    "CommContext",
     "CommLedger",
     "Group",
     "OpTotals",

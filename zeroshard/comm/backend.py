@@ -12,6 +12,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..accelerator import get_accelerator
+from .context import DEFAULT_CONTEXT
 from .trace import announce_exit
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -143,7 +144,7 @@ def destroy(announce: bool = True) -> None:
         return
     store = default_store()
     if announce and store is not None:
-        announce_exit(store, get_rank())
+        announce_exit(store, get_rank(), DEFAULT_CONTEXT.trace)
     dist.destroy_process_group()
 
 

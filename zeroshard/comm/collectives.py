@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from .backend import default_store, get_rank, get_world_size
 from .groups import Group
-from .ledger import LEDGER
-from .trace import TRACE, TraceEntry, diagnose
+from .trace import TraceEntry, diagnose
 
 FORENSICS_WAIT_S = 10.0  # how long a failing rank waits for the other ranks' collective traces
 
@@ -49,9 +48,11 @@ class CollectiveError(RuntimeError):
     collective traces, the first rank and call site that diverged."""
 
 
-def _failure(message: str, entry: Optional[TraceEntry] = None) -> CollectiveError:
+def _failure(message: str, group: Group, entry: Optional[TraceEntry] = None) -> CollectiveError:
     store = default_store()
-    verdict = diagnose(store, get_rank(), get_world_size(), FORENSICS_WAIT_S, entry) if store is not None else None
+    verdict = None
+    if store is not None:
+        verdict = diagnose(store, get_rank(), get_world_size(), FORENSICS_WAIT_S, group.context.trace, entry)
     return CollectiveError(message + (f"\n  trace comparison: {verdict}" if verdict else ""))
 
 
@@ -78,11 +79,12 @@ class Pending:
             raise _failure(
                 f"rank {get_rank()}: {self.op} on group '{self.group.name}' (ranks {list(self.group.ranks)}) "
                 f"of {self.what} failed or timed out: {err}",
+                self.group,
                 self.entry,
             ) from err
         finally:
-            if LEDGER.timing:
-                LEDGER.add_time(self.op, self.group.name, time.perf_counter() - self.started)
+            if self.group.context.timing:
+                self.group.context.add_time(self.op, self.group.name, time.perf_counter() - self.started)
         self.work = None
         if self.finish is not None:
             self.finish()
@@ -103,8 +105,7 @@ def _issue(
     finish: Optional[Callable[[], None]] = None,
 ) -> Pending:
     nbytes = tensor.numel() * tensor.element_size()
-    LEDGER.record(op, group.name, nbytes, nbytes * wire_factor)
-    entry = TRACE.record(op, group.name, tuple(tensor.shape), str(tensor.dtype))
+    entry = group.context.record(op, group.name, nbytes, nbytes * wire_factor, tuple(tensor.shape), str(tensor.dtype))
     _maybe_delay()
     started = time.perf_counter()
     try:
@@ -113,6 +114,7 @@ def _issue(
         raise _failure(
             f"rank {get_rank()}: {op} on group '{group.name}' (ranks {list(group.ranks)}) of {_describe(tensor)} "
             f"failed: {err}",
+            group,
             entry,
         ) from err
     pending = Pending(op, group, work, _describe(tensor), started, finish, entry)
@@ -220,11 +222,10 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
 
 def barrier(group: Group) -> None:
     if group.size > 1:
-        LEDGER.record("barrier", group.name, 0, 0.0)
-        entry = TRACE.record("barrier", group.name, (), "")
+        entry = group.context.record("barrier", group.name, 0, 0.0, (), "")
         try:
             dist.barrier(group=group.handle)
         except RuntimeError as err:
             raise _failure(
-                f"rank {get_rank()}: barrier on group '{group.name}' failed or timed out: {err}", entry
+                f"rank {get_rank()}: barrier on group '{group.name}' failed or timed out: {err}", group, entry
             ) from err

@@ -7,12 +7,13 @@ same shard). Plain ZeRO is one row: the shard group is the whole data-parallel w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.distributed as dist
 
 from .backend import get_rank, get_world_size
+from .context import DEFAULT_CONTEXT, CommContext
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class Group:
     name: str
     ranks: tuple[int, ...]
     handle: Any  # the torch ProcessGroup; None means the default (world) group
+    context: CommContext = field(default=DEFAULT_CONTEXT, compare=False, repr=False)  # where its collectives count
 
     @property
     def size(self) -> int:
@@ -41,6 +43,11 @@ class RankGrid:
     def data_parallel_size(self) -> int:
         return self.world.size
 
+    @property
+    def context(self) -> CommContext:
+        """Where the grid's collectives are counted (one context for all its groups)."""
+        return self.world.context
+
 
 def grid_layout(world_size: int, shard_size: Optional[int]) -> list[list[int]]:
     """Rows of the rank grid (each row one shard group). Pure, so it is testable without processes."""
@@ -53,7 +60,7 @@ def grid_layout(world_size: int, shard_size: Optional[int]) -> list[list[int]]:
     return [list(range(start, start + shard_size)) for start in range(0, world_size, shard_size)]
 
 
-def _own_group(name: str, partition: list, world_size: int) -> Group:
+def _own_group(name: str, partition: list, world_size: int, context: CommContext = DEFAULT_CONTEXT) -> Group:
     """This rank's part of ``partition`` (rank lists covering the world) as a group. Every rank calls this
     with the same partition: creating a process group is collective over the world. A part that is the
     whole world uses the default group; a part of one rank needs none (its collectives are skipped)."""
@@ -61,18 +68,20 @@ def _own_group(name: str, partition: list, world_size: int) -> Group:
     for part in map(tuple, partition):
         handle = dist.new_group(list(part)) if 1 < len(part) < world_size else None
         if rank in part:
-            mine = Group(name, part, handle)
+            mine = Group(name, part, handle, context)
     return mine
 
 
-def build_rank_grid(shard_size: Optional[int] = None) -> RankGrid:
-    """Create the groups every rank must create together (collective call)."""
+def build_rank_grid(shard_size: Optional[int] = None, context: Optional[CommContext] = None) -> RankGrid:
+    """Create the groups every rank must create together (collective call). Their collectives count in
+    ``context`` (by default a new child of the process's default context)."""
+    context = context or DEFAULT_CONTEXT.child()
     world_size = get_world_size()
     rows = grid_layout(world_size, shard_size)
     return RankGrid(
-        world=Group("world", tuple(range(world_size)), None),
-        shard=_own_group("shard", rows, world_size),
-        replica=_own_group("replica", list(zip(*rows)), world_size),
+        world=Group("world", tuple(range(world_size)), None, context),
+        shard=_own_group("shard", rows, world_size, context),
+        replica=_own_group("replica", list(zip(*rows)), world_size, context),
     )
 
 

@@ -1,4 +1,4 @@
-"""Per-process record of every collective: bytes always, time only when asked (timing synchronizes)."""
+"""Bytes (and, when timed, seconds) of collectives per (op, group); a :class:`CommContext` holds one."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ class OpTotals:
 
 @dataclass
 class CommLedger:
-    """Counts bytes per (op, group). One per process, like the process groups it describes."""
+    """Counts bytes per (op, group)."""
 
     totals: dict[tuple[str, str], OpTotals] = field(default_factory=lambda: defaultdict(OpTotals))
-    timing: bool = False
 
     def record(self, op: str, group: str, nbytes: int, wire_bytes: float) -> None:
         entry = self.totals[(op, group)]
@@ -50,7 +49,3 @@ class CommLedger:
             sizes = f"{t.bytes / 1e6:>12.3f}{t.wire_bytes / 1e6:>12.3f}"
             lines.append(f"{op:<16}{group:<12}{t.calls:>8}{sizes}{time_s:>10}{algbw:>12}{busbw:>12}")
         return "\n".join(lines)
-
-
-# The one ledger of this process: collectives are process-wide state in torch.distributed too.
-LEDGER = CommLedger()

@@ -18,8 +18,8 @@ from .collectives import all_reduce as _all_reduce
 from .collectives import barrier as _barrier
 from .collectives import broadcast as _broadcast
 from .collectives import reduce_scatter as _reduce_scatter
+from .context import DEFAULT_CONTEXT
 from .groups import Group
-from .ledger import LEDGER
 
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
 
@@ -125,7 +125,7 @@ def destroy_process_group(group=None) -> None:
 
 def log_summary(show_straggler: bool = False) -> str:
     """Print (and return) the ledger's bytes and calls per (op, group)."""
-    text = LEDGER.format()
+    text = DEFAULT_CONTEXT.ledger.format()
     print(text)
     return text
 

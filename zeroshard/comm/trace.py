@@ -90,9 +90,6 @@ class CollectiveTrace:
         return [TraceEntry(**{**e, "shape": tuple(e["shape"])}) for e in json.loads(text)]
 
 
-TRACE = CollectiveTrace()
-
-
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
@@ -153,24 +150,26 @@ def describe_divergence(
     return "; ".join([*lead, agreed, *notes[len(lead) :]])
 
 
-def announce_exit(store, rank: int) -> None:
+def announce_exit(store, rank: int, trace: CollectiveTrace) -> None:
     """A rank whose script ended normally says so, with its trace, before it leaves: a rank still waiting in a
     collective then reads "rank 1 exited normally after collective #13" instead of "did not report"."""
     try:
-        store.set(_KEY.format(rank=rank), TRACE.to_json())
-        store.set(_EXIT_KEY.format(rank=rank), str(TRACE.seq))
-    except Exception:  # noqa: BLE001 - the store may already be gone (its host rank ended first)
+        store.set(_KEY.format(rank=rank), trace.to_json())
+        store.set(_EXIT_KEY.format(rank=rank), str(trace.seq))
+    except Exception:  # the store may already be gone (its host rank ended first)
         pass
 
 
-def diagnose(store, rank: int, world_size: int, wait_s: float, waiting: Optional[TraceEntry] = None) -> str:
+def diagnose(
+    store, rank: int, world_size: int, wait_s: float, trace: CollectiveTrace, waiting: Optional[TraceEntry] = None
+) -> str:
     """Publish this rank's trace, collect the others' (and their exit notes) for up to ``wait_s`` seconds,
     describe the divergence. ``waiting`` is the collective this rank failed in."""
     try:
-        store.set(_KEY.format(rank=rank), TRACE.to_json())
-    except Exception as err:  # noqa: BLE001 - the store may be gone with a dead rank 0
+        store.set(_KEY.format(rank=rank), trace.to_json())
+    except Exception as err:  # the store may be gone with a dead rank 0
         return f"(no trace comparison: the store is unreachable: {err})"
-    traces = {rank: list(TRACE.entries)}
+    traces = {rank: list(trace.entries)}
     exited: dict[int, int] = {}
     deadline = time.monotonic() + wait_s
     pending = [r for r in range(world_size) if r != rank]
@@ -181,7 +180,7 @@ def diagnose(store, rank: int, world_size: int, wait_s: float, waiting: Optional
                 if store.check([key]):
                     traces[other] = CollectiveTrace.from_json(store.get(key).decode())
                     pending.remove(other)
-            except Exception:  # noqa: BLE001 - an unreachable store ends the wait
+            except Exception:  # an unreachable store ends the wait
                 pending = []
                 break
         if pending:
@@ -190,6 +189,6 @@ def diagnose(store, rank: int, world_size: int, wait_s: float, waiting: Optional
         try:
             if other != rank and store.check([_EXIT_KEY.format(rank=other)]):
                 exited[other] = int(store.get(_EXIT_KEY.format(rank=other)).decode())
-        except Exception:  # noqa: BLE001
+        except Exception:
             break
     return describe_divergence(traces, world_size, exited, (rank, waiting) if waiting is not None else None)

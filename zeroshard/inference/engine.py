@@ -8,7 +8,6 @@ full tensor at a time, so a rank's memory is about 1/N of the sharded weights pl
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any, Optional, Union
 
@@ -21,6 +20,7 @@ from ..checkpoint import CheckpointError
 from ..comm.backend import local_rank
 from ..config.inference import InferenceConfig, parse_inference_config
 from ..runtime.log import log_rank0
+from ..zero.init import parameters_replaced
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from .placement import (
     HEAD_COUNT_ATTRIBUTES,
@@ -291,19 +291,9 @@ def _place_replicated(model: nn.Module, read: _Reader, cast: Cast, sharded: set[
             module._buffers[attribute] = done[id(buffer)]
 
 
-@contextlib.contextmanager
 def init_empty_weights():
     """Build a model with its parameters on the meta device (no memory) and its buffers real, for
     ``init_inference(model, checkpoint=...)`` to fill with each rank's shards only."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
-        register(module, name, param)
-        if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
+    return parameters_replaced(
+        lambda module, name, param: nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+    )

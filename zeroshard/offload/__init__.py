@@ -2,7 +2,15 @@
 or in swap files on NVMe, moved with asynchronous positioned I/O from Python threads."""
 
 from .aio import OffloadIOError, SwapFile
-from .optimizer_swap import NvmeOptimizerSwapper, SubGroup
+from .optimizer_swap import MASTER, NvmeOptimizerSwapper, SubGroup, elementwise_keys
 from .plan import OffloadPlan
 
-__all__ = ["NvmeOptimizerSwapper", "OffloadIOError", "OffloadPlan", "SubGroup", "SwapFile"]
+__all__ = [
+    "MASTER",
+    "NvmeOptimizerSwapper",
+    "OffloadIOError",
+    "OffloadPlan",
+    "SubGroup",
+    "SwapFile",
+    "elementwise_keys",
+]

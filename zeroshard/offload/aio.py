@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..partition import round_up
+
 ALIGNMENT = 4096
 
 
@@ -28,7 +30,8 @@ class OffloadIOError(RuntimeError):
 
 
 def align_up(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+    """``nbytes`` rounded up to the I/O alignment."""
+    return round_up(nbytes, ALIGNMENT)
 
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -62,11 +65,16 @@ class AioSettings:
         )
 
 
-class Pending:
+class IOPending:
     """A submitted read or write; ``wait`` returns when every block is done or raises ``OffloadIOError``."""
 
     def __init__(self, futures: list[Future]):
         self._futures = futures
+
+    @classmethod
+    def all_of(cls, pendings: list["IOPending"]) -> "IOPending":
+        """One handle for several submissions."""
+        return cls([f for p in pendings for f in p._futures])
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
@@ -165,7 +173,7 @@ class SwapFile:
                 )
             done += count
 
-    def submit(self, write: bool, buffer: torch.Tensor, offset: int) -> Pending:
+    def submit(self, write: bool, buffer: torch.Tensor, offset: int) -> IOPending:
         """Start reading into (or writing from) ``buffer`` at file ``offset``; split across the threads."""
         view = _memoryview(buffer)
         if self.direct and (offset % ALIGNMENT or len(view) % ALIGNMENT or buffer.data_ptr() % ALIGNMENT):
@@ -174,7 +182,7 @@ class SwapFile:
             raise AssertionError(f"transfer [{offset}, {offset + len(view)}) outside the reserved {self.size} bytes")
         parts = self.settings.threads
         step = align_up(-(-len(view) // parts))
-        return Pending(
+        return IOPending(
             [self._pool.submit(self._run, write, view[lo : lo + step], offset + lo) for lo in range(0, len(view), step)]
         )
 

@@ -16,9 +16,9 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .aio import Pending, SwapFile, align_up, aligned_empty
+from .aio import IOPending, SwapFile, align_up, aligned_empty
 
-MASTER = "master"
+MASTER = "master"  # the key of the fp32 master weights beside the optimizer's state keys
 _SWAPPED_OUT = torch.empty(0)  # what a swapped-out sub-group's tensors point at
 
 
@@ -39,8 +39,8 @@ class SubGroup:
 @dataclass
 class _Slot:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> aligned uint8 staging buffer
-    reading: Optional[Pending] = None
-    writing: list[Pending] = field(default_factory=list)
+    reading: Optional[IOPending] = None
+    writing: list[IOPending] = field(default_factory=list)
 
     def finish_writes(self) -> None:
         for pending in self.writing:
@@ -57,7 +57,6 @@ class NvmeOptimizerSwapper:
     def __init__(
         self,
         file: SwapFile,
-        optimizer: torch.optim.Optimizer,
         buffer_count: int,
         max_numel: int,
         pin: bool,
@@ -65,7 +64,6 @@ class NvmeOptimizerSwapper:
     ):
         self.file = file
         self.synchronize = synchronize  # device copies out of a staging buffer finish before it is refilled
-        self.optimizer = optimizer
         self.max_numel = max_numel
         self.pin = pin
         self.regions: dict[tuple[int, str], int] = {}  # (id(param), key) -> file offset
@@ -78,7 +76,7 @@ class NvmeOptimizerSwapper:
             slot.buffers[key] = aligned_empty(self.max_numel * 4, self.pin)
         return slot.buffers[key][: numel * 4].view(torch.float32)
 
-    def _io(self, write: bool, sub: SubGroup, slot: _Slot, keys: list[str]) -> list[Pending]:
+    def _io(self, write: bool, sub: SubGroup, slot: _Slot, keys: list[str]) -> list[IOPending]:
         pendings = []
         for key in keys:
             region = (id(sub.param), key)
@@ -107,19 +105,19 @@ class NvmeOptimizerSwapper:
         for key in keys:
             self._view(slot, key, sub.numel)
         pendings = self._io(False, sub, slot, keys)
-        slot.reading = Pending([f for p in pendings for f in p._futures])
+        slot.reading = IOPending.all_of(pendings)
 
-    def _bind(self, sub: SubGroup, slot: _Slot) -> None:
+    def _bind(self, optimizer: torch.optim.Optimizer, sub: SubGroup, slot: _Slot) -> None:
         slot.reading.wait()
         slot.reading = None
         sub.param.data = self._view(slot, MASTER, sub.numel)
-        state = self.optimizer.state.get(sub.param)
+        state = optimizer.state.get(sub.param)
         if state:
             for key in self._keys(sub)[1:]:
                 state[key] = self._view(slot, key, sub.numel)
 
-    def _unbind_and_write(self, sub: SubGroup, slot: _Slot) -> None:
-        state = self.optimizer.state.get(sub.param, {})
+    def _unbind_and_write(self, optimizer: torch.optim.Optimizer, sub: SubGroup, slot: _Slot) -> None:
+        state = optimizer.state.get(sub.param, {})
         keys = elementwise_keys(state, sub.param)
         for key in keys:
             view = self._view(slot, key, sub.numel)
@@ -129,9 +127,9 @@ class NvmeOptimizerSwapper:
         slot.writing = self._io(True, sub, slot, [MASTER, *keys])
         sub.param.data = _SWAPPED_OUT
 
-    def steps(self, subs: list[SubGroup]) -> Iterator[SubGroup]:
-        """Yield each sub-group with its master weights and state in memory, reading ahead up to
-        ``buffer_count - 1`` sub-groups and writing each back as soon as it has been stepped."""
+    def steps(self, optimizer: torch.optim.Optimizer, subs: list[SubGroup]) -> Iterator[SubGroup]:
+        """Yield each sub-group with its master weights and ``optimizer``'s state for it in memory, reading ahead
+        up to ``buffer_count - 1`` sub-groups and writing each back as soon as it has been stepped."""
         ahead = max(1, len(self.slots) - 1)
         free = deque(self.slots)
         queued: deque[tuple[SubGroup, _Slot]] = deque()
@@ -146,9 +144,9 @@ class NvmeOptimizerSwapper:
                 current, slot = queued.popleft()
                 if current is not sub:
                     raise AssertionError("sub-groups must be stepped in the order they were read")
-                self._bind(sub, slot)
+                self._bind(optimizer, sub, slot)
                 yield sub
-                self._unbind_and_write(sub, slot)
+                self._unbind_and_write(optimizer, sub, slot)
                 free.append(slot)
         finally:
             for slot in self.slots:

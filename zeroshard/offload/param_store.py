@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .aio import Pending, SwapFile, align_up, aligned_empty
+from .aio import IOPending, SwapFile, align_up, aligned_empty
 
 
 class HostShard:
@@ -47,7 +47,7 @@ class BufferPool:
         self.count = count
         self.nbytes = nbytes
         self.bytes_in_memory = count * align_up(nbytes)
-        self._free: deque[tuple[torch.Tensor, Optional[Pending]]] = deque(
+        self._free: deque[tuple[torch.Tensor, Optional[IOPending]]] = deque(
             (aligned_empty(nbytes, pin), None) for _ in range(count)
         )
 
@@ -63,7 +63,7 @@ class BufferPool:
             pending.wait()
         return buffer
 
-    def give_back(self, buffer: torch.Tensor, pending: Optional[Pending] = None) -> None:
+    def give_back(self, buffer: torch.Tensor, pending: Optional[IOPending] = None) -> None:
         self._free.append((buffer, pending))
 
 
@@ -74,7 +74,7 @@ class NvmeShard:
         self.file, self.pool = file, pool
         self.offset = file.reserve(self.nbytes)
         self._buffer: Optional[torch.Tensor] = None
-        self._reading: Optional[Pending] = None
+        self._reading: Optional[IOPending] = None
         self.write(0, values)
         self.flush()
 

@@ -57,11 +57,10 @@ class OffloadPlan:
     def _swap_file(self, directory: str, kind: str) -> SwapFile:
         return SwapFile(directory, f"zeroshard-{kind}-rank{self.rank}-pid{os.getpid()}.swap", self.aio)
 
-    def optimizer_swapper(self, max_numel: int, synchronize: Callable[[], None]) -> Optional[NvmeOptimizerSwapper]:
-        if self.optimizer_device != "nvme":
-            return None
+    def optimizer_swapper(self, max_numel: int, synchronize: Callable[[], None]) -> NvmeOptimizerSwapper:
+        """The swapper of NVMe-offloaded optimizer state, staging sub-groups of up to ``max_numel`` elements."""
         file = self._swap_file(self.optimizer_nvme_path, "optimizer")
-        return NvmeOptimizerSwapper(file, None, self.optimizer_buffer_count, max_numel, self.pin_memory, synchronize)
+        return NvmeOptimizerSwapper(file, self.optimizer_buffer_count, max_numel, self.pin_memory, synchronize)
 
     def shard_homes(self, compute_dtype: torch.dtype, largest_shard: int) -> Optional[Callable[[torch.Tensor], object]]:
         """A factory placing each stage-3 shard: host memory (``cpu``, or ``nvme`` within ``max_in_cpu``

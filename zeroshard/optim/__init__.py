@@ -1,8 +1,17 @@
 """Optimizers and learning-rate schedules by DeepSpeed name."""
 
 from .factory import build_optimizer, check_client_optimizer
-from .lamb import Lamb
+from .lamb import Lamb, ShardedNorms
 from .lion import Lion
 from .schedules import SCHEDULES, ScheduleRunner, build_schedule
 
-__all__ = ["Lamb", "Lion", "SCHEDULES", "ScheduleRunner", "build_optimizer", "build_schedule", "check_client_optimizer"]
+__all__ = [
+    "SCHEDULES",
+    "Lamb",
+    "Lion",
+    "ScheduleRunner",
+    "ShardedNorms",
+    "build_optimizer",
+    "build_schedule",
+    "check_client_optimizer",
+]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ..ops.adam import CPUAdam
-from .lamb import Lamb
+from .lamb import Lamb, ShardedNorms
 from .lion import Lion
 
 # Accepted keys of optimizer.params per DeepSpeed name (lower case, as DeepSpeed matches them).
@@ -52,8 +52,16 @@ def _kernel_flags(cls, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_optimizer(
-    name: str, params: dict[str, Any], param_groups: list[dict], *, zero_stage: int, allow_untested: bool
+    name: str,
+    params: dict[str, Any],
+    param_groups: list[dict],
+    *,
+    zero_stage: int,
+    allow_untested: bool,
+    sharded_norms: Optional[ShardedNorms] = None,
 ) -> torch.optim.Optimizer:
+    """The optimizer ``optimizer.type`` names over ``param_groups``; ``sharded_norms`` reaches Lamb (the ZeRO
+    shards' parameter ranges, for its per-parameter trust ratios)."""
     key = name.lower()
     params = dict(params)
     if key in NOT_IMPLEMENTED:
@@ -81,6 +89,7 @@ def build_optimizer(
     elif key == "lamb":
         params.pop("max_grad_norm", None)  # DeepSpeed's FusedLamb ignores it too: clipping is gradient_clipping
         cls = Lamb
+        params["sharded_norms"] = sharded_norms
     elif key == "lion":
         cls = Lion
     elif key == "sgd":

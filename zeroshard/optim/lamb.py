@@ -1,9 +1,9 @@
 """LAMB (You et al. 2019) with per-parameter trust ratios that stay correct on ZeRO shards.
 
 Under ZeRO a tensor handed to the optimizer is a flat shard holding pieces of many parameters.
-The trust ratio needs each *original* parameter's norms, so the ZeRO layer can attach a
-:class:`ShardedNorms` describing which ranges of which tensor belong to which parameter, plus a
-function that sums partial squared norms across the shard group.
+The trust ratio needs each *original* parameter's norms, so the ZeRO layer passes a
+:class:`ShardedNorms` (``sharded_norms=``) describing which ranges of which tensor belong to which
+parameter, plus a function that sums partial squared norms across the shard group.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class Lamb(Optimizer):
         bias_correction: bool = True,
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
+        sharded_norms: Optional[ShardedNorms] = None,
     ):
         super().__init__(
             params,
@@ -46,7 +47,7 @@ class Lamb(Optimizer):
                 min_coeff=min_coeff,
             ),
         )
-        self.sharded_norms: Optional[ShardedNorms] = None
+        self.sharded_norms = sharded_norms
 
     def _segments(self, p: torch.Tensor, fallback_id: int) -> list[tuple[int, int, int]]:
         if self.sharded_norms is None:

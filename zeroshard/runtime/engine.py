@@ -16,9 +16,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .. import comm
 from ..accelerator import get_accelerator
 from ..checkpoint import sharded as checkpoint_io
+from ..checkpoint.view import TrainingCounters, TrainingState
 from ..config import Resolution
 from ..precision import PrecisionPolicy
-from ..zero import ZeroOptimizer, consolidated_state_dict
+from ..zero import ParamRecords, ZeroOptimizer, consolidated_state_dict
 from ..zero.stage3 import Stage3Runtime
 from .log import log_rank0
 from .memory import MemoryTracker, format_table
@@ -41,6 +42,7 @@ class ZeroshardEngine(torch.nn.Module):
         device: torch.device,
         training_dataloader: Any = None,
         stage3: Optional[Stage3Runtime] = None,
+        records: Optional[ParamRecords] = None,
     ):
         super().__init__()
         self.module = module
@@ -54,14 +56,12 @@ class ZeroshardEngine(torch.nn.Module):
         self.device = device
         self.training_dataloader = training_dataloader
         self.stage3 = stage3
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
-        self.micro_steps = 0
+        self.records = records or ParamRecords()  # what the engine knows of its (stage-3) parameters
+        self.counters = TrainingCounters()
         self._step_applied = False
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary
         self._in_no_sync = False
-        self._last_loss: Optional[float] = None
+        self._last_loss: Optional[torch.Tensor] = None  # on the device; read only when reported
         self._timers: dict[str, float] = defaultdict(float)
         self._window_start = time.perf_counter()
         self._window_tokens = 0
@@ -70,7 +70,7 @@ class ZeroshardEngine(torch.nn.Module):
         self.memory = MemoryTracker()
         self._sample_memory()
         if self.settings.comms_logger.enabled:
-            comm.LEDGER.timing = True
+            self.grid.context.timing = True  # this engine's collectives only
         self._destroyed = False
         # a script that never calls destroy() still releases the engine before the process group goes
         # (atexit runs handlers last-registered first); a weak reference, so the hook keeps nothing alive
@@ -110,16 +110,16 @@ class ZeroshardEngine(torch.nn.Module):
         if self.zero is None:
             raise RuntimeError("engine.backward needs an optimizer: pass optimizer= or add an 'optimizer' config block")
         started = time.perf_counter()
-        self._last_loss = loss.detach().float().item()
+        self._last_loss = loss.detach()
         scale = self.zero.loss_scaler.scale
         if scale_wrt_gas:
             scale /= self.batch.gradient_accumulation_steps
         scaled = loss.float() * scale
-        self.zero.begin_backward(self.is_gradient_accumulation_boundary(), scaled)
+        self.zero.reducer.begin_backward(self.is_gradient_accumulation_boundary(), scaled)
         scaled.backward(retain_graph=retain_graph)
         self._sample_memory()
         reduce_started = time.perf_counter()
-        self.zero.end_backward()
+        self.zero.reducer.end_backward()
         if self.stage3 is not None:
             self.stage3.release_all()
         self._timers["backward"] += reduce_started - started
@@ -137,19 +137,19 @@ class ZeroshardEngine(torch.nn.Module):
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             else:
-                self.skipped_steps += 1
+                self.counters.skipped_steps += 1
                 log_rank0(
                     f"step {self.global_steps + 1}: gradient overflow, step skipped, "
                     f"loss scale now {self.zero.loss_scaler.scale:g}"
                 )
-            self.global_steps += 1
-            self.global_samples += self.batch.train_batch_size
+            self.counters.global_steps += 1
+            self.counters.global_samples += self.batch.train_batch_size
             self._timers["optimizer_step"] += time.perf_counter() - started
             self._sample_memory()
             if self.monitors.enabled:
                 self.monitors.write(
                     [
-                        ("Train/Samples/train_loss", self._last_loss, self.global_samples),
+                        ("Train/Samples/train_loss", self._last_loss_value(), self.global_samples),
                         ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
                         ("Train/Samples/loss_scale", self.zero.loss_scaler.scale, self.global_samples),
                         ("Train/Samples/grad_norm", self.get_global_grad_norm(), self.global_samples),
@@ -157,7 +157,11 @@ class ZeroshardEngine(torch.nn.Module):
                 )
             if self.settings.steps_per_print and self.global_steps % self.settings.steps_per_print == 0:
                 self._report()
-        self.micro_steps += 1
+        self.counters.micro_steps += 1
+
+    def _last_loss_value(self) -> Optional[float]:
+        """The last micro-batch's loss as a number (a device sync: only when logging or monitoring)."""
+        return None if self._last_loss is None else self._last_loss.float().item()
 
     def _report(self) -> None:
         elapsed = time.perf_counter() - self._window_start
@@ -167,7 +171,7 @@ class ZeroshardEngine(torch.nn.Module):
         clipped = min(norm, clip) if clip > 0 and norm is not None else norm
         tokens = self._window_tokens * self.grid.data_parallel_size
         log_rank0(
-            f"step {self.global_steps}: loss {self._last_loss:.4f} lr {self.get_lr()[0]:.3e} "
+            f"step {self.global_steps}: loss {self._last_loss_value():.4f} lr {self.get_lr()[0]:.3e} "
             f"loss_scale {self.zero.loss_scaler.scale:g} grad_norm {norm:.4f} (clipped {clipped:.4f}) "
             f"samples/s {samples / elapsed:.1f} tokens/s {tokens / elapsed:.0f} skipped {self.skipped_steps}"
         )
@@ -176,7 +180,7 @@ class ZeroshardEngine(torch.nn.Module):
                 self._timers["gather_wait"] = self.stage3.take_gather_seconds()
             log_rank0("time (s) " + " ".join(f"{k} {v:.3f}" for k, v in sorted(self._timers.items())))
         if self.settings.comms_logger.enabled:
-            comm.log_summary(log_rank0)
+            log_rank0(self.comm_ledger.format())
         if not self._memory_reported:  # once: the model-state memory of every rank at start and at its peak
             self._memory_reported = True
             log_rank0(format_table(self.memory_breakdown()))
@@ -239,6 +243,28 @@ class ZeroshardEngine(torch.nn.Module):
     @property
     def optimizer(self) -> Optional[ZeroOptimizer]:
         return self.zero
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (applied or skipped for overflow)."""
+        return self.counters.global_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self.counters.global_samples
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.counters.skipped_steps
+
+    @property
+    def micro_steps(self) -> int:
+        return self.counters.micro_steps
+
+    @property
+    def comm_ledger(self) -> comm.CommLedger:
+        """Bytes and calls of this engine's collectives (the process's total: ``zeroshard.comm.LEDGER``)."""
+        return self.grid.context.ledger
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -336,7 +362,7 @@ class ZeroshardEngine(torch.nn.Module):
         """Save the full training state (every rank calls it); default tag ``global_step{N}``. ``client_state``
         may hold JSON values and tensors. See :mod:`zeroshard.checkpoint.sharded` for the format and guarantees."""
         return checkpoint_io.save(
-            self,
+            self._training_state(),
             save_dir,
             tag=tag,
             client_state=client_state,
@@ -356,13 +382,29 @@ class ZeroshardEngine(torch.nn.Module):
         """Load a checkpoint saved with any world size and stage; returns ``(load_path, client_state)``,
         or ``(None, None)`` with a warning when ``load_dir`` holds no checkpoint."""
         return checkpoint_io.load(
-            self,
+            self._training_state(),
             load_dir,
             tag=tag,
             load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+        )
+
+    def _training_state(self) -> TrainingState:
+        """The engine as a checkpoint sees it (``zeroshard.checkpoint.view``)."""
+        sampler = getattr(self.training_dataloader, "sampler", None)
+        resumable = hasattr(sampler, "load_state_dict") and hasattr(sampler, "consumed")  # zeroshard's own
+        return TrainingState(
+            module=self.module,
+            grid=self.grid,
+            config=self.settings,
+            counters=self.counters,
+            optimizer=self.zero,
+            lr_scheduler=self.lr_scheduler,
+            sampler=sampler if resumable else None,
+            gradient_accumulation_steps=self.gradient_accumulation_steps(),
+            fp16=self.fp16_enabled(),
         )
 
     def state_bytes(self) -> dict[str, int]:

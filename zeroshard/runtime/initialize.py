@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -11,14 +12,23 @@ from torch.utils.data import DataLoader, Dataset
 
 from .. import comm
 from ..accelerator import get_accelerator
-from ..config import AutoContext, model_hidden_size, parse_config, resolve_config
+from ..config import AutoContext, Resolution, model_hidden_size, parse_config, resolve_config
 from ..inference.weights import open_source
 from ..offload import OffloadPlan
-from ..optim import build_optimizer, build_schedule, check_client_optimizer
+from ..optim import Lamb, ShardedNorms, build_optimizer, build_schedule, check_client_optimizer
 from ..precision import LossScaler, PrecisionPolicy
-from ..zero import ZeroOptimizer
+from ..zero import (
+    FlatGroup,
+    GradBucket,
+    GradientReducer,
+    ParamRecords,
+    StagePolicy,
+    ZeroOptimizer,
+    build_optimizer_state,
+)
 from ..zero.init import Materializer, has_meta_parameters, pending_seed, release_pending
-from ..zero.sharded_param import adopt
+from ..zero.optimizer_state import MakeOptimizer
+from ..zero.planning import build_flat_groups, plan_flat_groups, plan_layouts
 from ..zero.stage3 import Stage3Runtime, build_units, plan_units
 from .engine import ZeroshardEngine
 from .log import log_rank0
@@ -72,16 +82,53 @@ def _param_groups(module: torch.nn.Module, model_parameters: Any) -> list[dict]:
     return [{"params": items}]
 
 
-def _adopt_client_optimizer(client: torch.optim.Optimizer):
-    """Point the client's own parameter groups at the master shards, so a scheduler bound to it keeps working."""
+def _optimizer_recipe(
+    optimizer: OptimizerArg, model: torch.nn.Module, model_parameters: Any, cfg, offload: OffloadPlan
+) -> tuple[list[dict], MakeOptimizer]:
+    """The parameter groups to shard, and how to build the optimizer over their master shards: the client's
+    optimizer object (its groups re-pointed at the shards, so a scheduler bound to it keeps working), a client
+    callable ``params -> optimizer``, or the config's ``optimizer`` block."""
+    stage, allow_untested = cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer
+    force_cpu_optimizer = offload.offloads_optimizer and cfg.zero_force_ds_cpu_optimizer
 
-    def make(master_groups: list[dict]) -> torch.optim.Optimizer:
-        for target, group in zip(client.param_groups, master_groups):
-            target["params"] = group["params"]
-        client.state.clear()
-        return client
+    def shard_aware(built: torch.optim.Optimizer, norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
+        if isinstance(built, Lamb) and built.sharded_norms is None:
+            built.sharded_norms = norms  # a Lamb the client built learns the shards' parameter ranges
+        return built
 
-    return make
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.optimizer is not None:
+            raise ValueError("both a client optimizer and an 'optimizer' config block were given; drop one")
+        check_client_optimizer(optimizer, stage, allow_untested, force_cpu_optimizer)
+
+        def adopt(master_groups: list[dict], norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
+            for target, group in zip(optimizer.param_groups, master_groups):
+                target["params"] = group["params"]
+            optimizer.state.clear()
+            return shard_aware(optimizer, norms)
+
+        return [dict(g) for g in optimizer.param_groups], adopt
+    groups = _param_groups(model, model_parameters)
+    if optimizer is not None:
+
+        def build_client(master_groups: list[dict], norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
+            built = optimizer(master_groups)
+            check_client_optimizer(built, stage, allow_untested, force_cpu_optimizer)
+            return shard_aware(built, norms)
+
+        return groups, build_client
+
+    def build_configured(master_groups: list[dict], norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
+        return build_optimizer(
+            cfg.optimizer.type,
+            cfg.optimizer.params,
+            master_groups,
+            zero_stage=stage,
+            allow_untested=allow_untested,
+            sharded_norms=norms,
+        )
+
+    return groups, build_configured
 
 
 def _move_module(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -157,6 +204,183 @@ def _stage3_plan(model: torch.nn.Module, cfg, gather_unit_classes) -> tuple[list
     return plans, persistent
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the training state lives: precision, compute device, offload homes."""
+
+    policy: PrecisionPolicy
+    device: torch.device
+    offload: OffloadPlan
+
+
+def _placement(cfg) -> Placement:
+    policy = PrecisionPolicy.from_config(cfg)
+    accel = get_accelerator()
+    if not accel.supports_dtype(policy.compute):
+        raise ValueError(f"{policy.compute} is not supported on this {accel.name} device; disable bf16/fp16")
+    offload = OffloadPlan.from_config(cfg.zero_optimization, cfg.aio, comm.get_rank(), accel.can_pin_memory)
+    return Placement(policy, accel.device(comm.backend.local_rank()), offload)
+
+
+def _join_process_group(dist_init_required: Optional[bool]) -> None:
+    if not comm.is_initialized():
+        if dist_init_required is False:
+            raise ValueError("dist_init_required=False but torch.distributed is not initialized")
+        comm.init_distributed()
+    comm.destroy_at_exit()  # also when the caller (Lightning, accelerate, a user) created the process group
+
+
+def _resolve(source: Any, args: Any, model: torch.nn.Module, training_data: Any) -> tuple[comm.RankGrid, Resolution]:
+    """The rank grid (the engine's process groups, counting in a comm context of its own) and the config with
+    every ``"auto"`` filled in for it."""
+    parsed = parse_config(source)
+    grid = comm.build_rank_grid(parsed.zero_optimization.shard_group_size)
+    dataloader_batch = training_data.batch_size if isinstance(training_data, DataLoader) else None
+    resolution = resolve_config(
+        parsed,
+        AutoContext(
+            world_size=grid.data_parallel_size,
+            args=args,
+            dataloader_batch_size=dataloader_batch,
+            hidden_size=model_hidden_size(model),
+        ),
+    )
+    stage = resolution.config.zero_optimization.stage
+    log_rank0(f"config resolved for {grid.data_parallel_size} rank(s), ZeRO stage {stage}:\n" + resolution.report())
+    return grid, resolution
+
+
+def _build_flat_groups(
+    model, groups, cfg, grid, placement: Placement, records, materialize, unit_plans, persistent
+) -> tuple[list[FlatGroup], list[int]]:
+    """Plan and allocate the flat groups; returns them and each one's optimizer parameter group."""
+    z = cfg.zero_optimization
+    param_names = {p: name for name, p in model.named_parameters()}
+    unknown = [p for g in groups for p in g["params"] if p not in param_names]
+    if unknown:
+        raise ValueError(
+            f"{len(unknown)} optimizer parameter(s) (first shape {tuple(unknown[0].shape)}) "
+            "are not parameters of the model"
+        )
+    stage_policy = StagePolicy.for_stage(z.stage)
+    plans = plan_flat_groups(groups, stage_policy, z.reduce_bucket_size, [u.params for u in unit_plans], persistent)
+    # stage 0 reduces over the whole data-parallel world; sharded stages over the shard group
+    shard_group = grid.shard if stage_policy.partition_optimizer else grid.world
+    layouts = plan_layouts(plans, param_names, shard_group.size if stage_policy.partition_optimizer else 1)
+    largest = max((layout.shard_numel for layout in layouts), default=1)
+    homes = placement.offload.shard_homes(placement.policy.compute, largest)
+    flats = build_flat_groups(
+        plans, layouts, shard_group, placement.policy.compute, placement.device, records, homes, materialize
+    )
+    return flats, [plan.group_index for plan in plans]
+
+
+def _build_zero(
+    model, optimizer, model_parameters, cfg, grid, placement: Placement, records, materialize, gather_unit_classes
+) -> tuple[ZeroOptimizer, Optional[Stage3Runtime]]:
+    """Flat groups, optimizer state in its home, the stage-3 runtime and the gradient reducer, wired into one
+    ``ZeroOptimizer``."""
+    z = cfg.zero_optimization
+    groups, make = _optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
+    unit_plans, persistent = _stage3_plan(model, cfg, gather_unit_classes) if z.stage == 3 else ([], frozenset())
+    flats, group_of_flat = _build_flat_groups(
+        model, groups, cfg, grid, placement, records, materialize, unit_plans, persistent
+    )
+    policy = placement.policy
+    state = build_optimizer_state(
+        flats, group_of_flat, groups, make, policy.master, placement.offload, get_accelerator().synchronize
+    )
+    for flat in flats:
+        records.own(flat, state)
+    partitioned = StagePolicy.for_stage(z.stage).partition_optimizer
+    # hybrid sharding: the shard groups' results are summed across replica groups (stage 0 reduced over all)
+    replica = grid.replica if partitioned else comm.Group("replica", (comm.get_rank(),), None, grid.context)
+    host = placement.offload.offloads_optimizer
+    buckets = [
+        GradBucket(flat, policy.reduce, policy.grad, replica, state.device, placement.offload.pin_memory and host)
+        for flat in flats
+    ]
+    stage3 = _build_stage3(model, unit_plans, buckets, z, placement.offload) if unit_plans else None
+    reducer = GradientReducer(
+        buckets,
+        {p: name for name, p in model.named_parameters()},
+        grid.world,
+        reduce_every_micro_step=StagePolicy.for_stage(z.stage).reduce_every_micro_step,
+        overlap_comm=z.overlap_comm,
+        predivide=cfg.gradient_predivide_factor,
+        ignore_unused_parameters=z.ignore_unused_parameters,
+        on_bucket_complete=stage3.on_flat_group_complete if stage3 is not None else None,
+    )
+    zero = ZeroOptimizer(
+        flats,
+        state,
+        reducer,
+        LossScaler.from_config(cfg.fp16),
+        norm_group=grid.shard if partitioned else None,
+        gradient_clipping=cfg.gradient_clipping,
+        max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps,
+    )
+    return zero, stage3
+
+
+def _build_stage3(model, unit_plans, buckets: list[GradBucket], z, offload: OffloadPlan) -> Stage3Runtime:
+    root_unit, units = build_units(unit_plans, buckets)
+    return Stage3Runtime(
+        model,
+        root_unit,
+        units,
+        z.prefetch_bucket_size,
+        z.max_live_parameters,
+        fetch_ahead=offload.param_buffer_count - 1 if offload.param_device == "nvme" else 0,
+    )
+
+
+def _finish_parameters(model, materialize, placement: Placement, records, stage3: bool) -> None:
+    """Parameters outside the flat groups get data (zero.Init), and under stage 3 every parameter answers
+    DeepSpeed's ``ds_*`` attributes, resident and frozen ones too."""
+    if materialize is not None:
+        _finish_materialization(model, materialize, placement.device, placement.policy.compute)
+    release_pending(model.parameters())  # also those a gather materialized before initialize (HF's loading)
+    if stage3:
+        for param in model.parameters():
+            records.adopt(param)
+
+
+def _build_scheduler(lr_scheduler: Any, cfg, zero: Optional[ZeroOptimizer]):
+    if lr_scheduler is not None:
+        if cfg.scheduler is not None:
+            warnings.warn(
+                "both lr_scheduler= and a 'scheduler' config block were given; using lr_scheduler=", stacklevel=3
+            )
+        if hasattr(lr_scheduler, "step"):
+            return lr_scheduler
+        if zero is None:
+            raise ValueError(
+                "lr_scheduler= is a callable (optimizer -> scheduler) but there is no optimizer to give it: pass "
+                "optimizer= or add an 'optimizer' config block"
+            )
+        return lr_scheduler(zero.optimizer)
+    if cfg.scheduler is not None and zero is not None:
+        return build_schedule(cfg.scheduler.type, cfg.scheduler.params, zero.optimizer)
+    return None
+
+
+def _build_dataloader(training_data, resolution: Resolution, grid: comm.RankGrid, collate_fn) -> Optional[DataLoader]:
+    """A client DataLoader as it is; a Dataset gets zeroshard's resumable distributed sampler."""
+    if training_data is None or isinstance(training_data, DataLoader):
+        return training_data
+    sampler = ResumableDistributedSampler(
+        training_data, num_replicas=grid.data_parallel_size, rank=grid.world.rank, shuffle=True
+    )
+    return DataLoader(
+        training_data,
+        batch_size=resolution.batch.micro_batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=resolution.config.dataloader_drop_last,
+    )
+
+
 def initialize(
     args: Any = None,
     model: Optional[torch.nn.Module] = None,
@@ -183,152 +407,25 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize needs model=")
-    if config is None:
-        config = config_params
-    source = _config_source(args, config)
-    if not comm.is_initialized():
-        if dist_init_required is False:
-            raise ValueError("dist_init_required=False but torch.distributed is not initialized")
-        comm.init_distributed()
-    comm.destroy_at_exit()  # also when the caller (Lightning, accelerate, a user) created the process group
-    parsed = parse_config(source)
-    zero_cfg = parsed.zero_optimization
-
-    grid = comm.build_rank_grid(zero_cfg.shard_group_size)
-    dataloader_batch = training_data.batch_size if isinstance(training_data, DataLoader) else None
-    resolution = resolve_config(
-        parsed,
-        AutoContext(
-            world_size=grid.data_parallel_size,
-            args=args,
-            dataloader_batch_size=dataloader_batch,
-            hidden_size=model_hidden_size(model),
-        ),
-    )
+    source = _config_source(args, config if config is not None else config_params)
+    _join_process_group(dist_init_required)
+    grid, resolution = _resolve(source, args, model, training_data)
     cfg = resolution.config
-    log_rank0(
-        f"config resolved for {grid.data_parallel_size} rank(s), ZeRO stage {cfg.zero_optimization.stage}:\n"
-        + resolution.report()
-    )
-
-    policy = PrecisionPolicy.from_config(cfg)
-    accel = get_accelerator()
-    if not accel.supports_dtype(policy.compute):
-        raise ValueError(f"{policy.compute} is not supported on this {accel.name} device; disable bf16/fp16")
-    device = accel.device(comm.backend.local_rank())
-    offload = OffloadPlan.from_config(cfg.zero_optimization, cfg.aio, comm.get_rank(), accel.can_pin_memory)
-    materialize = _materializer(model, pretrained, grid.world, device)
-    _move_module(model, device, policy.compute)
+    placement = _placement(cfg)
+    materialize = _materializer(model, pretrained, grid.world, placement.device)
+    _move_module(model, placement.device, placement.policy.compute)
     _broadcast_module(model, grid.world)
-
+    records = ParamRecords()  # the engine's per-parameter records (stage 3)
     zero = stage3 = None
-    param_names = {p: name for name, p in model.named_parameters()}
-    force_cpu_optimizer = offload.offloads_optimizer and cfg.zero_force_ds_cpu_optimizer
     if optimizer is not None or cfg.optimizer is not None:
-        if isinstance(optimizer, torch.optim.Optimizer):
-            if cfg.optimizer is not None:
-                raise ValueError("both a client optimizer and an 'optimizer' config block were given; drop one")
-            check_client_optimizer(
-                optimizer, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer, force_cpu_optimizer
-            )
-            groups = [dict(g) for g in optimizer.param_groups]
-            make = _adopt_client_optimizer(optimizer)
-        elif optimizer is not None:
-            groups = _param_groups(model, model_parameters)
-
-            def make(master_groups, factory=optimizer):
-                built = factory(master_groups)
-                check_client_optimizer(
-                    built, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer, force_cpu_optimizer
-                )
-                return built
-        else:
-            groups = _param_groups(model, model_parameters)
-
-            def make(master_groups):
-                return build_optimizer(
-                    cfg.optimizer.type,
-                    cfg.optimizer.params,
-                    master_groups,
-                    zero_stage=cfg.zero_optimization.stage,
-                    allow_untested=cfg.zero_allow_untested_optimizer,
-                )
-
-        unknown = [p for g in groups for p in g["params"] if p not in param_names]
-        if unknown:
-            raise ValueError(
-                f"{len(unknown)} optimizer parameter(s) (first shape {tuple(unknown[0].shape)}) "
-                "are not parameters of the model"
-            )
-        unit_plans, persistent = (
-            _stage3_plan(model, cfg, gather_unit_classes) if cfg.zero_optimization.stage == 3 else ([], frozenset())
+        zero, stage3 = _build_zero(
+            model, optimizer, model_parameters, cfg, grid, placement, records, materialize, gather_unit_classes
         )
-        zero = ZeroOptimizer(
-            groups,
-            param_names,
-            make,
-            stage=cfg.zero_optimization.stage,
-            grid=grid,
-            policy=policy,
-            loss_scaler=LossScaler.from_config(cfg.fp16),
-            bucket_size=cfg.zero_optimization.reduce_bucket_size,
-            overlap_comm=cfg.zero_optimization.overlap_comm,
-            gradient_clipping=cfg.gradient_clipping,
-            ignore_unused_parameters=cfg.zero_optimization.ignore_unused_parameters,
-            gradient_predivide_factor=cfg.gradient_predivide_factor,
-            max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps,
-            device=device,
-            units=[plan.params for plan in unit_plans],
-            persistent=persistent,
-            materialize=materialize,
-            offload=offload,
-        )
-        if unit_plans:
-            root_unit, units = build_units(unit_plans, zero.flat_groups)
-            z = cfg.zero_optimization
-            stage3 = Stage3Runtime(
-                model,
-                root_unit,
-                units,
-                z.prefetch_bucket_size,
-                z.max_live_parameters,
-                fetch_ahead=offload.param_buffer_count - 1 if offload.param_device == "nvme" else 0,
-            )
-            zero.on_flat_group_complete = stage3.on_flat_group_complete
-
-    if materialize is not None:
-        _finish_materialization(model, materialize, device, policy.compute)
-    release_pending(model.parameters())  # also those a gather materialized before initialize (HF's loading)
-    if stage3 is not None:  # every stage-3 parameter answers DeepSpeed's ds_* attributes, resident and frozen too
-        for param in model.parameters():
-            adopt(param)
-
-    scheduler = None
-    if lr_scheduler is not None:
-        if cfg.scheduler is not None:
-            warnings.warn(
-                "both lr_scheduler= and a 'scheduler' config block were given; using lr_scheduler=", stacklevel=2
-            )
-        scheduler = lr_scheduler if hasattr(lr_scheduler, "step") else lr_scheduler(zero.optimizer)
-    elif cfg.scheduler is not None and zero is not None:
-        scheduler = build_schedule(cfg.scheduler.type, cfg.scheduler.params, zero.optimizer)
-
-    dataloader = None
-    if training_data is not None:
-        if isinstance(training_data, DataLoader):
-            dataloader = training_data
-        else:
-            sampler = ResumableDistributedSampler(
-                training_data, num_replicas=grid.data_parallel_size, rank=grid.world.rank, shuffle=True
-            )
-            dataloader = DataLoader(
-                training_data,
-                batch_size=resolution.batch.micro_batch_size,
-                sampler=sampler,
-                collate_fn=collate_fn,
-                drop_last=cfg.dataloader_drop_last,
-            )
-
-    engine = ZeroshardEngine(model, zero, scheduler, resolution, grid, policy, device, dataloader, stage3)
-    comm.LEDGER.reset()  # count training traffic, not the initial weight broadcast
+    _finish_parameters(model, materialize, placement, records, stage3 is not None)
+    scheduler = _build_scheduler(lr_scheduler, cfg, zero)
+    dataloader = _build_dataloader(training_data, resolution, grid, collate_fn)
+    grid.context.ledger.reset()  # the engine counts training traffic, not the initial weight broadcast
+    engine = ZeroshardEngine(
+        model, zero, scheduler, resolution, grid, placement.policy, placement.device, dataloader, stage3, records
+    )
     return engine, zero, dataloader, scheduler

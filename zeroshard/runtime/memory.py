@@ -35,7 +35,6 @@ class MemoryTracker:
     def __init__(self):
         self.start: Optional[dict[str, int]] = None
         self.peak: Optional[dict[str, int]] = None
-        self.reported = False
 
     def sample(self, by_location: dict[str, dict[str, int]], process_peak: int) -> None:
         current = categorize(by_location)

@@ -1,21 +1,33 @@
-"""ZeRO data parallelism: flat groups, the optimizer for stages 0-3, zero.Init and whole-parameter access."""
+"""ZeRO data parallelism: flat groups, gradient reduction, optimizer state in its home, the optimizer for
+stages 0-3, zero.Init and whole-parameter access."""
 
-from .flat_group import FlatGroup, GradState, ParamState
+from .flat_group import FlatGroup, ParamState
 from .gathered import GatheredParameters, consolidated_state_dict
 from .init import Init, reset_parameters
-from .optimizer import NonFiniteGradientError, StagePolicy, ZeroOptimizer
-from .sharded_param import ShardedParameterError
+from .optimizer import NonFiniteGradientError, ZeroOptimizer
+from .optimizer_state import DeviceState, HostState, NvmeState, OptimizerState, build_optimizer_state
+from .planning import StagePolicy
+from .reducer import GradBucket, GradientReducer, GradState
+from .sharded_param import ParamRecords, ShardedParameterError
 
 __all__ = [
+    "DeviceState",
     "FlatGroup",
     "GatheredParameters",
+    "GradBucket",
     "GradState",
+    "GradientReducer",
+    "HostState",
     "Init",
     "NonFiniteGradientError",
+    "NvmeState",
+    "OptimizerState",
+    "ParamRecords",
     "ParamState",
     "ShardedParameterError",
     "StagePolicy",
     "ZeroOptimizer",
+    "build_optimizer_state",
     "consolidated_state_dict",
     "reset_parameters",
 ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -11,22 +10,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from .flat_group import FlatGroup, ParamState
 from .init import creation_order, materialize_pending
-
-# id(parameter) -> the flat group holding it. Keyed by id because tensors compare elementwise; each
-# entry is dropped when its parameter is collected.
-OWNERS: dict[int, FlatGroup] = {}
-
-
-def register(flat: FlatGroup) -> None:
-    for param in flat.params:
-        OWNERS[id(param)] = flat
-        weakref.finalize(param, OWNERS.pop, id(param), None)
-
-
-def unregister(flat: FlatGroup) -> None:
-    for param in flat.params:
-        if OWNERS.get(id(param)) is flat:
-            del OWNERS[id(param)]
+from .sharded_param import records_of
 
 
 class GatheredParameters:
@@ -49,17 +33,21 @@ class GatheredParameters:
         self.params = sorted(params, key=lambda p: -1 if order[id(p)] is None else order[id(p)])
         self.modifier_rank = modifier_rank
         self._flats: list[FlatGroup] = []
+        self._keepers: list = []  # per flat group: the object keeping its master weights (overwrite(flat, values))
         self._was_sharded: list[bool] = []
 
     def __enter__(self):
         materialize_pending(self.params, get_accelerator().device(comm.backend.local_rank()))
-        seen = set()
+        owners = {}
         for param in self.params:
-            flat = OWNERS.get(id(param))
-            if flat is not None and id(flat) not in seen:
-                seen.add(id(flat))
-                self._flats.append(flat)
-        self._flats.sort(key=lambda f: f.layout.slots[0].name)  # rank-independent order (names are unique)
+            records = records_of(param)
+            owned = records.flat_of(param) if records is not None else None
+            if owned is not None:
+                owners[id(owned[0])] = owned
+        # rank-independent order (names are unique)
+        ordered = sorted(owners.values(), key=lambda owned: owned[0].layout.slots[0].name)
+        self._flats = [flat for flat, _ in ordered]
+        self._keepers = [keeper for _, keeper in ordered]
         for flat in self._flats:
             self._was_sharded.append(flat.param_state is not ParamState.GATHERED)
             if flat.resident:
@@ -77,10 +65,10 @@ class GatheredParameters:
     def _keep_modifications(self) -> None:
         world = comm.Group("world", tuple(range(comm.get_world_size())), None)
         with torch.no_grad():
-            for flat in self._flats:
+            for flat, keeper in zip(self._flats, self._keepers):
                 comm.broadcast(flat.buffer, src=self.modifier_rank, group=world)
                 lo, hi = flat.layout.shard_range(flat.shard_rank)
-                flat.overwrite(flat.buffer[lo:hi])
+                keeper.overwrite(flat, flat.buffer[lo:hi])
             owned = {id(p) for f in self._flats for p in f.params}
             for param in self.params:  # parameters outside any flat group (e.g. frozen ones)
                 if id(param) not in owned:

@@ -23,33 +23,19 @@ have been a silent no-op on a meta tensor is an error.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 import zlib
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..config import parse_config
-from . import sharded_param
+from .sharded_param import InitRecipe, ParamRecords, records_of
 
 ParamInitFn = Callable[[nn.Module], None]
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """How to give a parameter registered inside an Init context its initial value."""
-
-    seed: int
-    param_init_fn: Optional[ParamInitFn]
-    module: weakref.ref  # the module that registered it
-    ordinal: int  # registration order inside its Init context: a rank-independent identity before paths exist
-
-
-# id(meta parameter) -> how to materialize it; recorded at registration, dropped by ``initialize``
-# (``release_pending``) once the model is sharded.
-_PENDING: dict[int, _Pending] = {}
 _IGNORED_DEEPSPEED_ARGS = {
     "data_parallel_group",
     "mem_efficient_linear",
@@ -94,38 +80,51 @@ class Init:
         self.dtype = dtype
         self.param_init_fn = param_init_fn
         self.seed = (torch.initial_seed() if seed is None else seed) % 2**63  # fits the int64 broadcast
-        self._original: Optional[Callable] = None
+        # the parameters this context builds, and how to give them values, until initialize shards them
+        self.records = ParamRecords()
         self._created: list[tuple[nn.Parameter, str]] = []  # until __exit__ guards them
+        self._registration: Optional[contextlib.ExitStack] = None
+
+    def _on_meta(self, module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter:
+        dtype = self.dtype or param.dtype
+        meta = nn.Parameter(torch.empty_like(param, device="meta", dtype=dtype), requires_grad=param.requires_grad)
+        self.records.add_pending(
+            meta, InitRecipe(self.seed, self.param_init_fn, weakref.ref(module), len(self._created))
+        )
+        self._created.append((meta, f"{type(module).__name__}.{name}"))
+        return meta
 
     def __enter__(self) -> "Init":
-        if not self.enabled:
-            return self
-        self._original = original = nn.Module.register_parameter
-        init = self
-
-        def register_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
-            if param is not None and not param.is_meta:
-                dtype = init.dtype or param.dtype
-                meta = nn.Parameter(
-                    torch.empty_like(param, device="meta", dtype=dtype), requires_grad=param.requires_grad
-                )
-                _PENDING[id(meta)] = _Pending(init.seed, init.param_init_fn, weakref.ref(module), len(init._created))
-                init._created.append((meta, f"{type(module).__name__}.{name}"))
-                param = meta
-            original(module, name, param)
-
-        nn.Module.register_parameter = register_parameter
+        if self.enabled:
+            self._registration = contextlib.ExitStack()
+            self._registration.enter_context(parameters_replaced(self._on_meta))
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._original is not None:
-            nn.Module.register_parameter = self._original
-            self._original = None
+        if self._registration is not None:
+            self._registration.close()
+            self._registration = None
         # construction is over: from here a write to a parameter still without data is an error, not a no-op
         for param, name in self._created:
             if param.is_meta:
-                sharded_param.guard_pending(param, name)
+                self.records.guard_pending(param, name)
         self._created.clear()
+
+
+@contextlib.contextmanager
+def parameters_replaced(replace: Callable[[nn.Module, str, nn.Parameter], nn.Parameter]) -> Iterator[None]:
+    """While open, every real parameter a module registers is replaced by ``replace(module, name, param)`` (through
+    torch's parameter-registration hook: nothing of ``nn.Module`` is patched). Used by zero.Init and
+    ``init_empty_weights`` to build models on the meta device."""
+
+    def hook(module: nn.Module, name: str, param: nn.Parameter) -> Optional[nn.Parameter]:
+        return None if param.is_meta else replace(module, name, param)
+
+    handle = register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _module_seed(seed: int, path: str) -> int:
@@ -144,7 +143,9 @@ def _canonical_owners(root: nn.Module) -> dict[int, tuple[str, nn.Module]]:
 def _give_data(param: nn.Parameter, data: torch.Tensor) -> None:
     """A meta tensor's data cannot be replaced in place: swap in a real one, keeping the parameter object and
     the attributes clients set on it (``swap_tensors`` swaps those too)."""
-    sharded_param.forget(param)
+    records = records_of(param)
+    if records is not None:
+        records.forget(param)
     real = nn.Parameter(data, requires_grad=param.requires_grad)
     real.__dict__.update(param.__dict__)
     torch.utils.swap_tensors(param, real)
@@ -208,7 +209,7 @@ class Materializer:
             if self.source is not None:
                 self._read(path, module)
                 continue
-            pending = _PENDING.get(id(param))
+            pending = _pending(param)
             owned = {id(p) for p in module.parameters(recurse=False) if self.owners[id(p)][1] is module}
             _reset_module(path, module, self.seed, pending and pending.param_init_fn, owned, self.device)
 
@@ -230,9 +231,14 @@ class Materializer:
         return sorted(n for n, p in self.root.named_parameters() if p.is_meta and n not in self.source.names)
 
 
+def _pending(param: nn.Parameter) -> Optional[InitRecipe]:
+    records = records_of(param)
+    return records.pending(param) if records is not None else None
+
+
 def pending_seed(module: nn.Module) -> Optional[int]:
     """The seed recorded by the Init context that built this module's parameters, if any."""
-    return next((_PENDING[id(p)].seed for p in module.parameters() if id(p) in _PENDING), None)
+    return next((pending.seed for p in module.parameters() if (pending := _pending(p)) is not None), None)
 
 
 def materialize_pending(params: Iterable[nn.Parameter], device: torch.device) -> list[nn.Parameter]:
@@ -240,12 +246,13 @@ def materialize_pending(params: Iterable[nn.Parameter], device: torch.device) ->
     ``initialize`` (for writes such as a pretrained-weight load). Returns the ones materialized."""
     done = []
     for param in params:
-        pending = _PENDING.get(id(param))
+        pending = _pending(param)
         module = pending.module() if pending is not None else None
         if module is None or not param.is_meta:
             continue
-        owned = {id(p) for p in module.parameters(recurse=False) if p.is_meta and id(p) in _PENDING}
-        ordinal = min(_PENDING[i].ordinal for i in owned)
+        waiting = {id(p): rec for p in module.parameters(recurse=False) if p.is_meta and (rec := _pending(p))}
+        owned = set(waiting)
+        ordinal = min(rec.ordinal for rec in waiting.values())
         _reset_module(f"#{ordinal}", module, pending.seed, pending.param_init_fn, owned, device)
         done.append(param)
     return done
@@ -253,10 +260,13 @@ def materialize_pending(params: Iterable[nn.Parameter], device: torch.device) ->
 
 def creation_order(param: nn.Parameter) -> Optional[int]:
     """The registration order of a parameter built under zero.Init (the same on every rank), else None."""
-    pending = _PENDING.get(id(param))
+    pending = _pending(param)
     return pending.ordinal if pending is not None else None
 
 
 def release_pending(params: Iterable[nn.Parameter]) -> None:
+    """The parameters are sharded (or whole) now: their zero.Init recipes are no longer needed."""
     for param in params:
-        _PENDING.pop(id(param), None)
+        records = records_of(param)
+        if records is not None and records.pending(param) is not None:
+            records.forget(param)

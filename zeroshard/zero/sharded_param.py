@@ -1,33 +1,36 @@
 """Stage 3 parameters: the user's ``nn.Parameter`` objects stay in place, their data comes and goes.
 
 While a parameter is sharded its ``.data`` is an empty placeholder. To turn a silent read of that
-placeholder into a clear error, the parameter's class becomes :class:`ZeroParameter` (a subclass of
+placeholder into a clear error, the parameter's class becomes a :class:`ZeroParameter` (a subclass of
 ``nn.Parameter``, so ``isinstance`` checks and optimizers still work) whose ``__torch_function__``
-refuses data access while the parameter is sharded. Which parameters are sharded, and their global
-shapes, live in a registry here, not in attributes on the parameter.
+refuses data access while the parameter has no data. What is known about each parameter (sharded or
+not, its global shape, its flat group, how a zero.Init build gives it values) lives in a
+:class:`ParamRecords` that its owner holds: an engine, or a zero.Init context. Each records object binds
+its own subclass of ``ZeroParameter`` to itself, so a parameter finds its records through its class;
+nothing is stored on the parameter and no table is process-wide.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from enum import Enum
+from typing import Any, Optional
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class ShardedParameterError(RuntimeError):
     """A stage-3 parameter's data was read while it was sharded."""
 
 
-# id(param) -> (name, global shape, how to reach its data)
-_SHARDED: dict[int, tuple[str, torch.Size, str]] = {}
-_SHARDED_HINT = (
+SHARDED_HINT = (
     "is sharded by ZeRO stage 3 and has no data outside forward/backward; read or modify it inside "
     "`with zeroshard.zero.GatheredParameters([param]):` (add modifier_rank=0 to keep changes)"
 )
-_FINALIZERS: dict[int, weakref.finalize] = {}  # id(param) -> the hook that drops its entry when it is collected
-_PENDING_HINT = (
+PENDING_HINT = (
     "was built under zero.Init and has no data until zeroshard.initialize; write it inside "
     "`with zeroshard.zero.GatheredParameters([param], modifier_rank=0):` (as Hugging Face's from_pretrained does) "
     "or after initialize"
@@ -68,21 +71,26 @@ _GLOBAL_SHAPE = {
 
 
 class ZeroParameter(torch.nn.Parameter):
+    """The class of a parameter zeroshard manages under stage 3 (see the module docstring). Never instantiated
+    directly: :meth:`ParamRecords.adopt` gives a parameter its records' subclass."""
+
+    _records: "ParamRecords"  # set on each records object's subclass
+
     # DeepSpeed's per-parameter attributes, read by clients (Lightning's model summary, HF's parameter counts):
-    # computed from zeroshard's records on each access, nothing is stored on the parameter.
+    # computed from the records on each access, nothing is stored on the parameter.
     @property
     def ds_shape(self) -> torch.Size:
         """The full (unsharded) shape."""
-        return _full_shape(self)
+        return self._records.full_shape(self)
 
     @property
     def ds_numel(self) -> int:
-        return _full_shape(self).numel()
+        return self._records.full_shape(self).numel()
 
     @property
     def ds_status(self) -> "ZeroParamStatus":
         """Whether the data is present (gathered) now."""
-        return ZeroParamStatus.NOT_AVAILABLE if id(self) in _SHARDED else ZeroParamStatus.AVAILABLE
+        return ZeroParamStatus.NOT_AVAILABLE if self._records.has_no_data(self) else ZeroParamStatus.AVAILABLE
 
     @property
     def ds_id(self) -> int:
@@ -91,33 +99,34 @@ class ZeroParameter(torch.nn.Parameter):
 
     def partition_numel(self) -> int:
         """Elements of this parameter inside this rank's shard."""
-        return _partition_numel(self)
+        return self._records.partition_numel(self)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _SHARDED:
-            sharded = _first_sharded(args)
-            if sharded is not None:
-                name, shape, hint = _SHARDED[id(sharded)]
-                if func in _GLOBAL_SHAPE:
-                    return _global_shape_answer(func, shape, args[1:])
-                if func not in _PASSTHROUGH and not (hint is _PENDING_HINT and func in _PENDING_PASSTHROUGH):
-                    raise ShardedParameterError(
-                        f"parameter '{name}' {tuple(shape)} {hint} ({getattr(func, '__name__', func)} was called on it)"
-                    )
+        missing = _first_without_data(args)
+        if missing is not None:
+            name, shape, hint = missing
+            if func in _GLOBAL_SHAPE:
+                return _global_shape_answer(func, shape, args[1:])
+            if func not in _PASSTHROUGH and not (hint is PENDING_HINT and func in _PENDING_PASSTHROUGH):
+                raise ShardedParameterError(
+                    f"parameter '{name}' {tuple(shape)} {hint} ({getattr(func, '__name__', func)} was called on it)"
+                )
         with DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 
-def _first_sharded(args):
+def _first_without_data(args) -> Optional[tuple[str, torch.Size, str]]:
     for arg in args:
-        if isinstance(arg, ZeroParameter) and id(arg) in _SHARDED:
-            return arg
-        if isinstance(arg, (list, tuple)):
+        if isinstance(arg, ZeroParameter):
+            entry = arg._records.no_data.get(id(arg))
+            if entry is not None:
+                return entry
+        elif isinstance(arg, (list, tuple)):
             for item in arg:
-                if isinstance(item, ZeroParameter) and id(item) in _SHARDED:
-                    return item
+                if isinstance(item, ZeroParameter) and (entry := item._records.no_data.get(id(item))) is not None:
+                    return entry
     return None
 
 
@@ -131,51 +140,126 @@ def _global_shape_answer(func, shape: torch.Size, rest):
     return shape
 
 
-def adopt(param: torch.nn.Parameter) -> None:
-    """Give a parameter the class that guards its data (identity and autograd state are unchanged). Idempotent."""
-    if type(param) is torch.nn.Parameter:
-        param.__class__ = ZeroParameter
-        _FINALIZERS[id(param)] = weakref.finalize(param, _drop, id(param))
-    elif not isinstance(param, ZeroParameter):
-        raise TypeError(f"ZeRO stage 3 cannot shard a parameter of type {type(param).__name__}")
+@dataclass(frozen=True)
+class InitRecipe:
+    """How to give a parameter registered inside a zero.Init context its initial value."""
+
+    seed: int
+    param_init_fn: Any  # Optional[Callable[[nn.Module], None]]
+    module: weakref.ref  # the module that registered it
+    ordinal: int  # registration order inside its Init context: a rank-independent identity before paths exist
 
 
-def bind(param: torch.nn.Parameter, data: torch.Tensor) -> None:
-    """Point the parameter at gathered data."""
-    _SHARDED.pop(id(param), None)
-    with DisableTorchFunctionSubclass():
-        param.data = data
+class ParamRecords:
+    """What one owner (an engine, a zero.Init context) knows about the parameters it adopted.
+
+    ``no_data`` maps ``id(param)`` to (name, full shape, hint) while the parameter has no data (sharded, or
+    built under zero.Init and not materialized yet); it is keyed by id, read on every torch call on the
+    parameter, and each entry is dropped when its parameter is collected. The flat group holding a parameter,
+    the object keeping its master weights (``keeper``: ``overwrite(flat, values)``) and its zero.Init recipe
+    are kept in weak, identity-keyed maps."""
+
+    def __init__(self):
+        self.no_data: dict[int, tuple[str, torch.Size, str]] = {}
+        self._finalizers: dict[int, weakref.finalize] = {}
+        self._flats = WeakIdKeyDictionary()  # param -> (flat group, keeper)
+        self._pending = WeakIdKeyDictionary()  # param -> InitRecipe
+        self.param_class = type(
+            "ZeroParameter", (ZeroParameter,), {"_records": self, "__module__": ZeroParameter.__module__}
+        )
+
+    # -- adoption and data presence ------------------------------------------------------------
+    def adopt(self, param: torch.nn.Parameter) -> None:
+        """Give a parameter this records' class (identity and autograd state are unchanged). A parameter another
+        records object adopted (zero.Init's) moves here once it has data. Idempotent."""
+        if type(param) is self.param_class:
+            return
+        if isinstance(param, ZeroParameter) and param._records.no_data.get(id(param)) is not None:
+            raise AssertionError("a parameter without data cannot change owner")
+        if type(param) is not torch.nn.Parameter and not isinstance(param, ZeroParameter):
+            raise TypeError(f"ZeRO stage 3 cannot shard a parameter of type {type(param).__name__}")
+        param.__class__ = self.param_class
+
+    def bind(self, param: torch.nn.Parameter, data: torch.Tensor) -> None:
+        """Point the parameter at gathered data."""
+        self._drop(id(param))
+        with DisableTorchFunctionSubclass():
+            param.data = data
+
+    def release(self, param: torch.nn.Parameter, name: str, shape: torch.Size) -> None:
+        """Drop the parameter's data; until the next ``bind`` any read raises :class:`ShardedParameterError`."""
+        with DisableTorchFunctionSubclass():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._mark(param, (name, torch.Size(shape), SHARDED_HINT))
+
+    def _mark(self, param: torch.nn.Parameter, entry: tuple[str, torch.Size, str]) -> None:
+        key = id(param)
+        self.no_data[key] = entry
+        if key not in self._finalizers:
+            self._finalizers[key] = weakref.finalize(param, self._drop, key)
+
+    def _drop(self, key: int) -> None:
+        self.no_data.pop(key, None)
+        finalizer = self._finalizers.pop(key, None)
+        if finalizer is not None:
+            finalizer.detach()
+
+    def has_no_data(self, param: torch.nn.Parameter) -> bool:
+        return id(param) in self.no_data
+
+    def full_shape(self, param: torch.nn.Parameter) -> torch.Size:
+        entry = self.no_data.get(id(param))
+        if entry is not None:
+            return entry[1]
+        with DisableTorchFunctionSubclass():
+            return param.shape
+
+    # -- flat groups ---------------------------------------------------------------------------
+    def own(self, flat, keeper) -> None:
+        """Record the flat group holding each of ``flat.params`` and the object keeping their master weights."""
+        for param in flat.params:
+            self._flats[param] = (flat, keeper)
+
+    def flat_of(self, param: torch.nn.Parameter):
+        """(flat group, keeper) of a parameter, or None when it is in no flat group (frozen, not yet sharded)."""
+        return self._flats.get(param)
+
+    def partition_numel(self, param: torch.nn.Parameter) -> int:
+        """Elements of this parameter inside this rank's shard of its flat group (all of them when not sharded)."""
+        owned = self._flats.get(param)
+        if owned is None or not owned[0].partitioned:
+            return self.full_shape(param).numel()
+        flat = owned[0]
+        slot = flat.layout.slots[next(i for i, p in enumerate(flat.params) if p is param)]
+        return sum(s.numel for s in flat.layout.segments(flat.shard_rank) if s.slot == slot)
+
+    # -- zero.Init ------------------------------------------------------------------------------
+    def add_pending(self, param: torch.nn.Parameter, pending: InitRecipe) -> None:
+        """A parameter a zero.Init context registered on the meta device, and how to give it values."""
+        self.adopt(param)
+        self._pending[param] = pending
+
+    def guard_pending(self, param: torch.nn.Parameter, name: str) -> None:
+        """Construction is over: refuse access to the parameter while it has no data (a meta tensor would take
+        writes silently)."""
+        with DisableTorchFunctionSubclass():
+            shape = param.shape
+        self._mark(param, (name, shape, PENDING_HINT))
+
+    def pending(self, param: torch.nn.Parameter) -> Optional[InitRecipe]:
+        return self._pending.get(param)
+
+    def forget(self, param: torch.nn.Parameter) -> None:
+        """The parameter gets data by other means (materialization swaps tensors, which needs the parameter free
+        of weak references): drop every record of it. Its recipe stays readable until then via ``pending``."""
+        self._drop(id(param))
+        self._pending.pop(param, None)
+        self._flats.pop(param, None)
 
 
-def release(param: torch.nn.Parameter, name: str, shape: torch.Size) -> None:
-    """Drop the parameter's data; until the next ``bind`` any read raises :class:`ShardedParameterError`."""
-    with DisableTorchFunctionSubclass():
-        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-    _SHARDED[id(param)] = (name, torch.Size(shape), _SHARDED_HINT)
-
-
-def guard_pending(param: torch.nn.Parameter, name: str) -> None:
-    """Refuse access to a zero.Init parameter that has no data yet (a meta tensor would take writes silently)."""
-    adopt(param)
-    _SHARDED[id(param)] = (name, param.shape, _PENDING_HINT)
-
-
-def forget(param: torch.nn.Parameter) -> None:
-    """The parameter is getting data by other means (materialization, which swaps tensors and needs the
-    parameter free of weak references): stop refusing access to it and drop its clean-up hook."""
-    _SHARDED.pop(id(param), None)
-    finalizer = _FINALIZERS.pop(id(param), None)
-    if finalizer is not None:
-        finalizer.detach()
-
-
-def _drop(key: int) -> None:
-    _SHARDED.pop(key, None)
-    _FINALIZERS.pop(key, None)
-
-
-def is_sharded(param: torch.nn.Parameter) -> bool:
-    return id(param) in _SHARDED
+def records_of(param: torch.nn.Parameter) -> Optional[ParamRecords]:
+    """The records of the owner that adopted ``param``, if any."""
+    return param._records if isinstance(param, ZeroParameter) else None
 
 
 class ZeroParamStatus(Enum):
@@ -184,26 +268,6 @@ class ZeroParamStatus(Enum):
     AVAILABLE = 1
     NOT_AVAILABLE = 2
     INFLIGHT = 3
-
-
-def _full_shape(param: torch.nn.Parameter) -> torch.Size:
-    entry = _SHARDED.get(id(param))
-    if entry is not None:
-        return entry[1]
-    with DisableTorchFunctionSubclass():
-        return param.shape
-
-
-def _partition_numel(param: torch.nn.Parameter) -> int:
-    """Elements of this parameter inside this rank's shard of its flat group (all of them when not sharded)."""
-    from .gathered import OWNERS  # the flat groups import this module
-
-    flat = OWNERS.get(id(param))
-    if flat is None or not flat.partitioned:
-        return _full_shape(param).numel()
-    position = next(i for i, p in enumerate(flat.params) if p is param)
-    slot = flat.layout.slots[position]
-    return sum(s.numel for s in flat.layout.segments(flat.shard_rank) if s.slot == slot)
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

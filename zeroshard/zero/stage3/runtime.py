@@ -14,15 +14,18 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..flat_group import FlatGroup, ParamState
+from ..reducer import GradBucket
 
 
 class GatherUnit:
-    """One module's sharded parameters (one flat group per optimizer parameter group)."""
+    """One module's sharded parameters (one flat group per optimizer parameter group) and their gradient
+    buckets (whose arrivals say when backward is done with the unit)."""
 
-    def __init__(self, name: str, module: torch.nn.Module, flats: list[FlatGroup]):
+    def __init__(self, name: str, module: torch.nn.Module, flats: list[FlatGroup], buckets: list[GradBucket]):
         self.name = name or "<root>"
         self.module = module
         self.flats = flats
+        self.buckets = buckets
         self.numel = sum(f.layout.padded_numel for f in flats)
 
     @property
@@ -31,7 +34,7 @@ class GatherUnit:
 
     @property
     def grads_complete(self) -> bool:
-        return all(f.complete for f in self.flats)
+        return all(b.complete for b in self.buckets)
 
 
 class Stage3Runtime:
@@ -163,12 +166,14 @@ class Stage3Runtime:
             self._free(unit)
 
 
-def build_units(plans, flats: list[FlatGroup]) -> tuple[GatherUnit, list[GatherUnit]]:
-    """Attach each non-resident flat group to the unit whose parameters it holds."""
+def build_units(plans, buckets: list[GradBucket]) -> tuple[GatherUnit, list[GatherUnit]]:
+    """Attach each non-resident flat group (with its gradient bucket) to the unit whose parameters it holds."""
     unit_of_param = {p: plan for plan in plans for p in plan.params}
-    members: dict[str, list[FlatGroup]] = {plan.name: [] for plan in plans}
-    for flat in flats:
-        if not flat.resident:
-            members[unit_of_param[flat.params[0]].name].append(flat)
-    units = [GatherUnit(plan.name, plan.module, members[plan.name]) for plan in plans]
+    members: dict[str, list[GradBucket]] = {plan.name: [] for plan in plans}
+    for bucket in buckets:
+        if not bucket.flat.resident:
+            members[unit_of_param[bucket.flat.params[0]].name].append(bucket)
+    units = [
+        GatherUnit(plan.name, plan.module, [b.flat for b in members[plan.name]], members[plan.name]) for plan in plans
+    ]
     return units[0], [u for u in units[1:] if u.flats]

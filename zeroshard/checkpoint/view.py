@@ -1,0 +1,62 @@
+"""What a checkpoint saves and restores, as an interface: the engine hands :func:`zeroshard.checkpoint.sharded.save`
+and ``load`` a :class:`TrainingState` instead of itself, so checkpointing depends on these names only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import torch
+
+from ..comm import RankGrid
+from ..precision import LossScaler
+
+
+class ShardedOptimizer(Protocol):
+    """The optimizer side of a checkpoint (``zeroshard.zero.ZeroOptimizer`` provides it): per flat group, this
+    rank's master shard and elementwise optimizer state as tensors, the non-elementwise state as scalars."""
+
+    flat_groups: list  # zeroshard.zero.FlatGroup: layout, params, partitioned, shard_group, shard_rank
+    loss_scaler: LossScaler
+    master_dtype: torch.dtype
+    state_device: torch.device  # where a flat group's loaded state is assembled
+
+    @property
+    def param_groups(self) -> list[dict]: ...
+
+    def flat_state_keys(self, index: int) -> list[str]: ...
+
+    def flat_scalars(self, index: int) -> dict: ...
+
+    def flat_param_group(self, index: int) -> int: ...
+
+    def read_flat(self, index: int) -> dict[str, torch.Tensor]: ...
+
+    def write_flat(self, index: int, tensors: dict[str, torch.Tensor], scalars: dict) -> None: ...
+
+    def publish(self) -> None: ...
+
+
+@dataclass
+class TrainingCounters:
+    """The engine's progress: optimizer steps (applied or skipped), samples, skipped steps, micro-batches."""
+
+    global_steps: int = 0
+    global_samples: int = 0
+    skipped_steps: int = 0
+    micro_steps: int = 0
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """The engine as a checkpoint sees it. ``counters`` is the engine's own object: a load restores it in place."""
+
+    module: torch.nn.Module
+    grid: RankGrid
+    config: Any  # zeroshard.config.ZeroshardConfig (saved in the manifest; its checkpoint block decides tags)
+    counters: TrainingCounters
+    optimizer: Optional[ShardedOptimizer]
+    lr_scheduler: Any  # state_dict / load_state_dict, or None
+    sampler: Any  # zeroshard's resumable sampler (state_dict / load_state_dict), or None
+    gradient_accumulation_steps: int
+    fp16: bool

@@ -1,0 +1,48 @@
+"""Who the collectives are recorded for: a :class:`CommContext` holds a byte ledger, whether collectives
+are timed, and the trace of recent collectives that hang forensics compares across ranks.
+
+Every :class:`~zeroshard.comm.Group` belongs to one context. The process has a default context (groups
+built without one, ``zeroshard.comm.log_summary()``); each engine builds its groups in a context of its own
+whose parent is the default, so an engine counts exactly its own traffic (two engines in one process stay
+apart, and neither resets the other) while the default still counts everything the process sent. The
+trace is the root's: forensics compares the sequence of *all* collectives a process issued, since that
+is what must agree between ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .ledger import CommLedger
+from .trace import CollectiveTrace, TraceEntry
+
+
+class CommContext:
+    def __init__(self, parent: Optional["CommContext"] = None):
+        self.parent = parent
+        self.ledger = CommLedger()
+        self.trace = parent.trace if parent is not None else CollectiveTrace()
+        self.timing = False  # time every collective (it synchronizes: on for comms_logger only)
+
+    def _chain(self):
+        context = self
+        while context is not None:
+            yield context
+            context = context.parent
+
+    def record(self, op: str, group: str, nbytes: int, wire_bytes: float, shape: tuple, dtype: str) -> TraceEntry:
+        """Count one collective in this context and its parents; returns its trace entry."""
+        for context in self._chain():
+            context.ledger.record(op, group, nbytes, wire_bytes)
+        return self.trace.record(op, group, shape, dtype)
+
+    def add_time(self, op: str, group: str, seconds: float) -> None:
+        for context in self._chain():
+            context.ledger.add_time(op, group, seconds)
+
+    def child(self) -> "CommContext":
+        """A context whose counts also go to this one."""
+        return CommContext(parent=self)
+
+
+DEFAULT_CONTEXT = CommContext()

@@ -1,0 +1,308 @@
+"""The optimizer's side of ZeRO: fp32 master weights and optimizer state for this rank's shards, one
+implementation per home.
+
+- :class:`DeviceState`: on the compute device; the optimizer steps every flat group's master shard in one
+  call. With fp32 compute the master *is* the flat group's shard (no second copy).
+- :class:`HostState` (``offload_optimizer.device: cpu``): in (pinned) host memory, cut into sub-groups of at
+  most ``sub_group_size`` elements stepped one at a time, each one's update copied to the compute parameters
+  while the next is stepped.
+- :class:`NvmeState` (``offload_optimizer.device: nvme``): as the host state, but the sub-groups live in a
+  swap file and stream through a few host buffers around their turn (:mod:`zeroshard.offload`).
+
+Each owns its sub-groups, the torch optimizer over them, the step, publishing the updated values into the
+flat groups, checkpoint reads and writes of one flat group's state, and the byte counts of what it holds.
+Gradients come in from the reducer (:mod:`zeroshard.zero.reducer`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .. import comm
+from ..offload import MASTER, OffloadPlan, SubGroup, elementwise_keys
+from ..optim import Lamb, ShardedNorms
+from .flat_group import FlatGroup
+
+MakeOptimizer = Callable[[list[dict], Optional[ShardedNorms]], torch.optim.Optimizer]
+
+
+class OptimizerState:
+    """What every home shares; subclasses place the master weights (``_subgroups``) and step them (``step``).
+
+    ``group_of_flat[k]`` is the optimizer parameter group of flat group ``k``; ``param_groups`` the groups'
+    hyperparameters; ``make_optimizer(master_groups, sharded_norms)`` builds the torch optimizer over the
+    master tensors (``sharded_norms`` tells a Lamb which ranges belong to which parameter)."""
+
+    location = "device"  # where the master weights, gradient shards and optimizer state live
+
+    def __init__(
+        self,
+        flats: list[FlatGroup],
+        group_of_flat: list[int],
+        param_groups: list[dict],
+        make_optimizer: MakeOptimizer,
+        master_dtype: torch.dtype,
+    ):
+        self.flats = flats
+        self.group_of_flat = group_of_flat
+        self.master_dtype = master_dtype
+        self._index = {id(flat): k for k, flat in enumerate(flats)}
+        self.subgroups = [sub for k, flat in enumerate(flats) for sub in self._subgroups(k, flat)]
+        self._subgroups_of = [[s for s in self.subgroups if s.flat_index == k] for k in range(len(flats))]
+        master_groups = [
+            {**{key: v for key, v in group.items() if key != "params"}, "params": []} for group in param_groups
+        ]
+        for sub in self.subgroups:
+            master_groups[group_of_flat[sub.flat_index]]["params"].append(sub.param)
+        self.optimizer = make_optimizer(master_groups, self._sharded_norms())
+
+    @property
+    def device(self) -> torch.device:
+        return self.flats[0].device if self.flats else torch.device("cpu")
+
+    def _subgroups(self, index: int, flat: FlatGroup) -> list[SubGroup]:
+        raise NotImplementedError
+
+    def _sharded_norms(self) -> Optional[ShardedNorms]:
+        return None
+
+    def step(self, grads: list[torch.Tensor]) -> None:
+        """Apply the (unscaled, clipped) gradient shards, one per flat group, and publish the update."""
+        raise NotImplementedError
+
+    # -- publishing into the flat groups -------------------------------------------------------
+    def publish(self) -> None:
+        """Copy the master weights into the compute parameters (after they were replaced, e.g. by a load)."""
+        for sub in self.subgroups:
+            self._write_back(sub, self._master_values(sub))
+
+    def _master_values(self, sub: SubGroup) -> torch.Tensor:
+        return sub.param.detach()
+
+    def _write_back(self, sub: SubGroup, values: torch.Tensor) -> None:
+        """Updated master values into the compute parameters; a flat group is finished (its offload home
+        written, a resident group gathered) with its last sub-group, freeing its staging at once."""
+        flat = self.flats[sub.flat_index]
+        flat.write_shard(sub.start, values)
+        if sub.stop == flat.layout.shard_numel:
+            flat.finish_publish()
+
+    def overwrite(self, flat: FlatGroup, values: torch.Tensor) -> None:
+        """Replace one flat group's shard, compute and master copies, with new values (``GatheredParameters``
+        with a modifier rank)."""
+        flat.write_shard(0, values)
+        if flat.home is not None:
+            flat.home.flush()
+        index = self._index[id(flat)]
+        self.write_flat(index, {MASTER: values.to(self.master_dtype)}, {})
+
+    # -- one flat group's state, for checkpoints and state_dict ---------------------------------
+    def state_keys(self, index: int) -> list[str]:
+        """Names of the elementwise optimizer state tensors of one flat group (e.g. exp_avg, exp_avg_sq)."""
+        first = self._subgroups_of[index][0]
+        return elementwise_keys(self.optimizer.state.get(first.param, {}), first.param)
+
+    def scalars(self, index: int) -> dict:
+        """The optimizer's non-elementwise state (e.g. step) of one flat group."""
+        first = self._subgroups_of[index][0]
+        state = self.optimizer.state.get(first.param, {})
+        return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+
+    def read_flat(self, index: int) -> dict[str, torch.Tensor]:
+        """This rank's whole master shard and elementwise optimizer state of one flat group."""
+        keys = [MASTER, *self.state_keys(index)]
+        parts = [self._read_sub(s) for s in self._subgroups_of[index]]
+        return {key: parts[0][key] if len(parts) == 1 else torch.cat([p[key] for p in parts]) for key in keys}
+
+    def write_flat(self, index: int, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+        """Replace one flat group's master shard and (when given) its optimizer state."""
+        for sub in self._subgroups_of[index]:
+            self._write_sub(sub, {key: value[sub.start : sub.stop] for key, value in tensors.items()}, scalars)
+
+    def _read_sub(self, sub: SubGroup) -> dict[str, torch.Tensor]:
+        return {MASTER: sub.param.detach(), **self.optimizer.state.get(sub.param, {})}
+
+    def _write_sub(self, sub: SubGroup, part: dict[str, torch.Tensor], scalars: dict) -> None:
+        master = part.pop(MASTER)
+        if master.data_ptr() != sub.param.data_ptr():
+            sub.param.detach().copy_(master)
+        if part:
+            self.optimizer.state[sub.param] = {**part, **{k: _copy(v) for k, v in scalars.items()}}
+
+    # -- memory -----------------------------------------------------------------------------------
+    def bytes_held(self) -> dict[str, dict[str, int]]:
+        """Bytes of master weights and optimizer state per location."""
+        state = sum(
+            value.numel() * value.element_size()
+            for per_param in self.optimizer.state.values()
+            for value in per_param.values()
+            if torch.is_tensor(value) and value.dim() > 0
+        )
+        return {"master": {self.location: self._master_bytes()}, "optimizer_state": {self.location: state}}
+
+    def _master_bytes(self) -> int:
+        return sum(sub.numel * 4 for sub in self.subgroups)
+
+
+class DeviceState(OptimizerState):
+    def _subgroups(self, index: int, flat: FlatGroup) -> list[SubGroup]:
+        if flat.home is None and flat.dtype == self.master_dtype:
+            master = flat.shard  # fp32 compute: the shard is the master (updated in place by the step)
+        else:
+            master = torch.empty(flat.layout.shard_numel, dtype=self.master_dtype, device=flat.device)
+            master.copy_(flat.shard_values())
+        return [SubGroup(index, 0, master.numel(), master)]
+
+    def _aliased(self, sub: SubGroup) -> bool:
+        shard = self.flats[sub.flat_index].shard
+        return shard is not None and shard.data_ptr() == sub.param.data_ptr()
+
+    def _sharded_norms(self) -> ShardedNorms:
+        """Which range of which master shard belongs to which parameter, for Lamb's per-parameter trust ratios."""
+        segments: dict[int, list[tuple[int, int, int]]] = {}
+        slot_id = 0
+        for sub in self.subgroups:
+            flat = self.flats[sub.flat_index]
+            segments[id(sub.param)] = [
+                (slot_id + flat.layout.slots.index(seg.slot), seg.shard_start, seg.numel)
+                for seg in flat.layout.segments(flat.shard_rank)
+            ]
+            slot_id += len(flat.layout.slots)
+        partitioned = [flat.shard_group for flat in self.flats if flat.partitioned]
+        shard_group = partitioned[0] if partitioned else None
+        reduce = (lambda t: comm.all_reduce(t, shard_group)) if shard_group is not None else (lambda t: None)
+        return ShardedNorms(segments, slot_id, reduce)
+
+    def step(self, grads: list[torch.Tensor]) -> None:
+        """One fused optimizer call over every master shard."""
+        for sub, grad in zip(self.subgroups, grads):
+            sub.param.grad = grad
+        self.optimizer.step()
+        for sub in self.subgroups:
+            sub.param.grad = None
+        self.publish()
+
+    def _master_bytes(self) -> int:
+        # a stage-3 shard that is its own master is counted once, as parameters
+        return sum(
+            0 if self._aliased(sub) and not self.flats[sub.flat_index].resident else sub.numel * 4
+            for sub in self.subgroups
+        )
+
+
+class HostState(OptimizerState):
+    location = "host"
+
+    def __init__(self, *args, sub_group_size: int, pin_memory: bool, **kwargs):
+        self.sub_group_size = sub_group_size
+        self.pin_memory = pin_memory
+        super().__init__(*args, **kwargs)
+        if isinstance(self.optimizer, Lamb):
+            raise ValueError(
+                "optimizer Lamb needs whole-parameter norms across sub-groups and cannot run with "
+                "zero_optimization.offload_optimizer; use Adam/AdamW, Adagrad, Lion or SGD, or remove the offload"
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _ranges(self, numel: int) -> list[tuple[int, int]]:
+        return [(start, min(start + self.sub_group_size, numel)) for start in range(0, numel, self.sub_group_size)]
+
+    def _subgroups(self, index: int, flat: FlatGroup) -> list[SubGroup]:
+        numel = flat.layout.shard_numel
+        master = torch.empty(numel, dtype=self.master_dtype, pin_memory=self.pin_memory)
+        master.copy_(flat.shard_values())
+        return [SubGroup(index, start, stop, master[start:stop]) for start, stop in self._ranges(numel)]
+
+    def _ordered(self) -> list[SubGroup]:
+        return self.subgroups
+
+    def step(self, grads: list[torch.Tensor]) -> None:
+        """One sub-group at a time on the CPU; each update's copy to the compute parameters is issued
+        (non-blocking) before the next sub-group is stepped."""
+        for sub in self._ordered():
+            sub.param.grad = grads[sub.flat_index][sub.start : sub.stop]
+            self.optimizer.step()
+            sub.param.grad = None
+            self._write_back(sub, sub.param.detach())
+
+
+class NvmeState(HostState):
+    """Master weights and elementwise optimizer state in a swap file (see ``NvmeOptimizerSwapper``)."""
+
+    location = "host"
+
+    def __init__(self, flats: list[FlatGroup], *args, offload: OffloadPlan, synchronize: Callable[[], None], **kwargs):
+        largest = max((flat.layout.shard_numel for flat in flats), default=1)
+        self.swapper = offload.optimizer_swapper(min(largest, offload.sub_group_size), synchronize)
+        super().__init__(flats, *args, sub_group_size=offload.sub_group_size, pin_memory=offload.pin_memory, **kwargs)
+        if any(self.optimizer.state.values()):
+            raise ValueError(
+                f"{type(self.optimizer).__name__} creates its state when constructed, which NVMe offload "
+                "cannot swap; with offload_optimizer.device 'nvme' use Adam, AdamW, Lion or SGD"
+            )
+
+    def _subgroups(self, index: int, flat: FlatGroup) -> list[SubGroup]:
+        """The master leaves memory here: one flat group's fp32 values at a time go to the swap file."""
+        values = flat.shard_values()
+        subs = []
+        for start, stop in self._ranges(flat.layout.shard_numel):
+            sub = SubGroup(index, start, stop, torch.empty(0))  # data only while in a staging buffer
+            self.swapper.write(sub, {MASTER: values[start:stop].to(self.master_dtype)})
+            subs.append(sub)
+        return subs
+
+    def _ordered(self):
+        return self.swapper.steps(self.optimizer, self.subgroups)
+
+    def _master_values(self, sub: SubGroup) -> torch.Tensor:
+        return self.swapper.read(sub, [MASTER])[MASTER]
+
+    def state_keys(self, index: int) -> list[str]:
+        return sorted(self.swapper.state_keys.get(id(self._subgroups_of[index][0].param), []))
+
+    def _read_sub(self, sub: SubGroup) -> dict[str, torch.Tensor]:
+        return self.swapper.read(sub)
+
+    def _write_sub(self, sub: SubGroup, part: dict[str, torch.Tensor], scalars: dict) -> None:
+        self.swapper.write(sub, part)
+        if len(part) > 1:
+            self.optimizer.state[sub.param] = {k: _copy(v) for k, v in scalars.items()}
+
+    def bytes_held(self) -> dict[str, dict[str, int]]:
+        held = super().bytes_held()
+        keys = self.swapper.state_keys
+        held["master"] = {"nvme": sum(sub.numel * 4 for sub in self.subgroups)}
+        held["optimizer_state"]["nvme"] = sum(
+            sub.numel * 4 * len(keys.get(id(sub.param), [])) for sub in self.subgroups
+        )
+        held["optimizer_state"]["host"] += self.swapper.bytes_in_memory()  # the staging buffers
+        return held
+
+
+def build_optimizer_state(
+    flats: list[FlatGroup],
+    group_of_flat: list[int],
+    param_groups: list[dict],
+    make_optimizer: MakeOptimizer,
+    master_dtype: torch.dtype,
+    offload: OffloadPlan,
+    synchronize: Callable[[], None],
+) -> OptimizerState:
+    """The optimizer state in the home ``offload_optimizer`` names."""
+    args = (flats, group_of_flat, param_groups, make_optimizer)
+    if offload.optimizer_device == "nvme":
+        return NvmeState(*args, master_dtype=master_dtype, offload=offload, synchronize=synchronize)
+    if offload.optimizer_device == "cpu":
+        return HostState(
+            *args, master_dtype=master_dtype, sub_group_size=offload.sub_group_size, pin_memory=offload.pin_memory
+        )
+    return DeviceState(*args, master_dtype=master_dtype)
+
+
+def _copy(value):
+    return value.clone() if torch.is_tensor(value) else value

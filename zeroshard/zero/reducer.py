@@ -1,0 +1,270 @@
+"""Gradient reduction: the hooks that see gradients arrive, one bucket per flat group, and the reductions.
+
+A :class:`GradBucket` owns the gradient side of one flat group on one rank:
+
+- ``staging`` (reduce dtype, whole bucket, transient): gradients on their way to the reduction;
+  allocated when the first gradient arrives, freed once the reduction completes.
+- ``grad`` (fp32, this rank's shard): reduced gradients, accumulated across micro-batches, on the
+  device or (offloaded optimizer) in host memory, where the optimizer state steps them.
+
+A :class:`GradientReducer` owns the buckets, the post-accumulate-grad hooks, and the schedule: which
+bucket reduces when, in one rank-independent order, with a bounded number in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from enum import Enum
+from typing import Callable, Optional
+
+import torch
+
+from .. import comm
+from .flat_group import FlatGroup
+
+MAX_IN_FLIGHT = 2  # overlapped reductions pending at once (each holds one bucket's staging buffer)
+
+
+class GradState(Enum):
+    EMPTY = "empty"  # no gradient staged since the last reduction
+    STAGING = "staging"  # some gradients copied into the staging buffer
+    REDUCING = "reducing"  # collective issued, result not yet accumulated
+
+
+class GradBucket:
+    """See the module docstring. Stage 0 all-reduces the whole bucket; sharded stages reduce-scatter it over the
+    flat group's shard group, then (hybrid sharding) all-reduce the shard over the replica group."""
+
+    def __init__(
+        self,
+        flat: FlatGroup,
+        reduce_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        replica_group: comm.Group,
+        grad_device: torch.device,
+        pin_memory: bool = False,
+    ):
+        self.flat = flat
+        self.layout = flat.layout
+        self.reduce_dtype = reduce_dtype
+        self.replica_group = replica_group
+        self.grad = torch.zeros(flat.layout.shard_numel, dtype=grad_dtype, device=grad_device, pin_memory=pin_memory)
+        self.state = GradState.EMPTY
+        self._staging: Optional[torch.Tensor] = None
+        self._reduced: Optional[torch.Tensor] = None
+        self._pending: Optional[comm.Pending] = None
+        # Gradient contributions per parameter in this backward, and how many the last backward brought. A
+        # parameter recomputed by reentrant activation checkpointing gets one per recomputation (each nested
+        # backward fires its hook), so one arrival does not always mean its gradient is final.
+        self.arrived = [0] * len(flat.params)
+        self.expected: list[Optional[int]] = [None] * len(flat.params)  # None: not yet seen in a backward
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter brought as many gradient contributions as in the last backward (one, before the first):
+        the reduction can start."""
+        return all(n >= (e or 1) for n, e in zip(self.arrived, self.expected))
+
+    def stage_grad(self, position: int, grad: torch.Tensor) -> None:
+        """Stage one gradient contribution; a second one for the same parameter (a reentrant recomputation) adds."""
+        slot = self.layout.slots[position]
+        if self._staging is None:
+            self._staging = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.flat.device)
+            self.state = GradState.STAGING
+        target = self._staging[slot.offset : slot.end]
+        if self.arrived[position]:
+            target.add_(grad.reshape(-1))
+        else:
+            target.copy_(grad.reshape(-1))
+        self.arrived[position] += 1
+
+    def launch_reduce(self, predivide: float, async_op: bool) -> None:
+        """Issue the reduction; parameters whose gradient never arrived (unused this step) count as zero."""
+        if self._staging is None:
+            self._staging = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.flat.device)
+        else:
+            for slot, arrived in zip(self.layout.slots, self.arrived):
+                if not arrived:
+                    self._staging[slot.offset : slot.end].zero_()
+            self._staging[self.layout.numel :].zero_()
+        if predivide != 1.0:
+            self._staging.div_(predivide)
+        if self.flat.partitioned:
+            self._reduced = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.flat.device)
+            self._pending = comm.reduce_scatter(self._reduced, self._staging, self.flat.shard_group, async_op=async_op)
+        else:
+            self._reduced = self._staging
+            self._pending = comm.all_reduce(self._staging, self.flat.shard_group, async_op=async_op)
+        self.state = GradState.REDUCING
+
+    def finish_reduce(self, post_scale: float) -> None:
+        """Wait for the reduction and accumulate this rank's part into the fp32 gradient shard."""
+        if self.state is not GradState.REDUCING:
+            raise AssertionError(f"finish_reduce in state {self.state}")
+        self._pending.wait()
+        # hybrid sharding: the shard group reduced one replica's gradients; add the other replicas'
+        comm.all_reduce(self._reduced, self.replica_group)
+        self.grad.add_(self._reduced.to(self.grad.device), alpha=post_scale)
+        self._staging = self._reduced = self._pending = None
+        self.expected = [n or e for n, e in zip(self.arrived, self.expected)]  # learned for the next backward
+        self.arrived = [0] * len(self.arrived)
+        self.state = GradState.EMPTY
+
+    def staging_bytes(self) -> int:
+        staged = _nbytes(self._staging)
+        return staged + (_nbytes(self._reduced) if self._reduced is not self._staging else 0)
+
+
+class GradientReducer:
+    """Reduces the gradients of every flat group once per optimizer step (stages 0-1) or once per micro-batch
+    (stages 2-3), as backward produces them; see Note [gradient contributions] for when a bucket is complete.
+
+    ``on_bucket_complete`` (stage 3) is told when a flat group's gradients are all in, so its gathered
+    parameters can be freed before the reduction finishes."""
+
+    def __init__(
+        self,
+        buckets: list[GradBucket],
+        param_names: dict[torch.nn.Parameter, str],
+        world: comm.Group,
+        *,
+        reduce_every_micro_step: bool,
+        overlap_comm: bool,
+        predivide: float = 1.0,
+        ignore_unused_parameters: bool = True,
+        on_bucket_complete: Optional[Callable[[FlatGroup], None]] = None,
+    ):
+        self.buckets = buckets
+        self.param_names = param_names
+        self.world = world
+        self.reduce_every_micro_step = reduce_every_micro_step
+        self.overlap_comm = overlap_comm
+        self.predivide = predivide
+        self.ignore_unused_parameters = ignore_unused_parameters
+        self.on_bucket_complete = on_bucket_complete
+        self._owner = {param: (k, pos) for k, b in enumerate(buckets) for pos, param in enumerate(b.flat.params)}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._owner]
+        self._reducing = False
+        self._next_launch = 0
+        self._outer_task: Optional[int] = None  # autograd graph task of the engine's backward call
+        self._launch_limit = 0  # buckets from this index wait for the end of backward (see _on_grad)
+        self._in_flight: deque[GradBucket] = deque()  # reductions launched, not yet accumulated
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        """The reduced gradient shards, one per flat group."""
+        return [bucket.grad for bucket in self.buckets]
+
+    def begin_backward(self, boundary: bool, root: torch.Tensor) -> None:
+        """Called before ``root.backward()``; ``root`` tells which autograd graph task is the outer backward."""
+        self._reducing = boundary or self.reduce_every_micro_step
+        self._next_launch = 0
+        self._launch_limit = len(self.buckets)
+        self._outer_task = None
+        if root.requires_grad:
+            root.register_hook(self._note_outer_task)
+
+    def _note_outer_task(self, grad: torch.Tensor) -> None:
+        self._outer_task = torch._C._current_graph_task_id()
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        """Note [gradient contributions]: a parameter's hook fires once per backward graph that reaches it. In
+        one graph, autograd sums all uses first; but reentrant activation checkpointing (``use_reentrant=True``)
+        recomputes each region and runs a nested backward for it, so a parameter used in k such regions fires k
+        times. Contributions are added in staging; a bucket is reduced once every parameter brought as many
+        as in the last backward. The first time a parameter's gradient comes from a nested backward, how many
+        will follow is unknown: that bucket (and, to keep every rank's collectives in one order, the ones
+        after it) waits for the end of backward. A contribution after its bucket's reduction started is refused."""
+        if not self._reducing:
+            return  # gradients accumulate in param.grad until the boundary
+        index, position = self._owner[param]
+        bucket = self.buckets[index]
+        if index < self._next_launch:
+            raise RuntimeError(
+                f"rank {comm.get_rank()}: parameter '{self.param_names[param]}' received another gradient after "
+                "its reduction had started: it is used again in a later part of backward (e.g. both inside and "
+                "outside a reentrant activation checkpoint), whose gradient zeroshard cannot add any more. Use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
+        nested = torch._C._current_graph_task_id() != self._outer_task
+        if nested and bucket.expected[position] is None:
+            self._launch_limit = min(self._launch_limit, index)
+        was_complete = bucket.complete
+        bucket.stage_grad(position, param.grad)
+        param.grad = None
+        if bucket.complete and not was_complete and self.on_bucket_complete is not None:
+            # only on becoming complete: a further recomputation, gathered again, still needs its weights
+            self.on_bucket_complete(bucket.flat)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Reduce the buckets whose gradients are complete, strictly in bucket order so every rank issues the
+        same sequence of collectives (even when ranks produce gradients in different orders or skip unused
+        parameters). At most ``MAX_IN_FLIGHT`` reductions (none without ``overlap_comm``) stay pending, so
+        staging memory is a few buckets, never the whole model's gradients."""
+        limit = MAX_IN_FLIGHT if self.overlap_comm else 0
+        while self._next_launch < self._launch_limit and self.buckets[self._next_launch].complete:
+            bucket = self.buckets[self._next_launch]
+            bucket.launch_reduce(self.predivide, async_op=self.overlap_comm)
+            self._in_flight.append(bucket)
+            self._next_launch += 1
+            while len(self._in_flight) > limit:
+                self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        self._in_flight.popleft().finish_reduce(self.predivide / self.world.size)
+
+    def end_backward(self) -> None:
+        if not self._reducing:
+            return
+        if not self.ignore_unused_parameters:
+            self._refuse_unused()
+        for bucket in self.buckets[self._next_launch :]:
+            bucket.launch_reduce(self.predivide, async_op=True)
+            self._in_flight.append(bucket)
+        while self._in_flight:
+            self._finish_oldest()
+        self._reducing = False
+
+    def _refuse_unused(self) -> None:
+        """``ignore_unused_parameters: false`` (DeepSpeed's stage-3 check): a trainable parameter that received no
+        gradient in this backward stops training on every rank (one small all-reduce agrees on it)."""
+        unused = [
+            self.param_names[param]
+            for bucket in self.buckets[self._next_launch :]
+            for param, arrived in zip(bucket.flat.params, bucket.arrived)
+            if not arrived
+        ]
+        count = torch.tensor([len(unused)], dtype=torch.int64)
+        comm.all_reduce(count, self.world, op="max")
+        if count.item():
+            where = f"{unused[:8]}{' ...' if len(unused) > 8 else ''}" if unused else "(on another rank)"
+            raise RuntimeError(
+                f"rank {comm.get_rank()}: parameters received no gradient in this backward {where}, and "
+                "zero_optimization.ignore_unused_parameters is false; freeze them (requires_grad=False), use them, "
+                "or set ignore_unused_parameters to true"
+            )
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.grad.zero_()
+            for param in bucket.flat.params:
+                param.grad = None
+
+    def bytes_held(self, grad_location: str) -> dict[str, dict[str, int]]:
+        return {
+            "grad_shard": {grad_location: sum(_nbytes(b.grad) for b in self.buckets)},
+            "staging": {"device": sum(b.staging_bytes() for b in self.buckets)},
+        }
+
+    def destroy(self) -> None:
+        """Finish the reductions still in flight and remove the gradient hooks."""
+        while self._in_flight:
+            self._finish_oldest()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
