@@ -316,3 +316,59 @@ def test_deepspeed_keys_that_zeroshard_honours(tmp_path):
         assert "the ranks pass different tags (rank 0: 'tag-of-rank0', rank 1: 'tag-of-rank1')" in r["Fail"]
         assert r["Warn"] == str(tmp_path / "tag-of-rank0")
         assert any("saved as rank 0's tag 'tag-of-rank0'" in w for w in r["Warn-warnings"])
+
+
+def two_engines_worker():
+    """Two identical stage-3 engines in one process, trained in turns: each must behave as if alone."""
+    import zeroshard
+    from zeroshard import comm
+    from zeroshard.zero import GatheredParameters
+
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}  # every parameter sharded
+    cfg = {**BASE, "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    first, *_ = zeroshard.initialize(model=make_model(), config=cfg)
+    _train(first, comm.get_rank(), comm.get_world_size(), steps=1)
+    after_one_step = first.comm_ledger.summary()
+    second, *_ = zeroshard.initialize(model=make_model(), config=cfg)  # must not reset the first engine's counts
+    kept = first.comm_ledger.summary() == after_one_step
+    _train(second, comm.get_rank(), comm.get_world_size(), steps=1)
+    untouched = first.comm_ledger.summary() == after_one_step
+    for engine in (first, second):
+        _train(engine, comm.get_rank(), comm.get_world_size(), steps=2)
+    ledgers = [e.comm_ledger.summary() for e in (first, second)]
+    engine_bytes = [e.comm_ledger.total_wire_bytes() for e in (first, second)]
+    process_bytes = comm.LEDGER.total_wire_bytes()
+    weight = next(first.module.parameters())
+    other = next(second.module.parameters())
+    with GatheredParameters([weight]):  # gathers the first engine's unit only
+        other_status = other.ds_status.name
+    return {
+        "kept_after_second_initialize": kept,
+        "untouched_by_second_engine": untouched,
+        "ledgers": ledgers,
+        "engine_bytes": engine_bytes,
+        "process_bytes": process_bytes,
+        "records_separate": type(weight)._records is first.records and type(other)._records is second.records,
+        "other_status_while_gathered": other_status,
+        "weights": [
+            {k: v.float() for k, v in e.consolidated_state_dict(rank0_only=False).items()} for e in (first, second)
+        ],
+    }
+
+
+def test_two_engines_in_one_process_keep_their_counts_and_parameters_apart():
+    result = run_distributed(two_engines_worker, 2)[0]
+    assert result["kept_after_second_initialize"] and result["untouched_by_second_engine"]
+    first, second = result["ledgers"]
+    assert first == second and result["engine_bytes"][0] > 0  # the same work, counted per engine
+    assert result["process_bytes"] >= sum(result["engine_bytes"])  # the process counts both (and the broadcasts)
+    assert result["records_separate"] and result["other_status_while_gathered"] == "NOT_AVAILABLE"
+    for name, value in result["weights"][0].items():
+        assert torch.equal(value, result["weights"][1][name]), name
+    model = make_model()
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x, y in make_batches(1, 4) + make_batches(2, 4):  # the engines' batches: one step, then two
+        model(x, y).backward()
+        ref.step()
+        ref.zero_grad()
+    assert model_error(result["weights"][0], model.state_dict()) <= 1e-5

@@ -7,11 +7,12 @@ from .consolidate import (
     load_state_dict_from_zero_checkpoint,
     read_client_state,
 )
-from .safetensors_io import CheckpointError
+from .safetensors_io import CheckpointError, Reader
 
 __all__ = [
     "CheckpointError",
     "CheckpointTensors",
+    "Reader",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",

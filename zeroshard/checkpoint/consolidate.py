@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch
 from tqdm import tqdm
 
+from ..partition import assign_buckets
 from .client_state import read_client_tensors, restore_client_state
 from .manifest import Piece
 from .reading import Sources, assemble, read_manifest, resolve_tag
@@ -130,14 +131,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     sources, manifest = _open(checkpoint_dir, tag)
     entries = _entries(manifest)
     sizes = [torch.Size(shape).numel() * 4 for _, shape, _ in entries]
-    shards: list[list[int]] = [[]]
-    filled = 0
-    for i, size in enumerate(sizes):
-        if shards[-1] and filled + size > limit:
-            shards.append([])
-            filled = 0
-        shards[-1].append(i)
-        filled += size
+    shards = assign_buckets(sizes, limit) or [[]]  # consecutive files of at most ``limit`` bytes
     single_file = output_path.endswith(".safetensors")
     if single_file and len(shards) > 1:
         sources.close()

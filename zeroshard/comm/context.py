@@ -24,6 +24,9 @@ class CommContext:
         self.trace = parent.trace if parent is not None else CollectiveTrace()
         self.timing = False  # time every collective (it synchronizes: on for comms_logger only)
 
+    def __repr__(self) -> str:
+        return "CommContext(default)" if self.parent is None else "CommContext(child)"
+
     def _chain(self):
         context = self
         while context is not None:

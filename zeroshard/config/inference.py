@@ -12,19 +12,9 @@ from typing import Any, Optional, Union
 import torch
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from ..precision import DTYPE_NAMES
 from .parse import format_validation_error, load_json_or_dict
 from .schema import Section
-
-DTYPES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
 
 
 class TensorParallelConfig(Section):
@@ -38,7 +28,7 @@ class TensorParallelConfig(Section):
 class InferenceConfig(Section):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     mp_size: Optional[int] = Field(None, ge=1, description="old name of tensor_parallel.tp_size")
-    dtype: Optional[Any] = None  # a torch.dtype or one of DTYPES' names; None keeps the model's dtype
+    dtype: Optional[Any] = None  # a torch.dtype or one of DTYPE_NAMES' names; None keeps the model's dtype
     checkpoint: Optional[Any] = None  # a state dict or a path (safetensors file, HF directory, zeroshard checkpoint)
     injection_policy: Optional[dict] = None  # {BlockClass or its name: (row-parallel layer names inside it)}
     replace_with_kernel_inject: bool = False
@@ -47,12 +37,12 @@ class InferenceConfig(Section):
     @classmethod
     def _known_dtype(cls, value: Any) -> Optional[torch.dtype]:
         if value is None or isinstance(value, torch.dtype):
-            if value not in (None, *DTYPES.values()):
+            if value not in (None, *DTYPE_NAMES.values()):
                 raise ValueError(f"unsupported dtype {value}; use one of fp32, bf16, fp16")
             return value
-        if isinstance(value, str) and value.lower().removeprefix("torch.") in DTYPES:
-            return DTYPES[value.lower().removeprefix("torch.")]
-        raise ValueError(f"unknown dtype {value!r}; use one of {', '.join(DTYPES)} or a torch.dtype")
+        if isinstance(value, str) and value.lower().removeprefix("torch.") in DTYPE_NAMES:
+            return DTYPE_NAMES[value.lower().removeprefix("torch.")]
+        raise ValueError(f"unknown dtype {value!r}; use one of {', '.join(DTYPE_NAMES)} or a torch.dtype")
 
     @field_validator("replace_with_kernel_inject")
     @classmethod

@@ -15,9 +15,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointError, CheckpointTensors
+from ..checkpoint import CheckpointError, CheckpointTensors, Reader
 from ..checkpoint.manifest import plain_name
-from ..checkpoint.safetensors_io import Reader
 
 
 class WeightSource:

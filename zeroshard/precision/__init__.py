@@ -1,6 +1,6 @@
 """Mixed precision: dtype policy and the fp16 loss scaler."""
 
 from .loss_scaler import LossScaler, LossScaleStuckError
-from .policy import PrecisionPolicy
+from .policy import DTYPE_NAMES, PrecisionPolicy
 
-__all__ = ["LossScaleStuckError", "LossScaler", "PrecisionPolicy"]
+__all__ = ["DTYPE_NAMES", "LossScaleStuckError", "LossScaler", "PrecisionPolicy"]

@@ -6,7 +6,17 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# dtype names in configs (communication_data_type, grad_accum_dtype, the inference dtype)
+DTYPE_NAMES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -26,11 +36,11 @@ class PrecisionPolicy:
             compute = torch.float32
         if config.fp16.enabled and config.fp16.fp16_master_weights_and_grads:
             raise NotImplementedError("fp16.fp16_master_weights_and_grads: zeroshard keeps fp32 master weights")
-        reduce = _DTYPES[config.communication_data_type] if config.communication_data_type else compute
+        reduce = DTYPE_NAMES[config.communication_data_type] if config.communication_data_type else compute
         # DeepSpeed's stage 3 keeps gradient partitions in the compute dtype (the 16 bytes/parameter of
         # the ZeRO paper); stages 0-2 accumulate in fp32. data_types.grad_accum_dtype overrides both.
         if config.data_types.grad_accum_dtype:
-            grad = _DTYPES[config.data_types.grad_accum_dtype]
+            grad = DTYPE_NAMES[config.data_types.grad_accum_dtype]
         else:
             grad = compute if config.zero_optimization.stage == 3 else torch.float32
         return cls(compute=compute, reduce=reduce, grad=grad)

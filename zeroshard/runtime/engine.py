@@ -121,7 +121,7 @@ class ZeroshardEngine(torch.nn.Module):
         reduce_started = time.perf_counter()
         self.zero.reducer.end_backward()
         if self.stage3 is not None:
-            self.stage3.release_all()
+            self.stage3.end_backward(graph_retained=retain_graph)
         self._timers["backward"] += reduce_started - started
         self._timers["reduce_wait"] += time.perf_counter() - reduce_started
         return loss

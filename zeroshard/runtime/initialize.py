@@ -278,34 +278,27 @@ def _build_flat_groups(
 def _build_zero(
     model, optimizer, model_parameters, cfg, grid, placement: Placement, records, materialize, gather_unit_classes
 ) -> tuple[ZeroOptimizer, Optional[Stage3Runtime]]:
-    """Flat groups, optimizer state in its home, the stage-3 runtime and the gradient reducer, wired into one
-    ``ZeroOptimizer``."""
+    """Flat groups, optimizer state in its home, gradient buckets, the stage-3 runtime and the gradient reducer,
+    wired into one ``ZeroOptimizer``."""
     z = cfg.zero_optimization
+    stage = StagePolicy.for_stage(z.stage)
     groups, make = _optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
     unit_plans, persistent = _stage3_plan(model, cfg, gather_unit_classes) if z.stage == 3 else ([], frozenset())
     flats, group_of_flat = _build_flat_groups(
         model, groups, cfg, grid, placement, records, materialize, unit_plans, persistent
     )
-    policy = placement.policy
     state = build_optimizer_state(
-        flats, group_of_flat, groups, make, policy.master, placement.offload, get_accelerator().synchronize
+        flats, group_of_flat, groups, make, placement.policy.master, placement.offload, get_accelerator().synchronize
     )
     for flat in flats:
         records.own(flat, state)
-    partitioned = StagePolicy.for_stage(z.stage).partition_optimizer
-    # hybrid sharding: the shard groups' results are summed across replica groups (stage 0 reduced over all)
-    replica = grid.replica if partitioned else comm.Group("replica", (comm.get_rank(),), None, grid.context)
-    host = placement.offload.offloads_optimizer
-    buckets = [
-        GradBucket(flat, policy.reduce, policy.grad, replica, state.device, placement.offload.pin_memory and host)
-        for flat in flats
-    ]
+    buckets = _gradient_buckets(flats, grid, placement, state.device, stage)
     stage3 = _build_stage3(model, unit_plans, buckets, z, placement.offload) if unit_plans else None
     reducer = GradientReducer(
         buckets,
         {p: name for name, p in model.named_parameters()},
         grid.world,
-        reduce_every_micro_step=StagePolicy.for_stage(z.stage).reduce_every_micro_step,
+        reduce_every_micro_step=stage.reduce_every_micro_step,
         overlap_comm=z.overlap_comm,
         predivide=cfg.gradient_predivide_factor,
         ignore_unused_parameters=z.ignore_unused_parameters,
@@ -316,11 +309,23 @@ def _build_zero(
         state,
         reducer,
         LossScaler.from_config(cfg.fp16),
-        norm_group=grid.shard if partitioned else None,
+        norm_group=grid.shard if stage.partition_optimizer else None,
         gradient_clipping=cfg.gradient_clipping,
         max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps,
     )
     return zero, stage3
+
+
+def _gradient_buckets(
+    flats: list[FlatGroup], grid: comm.RankGrid, placement: Placement, grad_device: torch.device, stage: StagePolicy
+) -> list[GradBucket]:
+    """One bucket per flat group; its gradient shard lives where the optimizer state steps it."""
+    # hybrid sharding: the shard groups' results are summed across replica groups (stage 0 reduced over all)
+    one = comm.Group("replica", (comm.get_rank(),), None, grid.context)
+    replica = grid.replica if stage.partition_optimizer else one
+    policy, offload = placement.policy, placement.offload
+    pin = offload.pin_memory and offload.offloads_optimizer
+    return [GradBucket(flat, policy.reduce, policy.grad, replica, grad_device, pin) for flat in flats]
 
 
 def _build_stage3(model, unit_plans, buckets: list[GradBucket], z, offload: OffloadPlan) -> Stage3Runtime:

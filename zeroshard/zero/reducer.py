@@ -147,6 +147,7 @@ class GradientReducer:
         self._reducing = False
         self._next_launch = 0
         self._outer_task: Optional[int] = None  # autograd graph task of the engine's backward call
+        self._root_hook = None  # the hook on the loss that notes that task, removed at the end of backward
         self._launch_limit = 0  # buckets from this index wait for the end of backward (see _on_grad)
         self._in_flight: deque[GradBucket] = deque()  # reductions launched, not yet accumulated
 
@@ -162,7 +163,7 @@ class GradientReducer:
         self._launch_limit = len(self.buckets)
         self._outer_task = None
         if root.requires_grad:
-            root.register_hook(self._note_outer_task)
+            self._root_hook = root.register_hook(self._note_outer_task)
 
     def _note_outer_task(self, grad: torch.Tensor) -> None:
         self._outer_task = torch._C._current_graph_task_id()
@@ -215,6 +216,9 @@ class GradientReducer:
         self._in_flight.popleft().finish_reduce(self.predivide / self.world.size)
 
     def end_backward(self) -> None:
+        if self._root_hook is not None:
+            self._root_hook.remove()  # a retained graph's next backward gets a fresh one
+            self._root_hook = None
         if not self._reducing:
             return
         if not self.ignore_unused_parameters:

@@ -21,3 +21,17 @@ def test_ledger_counts_per_op_and_group():
     assert "all_gather" in ledger.format()
     ledger.reset()
     assert ledger.total_wire_bytes() == 0
+
+
+def test_child_context_counts_its_own_traffic_and_its_parents():
+    from zeroshard.comm import CommContext
+
+    process = CommContext()
+    first, second = process.child(), process.child()
+    first.record("all_reduce", "world", 400, 400.0, (100,), "torch.float32")
+    second.record("all_gather", "shard", 800, 400.0, (200,), "torch.float32")
+    second.ledger.reset()  # one engine's reset leaves the other's and the process's counts alone
+    assert first.ledger.total_wire_bytes() == 400.0 and second.ledger.total_wire_bytes() == 0
+    assert process.ledger.total_wire_bytes() == 800.0
+    # one trace per process: forensics compares every collective a process issued, in order
+    assert first.trace is second.trace is process.trace and [e.seq for e in process.trace.entries] == [1, 2]

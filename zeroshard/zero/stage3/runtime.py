@@ -58,6 +58,7 @@ class Stage3Runtime:
         self.live_numel = 0
         self.peak_live_numel = 0
         self._gather_seconds = 0.0
+        self._backward_hooks: list = []  # on this forward's unit outputs; removed when backward is over
         self._handles = [
             root.register_forward_pre_hook(self._root_pre_forward),
             root.register_forward_hook(self._root_post_forward),
@@ -134,7 +135,7 @@ class Stage3Runtime:
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             for tensor in tensors:
-                tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+                self._backward_hooks.append(tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit)))
         self._free(unit)
         return output
 
@@ -158,6 +159,15 @@ class Stage3Runtime:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.release_all()
+
+    def end_backward(self, graph_retained: bool = False) -> None:
+        """The engine's backward is over: nothing stays gathered, and unless the graph is kept for another
+        backward, no output tensor keeps a hook (and through it this runtime) alive."""
+        if not graph_retained:
+            for handle in self._backward_hooks:
+                handle.remove()
+            self._backward_hooks = []
         self.release_all()
 
     def release_all(self) -> None:
