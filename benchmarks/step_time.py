@@ -101,12 +101,12 @@ def take_turns(systems: dict, data: list, warmup: int, after_step=None) -> dict:
     may add to a system's record right after its step (e.g. the bytes the ledger counted for it)."""
     import torch.distributed as dist
 
-    from zeroshard import comm
-
     results = {name: {"times": [], "loss": None} for name in systems}
     for i, (x, y) in enumerate(data):
         for name, step in systems.items():
-            comm.LEDGER.reset()
+            engine = getattr(step, "engine", None)
+            if hasattr(engine, "comm_ledger"):
+                engine.comm_ledger.reset()  # count this step's bytes only
             dist.barrier()
             started = time.perf_counter()
             loss = step(x, y)
@@ -128,7 +128,7 @@ def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int):
         systems[f"zeroshard-{stage}"] = zeroshard_system(cfg, 1e-3, stage, micro)
 
     def wire(name, step):
-        return {"bytes": comm.LEDGER.total_wire_bytes() if name.startswith("zeroshard") else None}
+        return {"bytes": step.engine.comm_ledger.total_wire_bytes() if name.startswith("zeroshard") else None}
 
     return take_turns(systems, data, warmup, wire)
 

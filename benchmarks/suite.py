@@ -118,7 +118,7 @@ def alone_worker(cfg: GPTConfig, name: str, micro: int, steps: int, warmup: int)
     state = None
     if name.startswith("zeroshard"):
         b = step.engine.state_bytes()
-        aliased = b["master"] if step.engine.zero.flat_groups[0].master_is_shard else 0  # fp32: master = params
+        aliased = step.engine.zero.optimizer_state.master_bytes_shared_with_params()  # fp32: master = params
         state = b["params"] + b["grad_shard"] + b["optimizer_state"] + b["master"] - aliased
     return {**result, "peak_rss": peak, "rss_growth": peak - before, "model_state": state}
 
@@ -129,7 +129,8 @@ def wire_bytes(name: str, step) -> dict:
 
     if not name.startswith("zeroshard"):
         return {"wire": None, "analytic_wire": None}
-    return {"wire": comm.LEDGER.total_wire_bytes(), "analytic_wire": analytic_wire(step.engine, comm.get_world_size())}
+    ledger = step.engine.comm_ledger
+    return {"wire": ledger.total_wire_bytes(), "analytic_wire": analytic_wire(step.engine, comm.get_world_size())}
 
 
 def analytic_wire(engine, world: int) -> float:

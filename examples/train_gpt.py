@@ -77,7 +77,7 @@ def main():
     # gather each rank's numbers with one all-reduce of a slot per rank
     stats = torch.zeros(3, world, dtype=torch.float64)
     stats[0, rank] = tokens
-    stats[1, rank] = comm.LEDGER.total_wire_bytes()
+    stats[1, rank] = engine.comm_ledger.total_wire_bytes()
     stats[2, rank] = zeroshard.accelerator.get_accelerator().max_memory_allocated()
     comm.all_reduce(stats, engine.grid.world)
     if rank == 0:

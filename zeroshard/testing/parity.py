@@ -105,16 +105,16 @@ def engine_train(case: ParityCase) -> dict[str, Any]:
     engine, _, _, _ = zeroshard.initialize(model=model, config=case.config())
     rank, world = comm.get_rank(), comm.get_world_size()
     b = case.micro_batch
-    comm.LEDGER.reset()
     for x, y in make_batches(case.steps, world * b * case.gas, vocab_size=case.model.vocab_size):
         for k in range(case.gas):
             rows = slice((k * world + rank) * b, (k * world + rank + 1) * b)
             loss = engine(x[rows], y[rows])
             engine.backward(loss)
             engine.step()
+    ledger = engine.comm_ledger  # this engine's training traffic (initialize's broadcast is not in it)
     traffic = {
-        "wire_bytes": comm.LEDGER.total_wire_bytes(),
-        "ledger": {f"{op}/{group}": (t.calls, t.bytes) for (op, group), t in comm.LEDGER.summary().items()},
+        "wire_bytes": ledger.total_wire_bytes(),
+        "ledger": {f"{op}/{group}": (t.calls, t.bytes) for (op, group), t in ledger.summary().items()},
     }
     return {
         **traffic,

@@ -145,6 +145,10 @@ class OptimizerState:
     def _master_bytes(self) -> int:
         return sum(sub.numel * 4 for sub in self.subgroups)
 
+    def master_bytes_shared_with_params(self) -> int:
+        """Bytes counted both as ``master`` and as ``params`` because they are one tensor (fp32 compute)."""
+        return 0
+
 
 class DeviceState(OptimizerState):
     def _subgroups(self, index: int, flat: FlatGroup) -> list[SubGroup]:
@@ -189,6 +193,11 @@ class DeviceState(OptimizerState):
         return sum(
             0 if self._aliased(sub) and not self.flats[sub.flat_index].resident else sub.numel * 4
             for sub in self.subgroups
+        )
+
+    def master_bytes_shared_with_params(self) -> int:
+        return sum(
+            sub.numel * 4 for sub in self.subgroups if self._aliased(sub) and self.flats[sub.flat_index].resident
         )
 
 
