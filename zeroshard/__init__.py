@@ -6,8 +6,9 @@ Vocabulary used throughout the code:
   ``.data`` becomes a view into a flat buffer, so its identity never changes.
 - *flat group*: a bucket of parameters packed back to back in one buffer, padded so the ranks of a
   shard group own equal contiguous slices (:mod:`zeroshard.zero.flat_group`).
-- *shard*: one rank's slice of a flat group; it holds the fp32 master weights, the fp32 reduced
-  gradients and the optimizer state of that slice.
+- *shard*: one rank's slice of a flat group; for that slice the rank keeps the fp32 master weights and
+  the optimizer state (:mod:`zeroshard.zero.optimizer_state`) and the fp32 reduced gradients
+  (:mod:`zeroshard.zero.reducer`).
 - *shard group* / *replica group*: rows and columns of the rank grid (:mod:`zeroshard.comm.groups`):
   ranks that split the state, and ranks that hold the same shard.
 - *micro-step* / *boundary*: one ``backward`` per micro-batch; the optimizer runs at the
