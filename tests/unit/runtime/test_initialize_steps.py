@@ -8,6 +8,7 @@ from torch.utils.data import TensorDataset
 
 from zeroshard import comm
 from zeroshard.config import parse_config
+
 steps = importlib.import_module("zeroshard.runtime.initialize")  # the module, not the function it exports
 
 
