@@ -2,6 +2,13 @@
 
     zeroshard --num_gpus 2 examples/train_gpt.py --deepspeed_config examples/configs/stage2.json
 
+With ``examples/configs/stage2_elastic.json`` it saves every 10 steps and resumes by itself
+(``checkpoint.auto_resume``) and keeps one global batch on 1, 2 or 4 ranks (``elasticity``), so an elastic
+launch survives a lost rank or node:
+
+    zeroshard --num_gpus 2 --max_restarts 3 examples/train_gpt.py \\
+        --deepspeed_config examples/configs/stage2_elastic.json
+
 Prints the loss as it falls and a final summary: tokens/s, bytes communicated, peak memory per rank.
 """
 
@@ -56,7 +63,8 @@ def main():
             f"ZeRO stage {engine.zero_optimization_stage()}, global batch {engine.train_batch_size()}"
         )
 
-    tokens, started, epoch = 0, time.perf_counter(), 0
+    # a resumed run (checkpoint.auto_resume) continues in the epoch and at the sample where its checkpoint was
+    tokens, started, epoch = 0, time.perf_counter(), loader.sampler.epoch
     bar = tqdm(total=args.steps, desc="train", unit="step", disable=rank != 0 or args.no_progress)
     while engine.global_steps < args.steps:
         loader.sampler.set_epoch(epoch)

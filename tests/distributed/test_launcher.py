@@ -1,5 +1,6 @@
 """The ``zeroshard`` launcher starts real ranks through torchrun's elastic agent."""
 
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -115,3 +116,152 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
             time.sleep(0.1)
         else:
             raise AssertionError(f"rank process {pid} is still running after the launcher was stopped")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+MULTINODE = ROOT / "tests" / "distributed" / "scripts" / "multinode_train.py"
+
+
+def _weights_error(a_path, b_path) -> float:
+    import torch
+
+    from zeroshard.testing.parity import model_error
+
+    return model_error(torch.load(a_path), torch.load(b_path))
+
+
+def test_two_nodes_started_separately_match_one_node(tmp_path):
+    """Two launchers with --no_ssh --node_rank 0/1 and the same master (2 nodes x 1 rank) train as 1 node x 2."""
+    port = str(_free_port())
+    common = ["--no_ssh", "--num_nodes", "2", "--num_gpus", "1", "--master_addr", "127.0.0.1", "--master_port", port]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "zeroshard",
+                "--node_rank",
+                str(k),
+                *common,
+                str(MULTINODE),
+                str(tmp_path / "two.pt"),
+                "2",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for k in (1, 0)  # node 1 first: it waits for the master
+    ]
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
+    assert "rank 0 of 2" in "".join(outputs) and "rank 1 of 2" in "".join(outputs)
+    one = launch("--num_gpus", "2", str(MULTINODE), str(tmp_path / "one.pt"), "2")
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert _weights_error(tmp_path / "two.pt", tmp_path / "one.pt") <= 1e-5
+
+
+def test_hostfile_nodes_start_through_ssh(tmp_path):
+    """The ssh launcher, with a test-owned ``ssh`` first on PATH that runs the command here: 2 nodes x 1 rank."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(
+        "#!/bin/bash\n# test-owned ssh: skip the options, log the host, run the command on this machine\n"
+        'while [[ "$1" == -* ]]; do [[ "$1" == -p ]] && shift; shift; done\n'
+        f'echo "$1" >> {tmp_path / "hosts_reached"}\nshift\nexec bash -c "$*"\n'
+    )
+    (bin_dir / "ssh").chmod(0o755)
+    (tmp_path / "hostfile").write_text("# test nodes\nnode-a slots=1\nnode-b slots=1\n")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    argv = ["--hostfile", str(tmp_path / "hostfile"), "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    out = subprocess.run(
+        [sys.executable, "-m", "zeroshard", *argv, str(MULTINODE), str(tmp_path / "ssh.pt"), "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 node(s) via ssh: node-a [0], node-b [0]" in out.stdout
+    assert sorted((tmp_path / "hosts_reached").read_text().split()) == ["node-a", "node-b"]
+    one = launch("--num_gpus", "2", str(MULTINODE), str(tmp_path / "one.pt"), "3")
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert _weights_error(tmp_path / "ssh.pt", tmp_path / "one.pt") <= 1e-5
+
+
+def test_unreachable_master_is_named_after_a_bounded_wait(tmp_path):
+    port = str(_free_port())  # nothing listens there
+    argv = ["--no_ssh", "--node_rank", "1", "--num_nodes", "2", "--master_port", port, "--master_timeout", "2"]
+    out = launch(*argv, str(MULTINODE), str(tmp_path / "x.pt"), "2", timeout=60)
+    assert out.returncode != 0
+    assert f"node 1 cannot reach the master at 127.0.0.1:{port} after 2 s" in out.stderr
+
+
+ELASTIC = ROOT / "tests" / "distributed" / "scripts" / "elastic_train.py"
+
+
+def _first_step_after(output: str, moment: float) -> float:
+    times = [float(line.rsplit(" ", 1)[1]) for line in output.splitlines() if "rank 0: first step at" in line]
+    return min(t for t in times if t > moment)
+
+
+def test_a_killed_rank_restarts_from_the_checkpoint_and_ends_bit_identical(tmp_path):
+    """SIGKILL on rank 1 at step 3 under --max_restarts 1: the agent restarts the group, initialize resumes from the
+    step-2 checkpoint (data position and RNG restored), and the weights after step 5 equal an uninterrupted run's."""
+    import torch
+
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    clean.mkdir(), killed.mkdir()
+    out = launch("--num_gpus", "2", str(ELASTIC), str(clean), "2", "5", "0", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = launch(
+        "--num_gpus", "2", "--max_restarts", "1", str(ELASTIC), str(killed), "2", "5", "3", "rank", timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    killed_at = float((killed / "killed").read_text())
+    assert f"resumed from {killed / 'ckpt' / 'global_step2'}, step 2" in out.stdout
+    assert "done: step 5, world 2" in out.stdout
+    reference, resumed = torch.load(clean / "final.pt"), torch.load(killed / "final.pt")
+    assert reference.keys() == resumed.keys()
+    assert all(torch.equal(reference[name], resumed[name]) for name in reference)
+    print(f"recovery (kill -> first step after restart): {_first_step_after(out.stdout, killed_at) - killed_at:.1f} s")
+
+
+def test_a_node_that_leaves_continues_at_world_size_one_with_the_same_global_batch(tmp_path):
+    """Two nodes under --nnodes 1:2; node 1 (its agent and rank) dies at step 3. Node 0's agent restarts with the
+    node that is left: world size 1, the same elastic global batch (accumulation 2 -> 4), resumed from the
+    checkpoint two ranks saved (resharded)."""
+    port = str(_free_port())
+    common = ["--no_ssh", "--nnodes", "1:2", "--num_gpus", "1", "--max_restarts", "1", "--master_port", port]
+    env = {**os.environ, "ELASTIC": "1"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "zeroshard", "--node_rank", str(k), *common]
+            + [str(ELASTIC), str(tmp_path), "2", "5", "3", "node"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for k in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    assert nodes[0].returncode == 0, outputs[0] + "\n--- node 1 ---\n" + outputs[1]
+    assert nodes[1].returncode != 0  # its agent was killed
+    first, after = outputs[0].split("resumed from None", 1)[1], outputs[0].rsplit("rank 0: world", 1)[1]
+    assert "rank 0: world 2, batch 8, accumulation 2" in outputs[0] and "first step" in first
+    assert after.startswith(f" 1, batch 8, accumulation 4, resumed from {tmp_path / 'ckpt' / 'global_step2'}, step 2")
+    assert "done: step 5, world 1, samples 40" in outputs[0]
+    killed_at = float((tmp_path / "killed").read_text())
+    recovery = _first_step_after(outputs[0], killed_at) - killed_at
+    print(f"node loss recovery (kill -> first step at world size 1): {recovery:.1f} s")

@@ -156,3 +156,12 @@ def default_store():
         return dist.distributed_c10d._get_default_store()
     except (RuntimeError, AttributeError):
         return None
+
+
+def available_backends() -> dict[str, bool]:
+    """Which torch.distributed backends this build of torch offers (for the environment report)."""
+    return {
+        "nccl": dist.is_nccl_available(),
+        "gloo": dist.is_gloo_available(),
+        "mpi": dist.is_mpi_available(),
+    }

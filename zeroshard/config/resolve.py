@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .elasticity import choose_batch, micro_batch_for
 from .schema import ZeroshardConfig
 
 # "auto" keys filled from attributes of the caller's ``args`` (HF TrainingArguments names first).
@@ -156,6 +157,8 @@ def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
 
     walk(data, "")
 
+    if config.elasticity.enabled:
+        _elastic_triad(config.elasticity, data, ctx.world_size, derived)
     if (
         data["train_micro_batch_size_per_gpu"] is None
         and ctx.dataloader_batch_size
@@ -187,6 +190,38 @@ def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
     )
     resolved = ZeroshardConfig.model_validate(data)
     return Resolution(resolved, batch, derived)
+
+
+def _elastic_triad(block, data: dict, world_size: int, derived: list) -> None:
+    """``elasticity``: the global batch comes from the block, the micro-batch and accumulation from the world size."""
+    given = [
+        k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if data[k]
+    ]
+    if given and not block.ignore_non_elastic_batch_info:
+        raise ValueError(
+            f"elasticity is enabled and the config also sets {given}; elasticity chooses the batch: remove them, or "
+            'set "elasticity": {"ignore_non_elastic_batch_info": true} to let elasticity override them'
+        )
+    per_node = block.num_gpus_per_node if block.version >= 0.2 else 1
+    batch = choose_batch(
+        block.max_train_batch_size,
+        block.micro_batch_sizes,
+        block.min_gpus,
+        block.max_gpus,
+        block.prefer_larger_batch,
+        per_node,
+    )
+    micro, accumulation = micro_batch_for(batch, world_size, block.micro_batch_sizes)
+    data["train_batch_size"], data["train_micro_batch_size_per_gpu"] = batch.train_batch_size, micro
+    data["gradient_accumulation_steps"] = accumulation
+    sizes = list(batch.valid_world_sizes)
+    shown = f"{sizes[:12]}{' ...' if len(sizes) > 12 else ''}"
+    source = f"elasticity: valid on world sizes {shown}, here {world_size}"
+    derived += [
+        ("train_batch_size", batch.train_batch_size, source),
+        ("train_micro_batch_size_per_gpu", micro, source),
+        ("gradient_accumulation_steps", accumulation, source),
+    ]
 
 
 def model_hidden_size(module) -> Optional[int]:

@@ -288,6 +288,49 @@ class CheckpointConfig(Section):
     load_universal: bool = refused(False, "zeroshard checkpoints reshard natively; universal ones do not load")
     use_node_local_storage: bool = refused(False, "not implemented")
     parallel_write: dict[str, Any] = refused({}, "every rank always writes its own file in parallel")
+    # zeroshard's own: resuming as the default path (elastic restarts pick up the newest checkpoint)
+    save_dir: Optional[str] = None  # where periodic saves go and auto_resume looks
+    save_interval_steps: int = Field(0, ge=0)  # save every N optimizer steps (0: only when the script saves)
+    auto_resume: bool = False  # initialize loads save_dir's 'latest' when there is one
+
+    @model_validator(mode="after")
+    def _needs_a_directory(self) -> "CheckpointConfig":
+        if (self.save_interval_steps or self.auto_resume) and not self.save_dir:
+            used = "save_interval_steps" if self.save_interval_steps else "auto_resume"
+            raise ValueError(f"checkpoint.{used} needs checkpoint.save_dir (the directory to save to / resume from)")
+        return self
+
+
+class ElasticityConfig(Section):
+    """DeepSpeed's elastic batch (see ``zeroshard.config.elasticity``); DeepSpeed's defaults."""
+
+    enabled: bool = False
+    max_train_batch_size: int = Field(2000, ge=1)
+    micro_batch_sizes: list[int] = Field(default_factory=lambda: [2, 4, 6])
+    min_gpus: int = Field(1, ge=1)
+    max_gpus: int = Field(10000, ge=1)
+    min_time: int = satisfied(
+        20, "minutes a scale should run before a job scheduler rescales it; DeepSpeed's runtime does not read it", ge=0
+    )
+    version: float = 0.2
+    prefer_larger_batch: bool = True
+    ignore_non_elastic_batch_info: bool = False
+    model_parallel_size: int = refused(1, "elastic model parallelism is not implemented")
+    num_gpus_per_node: int = Field(1, ge=1)  # version 0.2: world sizes are whole nodes
+
+    @field_validator("micro_batch_sizes")
+    @classmethod
+    def _positive_micro(cls, value: list[int]) -> list[int]:
+        if not value or any(m < 1 for m in value):
+            raise ValueError(f"elasticity.micro_batch_sizes must be positive integers, got {value}")
+        return value
+
+    @field_validator("version")
+    @classmethod
+    def _known_version(cls, value: float) -> float:
+        if value not in (0.1, 0.2):
+            raise ValueError(f"elasticity.version must be 0.1 or 0.2, got {value}")
+        return value
 
 
 class MonitorConfig(Section):
@@ -324,7 +367,6 @@ class DataTypesConfig(Section):
 # DeepSpeed feature blocks we parse but do not implement: accepted when absent or disabled.
 UNSUPPORTED_FEATURE_BLOCKS = (
     "flops_profiler",
-    "elasticity",
     "autotuning",
     "compression_training",
     "data_efficiency",
@@ -378,7 +420,7 @@ class ZeroshardConfig(Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     comet: CometConfig = Field(default_factory=CometConfig)
     flops_profiler: Optional[dict[str, Any]] = None
-    elasticity: Optional[dict[str, Any]] = None
+    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
     autotuning: Optional[dict[str, Any]] = None
     compression_training: Optional[dict[str, Any]] = None
     data_efficiency: Optional[dict[str, Any]] = None

@@ -1,17 +1,27 @@
-"""``zeroshard [--num_gpus N] script.py [args]``: start N local ranks through torch's elastic agent.
+"""``zeroshard [--num_gpus N] script.py [args]``: start ranks through torch's elastic agent.
 
-The agent (``torch.distributed.run``, i.e. torchrun) sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* for
-each rank, and when one rank fails it stops the others and exits non-zero, naming the failed rank.
+One node: N local ranks. Several nodes: ``--hostfile`` (DeepSpeed's format and filters) starts every node
+through ssh, pdsh, SLURM or Open MPI, or each node starts its own launcher with ``--no_ssh --node_rank K``;
+every node's agent joins a c10d rendezvous at ``--master_addr:--master_port``. The agent (``torch.distributed.run``,
+i.e. torchrun) sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* for each rank, restarts the worker group after a
+failure (``--max_restarts``), and when it gives up stops the others and exits non-zero, naming the failed rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from typing import Optional, Sequence
+
+from .hostfile import parse_hostfile, select_resources
+from .multinode import LAUNCHERS, Job, agent_command, exported_environment, read_env_files, wait_for_master
+
+DEFAULT_MASTER_PORT = 29500
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,10 +38,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes to start on this node (default: the number of GPUs, or 1 without GPUs)",
     )
     count.add_argument("--nproc_per_node", type=int, default=None, help="same as --num_gpus (torchrun's name)")
-    parser.add_argument("--num_nodes", type=int, default=1, help="only 1 is supported by this launcher so far")
-    parser.add_argument("--master_addr", default="127.0.0.1", help="rendezvous address (default 127.0.0.1)")
+    parser.add_argument("--num_nodes", type=int, default=None, help="nodes to use (the first N of the hostfile)")
     parser.add_argument(
-        "--master_port", type=int, default=None, help="rendezvous port (default: a free port chosen by the agent)"
+        "--nnodes",
+        default=None,
+        help="torchrun's node count for the rendezvous: N, or MIN:MAX for elastic membership (default: --num_nodes)",
+    )
+    parser.add_argument("-H", "--hostfile", default=None, help="hosts and their slots, one 'HOST slots=N' per line")
+    parser.add_argument("-i", "--include", default=None, help="hosts/slots to use, e.g. 'worker-0:0,1@worker-1'")
+    parser.add_argument("-e", "--exclude", default=None, help="hosts/slots to leave out, same format as --include")
+    parser.add_argument(
+        "--launcher",
+        choices=sorted(LAUNCHERS),
+        default="ssh",
+        help="how the nodes of a hostfile are started (default ssh; pdsh, slurm (srun), openmpi (mpirun))",
+    )
+    parser.add_argument("--ssh_port", type=int, default=None, help="ssh port of the nodes")
+    parser.add_argument(
+        "--no_ssh",
+        action="store_true",
+        help="start only this node's agent (clusters that start one launcher per node); needs --node_rank",
+    )
+    parser.add_argument("--node_rank", type=int, default=None, help="this node's rank with --no_ssh (0 is the master)")
+    parser.add_argument(
+        "--master_addr", default=None, help="rendezvous address (default 127.0.0.1; with a hostfile its first host)"
+    )
+    parser.add_argument(
+        "--master_port",
+        type=int,
+        default=None,
+        help=f"rendezvous port (one node: a free port chosen by the agent; several: {DEFAULT_MASTER_PORT})",
+    )
+    parser.add_argument(
+        "--master_timeout",
+        type=float,
+        default=300.0,
+        help="seconds a node waits for the master's rendezvous port before it gives up (default 300)",
     )
     parser.add_argument("--module", "-m", action="store_true", help="run the script as a Python module (python -m)")
     parser.add_argument("--max_restarts", type=int, default=0, help="restarts of the whole group after a failure")
@@ -74,17 +116,26 @@ def check_process_count(nprocs: int, gpus: int, cores: int) -> Optional[str]:
     return None
 
 
-def torchrun_command(args: argparse.Namespace) -> list[str]:
+def _local_processes(args: argparse.Namespace) -> int:
     requested = args.num_gpus if args.num_gpus is not None else args.nproc_per_node
     gpus = _gpu_count()
     nprocs = max(gpus, 1) if requested is None else requested
     warning = check_process_count(nprocs, gpus, os.cpu_count() or 1)
     if warning:
         print(warning, file=sys.stderr)
-    if args.num_nodes != 1:
-        raise SystemExit("zeroshard: multi-node launch (--num_nodes > 1) is not supported yet; use one node")
     if not args.module and not os.path.isfile(args.script):
         raise SystemExit(f"zeroshard: script '{args.script}' does not exist")
+    return nprocs
+
+
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    """One node on its own: torchrun for ``--num_gpus`` local ranks."""
+    if (args.num_nodes or 1) != 1:
+        raise SystemExit(
+            "zeroshard: a multi-node launch needs --hostfile (every node started from here), or --no_ssh "
+            "--node_rank K on each node"
+        )
+    nprocs = _local_processes(args)
     cmd = [
         sys.executable,
         "-m",
@@ -95,7 +146,8 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     if args.master_port is None:
         cmd.append("--standalone")
     else:
-        cmd += ["--nnodes=1", "--node_rank=0", f"--master_addr={args.master_addr}", f"--master_port={args.master_port}"]
+        addr = args.master_addr or "127.0.0.1"
+        cmd += ["--nnodes=1", "--node_rank=0", f"--master_addr={addr}", f"--master_port={args.master_port}"]
     if args.as_deepspeed:  # every rank starts in the runner, which installs the alias before the script runs
         cmd.append("--module")
         return cmd + ["zeroshard.compat.run", *(["-m"] if args.module else []), args.script, *args.script_args]
@@ -140,36 +192,126 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["convert"]:
         return convert_main(argv[1:])
+    if argv[:1] == ["report"]:
+        from ..env_report import main as report_main
+
+        return report_main(argv[1:])
     args = build_parser().parse_args(argv)
-    cmd = torchrun_command(args)
+    if args.no_ssh or args.node_rank is not None:
+        return run_node(args)
+    if args.hostfile is not None:
+        return run_hostfile(args)
+    return run_processes([torchrun_command(args)], _agent_env(args))
+
+
+def _agent_env(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # N ranks on one host: avoid N x cores threads
+    # torch 2.13's agent shares its rendezvous store with the workers; after a restart the new workers could
+    # read the dead rank's address from it (2 of 5 restarts failed): a store per round restarts cleanly
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if args.as_deepspeed:
         env["ZEROSHARD_AS_DEEPSPEED"] = "1"
-    return run_agent(cmd, env)
+    return env
 
 
-def run_agent(cmd: list[str], env: dict[str, str]) -> int:
-    """Run the elastic agent; SIGTERM or SIGINT sent to this launcher is passed on to the agent, which stops
-    every rank (it would otherwise keep training as an orphan). The exit code is then 128 + the signal's
-    number, as a shell reports a process ended by that signal."""
-    agent = subprocess.Popen(cmd, env=env)
+def _job(args: argparse.Namespace, master_addr: str, nodes: int) -> Job:
+    return Job(
+        script=args.script,
+        script_args=tuple(args.script_args),
+        master_addr=master_addr,
+        master_port=args.master_port or DEFAULT_MASTER_PORT,
+        nnodes=args.nnodes or str(nodes),
+        max_restarts=args.max_restarts,
+        module=args.module,
+        as_deepspeed=args.as_deepspeed,
+        master_timeout=args.master_timeout,
+    )
+
+
+def run_node(args: argparse.Namespace) -> int:
+    """This node's agent in a multi-node job (``--no_ssh --node_rank K``): wait for the master, then join."""
+    if args.node_rank is None:
+        raise SystemExit("zeroshard: --no_ssh starts one node of a job: give its --node_rank (0 is the master)")
+    if args.hostfile is not None:
+        raise SystemExit("zeroshard: --no_ssh runs this node only; drop --hostfile (or drop --no_ssh)")
+    nprocs = _local_processes(args)
+    job = _job(args, args.master_addr or "127.0.0.1", args.num_nodes or 1)
+    if args.node_rank > 0:
+        wait_for_master(job.master_addr, job.master_port, job.master_timeout, args.node_rank)
+    rdzv_id = os.environ.get("ZEROSHARD_JOB_ID", f"zeroshard-{job.master_port}")
+    return run_processes([agent_command(job, args.node_rank, nprocs, rdzv_id)], _agent_env(args))
+
+
+def run_hostfile(args: argparse.Namespace) -> int:
+    """Start every node of the hostfile (after ``--include/--exclude/--num_nodes/--num_gpus``) through the
+    chosen launcher; each runs ``zeroshard --no_ssh --node_rank K``."""
+    try:
+        with open(args.hostfile) as f:
+            hosts = parse_hostfile(f.read(), args.hostfile)
+        nodes = select_resources(hosts, args.include, args.exclude, args.num_nodes, args.num_gpus)
+    except OSError as err:
+        raise SystemExit(f"zeroshard: cannot read --hostfile {args.hostfile}: {err.strerror or err}") from None
+    except ValueError as err:
+        raise SystemExit(f"zeroshard: {err}") from None
+    tool = {"ssh": "ssh", "pdsh": "pdsh", "slurm": "srun", "openmpi": "mpirun"}[args.launcher]
+    if shutil.which(tool) is None:
+        raise SystemExit(f"zeroshard: --launcher {args.launcher} needs '{tool}' on PATH, and it is not there")
+    job = _job(args, args.master_addr or next(iter(nodes)), len(nodes))
+    env = exported_environment(dict(os.environ), read_env_files([os.path.expanduser("~"), os.getcwd()]))
+    if args.as_deepspeed:
+        env["ZEROSHARD_AS_DEEPSPEED"] = "1"
+    build = LAUNCHERS[args.launcher]
+    extra = {"ssh_port": args.ssh_port} if args.launcher == "ssh" else {}
+    try:
+        commands = build(job, nodes, env, os.getcwd(), **extra)
+    except ValueError as err:
+        raise SystemExit(f"zeroshard: {err}") from None
+    print(f"zeroshard: {len(nodes)} node(s) via {args.launcher}: " + ", ".join(f"{h} {s}" for h, s in nodes.items()))
+    return run_processes(commands, dict(os.environ))
+
+
+def run_processes(commands: list[list[str]], env: dict[str, str]) -> int:
+    """Run the agents (one, or one starter per node) until all end or one fails, which stops the others. SIGTERM
+    or SIGINT sent to this launcher is passed on (an agent stops every rank; an orphan would keep training); the
+    exit code is then 128 + the signal's number, as a shell reports a process ended by that signal."""
+    processes = [subprocess.Popen(cmd, env=env) for cmd in commands]
     received: list[int] = []
 
     def forward(signum, frame):
         received.append(signum)
-        if agent.poll() is None:
-            agent.send_signal(signum)
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        code = agent.wait()
+        code = _wait_all(processes)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if received:
         return 128 + received[0]
     return code if code >= 0 else 128 - code
+
+
+def _wait_all(processes: list[subprocess.Popen]) -> int:
+    """0 when every process succeeds; else the first failure's code, after stopping the rest."""
+    if len(processes) == 1:
+        return processes[0].wait()
+    while True:
+        codes = [p.poll() for p in processes]
+        failed = next((c for c in codes if c not in (None, 0)), None)
+        if failed is not None:
+            for process in processes:
+                if process.poll() is None:
+                    process.terminate()
+            for process in processes:
+                process.wait()
+            return failed
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ class ZeroshardEngine(torch.nn.Module):
         self.stage3 = stage3
         self.records = records or ParamRecords()  # what the engine knows of its (stage-3) parameters
         self.counters = TrainingCounters()
+        self.resumed_from: Optional[str] = None  # the checkpoint checkpoint.auto_resume loaded, if any
         self._step_applied = False
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary
         self._in_no_sync = False
@@ -130,34 +131,47 @@ class ZeroshardEngine(torch.nn.Module):
         if self.zero is None:
             raise RuntimeError("engine.step needs an optimizer: pass optimizer= or add an 'optimizer' config block")
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
-            started = time.perf_counter()
-            self._step_applied = self.zero.step()
-            if self._step_applied:
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-            else:
-                self.counters.skipped_steps += 1
-                log_rank0(
-                    f"step {self.global_steps + 1}: gradient overflow, step skipped, "
-                    f"loss scale now {self.zero.loss_scaler.scale:g}"
-                )
-            self.counters.global_steps += 1
-            self.counters.global_samples += self.batch.train_batch_size
-            self._timers["optimizer_step"] += time.perf_counter() - started
-            self._sample_memory()
-            if self.monitors.enabled:
-                self.monitors.write(
-                    [
-                        ("Train/Samples/train_loss", self._last_loss_value(), self.global_samples),
-                        ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
-                        ("Train/Samples/loss_scale", self.zero.loss_scaler.scale, self.global_samples),
-                        ("Train/Samples/grad_norm", self.get_global_grad_norm(), self.global_samples),
-                    ]
-                )
-            if self.settings.steps_per_print and self.global_steps % self.settings.steps_per_print == 0:
-                self._report()
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self._optimizer_step()
         self.counters.micro_steps += 1
+        if boundary:
+            self._save_periodically()
+
+    def _optimizer_step(self) -> None:
+        started = time.perf_counter()
+        self._step_applied = self.zero.step()
+        if self._step_applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.counters.skipped_steps += 1
+            log_rank0(
+                f"step {self.global_steps + 1}: gradient overflow, step skipped, "
+                f"loss scale now {self.zero.loss_scaler.scale:g}"
+            )
+        self.counters.global_steps += 1
+        self.counters.global_samples += self.batch.train_batch_size
+        self._timers["optimizer_step"] += time.perf_counter() - started
+        self._sample_memory()
+        if self.monitors.enabled:
+            self.monitors.write(
+                [
+                    ("Train/Samples/train_loss", self._last_loss_value(), self.global_samples),
+                    ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
+                    ("Train/Samples/loss_scale", self.zero.loss_scaler.scale, self.global_samples),
+                    ("Train/Samples/grad_norm", self.get_global_grad_norm(), self.global_samples),
+                ]
+            )
+        if self.settings.steps_per_print and self.global_steps % self.settings.steps_per_print == 0:
+            self._report()
+
+    def _save_periodically(self) -> None:
+        """``checkpoint.save_interval_steps``: a checkpoint into ``checkpoint.save_dir`` every N optimizer steps,
+        taken after the step so a restart resumes at an accumulation boundary."""
+        every = self.settings.checkpoint.save_interval_steps
+        if every and self.global_steps % every == 0:
+            self.save_checkpoint(self.settings.checkpoint.save_dir)
 
     def _last_loss_value(self) -> Optional[float]:
         """The last micro-batch's loss as a number (a device sync: only when logging or monitoring)."""

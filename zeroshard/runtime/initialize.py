@@ -12,6 +12,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from .. import comm
 from ..accelerator import get_accelerator
+from ..checkpoint import CheckpointError
+from ..checkpoint.reading import resolve_tag
 from ..config import AutoContext, Resolution, model_hidden_size, parse_config, resolve_config
 from ..inference.weights import open_source
 from ..offload import OffloadPlan
@@ -386,6 +388,27 @@ def _build_dataloader(training_data, resolution: Resolution, grid: comm.RankGrid
     )
 
 
+def _auto_resume(engine: ZeroshardEngine) -> None:
+    """``checkpoint.auto_resume``: load ``checkpoint.save_dir``'s newest complete checkpoint when there is one, so a
+    restarted job (an elastic restart, a resubmitted one) continues where the last save left it."""
+    block = engine.settings.checkpoint
+    if not block.auto_resume:
+        return
+    found = torch.tensor([1.0 if resolve_tag(block.save_dir, None) is not None else 0.0])
+    comm.all_reduce(found, engine.grid.world)
+    if 0 < found.item() < engine.grid.world.size:
+        raise CheckpointError(
+            f"checkpoint.auto_resume: {int(found.item())} of {engine.grid.world.size} ranks see a checkpoint in "
+            f"{block.save_dir}; checkpoint.save_dir must be one directory every rank reads (a shared filesystem)"
+        )
+    if found.item() == 0:
+        log_rank0(f"auto_resume: no checkpoint in {block.save_dir} yet; starting from step 0")
+        return
+    path, _ = engine.load_checkpoint(block.save_dir)
+    engine.resumed_from = path
+    log_rank0(f"auto_resume: resumed from {path} at step {engine.global_steps}")
+
+
 def initialize(
     args: Any = None,
     model: Optional[torch.nn.Module] = None,
@@ -429,8 +452,9 @@ def initialize(
     _finish_parameters(model, materialize, placement, records, stage3 is not None)
     scheduler = _build_scheduler(lr_scheduler, cfg, zero)
     dataloader = _build_dataloader(training_data, resolution, grid, collate_fn)
-    grid.context.ledger.reset()  # the engine counts training traffic, not the initial weight broadcast
     engine = ZeroshardEngine(
         model, zero, scheduler, resolution, grid, placement.policy, placement.device, dataloader, stage3, records
     )
+    _auto_resume(engine)
+    grid.context.ledger.reset()  # the engine counts training traffic, not the initial weights or a resume
     return engine, zero, dataloader, scheduler

@@ -25,6 +25,8 @@ MODULE_NAMES = [
     "utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint",
     "utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict",
     "utils.zero_to_fp32.load_state_dict_from_zero_checkpoint",
+    "env_report.main",
+    "env_report.cli_main",
     "ops.adam.FusedAdam",
     "ops.adam.DeepSpeedCPUAdam",
     "moe.utils.split_params_into_different_moe_groups_for_optimizer",

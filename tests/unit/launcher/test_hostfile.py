@@ -1,0 +1,60 @@
+import pytest
+
+from zeroshard.launcher.hostfile import parse_filter, parse_hostfile, select_resources
+
+HOSTFILE = """
+# two workers
+worker-0 slots=4
+worker-1 slots=2   # the small one
+
+"""
+
+
+def test_hostfile_lines_comments_and_blank_lines():
+    assert parse_hostfile(HOSTFILE) == {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1]}
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("worker-0 slots=4\nworker-0 slots=2", "hosts:2: host 'worker-0' is listed twice"),
+        ("worker-0 slots=4\nworker-1 gpus=2", "hosts:2: 'worker-1 gpus=2' is not 'HOST slots=N'"),
+        ("worker-0 slots=0", "hosts:1: host 'worker-0' has slots=0"),
+        ("# nothing\n\n", "hosts: no hosts"),
+    ],
+)
+def test_bad_hostfile_names_the_line(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_hostfile(text, "hosts")
+
+
+def test_include_exclude_and_counts_choose_hosts_and_slots():
+    hosts = parse_hostfile(HOSTFILE)
+    assert select_resources(hosts, include="worker-0:0,1@worker-1") == {"worker-0": [0, 1], "worker-1": [0, 1]}
+    assert select_resources(hosts, include="worker-1") == {"worker-1": [0, 1]}
+    assert select_resources(hosts, exclude="worker-0:3@worker-1") == {"worker-0": [0, 1, 2]}
+    assert select_resources(hosts, num_nodes=1) == {"worker-0": [0, 1, 2, 3]}
+    assert select_resources(hosts, num_gpus=2) == {"worker-0": [0, 1], "worker-1": [0, 1]}
+    assert select_resources(hosts) == hosts
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"include": "worker-9"}, "--include 'worker-9': unknown host 'worker-9'"),
+        ({"include": "worker-1:2"}, "slot 2 of host 'worker-1' is out of range"),
+        ({"exclude": "worker-0:x"}, "slots of 'worker-0' must be integers"),
+        ({"include": "worker-0", "exclude": "worker-1"}, "cannot be used together"),
+        ({"include": "worker-0", "num_gpus": 1}, "drop --num_nodes/--num_gpus"),
+        ({"num_gpus": 3}, r"--num_gpus 3 is more than the slots of worker-1 \(slots=2\)"),
+        ({"num_nodes": 3}, "--num_nodes 3: the hostfile has 2 host"),
+        ({"exclude": "worker-0@worker-1"}, "leaves no slot"),
+    ],
+)
+def test_bad_filters_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        select_resources(parse_hostfile(HOSTFILE), **kwargs)
+
+
+def test_filter_keeps_slot_order_without_duplicates():
+    assert parse_filter("worker-0:2,0,2", parse_hostfile(HOSTFILE), "--include") == {"worker-0": [2, 0]}

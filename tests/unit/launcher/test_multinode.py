@@ -1,0 +1,66 @@
+import shlex
+import sys
+
+import pytest
+
+from zeroshard.launcher.multinode import (
+    Job,
+    agent_command,
+    exported_environment,
+    openmpi_command,
+    parse_env_text,
+    pdsh_command,
+    read_env_files,
+    slurm_command,
+    ssh_commands,
+)
+
+JOB = Job("train.py", ("--deepspeed_config", "ds.json"), "10.0.0.1", 29500, "2", max_restarts=1)
+NODES = {"worker-0": [0, 1], "worker-1": [0, 1]}
+
+
+def test_ssh_runs_this_launcher_on_every_node_with_its_rank():
+    commands = ssh_commands(JOB, NODES, {"NCCL_DEBUG": "INFO"}, "/work dir", ssh_port=2222)
+    assert [c[:4] for c in commands] == [["ssh", "-p", "2222", "worker-0"], ["ssh", "-p", "2222", "worker-1"]]
+    remote = shlex.split(commands[1][4])
+    assert remote[:2] == ["cd", "/work dir"] and "NCCL_DEBUG=INFO;" in remote and "CUDA_VISIBLE_DEVICES=0,1;" in remote
+    launched = remote[remote.index("exec") + 1 :]
+    assert launched[:3] == [sys.executable, "-m", "zeroshard.launcher.cli"]
+    flags = " ".join(launched)
+    assert "--no_ssh --node_rank 1 --nnodes 2 --num_gpus 2 --master_addr 10.0.0.1 --master_port 29500" in flags
+    assert "--max_restarts 1" in flags and launched[-3:] == ["train.py", "--deepspeed_config", "ds.json"]
+
+
+def test_pdsh_slurm_and_openmpi_tell_each_node_its_rank_their_way():
+    pdsh = pdsh_command(JOB, NODES, {}, "/w")[0]
+    assert pdsh[:6] == ["pdsh", "-S", "-f", "1024", "-w", "worker-0,worker-1"] and "--node_rank %n" in pdsh[6]
+    srun = slurm_command(JOB, NODES, {}, "/w")[0]
+    assert srun[:4] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--nodelist=worker-0,worker-1"]
+    assert "--node_rank $SLURM_NODEID" in srun[-1]
+    mpi = openmpi_command(JOB, NODES, {}, "/w")[0]
+    assert mpi[:5] == ["mpirun", "-n", "2", "--host", "worker-0:1,worker-1:1"]
+    assert "--node_rank $OMPI_COMM_WORLD_RANK" in mpi[-1]
+    with pytest.raises(ValueError, match="nodes use different slots .* use --launcher ssh"):
+        pdsh_command(JOB, {"worker-0": [0, 1], "worker-1": [0]}, {}, "/w")
+
+
+def test_agent_joins_a_c10d_rendezvous_at_the_master():
+    cmd = agent_command(Job("t.py", (), "10.0.0.1", 29500, "1:2", max_restarts=3), 1, 4, "job")
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nnodes=1:2" in cmd and "--nproc_per_node=4" in cmd and "--max_restarts=3" in cmd
+    assert "--rdzv_backend=c10d" in cmd and "--rdzv_endpoint=10.0.0.1:29500" in cmd
+    assert "--rdzv_conf=is_host=false" in cmd and cmd[-1] == "t.py"
+    assert "--rdzv_conf=is_host=true" in agent_command(JOB, 0, 2, "job")
+
+
+def test_environment_files_and_exported_variables(tmp_path):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_IB_DISABLE=1\nSHARED=home\n")
+    (cwd / ".zeroshard_env").write_text("# comment\nexport SHARED='cwd'\n\nDATA=/data\n")
+    files = read_env_files([str(home), str(cwd)])
+    assert files == {"NCCL_IB_DISABLE": "1", "SHARED": "cwd", "DATA": "/data"}
+    env = exported_environment({"NCCL_DEBUG": "INFO", "HOME": "/root", "PYTHONPATH": "/src"}, files)
+    assert env == {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/src", **files}
+    with pytest.raises(ValueError, match=r"\.zeroshard_env:1: 'not a pair' is not KEY=VALUE"):
+        parse_env_text("not a pair", ".zeroshard_env")
