@@ -47,3 +47,21 @@ def test_as_deepspeed_runs_every_rank_through_the_compat_runner(tmp_path):
     assert cmd[-5:] == ["--module", "zeroshard.compat.run", str(script), "--deepspeed", "ds.json"]
     module = command("--as_deepspeed", "--module", "--num_gpus", "2", "pkg.train")
     assert module[-4:] == ["--module", "zeroshard.compat.run", "-m", "pkg.train"]
+
+
+def test_hostfile_errors_exit_naming_the_line_or_flag(tmp_path, monkeypatch):
+    from zeroshard.launcher.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    with pytest.raises(SystemExit, match="--include 'worker-7': unknown host 'worker-7'"):
+        main(["--hostfile", str(hosts), "--include", "worker-7", str(script)])
+    with pytest.raises(SystemExit, match="cannot read --hostfile"):
+        main(["--hostfile", str(tmp_path / "missing"), str(script)])
+    monkeypatch.setenv("PATH", str(tmp_path))  # no pdsh (nor anything else) on PATH
+    with pytest.raises(SystemExit, match="--launcher pdsh needs 'pdsh' on PATH"):
+        main(["--hostfile", str(hosts), "--launcher", "pdsh", str(script)])
+    with pytest.raises(SystemExit, match="--no_ssh starts one node of a job: give its --node_rank"):
+        main(["--no_ssh", str(script)])
