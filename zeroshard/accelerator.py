@@ -83,9 +83,10 @@ class Accelerator:
         torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def _status_kib(field: str) -> Optional[int]:
+def proc_field_kib(path: str, field: str) -> Optional[int]:
+    """A ``Field:  N kB`` line of a /proc file (``/proc/self/status``, ``/proc/meminfo``), in KiB; None without it."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
@@ -96,14 +97,14 @@ def _status_kib(field: str) -> Optional[int]:
 
 def host_rss() -> int:
     """This process's resident set now, in bytes (0 where /proc is unavailable)."""
-    return (_status_kib("VmRSS") or 0) * 1024
+    return (proc_field_kib("/proc/self/status", "VmRSS") or 0) * 1024
 
 
 def host_peak_rss() -> int:
     """This process's peak resident set in bytes. Linux's VmHWM, not ``ru_maxrss``: a spawned process
     inherits its parent's ``ru_maxrss`` across fork and exec, so a worker started by a big parent would
     report the parent's peak."""
-    peak = _status_kib("VmHWM")
+    peak = proc_field_kib("/proc/self/status", "VmHWM")
     if peak is not None:
         return peak * 1024
     import resource

@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .accelerator import proc_field_kib
+
 OK, WARNING = "OK", "WARNING"
 SHM_MINIMUM = 1 << 30  # below this, data-loader workers sharing tensors fail
 _OPTIONAL_PACKAGES = ("transformers", "accelerate", "lightning", "safetensors", "deepspeed")
@@ -34,6 +36,11 @@ class Line:
     value: str
     status: str = OK
     fix: str = ""
+
+
+def _verdict(section: str, name: str, value: str, ok: bool, fix: str) -> Line:
+    """OK, or a WARNING carrying the fix."""
+    return Line(section, name, value, OK if ok else WARNING, "" if ok else fix)
 
 
 def _version(package: str) -> Optional[str]:
@@ -72,15 +79,8 @@ def accelerator() -> list[Line]:
             )
         )
     bf16 = torch.cuda.is_bf16_supported()
-    lines.append(
-        Line(
-            "accelerator",
-            "bf16",
-            "supported" if bf16 else "not supported",
-            OK if bf16 else WARNING,
-            "" if bf16 else 'use "fp16" (with loss scaling) instead of "bf16" on this GPU',
-        )
-    )
+    fix = 'use "fp16" (with loss scaling) instead of "bf16" on this GPU'
+    lines.append(_verdict("accelerator", "bf16", "supported" if bf16 else "not supported", bf16, fix))
     lines.append(Line("accelerator", "fp16", "supported"))
     lines.append(Line("accelerator", "NCCL", nccl))
     return lines
@@ -113,17 +113,6 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _meminfo_kib(field: str) -> Optional[int]:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def cpu() -> list[Line]:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     flags = _cpu_flags()
@@ -134,11 +123,10 @@ def cpu() -> list[Line]:
         Line("cpu", "cores", f"{usable} usable of {os.cpu_count()}"),
         Line("cpu", "vector extensions", f"{extensions}; torch uses {capability}"),
     ]
-    if native_bf16 or torch.cuda.is_available():
-        lines.append(Line("cpu", "bf16 on the CPU", "native (avx512_bf16 or AMX)" if native_bf16 else "emulated"))
-    else:
-        lines.append(Line("cpu", "bf16 on the CPU", "emulated (slow)", WARNING, "train CPU runs in fp32"))
-    total, available = _meminfo_kib("MemTotal"), _meminfo_kib("MemAvailable")
+    bf16 = "native (avx512_bf16 or AMX)" if native_bf16 else "emulated (slow)"
+    lines.append(_verdict("cpu", "bf16 on the CPU", bf16, native_bf16 or torch.cuda.is_available(), "train in fp32"))
+    total = proc_field_kib("/proc/meminfo", "MemTotal")
+    available = proc_field_kib("/proc/meminfo", "MemAvailable")
     if total is not None:
         free = f"{(available or 0) / 2**20:.1f} GiB available"
         lines.append(Line("cpu", "host memory", f"{total / 2**20:.1f} GiB, {free}"))
@@ -146,11 +134,8 @@ def cpu() -> list[Line]:
         shm = shutil.disk_usage("/dev/shm").total
     except OSError:
         return lines
-    if shm < SHM_MINIMUM:
-        fix = "data loader workers will fail; run docker with --shm-size=8g (or --ipc=host)"
-        lines.append(Line("cpu", "/dev/shm", f"{shm / 2**20:.0f} MB", WARNING, fix))
-    else:
-        lines.append(Line("cpu", "/dev/shm", f"{shm / 2**20:.0f} MB"))
+    fix = "data loader workers will fail; run docker with --shm-size=8g (or --ipc=host)"
+    lines.append(_verdict("cpu", "/dev/shm", f"{shm / 2**20:.0f} MB", shm >= SHM_MINIMUM, fix))
     return lines
 
 
@@ -198,14 +183,10 @@ def nvme_probe(directory: str, nbytes: int = 64 << 20) -> list[Line]:
         file.close()
     except Exception as err:  # the report names whatever the disk refuses
         return [Line("nvme", directory, f"unusable: {err}", WARNING, "choose a writable local disk for nvme_path")]
+    refused = "refused by this filesystem (buffered I/O is used: reads may hit the page cache)"
+    fix = "point nvme_path at a local ext4/xfs NVMe mount"
     return [
-        Line(
-            "nvme",
-            "O_DIRECT",
-            "works" if direct else "refused by this filesystem (buffered I/O is used: reads may hit the page cache)",
-            OK if direct else WARNING,
-            "" if direct else "point nvme_path at a local ext4/xfs NVMe mount",
-        ),
+        _verdict("nvme", "O_DIRECT", "works" if direct else refused, direct, fix),
         Line("nvme", "write", f"{write / 1e9:.2f} GB/s ({nbytes >> 20} MB)"),
         Line("nvme", "read", f"{read / 1e9:.2f} GB/s ({nbytes >> 20} MB)"),
     ]

@@ -129,12 +129,18 @@ def _free_port() -> int:
 MULTINODE = ROOT / "tests" / "distributed" / "scripts" / "multinode_train.py"
 
 
-def _weights_error(a_path, b_path) -> float:
+def _matches_one_node(two_nodes, stage: int, how: str) -> None:
+    """The weights a 2 nodes x 1 rank run saved equal (parity tolerance) those of 1 node x 2 ranks."""
     import torch
 
     from zeroshard.testing.parity import model_error
 
-    return model_error(torch.load(a_path), torch.load(b_path))
+    one_node = two_nodes.with_name("one.pt")
+    one = launch("--num_gpus", "2", str(MULTINODE), str(one_node), str(stage))
+    assert one.returncode == 0, one.stdout + one.stderr
+    error = model_error(torch.load(two_nodes), torch.load(one_node))
+    print(f"2 nodes x 1 rank ({how}) vs 1 node x 2 ranks, stage {stage}: relative weight error {error:.2e}")
+    assert error <= 1e-5
 
 
 def test_two_nodes_started_separately_match_one_node(tmp_path):
@@ -164,11 +170,7 @@ def test_two_nodes_started_separately_match_one_node(tmp_path):
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
     assert "rank 0 of 2" in "".join(outputs) and "rank 1 of 2" in "".join(outputs)
-    one = launch("--num_gpus", "2", str(MULTINODE), str(tmp_path / "one.pt"), "2")
-    assert one.returncode == 0, one.stdout + one.stderr
-    error = _weights_error(tmp_path / "two.pt", tmp_path / "one.pt")
-    print(f"2 nodes x 1 rank (--no_ssh) vs 1 node x 2 ranks, stage 2: relative weight error {error:.2e}")
-    assert error <= 1e-5
+    _matches_one_node(tmp_path / "two.pt", 2, "--no_ssh")
 
 
 def test_hostfile_nodes_start_through_ssh(tmp_path):
@@ -195,11 +197,7 @@ def test_hostfile_nodes_start_through_ssh(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "2 node(s) via ssh: node-a [0], node-b [0]" in out.stdout
     assert sorted((tmp_path / "hosts_reached").read_text().split()) == ["node-a", "node-b"]
-    one = launch("--num_gpus", "2", str(MULTINODE), str(tmp_path / "one.pt"), "3")
-    assert one.returncode == 0, one.stdout + one.stderr
-    error = _weights_error(tmp_path / "ssh.pt", tmp_path / "one.pt")
-    print(f"2 nodes x 1 rank (ssh) vs 1 node x 2 ranks, stage 3: relative weight error {error:.2e}")
-    assert error <= 1e-5
+    _matches_one_node(tmp_path / "ssh.pt", 3, "ssh")
 
 
 def test_unreachable_master_is_named_after_a_bounded_wait(tmp_path):
