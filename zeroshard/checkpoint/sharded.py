@@ -16,6 +16,7 @@ file names and tags must be plain names inside the checkpoint directory (``manif
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -277,27 +278,26 @@ def _aliases(module: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _manifest(
-    state: TrainingState,
-    tag: str,
-    client: dict,
-    client_tensors: dict[str, torch.Tensor],
-    outside: dict[str, torch.Tensor],
-    tmp: str,
-) -> dict:
-    zero, world_size = state.optimizer, state.grid.world.size
+def _collect_sidecars(tmp: str, world_size: int) -> tuple[dict, dict]:
+    """Each rank's file checksums and Python RNG state (written beside its file), folded into the manifest."""
     files, rng = {}, {}
     for r in range(world_size):
-        with open(os.path.join(tmp, rank_file(r, ".json"))) as f:
+        path = os.path.join(tmp, rank_file(r, ".json"))
+        with open(path) as f:
             side = json.load(f)
-        os.remove(os.path.join(tmp, rank_file(r, ".json")))
+        os.remove(path)
         files[rank_file(r)] = {"size": side["size"], "header_crc": side["header_crc"], "crc": side["crc"]}
         rng[str(r)] = side["python_rng"]
+    return files, rng
+
+
+def _sharded_entries(zero) -> tuple[dict[str, dict], list[dict]]:
+    """Where each parameter's pieces are (world-size independent: FQN, shape, pieces) and each flat group's
+    optimizer state keys and scalars."""
     params: dict[str, dict] = {}
     flat_groups = []
     for k, flat in enumerate(zero.flat_groups if zero else []):
-        writers = _writer_files(flat)
-        for name, plist in pieces_for(flat.layout, f"fg{k}", writers).items():
+        for name, plist in pieces_for(flat.layout, f"fg{k}", _writer_files(flat)).items():
             params.setdefault(name, {"pieces": []})["pieces"] += [p.to_json() for p in plist]
         for slot, param in zip(flat.layout.slots, flat.params):
             params[slot.name].update(shape=list(slot.shape), dtype=str(param.dtype).removeprefix("torch."))
@@ -308,56 +308,54 @@ def _manifest(
                 "scalars": {key: _scalar(v) for key, v in zero.flat_scalars(k).items()},
             }
         )
-    module_tensors = {
-        name.removeprefix("module."): {
-            "file": rank_file(0),
-            "key": name,
-            "shape": list(t.shape),
-            "dtype": "float32" if t.is_floating_point() else str(t.dtype).removeprefix("torch."),
-        }
-        for name, t in outside.items()
+    return params, flat_groups
+
+
+def _rank0_entries(tensors: dict[str, torch.Tensor], float32: bool) -> dict[str, dict]:
+    """Tensors stored whole in rank 0's file (module tensors saved as fp32 when floating point)."""
+
+    def dtype(t: torch.Tensor) -> str:
+        return "float32" if float32 and t.is_floating_point() else str(t.dtype).removeprefix("torch.")
+
+    return {
+        name: {"file": rank_file(0), "key": name, "shape": list(t.shape), "dtype": dtype(t)}
+        for name, t in tensors.items()
     }
-    excluded = [n.removeprefix("module.") for n in _outside_tensors(state) if n not in outside]
+
+
+def _manifest(
+    state: TrainingState,
+    tag: str,
+    client: dict,
+    client_tensors: dict[str, torch.Tensor],
+    outside: dict[str, torch.Tensor],
+    tmp: str,
+) -> dict:
+    zero = state.optimizer
+    files, rng = _collect_sidecars(tmp, state.grid.world.size)
+    params, flat_groups = _sharded_entries(zero)
+    module_tensors = {name.removeprefix("module."): entry for name, entry in _rank0_entries(outside, True).items()}
     scheduler = state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None
-    counters = state.counters
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups] if zero else []
     return {
         "format": FORMAT,
         "tag": tag,
-        "world_size": world_size,
+        "world_size": state.grid.world.size,
         "stage": state.config.zero_optimization.stage,
         "shard_group_size": state.grid.shard.size,
-        "counters": {
-            "global_steps": counters.global_steps,
-            "global_samples": counters.global_samples,
-            "skipped_steps": counters.skipped_steps,
-            "micro_steps": counters.micro_steps,
-        },
+        "counters": dataclasses.asdict(state.counters),
         "loss_scaler": zero.loss_scaler.state_dict() if zero else None,
         "lr_scheduler": json_ready(scheduler, "the lr scheduler's state_dict()"),
-        "optimizer": {
-            "param_groups": json_ready(
-                [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups] if zero else [],
-                "optimizer hyperparameters",
-            ),
-            "flat_groups": flat_groups,
-        },
+        "optimizer": {"param_groups": json_ready(hyper, "optimizer hyperparameters"), "flat_groups": flat_groups},
         "params": params,
         "module_tensors": module_tensors,
-        "excluded_frozen": excluded,
+        "excluded_frozen": [n.removeprefix("module.") for n in _outside_tensors(state) if n not in outside],
         "files": files,
         "python_rng": rng,
         "aliases": _aliases(state.module),
         "config": state.config.model_dump(mode="json"),
         "client_state": client,
-        "client_tensors": {
-            name: {
-                "file": rank_file(0),
-                "key": name,
-                "shape": list(t.shape),
-                "dtype": str(t.dtype).removeprefix("torch."),
-            }
-            for name, t in client_tensors.items()
-        },
+        "client_tensors": _rank0_entries(client_tensors, False),
         "sampler": state.sampler.state_dict() if state.sampler is not None else None,
     }
 
