@@ -36,7 +36,8 @@ def _class_surface(cls: type) -> dict[str, str]:
             members[name] = "property"
         elif isinstance(value, (staticmethod, classmethod)):
             members[name] = _signature(value.__func__)
-        elif inspect.isfunction(value):
+        elif inspect.isfunction(value) and value.__qualname__.startswith(cls.__qualname__ + "."):
+            # defined in the class body (torch.optim patches a wrapped ``step`` onto classes it instantiates)
             members[name] = _signature(value)
     return members
 

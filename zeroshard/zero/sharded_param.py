@@ -182,7 +182,7 @@ class ParamRecords:
 
     def bind(self, param: torch.nn.Parameter, data: torch.Tensor) -> None:
         """Point the parameter at gathered data."""
-        self._drop(id(param))
+        self.no_data.pop(id(param), None)
         with DisableTorchFunctionSubclass():
             param.data = data
 
@@ -195,14 +195,12 @@ class ParamRecords:
     def _mark(self, param: torch.nn.Parameter, entry: tuple[str, torch.Size, str]) -> None:
         key = id(param)
         self.no_data[key] = entry
-        if key not in self._finalizers:
-            self._finalizers[key] = weakref.finalize(param, self._drop, key)
+        if key not in self._finalizers:  # once per parameter: its id must not outlive it in ``no_data``
+            self._finalizers[key] = weakref.finalize(param, self._collected, key)
 
-    def _drop(self, key: int) -> None:
+    def _collected(self, key: int) -> None:
         self.no_data.pop(key, None)
-        finalizer = self._finalizers.pop(key, None)
-        if finalizer is not None:
-            finalizer.detach()
+        self._finalizers.pop(key, None)
 
     def has_no_data(self, param: torch.nn.Parameter) -> bool:
         return id(param) in self.no_data
@@ -252,7 +250,10 @@ class ParamRecords:
     def forget(self, param: torch.nn.Parameter) -> None:
         """The parameter gets data by other means (materialization swaps tensors, which needs the parameter free
         of weak references): drop every record of it. Its recipe stays readable until then via ``pending``."""
-        self._drop(id(param))
+        self.no_data.pop(id(param), None)
+        finalizer = self._finalizers.pop(id(param), None)
+        if finalizer is not None:
+            finalizer.detach()
         self._pending.pop(param, None)
         self._flats.pop(param, None)
 
