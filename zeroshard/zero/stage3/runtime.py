@@ -21,12 +21,12 @@ class GatherUnit:
     """One module's sharded parameters (one flat group per optimizer parameter group) and their gradient
     buckets (whose arrivals say when backward is done with the unit)."""
 
-    def __init__(self, name: str, module: torch.nn.Module, flats: list[FlatGroup], buckets: list[GradBucket]):
+    def __init__(self, name: str, module: torch.nn.Module, buckets: list[GradBucket]):
         self.name = name or "<root>"
         self.module = module
-        self.flats = flats
         self.buckets = buckets
-        self.numel = sum(f.layout.padded_numel for f in flats)
+        self.flats = [bucket.flat for bucket in buckets]
+        self.numel = sum(f.layout.padded_numel for f in self.flats)
 
     @property
     def sharded(self) -> bool:
@@ -183,7 +183,5 @@ def build_units(plans, buckets: list[GradBucket]) -> tuple[GatherUnit, list[Gath
     for bucket in buckets:
         if not bucket.flat.resident:
             members[unit_of_param[bucket.flat.params[0]].name].append(bucket)
-    units = [
-        GatherUnit(plan.name, plan.module, [b.flat for b in members[plan.name]], members[plan.name]) for plan in plans
-    ]
+    units = [GatherUnit(plan.name, plan.module, members[plan.name]) for plan in plans]
     return units[0], [u for u in units[1:] if u.flats]
