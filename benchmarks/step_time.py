@@ -66,6 +66,8 @@ def zeroshard_system(cfg, lr, stage, micro, extra_zero=None):
     import zeroshard
 
     torch.manual_seed(0)
+    model = GPT(cfg)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
     config = {
         "train_micro_batch_size_per_gpu": micro,
         "steps_per_print": 10**9,
@@ -76,10 +78,11 @@ def zeroshard_system(cfg, lr, stage, micro, extra_zero=None):
             "reduce_bucket_size": 2_000_000,
             "gather_unit_classes": ["Block"],
             "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": block,  # one unit ahead, as FSDP2 prefetches
             **(extra_zero or {}),
         },
     }
-    engine, _, _, _ = zeroshard.initialize(model=GPT(cfg), config=config)
+    engine, _, _, _ = zeroshard.initialize(model=model, config=config)
     return engine_step(engine)
 
 

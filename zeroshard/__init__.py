@@ -15,7 +15,7 @@ Vocabulary used throughout the code:
   gradient-accumulation boundary.
 """
 
-from . import checkpoint, comm, inference, ops, zero
+from . import checkpoint, checkpointing, comm, inference, ops, zero
 from .comm import init_distributed
 from .compat import install_as_deepspeed
 from .inference import init_empty_weights, init_inference
@@ -28,6 +28,7 @@ __all__ = [
     "__version__",
     "add_config_arguments",
     "checkpoint",
+    "checkpointing",
     "comm",
     "inference",
     "ops",

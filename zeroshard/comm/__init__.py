@@ -18,6 +18,7 @@ from .collectives import (
     barrier,
     broadcast,
     inject_delays,
+    needs_scratch,
     reduce_scatter,
 )
 from .context import DEFAULT_CONTEXT, CommContext
@@ -63,5 +64,6 @@ __all__ = [
     "inject_delays",
     "is_initialized",
     "log_summary",
+    "needs_scratch",
     "reduce_scatter",
 ]

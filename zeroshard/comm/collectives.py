@@ -146,8 +146,22 @@ def _is_gloo(group: Group) -> bool:
     return dist.get_backend(group.handle) == "gloo"
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False) -> Pending:
-    """Sum ``input`` (group.size x output.numel()) across the group; rank i keeps chunk i in ``output``."""
+def needs_scratch(group: Group) -> bool:
+    """Whether ``all_gather`` and ``reduce_scatter`` on ``group`` use a whole-size scratch buffer (Gloo: see Note
+    [gloo flat collectives]); a caller that reuses buffers passes one as ``scratch=`` instead of letting each
+    call allocate its own."""
+    return group.size > 1 and _is_gloo(group)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    async_op: bool = False,
+    scratch: Optional[torch.Tensor] = None,
+) -> Pending:
+    """Sum ``input`` (group.size x output.numel()) across the group; rank i keeps chunk i in ``output``, which may
+    be that chunk of ``input`` itself. ``scratch``: see ``needs_scratch`` (held until the result is waited for)."""
     if group.size == 1:
         output.copy_(input.view_as(output))
         return _skip("reduce_scatter", group)
@@ -155,7 +169,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, asyn
     if _is_gloo(group):
         # Note [gloo flat collectives]: Gloo's reduce_scatter runs at half the speed of a whole all-reduce.
         # An all-to-all moves exactly the reduce-scatter's bytes (chunk j to rank j); the sum is local.
-        received = torch.empty_like(input)
+        received = torch.empty_like(input) if scratch is None else scratch.view_as(input)
 
         def finish() -> None:
             torch.sum(received.view(n, -1), dim=0, out=output.view(-1))
@@ -179,15 +193,26 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, asyn
     )
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False) -> Pending:
-    """Concatenate every rank's ``input`` into ``output`` (group.size x input.numel())."""
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    async_op: bool = False,
+    scratch: Optional[torch.Tensor] = None,
+) -> Pending:
+    """Concatenate every rank's ``input`` into ``output`` (group.size x input.numel()). ``scratch``: see
+    ``needs_scratch`` (held until the result is waited for)."""
     if group.size == 1:
         output.view_as(input).copy_(input)
         return _skip("all_gather", group)
     n = group.size
     if _is_gloo(group):
         # See Note [gloo flat collectives]: sending our shard to every rank by all-to-all is faster on Gloo.
-        replicated = input.reshape(1, -1).expand(n, -1).contiguous().view(-1)
+        replicated = input.reshape(1, -1).expand(n, -1)
+        if scratch is None:
+            replicated = replicated.contiguous().view(-1)
+        else:
+            replicated = scratch.view(n, -1).copy_(replicated).view(-1)
         return _issue(
             "all_gather",
             group,

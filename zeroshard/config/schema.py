@@ -16,7 +16,6 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Auto = Literal["auto"]
-_NO_AC = "DeepSpeed's activation-checkpointing API is not implemented; use torch.utils.checkpoint"
 _ONLY_ENABLED = "used only by an enabled block, which is refused"
 DTypeName = Literal["fp32", "fp16", "bf16"]
 
@@ -181,7 +180,7 @@ class ZeroConfig(Section):
     log_trace_cache_warnings: bool = refused(False, "not implemented")
     enable_sanity_checks: bool = refused(False, "not implemented")
     gather_unit_classes: list[str] = Field(default_factory=list)
-    gather_unit_min_params: int = Field(1_000_000, ge=1)
+    gather_unit_min_params: Optional[int] = Field(None, ge=1)  # None: the model's repeated blocks
 
     @model_validator(mode="before")
     @classmethod
@@ -261,12 +260,15 @@ class CommsLoggerConfig(Section):
 
 
 class ActivationCheckpointingConfig(Section):
-    partition_activations: bool = refused(False, _NO_AC)
-    contiguous_memory_optimization: bool = refused(False, _NO_AC)
-    cpu_checkpointing: bool = refused(False, _NO_AC)
-    number_checkpoints: Optional[int] = refused(None, _NO_AC, ge=1)
-    synchronize_checkpoint_boundary: bool = refused(False, _NO_AC)
-    profile: bool = refused(False, _NO_AC)
+    """Options of ``zeroshard.checkpointing`` (DeepSpeed's ``deepspeed.checkpointing``); ``initialize`` applies a
+    block given here, as ``configure(deepspeed_config=...)`` does."""
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = refused(False, "contiguous activation buffers are not implemented")
+    cpu_checkpointing: bool = False
+    number_checkpoints: Optional[int] = Field(None, ge=1)
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
 
 
 class AioConfig(Section):

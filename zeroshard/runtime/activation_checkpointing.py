@@ -1,22 +1,50 @@
-"""Activation checkpointing under DeepSpeed's names: recompute a segment's activations in backward instead of
-keeping them. Non-reentrant (``torch.utils.checkpoint`` with ``use_reentrant=False``): it composes with ZeRO's
-gradient hooks and stage-3 gathers, and works when no input requires a gradient.
+"""Activation checkpointing under DeepSpeed's names (``zeroshard.checkpointing``, ``deepspeed.checkpointing``):
+recompute a segment's activations in backward instead of keeping them.
 
-DeepSpeed's extras (partitioning activations across model-parallel ranks, CPU checkpointing, contiguous
-buffers) are not implemented; asking for them is refused, never ignored."""
+Recomputation is non-reentrant (``torch.utils.checkpoint`` with ``use_reentrant=False``): it composes with ZeRO's
+gradient hooks and stage-3 gathers (a recomputed unit is gathered again), and works when no input requires a
+gradient. What ``configure`` (or the config's ``activation_checkpointing`` block) sets:
+
+- ``checkpoint_in_cpu`` / ``cpu_checkpointing``: the tensors a checkpoint keeps -- its inputs, the only
+  activations left at a segment boundary -- wait for backward in host memory (pinned when the device is a GPU)
+  and are copied back for the recomputation. On a CPU-only machine host memory is where they already are.
+- ``synchronize`` / ``synchronize_checkpoint_boundary``: the device is synchronized before and after each
+  checkpointed forward and recomputation.
+- ``profile``: each checkpointed forward and recomputation logs its time (rank 0).
+- ``partition_activations``: DeepSpeed splits checkpoint inputs across model-parallel ranks; zeroshard trains
+  without model parallelism (every ``mpu_`` must report one model-parallel rank), where that split has one part
+  -- which is also what DeepSpeed does then.
+- ``num_checkpoints`` / ``number_checkpoints``: sizes DeepSpeed's contiguous buffers; recorded, used by nothing
+  else (as in DeepSpeed without ``contiguous_checkpointing``).
+- ``contiguous_checkpointing`` / ``contiguous_memory_optimization``: refused (not implemented).
+
+DeepSpeed's API is module-level (``configure`` once, then ``checkpoint`` anywhere in the model), so the options
+live in this module; ``reset()`` returns them to the defaults.
+"""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import torch.utils.checkpoint
 
-_configured = False  # DeepSpeed reports whether configure() ran; nothing else depends on it
+from ..accelerator import get_accelerator
+from .log import log_rank0
 
 
-def checkpoint(function, *args, **kwargs) -> Any:
-    """Run ``function(*args, **kwargs)`` without keeping its intermediate activations."""
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+@dataclass(frozen=True)
+class CheckpointingOptions:
+    cpu_checkpointing: bool = False
+    synchronize: bool = False
+    profile: bool = False
+    partition_activations: bool = False
+    number_checkpoints: Optional[int] = None
+
+
+_options: Optional[CheckpointingOptions] = None  # None until configure() ran (DeepSpeed's is_configured)
 
 
 def configure(
@@ -29,25 +57,111 @@ def configure(
     synchronize: Optional[bool] = None,
     profile: Optional[bool] = None,
 ) -> None:
-    """Accept DeepSpeed's call; refuse the options that would change memory behaviour zeroshard does not have."""
-    global _configured
-    asked = {
-        "partition_activations": partition_activations,
-        "contiguous_checkpointing": contiguous_checkpointing,
-        "checkpoint_in_cpu": checkpoint_in_cpu,
-        "synchronize": synchronize,
-        "profile": profile,
-    }
-    refused = sorted(name for name, value in asked.items() if value)
-    if mpu_ is not None:
-        refused.insert(0, "mpu_")
-    if refused:
+    """Set the options; ``deepspeed_config`` (a path, a dict, or a parsed config) supplies its
+    ``activation_checkpointing`` block, and the keyword arguments given override it (as in DeepSpeed)."""
+    global _options
+    block = _config_block(deepspeed_config)
+    if contiguous_checkpointing or (contiguous_checkpointing is None and block.contiguous_memory_optimization):
         raise NotImplementedError(
-            f"activation checkpointing options {refused} are not supported by zeroshard; plain recomputation "
-            "(zeroshard.checkpointing.checkpoint / torch.utils.checkpoint) is"
+            "activation checkpointing option contiguous_checkpointing (contiguous_memory_optimization) is not "
+            "supported by zeroshard; leave it false"
         )
-    _configured = True
+    if mpu_ is not None and _model_parallel_size(mpu_) != 1:
+        raise NotImplementedError(
+            f"mpu_ reports {_model_parallel_size(mpu_)} model-parallel ranks; zeroshard trains without model "
+            "parallelism, so activations cannot be partitioned across model-parallel ranks"
+        )
+
+    def pick(given, from_block):
+        return from_block if given is None else given
+
+    _options = CheckpointingOptions(
+        cpu_checkpointing=bool(pick(checkpoint_in_cpu, block.cpu_checkpointing)),
+        synchronize=bool(pick(synchronize, block.synchronize_checkpoint_boundary)),
+        profile=bool(pick(profile, block.profile)),
+        partition_activations=bool(pick(partition_activations, block.partition_activations)),
+        number_checkpoints=pick(num_checkpoints, block.number_checkpoints),
+    )
+    if _options.partition_activations:
+        log_rank0("activation checkpointing: partition_activations with one model-parallel rank keeps inputs whole")
+
+
+def _config_block(deepspeed_config: Any):
+    from ..config import parse_config
+    from ..config.schema import ActivationCheckpointingConfig
+
+    if deepspeed_config is None:
+        return ActivationCheckpointingConfig()
+    block = getattr(deepspeed_config, "activation_checkpointing", None)
+    if isinstance(block, ActivationCheckpointingConfig):
+        return block
+    return parse_config(deepspeed_config).activation_checkpointing
+
+
+def _model_parallel_size(mpu: Any) -> int:
+    for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size"):
+        if hasattr(mpu, name):
+            return int(getattr(mpu, name)())
+    raise TypeError(f"mpu_ of type {type(mpu).__name__} has no get_model_parallel_world_size()")
 
 
 def is_configured() -> bool:
-    return _configured
+    """Whether ``configure`` ran since the start (or the last ``reset``)."""
+    return _options is not None
+
+
+def reset() -> None:
+    """Back to the defaults. (DeepSpeed also frees its contiguous buffers here; zeroshard keeps none.)"""
+    global _options
+    _options = None
+
+
+def checkpoint(function, *args) -> Any:
+    """Run ``function(*args)`` keeping only its inputs; its activations are recomputed in backward."""
+    options = _options or CheckpointingOptions()
+    if not (options.cpu_checkpointing or options.synchronize or options.profile):
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    device = next((a.device for a in args if torch.is_tensor(a)), None)
+    if options.cpu_checkpointing and device is not None and device.type != "cpu":
+        pin = get_accelerator().can_pin_memory
+        args = tuple(_to_host(a, pin) for a in args)
+        return torch.utils.checkpoint.checkpoint(_Segment(function, options, device), *args, use_reentrant=False)
+    return torch.utils.checkpoint.checkpoint(_Segment(function, options, None), *args, use_reentrant=False)
+
+
+non_reentrant_checkpoint = checkpoint  # DeepSpeed's name for the same call
+
+
+def _to_host(value: Any, pin: bool) -> Any:
+    """A host copy of a device tensor; ``copy_`` is differentiable, so gradients still reach the device tensor
+    (whose memory is not kept: the copy's backward needs only the device to send the gradient to)."""
+    if not torch.is_tensor(value):
+        return value
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
+    return host.copy_(value, non_blocking=pin)
+
+
+class _Segment:
+    """The checkpointed function with the options around it: inputs back to the device, synchronization,
+    timing. Called once in forward and once more when backward recomputes."""
+
+    def __init__(self, function, options: CheckpointingOptions, device: Optional[torch.device]):
+        self.function = function
+        self.options = options
+        self.device = device
+
+    def __call__(self, *args):
+        if self.device is not None:
+            args = tuple(a.to(self.device, non_blocking=True) if torch.is_tensor(a) else a for a in args)
+        accel = get_accelerator()
+        if self.options.synchronize:
+            accel.synchronize()
+        started = time.perf_counter()
+        out = self.function(*args)
+        if self.options.synchronize or self.options.profile:
+            accel.synchronize()
+        if self.options.profile:
+            phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+            name = getattr(self.function, "__qualname__", type(self.function).__name__)
+            log_rank0(f"activation checkpoint {name}: {phase} {1e3 * (time.perf_counter() - started):.2f} ms")
+        return out

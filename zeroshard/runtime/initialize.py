@@ -24,6 +24,7 @@ from ..zero import (
     GradBucket,
     GradientReducer,
     ParamRecords,
+    ReusableBuffers,
     StagePolicy,
     ZeroOptimizer,
     build_optimizer_state,
@@ -32,6 +33,7 @@ from ..zero.init import Materializer, has_meta_parameters, pending_seed, release
 from ..zero.optimizer_state import MakeOptimizer
 from ..zero.planning import build_flat_groups, plan_flat_groups, plan_layouts
 from ..zero.stage3 import Stage3Runtime, build_units, plan_units
+from . import activation_checkpointing
 from .engine import ZeroshardEngine
 from .log import log_rank0
 from .sampler import ResumableDistributedSampler
@@ -253,7 +255,7 @@ def _resolve(source: Any, args: Any, model: torch.nn.Module, training_data: Any)
 
 
 def _build_flat_groups(
-    model, groups, cfg, grid, placement: Placement, records, materialize, unit_plans, persistent
+    model, groups, cfg, grid, placement: Placement, records, buffers, materialize, unit_plans, persistent
 ) -> tuple[list[FlatGroup], list[int]]:
     """Plan and allocate the flat groups; returns them and each one's optimizer parameter group."""
     z = cfg.zero_optimization
@@ -272,7 +274,7 @@ def _build_flat_groups(
     largest = max((layout.shard_numel for layout in layouts), default=1)
     homes = placement.offload.shard_homes(placement.policy.compute, largest)
     flats = build_flat_groups(
-        plans, layouts, shard_group, placement.policy.compute, placement.device, records, homes, materialize
+        plans, layouts, shard_group, placement.policy.compute, placement.device, records, buffers, homes, materialize
     )
     return flats, [plan.group_index for plan in plans]
 
@@ -286,16 +288,17 @@ def _build_zero(
     stage = StagePolicy.for_stage(z.stage)
     groups, make = _optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
     unit_plans, persistent = _stage3_plan(model, cfg, gather_unit_classes) if z.stage == 3 else ([], frozenset())
+    buffers = ReusableBuffers(placement.device)  # gathered units and gradient staging, reused step after step
     flats, group_of_flat = _build_flat_groups(
-        model, groups, cfg, grid, placement, records, materialize, unit_plans, persistent
+        model, groups, cfg, grid, placement, records, buffers, materialize, unit_plans, persistent
     )
     state = build_optimizer_state(
         flats, group_of_flat, groups, make, placement.policy.master, placement.offload, get_accelerator().synchronize
     )
     for flat in flats:
         records.own(flat, state)
-    buckets = _gradient_buckets(flats, grid, placement, state.device, stage)
-    stage3 = _build_stage3(model, unit_plans, buckets, z, placement.offload) if unit_plans else None
+    buckets = _gradient_buckets(flats, grid, placement, state.device, stage, buffers)
+    stage3 = _build_stage3(model, unit_plans, buckets, buffers, z, placement.offload) if unit_plans else None
     reducer = GradientReducer(
         buckets,
         {p: name for name, p in model.named_parameters()},
@@ -311,6 +314,7 @@ def _build_zero(
         state,
         reducer,
         LossScaler.from_config(cfg.fp16),
+        buffers,
         norm_group=grid.shard if stage.partition_optimizer else None,
         gradient_clipping=cfg.gradient_clipping,
         max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps,
@@ -319,7 +323,12 @@ def _build_zero(
 
 
 def _gradient_buckets(
-    flats: list[FlatGroup], grid: comm.RankGrid, placement: Placement, grad_device: torch.device, stage: StagePolicy
+    flats: list[FlatGroup],
+    grid: comm.RankGrid,
+    placement: Placement,
+    grad_device: torch.device,
+    stage: StagePolicy,
+    buffers: ReusableBuffers,
 ) -> list[GradBucket]:
     """One bucket per flat group; its gradient shard lives where the optimizer state steps it."""
     # hybrid sharding: the shard groups' results are summed across replica groups (stage 0 reduced over all)
@@ -327,15 +336,18 @@ def _gradient_buckets(
     replica = grid.replica if stage.partition_optimizer else one
     policy, offload = placement.policy, placement.offload
     pin = offload.pin_memory and offload.offloads_optimizer
-    return [GradBucket(flat, policy.reduce, policy.grad, replica, grad_device, pin) for flat in flats]
+    return [GradBucket(flat, policy.reduce, policy.grad, replica, grad_device, buffers, pin) for flat in flats]
 
 
-def _build_stage3(model, unit_plans, buckets: list[GradBucket], z, offload: OffloadPlan) -> Stage3Runtime:
+def _build_stage3(
+    model, unit_plans, buckets: list[GradBucket], buffers: ReusableBuffers, z, offload: OffloadPlan
+) -> Stage3Runtime:
     root_unit, units = build_units(unit_plans, buckets)
     return Stage3Runtime(
         model,
         root_unit,
         units,
+        buffers,
         z.prefetch_bucket_size,
         z.max_live_parameters,
         fetch_ahead=offload.param_buffer_count - 1 if offload.param_device == "nvme" else 0,
@@ -439,6 +451,8 @@ def initialize(
     _join_process_group(dist_init_required)
     grid, resolution = _resolve(source, args, model, training_data)
     cfg = resolution.config
+    if cfg.activation_checkpointing.model_fields_set:  # a block was given: it configures zeroshard.checkpointing
+        activation_checkpointing.configure(deepspeed_config=cfg)
     placement = _placement(cfg)
     materialize = _materializer(model, pretrained, grid.world, placement.device)
     _move_module(model, placement.device, placement.policy.compute)

@@ -13,7 +13,7 @@ import torch
 
 from .. import comm
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffers", "gathered_units")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication_buffers", "gathered_units", "idle_buffers")
 
 
 def categorize(by_location: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -25,6 +25,7 @@ def categorize(by_location: dict[str, dict[str, int]]) -> dict[str, int]:
         "optimizer_state": role["master"] + role["optimizer_state"],
         "communication_buffers": role["staging"],
         "gathered_units": role["gathered"],
+        "idle_buffers": role["idle_buffers"],  # owned gather/staging buffers kept for reuse
     }
     for where, places in by_location.items():
         out[f"on_{where}"] = sum(places.values())
@@ -66,6 +67,7 @@ COLUMNS = {  # table header -> breakdown key
     "optim": "optimizer_state",
     "comm_buf": "communication_buffers",
     "gathered": "gathered_units",
+    "idle_buf": "idle_buffers",
     "device": "on_device",
     "host": "on_host",
     "nvme": "on_nvme",

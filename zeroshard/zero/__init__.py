@@ -1,6 +1,7 @@
 """ZeRO data parallelism: flat groups, gradient reduction, optimizer state in its home, the optimizer for
 stages 0-3, zero.Init and whole-parameter access."""
 
+from .buffers import ReusableBuffers
 from .flat_group import FlatGroup, ParamState
 from .gathered import GatheredParameters, consolidated_state_dict
 from .init import Init, reset_parameters
@@ -24,6 +25,7 @@ __all__ = [
     "OptimizerState",
     "ParamRecords",
     "ParamState",
+    "ReusableBuffers",
     "ShardedParameterError",
     "StagePolicy",
     "ZeroOptimizer",

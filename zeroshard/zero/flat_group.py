@@ -3,7 +3,8 @@
 This object owns the compute side of one flat group on one rank:
 
 - ``buffer`` (compute dtype, whole bucket): the model's parameters are views into it, so an
-  all-gather into ``buffer`` updates the model in place.
+  all-gather into ``buffer`` updates the model in place. Resident groups own theirs; stage-3 groups draw it
+  from the engine's :class:`~zeroshard.zero.buffers.ReusableBuffers` at each gather and give it back when freed.
 - ``shard`` (compute dtype, this rank's slice): for resident groups a view of ``buffer``; for stage-3
   groups the only copy kept between gathers, unless ``offload_param`` moved it to a ``home`` (host
   memory or NVMe, see ``zeroshard.offload.param_store``) from which it is fetched before each gather.
@@ -22,6 +23,7 @@ import torch
 
 from .. import comm
 from ..partition import FlatLayout
+from .buffers import ReusableBuffers
 from .sharded_param import ParamRecords
 
 
@@ -43,6 +45,7 @@ class FlatGroup:
         shard_group: comm.Group,
         device: torch.device,
         records: ParamRecords,
+        buffers: ReusableBuffers,
         resident: bool = True,
         shard_home: Optional[Callable[[torch.Tensor], Any]] = None,
     ):
@@ -57,14 +60,15 @@ class FlatGroup:
         self.shard_rank = shard_group.rank if self.partitioned else 0
         self.device = device
         self.records = records
+        self.buffers = buffers
         full = torch.zeros(layout.padded_numel, dtype=compute_dtype, device=device)
         with torch.no_grad():
             for slot, param in zip(layout.slots, params):
                 full[slot.offset : slot.end].copy_(param.detach().reshape(-1))
         lo, hi = layout.shard_range(self.shard_rank)
         self.buffer: Optional[torch.Tensor] = None  # the gathered parameters (None while sharded)
-        self._storage: Optional[torch.Tensor] = None  # stage 3: the buffer, kept (at zero bytes) while sharded
         self._gather: Optional[comm.Pending] = None
+        self._scratch: Optional[torch.Tensor] = None  # the collective's scratch buffer while a gather is pending
         self.home = None
         self.shard: Optional[torch.Tensor]
         if resident:
@@ -98,17 +102,13 @@ class FlatGroup:
             if not async_op:
                 self.wait_gathered()
             return
-        if self._storage is None:
-            self._storage = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        else:
-            self._storage.untyped_storage().resize_(self.layout.padded_numel * self._storage.element_size())
-        self.buffer = self._storage
+        self.buffer = self.buffers.acquire(self.layout.padded_numel, self.dtype, owner=self)
         shard = self.shard
         if self.home is not None:
             shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
             shard.copy_(self.home.get())  # blocking: the home's staging buffer is reused after release
             self.home.release()
-        self._gather = comm.all_gather(self.buffer, shard, self.shard_group, async_op=True)
+        self._gather = self._all_gather(shard, async_op=True)
         if not async_op:
             self.wait_gathered()
 
@@ -121,22 +121,32 @@ class FlatGroup:
         if self._gather is not None:
             self._gather.wait()
             self._gather = None
+            self._give_back_scratch()
             self._bind(self.buffer)
 
-    def free(self) -> None:
-        """Drop the whole buffer; the parameters keep their identity but no data until the next gather.
+    def _all_gather(self, shard: torch.Tensor, async_op: bool) -> comm.Pending:
+        if comm.needs_scratch(self.shard_group):
+            self._scratch = self.buffers.acquire(self.layout.padded_numel, self.dtype)
+        return comm.all_gather(self.buffer, shard, self.shard_group, async_op=async_op, scratch=self._scratch)
 
-        The memory is released by shrinking the buffer's storage to zero bytes rather than by dropping the
-        tensor: autograd keeps views of the gathered weights for backward (e.g. the transposed weight of a
-        linear layer), which would otherwise pin every unit's gathered buffer from forward to backward.
-        The next gather regrows the same storage, so those views see the re-gathered values."""
+    def _give_back_scratch(self) -> None:
+        if self._scratch is not None:
+            self.buffers.release(self._scratch)
+            self._scratch = None
+
+    def free(self) -> None:
+        """Give the whole buffer back; the parameters keep their identity but no data until the next gather.
+
+        The next gather may draw another buffer: views of this one that autograd saved for backward (e.g. the
+        transposed weight of a linear layer) are saved as positions in this flat group instead, and rebuilt
+        from the re-gathered buffer when backward needs them (``Stage3Runtime``'s saved-tensor hooks)."""
         if self.resident:
             raise AssertionError("a resident flat group is never freed")
         self.wait_gathered()
         for slot, param in zip(self.layout.slots, self.params):
             self.records.release(param, slot.name, torch.Size(slot.shape))
         if self.buffer is not None:
-            self.buffer.untyped_storage().resize_(0)
+            self.buffers.release(self.buffer)
         self.buffer = None
 
     # -- this rank's shard ---------------------------------------------------------------------
@@ -162,7 +172,8 @@ class FlatGroup:
             self.home.flush()
         if self.resident and self.partitioned:
             # in-place all-gather: the input is this rank's own chunk of the output
-            comm.all_gather(self.buffer, self.shard, self.shard_group)
+            self._all_gather(self.shard, async_op=False)
+            self._give_back_scratch()
 
     def bytes_held(self) -> dict[str, dict[str, int]]:
         """Bytes per role and where they live: ``device`` (the accelerator, or the compute side on a

@@ -9,8 +9,9 @@ Values: each module's parameters are initialized by its ``reset_parameters()`` (
 if given) under a generator seeded from the Init seed and the module's path, so the result does not
 depend on the order of materialization and is identical on every rank. Initialization code that ran
 in ``__init__`` on the parameters themselves (e.g. ``self.apply(custom_init)``) acted on meta tensors
-and is not replayed: pass it as ``param_init_fn``. :func:`reset_parameters` applies the same values
-to a model built normally (for references and tests).
+and is not replayed: pass it as ``param_init_fn``; a Hugging Face model's own ``_init_weights`` is used when
+none is given. A module with parameters and neither is refused (its values would be uninitialized memory).
+:func:`reset_parameters` applies the same values to a model built normally (for references and tests).
 
 Writing weights before ``initialize`` (how Hugging Face's ``from_pretrained`` loads under ZeRO-3): inside
 ``GatheredParameters(params, modifier_rank=r)`` a parameter that has no data yet is materialized (its
@@ -161,9 +162,16 @@ def _reset_module(
         for name, p in module.named_parameters(recurse=False)
         if id(p) not in owned and not p.is_meta
     }
-    for param in module.parameters(recurse=False):
-        if id(param) in owned and param.is_meta:
+    meta = [p for p in module.parameters(recurse=False) if p.is_meta]
+    for param in meta:
+        if id(param) in owned:
             _give_data(param, torch.empty(param.shape, device=device, dtype=torch.float32))
+    if param_init_fn is None and not hasattr(module, "reset_parameters") and any(id(p) in owned for p in meta):
+        raise ValueError(
+            f"zero.Init: module '{path}' ({type(module).__name__}) has parameters but no reset_parameters() and no "
+            "param_init_fn was given, so nothing would give them initial values; pass "
+            "zero.Init(param_init_fn=...) (e.g. the model's own initialization function) or load pretrained weights"
+        )
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(_module_seed(seed, path))
         if hasattr(module, "reset_parameters"):
@@ -174,8 +182,16 @@ def _reset_module(
             getattr(module, name).copy_(value)
 
 
+def model_init_fn(root: nn.Module) -> Optional[ParamInitFn]:
+    """The model's own per-module initialization, used when zero.Init got no ``param_init_fn``: a Hugging Face
+    model's ``_init_weights`` (which its ``post_init()`` applied to meta tensors while it was built)."""
+    init = getattr(root, "_init_weights", None)
+    return init if callable(init) else None
+
+
 def reset_parameters(root: nn.Module, seed: int, param_init_fn: Optional[ParamInitFn] = None) -> None:
     """Give a normally built model exactly the initial values a zero.Init build of it materializes."""
+    param_init_fn = param_init_fn or model_init_fn(root)
     device = next((p.device for p in root.parameters()), torch.device("cpu"))
     owners = _canonical_owners(root)
     for path, module in root.named_modules():
@@ -211,7 +227,8 @@ class Materializer:
                 continue
             pending = _pending(param)
             owned = {id(p) for p in module.parameters(recurse=False) if self.owners[id(p)][1] is module}
-            _reset_module(path, module, self.seed, pending and pending.param_init_fn, owned, self.device)
+            init_fn = (pending and pending.param_init_fn) or model_init_fn(self.root)
+            _reset_module(path, module, self.seed, init_fn, owned, self.device)
 
     def _read(self, path: str, module: nn.Module) -> None:
         for local, param in module.named_parameters(recurse=False):

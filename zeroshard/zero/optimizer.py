@@ -16,6 +16,7 @@ import torch
 
 from .. import comm
 from ..precision import LossScaler
+from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .optimizer_state import OptimizerState
 from .reducer import GradientReducer
@@ -39,6 +40,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer_state: OptimizerState,
         reducer: GradientReducer,
         loss_scaler: LossScaler,
+        buffers: ReusableBuffers,
         *,
         norm_group: Optional[comm.Group],
         gradient_clipping: float = 0.0,
@@ -48,6 +50,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer_state = optimizer_state
         self.reducer = reducer
         self.loss_scaler = loss_scaler
+        self.buffers = buffers  # gathered units and gradient staging (the flat groups and buckets draw from it)
         self.norm_group = norm_group  # the group whose shards make up the gradient (None: replicated, stage 0)
         self.gradient_clipping = gradient_clipping
         self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
@@ -193,7 +196,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
         """Bytes of model state this rank holds per location (``device``, ``host``, ``nvme``) and role,
         counted from the tensors (and swap-file regions) themselves."""
-        roles = ("params", "gathered", "master", "grad_shard", "staging", "optimizer_state")
+        roles = ("params", "gathered", "master", "grad_shard", "staging", "idle_buffers", "optimizer_state")
         totals = {where: dict.fromkeys(roles, 0) for where in ("device", "host", "nvme")}
         parts = [flat.bytes_held() for flat in self.flat_groups]
         parts.append(self.reducer.bytes_held(self.optimizer_state.location))
@@ -202,6 +205,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for role, places in part.items():
                 for where, nbytes in places.items():
                     totals[where][role] += nbytes
+        totals["device"]["idle_buffers"] += self.buffers.idle_bytes  # reusable, not in use between steps
         pools = {id(flat.home.pool): flat.home.pool for flat in self.flat_groups if hasattr(flat.home, "pool")}
         totals["host"]["params"] += sum(pool.bytes_in_memory for pool in pools.values())
         return totals

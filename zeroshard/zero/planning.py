@@ -10,6 +10,7 @@ import torch
 
 from .. import comm
 from ..partition import FlatLayout, assign_buckets, flat_layout
+from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .sharded_param import ParamRecords
 
@@ -89,6 +90,7 @@ def build_flat_groups(
     compute_dtype: torch.dtype,
     device: torch.device,
     records: ParamRecords,
+    buffers: ReusableBuffers,
     shard_home: Optional[Callable[[torch.Tensor], Any]] = None,
     materialize: Optional[Callable[[list[torch.nn.Parameter]], None]] = None,
 ) -> list[FlatGroup]:
@@ -100,6 +102,8 @@ def build_flat_groups(
         if materialize is not None:
             materialize(plan.params)
         flats.append(
-            FlatGroup(layout, plan.params, compute_dtype, shard_group, device, records, plan.resident, shard_home)
+            FlatGroup(
+                layout, plan.params, compute_dtype, shard_group, device, records, buffers, plan.resident, shard_home
+            )
         )
     return flats

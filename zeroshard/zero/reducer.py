@@ -2,8 +2,9 @@
 
 A :class:`GradBucket` owns the gradient side of one flat group on one rank:
 
-- ``staging`` (reduce dtype, whole bucket, transient): gradients on their way to the reduction;
-  allocated when the first gradient arrives, freed once the reduction completes.
+- ``staging`` (reduce dtype, whole bucket, transient): gradients on their way to the reduction; drawn from
+  the engine's :class:`~zeroshard.zero.buffers.ReusableBuffers` when the first gradient arrives, given back once
+  the reduction completes. The reduce-scatter runs in place: this rank's chunk of it receives the sum.
 - ``grad`` (fp32, this rank's shard): reduced gradients, accumulated across micro-batches, on the
   device or (offloaded optimizer) in host memory, where the optimizer state steps them.
 
@@ -20,9 +21,10 @@ from typing import Callable, Optional
 import torch
 
 from .. import comm
+from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 
-MAX_IN_FLIGHT = 2  # overlapped reductions pending at once (each holds one bucket's staging buffer)
+MAX_IN_FLIGHT = 1  # overlapped reductions pending at once (each holds one bucket's staging and scratch buffers)
 
 
 class GradState(Enum):
@@ -42,9 +44,11 @@ class GradBucket:
         grad_dtype: torch.dtype,
         replica_group: comm.Group,
         grad_device: torch.device,
+        buffers: ReusableBuffers,
         pin_memory: bool = False,
     ):
         self.flat = flat
+        self.buffers = buffers
         self.layout = flat.layout
         self.reduce_dtype = reduce_dtype
         self.replica_group = replica_group
@@ -52,6 +56,7 @@ class GradBucket:
         self.state = GradState.EMPTY
         self._staging: Optional[torch.Tensor] = None
         self._reduced: Optional[torch.Tensor] = None
+        self._scratch: Optional[torch.Tensor] = None  # the collective's scratch buffer (Gloo) while reducing
         self._pending: Optional[comm.Pending] = None
         # Gradient contributions per parameter in this backward, and how many the last backward brought. A
         # parameter recomputed by reentrant activation checkpointing gets one per recomputation (each nested
@@ -69,7 +74,7 @@ class GradBucket:
         """Stage one gradient contribution; a second one for the same parameter (a reentrant recomputation) adds."""
         slot = self.layout.slots[position]
         if self._staging is None:
-            self._staging = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.flat.device)
+            self._staging = self.buffers.acquire(self.layout.padded_numel, self.reduce_dtype)
             self.state = GradState.STAGING
         target = self._staging[slot.offset : slot.end]
         if self.arrived[position]:
@@ -81,7 +86,7 @@ class GradBucket:
     def launch_reduce(self, predivide: float, async_op: bool) -> None:
         """Issue the reduction; parameters whose gradient never arrived (unused this step) count as zero."""
         if self._staging is None:
-            self._staging = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.flat.device)
+            self._staging = self.buffers.acquire(self.layout.padded_numel, self.reduce_dtype).zero_()
         else:
             for slot, arrived in zip(self.layout.slots, self.arrived):
                 if not arrived:
@@ -90,8 +95,13 @@ class GradBucket:
         if predivide != 1.0:
             self._staging.div_(predivide)
         if self.flat.partitioned:
-            self._reduced = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.flat.device)
-            self._pending = comm.reduce_scatter(self._reduced, self._staging, self.flat.shard_group, async_op=async_op)
+            lo, hi = self.layout.shard_range(self.flat.shard_rank)
+            self._reduced = self._staging[lo:hi]  # in place: this rank's chunk of the input receives the sum
+            if comm.needs_scratch(self.flat.shard_group):
+                self._scratch = self.buffers.acquire(self.layout.padded_numel, self.reduce_dtype)
+            self._pending = comm.reduce_scatter(
+                self._reduced, self._staging, self.flat.shard_group, async_op=async_op, scratch=self._scratch
+            )
         else:
             self._reduced = self._staging
             self._pending = comm.all_reduce(self._staging, self.flat.shard_group, async_op=async_op)
@@ -105,14 +115,16 @@ class GradBucket:
         # hybrid sharding: the shard group reduced one replica's gradients; add the other replicas'
         comm.all_reduce(self._reduced, self.replica_group)
         self.grad.add_(self._reduced.to(self.grad.device), alpha=post_scale)
-        self._staging = self._reduced = self._pending = None
+        self.buffers.release(self._staging)
+        if self._scratch is not None:
+            self.buffers.release(self._scratch)
+        self._staging = self._reduced = self._pending = self._scratch = None
         self.expected = [n or e for n, e in zip(self.arrived, self.expected)]  # learned for the next backward
         self.arrived = [0] * len(self.arrived)
         self.state = GradState.EMPTY
 
     def staging_bytes(self) -> int:
-        staged = _nbytes(self._staging)
-        return staged + (_nbytes(self._reduced) if self._reduced is not self._staging else 0)
+        return _nbytes(self._staging) + _nbytes(self._scratch)
 
 
 class GradientReducer:

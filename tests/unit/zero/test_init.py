@@ -48,3 +48,34 @@ def test_gather_order_is_creation_order_not_argument_order():
     params = [model[2].bias, model[0].weight, model[2].weight]
     gathered = GatheredParameters(set(params))
     assert gathered.params == [model[0].weight, model[2].weight, model[2].bias]
+
+
+class NoReset(nn.Module):
+    """A module whose parameter only its own __init__ initializes (like HF's Conv1D)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 3))
+
+
+def test_a_module_nothing_can_initialize_is_refused_by_name():
+    with Init(seed=1):
+        model = nn.Sequential(nn.Linear(3, 3), NoReset())
+    with pytest.raises(ValueError, match=r"module '#\d+' \(NoReset\) has parameters but no reset_parameters"):
+        with GatheredParameters([model[1].weight]):
+            pass
+    with Init(seed=1, param_init_fn=lambda m: nn.init.ones_(m.weight) if isinstance(m, NoReset) else None):
+        model = nn.Sequential(nn.Linear(3, 3), NoReset())
+    with GatheredParameters([model[1].weight]):
+        assert torch.equal(model[1].weight.detach(), torch.ones(3, 3))
+
+
+def test_hugging_face_models_get_their_own_initialization():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zeroshard.zero import reset_parameters
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64, n_positions=8))
+    reset_parameters(model, seed=5)  # Conv1D has no reset_parameters: the model's _init_weights gives the values
+    weight = model.transformer.h[0].attn.c_attn.weight
+    assert torch.isfinite(weight).all() and abs(weight.std().item() - 0.02) < 0.003

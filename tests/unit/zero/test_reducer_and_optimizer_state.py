@@ -12,15 +12,17 @@ from zeroshard.zero import (
     GradientReducer,
     HostState,
     ParamRecords,
+    ReusableBuffers,
     build_optimizer_state,
 )
 
 ONE = comm.Group("world", (0,), None)
+CPU = torch.device("cpu")
 
 
 def _flat(params):
     layout = flat_layout([f"p{i}" for i in range(len(params))], [tuple(p.shape) for p in params], 1)
-    return FlatGroup(layout, params, torch.float32, ONE, torch.device("cpu"), ParamRecords())
+    return FlatGroup(layout, params, torch.float32, ONE, CPU, ParamRecords(), ReusableBuffers(CPU))
 
 
 def _params():
@@ -30,7 +32,7 @@ def _params():
 
 def test_bucket_adds_repeated_contributions_and_zeroes_unused_slots():
     params = _params()
-    bucket = GradBucket(_flat(params), torch.float32, torch.float32, ONE, torch.device("cpu"))
+    bucket = GradBucket(_flat(params), torch.float32, torch.float32, ONE, CPU, ReusableBuffers(CPU))
     first = torch.ones(3, 2)
     bucket.stage_grad(0, first)
     assert not bucket.complete  # parameter 1 has brought nothing yet
@@ -44,7 +46,7 @@ def test_bucket_adds_repeated_contributions_and_zeroes_unused_slots():
 def test_reducer_hooks_collect_autograd_gradients():
     params = _params()
     flat = _flat(params)
-    bucket = GradBucket(flat, torch.float32, torch.float32, ONE, torch.device("cpu"))
+    bucket = GradBucket(flat, torch.float32, torch.float32, ONE, CPU, ReusableBuffers(CPU))
     reducer = GradientReducer(
         [bucket], {p: f"p{i}" for i, p in enumerate(params)}, ONE, reduce_every_micro_step=True, overlap_comm=False
     )

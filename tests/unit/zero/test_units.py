@@ -2,7 +2,7 @@ import pytest
 import torch.nn as nn
 
 from zeroshard.testing.models import GPT, GPTConfig
-from zeroshard.zero.stage3.units import choose_unit_modules, plan_units
+from zeroshard.zero.stage3.units import choose_unit_modules, plan_units, repeated_block_classes
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
 
@@ -67,3 +67,47 @@ def test_weight_tied_across_units_moves_to_root():
     units = {u.name: u for u in plan_units(model, frozenset({"Sequential"}))}
     assert any(p is model.a[0].weight for p in units[""].params)
     assert not any(p is model.a[0].weight for p in units["a"].params + units["b"].params)
+
+
+def test_default_units_are_the_repeated_blocks():
+    assert plan_units_names(GPT(CFG)) == ["", "blocks.0", "blocks.1", "blocks.2"]
+
+
+def plan_units_names(model):
+    return [u.name for u in plan_units(model)]
+
+
+def test_repeated_blocks_of_hf_models_and_only_the_outermost():
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    assert repeated_block_classes(gpt2) == {"GPT2Block"}
+    assert plan_units_names(gpt2) == ["", "transformer.h.0", "transformer.h.1"]
+    llama = LlamaForCausalLM(
+        LlamaConfig(num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=32)
+    )
+    assert repeated_block_classes(llama) == {"LlamaDecoderLayer"}
+
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.up(x)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList([Expert(), Expert()])
+
+        def forward(self, x):
+            return sum(e(x) for e in self.experts)
+
+    stack = nn.Sequential(Layer(), Layer(), nn.Linear(4, 4), nn.Linear(4, 4))  # leaf Linears are no blocks
+    assert repeated_block_classes(stack) == {"Layer"}
+
+
+def test_explicit_size_threshold_overrides_repeated_blocks():
+    model = GPT(CFG)
+    assert [u.name for u in plan_units(model, min_params=10**9)] == [""]

@@ -3,18 +3,35 @@
 Hooks only decide *when*; the flat groups own the gather and free (and the comm layer the
 collectives). Every rank must run the same units in the same order (as with FSDP): the gathers
 are collectives issued from these hooks.
+
+Note [saved views of gathered buffers]: a gathered buffer is drawn from the engine's reusable buffers and may
+be another one at the next gather, but autograd keeps views of gathered weights for backward (the transposed
+weight of a linear layer, a layer norm's weight). While the model's forward runs, a saved-tensor hook
+replaces each such view by its position in its flat group, and backward rebuilds it from the buffer the
+group holds then (gathering it first if it was freed). Being entered around the whole forward, these hooks
+sit below any that activation checkpointing enters inside it, so checkpointed regions still save nothing.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..buffers import ReusableBuffers
 from ..flat_group import FlatGroup, ParamState
 from ..reducer import GradBucket
+
+
+class SavedView(NamedTuple):
+    """A tensor autograd saved that views a gathered buffer: where in its flat group, not which memory."""
+
+    flat: FlatGroup
+    offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
 
 
 class GatherUnit:
@@ -43,12 +60,16 @@ class Stage3Runtime:
         root: torch.nn.Module,
         root_unit: GatherUnit,
         units: list[GatherUnit],
+        buffers: ReusableBuffers,
         prefetch_numel: int,
         max_live_numel: int,
         fetch_ahead: int = 0,
     ):
         self.root_unit = root_unit
         self.units = units  # non-root, pre-order
+        self.buffers = buffers
+        self._saving: Optional[torch.autograd.graph.saved_tensors_hooks] = None  # see Note [saved views ...]
+        self._saving_owner: Optional[torch.nn.Module] = None  # the module whose forward entered them
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.fetch_ahead = fetch_ahead  # offloaded (NVMe) units whose shards are read ahead of their gather
@@ -61,7 +82,7 @@ class Stage3Runtime:
         self._backward_hooks: list = []  # on this forward's unit outputs; removed when backward is over
         self._handles = [
             root.register_forward_pre_hook(self._root_pre_forward),
-            root.register_forward_hook(self._root_post_forward),
+            root.register_forward_hook(self._root_post_forward, always_call=True),
         ]
         for unit in units:
             self._handles.append(
@@ -69,7 +90,7 @@ class Stage3Runtime:
             )
             self._handles.append(
                 unit.module.register_forward_hook(
-                    lambda module, args, output, unit=unit: self._post_forward(unit, output)
+                    lambda module, args, output, unit=unit: self._post_forward(unit, output), always_call=True
                 )
             )
 
@@ -113,9 +134,13 @@ class Stage3Runtime:
     # -- forward ---------------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
         self._recording = []
+        self._save_views_by_position()
         self._gather(self.root_unit, async_op=False)
 
     def _root_post_forward(self, module, args, output) -> Any:
+        if self._saving is not None and self._saving_owner is module:
+            self._saving.__exit__(None, None, None)
+            self._saving = None
         if self._recording:
             self.order = self._recording  # re-learned every forward, so a changed order is picked up
         if not torch.is_grad_enabled():
@@ -123,6 +148,8 @@ class Stage3Runtime:
         return output
 
     def _pre_forward(self, unit: GatherUnit) -> None:
+        if self._saving is None and torch._C._current_graph_task_id() == -1:
+            self._save_views_by_position(unit.module)  # the model's forward did not enter through its root
         self._recording.append(unit)
         self._gather(unit, async_op=False)
         position = len(self._recording)
@@ -130,6 +157,9 @@ class Stage3Runtime:
             self._prefetch(self.order[position:])
 
     def _post_forward(self, unit: GatherUnit, output) -> Any:
+        if self._saving is not None and self._saving_owner is unit.module:
+            self._saving.__exit__(None, None, None)
+            self._saving = None
         if torch._C._current_graph_task_id() != -1:
             return output  # activation checkpointing recomputes inside backward: the unit is still needed
         if torch.is_grad_enabled():
@@ -138,6 +168,27 @@ class Stage3Runtime:
                 self._backward_hooks.append(tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit)))
         self._free(unit)
         return output
+
+    # -- saved views (Note [saved views of gathered buffers]) -----------------------------------------
+    def _save_views_by_position(self, owner: Optional[torch.nn.Module] = None) -> None:
+        """Enter the saved-tensor hooks for the forward that ``owner`` (default: the root) runs."""
+        if torch.is_grad_enabled() and self._saving is None:
+            self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saving_owner = owner if owner is not None else self.root_unit.module
+            self._saving.__enter__()
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        flat = self.buffers.owner_of(tensor)
+        if flat is None:
+            return tensor
+        return SavedView(flat, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, SavedView):
+            return saved
+        if saved.flat.param_state is not ParamState.GATHERED:
+            self._gather(self.unit_of_flat[saved.flat], async_op=False)  # freed since: freed again by release_all
+        return saved.flat.buffer.as_strided(saved.size, saved.stride, saved.offset)
 
     # -- backward --------------------------------------------------------------------------------
     def _pre_backward(self, unit: GatherUnit) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch.nn as nn
 
@@ -21,6 +22,26 @@ def runs(module: nn.Module) -> bool:
     ``ParameterList``, ...) keep ``nn.Module``'s unimplemented ``forward``: they are never called, so the
     hooks that gather a unit before it runs would never fire for them."""
     return type(module).forward is not nn.Module.forward
+
+
+def repeated_block_classes(root: nn.Module) -> frozenset[str]:
+    """The classes of the model's repeated blocks: modules that hold modules of their own, run, and appear at least
+    twice in one ``ModuleList`` or ``Sequential`` (HF's ``GPT2Block``, ``LlamaDecoderLayer``, our ``Block``).
+    Only the outermost such classes: experts repeated inside a repeated decoder layer stay in their layer."""
+    repeated: set[str] = set()
+    for module in root.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            names = [type(m).__name__ for m in module if runs(m) and next(m.children(), None) is not None]
+            repeated.update(name for name in names if names.count(name) > 1)
+
+    nested = {
+        type(inner).__name__
+        for outer in root.modules()
+        if type(outer).__name__ in repeated
+        for inner in outer.modules()
+        if inner is not outer
+    }
+    return frozenset(repeated - nested)
 
 
 def choose_unit_modules(root: nn.Module, unit_classes: frozenset[str], min_params: int) -> list[str]:
@@ -53,15 +74,21 @@ def choose_unit_modules(root: nn.Module, unit_classes: frozenset[str], min_param
 
 
 def plan_units(
-    root: nn.Module, unit_classes: frozenset[str] = frozenset(), min_params: int = DEFAULT_UNIT_MIN_PARAMS
+    root: nn.Module, unit_classes: frozenset[str] = frozenset(), min_params: Optional[int] = None
 ) -> list[UnitPlan]:
     """The root unit first, then the chosen units in pre-order; each parameter in exactly one unit.
+
+    Which modules: those of ``unit_classes``; else, with ``min_params`` given, by size (``choose_unit_modules``);
+    else the model's repeated blocks (``repeated_block_classes``), or by size at ``DEFAULT_UNIT_MIN_PARAMS``
+    when it repeats none.
 
     A parameter belongs to the innermost unit enclosing the module that registers it; a parameter
     registered in two different units (tied weights across units) goes to the root unit, which stays
     gathered from the start of forward to the end of backward.
     """
-    names = choose_unit_modules(root, unit_classes, min_params)
+    if not unit_classes and min_params is None:
+        unit_classes = repeated_block_classes(root)
+    names = choose_unit_modules(root, unit_classes, min_params or DEFAULT_UNIT_MIN_PARAMS)
     modules = dict(root.named_modules())
     units = {"": UnitPlan("", root)} | {n: UnitPlan(n, modules[n]) for n in names}
     owner: dict[nn.Parameter, str] = {}
