@@ -15,9 +15,10 @@ Vocabulary used throughout the code:
   gradient-accumulation boundary.
 """
 
-from . import checkpoint, checkpointing, comm, inference, ops, zero
+from . import checkpoint, checkpointing, comm, estimator, inference, ops, zero
 from .comm import init_distributed
 from .compat import install_as_deepspeed
+from .estimator import estimate
 from .inference import init_empty_weights, init_inference
 from .runtime import ZeroshardEngine, add_config_arguments, initialize
 
@@ -30,6 +31,8 @@ __all__ = [
     "checkpoint",
     "checkpointing",
     "comm",
+    "estimate",
+    "estimator",
     "inference",
     "ops",
     "init_distributed",

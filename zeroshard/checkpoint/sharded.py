@@ -80,9 +80,14 @@ def _writer_files(flat) -> list[str]:
     return [rank_file(r) for r in flat.shard_group.ranks]  # replica 0's shard group is the first row
 
 
+def _frozen_groups(state: TrainingState) -> list:
+    return state.optimizer.frozen_groups if state.optimizer else []
+
+
 def _outside_tensors(state: TrainingState, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
-    """Frozen parameters and buffers: not in any flat group, whole on every rank."""
-    in_flats = {id(p) for f in state.optimizer.flat_groups for p in f.params} if state.optimizer else set()
+    """Frozen parameters (below stage 3) and buffers: not in any flat group, whole on every rank."""
+    flats = [*state.optimizer.flat_groups, *state.optimizer.frozen_groups] if state.optimizer else []
+    in_flats = {id(p) for f in flats for p in f.params}
     out = {
         f"module.{n}": p
         for n, p in state.module.named_parameters()
@@ -132,6 +137,10 @@ def save(
             for key in ["master", *zero.flat_state_keys(k)]:
                 name = "master" if key == "master" else f"optim.{key}"
                 specs.append((f"{name}.fg{k}", zero.master_dtype, (flat.layout.shard_numel,)))
+    frozen = [] if exclude_frozen_parameters else _frozen_groups(state)
+    for j, flat in enumerate(frozen):
+        if _writes_flat(state, flat):  # the compute-precision shard is a frozen parameter's only copy
+            specs.append((f"master.ff{j}", flat.dtype, (flat.layout.shard_numel,)))
     outside = _outside_tensors(state, exclude_frozen_parameters)
     others = [*outside.items(), *client_tensors.items()] if rank == 0 else []
     others.append(("rng.cpu", torch.get_rng_state()))
@@ -145,6 +154,9 @@ def save(
                 saved = zero.read_flat(k)
                 yield f"master.fg{k}", saved.pop("master")
                 yield from ((f"optim.{key}.fg{k}", saved[key]) for key in sorted(saved))
+        for j, flat in enumerate(frozen):
+            if _writes_flat(state, flat):
+                yield f"master.ff{j}", flat.shard_values()
         yield from others
 
     path = os.path.join(tmp, rank_file(rank))
@@ -163,7 +175,7 @@ def save(
 
     if rank == 0:
         try:
-            manifest = seal(_manifest(state, tag, client, client_tensors, outside, tmp))
+            manifest = seal(_manifest(state, tag, client, client_tensors, outside, frozen, tmp))
             _atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
         except OSError as err:
             error = err
@@ -291,16 +303,18 @@ def _collect_sidecars(tmp: str, world_size: int) -> tuple[dict, dict]:
     return files, rng
 
 
-def _sharded_entries(zero) -> tuple[dict[str, dict], list[dict]]:
+def _sharded_entries(zero, frozen: list) -> tuple[dict[str, dict], list[dict]]:
     """Where each parameter's pieces are (world-size independent: FQN, shape, pieces) and each flat group's
-    optimizer state keys and scalars."""
+    optimizer state keys and scalars. Frozen flat groups (stage 3) are saved like master shards, as ``ff<j>``."""
     params: dict[str, dict] = {}
     flat_groups = []
-    for k, flat in enumerate(zero.flat_groups if zero else []):
-        for name, plist in pieces_for(flat.layout, f"fg{k}", _writer_files(flat)).items():
+    keyed = [(f"fg{k}", flat) for k, flat in enumerate(zero.flat_groups if zero else [])]
+    for key, flat in keyed + [(f"ff{j}", flat) for j, flat in enumerate(frozen)]:
+        for name, plist in pieces_for(flat.layout, key, _writer_files(flat)).items():
             params.setdefault(name, {"pieces": []})["pieces"] += [p.to_json() for p in plist]
         for slot, param in zip(flat.layout.slots, flat.params):
             params[slot.name].update(shape=list(slot.shape), dtype=str(param.dtype).removeprefix("torch."))
+    for k in range(len(zero.flat_groups) if zero else 0):
         flat_groups.append(
             {
                 "group": zero.flat_param_group(k),
@@ -329,11 +343,12 @@ def _manifest(
     client: dict,
     client_tensors: dict[str, torch.Tensor],
     outside: dict[str, torch.Tensor],
+    frozen: list,
     tmp: str,
 ) -> dict:
     zero = state.optimizer
     files, rng = _collect_sidecars(tmp, state.grid.world.size)
-    params, flat_groups = _sharded_entries(zero)
+    params, flat_groups = _sharded_entries(zero, frozen)
     module_tensors = {name.removeprefix("module."): entry for name, entry in _rank0_entries(outside, True).items()}
     scheduler = state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups] if zero else []
@@ -349,10 +364,11 @@ def _manifest(
         "optimizer": {"param_groups": json_ready(hyper, "optimizer hyperparameters"), "flat_groups": flat_groups},
         "params": params,
         "module_tensors": module_tensors,
-        "excluded_frozen": [n.removeprefix("module.") for n in _outside_tensors(state) if n not in outside],
+        "excluded_frozen": [n.removeprefix("module.") for n in _outside_tensors(state) if n not in outside]
+        + [slot.name for flat in _frozen_groups(state) if flat not in frozen for slot in flat.layout.slots],
         "files": files,
         "python_rng": rng,
-        "aliases": _aliases(state.module),
+        "aliases": {a: t for a, t in _aliases(state.module).items() if t in params or t in module_tensors},
         "config": state.config.model_dump(mode="json"),
         "client_state": client,
         "client_tensors": _rank0_entries(client_tensors, False),
@@ -414,6 +430,8 @@ def load(
         with torch.no_grad():
             for k, flat in enumerate(zero.flat_groups if zero else []):
                 _load_flat(zero, k, flat, manifest, sources, load_optimizer_states and not load_module_only)
+            for flat in _frozen_groups(state):
+                _load_frozen(flat, manifest, sources)
             for name, entry in manifest["module_tensors"].items():
                 target = _module_tensor(state.module, name) if name not in unexpected else None
                 if target is not None:
@@ -493,6 +511,21 @@ def _load_flat(zero, index: int, flat, manifest: dict, sources: Sources, with_op
             if saved["group"] == group_index:
                 scalars = {k: _unscalar(v, device) for k, v in saved["scalars"].items()}
     zero.write_flat(index, {key.removeprefix("optim."): value for key, value in targets.items()}, scalars)
+
+
+def _load_frozen(flat, manifest: dict, sources: Sources) -> None:
+    """Replace a frozen flat group's shard with the saved values; a parameter the checkpoint lacks (saved with
+    exclude_frozen_parameters, or load_module_strict=False) keeps its current values."""
+    saved = manifest["params"]
+    target = flat.shard_values().clone()
+    for seg in flat.layout.segments(flat.shard_rank):
+        if seg.slot.name in saved:
+            pieces = [Piece.from_json(p) for p in saved[seg.slot.name]["pieces"]]
+            start = seg.flat_start - seg.slot.offset
+            out = target[seg.shard_start : seg.shard_start + seg.numel]
+            assemble(sources, pieces, "master", start, start + seg.numel, out)
+    flat.write_shard(0, target)
+    flat.finish_publish()
 
 
 def _load_training_state(

@@ -17,6 +17,7 @@ class ShardedOptimizer(Protocol):
     rank's master shard and elementwise optimizer state as tensors, the non-elementwise state as scalars."""
 
     flat_groups: list  # zeroshard.zero.FlatGroup: layout, params, partitioned, shard_group, shard_rank
+    frozen_groups: list  # stage 3: flat groups of parameters without gradients (saved from their shards)
     loss_scaler: LossScaler
     master_dtype: torch.dtype
     state_device: torch.device  # where a flat group's loaded state is assembled

@@ -192,6 +192,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["convert"]:
         return convert_main(argv[1:])
+    if argv[:1] == ["estimate"]:
+        from ..estimator import main as estimate_main
+
+        return estimate_main(argv[1:])
     if argv[:1] == ["report"]:
         from ..env_report import main as report_main
 

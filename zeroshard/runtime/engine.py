@@ -331,7 +331,7 @@ class ZeroshardEngine(torch.nn.Module):
         """The module's full state dict on CPU in the compute dtype. Under stage 3 it is gathered one flat
         group at a time, so no rank ever holds more than one gathered unit besides the result. Every rank
         must call it; with ``rank0_only`` the others get ``{}``."""
-        flats = self.zero.flat_groups if self.zero is not None else []
+        flats = [*self.zero.flat_groups, *self.zero.frozen_groups] if self.zero is not None else []
         return consolidated_state_dict(self.module, flats, rank0_only=rank0_only)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:

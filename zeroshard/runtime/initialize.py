@@ -31,7 +31,7 @@ from ..zero import (
 )
 from ..zero.init import Materializer, has_meta_parameters, pending_seed, release_pending
 from ..zero.optimizer_state import MakeOptimizer
-from ..zero.planning import build_flat_groups, plan_flat_groups, plan_layouts
+from ..zero.planning import build_flat_groups, plan_flat_groups, plan_frozen_groups, plan_layouts
 from ..zero.stage3 import Stage3Runtime, build_units, plan_units
 from . import activation_checkpointing
 from .engine import ZeroshardEngine
@@ -256,8 +256,9 @@ def _resolve(source: Any, args: Any, model: torch.nn.Module, training_data: Any)
 
 def _build_flat_groups(
     model, groups, cfg, grid, placement: Placement, records, buffers, materialize, unit_plans, persistent
-) -> tuple[list[FlatGroup], list[int]]:
-    """Plan and allocate the flat groups; returns them and each one's optimizer parameter group."""
+) -> tuple[list[FlatGroup], list[int], list[FlatGroup]]:
+    """Plan and allocate the flat groups; returns them, each one's optimizer parameter group, and (stage 3) the
+    flat groups of the parameters without gradients."""
     z = cfg.zero_optimization
     param_names = {p: name for name, p in model.named_parameters()}
     unknown = [p for g in groups for p in g["params"] if p not in param_names]
@@ -267,7 +268,11 @@ def _build_flat_groups(
             "are not parameters of the model"
         )
     stage_policy = StagePolicy.for_stage(z.stage)
-    plans = plan_flat_groups(groups, stage_policy, z.reduce_bucket_size, [u.params for u in unit_plans], persistent)
+    units = [u.params for u in unit_plans]
+    plans = plan_flat_groups(groups, stage_policy, z.reduce_bucket_size, units, persistent)
+    trainable = len(plans)
+    if stage_policy.partition_params:
+        plans += plan_frozen_groups(units, persistent)
     # stage 0 reduces over the whole data-parallel world; sharded stages over the shard group
     shard_group = grid.shard if stage_policy.partition_optimizer else grid.world
     layouts = plan_layouts(plans, param_names, shard_group.size if stage_policy.partition_optimizer else 1)
@@ -276,7 +281,7 @@ def _build_flat_groups(
     flats = build_flat_groups(
         plans, layouts, shard_group, placement.policy.compute, placement.device, records, buffers, homes, materialize
     )
-    return flats, [plan.group_index for plan in plans]
+    return flats[:trainable], [plan.group_index for plan in plans[:trainable]], flats[trainable:]
 
 
 def _build_zero(
@@ -289,7 +294,7 @@ def _build_zero(
     groups, make = _optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
     unit_plans, persistent = _stage3_plan(model, cfg, gather_unit_classes) if z.stage == 3 else ([], frozenset())
     buffers = ReusableBuffers(placement.device)  # gathered units and gradient staging, reused step after step
-    flats, group_of_flat = _build_flat_groups(
+    flats, group_of_flat, frozen = _build_flat_groups(
         model, groups, cfg, grid, placement, records, buffers, materialize, unit_plans, persistent
     )
     state = build_optimizer_state(
@@ -297,8 +302,10 @@ def _build_zero(
     )
     for flat in flats:
         records.own(flat, state)
+    for flat in frozen:
+        records.own(flat, None)  # its compute-precision shard is its only copy
     buckets = _gradient_buckets(flats, grid, placement, state.device, stage, buffers)
-    stage3 = _build_stage3(model, unit_plans, buckets, buffers, z, placement.offload) if unit_plans else None
+    stage3 = _build_stage3(model, unit_plans, buckets, frozen, buffers, z, placement.offload) if unit_plans else None
     reducer = GradientReducer(
         buckets,
         {p: name for name, p in model.named_parameters()},
@@ -315,6 +322,7 @@ def _build_zero(
         reducer,
         LossScaler.from_config(cfg.fp16),
         buffers,
+        frozen_groups=frozen,
         norm_group=grid.shard if stage.partition_optimizer else None,
         gradient_clipping=cfg.gradient_clipping,
         max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps,
@@ -340,9 +348,15 @@ def _gradient_buckets(
 
 
 def _build_stage3(
-    model, unit_plans, buckets: list[GradBucket], buffers: ReusableBuffers, z, offload: OffloadPlan
+    model,
+    unit_plans,
+    buckets: list[GradBucket],
+    frozen: list[FlatGroup],
+    buffers: ReusableBuffers,
+    z,
+    offload: OffloadPlan,
 ) -> Stage3Runtime:
-    root_unit, units = build_units(unit_plans, buckets)
+    root_unit, units = build_units(unit_plans, buckets, frozen)
     return Stage3Runtime(
         model,
         root_unit,

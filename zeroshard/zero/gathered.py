@@ -68,7 +68,11 @@ class GatheredParameters:
             for flat, keeper in zip(self._flats, self._keepers):
                 comm.broadcast(flat.buffer, src=self.modifier_rank, group=world)
                 lo, hi = flat.layout.shard_range(flat.shard_rank)
-                keeper.overwrite(flat, flat.buffer[lo:hi])
+                if keeper is not None:
+                    keeper.overwrite(flat, flat.buffer[lo:hi])
+                else:  # parameters without gradients: the compute-precision shard is all there is
+                    flat.write_shard(0, flat.buffer[lo:hi].clone())
+                    flat.finish_publish()
             owned = {id(p) for f in self._flats for p in f.params}
             for param in self.params:  # parameters outside any flat group (e.g. frozen ones)
                 if id(param) not in owned:
@@ -96,6 +100,8 @@ def consolidated_state_dict(module: torch.nn.Module, flats: Iterable[FlatGroup],
     for name, param in module.named_parameters(remove_duplicate=False):
         if id(param) not in handled:
             result[name] = param.detach().to("cpu", copy=True)
-    for name, buffer in module.named_buffers():
-        result[name] = buffer.detach().to("cpu", copy=True)
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and name not in sub._non_persistent_buffers_set:  # as state_dict() decides
+                result[f"{prefix}.{name}" if prefix else name] = buffer.detach().to("cpu", copy=True)
     return result

@@ -153,25 +153,33 @@ def _give_data(param: nn.Parameter, data: torch.Tensor) -> None:
 
 
 def _reset_module(
-    path: str, module: nn.Module, seed: int, param_init_fn: Optional[ParamInitFn], owned: set[int], device: torch.device
+    path: str,
+    module: nn.Module,
+    seed: int,
+    param_init_fn: Optional[ParamInitFn],
+    owned: set[int],
+    device: torch.device,
+    about_to_be_written: bool = False,
 ) -> None:
     """Initialize the parameters in ``owned`` (meta ones get storage first), leaving the module's others (tied ones
-    owned elsewhere, ones already materialized or loaded) as they are."""
+    owned elsewhere, ones already materialized or loaded) as they are. A module nothing can initialize is refused,
+    unless its parameters are ``about_to_be_written`` (a load inside GatheredParameters): those start at zero."""
     keep = {  # materialize_pending passes only the parameters still without data as owned
         name: p.detach().clone()
         for name, p in module.named_parameters(recurse=False)
         if id(p) not in owned and not p.is_meta
     }
     meta = [p for p in module.parameters(recurse=False) if p.is_meta]
-    for param in meta:
-        if id(param) in owned:
-            _give_data(param, torch.empty(param.shape, device=device, dtype=torch.float32))
-    if param_init_fn is None and not hasattr(module, "reset_parameters") and any(id(p) in owned for p in meta):
+    uninitializable = param_init_fn is None and not hasattr(module, "reset_parameters")
+    if uninitializable and not about_to_be_written and any(id(p) in owned for p in module.parameters(recurse=False)):
         raise ValueError(
             f"zero.Init: module '{path}' ({type(module).__name__}) has parameters but no reset_parameters() and no "
             "param_init_fn was given, so nothing would give them initial values; pass "
             "zero.Init(param_init_fn=...) (e.g. the model's own initialization function) or load pretrained weights"
         )
+    for param in meta:
+        if id(param) in owned:
+            _give_data(param, torch.zeros(param.shape, device=device, dtype=torch.float32))
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(_module_seed(seed, path))
         if hasattr(module, "reset_parameters"):
@@ -270,7 +278,7 @@ def materialize_pending(params: Iterable[nn.Parameter], device: torch.device) ->
         waiting = {id(p): rec for p in module.parameters(recurse=False) if p.is_meta and (rec := _pending(p))}
         owned = set(waiting)
         ordinal = min(rec.ordinal for rec in waiting.values())
-        _reset_module(f"#{ordinal}", module, pending.seed, pending.param_init_fn, owned, device)
+        _reset_module(f"#{ordinal}", module, pending.seed, pending.param_init_fn, owned, device, True)
         done.append(param)
     return done
 

@@ -42,6 +42,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss_scaler: LossScaler,
         buffers: ReusableBuffers,
         *,
+        frozen_groups: Optional[list[FlatGroup]] = None,
         norm_group: Optional[comm.Group],
         gradient_clipping: float = 0.0,
         max_consecutive_skipped_steps: int = 0,
@@ -51,6 +52,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reducer = reducer
         self.loss_scaler = loss_scaler
         self.buffers = buffers  # gathered units and gradient staging (the flat groups and buckets draw from it)
+        self.frozen_groups = frozen_groups or []  # stage 3: sharded parameters without gradients (never stepped)
         self.norm_group = norm_group  # the group whose shards make up the gradient (None: replicated, stage 0)
         self.gradient_clipping = gradient_clipping
         self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
@@ -198,7 +200,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         counted from the tensors (and swap-file regions) themselves."""
         roles = ("params", "gathered", "master", "grad_shard", "staging", "idle_buffers", "optimizer_state")
         totals = {where: dict.fromkeys(roles, 0) for where in ("device", "host", "nvme")}
-        parts = [flat.bytes_held() for flat in self.flat_groups]
+        parts = [flat.bytes_held() for flat in [*self.flat_groups, *self.frozen_groups]]
         parts.append(self.reducer.bytes_held(self.optimizer_state.location))
         parts.append(self.optimizer_state.bytes_held())
         for part in parts:
@@ -206,7 +208,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for where, nbytes in places.items():
                     totals[where][role] += nbytes
         totals["device"]["idle_buffers"] += self.buffers.idle_bytes  # reusable, not in use between steps
-        pools = {id(flat.home.pool): flat.home.pool for flat in self.flat_groups if hasattr(flat.home, "pool")}
+        every = [*self.flat_groups, *self.frozen_groups]
+        pools = {id(flat.home.pool): flat.home.pool for flat in every if hasattr(flat.home, "pool")}
         totals["host"]["params"] += sum(pool.bytes_in_memory for pool in pools.values())
         return totals
 

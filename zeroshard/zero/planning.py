@@ -73,6 +73,20 @@ def plan_flat_groups(
     return plans
 
 
+def plan_frozen_groups(
+    units: list[list[torch.nn.Parameter]], persistent: frozenset = frozenset()
+) -> list[FlatGroupPlan]:
+    """Stage 3: one flat group per gather unit for its parameters without gradients (a fine-tune's frozen base),
+    sharded and gathered with the unit like the trainable ones, with no optimizer state and no gradient bucket.
+    ``group_index`` is -1: no optimizer parameter group holds them."""
+    plans = []
+    for unit in reversed(units):
+        members = [p for p in unit if not p.requires_grad and p not in persistent]
+        if members:
+            plans.append(FlatGroupPlan(-1, members, False))
+    return plans
+
+
 def plan_layouts(
     plans: list[FlatGroupPlan], param_names: dict[torch.nn.Parameter, str], shard_count: int
 ) -> list[FlatLayout]:

@@ -35,15 +35,21 @@ class SavedView(NamedTuple):
 
 
 class GatherUnit:
-    """One module's sharded parameters (one flat group per optimizer parameter group) and their gradient
-    buckets (whose arrivals say when backward is done with the unit)."""
+    """One module's sharded parameters: one flat group per optimizer parameter group, with its gradient bucket,
+    and one for the parameters without gradients (``frozen``). Backward is done with the unit once its buckets
+    are complete and, when it holds frozen parameters, once the gradients of its inputs are computed: a frozen
+    weight is still needed for those (a LoRA adapter's gradients arrive before its base layer's input gradient)."""
 
-    def __init__(self, name: str, module: torch.nn.Module, buckets: list[GradBucket]):
+    def __init__(
+        self, name: str, module: torch.nn.Module, buckets: list[GradBucket], frozen: Optional[FlatGroup] = None
+    ):
         self.name = name or "<root>"
         self.module = module
         self.buckets = buckets
-        self.flats = [bucket.flat for bucket in buckets]
+        self.frozen = frozen
+        self.flats = [bucket.flat for bucket in buckets] + ([frozen] if frozen is not None else [])
         self.numel = sum(f.layout.padded_numel for f in self.flats)
+        self.inputs_pending = 0  # input gradients still to come in this backward (units with frozen parameters)
 
     @property
     def sharded(self) -> bool:
@@ -52,6 +58,10 @@ class GatherUnit:
     @property
     def grads_complete(self) -> bool:
         return all(b.complete for b in self.buckets)
+
+    @property
+    def backward_done(self) -> bool:
+        return self.grads_complete and self.inputs_pending == 0
 
 
 class Stage3Runtime:
@@ -86,7 +96,9 @@ class Stage3Runtime:
         ]
         for unit in units:
             self._handles.append(
-                unit.module.register_forward_pre_hook(lambda module, args, unit=unit: self._pre_forward(unit))
+                unit.module.register_forward_pre_hook(
+                    lambda module, args, kwargs, unit=unit: self._pre_forward(unit, args, kwargs), with_kwargs=True
+                )
             )
             self._handles.append(
                 unit.module.register_forward_hook(
@@ -147,9 +159,11 @@ class Stage3Runtime:
             self.release_all()  # no backward follows
         return output
 
-    def _pre_forward(self, unit: GatherUnit) -> None:
+    def _pre_forward(self, unit: GatherUnit, args, kwargs) -> None:
         if self._saving is None and torch._C._current_graph_task_id() == -1:
             self._save_views_by_position(unit.module)  # the model's forward did not enter through its root
+        if unit.frozen is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self._watch_inputs(unit, (args, kwargs))
         self._recording.append(unit)
         self._gather(unit, async_op=False)
         position = len(self._recording)
@@ -192,17 +206,33 @@ class Stage3Runtime:
 
     # -- backward --------------------------------------------------------------------------------
     def _pre_backward(self, unit: GatherUnit) -> None:
-        if not unit.grads_complete:
+        if not unit.backward_done:
             self._gather(unit, async_op=False)  # gathers, or waits for a prefetch, or nothing if gathered
             last = max((i for i, u in enumerate(self.order) if u is unit), default=None)
             if last is not None:
                 self._prefetch([u for u in reversed(self.order[:last]) if u is not unit])
         return None
 
+    def _watch_inputs(self, unit: GatherUnit, inputs) -> None:
+        """Count the unit's inputs that will receive a gradient; each one's arrival is a step towards the end of
+        the unit's backward."""
+        tensors = [t for t in tree_flatten(inputs)[0] if torch.is_tensor(t) and t.requires_grad]
+        unit.inputs_pending += len(tensors)
+        for tensor in tensors:
+            self._backward_hooks.append(tensor.register_hook(lambda grad, unit=unit: self._input_grad(unit)))
+
+    def _input_grad(self, unit: GatherUnit) -> None:
+        unit.inputs_pending = max(0, unit.inputs_pending - 1)
+        self._free_if_done(unit)
+
     def on_flat_group_complete(self, flat: FlatGroup) -> None:
         """All gradients of a flat group are staged: once its whole unit is done, free the unit."""
         unit = self.unit_of_flat.get(flat)
-        if unit is not None and unit is not self.root_unit and unit.grads_complete:
+        if unit is not None:
+            self._free_if_done(unit)
+
+    def _free_if_done(self, unit: GatherUnit) -> None:
+        if unit is not self.root_unit and unit.backward_done:
             self._free(unit)
 
     def destroy(self) -> None:
@@ -224,15 +254,17 @@ class Stage3Runtime:
     def release_all(self) -> None:
         """End of backward (or of a no-grad forward): nothing stays gathered."""
         for unit in [self.root_unit, *self.units]:
+            unit.inputs_pending = 0
             self._free(unit)
 
 
-def build_units(plans, buckets: list[GradBucket]) -> tuple[GatherUnit, list[GatherUnit]]:
+def build_units(plans, buckets: list[GradBucket], frozen: list[FlatGroup] = ()) -> tuple[GatherUnit, list[GatherUnit]]:
     """Attach each non-resident flat group (with its gradient bucket) to the unit whose parameters it holds."""
     unit_of_param = {p: plan for plan in plans for p in plan.params}
     members: dict[str, list[GradBucket]] = {plan.name: [] for plan in plans}
     for bucket in buckets:
         if not bucket.flat.resident:
             members[unit_of_param[bucket.flat.params[0]].name].append(bucket)
-    units = [GatherUnit(plan.name, plan.module, members[plan.name]) for plan in plans]
+    frozen_of = {unit_of_param[flat.params[0]].name: flat for flat in frozen}
+    units = [GatherUnit(plan.name, plan.module, members[plan.name], frozen_of.get(plan.name)) for plan in plans]
     return units[0], [u for u in units[1:] if u.flats]

@@ -1,0 +1,129 @@
+"""Predicted vs measured peak memory per rank: ``zeroshard.estimate`` against real 2-rank runs.
+
+    python benchmarks/memory_estimate.py [--sizes small medium large] [--stages 0 1 2 3] [--world 2]
+
+For each GPT size x ZeRO stage x (no offload, CPU optimizer offload) x (with, without activation checkpointing
+of every block) a fresh set of processes trains 3 steps and reports its peak RSS (CPU) or
+``max_memory_allocated`` (GPU); the estimate is computed beforehand from the config and a meta model. Prints a
+markdown table with the relative error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from suite import SIZES, gpt_config  # noqa: E402
+
+import zeroshard  # noqa: E402
+from zeroshard.accelerator import get_accelerator, host_peak_rss  # noqa: E402
+from zeroshard.testing import run_distributed  # noqa: E402
+from zeroshard.testing.models import GPT  # noqa: E402
+
+MICRO = 4
+
+
+class Recomputed(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return zeroshard.checkpointing.checkpoint(self.block, x)
+
+
+def build(cfg, recompute: bool) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if recompute:
+        model.blocks = torch.nn.ModuleList(Recomputed(b) for b in model.blocks)
+    return model
+
+
+def ds_config(stage: int, offload: bool) -> dict:
+    zero = {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 2_000_000}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+        zero["stage3_prefetch_bucket_size"] = 1  # one unit ahead
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": zero,
+    }
+
+
+def sample(cfg) -> tuple:
+    x = torch.zeros(MICRO, cfg.block_size, dtype=torch.long)
+    return (x, x)
+
+
+def measure_worker(cfg, config: dict, recompute: bool) -> dict:
+    """Estimate first (as a training script would, before building anything: the process's own memory so far is
+    the runtime), then train 3 steps and read the peak."""
+    from zeroshard import comm
+    from zeroshard.accelerator import proc_field_kib
+
+    runtime = proc_field_kib("/proc/self/status", "VmRSS") * 1024 if get_accelerator().name == "cpu" else 0
+    estimate = zeroshard.estimate(
+        lambda: build(cfg, recompute), config, comm.get_world_size(), sample(cfg), runtime_bytes=runtime
+    )
+    engine, *_ = zeroshard.initialize(model=build(cfg, recompute), config=config)
+    gen = torch.Generator().manual_seed(comm.get_rank())
+    for _ in range(3):
+        x = torch.randint(0, cfg.vocab_size, (MICRO, cfg.block_size + 1), generator=gen)
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        engine.step()
+    measured = torch.cuda.max_memory_allocated() if get_accelerator().name == "cuda" else host_peak_rss()
+    return {"predicted": estimate.peak, "measured": measured, "table": estimate.table()}
+
+
+def run(sizes, stages, world: int, verbose: bool = False) -> list[dict]:
+    rows = []
+    for size in sizes:
+        cfg = gpt_config(size)
+        for stage in stages:
+            for offload in (False, True) if stage else (False,):  # offload needs a sharded optimizer
+                for recompute in (False, True):
+                    config = ds_config(stage, offload)
+                    ranks = run_distributed(measure_worker, world, cfg, config, recompute, timeout_s=1800)
+                    worst = max(ranks, key=lambda r: abs(r["predicted"] / r["measured"] - 1))
+                    row = dict(size=size, stage=stage, offload=offload, recompute=recompute)
+                    row.update(predicted=worst["predicted"], measured=worst["measured"])
+                    row["error"] = row["predicted"] / row["measured"] - 1
+                    if verbose:
+                        print(worst["table"])
+                    print(_line(row), flush=True)
+                    rows.append(row)
+    return rows
+
+
+def _line(r: dict) -> str:
+    return (
+        f"| {r['size']} | {r['stage']} | {'cpu' if r['offload'] else 'none'} | {'yes' if r['recompute'] else 'no'} | "
+        f"{r['predicted'] / 2**20:.0f} | {r['measured'] / 2**20:.0f} | {100 * r['error']:+.1f}% |"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--verbose", action="store_true", help="print each estimate's breakdown")
+    args = parser.parse_args()
+    print("| size | stage | offload | recompute | predicted MiB | measured MiB | error |")
+    print("|---|---|---|---|---|---|---|")
+    rows = run(args.sizes, args.stages, args.world, args.verbose)
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"\nworst |error|: {100 * worst:.1f}% over {len(rows)} runs")
+
+
+if __name__ == "__main__":
+    main()
