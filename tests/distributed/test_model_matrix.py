@@ -3,7 +3,7 @@
 - Stage 3 gather units over HF GPT-2, Llama and BERT, a CNN, a model holding its blocks in a
   ``ModuleDict``, a block called twice and weights shared across blocks, with the unit-size threshold
   inside a block, between a block and the whole model, and above the whole model; plus the default
-  config on a 768-wide GPT-2 (the case where a ``ModuleList`` used to become a unit that never ran).
+  config (the model's repeated blocks become the units) on a 768-wide GPT-2.
 - Activation checkpointing of a block called twice, reentrant and not, under stages 0-3: a gradient
   hook that fires once per recomputation must not start a reduction before the last contribution.
 
@@ -270,11 +270,11 @@ def test_matches_single_process_reference(trained, index):
 def test_units_are_modules_that_run(trained):
     """No container among the units, and the thresholds really produce units inside blocks, per block and none."""
     by_case = dict(zip(CASES, trained[0]))
-    assert by_case[Case("gpt2-768")]["units"]  # the default threshold (1M) splits a 768-wide GPT-2
+    assert by_case[Case("gpt2-768")]["units"]  # the default finds the repeated blocks
     for case, got in by_case.items():
         assert not any(name.endswith(("h", "layers", "layer", "blocks")) for name in got["units"]), (case, got)
         if case.threshold == "above-model":
             assert got["units"] == [], case
-    # the regression: the blocks' leftovers (attn.c_proj, layer norms) used to make the ModuleList a unit
-    assert by_case[Case("gpt2-768")]["units"][:2] == ["transformer", "transformer.h.0.attn.c_attn"]
+    # with no unit configuration, the units are the model's repeated blocks (GPT2Block), not its ModuleList
+    assert by_case[Case("gpt2-768")]["units"][:2] == ["transformer.h.0", "transformer.h.1"]
     assert "transformer.h.0.mlp" in by_case[Case("gpt2", threshold="inside-block")]["units"]
