@@ -65,15 +65,11 @@ def sample(cfg) -> tuple:
 
 
 def measure_worker(cfg, config: dict, recompute: bool) -> dict:
-    """Estimate first (as a training script would, before building anything: the process's own memory so far is
-    the runtime), then train 3 steps and read the peak."""
+    """Estimate first, as a training script would before building anything, then train 3 steps and read the
+    peak."""
     from zeroshard import comm
-    from zeroshard.accelerator import proc_field_kib
 
-    runtime = proc_field_kib("/proc/self/status", "VmRSS") * 1024 if get_accelerator().name == "cpu" else 0
-    estimate = zeroshard.estimate(
-        lambda: build(cfg, recompute), config, comm.get_world_size(), sample(cfg), runtime_bytes=runtime
-    )
+    estimate = zeroshard.estimate(lambda: build(cfg, recompute), config, comm.get_world_size(), sample(cfg))
     engine, *_ = zeroshard.initialize(model=build(cfg, recompute), config=config)
     gen = torch.Generator().manual_seed(comm.get_rank())
     for _ in range(3):

@@ -26,11 +26,14 @@ def batches(cfg: GPTConfig, steps: int, micro: int, rank: int):
     return [(d[:, :-1], d[:, 1:]) for d in data]
 
 
-def torch_step(model, opt):
-    """One plain PyTorch training step (the baselines' loop)."""
+def torch_step(model, opt, autocast: torch.dtype | None = None):
+    """One plain PyTorch training step (the baselines' loop); with ``autocast``, forward runs under
+    ``torch.autocast`` in that dtype (torch's mixed precision: fp32 weights, low-precision compute)."""
+    import contextlib
 
     def step(x, y):
-        loss = model(x, y)
+        with torch.autocast(x.device.type, dtype=autocast) if autocast else contextlib.nullcontext():
+            loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -39,30 +42,34 @@ def torch_step(model, opt):
     return step
 
 
-def ddp_system(cfg, lr):
+def ddp_system(cfg, lr, dtype: str = "fp32"):
+    """DDP; in bf16 with torch's autocast (fp32 weights and gradients, bf16 matmuls)."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     model = DistributedDataParallel(GPT(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 
-    return torch_step(model, opt)
+    return torch_step(model, opt, torch.bfloat16 if dtype == "bf16" else None)
 
 
-def fsdp2_system(cfg, lr):
-    from torch.distributed.fsdp import fully_shard
+def fsdp2_system(cfg, lr, dtype: str = "fp32"):
+    """FSDP2 wrapping each block; in bf16 with its mixed-precision policy (bf16 gathered parameters and
+    reductions, fp32 sharded parameters and optimizer)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     model = GPT(cfg)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if dtype == "bf16" else MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
 
     return torch_step(model, opt)
 
 
-def zeroshard_system(cfg, lr, stage, micro, extra_zero=None):
+def zeroshard_system(cfg, lr, stage, micro, extra_zero=None, dtype: str = "fp32"):
     import zeroshard
 
     torch.manual_seed(0)
@@ -81,6 +88,7 @@ def zeroshard_system(cfg, lr, stage, micro, extra_zero=None):
             "stage3_prefetch_bucket_size": block,  # one unit ahead, as FSDP2 prefetches
             **(extra_zero or {}),
         },
+        "bf16": {"enabled": dtype == "bf16"},
     }
     engine, _, _, _ = zeroshard.initialize(model=model, config=config)
     return engine_step(engine)

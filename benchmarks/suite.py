@@ -44,7 +44,9 @@ SIZES = {  # name -> (layers, width, vocabulary)
     "large": (12, 768, 8192),
 }
 DEFAULT_RUNS = ["small:2", "medium:2", "large:2", "small:4", "medium:4"]
-LOSS_TOLERANCE = 1e-3  # relative: fp32 systems differ only in reduction order
+# relative: fp32 systems differ only in reduction order; bf16 systems also round differently (autocast keeps
+# fp32 weights, zeroshard and DeepSpeed bf16 weights with fp32 masters)
+LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2}
 ENV = {"DS_ACCELERATOR": "cpu"}
 
 
@@ -57,7 +59,7 @@ def have_deepspeed() -> bool:
     return True
 
 
-def deepspeed_system(cfg: GPTConfig, lr: float, stage: int, micro: int):
+def deepspeed_system(cfg: GPTConfig, lr: float, stage: int, micro: int, dtype: str):
     import deepspeed
 
     torch.manual_seed(0)
@@ -69,27 +71,30 @@ def deepspeed_system(cfg: GPTConfig, lr: float, stage: int, micro: int):
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 2_000_000},
+        "bf16": {"enabled": dtype == "bf16"},
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     return engine_step(engine)
 
 
-def build(name: str, cfg: GPTConfig, micro: int):
+def build(name: str, cfg: GPTConfig, micro: int, dtype: str):
     lr = 1e-3
     if name == "ddp":
-        return ddp_system(cfg, lr)
+        return ddp_system(cfg, lr, dtype)
     if name == "fsdp2":
-        return fsdp2_system(cfg, lr)
+        return fsdp2_system(cfg, lr, dtype)
     kind, _, rest = name.partition("-")
     if kind == "deepspeed":
-        return deepspeed_system(cfg, lr, int(rest), micro)
+        return deepspeed_system(cfg, lr, int(rest), micro, dtype)
     stage, _, offload = rest.partition("-")
     extra = {"offload_optimizer": {"device": "cpu"}} if offload == "offload" else {}
-    return zeroshard_system(cfg, lr, int(stage), micro, extra)
+    return zeroshard_system(cfg, lr, int(stage), micro, extra, dtype)
 
 
 def analytic_model_state(name: str, params: int, world: int) -> float:
-    """The ZeRO paper's model-state bytes per rank for fp32 Adam: 4 (weights) + 4 (gradients) + 8 (Adam)."""
+    """The ZeRO paper's model-state bytes per rank for Adam, 16 per parameter: fp32, 4 (weights) + 4 (gradients)
+    + 8 (Adam); mixed precision, 2 + 2 + 12 (fp32 master weights and Adam). Stages 1 and 2 shard the last two
+    and the last one of these terms, stage 3 all."""
     stage = {"ddp": 0, "fsdp2": 3}.get(name)
     if stage is None:
         stage = int(name.split("-")[1])
@@ -98,21 +103,21 @@ def analytic_model_state(name: str, params: int, world: int) -> float:
     )
 
 
-def timing_worker(cfg: GPTConfig, names: list[str], steps: int, micro: int, warmup: int) -> dict:
+def timing_worker(cfg: GPTConfig, names: list[str], steps: int, micro: int, warmup: int, dtype: str) -> dict:
     """Every system in one process group, taking turns step by step."""
     from zeroshard import comm
 
     data = batches(cfg, steps, micro, comm.get_rank())
-    systems = {name: build(name, cfg, micro) for name in names}
+    systems = {name: build(name, cfg, micro, dtype) for name in names}
     return take_turns(systems, data, warmup, wire_bytes)
 
 
-def alone_worker(cfg: GPTConfig, name: str, micro: int, steps: int, warmup: int) -> dict:
+def alone_worker(cfg: GPTConfig, name: str, micro: int, steps: int, warmup: int, dtype: str) -> dict:
     """One system in fresh processes: its timing (when ``steps`` allows), peak RSS and model-state bytes."""
     from zeroshard import comm
 
     before = host_peak_rss()
-    step = build(name, cfg, micro)
+    step = build(name, cfg, micro, dtype)
     result = take_turns({name: step}, batches(cfg, steps, micro, comm.get_rank()), warmup, wire_bytes)[name]
     peak = host_peak_rss()
     state = None
@@ -136,18 +141,18 @@ def wire_bytes(name: str, step) -> dict:
 def analytic_wire(engine, world: int) -> float:
     """Ring bytes per rank per step: 2P (stages 0-2; reduce-scatter + all-gather or one all-reduce), and for
     stage 3 every unit gathered twice (forward, backward) except the root, which stays gathered, plus one
-    reduce-scatter of everything; plus the 4-byte gradient-norm all-reduce of the sharded stages."""
+    reduce-scatter of everything; plus the 4-byte gradient-norm all-reduce of the sharded stages. Gathers move
+    the compute dtype, reductions the reduce dtype (``communication_data_type``)."""
     share = (world - 1) / world
-    flats = engine.zero.flat_groups
-    element = flats[0].buffer.element_size() if flats[0].buffer is not None else 4
-    padded = sum(f.layout.padded_numel for f in flats) * element
+    numel = sum(f.layout.padded_numel for f in engine.zero.flat_groups)
+    gathered, reduced = numel * engine.policy.compute.itemsize, numel * engine.policy.reduce.itemsize
     if engine.zero_optimization_stage() == 0:
-        return 2 * share * padded
+        return 2 * share * reduced
     norm = 2 * share * 4
     if engine.stage3 is None:
-        return 2 * share * padded + norm
-    root = sum(f.layout.padded_numel for f in engine.stage3.root_unit.flats) * element
-    return share * (2 * padded - root + padded) + norm
+        return share * (reduced + gathered) + norm
+    root = sum(f.layout.padded_numel for f in engine.stage3.root_unit.flats) * engine.policy.compute.itemsize
+    return share * (2 * gathered - root + reduced) + norm
 
 
 def gpt_config(size: str) -> GPTConfig:
@@ -162,7 +167,9 @@ def fits_interleaved(params: int, world: int, systems: int) -> bool:
     return systems * 16 * params * world * 1.5 < 0.5 * memory
 
 
-def run_size(size: str, world: int, steps: int, micro: int, warmup: int, names: list[str], alone=None) -> dict:
+def run_size(
+    size: str, world: int, steps: int, micro: int, warmup: int, names: list[str], alone=None, dtype: str = "fp32"
+) -> dict:
     """One model size on ``world`` ranks: interleaved timing when every system fits in memory at once
     (``alone=None`` decides; True/False forces), else each system timed alone in fresh processes."""
     cfg = gpt_config(size)
@@ -170,12 +177,17 @@ def run_size(size: str, world: int, steps: int, micro: int, warmup: int, names: 
     alone = not fits_interleaved(params, world, len(names)) if alone is None else alone
     timing = None
     if not alone:
-        timing = run_distributed(timing_worker, world, cfg, names, steps, micro, warmup, timeout_s=7200, env=ENV)[0]
+        timing = run_distributed(
+            timing_worker, world, cfg, names, steps, micro, warmup, dtype, timeout_s=7200, env=ENV
+        )[0]
     by_system = {}  # each system alone: its memory, and its timing when not interleaved
-    for name in tqdm(names, desc=f"{size} x {world} ranks", unit="system", leave=False):
+    for name in tqdm(names, desc=f"{size} x {world} ranks, {dtype}", unit="system", leave=False):
         measure = (steps, warmup) if alone else (2, 0)
-        by_system[name] = run_distributed(alone_worker, world, cfg, name, micro, *measure, timeout_s=7200, env=ENV)[0]
+        by_system[name] = run_distributed(
+            alone_worker, world, cfg, name, micro, *measure, dtype, timeout_s=7200, env=ENV
+        )[0]
     return {
+        "dtype": dtype,
         "params": params,
         "cfg": cfg,
         "world": world,
@@ -191,7 +203,7 @@ def report(results: dict, names: list[str], out: str) -> str:
     lines = [
         "# Benchmark report",
         "",
-        f"Gloo ranks on this machine ({os.cpu_count()} cores), fp32, AdamW, GPT with 64-token sequences, "
+        f"Gloo ranks on this machine ({os.cpu_count()} cores), AdamW, GPT with 64-token sequences, "
         "the same seed, data and global batch for every system. Step times are medians after warm-up; "
         "*interleaved* runs have all systems take turns step by step in one process group (machine noise hits "
         "all alike), *alone* runs time each system in its own processes (sizes whose ten copies would not fit "
@@ -206,6 +218,7 @@ def report(results: dict, names: list[str], out: str) -> str:
         lines += [
             "",
             f"## {label}: {r['params'] / 1e6:.1f}M parameters ({r['cfg'].n_layer} layers, width {r['cfg'].n_embd}), "
+            f"{r['dtype']}, "
             f"{'alone' if r['alone'] else 'interleaved'}, {r['tokens']} tokens per step",
             "",
             "| system | median step ms | tokens/s | ratio to DDP | final loss | wire MB/step/rank | analytic | "
@@ -215,7 +228,7 @@ def report(results: dict, names: list[str], out: str) -> str:
         for name in names:
             t, m = timing[name], memory[name]
             med = statistics.median(t["times"])
-            agree = abs(t["loss"] - ref_loss) <= LOSS_TOLERANCE * abs(ref_loss)
+            agree = abs(t["loss"] - ref_loss) <= LOSS_TOLERANCE[r["dtype"]] * abs(ref_loss)
             wire = f"{t['wire'] / 1e6:.2f}" if t["wire"] is not None else "-"
             analytic = f"{t['analytic_wire'] / 1e6:.2f}" if t["analytic_wire"] is not None else "-"
             state = f"{m['model_state'] / 1e6:.1f}" if m["model_state"] is not None else "-"
@@ -278,6 +291,14 @@ def main():
     parser.add_argument("--out", default="docs/benchmark-report")
     parser.add_argument("--alone", action="store_true", help="time every system alone, even when all fit at once")
     parser.add_argument("--no_deepspeed", action="store_true")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["fp32", "bf16"],
+        choices=["fp32", "bf16"],
+        help="bf16: DDP under torch.autocast, FSDP2 with a bf16 MixedPrecisionPolicy, zeroshard and DeepSpeed with "
+        "bf16.enabled",
+    )
     args = parser.parse_args()
     runs = []
     for spec in args.runs:
@@ -291,9 +312,12 @@ def main():
     names += ["zeroshard-0", "zeroshard-1", "zeroshard-2", "zeroshard-3", "zeroshard-3-offload"]
     os.makedirs(args.out, exist_ok=True)
     results = {}
-    for size, world in tqdm(runs, desc="suite", unit="run"):
-        alone = True if args.alone else None
-        results[f"{size} x {world} ranks"] = run_size(size, world, args.steps, args.micro, args.warmup, names, alone)
+    for dtype in args.dtypes:
+        for size, world in tqdm(runs, desc=f"suite, {dtype}", unit="run"):
+            alone = True if args.alone else None
+            results[f"{size} x {world} ranks, {dtype}"] = run_size(
+                size, world, args.steps, args.micro, args.warmup, names, alone, dtype
+            )
     text = report(results, names, args.out)
     with open(os.path.join(args.out, "README.md"), "w") as f:
         f.write(text)

@@ -17,14 +17,17 @@ Per rank, in bytes and by location (``device``: the accelerator, or the compute 
   per-element state (counted by stepping the configured optimizer once on one element);
 - ``gathered_units`` (stage 3): the root unit, the running unit and the prefetched ones;
 - ``communication_buffers``: gradient staging (one bucket staging, one in flight) and Gloo's collective scratch;
-- ``activations``: what forward keeps for backward, plus one unit's recomputation under activation
-  checkpointing;
-- ``runtime``: the process before the model (CPU: the resident memory of a process that imported torch and
-  joined a Gloo group; 0 on GPU, where ``max_memory_allocated`` is what is compared).
+- ``activations``: what forward keeps for backward (traced), backward's first working set (the gradients of the
+  largest saved tensor and of its input, and the largest parameter's fresh gradient), and under activation
+  checkpointing one block's recomputation;
+- ``runtime``: a training process without its model (CPU: torch, zeroshard, a Gloo group and one training step
+  of a tiny model, probed once in a child process; 0 on GPU, where ``max_memory_allocated`` is compared);
+- ``allocator``: freed memory glibc keeps resident on a CPU run (``allocator_retention``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -43,6 +46,7 @@ CATEGORIES = (
     "gathered_units",
     "communication_buffers",
     "activations",
+    "allocator",
 )
 LOCATIONS = ("device", "host", "nvme")
 
@@ -104,7 +108,8 @@ def estimate(
     building one (called under the meta device, so nothing is allocated). ``sample_inputs``: one rank's
     micro-batch as the model's forward takes it (a tuple of positional arguments, a dict of keyword
     arguments, or one tensor), on any device; it may be meta tensors. Without it activations are not counted.
-    ``runtime_bytes`` overrides the measured memory of the process before the model (CPU)."""
+    ``runtime_bytes`` replaces the probed memory of a training process without its model (``runtime_baseline``),
+    e.g. with the resident memory of the caller's own warmed-up process."""
     from .config import AutoContext, model_hidden_size, parse_config, resolve_config
     from .offload import OffloadPlan
     from .precision import PrecisionPolicy
@@ -131,12 +136,19 @@ def estimate(
     plan = _Plan(model, cfg, policy, offload, shard_count=hpz if z.stage >= 1 else 1)
     plan.count_model_state(result)
     plan.count_buffers(result, gloo=_cpu_only())
+    largest_grad = max((p.numel() for p in model.parameters() if p.requires_grad), default=0) * _size(policy.compute)
+    largest_transient = largest_grad
     if sample_inputs is not None:
-        saved, unit_peak = _activations(model, sample_inputs, plan.unit_modules)
-        result.bytes["activations"]["device"] = saved + unit_peak
+        traced = _trace_activations(model, sample_inputs)
+        # backward's first working set: the gradient of the largest saved tensor (the logits, in a language model)
+        # and of its input, while the largest parameter's fresh gradient waits to be staged
+        working = 2 * traced.largest_saved + largest_grad
+        result.bytes["activations"]["device"] = traced.saved + traced.recompute + working
+        largest_transient = max(largest_transient, traced.largest_saved)
     else:
         result.notes.append("no sample_inputs: activations not counted")
-    result.bytes["runtime"]["device"] = runtime_bytes if runtime_bytes is not None else runtime_baseline()
+    result.bytes["runtime"]["device"] = sum(runtime_baseline()) if runtime_bytes is None else runtime_bytes
+    result.bytes["allocator"]["device"] = allocator_retention(largest_transient)
     return result
 
 
@@ -165,12 +177,10 @@ class _Plan:
         self.stage = StagePolicy.for_stage(z.stage)
         groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         units, persistent = [], frozenset()
-        self.unit_modules: list[nn.Module] = []
         unit_of: dict[nn.Parameter, int] = {}
         if self.stage.partition_params:
             unit_plans = plan_units(model, frozenset(z.gather_unit_classes), z.gather_unit_min_params)
             units = [u.params for u in unit_plans]
-            self.unit_modules = [u.module for u in unit_plans[1:]]
             unit_of = {p: i for i, u in enumerate(unit_plans) for p in u.params}
             persistent = frozenset(p for p in model.parameters() if p.numel() < z.param_persistence_threshold)
         names = {p: n for n, p in model.named_parameters()}
@@ -229,8 +239,13 @@ class _Plan:
                 out.bytes["communication_buffers"]["device"] += largest * compute
             return
         z = self.cfg.zero_optimization
-        unit = max((n for i, n in self.unit_numel.items() if i != 0), default=0)
-        ahead = min(z.prefetch_bucket_size // max(unit, 1), max(z.max_live_parameters // max(unit, 1) - 1, 0))
+        sharded_units = [n for i, n in self.unit_numel.items() if i != 0]
+        unit = max(sharded_units, default=0)
+        ahead = min(
+            z.prefetch_bucket_size // max(unit, 1),
+            max(z.max_live_parameters // max(unit, 1) - 1, 0),
+            max(len(sharded_units) - 1, 0),  # no more units ahead than the model has
+        )
         gathered = self.unit_numel.get(0, 0) + (1 + ahead) * unit
         out.bytes["gathered_units"]["device"] += gathered * compute
         if gloo:
@@ -257,13 +272,28 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _activations(model: nn.Module, sample_inputs: Any, units: list[nn.Module]) -> tuple[int, int]:
-    """Bytes autograd keeps after one forward on meta tensors (parameters and their views excluded), and the
-    largest amount one gather unit keeps (recomputed at once in backward under activation checkpointing)."""
+@dataclass
+class _Activations:
+    saved: int  # what autograd keeps after forward (parameters and their views excluded)
+    largest_saved: int  # the largest one of those tensors
+    recompute: int  # under activation checkpointing: what one block allocates when backward recomputes it
+
+
+def _trace_activations(model: nn.Module, sample_inputs: Any) -> _Activations:
+    """One forward on meta tensors. Saved-tensor hooks count what autograd keeps for backward; a dispatch mode
+    counts what each repeated block allocates. A block that saves no more than its inputs runs under activation
+    checkpointing (``torch.utils.checkpoint`` installs its own hooks inside and keeps only the block's inputs):
+    backward recomputes it, re-allocating its forward at once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from .zero.stage3.units import repeated_block_classes
+
     params = {id(p) for p in model.parameters()}
     seen: set[int] = set()
-    saved = [0]
-    per_unit: dict[int, int] = {}
+    saved, largest = [0], [0]
+    block_saved: dict[int, int] = {}
+    block_allocated: dict[int, int] = {}
     current: list[Optional[int]] = [None]
 
     def pack(t: torch.Tensor):
@@ -273,25 +303,45 @@ def _activations(model: nn.Module, sample_inputs: Any, units: list[nn.Module]) -
         seen.add(id(base))
         nbytes = base.numel() * base.element_size()
         saved[0] += nbytes
+        largest[0] = max(largest[0], nbytes)
         if current[0] is not None:
-            per_unit[current[0]] = per_unit.get(current[0], 0) + nbytes
+            block_saved[current[0]] = block_saved.get(current[0], 0) + nbytes
         return t
 
-    handles = [
-        m.register_forward_pre_hook(lambda mod, args, i=i: current.__setitem__(0, i)) for i, m in enumerate(units)
-    ] + [m.register_forward_hook(lambda mod, args, out: current.__setitem__(0, None)) for m in units]
+    class CountAllocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if current[0] is not None:
+                inputs = {a.untyped_storage()._cdata for a in tree_leaves((args, kwargs)) if torch.is_tensor(a)}
+                fresh = (t for t in tree_leaves(out) if torch.is_tensor(t))
+                nbytes = sum(t.untyped_storage().nbytes() for t in fresh if t.untyped_storage()._cdata not in inputs)
+                block_allocated[current[0]] = block_allocated.get(current[0], 0) + nbytes
+            return out
+
+    classes = repeated_block_classes(model)
+    blocks = [m for m in model.modules() if type(m).__name__ in classes]
+    block_inputs: dict[int, int] = {}
+
+    def enter(i: int, args) -> None:
+        current[0] = i
+        block_inputs[i] = sum(a.numel() * a.element_size() for a in tree_leaves(args) if torch.is_tensor(a))
+
+    handles = [m.register_forward_pre_hook(lambda mod, args, i=i: enter(i, args)) for i, m in enumerate(blocks)] + [
+        m.register_forward_hook(lambda mod, args, out: current.__setitem__(0, None)) for m in blocks
+    ]
     args, kwargs = _split(sample_inputs)
     to_meta = lambda v: v.to("meta") if torch.is_tensor(v) else v  # noqa: E731
     args = tuple(to_meta(a) for a in args)
     kwargs = {k: to_meta(v) for k, v in kwargs.items()}
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with CountAllocations(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             output = model(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
     del output
-    return saved[0], max(per_unit.values(), default=0)
+    recompute = max((n for i, n in block_allocated.items() if block_saved.get(i, 0) <= block_inputs[i]), default=0)
+    return _Activations(saved[0], largest[0], recompute)
 
 
 def _split(sample_inputs: Any) -> tuple[tuple, dict]:
@@ -302,27 +352,59 @@ def _split(sample_inputs: Any) -> tuple[tuple, dict]:
     return (sample_inputs,), {}
 
 
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc
+
+
+def allocator_retention(largest_transient: int) -> int:
+    """Freed memory the host allocator keeps resident, on a CPU run with glibc (0 elsewhere: on GPU the peak is
+    ``max_memory_allocated``, which excludes the caching allocator's reserve).
+
+    glibc returns a freed block to the system at once only while it was ``mmap``-ed; each such free raises the
+    mmap threshold to the block's size (up to 32 MiB) and the heap's trim threshold to twice that, so after the
+    first step a training process's transient tensors (the largest: a fresh parameter gradient or the logits)
+    live on the heap, which keeps up to the trim threshold free at its top. Measured on the example GPT (three
+    sizes, stages 0-3), the resident excess over the tensors in use is twice the trim threshold."""
+    import platform
+
+    if not _cpu_only() or platform.libc_ver()[0] != "glibc" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return 0
+    return 4 * min(largest_transient, GLIBC_MMAP_THRESHOLD_MAX)
+
+
 _RUNTIME_PROBE = """
-import os, json, tempfile
+import json
 import torch, torch.distributed as dist
 import zeroshard
-store = dist.HashStore()
-dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-with open("/proc/self/status") as f:
-    rss = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS"))
-print(json.dumps({"rss": rss}))
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS"))
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+base = rss()
+engine, *_ = zeroshard.initialize(
+    model=torch.nn.Linear(8, 8),
+    config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+)
+engine.backward(engine(torch.ones(1, 8)).sum())
+engine.step()
+print(json.dumps({"base": base, "warmup": rss() - base}))
 """
 
 
-def runtime_baseline() -> int:
-    """The resident memory of a process that imported torch and zeroshard and joined a Gloo group (CPU); 0 on a
-    GPU machine (device memory starts empty)."""
+@functools.lru_cache(maxsize=1)
+def runtime_baseline() -> tuple[int, int]:
+    """On CPU: the resident memory of a process that imported torch and zeroshard and joined a Gloo group, and
+    what its first training step adds before any model memory (thread pools, kernels' workspaces, the
+    optimizer's and the engine's code paths), measured once in a child process. ``(0, 0)`` on a GPU machine,
+    where device memory starts empty."""
     if not _cpu_only() or not os.path.exists("/proc/self/status"):
-        return 0
-    out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True, timeout=120)
+        return 0, 0
+    out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
-        return 0
-    return json.loads(out.stdout.strip().splitlines()[-1])["rss"]
+        raise RuntimeError(f"zeroshard estimate: the runtime probe failed:\n{out.stderr[-2000:]}")
+    probe = json.loads(out.stdout.strip().splitlines()[-1])
+    return probe["base"], max(probe["warmup"], 0)
 
 
 # -- the command line: ``zeroshard estimate`` ------------------------------------------------------------------
@@ -342,11 +424,12 @@ _UNITS = {
 
 def parse_bytes(text: str) -> int:
     """``80GB`` (decimal), ``80GiB`` (binary), or a plain number of bytes."""
-    number = text.strip().rstrip("bBiIkKmMgGtT")
-    unit = text.strip()[len(number) :].lower()
-    if unit not in _UNITS:
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: use e.g. 80GB, 80GiB or 85899345920")
-    return int(float(number) * _UNITS[unit])
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 @dataclass(frozen=True)
@@ -470,9 +553,7 @@ def main(argv=None) -> int:
                     continue
                 for m in micros:
                     candidate = Candidate(stage, offload, m, recompute)
-                    peak = estimate(
-                        build, candidate.apply(config), world, inputs(m), runtime_bytes=base.bytes["runtime"]["device"]
-                    ).peak
+                    peak = estimate(build, candidate.apply(config), world, inputs(m)).peak
                     if peak <= budget:
                         fits.append(
                             (candidate.traffic_per_sample(base.params, world, element), -m, recompute, candidate, peak)

@@ -50,6 +50,11 @@ MODULE_NAMES = [
     "runtime.engine.DeepSpeedEngine",
     "runtime.base_optimizer.DeepSpeedOptimizer",
     "launcher.runner.DEEPSPEED_ENVIRONMENT_NAME",
+    # issue 16: DeepSpeed's model-state estimators
+    "runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live",
+    "runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold",
+    "runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live",
+    "runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_cold",
 ]
 ACCELERATOR_METHODS = [
     "device_name",

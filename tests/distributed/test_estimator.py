@@ -1,0 +1,78 @@
+"""``zeroshard.estimate`` against real 2-rank training: the model-state bytes equal what the engine holds, and the
+predicted peak is within 10% of the measured peak RSS (the bound ``benchmarks/memory_estimate.py`` checks at three
+sizes). One fresh pair of processes per configuration: a peak is a high-water mark."""
+
+import pytest
+import torch
+
+from zeroshard.testing import run_distributed
+from zeroshard.testing.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=256)  # the suite's "small" GPT
+MICRO = 4
+
+
+class Recomputed(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        import zeroshard
+
+        return zeroshard.checkpointing.checkpoint(self.block, x)
+
+
+def build(recompute: bool) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    if recompute:
+        model.blocks = torch.nn.ModuleList(Recomputed(b) for b in model.blocks)
+    return model
+
+
+def config(stage: int, offload: bool) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": 500_000}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": zero,
+    }
+
+
+def measure(stage: int, offload: bool, recompute: bool) -> dict:
+    import zeroshard
+    from zeroshard import comm
+    from zeroshard.accelerator import host_peak_rss
+
+    sample = torch.zeros(MICRO, CFG.block_size, dtype=torch.long)
+    est = zeroshard.estimate(lambda: build(recompute), config(stage, offload), comm.get_world_size(), (sample, sample))
+    engine, *_ = zeroshard.initialize(model=build(recompute), config=config(stage, offload))
+    gen = torch.Generator().manual_seed(comm.get_rank())
+    for _ in range(3):
+        x = torch.randint(0, CFG.vocab_size, (MICRO, CFG.block_size + 1), generator=gen)
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        engine.step()
+    held = engine.state_bytes()  # after a step: the optimizer state exists
+    held["master"] -= engine.zero.optimizer_state.master_bytes_shared_with_params()  # fp32: master = params
+    predicted = {c: sum(est.bytes[c].values()) for c in est.bytes}
+    return {"predicted": predicted, "peak": est.peak, "held": held, "measured": host_peak_rss(), "table": est.table()}
+
+
+@pytest.mark.parametrize(
+    "stage,offload,recompute",
+    [(0, False, False), (2, True, True), (3, False, True)],
+    ids=["stage0", "stage2-offload-recompute", "stage3-recompute"],
+)
+def test_prediction_matches_the_run(stage, offload, recompute):
+    for rank in run_distributed(measure, 2, stage, offload, recompute, timeout_s=600):
+        predicted, held = rank["predicted"], rank["held"]
+        assert predicted["parameters"] == held["params"]
+        assert predicted["gradients"] == held["grad_shard"]
+        assert predicted["optimizer_state"] == held["master"] + held["optimizer_state"]
+        error = rank["peak"] / rank["measured"] - 1
+        assert abs(error) <= 0.10, f"{100 * error:+.1f}%: measured {rank['measured'] / 2**20:.0f} MiB\n{rank['table']}"

@@ -1,0 +1,229 @@
+"""``zeroshard.estimate`` and ``zeroshard estimate``: the plan on a meta model (no memory), model-state bytes
+that follow ZeRO's arithmetic, activations that follow the micro-batch and checkpointing, the CLI's breakdown
+and recommendation, and DeepSpeed's model-state estimators against DeepSpeed's published table."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+import zeroshard
+from zeroshard.estimator import Candidate, main, parse_bytes
+from zeroshard.testing.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=3, n_head=2, n_embd=64)
+MiB = 2**20
+
+
+class Recomputed(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return zeroshard.checkpointing.checkpoint(self.block, x)
+
+
+def tiny_gpt(recompute: bool = False, cfg: GPTConfig = CFG) -> GPT:
+    model = GPT(cfg)
+    if recompute:
+        model.blocks = torch.nn.ModuleList(Recomputed(b) for b in model.blocks)
+    return model
+
+
+def tiny_inputs(micro_batch: int, seq_len: int):
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+    return (ids, ids)
+
+
+def config(stage: int, micro: int = 2, **zero) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, **zero},
+    }
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("1.5 MiB") == 3 * 2**19
+    assert parse_bytes("123") == 123
+    with pytest.raises(ValueError, match="cannot read '80 parsecs'"):
+        parse_bytes("80 parsecs")
+
+
+def test_the_model_is_planned_on_meta():
+    built = []
+
+    def factory():
+        built.append(tiny_gpt())
+        return built[-1]
+
+    zeroshard.estimate(factory, config(3), world_size=2, sample_inputs=tiny_inputs(2, 32), runtime_bytes=0)
+    assert all(p.is_meta for p in built[0].parameters())
+    real = tiny_gpt()
+    zeroshard.estimate(real, config(0), world_size=2, runtime_bytes=0)
+    assert not any(p.is_meta for p in real.parameters())  # a module passed in is copied, not modified
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_state_follows_zero_arithmetic(stage):
+    world = 4
+    p = tiny_gpt().num_params()
+    zero = {"reduce_bucket_size": 10**9, "stage3_param_persistence_threshold": 0}  # every parameter sharded
+    est = zeroshard.estimate(tiny_gpt, config(stage, **zero), world, runtime_bytes=0)
+    b = {c: sum(est.bytes[c].values()) for c in est.bytes}
+    # fp32 Adam: parameters 4, gradients 4, exp_avg + exp_avg_sq 8 bytes per parameter, the last three sharded
+    # from stage 1 on (one bucket, padded to a multiple of the world size; the gathered units keep their own)
+    shard = math.ceil(p / world) if stage else p
+    assert b["optimizer_state"] == pytest.approx(8 * shard, rel=0.01)
+    assert b["gradients"] == pytest.approx(4 * shard, rel=0.01)
+    assert b["parameters"] == pytest.approx(4 * (shard if stage == 3 else p), rel=0.01)
+    assert (b["gathered_units"] > 0) == (stage == 3)
+    assert "no sample_inputs" in est.notes[0]
+
+
+def test_offload_moves_optimizer_state_to_host():
+    est = zeroshard.estimate(tiny_gpt, config(2, offload_optimizer={"device": "cpu"}), 2, runtime_bytes=0)
+    assert est.bytes["optimizer_state"]["device"] == 0
+    assert est.bytes["optimizer_state"]["host"] > 0 and est.bytes["gradients"]["host"] > 0
+    # fp32 compute with an offloaded optimizer keeps its own fp32 master copy on the host: 12 bytes/param
+    assert est.bytes["optimizer_state"]["host"] == pytest.approx(12 * tiny_gpt().num_params() / 2, rel=0.01)
+
+
+def test_activations_follow_micro_batch_and_checkpointing():
+    def activations(micro, recompute=False):
+        est = zeroshard.estimate(
+            lambda: tiny_gpt(recompute), config(0, micro), 1, tiny_inputs(micro, 32), runtime_bytes=0
+        )
+        return est.bytes["activations"]["device"]
+
+    # linear in the micro-batch (plus the largest parameter's gradient, which does not grow with it)
+    assert activations(8) - activations(4) == pytest.approx(2 * (activations(4) - activations(2)), rel=0.01)
+    # checkpointing keeps each block's input and recomputes one block at a time: on a deep model whose blocks
+    # hold most activations, the saving approaches the number of blocks
+    deep = GPTConfig(vocab_size=64, block_size=32, n_layer=12, n_head=2, n_embd=64)
+
+    def blocks_activations(recompute):
+        est = zeroshard.estimate(
+            lambda: tiny_gpt(recompute, deep), config(0, 4), 1, tiny_inputs(4, 32), runtime_bytes=0
+        )
+        return est.bytes["activations"]["device"]
+
+    assert blocks_activations(True) < 0.25 * blocks_activations(False)
+
+
+def test_bf16_halves_parameters_and_activations():
+    fp32 = zeroshard.estimate(tiny_gpt, config(3), 2, tiny_inputs(2, 32), runtime_bytes=0)
+    bf16 = zeroshard.estimate(
+        tiny_gpt, {**config(3), "bf16": {"enabled": True}}, 2, tiny_inputs(2, 32), runtime_bytes=0
+    )
+    assert bf16.bytes["parameters"]["device"] == fp32.bytes["parameters"]["device"] // 2
+    assert bf16.bytes["gathered_units"]["device"] == fp32.bytes["gathered_units"]["device"] // 2
+    assert bf16.bytes["activations"]["device"] < 0.7 * fp32.bytes["activations"]["device"]
+
+
+def test_runtime_is_probed_once_and_counted():
+    est = zeroshard.estimate(tiny_gpt, config(0), 1)
+    runtime = est.bytes["runtime"]["device"]
+    assert 50 * MiB < runtime < 2048 * MiB  # torch, zeroshard, a Gloo group and one training step
+    assert est.peak == est.total("device") + est.total("host")
+    assert "predicted peak process RSS" in est.table()
+
+
+def test_factory_must_return_a_module():
+    with pytest.raises(TypeError, match="not an nn.Module"):
+        zeroshard.estimate(lambda: "gpt", config(0), 1)
+
+
+def test_candidate_config_and_traffic():
+    base = {"train_batch_size": 64, "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}
+    out = Candidate(stage=3, offload="cpu", micro_batch=2, recompute=True).apply(base)
+    assert out["train_micro_batch_size_per_gpu"] == 2 and "train_batch_size" not in out
+    assert out["zero_optimization"] == {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "cpu"},
+    }
+    # stage 3 moves 1.5x the bytes of stage 2; offload adds host copies; bigger micro-batches amortize both
+    traffic = lambda stage, offload="none", micro=1: Candidate(stage, offload, micro, False).traffic_per_sample(  # noqa: E731
+        10**6, 8, 2
+    )
+    assert traffic(3) == pytest.approx(1.5 * traffic(2))
+    assert traffic(2, "cpu") > traffic(2) and traffic(2, micro=4) == traffic(2) / 4
+
+
+def test_cli_prints_breakdown_and_recommends(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    ds = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0, "reduce_bucket_size": 20_000}}
+    path.write_text(json.dumps(ds))
+    factory = "tests.unit.test_estimator:tiny_gpt"
+    args = ["--config", str(path), "--num_gpus", "2", "--factory", factory, "--seq_len", "32"]
+    assert main(args + ["--sample_inputs", "tests.unit.test_estimator:tiny_inputs"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO stage 0, 2 rank(s), micro-batch 4" in out and "activations" in out
+    assert re.search(r"predicted peak process RSS \(CPU run\): [\d.]+ MiB", out)
+
+    # a budget between the stage-2 and stage-0 peaks: a sharded stage fits, the least traffic first
+    def peak(stage):
+        staged = {**ds, "zero_optimization": {**ds["zero_optimization"], "stage": stage}}
+        return zeroshard.estimate(tiny_gpt, staged, 2, tiny_inputs(4, 32)).peak
+
+    assert peak(2) < peak(0)
+    budget = str((peak(0) + peak(2)) // 2)
+    assert main(args + ["--sample_inputs", "tests.unit.test_estimator:tiny_inputs", "--budget", budget]) == 0
+    out = capsys.readouterr().out
+    recommended = re.search(r"recommended: stage (\d), offload (\w+), micro-batch (\d+)", out)
+    assert recommended and int(recommended.group(1)) in (1, 2)
+    # nothing fits in 1 MiB: an error exit and what to do
+    assert main(args + ["--sample_inputs", "tests.unit.test_estimator:tiny_inputs", "--budget", "1MiB"]) == 1
+    assert "nothing fits" in capsys.readouterr().out
+
+
+def test_cli_rejects_a_factory_without_callable(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 1}')
+    with pytest.raises(ValueError, match="MODULE:CALLABLE"):
+        main(["--config", str(path), "--factory", "tests.unit.test_estimator"])
+
+
+def rows(printed: str) -> list[tuple[float, float, str]]:
+    found = re.findall(r"^\s+([\d.]+)GB \|\s+([\d.]+)GB \| (.*)$", printed, re.M)
+    return [(float(cpu), float(gpu), options) for cpu, gpu, options in found]
+
+
+def test_deepspeed_zero3_table_for_t5_small(capsys):
+    """DeepSpeed's documented output for t5-small (60,506,624 parameters, largest layer 16,449,536)."""
+    from zeroshard.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
+
+    estimate_zero3_model_states_mem_needs_all_cold(60_506_624, 16_449_536, num_gpus_per_node=1, num_nodes=1)
+    out = capsys.readouterr().out
+    assert "SW: Model with 60M total params, 16M largest layer params." in out
+    assert [(c, g) for c, g, _ in rows(out)] == [
+        (1.52, 0.06),
+        (1.52, 0.06),
+        (1.35, 0.17),
+        (1.35, 0.17),
+        (0.09, 1.08),
+        (0.34, 1.08),
+    ]
+    assert rows(out)[4][2] == "offload_param=none, offload_optimizer=none, zero_init=1"
+
+
+def test_deepspeed_zero2_live_counts_the_model(capsys):
+    from zeroshard.runtime.zero.stage_1_and_2 import (
+        estimate_zero2_model_states_mem_needs,
+        estimate_zero2_model_states_mem_needs_all_live,
+    )
+
+    model = tiny_gpt()
+    p = model.num_params()
+    estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=4, num_nodes=2)
+    out = capsys.readouterr().out
+    assert "HW: Setup with 2 nodes, 4 GPUs per node." in out and len(rows(out)) == 2
+    # DeepSpeed's formulas: offloaded, the CPU holds max(4 x GPUs, 16) bytes/param x the buffer factor
+    assert estimate_zero2_model_states_mem_needs(p, 4, 2, cpu_offload=True) == (int(p * 32 * 1.5), 2 * p)
+    assert estimate_zero2_model_states_mem_needs(p, 4, 2, cpu_offload=False) == (int(p * 16 * 1.5), 4 * p + 2 * p)
