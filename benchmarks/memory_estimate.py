@@ -3,7 +3,8 @@
     python benchmarks/memory_estimate.py [--sizes small medium large] [--stages 0 1 2 3] [--world 2]
 
 For each GPT size x ZeRO stage x (no offload, CPU optimizer offload) x (with, without activation checkpointing
-of every block) a fresh set of processes trains 3 steps and reports its peak RSS (CPU) or
+of every block) a fresh set of processes trains ``--steps`` steps (default 10: a CPU run's peak creeps up over the
+first steps as the heap fragments) and reports its peak RSS (CPU) or
 ``max_memory_allocated`` (GPU); the estimate is computed beforehand from the config and a meta model. Prints a
 markdown table with the relative error.
 """
@@ -22,26 +23,15 @@ from suite import SIZES, gpt_config  # noqa: E402
 import zeroshard  # noqa: E402
 from zeroshard.accelerator import get_accelerator, host_peak_rss  # noqa: E402
 from zeroshard.testing import run_distributed  # noqa: E402
-from zeroshard.testing.models import GPT  # noqa: E402
+from zeroshard.testing.models import GPT, recompute_blocks  # noqa: E402
 
 MICRO = 4
-
-
-class Recomputed(torch.nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return zeroshard.checkpointing.checkpoint(self.block, x)
 
 
 def build(cfg, recompute: bool) -> GPT:
     torch.manual_seed(0)
     model = GPT(cfg)
-    if recompute:
-        model.blocks = torch.nn.ModuleList(Recomputed(b) for b in model.blocks)
-    return model
+    return recompute_blocks(model) if recompute else model
 
 
 def ds_config(stage: int, offload: bool) -> dict:
@@ -64,15 +54,14 @@ def sample(cfg) -> tuple:
     return (x, x)
 
 
-def measure_worker(cfg, config: dict, recompute: bool) -> dict:
-    """Estimate first, as a training script would before building anything, then train 3 steps and read the
-    peak."""
+def measure_worker(cfg, config: dict, recompute: bool, steps: int) -> dict:
+    """Estimate first, as a training script would before building anything, then train and read the peak."""
     from zeroshard import comm
 
     estimate = zeroshard.estimate(lambda: build(cfg, recompute), config, comm.get_world_size(), sample(cfg))
     engine, *_ = zeroshard.initialize(model=build(cfg, recompute), config=config)
     gen = torch.Generator().manual_seed(comm.get_rank())
-    for _ in range(3):
+    for _ in range(steps):
         x = torch.randint(0, cfg.vocab_size, (MICRO, cfg.block_size + 1), generator=gen)
         engine.backward(engine(x[:, :-1], x[:, 1:]))
         engine.step()
@@ -80,7 +69,7 @@ def measure_worker(cfg, config: dict, recompute: bool) -> dict:
     return {"predicted": estimate.peak, "measured": measured, "table": estimate.table()}
 
 
-def run(sizes, stages, world: int, verbose: bool = False) -> list[dict]:
+def run(sizes, stages, world: int, steps: int, verbose: bool = False) -> list[dict]:
     rows = []
     for size in sizes:
         cfg = gpt_config(size)
@@ -88,7 +77,7 @@ def run(sizes, stages, world: int, verbose: bool = False) -> list[dict]:
             for offload in (False, True) if stage else (False,):  # offload needs a sharded optimizer
                 for recompute in (False, True):
                     config = ds_config(stage, offload)
-                    ranks = run_distributed(measure_worker, world, cfg, config, recompute, timeout_s=1800)
+                    ranks = run_distributed(measure_worker, world, cfg, config, recompute, steps, timeout_s=1800)
                     worst = max(ranks, key=lambda r: abs(r["predicted"] / r["measured"] - 1))
                     row = dict(size=size, stage=stage, offload=offload, recompute=recompute)
                     row.update(predicted=worst["predicted"], measured=worst["measured"])
@@ -112,11 +101,12 @@ def main():
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3])
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--verbose", action="store_true", help="print each estimate's breakdown")
     args = parser.parse_args()
     print("| size | stage | offload | recompute | predicted MiB | measured MiB | error |")
     print("|---|---|---|---|---|---|---|")
-    rows = run(args.sizes, args.stages, args.world, args.verbose)
+    rows = run(args.sizes, args.stages, args.world, args.steps, args.verbose)
     worst = max(abs(r["error"]) for r in rows)
     print(f"\nworst |error|: {100 * worst:.1f}% over {len(rows)} runs")
 

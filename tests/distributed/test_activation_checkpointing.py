@@ -4,20 +4,10 @@ Face model's gradient_checkpointing_enable(), under ZeRO stages 0-3, on 2 Gloo r
 import torch
 
 from zeroshard.testing import run_distributed
+from zeroshard.testing.models import recompute_blocks
 from zeroshard.testing.parity import ParityCase, make_batches, make_model, model_error, reference_train
 
 BLOCK = {"activation_checkpointing": {"cpu_checkpointing": True, "synchronize_checkpoint_boundary": True}}
-
-
-class Recomputed(torch.nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        import zeroshard
-
-        return zeroshard.checkpointing.checkpoint(self.block, x)
 
 
 def stages_worker(steps: int) -> dict:
@@ -29,8 +19,7 @@ def stages_worker(steps: int) -> dict:
     for stage in (0, 1, 2, 3):
         case = ParityCase(stage=stage, steps=steps, lr=1e-3, extra=tuple(BLOCK.items()))
         zeroshard.checkpointing.reset()
-        model = make_model()
-        model.blocks = torch.nn.ModuleList(Recomputed(b) for b in model.blocks)
+        model = recompute_blocks(make_model())
         engine, *_ = zeroshard.initialize(model=model, config=case.config())
         assert zeroshard.checkpointing.is_configured()
         b = case.micro_batch

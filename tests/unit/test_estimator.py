@@ -11,26 +11,15 @@ import torch
 
 import zeroshard
 from zeroshard.estimator import Candidate, main, parse_bytes
-from zeroshard.testing.models import GPT, GPTConfig
+from zeroshard.testing.models import GPT, GPTConfig, recompute_blocks
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=3, n_head=2, n_embd=64)
 MiB = 2**20
 
 
-class Recomputed(torch.nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return zeroshard.checkpointing.checkpoint(self.block, x)
-
-
 def tiny_gpt(recompute: bool = False, cfg: GPTConfig = CFG) -> GPT:
     model = GPT(cfg)
-    if recompute:
-        model.blocks = torch.nn.ModuleList(Recomputed(b) for b in model.blocks)
-    return model
+    return recompute_blocks(model) if recompute else model
 
 
 def tiny_inputs(micro_batch: int, seq_len: int):
@@ -181,6 +170,21 @@ def test_cli_prints_breakdown_and_recommends(tmp_path, capsys):
     # nothing fits in 1 MiB: an error exit and what to do
     assert main(args + ["--sample_inputs", "tests.unit.test_estimator:tiny_inputs", "--budget", "1MiB"]) == 1
     assert "nothing fits" in capsys.readouterr().out
+
+
+def test_cli_with_a_hugging_face_config(tmp_path, capsys):
+    """A GPT-2 config: its forward runs data-dependent mask checks, read on meta data as unpadded inputs."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=128).save_pretrained(tmp_path)
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": true}}')
+    args = ["--config", str(path), "--num_gpus", "4", "--num_nodes", "2", "--hf_config", str(tmp_path)]
+    assert main(args + ["--seq_len", "128", "--budget", "100GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO stage 0, 8 rank(s), micro-batch 8" in out
+    assert "micro-batch 8, activation checkpointing" in out  # HF models are also planned with recomputation
+    assert "recommended: stage 0, offload none, micro-batch 8" in out  # everything fits: the least traffic
 
 
 def test_cli_rejects_a_factory_without_callable(tmp_path):

@@ -79,3 +79,23 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+class Recomputed(nn.Module):
+    """A block run under ``zeroshard.checkpointing.checkpoint``: forward keeps only its input, backward
+    recomputes it."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .. import checkpointing
+
+        return checkpointing.checkpoint(self.block, x)
+
+
+def recompute_blocks(model: GPT) -> GPT:
+    """Checkpoint every block of ``model`` (in place; returned for chaining). Parameter names gain ``.block``."""
+    model.blocks = nn.ModuleList(Recomputed(b) for b in model.blocks)
+    return model
