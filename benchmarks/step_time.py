@@ -11,6 +11,7 @@ communicated per step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -29,7 +30,6 @@ def batches(cfg: GPTConfig, steps: int, micro: int, rank: int):
 def torch_step(model, opt, autocast: torch.dtype | None = None):
     """One plain PyTorch training step (the baselines' loop); with ``autocast``, forward runs under
     ``torch.autocast`` in that dtype (torch's mixed precision: fp32 weights, low-precision compute)."""
-    import contextlib
 
     def step(x, y):
         with torch.autocast(x.device.type, dtype=autocast) if autocast else contextlib.nullcontext():

@@ -30,6 +30,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import platform
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -369,8 +371,6 @@ def allocator_retention(largest_transient: int) -> int:
     live on the heap, which keeps up to the trim threshold free at its top, and more in holes. The rule, twice the
     trim threshold, is the estimate's roughest term: on the example GPT the resident excess over the tensors in
     use measured 14, 55-60 and 120-140 MiB at 3.3M, 23M and 91M parameters, against 2, 64 and 96 predicted."""
-    import platform
-
     if not _cpu_only() or platform.libc_ver()[0] != "glibc" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return 0
     return 4 * min(largest_transient, GLIBC_MMAP_THRESHOLD_MAX)
@@ -429,8 +429,6 @@ _UNITS = {
 
 def parse_bytes(text: str) -> int:
     """``80GB`` (decimal), ``80GiB`` (binary), or a plain number of bytes."""
-    import re
-
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: use e.g. 80GB, 80GiB or 85899345920")
