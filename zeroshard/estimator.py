@@ -16,7 +16,8 @@ Per rank, in bytes and by location (``device``: the accelerator, or the compute 
 - ``optimizer_state``: fp32 master weights (unless they are the fp32 parameters themselves) and the optimizer's
   per-element state (counted by stepping the configured optimizer once on one element);
 - ``gathered_units`` (stage 3): the root unit, the running unit and the prefetched ones;
-- ``communication_buffers``: gradient staging (one bucket staging, one in flight) and Gloo's collective scratch;
+- ``communication_buffers``: gradient staging (one bucket staging, one in flight) and, on Gloo, the chunks the
+  reduction in flight receives;
 - ``activations``: what forward keeps for backward (traced), backward's first working set (the gradients of the
   largest saved tensor and of its input, and the largest parameter's fresh gradient), and under activation
   checkpointing one block's recomputation;
@@ -189,6 +190,7 @@ class _Plan:
         self.plans = plan_flat_groups(groups, self.stage, z.reduce_bucket_size, units, persistent)
         self.frozen_plans = plan_frozen_groups(units, persistent) if self.stage.partition_params else []
         count = shard_count if self.stage.partition_optimizer else 1
+        self.shard_count = count
         self.layouts = plan_layouts(self.plans, names, count)
         self.frozen_layouts = plan_layouts(self.frozen_plans, names, count)
         # gathered elements per unit (index 0: the root), trainable and frozen flat groups together
@@ -226,19 +228,18 @@ class _Plan:
 
     def count_buffers(self, out: MemoryEstimate, gloo: bool) -> None:
         """What ``ReusableBuffers`` holds at the busiest moment: gradient staging for the bucket being filled and
-        the one reduction in flight (``MAX_IN_FLIGHT``), each with Gloo's scratch when it is sharded; under stage 3
-        also the root unit, the running unit and the prefetched ones, each prefetched gather with its scratch."""
+        the one reduction in flight (``MAX_IN_FLIGHT``), the latter with Gloo's reduce-scatter scratch when it is
+        sharded; under stage 3 also the root unit, the running unit and the prefetched ones."""
         from .zero.reducer import MAX_IN_FLIGHT
 
         compute, reduce = _size(self.policy.compute), _size(self.policy.reduce)
         largest = max((layout.padded_numel for layout in self.layouts), default=0)
-        sharded = self.stage.partition_optimizer
         staging = (MAX_IN_FLIGHT + 1) * largest * reduce
-        scratch = MAX_IN_FLIGHT * largest * reduce if gloo and sharded else 0
+        scratch = 0
+        if gloo and self.shard_count > 1:  # the other ranks' chunks of this rank's part
+            scratch = MAX_IN_FLIGHT * largest // self.shard_count * (self.shard_count - 1) * reduce
         out.bytes["communication_buffers"]["device"] += staging + scratch
         if not self.stage.partition_params:
-            if gloo and sharded:  # the all-gather publishing the updated shards, one bucket at a time
-                out.bytes["communication_buffers"]["device"] += largest * compute
             return
         z = self.cfg.zero_optimization
         sharded_units = [n for i, n in self.unit_numel.items() if i != 0]
@@ -250,8 +251,6 @@ class _Plan:
         )
         gathered = self.unit_numel.get(0, 0) + (1 + ahead) * unit
         out.bytes["gathered_units"]["device"] += gathered * compute
-        if gloo:
-            out.bytes["communication_buffers"]["device"] += ahead * unit * compute
 
 
 def _optimizer_state_tensors(cfg, stage: int) -> int:

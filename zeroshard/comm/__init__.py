@@ -18,8 +18,8 @@ from .collectives import (
     barrier,
     broadcast,
     inject_delays,
-    needs_scratch,
     reduce_scatter,
+    reduce_scatter_scratch_numel,
 )
 from .context import DEFAULT_CONTEXT, CommContext
 from .groups import Group, RankGrid, build_rank_grid, build_tensor_parallel_group, destroy_groups, grid_layout
@@ -64,6 +64,6 @@ __all__ = [
     "inject_delays",
     "is_initialized",
     "log_summary",
-    "needs_scratch",
     "reduce_scatter",
+    "reduce_scatter_scratch_numel",
 ]

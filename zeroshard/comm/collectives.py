@@ -146,11 +146,40 @@ def _is_gloo(group: Group) -> bool:
     return dist.get_backend(group.handle) == "gloo"
 
 
-def needs_scratch(group: Group) -> bool:
-    """Whether ``all_gather`` and ``reduce_scatter`` on ``group`` use a whole-size scratch buffer (Gloo: see Note
-    [gloo flat collectives]); a caller that reuses buffers passes one as ``scratch=`` instead of letting each
-    call allocate its own."""
-    return group.size > 1 and _is_gloo(group)
+# Point-to-point tags of the Gloo collectives below, one per kind, so that an all-gather and a reduce-scatter in
+# flight at once between two ranks never take each other's messages (within a kind, every rank issues in one order).
+_TAG_ALL_GATHER = 1
+_TAG_REDUCE_SCATTER = 2
+
+
+class _PointToPoint:
+    """The sends and receives of one Gloo collective, waited for as one."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self, timeout: Optional[timedelta] = None) -> None:
+        for work in self.works:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
+
+
+def _exchange(group: Group, tag: int, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]):
+    """Post every send and receive (keyed by the peer's index in the group) at once; nothing blocks."""
+    works = [dist.irecv(t, group.ranks[j], group=group.handle, tag=tag) for j, t in receives.items()]
+    works += [dist.isend(t, group.ranks[j], group=group.handle, tag=tag) for j, t in sends.items()]
+    return _PointToPoint(works)
+
+
+def reduce_scatter_scratch_numel(group: Group, numel: int) -> int:
+    """Elements of scratch that ``reduce_scatter`` of a ``numel``-element input needs on ``group``: on Gloo the
+    other ranks' chunks of this rank's part (see Note [gloo flat collectives]), elsewhere none. A caller that
+    reuses buffers passes one as ``scratch=`` instead of letting each call allocate its own."""
+    if group.size == 1 or not _is_gloo(group):
+        return 0
+    return numel // group.size * (group.size - 1)
 
 
 def reduce_scatter(
@@ -161,31 +190,42 @@ def reduce_scatter(
     scratch: Optional[torch.Tensor] = None,
 ) -> Pending:
     """Sum ``input`` (group.size x output.numel()) across the group; rank i keeps chunk i in ``output``, which may
-    be that chunk of ``input`` itself. ``scratch``: see ``needs_scratch`` (held until the result is waited for)."""
+    be that chunk of ``input`` itself. ``scratch``: see ``reduce_scatter_scratch_numel`` (held until the result
+    is waited for)."""
     if group.size == 1:
         output.copy_(input.view_as(output))
         return _skip("reduce_scatter", group)
     n = group.size
     if _is_gloo(group):
-        # Note [gloo flat collectives]: Gloo's reduce_scatter runs at half the speed of a whole all-reduce.
-        # An all-to-all moves exactly the reduce-scatter's bytes (chunk j to rank j); the sum is local.
-        received = torch.empty_like(input) if scratch is None else scratch.view_as(input)
+        # Note [gloo flat collectives]: Gloo's own reduce_scatter runs at half the speed of a whole all-reduce, and
+        # its all-gather, or an all-to-all, needs a whole-size buffer besides input and output. Point-to-point
+        # messages move exactly the collective's bytes (chunk j to rank j; our shard to every rank) at least as
+        # fast, and need only a buffer for the chunks this rank receives; the sum is local.
+        me, chunks = group.rank, input.view(n, -1)
+        others = [j for j in range(n) if j != me]
+        received = torch.empty((n - 1) * chunks.shape[1], dtype=input.dtype, device=input.device)
+        if scratch is not None:
+            received = scratch[: received.numel()]
+        received = dict(zip(others, received.view(n - 1, -1)))
 
         def finish() -> None:
-            # elementwise adds, chunk after chunk: on CPU a dim-0 torch.sum of the (n, chunk) view runs 3x (fp32)
-            # to 10x (bf16) slower. Same bits in fp32 and for two ranks; with more, bf16/fp16 chunks round at
-            # every add, as a ring reduction (NCCL's) does at every hop
-            chunks = received.view(n, -1)
-            total = torch.add(chunks[0], chunks[1], out=output.view(-1))
-            for chunk in chunks[2:]:
-                total.add_(chunk)
+            # elementwise adds in rank order, chunk after chunk: on CPU a dim-0 torch.sum runs 3x (fp32) to 10x
+            # (bf16) slower. Same bits in fp32 and for two ranks; with more, bf16/fp16 chunks round at every add,
+            # as a ring reduction (NCCL's) does at every hop. Our chunk, which ``output`` may be, is read before
+            # ``output`` is written.
+            parts = [chunks[me] if j == me else received[j] for j in range(n)]
+            total = torch.add(parts[0], parts[1], out=output.view(-1) if me <= 1 else parts[0])
+            for part in parts[2:]:
+                total.add_(part)
+            if me > 1:
+                output.view(-1).copy_(total)
 
         return _issue(
             "reduce_scatter",
             group,
             input,
             (n - 1) / n,
-            lambda: dist.all_to_all_single(received, input, group=group.handle, async_op=True),
+            lambda: _exchange(group, _TAG_REDUCE_SCATTER, {j: chunks[j] for j in others}, received),
             async_op,
             finish,
         )
@@ -199,32 +239,25 @@ def reduce_scatter(
     )
 
 
-def all_gather(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: Group,
-    async_op: bool = False,
-    scratch: Optional[torch.Tensor] = None,
-) -> Pending:
-    """Concatenate every rank's ``input`` into ``output`` (group.size x input.numel()). ``scratch``: see
-    ``needs_scratch`` (held until the result is waited for)."""
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False) -> Pending:
+    """Concatenate every rank's ``input`` into ``output`` (group.size x input.numel()); ``input`` may be this
+    rank's chunk of ``output`` itself."""
     if group.size == 1:
         output.view_as(input).copy_(input)
         return _skip("all_gather", group)
     n = group.size
     if _is_gloo(group):
-        # See Note [gloo flat collectives]: sending our shard to every rank by all-to-all is faster on Gloo.
-        replicated = input.reshape(1, -1).expand(n, -1)
-        if scratch is None:
-            replicated = replicated.contiguous().view(-1)
-        else:
-            replicated = scratch.view(n, -1).copy_(replicated).view(-1)
+        # See Note [gloo flat collectives]: our shard goes to every rank by point-to-point sends, no scratch.
+        me, chunks, flat = group.rank, output.view(n, -1), input.reshape(-1)
+        if chunks[me].data_ptr() != flat.data_ptr():
+            chunks[me].copy_(flat)
+        others = [j for j in range(n) if j != me]
         return _issue(
             "all_gather",
             group,
             output,
             (n - 1) / n,
-            lambda: dist.all_to_all_single(output, replicated, group=group.handle, async_op=True),
+            lambda: _exchange(group, _TAG_ALL_GATHER, {j: flat for j in others}, {j: chunks[j] for j in others}),
             async_op,
         )
     return _issue(

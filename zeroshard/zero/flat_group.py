@@ -68,7 +68,6 @@ class FlatGroup:
         lo, hi = layout.shard_range(self.shard_rank)
         self.buffer: Optional[torch.Tensor] = None  # the gathered parameters (None while sharded)
         self._gather: Optional[comm.Pending] = None
-        self._scratch: Optional[torch.Tensor] = None  # the collective's scratch buffer while a gather is pending
         self.home = None
         self.shard: Optional[torch.Tensor]
         if resident:
@@ -108,7 +107,7 @@ class FlatGroup:
             shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
             shard.copy_(self.home.get())  # blocking: the home's staging buffer is reused after release
             self.home.release()
-        self._gather = self._all_gather(shard, async_op=True)
+        self._gather = comm.all_gather(self.buffer, shard, self.shard_group, async_op=True)
         if not async_op:
             self.wait_gathered()
 
@@ -121,18 +120,7 @@ class FlatGroup:
         if self._gather is not None:
             self._gather.wait()
             self._gather = None
-            self._give_back_scratch()
             self._bind(self.buffer)
-
-    def _all_gather(self, shard: torch.Tensor, async_op: bool) -> comm.Pending:
-        if comm.needs_scratch(self.shard_group):
-            self._scratch = self.buffers.acquire(self.layout.padded_numel, self.dtype)
-        return comm.all_gather(self.buffer, shard, self.shard_group, async_op=async_op, scratch=self._scratch)
-
-    def _give_back_scratch(self) -> None:
-        if self._scratch is not None:
-            self.buffers.release(self._scratch)
-            self._scratch = None
 
     def free(self) -> None:
         """Give the whole buffer back; the parameters keep their identity but no data until the next gather.
@@ -172,8 +160,7 @@ class FlatGroup:
             self.home.flush()
         if self.resident and self.partitioned:
             # in-place all-gather: the input is this rank's own chunk of the output
-            self._all_gather(self.shard, async_op=False)
-            self._give_back_scratch()
+            comm.all_gather(self.buffer, self.shard, self.shard_group)
 
     def bytes_held(self) -> dict[str, dict[str, int]]:
         """Bytes per role and where they live: ``device`` (the accelerator, or the compute side on a

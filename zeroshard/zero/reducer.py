@@ -97,8 +97,9 @@ class GradBucket:
         if self.flat.partitioned:
             lo, hi = self.layout.shard_range(self.flat.shard_rank)
             self._reduced = self._staging[lo:hi]  # in place: this rank's chunk of the input receives the sum
-            if comm.needs_scratch(self.flat.shard_group):
-                self._scratch = self.buffers.acquire(self.layout.padded_numel, self.reduce_dtype)
+            scratch = comm.reduce_scatter_scratch_numel(self.flat.shard_group, self.layout.padded_numel)
+            if scratch:
+                self._scratch = self.buffers.acquire(scratch, self.reduce_dtype)
             self._pending = comm.reduce_scatter(
                 self._reduced, self._staging, self.flat.shard_group, async_op=async_op, scratch=self._scratch
             )

@@ -1,0 +1,111 @@
+"""zeroshard.comm's all-gather and reduce-scatter on real Gloo ranks: exact results (a reduce-scatter sums in rank
+order, bit for bit), in place and out of place, on the world and on subgroups, with collectives of both kinds in
+flight at once, and the bytes the ledger counts."""
+
+import pytest
+import torch
+
+from zeroshard.testing import run_distributed
+
+WORLD = 4
+CHUNK = 1001  # odd: no accidental alignment
+
+
+def rank_data(rank: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 * rank + salt)
+    return torch.randn(WORLD * CHUNK, generator=gen).to(dtype)
+
+
+def collectives_worker() -> dict:
+    from zeroshard import comm
+
+    grid = comm.build_rank_grid(shard_size=2)  # world: 4 ranks; shard: {0, 1} and {2, 3}
+    rank = comm.get_rank()
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for group in (grid.world, grid.shard):
+            n, me = group.size, group.rank
+            data = rank_data(rank, dtype)[: n * CHUNK]
+            name = f"{group.name}/{dtype}"
+            # reduce-scatter into a separate output, with the caller's scratch
+            scratch = torch.empty(comm.reduce_scatter_scratch_numel(group, data.numel()), dtype=dtype)
+            separate = torch.empty(CHUNK, dtype=dtype)
+            comm.reduce_scatter(separate, data.clone(), group, scratch=scratch)
+            # in place: this rank's chunk of the input receives the sum; no scratch given
+            inplace = data.clone()
+            comm.reduce_scatter(inplace.view(n, -1)[me], inplace, group)
+            # all-gather of a separate shard, and in place (the input is this rank's chunk of the output)
+            shard = rank_data(rank, dtype, salt=1)[:CHUNK]
+            gathered = torch.empty(n * CHUNK, dtype=dtype)
+            comm.all_gather(gathered, shard, group)
+            gathered_inplace = torch.zeros(n * CHUNK, dtype=dtype)
+            gathered_inplace.view(n, -1)[me].copy_(shard)
+            comm.all_gather(gathered_inplace, gathered_inplace.view(n, -1)[me], group)
+            out[name] = {
+                "separate": separate,
+                "inplace": inplace.view(n, -1)[me].clone(),
+                "gathered": gathered,
+                "gathered_inplace": gathered_inplace,
+                "scratch_numel": scratch.numel(),
+            }
+    # both kinds in flight at once, issued in the same order on every rank, finished in reverse
+    group = grid.world
+    pending, results = [], []
+    for k in range(3):
+        shard = torch.full((CHUNK + k,), float(rank + 10 * k))
+        gathered = torch.empty(WORLD * (CHUNK + k))
+        pending.append(comm.all_gather(gathered, shard, group, async_op=True))
+        data = torch.full((WORLD * (CHUNK + k),), float(rank + 1))
+        summed = torch.empty(CHUNK + k)
+        pending.append(comm.reduce_scatter(summed, data, group, async_op=True))
+        results.append((gathered, summed))
+    for p in reversed(pending):
+        p.wait()
+    out["concurrent"] = results
+    out["ledger"] = {f"{op}/{g}": (t.calls, t.wire_bytes) for (op, g), t in grid.context.ledger.summary().items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return run_distributed(collectives_worker, WORLD)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", ["world", "shard"])
+def test_results_are_exact(per_rank, group, dtype):
+    for rank, got in enumerate(per_rank):
+        members = list(range(WORLD)) if group == "world" else [r for r in range(WORLD) if r // 2 == rank // 2]
+        n, me = len(members), members.index(rank)
+        chunks = [rank_data(r, dtype)[: n * CHUNK].view(n, -1)[me] for r in members]
+        expected = chunks[0] + chunks[1]  # in rank order, one rounding per add, as the collective sums
+        for chunk in chunks[2:]:
+            expected = expected + chunk
+        result = got[f"{group}/{dtype}"]
+        assert torch.equal(result["separate"], expected)
+        assert torch.equal(result["inplace"], expected)
+        everyone = torch.cat([rank_data(r, dtype, salt=1)[:CHUNK] for r in members])
+        assert torch.equal(result["gathered"], everyone)
+        assert torch.equal(result["gathered_inplace"], everyone)
+        assert result["scratch_numel"] == (n - 1) * CHUNK  # only the chunks received from the other ranks
+
+
+def test_collectives_in_flight_at_once_keep_their_messages_apart(per_rank):
+    for got in per_rank:
+        for k, (gathered, summed) in enumerate(got["concurrent"]):
+            expected = torch.cat([torch.full((CHUNK + k,), float(r + 10 * k)) for r in range(WORLD)])
+            assert torch.equal(gathered, expected)
+            assert torch.equal(summed, torch.full((CHUNK + k,), float(sum(range(1, WORLD + 1)))))
+
+
+def test_ledger_counts_the_bytes_each_rank_sends(per_rank):
+    ledger = per_rank[0]["ledger"]
+    element = {torch.float32: 4, torch.bfloat16: 2}
+    # per (op, group): ring bytes (n - 1) / n of the whole tensor, which is what point-to-point sends move
+    world = sum(3 / 4 * WORLD * CHUNK * e for e in element.values())
+    world_concurrent = sum(3 / 4 * WORLD * (CHUNK + k) * 4 for k in range(3))
+    shard = sum(1 / 2 * 2 * CHUNK * e for e in element.values())
+    for op in ("all_gather", "reduce_scatter"):
+        calls = {"all_gather": 2, "reduce_scatter": 2}[op]
+        assert ledger[f"{op}/world"] == (2 * calls + 3, pytest.approx(calls * world + world_concurrent))
+        assert ledger[f"{op}/shard"] == (2 * calls, pytest.approx(calls * shard))
