@@ -67,7 +67,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _grad_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float32)
-        squared = torch.stack(torch._foreach_norm(grads)).pow(2).sum().reshape(1)
+        squared = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2).sum().reshape(1)
         if self.norm_group is not None:
             comm.all_reduce(squared, self.norm_group)
         return squared
@@ -79,9 +79,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 closure()
         scale = self.loss_scaler.scale
-        # the optimizer needs gradients in the master dtype (a transient copy when shards are 16-bit)
-        master_dtype = self.optimizer_state.master_dtype
-        grads = [g if g.dtype == master_dtype else g.to(master_dtype) for g in self.reducer.grads]
+        grads = self.reducer.grads  # 16-bit shards (stage 3) reach the master dtype one flat group at a time
         norm = math.sqrt(self._grad_norm_squared(grads).item()) / scale
         overflow = self.overflow = not math.isfinite(norm)
         self.global_grad_norm = norm
@@ -103,9 +101,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         coef = 1.0 / scale
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:
             coef *= self.gradient_clipping / (norm + 1e-6)
-        if coef != 1.0 and grads:
-            torch._foreach_mul_(grads, coef)
-        self.optimizer_state.step(grads)
+        self.optimizer_state.step(grads, coef)
         self.zero_grad()
         return True
 

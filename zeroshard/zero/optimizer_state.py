@@ -2,7 +2,8 @@
 implementation per home.
 
 - :class:`DeviceState`: on the compute device; the optimizer steps every flat group's master shard in one
-  call. With fp32 compute the master *is* the flat group's shard (no second copy).
+  call (one call per flat group when 16-bit gradients need fp32 copies). With fp32 compute the master *is* the
+  flat group's shard (no second copy).
 - :class:`HostState` (``offload_optimizer.device: cpu``): in (pinned) host memory, cut into sub-groups of at
   most ``sub_group_size`` elements stepped one at a time, each one's update copied to the compute parameters
   while the next is stepped.
@@ -68,9 +69,19 @@ class OptimizerState:
     def _sharded_norms(self) -> Optional[ShardedNorms]:
         return None
 
-    def step(self, grads: list[torch.Tensor]) -> None:
-        """Apply the (unscaled, clipped) gradient shards, one per flat group, and publish the update."""
+    def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
+        """Apply the gradient shards, one per flat group, times ``coef`` (unscaling and clipping), and publish
+        the update."""
         raise NotImplementedError
+
+    def _master_grad(self, grad: torch.Tensor, coef: float) -> torch.Tensor:
+        """A gradient shard (or a range of it) in the master dtype, times ``coef``: scaled in place when it is
+        already (the reducer zeroes it after the step), else a transient copy -- made one flat group or sub-group
+        at a time, so 16-bit shards never have fp32 copies of all of them at once (DeepSpeed's stage 3 converts
+        per sub-group too)."""
+        if grad.dtype != self.master_dtype:
+            grad = grad.to(self.master_dtype)
+        return grad.mul_(coef) if coef != 1.0 else grad
 
     # -- publishing into the flat groups -------------------------------------------------------
     def publish(self) -> None:
@@ -179,13 +190,18 @@ class DeviceState(OptimizerState):
         reduce = (lambda t: comm.all_reduce(t, shard_group)) if shard_group is not None else (lambda t: None)
         return ShardedNorms(segments, slot_id, reduce)
 
-    def step(self, grads: list[torch.Tensor]) -> None:
-        """One fused optimizer call over every master shard."""
-        for sub, grad in zip(self.subgroups, grads):
-            sub.param.grad = grad
-        self.optimizer.step()
-        for sub in self.subgroups:
-            sub.param.grad = None
+    def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
+        """One fused optimizer call over every master shard when the gradients are in the master dtype; one per
+        flat group when they need a conversion, bounding the transient copies (and the optimizer's own
+        temporaries) to one flat group. Adam-style updates are elementwise and per-parameter, Lamb's norms are
+        per parameter (a parameter lies in one flat group): the result is the same either way."""
+        same_dtype = all(grad.dtype == self.master_dtype for grad in grads)
+        for batch in [self.subgroups] if same_dtype else [[sub] for sub in self.subgroups]:
+            for sub in batch:
+                sub.param.grad = self._master_grad(grads[sub.flat_index], coef)
+            self.optimizer.step()
+            for sub in batch:
+                sub.param.grad = None
         self.publish()
 
     def _master_bytes(self) -> int:
@@ -230,11 +246,11 @@ class HostState(OptimizerState):
     def _ordered(self) -> list[SubGroup]:
         return self.subgroups
 
-    def step(self, grads: list[torch.Tensor]) -> None:
+    def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
         """One sub-group at a time on the CPU; each update's copy to the compute parameters is issued
         (non-blocking) before the next sub-group is stepped."""
         for sub in self._ordered():
-            sub.param.grad = grads[sub.flat_index][sub.start : sub.stop]
+            sub.param.grad = self._master_grad(grads[sub.flat_index][sub.start : sub.stop], coef)
             self.optimizer.step()
             sub.param.grad = None
             self._write_back(sub, sub.param.detach())
