@@ -3,8 +3,12 @@
 A :class:`GradBucket` owns the gradient side of one flat group on one rank:
 
 - ``staging`` (reduce dtype, whole bucket, transient): gradients on their way to the reduction; drawn from
-  the engine's :class:`~zeroshard.zero.buffers.ReusableBuffers` when the first gradient arrives, given back once
-  the reduction completes. The reduce-scatter runs in place: this rank's chunk of it receives the sum.
+  the engine's :class:`~zeroshard.zero.buffers.ReusableBuffers` when a gradient arrives for the bucket next to
+  reduce (or, for a bucket that parked gradients, at its launch), given back once the reduction completes.
+  The reduce-scatter runs in place: this rank's chunk of it receives the sum. Gradients that arrive before
+  their bucket is next are kept as autograd made them (``parked``): a bucket whose first gradients come long
+  before its last (stage 3's root unit: the final norm's at the start of backward, the embedding's at the
+  end) would otherwise hold a whole staging buffer through backward for a few elements.
 - ``grad`` (fp32, this rank's shard): reduced gradients, accumulated across micro-batches, on the
   device or (offloaded optimizer) in host memory, where the optimizer state steps them.
 
@@ -55,6 +59,7 @@ class GradBucket:
         self.grad = torch.zeros(flat.layout.shard_numel, dtype=grad_dtype, device=grad_device, pin_memory=pin_memory)
         self.state = GradState.EMPTY
         self._staging: Optional[torch.Tensor] = None
+        self._parked: dict[int, torch.Tensor] = {}  # position -> gradient that arrived before the staging buffer
         self._reduced: Optional[torch.Tensor] = None
         self._scratch: Optional[torch.Tensor] = None  # the collective's scratch buffer (Gloo) while reducing
         self._pending: Optional[comm.Pending] = None
@@ -70,28 +75,42 @@ class GradBucket:
         the reduction can start."""
         return all(n >= (e or 1) for n, e in zip(self.arrived, self.expected))
 
-    def stage_grad(self, position: int, grad: torch.Tensor) -> None:
-        """Stage one gradient contribution; a second one for the same parameter (a reentrant recomputation) adds."""
-        slot = self.layout.slots[position]
+    def stage_grad(self, position: int, grad: torch.Tensor, next_to_reduce: bool) -> None:
+        """Stage one gradient contribution; a second one for the same parameter (a reentrant recomputation) adds.
+        A bucket not ``next_to_reduce`` parks it instead (see the module docstring), and one that parked keeps
+        parking until its launch draws the staging buffer -- after stage 3 freed its gathered parameters, whose
+        buffer the staging may then reuse."""
+        if self._staging is None and (self._parked or not next_to_reduce):
+            parked = self._parked.get(position)
+            self._parked[position] = grad if parked is None else parked + grad
+        else:
+            self._draw_staging()
+            self._stage(position, grad, add=self.arrived[position] > 0)
+        self.arrived[position] += 1
+
+    def _draw_staging(self) -> None:
         if self._staging is None:
             self._staging = self.buffers.acquire(self.layout.padded_numel, self.reduce_dtype)
             self.state = GradState.STAGING
+            for position, grad in self._parked.items():
+                self._stage(position, grad, add=False)
+            self._parked.clear()
+
+    def _stage(self, position: int, grad: torch.Tensor, add: bool) -> None:
+        slot = self.layout.slots[position]
         target = self._staging[slot.offset : slot.end]
-        if self.arrived[position]:
+        if add:
             target.add_(grad.reshape(-1))
         else:
             target.copy_(grad.reshape(-1))
-        self.arrived[position] += 1
 
     def launch_reduce(self, predivide: float, async_op: bool) -> None:
         """Issue the reduction; parameters whose gradient never arrived (unused this step) count as zero."""
-        if self._staging is None:
-            self._staging = self.buffers.acquire(self.layout.padded_numel, self.reduce_dtype).zero_()
-        else:
-            for slot, arrived in zip(self.layout.slots, self.arrived):
-                if not arrived:
-                    self._staging[slot.offset : slot.end].zero_()
-            self._staging[self.layout.numel :].zero_()
+        self._draw_staging()
+        for slot, arrived in zip(self.layout.slots, self.arrived):
+            if not arrived:
+                self._staging[slot.offset : slot.end].zero_()
+        self._staging[self.layout.numel :].zero_()
         if predivide != 1.0:
             self._staging.div_(predivide)
         if self.flat.partitioned:
@@ -125,7 +144,7 @@ class GradBucket:
         self.state = GradState.EMPTY
 
     def staging_bytes(self) -> int:
-        return _nbytes(self._staging) + _nbytes(self._scratch)
+        return _nbytes(self._staging) + _nbytes(self._scratch) + sum(_nbytes(g) for g in self._parked.values())
 
 
 class GradientReducer:
@@ -204,10 +223,11 @@ class GradientReducer:
         if nested and bucket.expected[position] is None:
             self._launch_limit = min(self._launch_limit, index)
         was_complete = bucket.complete
-        bucket.stage_grad(position, param.grad)
+        bucket.stage_grad(position, param.grad, next_to_reduce=index == self._next_launch)
         param.grad = None
         if bucket.complete and not was_complete and self.on_bucket_complete is not None:
-            # only on becoming complete: a further recomputation, gathered again, still needs its weights
+            # only on becoming complete: a further recomputation, gathered again, still needs its weights. Freed
+            # before the launch below draws a parked bucket's staging buffer, which may then reuse the gathered one
             self.on_bucket_complete(bucket.flat)
         self._launch_ready()
 
