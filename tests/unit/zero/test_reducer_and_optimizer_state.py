@@ -1,5 +1,6 @@
 """The reducer and the optimizer-state homes alone, on one process (a group of one issues no collective)."""
 
+import pytest
 import torch
 
 from zeroshard import comm
@@ -30,17 +31,37 @@ def _params():
     return [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(5))]
 
 
-def test_bucket_adds_repeated_contributions_and_zeroes_unused_slots():
+@pytest.mark.parametrize("next_to_reduce", [True, False], ids=["staged", "parked"])
+def test_bucket_adds_repeated_contributions_and_zeroes_unused_slots(next_to_reduce):
     params = _params()
     bucket = GradBucket(_flat(params), torch.float32, torch.float32, ONE, CPU, ReusableBuffers(CPU))
     first = torch.ones(3, 2)
-    bucket.stage_grad(0, first)
+    bucket.stage_grad(0, first, next_to_reduce)
     assert not bucket.complete  # parameter 1 has brought nothing yet
-    bucket.stage_grad(0, 2 * first)  # a reentrant recomputation's second contribution adds
+    bucket.stage_grad(0, 2 * first, next_to_reduce)  # a reentrant recomputation's second contribution adds
     bucket.launch_reduce(predivide=1.0, async_op=False)
     bucket.finish_reduce(post_scale=0.5)
     assert torch.equal(bucket.grad[:6], torch.full((6,), 1.5)) and torch.equal(bucket.grad[6:], torch.zeros(5))
     assert bucket.expected == [2, None]  # learned: parameter 0 brings two contributions per backward
+    assert torch.equal(first, torch.ones(3, 2))  # a parked gradient is never added to in place
+
+
+def test_a_parked_bucket_draws_its_staging_buffer_at_launch():
+    params = _params()
+    buffers = ReusableBuffers(CPU)
+    bucket = GradBucket(_flat(params), torch.float32, torch.float32, ONE, CPU, buffers)
+    grad0, grad1 = torch.ones(3, 2), torch.full((5,), 3.0)
+    bucket.stage_grad(0, grad0, next_to_reduce=False)
+    assert buffers.in_use_bytes == 0 and bucket.staging_bytes() == grad0.numel() * 4  # autograd's tensor, held
+    bucket.stage_grad(1, grad1, next_to_reduce=True)  # its turn came, but it parked before: it parks on
+    assert buffers.in_use_bytes == 0
+    idle = buffers.acquire(bucket.layout.padded_numel, torch.float32)  # e.g. the unit's gathered buffer, freed
+    buffers.release(idle)
+    bucket.launch_reduce(predivide=1.0, async_op=False)
+    assert buffers.idle_bytes == 0  # the launch reused the freed buffer
+    bucket.finish_reduce(post_scale=1.0)
+    assert torch.equal(bucket.grad, torch.cat([grad0.reshape(-1), grad1]))
+    assert bucket.staging_bytes() == 0
 
 
 def test_reducer_hooks_collect_autograd_gradients():
@@ -89,6 +110,35 @@ def test_device_state_steps_the_shard_in_place_and_host_state_in_sub_groups():
     host.write_flat(0, {k: torch.zeros_like(v) for k, v in saved.items()}, host.scalars(0))
     host.publish()
     assert torch.equal(flat.shard, torch.zeros(11)) and host.bytes_held()["master"] == {"host": 44}
+
+
+def test_device_state_steps_16_bit_gradients_one_flat_group_at_a_time():
+    torch.manual_seed(1)
+    groups = [[torch.nn.Parameter(torch.randn(4, 3).bfloat16())], [torch.nn.Parameter(torch.randn(7).bfloat16())]]
+    flats = [
+        FlatGroup(
+            flat_layout(["w"], [tuple(g[0].shape)], 1),
+            g,
+            torch.bfloat16,
+            ONE,
+            CPU,
+            ParamRecords(),
+            ReusableBuffers(CPU),
+        )
+        for g in groups
+    ]
+    grads = [torch.randn(flat.layout.shard_numel).bfloat16() for flat in flats]
+    masters = [torch.nn.Parameter(flat.shard.float()) for flat in flats]  # reference: fp32 copies, one call
+    for master, grad in zip(masters, grads):
+        master.grad = grad.float() * 0.5
+    torch.optim.AdamW(masters, lr=0.1).step()
+
+    state = DeviceState(flats, [0, 0], [{"params": [p for g in groups for p in g]}], _adamw, torch.float32)
+    kept = [grad.clone() for grad in grads]
+    state.step(grads, coef=0.5)
+    for flat, master, sub in zip(flats, masters, state.subgroups):
+        assert torch.equal(sub.param, master.detach()) and torch.equal(flat.shard, master.detach().bfloat16())
+    assert all(torch.equal(a, b) for a, b in zip(grads, kept))  # the 16-bit shards are not scaled in place
 
 
 def test_the_offload_plan_chooses_the_home():
