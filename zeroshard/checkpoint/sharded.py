@@ -129,46 +129,10 @@ def save(
             error = err
     _agree_on_write(world, error, save_dir, tmp)
 
-    zero = state.optimizer
-    flats = zero.flat_groups if zero else []
-    specs: list[tuple[str, torch.dtype, tuple]] = []
-    for k, flat in enumerate(flats):
-        if _writes_flat(state, flat):
-            for key in ["master", *zero.flat_state_keys(k)]:
-                name = "master" if key == "master" else f"optim.{key}"
-                specs.append((f"{name}.fg{k}", zero.master_dtype, (flat.layout.shard_numel,)))
     frozen = [] if exclude_frozen_parameters else _frozen_groups(state)
-    for j, flat in enumerate(frozen):
-        if _writes_flat(state, flat):  # the compute-precision shard is a frozen parameter's only copy
-            specs.append((f"master.ff{j}", flat.dtype, (flat.layout.shard_numel,)))
     outside = _outside_tensors(state, exclude_frozen_parameters)
-    others = [*outside.items(), *client_tensors.items()] if rank == 0 else []
-    others.append(("rng.cpu", torch.get_rng_state()))
-    if torch.cuda.is_available():
-        others.append(("rng.cuda", torch.cuda.get_rng_state()))
-    specs += [(name, t.dtype, tuple(t.shape)) for name, t in others]
-
-    def tensors():  # one flat group's state in memory at a time (it may be read back from NVMe)
-        for k, flat in enumerate(flats):
-            if _writes_flat(state, flat):
-                saved = zero.read_flat(k)
-                yield f"master.fg{k}", saved.pop("master")
-                yield from ((f"optim.{key}.fg{k}", saved[key]) for key in sorted(saved))
-        for j, flat in enumerate(frozen):
-            if _writes_flat(state, flat):
-                yield f"master.ff{j}", flat.shard_values()
-        yield from others
-
-    path = os.path.join(tmp, rank_file(rank))
     try:
-        written = write(path, tensors(), specs)
-        sidecar = {
-            "crc": written.crcs,
-            "header_crc": written.header_crc,
-            "size": os.path.getsize(path),
-            "python_rng": random.getstate(),
-        }
-        _atomic_write_text(os.path.join(tmp, rank_file(rank, ".json")), json.dumps(sidecar))
+        _write_rank_files(state, tmp, frozen, [*outside.items(), *client_tensors.items()] if rank == 0 else [])
     except OSError as err:
         error = err
     _agree_on_write(world, error, save_dir, tmp)
@@ -184,6 +148,48 @@ def save(
         _commit(save_dir, tag, save_latest)
     comm.barrier(world)
     return final
+
+
+def _write_rank_files(state: TrainingState, tmp: str, frozen: list, others: list) -> None:
+    """This rank's tensor file (its shards of every flat group it writes, then ``others`` and its RNG state) and
+    the sidecar with the file's checksums, into the temporary checkpoint directory."""
+    zero = state.optimizer
+    flats = zero.flat_groups if zero else []
+    specs: list[tuple[str, torch.dtype, tuple]] = []
+    for k, flat in enumerate(flats):
+        if _writes_flat(state, flat):
+            for key in ["master", *zero.flat_state_keys(k)]:
+                name = "master" if key == "master" else f"optim.{key}"
+                specs.append((f"{name}.fg{k}", zero.master_dtype, (flat.layout.shard_numel,)))
+    for j, flat in enumerate(frozen):
+        if _writes_flat(state, flat):  # the compute-precision shard is a frozen parameter's only copy
+            specs.append((f"master.ff{j}", flat.dtype, (flat.layout.shard_numel,)))
+    others = [*others, ("rng.cpu", torch.get_rng_state())]
+    if torch.cuda.is_available():
+        others.append(("rng.cuda", torch.cuda.get_rng_state()))
+    specs += [(name, t.dtype, tuple(t.shape)) for name, t in others]
+
+    def tensors():  # one flat group's state in memory at a time (it may be read back from NVMe)
+        for k, flat in enumerate(flats):
+            if _writes_flat(state, flat):
+                saved = zero.read_flat(k)
+                yield f"master.fg{k}", saved.pop("master")
+                yield from ((f"optim.{key}.fg{k}", saved[key]) for key in sorted(saved))
+        for j, flat in enumerate(frozen):
+            if _writes_flat(state, flat):
+                yield f"master.ff{j}", flat.shard_values()
+        yield from others
+
+    rank = comm.get_rank()
+    path = os.path.join(tmp, rank_file(rank))
+    written = write(path, tensors(), specs)
+    sidecar = {
+        "crc": written.crcs,
+        "header_crc": written.header_crc,
+        "size": os.path.getsize(path),
+        "python_rng": random.getstate(),
+    }
+    _atomic_write_text(os.path.join(tmp, rank_file(rank, ".json")), json.dumps(sidecar))
 
 
 def _commit(save_dir: str, tag: str, save_latest: bool) -> None:
