@@ -21,6 +21,7 @@ from .collectives import (
     reduce_scatter,
     reduce_scatter_scratch_numel,
 )
+from .compressed import OneBitAllReduce, compressed_all_gather, compressed_all_reduce, compressed_reduce_scatter
 from .context import DEFAULT_CONTEXT, CommContext
 from .groups import Group, RankGrid, build_rank_grid, build_tensor_parallel_group, destroy_groups, grid_layout
 from .ledger import CommLedger, OpTotals
@@ -44,6 +45,7 @@ __all__ = [
     "CommContext",
     "CommLedger",
     "Group",
+    "OneBitAllReduce",
     "OpTotals",
     "Pending",
     "RankGrid",
@@ -53,6 +55,9 @@ __all__ = [
     "broadcast",
     "build_rank_grid",
     "build_tensor_parallel_group",
+    "compressed_all_gather",
+    "compressed_all_reduce",
+    "compressed_reduce_scatter",
     "destroy",
     "destroy_at_exit",
     "destroy_groups",

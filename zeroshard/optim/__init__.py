@@ -3,14 +3,19 @@
 from .factory import build_optimizer, check_client_optimizer
 from .lamb import Lamb, ShardedNorms
 from .lion import Lion
+from .onebit import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
 from .schedules import SCHEDULES, ScheduleRunner, build_schedule
 
 __all__ = [
     "SCHEDULES",
     "Lamb",
     "Lion",
+    "OneBitAdam",
+    "OneBitLamb",
+    "OneBitOptimizer",
     "ScheduleRunner",
     "ShardedNorms",
+    "ZeroOneAdam",
     "build_optimizer",
     "build_schedule",
     "check_client_optimizer",

@@ -10,6 +10,7 @@ import torch
 from ..ops.adam import CPUAdam
 from .lamb import Lamb, ShardedNorms
 from .lion import Lion
+from .onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 
 # Accepted keys of optimizer.params per DeepSpeed name (lower case, as DeepSpeed matches them).
 _ADAM_KEYS = {
@@ -35,10 +36,18 @@ OPTIMIZER_KEYS: dict[str, set[str]] = {
     "lamb": {"lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff", "max_grad_norm"},
     "lion": {"lr", "betas", "weight_decay"},
 }
-NOT_IMPLEMENTED = {"onebitadam", "zerooneadam", "onebitlamb", "muadam", "muadamw", "musgd", "muon", "cpuadam"}
+_ONEBIT_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "cuda_aware", "comm_backend_name"}
+ONEBIT = {"onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OneBitLamb}
+OPTIMIZER_KEYS.update(
+    onebitadam=_ONEBIT_KEYS | {"freeze_step"},
+    zerooneadam=_ONEBIT_KEYS | {"var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"},
+    onebitlamb=_ONEBIT_KEYS
+    | {"freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold"},
+)
+NOT_IMPLEMENTED = {"muadam", "muadamw", "musgd", "muon", "cpuadam"}
 
 # Optimizers whose update is elementwise (or shard-aware, like our Lamb): exact on flat ZeRO shards.
-SHARD_SAFE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, Lion, Lamb)
+SHARD_SAFE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, Lion, Lamb, OneBitAdam)
 
 
 def _kernel_flags(cls, params: dict[str, Any]) -> dict[str, Any]:
@@ -90,6 +99,22 @@ def build_optimizer(
         params.pop("max_grad_norm", None)  # DeepSpeed's FusedLamb ignores it too: clipping is gradient_clipping
         cls = Lamb
         params["sharded_norms"] = sharded_norms
+    elif key in ONEBIT:
+        cls = ONEBIT[key]
+        if key != "onebitadam" and zero_stage > 0:
+            raise NotImplementedError(
+                f"optimizer.type '{name}' runs with zero_optimization.stage 0 only: "
+                + (
+                    "its local steps need every rank to hold the whole optimizer state"
+                    if key == "zerooneadam"
+                    else "its compressed momentum and trust ratios need every rank to hold whole parameters' momentum"
+                )
+                + "; use stage 0, or OneBitAdam, which runs with ZeRO stages 0-3"
+            )
+        if key == "onebitlamb":
+            params["sharded_norms"] = sharded_norms
+        if "betas" in params:
+            params["betas"] = tuple(params["betas"])
     elif key == "lion":
         cls = Lion
     elif key == "sgd":

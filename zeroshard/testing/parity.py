@@ -27,6 +27,7 @@ class ParityCase:
     clip: float = 0.0
     optimizer: str = "AdamW"
     lr: float = 1e-2
+    optimizer_params: tuple = field(default=())  # (key, value) pairs beyond lr and weight_decay
     overlap_comm: bool = False
     bucket_size: int = 500_000_000
     shard_size: int = 0  # hybrid sharding group size; 0 = all ranks
@@ -37,13 +38,17 @@ class ParityCase:
     frozen: tuple[str, ...] = ()  # parameter names with requires_grad=False
     zero_init: bool = False  # build the model under zeroshard.zero.Init (values from zero.reset_parameters)
 
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.optimizer_params)
+
     def config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": self.micro_batch,
             "gradient_accumulation_steps": self.gas,
             "gradient_clipping": self.clip,
             "steps_per_print": 10_000,
-            "optimizer": {"type": self.optimizer, "params": {"lr": self.lr, "weight_decay": 0.01}},
+            "optimizer": {"type": self.optimizer, "params": {"lr": self.lr, "weight_decay": 0.01, **self.params}},
             "zero_optimization": {
                 "stage": self.stage,
                 "overlap_comm": self.overlap_comm,
@@ -83,8 +88,10 @@ def reference_train(case: ParityCase, world_size: int) -> dict[str, torch.Tensor
         from ..zero import reset_parameters
 
         reset_parameters(model, seed=0)
-    opt_cls = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}[case.optimizer]
-    opt = opt_cls([p for p in model.parameters() if p.requires_grad], lr=case.lr, weight_decay=0.01)
+    from .. import optim  # one process: a 1-bit optimizer's compressed phase runs uncompressed
+
+    opt_cls = {"AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}.get(case.optimizer) or getattr(optim, case.optimizer)
+    opt = opt_cls([p for p in model.parameters() if p.requires_grad], lr=case.lr, weight_decay=0.01, **case.params)
     for x, y in make_batches(case.steps, world_size * case.micro_batch * case.gas, vocab_size=case.model.vocab_size):
         model(x, y).backward()
         if case.clip:

@@ -9,17 +9,19 @@ and loss scaling, clipping, then handing the gradients to the optimizer state.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional
 
 import torch
 
 from .. import comm
+from ..optim import OneBitOptimizer
 from ..precision import LossScaler
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .optimizer_state import OptimizerState
-from .reducer import GradientReducer
+from .reducer import GradientReducer, Reduction
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -62,13 +64,46 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.steps_taken = 0  # optimizer steps attempted (applied or skipped)
         self.overflow = False  # DeepSpeed's name: whether the last step was skipped for non-finite gradients
         self.global_grad_norm: Optional[float] = None
+        if isinstance(self.optimizer, OneBitOptimizer) and any(b.replica_group.size > 1 for b in reducer.buckets):
+            raise NotImplementedError(
+                f"optimizer {type(self.optimizer).__name__} with hybrid sharding (zero_hpz_partition_size / "
+                "mics_shard_size): the replica groups' reduction would not be compressed; drop one of the two"
+            )
+        self._choose_reduction()
+
+    def _choose_reduction(self) -> None:
+        """Note [1-bit reduction]: a 1-bit optimizer past its warm-up takes this rank's own gradients when it
+        holds whole tensors (stage 0; it compresses what it averages itself), else 1-bit reduce-scattered ones."""
+        optimizer, before = self.optimizer, self.reducer.reduction
+        if not isinstance(optimizer, OneBitOptimizer) or optimizer.needs_averaged_gradients():
+            self.reducer.reduction = Reduction.EXACT
+        else:
+            self.reducer.reduction = Reduction.LOCAL if optimizer.all_reduce is not None else Reduction.ONE_BIT
+        if before is Reduction.EXACT and self.reducer.reduction is not Reduction.EXACT and not self._compressing:
+            self._compressing = True
+            how = (
+                "each rank's own gradients, the optimizer averaging 1-bit compressed"
+                if self.reducer.reduction is Reduction.LOCAL
+                else "gradients reduce-scattered 1-bit compressed with error feedback"
+            )
+            if comm.get_rank() == 0:  # zeroshard's logger (zeroshard.runtime.log formats it)
+                logging.getLogger("zeroshard").info(
+                    f"{type(optimizer).__name__}: exact warm-up done after {optimizer.steps_taken()} steps; now {how}"
+                )
+
+    _compressing = False  # whether the 1-bit phase has been announced
 
     # -- the optimizer step -------------------------------------------------------------------
     def _grad_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float32)
         squared = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2).sum().reshape(1)
-        if self.norm_group is not None:
+        if self.reducer.reduction is Reduction.LOCAL:
+            # each rank holds its own gradient: every rank takes the mean of their squared norms, so overflow
+            # skips and clipping agree across ranks (the averaged gradient is never formed)
+            comm.all_reduce(squared, self.reducer.world)
+            squared.div_(self.reducer.world.size)
+        elif self.norm_group is not None:
             comm.all_reduce(squared, self.norm_group)
         return squared
 
@@ -84,8 +119,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         overflow = self.overflow = not math.isfinite(norm)
         self.global_grad_norm = norm
         self.steps_taken += 1
+        scale_before = self.loss_scaler.scale
         self.loss_scaler.update(overflow)
         if overflow:
+            self.reducer.reset_compression()  # the dropped parts of non-finite gradients are not finite either
             self.consecutive_skipped += 1
             limit = self.max_consecutive_skipped_steps
             if not self.loss_scaler.dynamic and limit and self.consecutive_skipped >= limit:
@@ -96,13 +133,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "max_consecutive_skipped_steps (0 never stops)"
                 )
             self.zero_grad()
+            self._choose_reduction()
             return False
+        if self.loss_scaler.scale != scale_before:
+            self.reducer.rescale_compression(self.loss_scaler.scale / scale_before)  # errors are in scaled units
         self.consecutive_skipped = 0
         coef = 1.0 / scale
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:
             coef *= self.gradient_clipping / (norm + 1e-6)
         self.optimizer_state.step(grads, coef)
         self.zero_grad()
+        self._choose_reduction()
         return True
 
     def _first_non_finite(self, grads: list[torch.Tensor]) -> str:
@@ -124,8 +165,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return slot.name if slot is not None else "?"
 
     def publish(self) -> None:
-        """Copy the master weights into the compute parameters (after they were replaced, e.g. by a load)."""
+        """Copy the master weights into the compute parameters (after they were replaced, e.g. by a load); a
+        1-bit optimizer forgets its compression errors and resumes in the phase its loaded step count says."""
         self.optimizer_state.publish()
+        self.reducer.reset_compression()
+        if isinstance(self.optimizer, OneBitOptimizer):
+            self.optimizer.reset_compression()
+        self._choose_reduction()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()
@@ -194,11 +240,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
         """Bytes of model state this rank holds per location (``device``, ``host``, ``nvme``) and role,
         counted from the tensors (and swap-file regions) themselves."""
-        roles = ("params", "gathered", "master", "grad_shard", "staging", "idle_buffers", "optimizer_state")
+        roles = (
+            "params",
+            "gathered",
+            "master",
+            "grad_shard",
+            "staging",
+            "idle_buffers",
+            "optimizer_state",
+            "compression_error",
+        )
         totals = {where: dict.fromkeys(roles, 0) for where in ("device", "host", "nvme")}
         parts = [flat.bytes_held() for flat in [*self.flat_groups, *self.frozen_groups]]
         parts.append(self.reducer.bytes_held(self.optimizer_state.location))
         parts.append(self.optimizer_state.bytes_held())
+        if isinstance(self.optimizer, OneBitOptimizer):
+            parts.append({"compression_error": {"device": self.optimizer.compression_bytes()}})
         for part in parts:
             for role, places in part.items():
                 for where, nbytes in places.items():

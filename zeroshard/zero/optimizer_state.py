@@ -23,7 +23,7 @@ import torch
 
 from .. import comm
 from ..offload import MASTER, OffloadPlan, SubGroup, elementwise_keys
-from ..optim import Lamb, ShardedNorms
+from ..optim import Lamb, OneBitOptimizer, ShardedNorms
 from .flat_group import FlatGroup
 
 MakeOptimizer = Callable[[list[dict], Optional[ShardedNorms]], torch.optim.Optimizer]
@@ -58,6 +58,8 @@ class OptimizerState:
         for sub in self.subgroups:
             master_groups[group_of_flat[sub.flat_index]]["params"].append(sub.param)
         self.optimizer = make_optimizer(master_groups, self._sharded_norms())
+        if isinstance(self.optimizer, OneBitOptimizer) and flats and not flats[0].partitioned:
+            self.optimizer.bind(comm.OneBitAllReduce(flats[0].shard_group))  # stage 0: it averages, compressed
 
     @property
     def device(self) -> torch.device:

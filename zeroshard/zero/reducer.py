@@ -13,7 +13,9 @@ A :class:`GradBucket` owns the gradient side of one flat group on one rank:
   device or (offloaded optimizer) in host memory, where the optimizer state steps them.
 
 A :class:`GradientReducer` owns the buckets, the post-accumulate-grad hooks, and the schedule: which
-bucket reduces when, in one rank-independent order, with a bounded number in flight.
+bucket reduces when, in one rank-independent order, with a bounded number in flight; and the :class:`Reduction`
+the next backward uses (a 1-bit optimizer past its warm-up changes it, see Note [1-bit reduction] in
+``docs/design.md``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 
 MAX_IN_FLIGHT = 1  # overlapped reductions pending at once (each holds one bucket's staging and scratch buffers)
+
+
+class Reduction(Enum):
+    EXACT = "exact"  # summed across ranks: all-reduce (stage 0) or reduce-scatter
+    LOCAL = "local"  # not reduced: the optimizer communicates (a 1-bit optimizer at stage 0, after warm-up)
+    ONE_BIT = "one_bit"  # 1-bit compressed reduce-scatter with error feedback (1-bit Adam at stages 1-3)
 
 
 class GradState(Enum):
@@ -63,6 +71,8 @@ class GradBucket:
         self._reduced: Optional[torch.Tensor] = None
         self._scratch: Optional[torch.Tensor] = None  # the collective's scratch buffer (Gloo) while reducing
         self._pending: Optional[comm.Pending] = None
+        # 1-bit reduction: what compressing the chunks this rank sends dropped so far, fp32 (allocated at first use)
+        self.compression_error: Optional[torch.Tensor] = None
         # Gradient contributions per parameter in this backward, and how many the last backward brought. A
         # parameter recomputed by reentrant activation checkpointing gets one per recomputation (each nested
         # backward fires its hook), so one arrival does not always mean its gradient is final.
@@ -104,7 +114,7 @@ class GradBucket:
         else:
             target.copy_(grad.reshape(-1))
 
-    def launch_reduce(self, predivide: float, async_op: bool) -> None:
+    def launch_reduce(self, predivide: float, async_op: bool, reduction: Reduction = Reduction.EXACT) -> None:
         """Issue the reduction; parameters whose gradient never arrived (unused this step) count as zero."""
         self._draw_staging()
         for slot, arrived in zip(self.layout.slots, self.arrived):
@@ -113,7 +123,18 @@ class GradBucket:
         self._staging[self.layout.numel :].zero_()
         if predivide != 1.0:
             self._staging.div_(predivide)
-        if self.flat.partitioned:
+        if reduction is Reduction.LOCAL:
+            self._reduced, self._pending = self._staging, comm.Pending("local", self.flat.shard_group, None, "", 0.0)
+        elif reduction is Reduction.ONE_BIT:
+            lo, hi = self.layout.shard_range(self.flat.shard_rank)
+            self._reduced = self._staging[lo:hi]
+            if self.compression_error is None:
+                numel = self.layout.padded_numel - self.layout.shard_numel
+                self.compression_error = torch.zeros(numel, dtype=torch.float32, device=self._staging.device)
+            self._pending = comm.compressed_reduce_scatter(
+                self._staging, self.compression_error, self.flat.shard_group, async_op=async_op
+            )
+        elif self.flat.partitioned:
             lo, hi = self.layout.shard_range(self.flat.shard_rank)
             self._reduced = self._staging[lo:hi]  # in place: this rank's chunk of the input receives the sum
             scratch = comm.reduce_scatter_scratch_numel(self.flat.shard_group, self.layout.padded_numel)
@@ -142,6 +163,10 @@ class GradBucket:
         self.expected = [n or e for n, e in zip(self.arrived, self.expected)]  # learned for the next backward
         self.arrived = [0] * len(self.arrived)
         self.state = GradState.EMPTY
+
+    def reset_compression(self) -> None:
+        """Forget the 1-bit compression error (a skipped step's may be non-finite; a load starts afresh)."""
+        self.compression_error = None
 
     def staging_bytes(self) -> int:
         return _nbytes(self._staging) + _nbytes(self._scratch) + sum(_nbytes(g) for g in self._parked.values())
@@ -182,6 +207,7 @@ class GradientReducer:
         self._root_hook = None  # the hook on the loss that notes that task, removed at the end of backward
         self._launch_limit = 0  # buckets from this index wait for the end of backward (see _on_grad)
         self._in_flight: deque[GradBucket] = deque()  # reductions launched, not yet accumulated
+        self.reduction = Reduction.EXACT  # how the next backward's gradients are reduced
 
     @property
     def grads(self) -> list[torch.Tensor]:
@@ -239,14 +265,15 @@ class GradientReducer:
         limit = MAX_IN_FLIGHT if self.overlap_comm else 0
         while self._next_launch < self._launch_limit and self.buckets[self._next_launch].complete:
             bucket = self.buckets[self._next_launch]
-            bucket.launch_reduce(self.predivide, async_op=self.overlap_comm)
+            bucket.launch_reduce(self.predivide, self.overlap_comm, self.reduction)
             self._in_flight.append(bucket)
             self._next_launch += 1
             while len(self._in_flight) > limit:
                 self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        self._in_flight.popleft().finish_reduce(self.predivide / self.world.size)
+        summed_over = 1 if self.reduction is Reduction.LOCAL else self.world.size
+        self._in_flight.popleft().finish_reduce(self.predivide / summed_over)
 
     def end_backward(self) -> None:
         if self._root_hook is not None:
@@ -257,7 +284,7 @@ class GradientReducer:
         if not self.ignore_unused_parameters:
             self._refuse_unused()
         for bucket in self.buckets[self._next_launch :]:
-            bucket.launch_reduce(self.predivide, async_op=True)
+            bucket.launch_reduce(self.predivide, True, self.reduction)
             self._in_flight.append(bucket)
         while self._in_flight:
             self._finish_oldest()
@@ -288,10 +315,21 @@ class GradientReducer:
             for param in bucket.flat.params:
                 param.grad = None
 
+    def reset_compression(self) -> None:
+        for bucket in self.buckets:
+            bucket.reset_compression()
+
+    def rescale_compression(self, factor: float) -> None:
+        """The loss scale changed: the compression errors (of scaled gradients) follow it."""
+        for bucket in self.buckets:
+            if bucket.compression_error is not None:
+                bucket.compression_error.mul_(factor)
+
     def bytes_held(self, grad_location: str) -> dict[str, dict[str, int]]:
         return {
             "grad_shard": {grad_location: sum(_nbytes(b.grad) for b in self.buckets)},
             "staging": {"device": sum(b.staging_bytes() for b in self.buckets)},
+            "compression_error": {"device": sum(_nbytes(b.compression_error) for b in self.buckets)},
         }
 
     def destroy(self) -> None:

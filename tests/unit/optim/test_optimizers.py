@@ -29,8 +29,8 @@ def test_names_and_params_validated():
     assert isinstance(build("Adagrad", params()), torch.optim.Adagrad)
     with pytest.raises(ValueError, match="unknown config key 'optimizer.params.betaz'"):
         build("Adam", params(), betaz=(0.9, 0.9))
-    with pytest.raises(NotImplementedError, match="OneBitAdam"):
-        build("OneBitAdam", params())
+    with pytest.raises(NotImplementedError, match="MuAdam"):
+        build("MuAdam", params())
     with pytest.raises(ValueError, match="no such optimizer"):
         build("Nope", params())
 
