@@ -125,3 +125,27 @@ def test_lightning_cli_with_deepspeed_cpu_adam_class_path(tmp_path):
         cwd=tmp_path,
     )
     assert out == {"optimizer": "CPUAdam", "steps": 2}
+
+
+def test_the_seed_configuration_trains_with_1bit_adam(tmp_path):
+    """The seed's DeepSpeed dict (OneBitAdam with cuda_aware, WarmupLR, ZeRO 2 + CPU offload, fp16) through
+    ``ZeroshardStrategy(config=...)``; freeze_step lowered to 100 so the 1-bit phase starts within 200 steps."""
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "seed_onebit.py"), "200", "100"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
+    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    losses = result["losses"]
+    assert result["global_step"] == 200 and result["optimizer"] == "OneBitAdam"
+    assert sum(losses[-20:]) < 0.98 * sum(losses[:20])  # the loss falls over the run
+    # 100 exact updates (fp16 overflow skips at the start do not count), then 1-bit from the next global step
+    assert result["compressed_from"] == 100 + result["skipped_steps"] + 1
+    ledger = result["ledger"]
+    exact_calls, onebit_calls = ledger["reduce_scatter/shard"][0], ledger["reduce_scatter_1bit/shard"][0]
+    assert exact_calls == result["compressed_from"] - 1 and onebit_calls == 200 - exact_calls
+    assert "1-bit communication since start: reduce_scatter_1bit" in out.stdout  # the run logs the bytes
+    assert out.stderr.count("have no effect") == 1  # cuda_aware: said once (rank 0) that it means nothing here

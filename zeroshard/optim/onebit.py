@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch.optim import Optimizer
 
+from ..comm.backend import get_rank
 from ..comm.compressed import OneBitAllReduce
 from .lamb import ShardedNorms
 
@@ -37,7 +38,7 @@ class OneBitOptimizer(Optimizer):
             raise ValueError(f"{type(self).__name__} does not support amsgrad (nor does DeepSpeed's)")
         if comm_backend_name not in COMM_BACKENDS:
             raise ValueError(f"optimizer.params.comm_backend_name must be one of {list(COMM_BACKENDS)}")
-        if cuda_aware or comm_backend_name != "nccl":
+        if (cuda_aware or comm_backend_name != "nccl") and get_rank() == 0:  # said once, not once per rank
             warnings.warn(
                 f"{type(self).__name__}: cuda_aware={cuda_aware} and comm_backend_name={comm_backend_name!r} choose "
                 "among DeepSpeed's MPI/NCCL 1-bit backends; zeroshard sends the compressed messages through the "

@@ -195,6 +195,13 @@ class ZeroshardEngine(torch.nn.Module):
             log_rank0("time (s) " + " ".join(f"{k} {v:.3f}" for k, v in sorted(self._timers.items())))
         if self.settings.comms_logger.enabled:
             log_rank0(self.comm_ledger.format())
+        compressed = {op: t for (op, _), t in self.comm_ledger.totals.items() if op.endswith("_1bit")}
+        if compressed:  # a 1-bit optimizer past its warm-up: what the compressed collectives sent so far
+            log_rank0(
+                "1-bit communication since start: "
+                + ", ".join(f"{op} {t.calls} calls {t.wire_bytes / 1e6:.3f} MB sent" for op, t in compressed.items())
+                + f"; all collectives {self.comm_ledger.total_wire_bytes() / 1e6:.3f} MB sent"
+            )
         if not self._memory_reported:  # once: the model-state memory of every rank at start and at its peak
             self._memory_reported = True
             log_rank0(format_table(self.memory_breakdown()))

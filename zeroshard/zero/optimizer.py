@@ -64,6 +64,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.steps_taken = 0  # optimizer steps attempted (applied or skipped)
         self.overflow = False  # DeepSpeed's name: whether the last step was skipped for non-finite gradients
         self.global_grad_norm: Optional[float] = None
+        self.compressed_from: Optional[int] = None  # the first global step of a 1-bit optimizer's compressed phase
         if isinstance(self.optimizer, OneBitOptimizer) and any(b.replica_group.size > 1 for b in reducer.buckets):
             raise NotImplementedError(
                 f"optimizer {type(self.optimizer).__name__} with hybrid sharding (zero_hpz_partition_size / "
@@ -79,8 +80,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.reduction = Reduction.EXACT
         else:
             self.reducer.reduction = Reduction.LOCAL if optimizer.all_reduce is not None else Reduction.ONE_BIT
-        if before is Reduction.EXACT and self.reducer.reduction is not Reduction.EXACT and not self._compressing:
-            self._compressing = True
+        if before is Reduction.EXACT and self.reducer.reduction is not Reduction.EXACT and self.compressed_from is None:
+            self.compressed_from = self.steps_taken + 1  # a global step: skipped steps count, unlike the optimizer's
             how = (
                 "each rank's own gradients, the optimizer averaging 1-bit compressed"
                 if self.reducer.reduction is Reduction.LOCAL
@@ -88,10 +89,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
             if comm.get_rank() == 0:  # zeroshard's logger (zeroshard.runtime.log formats it)
                 logging.getLogger("zeroshard").info(
-                    f"{type(optimizer).__name__}: exact warm-up done after {optimizer.steps_taken()} steps; now {how}"
+                    f"{type(optimizer).__name__}: exact warm-up done after {optimizer.steps_taken()} updates; from "
+                    f"global step {self.compressed_from}: {how}"
                 )
 
-    _compressing = False  # whether the 1-bit phase has been announced
 
     # -- the optimizer step -------------------------------------------------------------------
     def _grad_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
