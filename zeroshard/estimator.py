@@ -139,6 +139,7 @@ def estimate(
     plan = _Plan(model, cfg, policy, offload, shard_count=hpz if z.stage >= 1 else 1)
     plan.count_model_state(result)
     plan.count_buffers(result, gloo=_cpu_only())
+    plan.count_compression(result)
     largest_grad = max((p.numel() for p in model.parameters() if p.requires_grad), default=0) * _size(policy.compute)
     largest_transient = largest_grad
     if sample_inputs is not None:
@@ -204,6 +205,9 @@ class _Plan:
         self.state_tensors = _optimizer_state_tensors(cfg, z.stage)
 
     def count_model_state(self, out: MemoryEstimate) -> None:
+        from .comm.compression import INT8
+        from .zero.planning import QuantizedComm
+
         compute = _size(self.policy.compute)
         grad = _size(self.policy.grad)
         opt_home = "host" if self.offload.optimizer_device == "cpu" else self.offload.optimizer_device
@@ -222,9 +226,28 @@ class _Plan:
                 b["optimizer_state"][opt_home] += shard * 4
             b["gradients"][opt_home] += shard * grad
             b["optimizer_state"][opt_home] += shard * 4 * self.state_tensors
-        for layout in self.frozen_layouts:
-            b["parameters"][param_home] += layout.shard_numel * compute
+        quantized = QuantizedComm.from_config(self.cfg.zero_optimization)
+        for plan, layout in zip(self.frozen_plans, self.frozen_layouts):
+            if quantized.keeps_int8(plan):  # zero_quantized_nontrainable_weights: int8 plus block scales
+                b["parameters"]["device"] += INT8.message_nbytes(layout.shard_numel)
+            else:
+                b["parameters"][param_home] += layout.shard_numel * compute
         b["parameters"]["device"] += self.outside * compute
+
+    def count_compression(self, out: MemoryEstimate) -> None:
+        """A 1-bit optimizer's compression errors (Note [1-bit reduction]): at stage 0 the optimizer's, a worker
+        and a server error covering the flat group (4 bytes per parameter; 0/1 Adam two and its local updates:
+        12); at stages 1-3 each gradient bucket's, for the chunks this rank sends ((N-1)/N x 4 bytes)."""
+        copies = _compression_copies(self.cfg)
+        if not copies:
+            return
+        if self.stage.partition_optimizer:
+            errors = sum(layout.padded_numel - layout.shard_numel for layout in self.layouts)
+        else:
+            n = out.world_size
+            errors = copies * sum(-(-layout.padded_numel // n) * n for layout in self.layouts)
+        out.bytes["communication_buffers"]["device"] += 4 * errors
+        out.notes.append(f"1-bit compression errors: {4 * errors / max(out.params, 1):.2f} bytes per parameter")
 
     def count_buffers(self, out: MemoryEstimate, gloo: bool) -> None:
         """What ``ReusableBuffers`` holds at the busiest moment: gradient staging for the bucket being filled and
@@ -251,6 +274,13 @@ class _Plan:
         )
         gathered = self.unit_numel.get(0, 0) + (1 + ahead) * unit
         out.bytes["gathered_units"]["device"] += gathered * compute
+
+
+def _compression_copies(cfg) -> int:
+    """fp32 copies of each flat group a 1-bit optimizer keeps after its warm-up, beyond its state: the compression
+    errors (worker + server: one copy per tensor compressed), and 0/1 Adam's summed local updates."""
+    name = cfg.optimizer.type.lower() if cfg.optimizer is not None else ""
+    return {"onebitadam": 1, "onebitlamb": 1, "zerooneadam": 3}.get(name, 0)
 
 
 def _optimizer_state_tensors(cfg, stage: int) -> int:

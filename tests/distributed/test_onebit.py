@@ -1,8 +1,5 @@
-"""1-bit communication on real Gloo ranks.
+"""1-bit optimizers on real Gloo ranks (the compressed collectives themselves: test_compressed_comm.py).
 
-- The compressed collectives against exact math: every rank's result equals a one-process simulation of all
-  ranks' compressions with the same message format (error feedback included), on the world and on subgroups,
-  and the ledger counts the packed bytes.
 - The engine with 1-bit optimizers: during warm-up, one-process parity (<= 1e-5, fp32); after it, every rank
   holds the same weights, the 1-bit collectives replace the gradient reductions in the ledger, and the weights
   stay within a stated distance of the same optimizer run uncompressed in one process (1-bit noise, not a bug:
@@ -13,129 +10,8 @@
 import pytest
 import torch
 
-from zeroshard.comm.compression import compress_with_feedback, decompress, message_nbytes
 from zeroshard.testing import run_distributed
 from zeroshard.testing.parity import ParityCase, engine_train_many, make_model, model_error, reference_train
-
-WORLD = 4
-CHUNK = 1001  # odd: blocks and sign bytes do not divide it
-ROUNDS = 3
-
-
-def rank_data(rank: int, salt: int, numel: int) -> torch.Tensor:
-    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * salt + rank))
-
-
-def collectives_worker() -> dict:
-    from zeroshard import comm
-
-    grid = comm.build_rank_grid(shard_size=2)  # world: 4 ranks; shard: {0, 1} and {2, 3}
-    rank, out = comm.get_rank(), {}
-    for group in (grid.world, grid.shard):
-        n, me = group.size, group.rank
-        error = torch.zeros((n - 1) * CHUNK)
-        scattered = []
-        for t in range(ROUNDS):
-            data = rank_data(rank, t, n * CHUNK)
-            comm.compressed_reduce_scatter(data, error, group)
-            scattered.append(data.view(n, -1)[me].clone())
-        own_error = torch.zeros(CHUNK)
-        gathered = []
-        for t in range(ROUNDS):
-            data = torch.zeros(n * CHUNK)
-            data.view(n, -1)[me].copy_(rank_data(rank, 10 + t, CHUNK))
-            comm.compressed_all_gather(data, own_error, group)
-            gathered.append(data)
-        averaged = rank_data(rank, 20, n * CHUNK - 3)  # not a multiple of the group size: padded inside
-        comm.OneBitAllReduce(group)(averaged, key="x")
-        out[group.name] = {"ranks": list(group.ranks), "scattered": scattered, "gathered": gathered, "mean": averaged}
-    out["ledger"] = {f"{op}/{g}": (t.calls, t.bytes, t.wire_bytes) for (op, g), t in grid.context.ledger.totals.items()}
-    out["hybrid"] = _initialize_error(
-        {"stage": 2, "zero_hpz_partition_size": 2}, {"type": "OneBitAdam", "params": {"freeze_step": 2}}
-    )
-    return out
-
-
-def _initialize_error(zero: dict, optimizer: dict) -> str:
-    import zeroshard
-
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "optimizer": optimizer}
-    try:
-        zeroshard.initialize(model=make_model(), config=config)
-    except (NotImplementedError, ValueError) as err:
-        return str(err)
-    return "accepted"
-
-
-def simulate_reduce_scatter(ranks: list[int]) -> list[list[torch.Tensor]]:
-    """What each group member must hold after each round, from every member's compressions done here."""
-    n = len(ranks)
-    errors = [torch.zeros(n - 1, CHUNK) for _ in ranks]
-    results = []
-    for t in range(ROUNDS):
-        data = [rank_data(r, t, n * CHUNK).view(n, -1) for r in ranks]
-        sent = {}
-        for s in range(n):
-            for row, j in enumerate(j for j in range(n) if j != s):
-                message = torch.empty(message_nbytes(CHUNK), dtype=torch.uint8)
-                compress_with_feedback(data[s][j], errors[s][row], message)
-                sent[s, j] = decompress(message, CHUNK, torch.empty(CHUNK))
-        results.append([data[me][me] + sum(sent[s, me] for s in range(n) if s != me) for me in range(n)])
-    return results
-
-
-def simulate_all_gather(ranks: list[int]) -> list[torch.Tensor]:
-    errors = [torch.zeros(CHUNK) for _ in ranks]
-    results = []
-    for t in range(ROUNDS):
-        parts = []
-        for s, r in enumerate(ranks):
-            message = torch.empty(message_nbytes(CHUNK), dtype=torch.uint8)
-            compress_with_feedback(rank_data(r, 10 + t, CHUNK), errors[s], message)
-            parts.append(decompress(message, CHUNK, torch.empty(CHUNK)))
-        results.append(torch.cat(parts))
-    return results
-
-
-@pytest.fixture(scope="module")
-def collectives():
-    return run_distributed(collectives_worker, WORLD)
-
-
-@pytest.mark.parametrize("group", ["world", "shard"])
-def test_compressed_collectives_equal_the_simulated_compressions(collectives, group):
-    for rank, result in enumerate(collectives):
-        mine = result[group]
-        ranks = mine["ranks"]
-        me = ranks.index(rank)
-        for t, expected in enumerate(simulate_reduce_scatter(ranks)):
-            torch.testing.assert_close(mine["scattered"][t], expected[me], rtol=0, atol=1e-5)
-        for t, expected in enumerate(simulate_all_gather(ranks)):
-            torch.testing.assert_close(mine["gathered"][t], expected, rtol=0, atol=0)
-        # the two-phase average: the same on every member, and near the exact mean
-        members = [collectives[r][group]["mean"] for r in ranks]
-        for other in members:
-            torch.testing.assert_close(other, mine["mean"], rtol=0, atol=0)
-        exact = torch.stack([rank_data(r, 20, len(ranks) * CHUNK - 3) for r in ranks]).mean(0)
-        agree = (torch.sign(mine["mean"]) == torch.sign(exact)).float().mean()
-        assert agree > 0.6  # one round of 1-bit compression keeps the sign of most elements
-
-
-def test_ledger_counts_the_packed_bytes(collectives):
-    ledger = collectives[0]["ledger"]
-    message = message_nbytes(CHUNK)
-    padded_chunk = -(-(WORLD * CHUNK - 3) // WORLD)
-    calls, nbytes, wire = ledger["reduce_scatter_1bit/world"]
-    assert calls == ROUNDS + 1
-    assert nbytes == ROUNDS * WORLD * message + WORLD * message_nbytes(padded_chunk)
-    assert wire == nbytes * (WORLD - 1) / WORLD  # this rank sends every chunk's message but its own
-    calls, nbytes, wire = ledger["all_gather_1bit/shard"]
-    assert (calls, nbytes, wire) == (ROUNDS + 1, ROUNDS * 2 * message + 2 * message_nbytes(CHUNK), nbytes / 2)
-    assert message <= CHUNK * 4 / 27  # vs fp32: 1/32 for the signs plus the block scales (and padding)
-
-
-def test_onebit_adam_with_hybrid_sharding_is_refused_by_name(collectives):
-    assert "OneBitAdam with hybrid sharding" in collectives[0]["hybrid"]
 
 
 def freeze(step: int) -> tuple:

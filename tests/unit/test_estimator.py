@@ -231,3 +231,39 @@ def test_deepspeed_zero2_live_counts_the_model(capsys):
     # DeepSpeed's formulas: offloaded, the CPU holds max(4 x GPUs, 16) bytes/param x the buffer factor
     assert estimate_zero2_model_states_mem_needs(p, 4, 2, cpu_offload=True) == (int(p * 32 * 1.5), 2 * p)
     assert estimate_zero2_model_states_mem_needs(p, 4, 2, cpu_offload=False) == (int(p * 16 * 1.5), 4 * p + 2 * p)
+
+
+@pytest.mark.parametrize(
+    "stage,optimizer,per_param",
+    [(0, "OneBitAdam", 4.0), (2, "OneBitAdam", 3.0), (0, "ZeroOneAdam", 12.0), (0, "OneBitLamb", 4.0)],
+)
+def test_1bit_compression_errors_are_in_the_estimate(stage, optimizer, per_param):
+    """Stage 0: worker + server error, one fp32 copy per compressed tensor (0/1 Adam: gradient and update errors
+    plus its summed local updates); stages 1-3 (4 ranks): the (N-1)/N of each bucket this rank sends."""
+
+    def with_optimizer(name: str) -> dict:
+        return {**config(stage), "optimizer": {"type": name, "params": {"lr": 1e-3}}}
+
+    onebit = zeroshard.estimate(tiny_gpt, with_optimizer(optimizer), world_size=4, runtime_bytes=0)
+    baseline = zeroshard.estimate(tiny_gpt, config(stage), world_size=4, runtime_bytes=0)
+    extra = onebit.bytes["communication_buffers"]["device"] - baseline.bytes["communication_buffers"]["device"]
+    assert extra / onebit.params == pytest.approx(per_param, rel=0.01)
+    assert any(f"1-bit compression errors: {per_param:.2f}" in note for note in onebit.notes)
+
+
+def test_frozen_weights_kept_as_int8_are_estimated_at_their_size():
+    """zero_quantized_nontrainable_weights: frozen shards at 1 byte per element (plus a scale per 256)."""
+
+    def frozen_gpt():
+        model = tiny_gpt()
+        for block in model.blocks:
+            block.requires_grad_(False)
+        return model
+
+    def estimate(**zero):
+        cfg = config(3, stage3_param_persistence_threshold=0, **zero)
+        return zeroshard.estimate(frozen_gpt, cfg, world_size=2, runtime_bytes=0).bytes["parameters"]["device"]
+
+    frozen = sum(p.numel() for p in frozen_gpt().blocks.parameters())
+    saved = estimate() - estimate(zero_quantized_nontrainable_weights=True)
+    assert saved == pytest.approx(frozen / 2 * (4 - 1 - 4 / 256), rel=0.02)

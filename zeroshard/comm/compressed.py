@@ -1,85 +1,115 @@
-"""Collectives that send 1-bit compressed messages (:mod:`.compression`), in two phases as 1-bit Adam does:
+"""Collectives that send compressed messages (:mod:`.compression`): 1-bit with error feedback (1-bit Adam's two
+phases) and block-quantized int8/int4 (ZeRO++).
 
-- ``compressed_reduce_scatter``: each rank compresses chunk j of its vector (plus what its earlier compressions of
-  that chunk dropped) and sends it to rank j, the chunk's "server", which sums the decompressed chunks with its own
-  exact one.
+- ``compressed_reduce_scatter``: each rank compresses chunk j of its vector (plus, with error feedback, what its
+  earlier compressions of that chunk dropped) and sends it to rank j, the chunk's owner ("server"), which sums the
+  decompressed chunks with its own exact one, in fp32.
 - ``compressed_all_gather``: each rank compresses its chunk (plus its own earlier error) and sends it to all; every
   rank, the sender included, takes the decompressed values, so all ranks hold the same vector afterwards.
 
-``compressed_all_reduce`` chains the two into an average. The ledger counts each at the bytes it sends, packed
-signs and scales (op names ``reduce_scatter_1bit`` and ``all_gather_1bit``).
+``compressed_all_reduce`` chains the two into a 1-bit average. The ledger counts each at the bytes it sends,
+payload and scales (op names ``reduce_scatter_1bit``, ``all_gather_int8``, ...).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .collectives import Pending, _exchange, _issue, _skip
-from .compression import compress_with_feedback, decompress, message_nbytes
+from .compression import ONE_BIT, Codec, compress_with_feedback
 from .groups import Group
 
-_TAG_REDUCE_SCATTER_1BIT = 3  # the point-to-point tags of zeroshard.comm.collectives use 1 and 2
-_TAG_ALL_GATHER_1BIT = 4
+_TAG_REDUCE_SCATTER = 3  # the point-to-point tags of zeroshard.comm.collectives use 1 and 2
+_TAG_ALL_GATHER = 4
 
 
 def compressed_reduce_scatter(
-    input: torch.Tensor, error: torch.Tensor, group: Group, async_op: bool = False
+    input: torch.Tensor,
+    error: Optional[torch.Tensor],
+    group: Group,
+    async_op: bool = False,
+    codec: Codec = ONE_BIT,
 ) -> Pending:
     """Sum ``input`` (group.size equal chunks) across the group into this rank's chunk of ``input``; the other
-    chunks go out 1-bit compressed. ``error`` (fp32, (group.size - 1) x chunk) keeps what the compression of each
-    chunk this rank sends dropped (in group order, its own chunk left out) and is updated in place."""
+    chunks go out compressed by ``codec``. ``error`` (fp32, (group.size - 1) x chunk), when given, keeps what the
+    compression of each chunk this rank sends dropped (in group order, its own chunk left out), updated in place.
+    The owner adds the chunks in fp32 when ``input`` is 16-bit."""
     n, me = group.size, group.rank
+    op = f"reduce_scatter_{codec.name}"
     if n == 1:
-        return _skip("reduce_scatter_1bit", group)
+        return _skip(op, group)
     chunks = input.view(n, -1)
     numel = chunks.shape[1]
-    outgoing = torch.empty(n, message_nbytes(numel), dtype=torch.uint8, device=input.device)
+    outgoing = torch.empty(n, codec.message_nbytes(numel), dtype=torch.uint8, device=input.device)
     incoming = torch.empty_like(outgoing)
     others = [j for j in range(n) if j != me]
     sends, receives = {j: outgoing[j] for j in others}, {j: incoming[j] for j in others}
-    for row, j in zip(error.view(n - 1, numel), others):
-        compress_with_feedback(chunks[j], row, outgoing[j])
+    for k, j in enumerate(others):
+        if error is None:
+            codec.compress(chunks[j], outgoing[j])
+        else:
+            compress_with_feedback(chunks[j], error.view(n - 1, numel)[k], outgoing[j], codec)
 
     def finish() -> None:
         received = torch.empty(numel, dtype=torch.float32, device=input.device)
+        total = chunks[me].float() if chunks.dtype != torch.float32 else chunks[me]
         for j in others:
-            chunks[me].add_(decompress(incoming[j], numel, received))
+            total.add_(codec.decompress(incoming[j], numel, received))
+        if total.data_ptr() != chunks[me].data_ptr():
+            chunks[me].copy_(total)
 
     return _issue(
-        "reduce_scatter_1bit",
+        op,
         group,
         outgoing,  # a whole vector's messages; this rank sends all but its own
         (n - 1) / n,
-        lambda: _exchange(group, _TAG_REDUCE_SCATTER_1BIT, sends, receives),
+        lambda: _exchange(group, _TAG_REDUCE_SCATTER, sends, receives),
         async_op,
         finish,
     )
 
 
-def compressed_all_gather(output: torch.Tensor, error: torch.Tensor, group: Group, async_op: bool = False) -> Pending:
-    """Replace every chunk of ``output`` (group.size equal chunks, this rank's own filled in) with the decompressed
-    message of its owner, sent 1-bit compressed with error feedback through ``error`` (fp32, one chunk)."""
+def compressed_all_gather(
+    output: torch.Tensor,
+    error: Optional[torch.Tensor],
+    group: Group,
+    async_op: bool = False,
+    codec: Codec = ONE_BIT,
+    input: Optional[torch.Tensor] = None,
+) -> Pending:
+    """Fill every chunk of ``output`` (group.size equal chunks) with the decompressed message of its owner: this
+    rank's is ``input`` (default: its chunk of ``output``), compressed by ``codec``, with error feedback through
+    ``error`` (fp32, one chunk) when given. The sender keeps what the others receive, so all ranks agree."""
     n, me = group.size, group.rank
+    op = f"all_gather_{codec.name}"
     if n == 1:
-        return _skip("all_gather_1bit", group)
+        if input is not None:
+            output.view_as(input).copy_(input)
+        return _skip(op, group)
     chunks = output.view(n, -1)
     numel = chunks.shape[1]
-    messages = torch.empty(n, message_nbytes(numel), dtype=torch.uint8, device=output.device)
-    compress_with_feedback(chunks[me], error, messages[me])
-    decompress(messages[me], numel, chunks[me])  # the sender keeps what the others receive
+    mine = chunks[me] if input is None else input.reshape(-1)
+    messages = torch.empty(n, codec.message_nbytes(numel), dtype=torch.uint8, device=output.device)
+    if error is None:
+        codec.compress(mine, messages[me])
+    else:
+        compress_with_feedback(mine, error, messages[me], codec)
+    codec.decompress(messages[me], numel, chunks[me])
     others = [j for j in range(n) if j != me]
     sends, receives = {j: messages[me] for j in others}, {j: messages[j] for j in others}
 
     def finish() -> None:
         for j in others:
-            decompress(messages[j], numel, chunks[j])
+            codec.decompress(messages[j], numel, chunks[j])
 
     return _issue(
-        "all_gather_1bit",
+        op,
         group,
         messages,
         (n - 1) / n,
-        lambda: _exchange(group, _TAG_ALL_GATHER_1BIT, sends, receives),
+        lambda: _exchange(group, _TAG_ALL_GATHER, sends, receives),
         async_op,
         finish,
     )

@@ -128,6 +128,9 @@ class OffloadOptimizerConfig(_OffloadBase):
     ratio: float = refused(1.0, "partial offload (ratio < 1) is not supported", ge=0.0, le=1.0)
 
 
+ZEROPP_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+
+
 class ZeroConfig(Section):
     stage: int = Field(0, ge=0, le=3)
     contiguous_gradients: bool = satisfied(True, "gradients are always reduced from contiguous flat buffers")
@@ -166,9 +169,9 @@ class ZeroConfig(Section):
     legacy_stage1: bool = refused(False, "the legacy stage 1 is not implemented")
     round_robin_gradients: bool = satisfied(False, "a CPU-offload performance hint; shards are already contiguous")
     zero_hpz_partition_size: int = Field(1, ge=1)
-    zero_quantized_weights: bool = refused(False, "ZeRO++ quantized weights are not implemented yet")
-    zero_quantized_nontrainable_weights: bool = refused(False, "ZeRO++ quantized weights are not implemented yet")
-    zero_quantized_gradients: bool = refused(False, "ZeRO++ quantized gradients are not implemented yet")
+    zero_quantized_weights: bool = False  # ZeRO++ qwZ: stage 3 gathers parameters as int8
+    zero_quantized_nontrainable_weights: bool = False  # frozen parameters kept and gathered as int8
+    zero_quantized_gradients: bool = False  # ZeRO++ qgZ: stage 3 reduce-scatters gradients as int4
     zeropp_loco_param: Optional[dict[str, Any]] = refused(None, "ZeRO++ LoCo is not implemented yet")
     mics_shard_size: int = Field(-1, ge=-1)
     mics_hierarchical_params_gather: bool = refused(False, "hierarchical MiCS gathers are not implemented")
@@ -228,6 +231,18 @@ class ZeroConfig(Section):
                 raise ValueError("offload_optimizer needs a sharded optimizer: set stage to 1, 2 or 3")
         if self.zero_hpz_partition_size > 1 and self.mics_shard_size > 0:
             raise ValueError("set either zero_hpz_partition_size or mics_shard_size, not both")
+        quantized = [k for k in ZEROPP_QUANTIZED if getattr(self, k)]
+        if quantized and self.stage != 3:
+            raise ValueError(
+                f"{quantized[0]} quantizes stage 3's parameter gathers and gradient reduce-scatters; it needs "
+                f"stage 3 (stage is {self.stage})"
+            )
+        offloaded = self.offload_param is not None and self.offload_param.device is not OffloadDevice.none
+        if self.zero_quantized_nontrainable_weights and offloaded:
+            raise ValueError(
+                "zero_quantized_nontrainable_weights keeps frozen parameters as int8 on the device; it cannot be "
+                "combined with offload_param (drop one)"
+            )
         return self
 
     @property

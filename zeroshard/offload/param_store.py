@@ -40,6 +40,41 @@ class HostShard:
         return {"host": self.tensor.numel() * self.tensor.element_size(), "nvme": 0}
 
 
+class QuantizedShard:
+    """``zero_quantized_nontrainable_weights``: a frozen shard kept on the device as block-quantized int8 (ZeRO++'s
+    MixZ++: 1 byte per element plus an fp32 scale per block, instead of 2 or 4), dequantized for each gather.
+    Writes (a checkpoint load, ``GatheredParameters`` with a modifier) are staged whole and quantized at ``flush``."""
+
+    def __init__(self, values: torch.Tensor, codec):
+        self.codec, self.dtype, self.numel = codec, values.dtype, values.numel()
+        self.message = torch.empty(codec.message_nbytes(self.numel), dtype=torch.uint8, device=values.device)
+        codec.compress(values, self.message)
+        self._staged: Optional[torch.Tensor] = None
+
+    def fetch(self) -> None:
+        pass
+
+    def get(self) -> torch.Tensor:
+        values = torch.empty(self.numel, dtype=self.dtype, device=self.message.device)
+        return self.codec.decompress(self.message, self.numel, values)
+
+    def release(self) -> None:
+        pass
+
+    def write(self, start: int, values: torch.Tensor) -> None:
+        if self._staged is None:
+            self._staged = self.get()
+        self._staged[start : start + values.numel()].copy_(values)
+
+    def flush(self) -> None:
+        if self._staged is not None:
+            self.codec.compress(self._staged, self.message)
+            self._staged = None
+
+    def bytes(self) -> dict[str, int]:
+        return {"device": self.message.numel(), "host": 0, "nvme": 0}
+
+
 class BufferPool:
     """``count`` aligned host buffers; a buffer handed back with a pending write is reused only after it."""
 

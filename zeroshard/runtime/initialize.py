@@ -14,6 +14,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..checkpoint import CheckpointError
 from ..checkpoint.reading import resolve_tag
+from ..comm.compression import Codec
 from ..config import AutoContext, Resolution, model_hidden_size, parse_config, resolve_config
 from ..inference.weights import open_source
 from ..offload import OffloadPlan
@@ -31,7 +32,7 @@ from ..zero import (
 )
 from ..zero.init import Materializer, has_meta_parameters, pending_seed, release_pending
 from ..zero.optimizer_state import MakeOptimizer
-from ..zero.planning import build_flat_groups, plan_flat_groups, plan_frozen_groups, plan_layouts
+from ..zero.planning import QuantizedComm, build_flat_groups, plan_flat_groups, plan_frozen_groups, plan_layouts
 from ..zero.stage3 import Stage3Runtime, build_units, plan_units
 from . import activation_checkpointing
 from .engine import ZeroshardEngine
@@ -279,7 +280,16 @@ def _build_flat_groups(
     largest = max((layout.shard_numel for layout in layouts), default=1)
     homes = placement.offload.shard_homes(placement.policy.compute, largest)
     flats = build_flat_groups(
-        plans, layouts, shard_group, placement.policy.compute, placement.device, records, buffers, homes, materialize
+        plans,
+        layouts,
+        shard_group,
+        placement.policy.compute,
+        placement.device,
+        records,
+        buffers,
+        homes,
+        materialize,
+        QuantizedComm.from_config(z),
     )
     return flats[:trainable], [plan.group_index for plan in plans[:trainable]], flats[trainable:]
 
@@ -304,7 +314,8 @@ def _build_zero(
         records.own(flat, state)
     for flat in frozen:
         records.own(flat, None)  # its compute-precision shard is its only copy
-    buckets = _gradient_buckets(flats, grid, placement, state.device, stage, buffers)
+    codec = QuantizedComm.from_config(z).gradient_codec
+    buckets = _gradient_buckets(flats, grid, placement, state.device, stage, buffers, codec)
     stage3 = _build_stage3(model, unit_plans, buckets, frozen, buffers, z, placement.offload) if unit_plans else None
     reducer = GradientReducer(
         buckets,
@@ -337,14 +348,16 @@ def _gradient_buckets(
     grad_device: torch.device,
     stage: StagePolicy,
     buffers: ReusableBuffers,
+    codec: Optional[Codec] = None,
 ) -> list[GradBucket]:
-    """One bucket per flat group; its gradient shard lives where the optimizer state steps it."""
+    """One bucket per flat group; its gradient shard lives where the optimizer state steps it; ``codec``
+    (``zero_quantized_gradients``) quantizes its reduce-scatter."""
     # hybrid sharding: the shard groups' results are summed across replica groups (stage 0 reduced over all)
     one = comm.Group("replica", (comm.get_rank(),), None, grid.context)
     replica = grid.replica if stage.partition_optimizer else one
     policy, offload = placement.policy, placement.offload
     pin = offload.pin_memory and offload.offloads_optimizer
-    return [GradBucket(flat, policy.reduce, policy.grad, replica, grad_device, buffers, pin) for flat in flats]
+    return [GradBucket(flat, policy.reduce, policy.grad, replica, grad_device, buffers, pin, codec) for flat in flats]
 
 
 def _build_stage3(

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import comm
+from ..comm.compression import Codec
 from ..partition import FlatLayout
 from .buffers import ReusableBuffers
 from .sharded_param import ParamRecords
@@ -48,6 +49,7 @@ class FlatGroup:
         buffers: ReusableBuffers,
         resident: bool = True,
         shard_home: Optional[Callable[[torch.Tensor], Any]] = None,
+        gather_codec: Optional[Codec] = None,
     ):
         if layout.shard_count not in (1, shard_group.size):
             raise AssertionError(f"layout has {layout.shard_count} shards, shard group has {shard_group.size} ranks")
@@ -61,6 +63,7 @@ class FlatGroup:
         self.device = device
         self.records = records
         self.buffers = buffers
+        self.gather_codec = gather_codec  # ZeRO++: the all-gathers of forward and backward send quantized shards
         full = torch.zeros(layout.padded_numel, dtype=compute_dtype, device=device)
         with torch.no_grad():
             for slot, param in zip(layout.slots, params):
@@ -95,8 +98,10 @@ class FlatGroup:
         for slot, param in zip(self.layout.slots, self.params):
             self.records.bind(param, buffer[slot.offset : slot.end].view(slot.shape))
 
-    def gather(self, async_op: bool = False) -> None:
-        """Start (or finish, when synchronous) the all-gather of the whole buffer."""
+    def gather(self, async_op: bool = False, exact: bool = False) -> None:
+        """Start (or finish, when synchronous) the all-gather of the whole buffer; with a ``gather_codec`` every
+        rank's shard arrives quantized (every rank, its owner included, computes with the same values) unless
+        ``exact`` (``GatheredParameters``: the values themselves)."""
         if self.param_state is not ParamState.SHARDED:
             if not async_op:
                 self.wait_gathered()
@@ -107,7 +112,12 @@ class FlatGroup:
             shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
             shard.copy_(self.home.get())  # blocking: the home's staging buffer is reused after release
             self.home.release()
-        self._gather = comm.all_gather(self.buffer, shard, self.shard_group, async_op=True)
+        if self.gather_codec is not None and not exact:
+            self._gather = comm.compressed_all_gather(
+                self.buffer, None, self.shard_group, async_op=True, codec=self.gather_codec, input=shard
+            )
+        else:
+            self._gather = comm.all_gather(self.buffer, shard, self.shard_group, async_op=True)
         if not async_op:
             self.wait_gathered()
 

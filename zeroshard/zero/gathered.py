@@ -52,7 +52,7 @@ class GatheredParameters:
             self._was_sharded.append(flat.param_state is not ParamState.GATHERED)
             if flat.resident:
                 continue
-            flat.gather(async_op=False)
+            flat.gather(async_op=False, exact=True)  # ZeRO++ quantizes training's gathers, not these
         return self
 
     def __exit__(self, *exc) -> None:

@@ -93,7 +93,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     f"global step {self.compressed_from}: {how}"
                 )
 
-
     # -- the optimizer step -------------------------------------------------------------------
     def _grad_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:

@@ -9,6 +9,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import comm
+from ..comm.compression import INT4, INT8, Codec
+from ..offload.param_store import QuantizedShard
 from ..partition import FlatLayout, assign_buckets, flat_layout
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
@@ -26,6 +28,31 @@ class StagePolicy:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_optimization.stage must be 0-3, got {stage}")
         return cls(partition_optimizer=stage >= 1, reduce_every_micro_step=stage >= 2, partition_params=stage == 3)
+
+
+@dataclass(frozen=True)
+class QuantizedComm:
+    """ZeRO++ (stage 3): which collectives send block-quantized messages (``zeroshard.comm.compression``)."""
+
+    weights: bool = False  # qwZ (zero_quantized_weights): every gathered flat group sent as int8
+    nontrainable_weights: bool = False  # frozen flat groups kept as int8 and sent as int8
+    gradients: bool = False  # qgZ (zero_quantized_gradients): gradients reduce-scattered as int4
+
+    @classmethod
+    def from_config(cls, zero) -> "QuantizedComm":
+        return cls(zero.zero_quantized_weights, zero.zero_quantized_nontrainable_weights, zero.zero_quantized_gradients)
+
+    def keeps_int8(self, plan: "FlatGroupPlan") -> bool:
+        return self.nontrainable_weights and not plan.resident and plan.group_index < 0
+
+    def gather_codec(self, plan: "FlatGroupPlan") -> Optional[Codec]:
+        if plan.resident:  # persistent parameters are gathered once, after the step, exactly
+            return None
+        return INT8 if self.weights or self.keeps_int8(plan) else None
+
+    @property
+    def gradient_codec(self) -> Optional[Codec]:
+        return INT4 if self.gradients else None
 
 
 @dataclass(frozen=True)
@@ -107,6 +134,7 @@ def build_flat_groups(
     buffers: ReusableBuffers,
     shard_home: Optional[Callable[[torch.Tensor], Any]] = None,
     materialize: Optional[Callable[[list[torch.nn.Parameter]], None]] = None,
+    quantized: QuantizedComm = QuantizedComm(),
 ) -> list[FlatGroup]:
     """One flat group per plan over ``shard_group``. ``materialize`` (zero.Init) gives each group's parameters
     data just before the group is built, so a rank never holds more than one group's whole parameters besides
@@ -115,9 +143,19 @@ def build_flat_groups(
     for plan, layout in zip(plans, layouts):
         if materialize is not None:
             materialize(plan.params)
+        home = (lambda values: QuantizedShard(values, INT8)) if quantized.keeps_int8(plan) else shard_home
         flats.append(
             FlatGroup(
-                layout, plan.params, compute_dtype, shard_group, device, records, buffers, plan.resident, shard_home
+                layout,
+                plan.params,
+                compute_dtype,
+                shard_group,
+                device,
+                records,
+                buffers,
+                plan.resident,
+                home,
+                quantized.gather_codec(plan),
             )
         )
     return flats

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import comm
+from ..comm.compression import Codec
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 
@@ -58,8 +59,10 @@ class GradBucket:
         grad_device: torch.device,
         buffers: ReusableBuffers,
         pin_memory: bool = False,
+        codec: Optional[Codec] = None,
     ):
         self.flat = flat
+        self.codec = codec  # ZeRO++ qgZ: the exact reduction's reduce-scatter sends block-quantized chunks
         self.buffers = buffers
         self.layout = flat.layout
         self.reduce_dtype = reduce_dtype
@@ -133,6 +136,12 @@ class GradBucket:
                 self.compression_error = torch.zeros(numel, dtype=torch.float32, device=self._staging.device)
             self._pending = comm.compressed_reduce_scatter(
                 self._staging, self.compression_error, self.flat.shard_group, async_op=async_op
+            )
+        elif self.flat.partitioned and self.codec is not None:
+            lo, hi = self.layout.shard_range(self.flat.shard_rank)
+            self._reduced = self._staging[lo:hi]  # the owner sums the dequantized chunks in fp32
+            self._pending = comm.compressed_reduce_scatter(
+                self._staging, None, self.flat.shard_group, async_op=async_op, codec=self.codec
             )
         elif self.flat.partitioned:
             lo, hi = self.layout.shard_range(self.flat.shard_rank)

@@ -63,6 +63,17 @@ def test_inconsistent_values():
     assert "either zero_hpz_partition_size or mics_shard_size" in error_of(
         {"zero_optimization": {"zero_hpz_partition_size": 2, "mics_shard_size": 2}}
     )
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+        assert f"{key} quantizes stage 3's" in error_of({"zero_optimization": {"stage": 2, key: True}})
+    assert "zero_quantized_nontrainable_weights keeps frozen parameters as int8" in error_of(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "zero_quantized_nontrainable_weights": True,
+                "offload_param": {"device": "cpu"},
+            }
+        }
+    )
 
 
 def test_stage3_aliases_and_field_names_both_work():
