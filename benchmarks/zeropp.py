@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from onebit import MICRO, MODEL, windows  # noqa: E402  (the same model and data as the 1-bit benchmark)
+from onebit import MICRO, MODEL, timed_step, windows  # noqa: E402  (the 1-bit benchmark's model, data and step)
 
 from zeroshard.testing import run_distributed  # noqa: E402
 from zeroshard.testing.models import GPT  # noqa: E402
@@ -45,8 +45,6 @@ def weights(engine) -> torch.Tensor:
 
 
 def worker(steps: int, dtype: str) -> dict:
-    import torch.distributed as dist
-
     import zeroshard
     from zeroshard import comm
 
@@ -67,17 +65,9 @@ def worker(steps: int, dtype: str) -> dict:
     for step in range(steps):
         x, y = windows(10_000 * step + rank, MICRO)
         for name, engine in engines.items():
-            engine.comm_ledger.reset()
-            dist.barrier()
-            started = time.perf_counter()
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            elapsed = time.perf_counter() - started
-            mean_loss = loss.detach().float().clone()
-            dist.all_reduce(mean_loss)
+            loss, elapsed = timed_step(engine, x, y, world)
             rec = record[name]
-            rec["loss"].append(mean_loss.item() / world)
+            rec["loss"].append(loss)
             rec["times"].append(elapsed)
             totals = engine.comm_ledger.totals
             for kind, prefix in (("gather", "all_gather"), ("reduce", "reduce_scatter")):

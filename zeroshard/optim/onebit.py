@@ -69,6 +69,15 @@ class OneBitOptimizer(Optimizer):
         state = next((self.state[p] for g in self.param_groups for p in g["params"] if p in self.state), None)
         return state["step"] if state else 0
 
+    def _stepped(self):
+        """(group, parameter, state) for each parameter with a gradient, its Adam state created and its step counted."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = _adam_state(self.state[p], p)
+                    state["step"] += 1
+                    yield group, p, state
+
     def _average(self, tensor: torch.Tensor, key: object) -> None:
         if self.all_reduce is not None:
             self.all_reduce(tensor, key)
@@ -100,21 +109,16 @@ class OneBitAdam(OneBitOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
+        for group, p, state in self._stepped():
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = _adam_state(self.state[p], p)
-                state["step"] += 1
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                if state["step"] <= self.freeze_step:
-                    v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                else:
-                    self._average(m, p)
-                    _mask_unseen(m, v)
-                _apply(p, m, v, group)
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            if state["step"] <= self.freeze_step:
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            else:
+                self._average(m, p)
+                _mask_unseen(m, v)
+            _apply(p, m, v, group)
         return loss
 
 
@@ -167,31 +171,26 @@ class ZeroOneAdam(OneBitOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
+        for group, p, state in self._stepped():
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = _adam_state(self.state[p], p)
-                for kind in ("var", "local"):
-                    state.setdefault(f"{kind}_interval", 1)
-                    state.setdefault(f"{kind}_counter", 0)
-                state["step"] += 1
-                step, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
-                if step > self.var_freeze_step:
-                    m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                    self._local_step(group, p, state)
-                    continue
-                if step % state["var_interval"] == 0:  # the gradient was averaged exactly
-                    v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                    m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                else:
-                    grad = p.grad.clone()
-                    self._average(grad, (p, "grad"))
-                    m.mul_(beta1).add_(grad, alpha=1 - beta1)
-                    _mask_unseen(m, v)
-                _apply(p, m, v, group)
-                _advance(state, "var", step % state["var_interval"] == 0, self.var_update_scaler, None)
+            for kind in ("var", "local"):
+                state.setdefault(f"{kind}_interval", 1)
+                state.setdefault(f"{kind}_counter", 0)
+            step, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
+            if step > self.var_freeze_step:
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                self._local_step(group, p, state)
+                continue
+            if step % state["var_interval"] == 0:  # the gradient was averaged exactly
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            else:
+                grad = p.grad.clone()
+                self._average(grad, (p, "grad"))
+                m.mul_(beta1).add_(grad, alpha=1 - beta1)
+                _mask_unseen(m, v)
+            _apply(p, m, v, group)
+            _advance(state, "var", step % state["var_interval"] == 0, self.var_update_scaler, None)
         return loss
 
     def _local_step(self, group: dict, p: torch.Tensor, state: dict) -> None:
@@ -271,14 +270,13 @@ class OneBitLamb(OneBitOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        live = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        for _, p in live:
-            state = _adam_state(self.state[p], p)
+        live = []
+        for group, p, state in self._stepped():
             if "coeff_freeze" not in state:
                 count = len(self._segments(p))
                 state.update(coeff_freeze=[0.0] * count, last_factor=[1.0] * count)
                 state["exp_avg_sq_fresh"] = torch.zeros_like(p)
-            state["step"] += 1
+            live.append((group, p))
         if live and self.state[live[0][1]]["step"] <= self.freeze_step:
             for group, p in live:
                 self._warmup_step(group, p, self.state[p])
