@@ -141,3 +141,26 @@ def test_a_checkpoint_taken_in_the_1bit_phase_resumes_in_it(engines):
     assert resume["error_bytes_before"] > 0 and resume["error_bytes"] == 0  # errors are not saved (per rank)
     assert resume["reduction"] == "one_bit" and resume["steps"] == FREEZE + 4
     assert "reduce_scatter_1bit" in resume["ledger"] and "reduce_scatter" not in resume["ledger"]
+
+
+def refusal_worker() -> list[str]:
+    """A client-built 0/1 Adam or 1-bit LAMB under ZeRO, even with zero_allow_untested_optimizer."""
+    import zeroshard
+    from zeroshard.optim import OneBitLamb, ZeroOneAdam
+
+    messages = []
+    for cls in (ZeroOneAdam, OneBitLamb):
+        model = make_model()
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}}
+        config["zero_allow_untested_optimizer"] = True
+        try:
+            zeroshard.initialize(model=model, optimizer=cls(model.parameters()), config=config)
+            messages.append("accepted")
+        except NotImplementedError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_stage0_only_optimizers_built_by_the_client_are_refused_under_zero():
+    for message, name in zip(run_distributed(refusal_worker, 2)[0], ("ZeroOneAdam", "OneBitLamb")):
+        assert f"optimizer {name} runs with zero_optimization.stage 0 only" in message

@@ -33,6 +33,8 @@ COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
 class OneBitOptimizer(Optimizer):
     """What the 1-bit optimizers share: the warm-up question and the bound all-reduce."""
 
+    runs_sharded = False  # whether it can step ZeRO shards (stages 1-3): only 1-bit Adam's update is elementwise
+
     def __init__(self, params, defaults: dict, cuda_aware: bool, comm_backend_name: str, amsgrad: bool):
         if amsgrad:
             raise ValueError(f"{type(self).__name__} does not support amsgrad (nor does DeepSpeed's)")
@@ -86,6 +88,8 @@ class OneBitOptimizer(Optimizer):
 class OneBitAdam(OneBitOptimizer):
     """1-bit Adam: Adam (no bias correction, as DeepSpeed's) for ``freeze_step`` steps, then the variance frozen
     and the momentum averaged 1-bit compressed with error feedback."""
+
+    runs_sharded = True
 
     def __init__(
         self,

@@ -65,6 +65,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.overflow = False  # DeepSpeed's name: whether the last step was skipped for non-finite gradients
         self.global_grad_norm: Optional[float] = None
         self.compressed_from: Optional[int] = None  # the first global step of a 1-bit optimizer's compressed phase
+        sharded = any(flat.partitioned for flat in flat_groups)
+        if isinstance(self.optimizer, OneBitOptimizer) and sharded and not self.optimizer.runs_sharded:
+            raise NotImplementedError(
+                f"optimizer {type(self.optimizer).__name__} runs with zero_optimization.stage 0 only (it needs whole "
+                "tensors on every rank); use stage 0, or OneBitAdam, which runs with ZeRO stages 0-3"
+            )
         if isinstance(self.optimizer, OneBitOptimizer) and any(b.replica_group.size > 1 for b in reducer.buckets):
             raise NotImplementedError(
                 f"optimizer {type(self.optimizer).__name__} with hybrid sharding (zero_hpz_partition_size / "
