@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import comm
-from ..comm.compression import Codec
+from ..comm.compression import ONE_BIT, Codec
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 
@@ -128,20 +128,17 @@ class GradBucket:
             self._staging.div_(predivide)
         if reduction is Reduction.LOCAL:
             self._reduced, self._pending = self._staging, comm.Pending("local", self.flat.shard_group, None, "", 0.0)
-        elif reduction is Reduction.ONE_BIT:
+        elif reduction is Reduction.ONE_BIT or (self.flat.partitioned and self.codec is not None):
             lo, hi = self.layout.shard_range(self.flat.shard_rank)
-            self._reduced = self._staging[lo:hi]
-            if self.compression_error is None:
-                numel = self.layout.padded_numel - self.layout.shard_numel
-                self.compression_error = torch.zeros(numel, dtype=torch.float32, device=self._staging.device)
+            self._reduced = self._staging[lo:hi]  # the owner sums the decompressed chunks in fp32
+            error, codec = None, self.codec
+            if reduction is Reduction.ONE_BIT:
+                if self.compression_error is None:
+                    numel = self.layout.padded_numel - self.layout.shard_numel
+                    self.compression_error = torch.zeros(numel, dtype=torch.float32, device=self._staging.device)
+                error, codec = self.compression_error, ONE_BIT
             self._pending = comm.compressed_reduce_scatter(
-                self._staging, self.compression_error, self.flat.shard_group, async_op=async_op
-            )
-        elif self.flat.partitioned and self.codec is not None:
-            lo, hi = self.layout.shard_range(self.flat.shard_rank)
-            self._reduced = self._staging[lo:hi]  # the owner sums the dequantized chunks in fp32
-            self._pending = comm.compressed_reduce_scatter(
-                self._staging, None, self.flat.shard_group, async_op=async_op, codec=self.codec
+                self._staging, error, self.flat.shard_group, async_op=async_op, codec=codec
             )
         elif self.flat.partitioned:
             lo, hi = self.layout.shard_range(self.flat.shard_rank)
