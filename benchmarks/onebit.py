@@ -74,7 +74,7 @@ PAIRS = [("1bit-adam-0", "adam-0"), ("1bit-adam-1", "adam-1"), ("1bit-adam-2", "
 PAIRS += [("01adam-0", "adam-0"), ("1bit-lamb-0", "lamb-0")]
 
 
-def worker(freeze: int, steps: int) -> dict:
+def worker(freeze: int, steps: int, beta2: float = 0.999) -> dict:
     import zeroshard
     from zeroshard import comm
 
@@ -85,7 +85,10 @@ def worker(freeze: int, steps: int) -> dict:
         config = {
             "train_micro_batch_size_per_gpu": MICRO,
             "steps_per_print": 10**9,
-            "optimizer": {"type": optimizer, "params": {"lr": LR, "weight_decay": 0.01, **params}},
+            "optimizer": {
+                "type": optimizer,
+                "params": {"lr": LR, "betas": [0.9, beta2], "weight_decay": 0.01, **params},
+            },
             "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 2_000_000},
         }
         engines[name], _, _, _ = zeroshard.initialize(model=GPT(MODEL), config=config)
@@ -171,8 +174,10 @@ def plot(records: dict[int, dict], out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--freeze", type=int, default=200)  # past the loss's breakout from its early plateau
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--freeze", type=int, default=300)  # past the loss's breakout from its early plateau
+    # the variance's time constant, 1 / (1 - beta2) steps: it has to have settled by the freeze
+    parser.add_argument("--beta2", type=float, default=0.99)
     parser.add_argument("--out", default="docs/onebit")
     args = parser.parse_args()
     out = Path(args.out)
@@ -180,7 +185,7 @@ def main() -> None:
     records, rows = {}, []
     for world in args.worlds:
         started = time.perf_counter()
-        records[world] = run_distributed(worker, world, args.freeze, args.steps, timeout_s=3600)[0]
+        records[world] = run_distributed(worker, world, args.freeze, args.steps, args.beta2, timeout_s=3600)[0]
         rows += summarize(records[world], world)
         print(f"{world} ranks: {time.perf_counter() - started:.0f} s")
     header = (
