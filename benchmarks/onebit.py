@@ -33,11 +33,26 @@ LR = 1e-3
 PARAMETER_TRAFFIC = ("all_gather",)  # stages 1-2: the updated shards, all-gathered after the step
 
 
+def markov_windows(seed: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of a fixed random bigram language (peaked transitions over the 256 byte tokens): unlimited fresh
+    data whose loss falls smoothly towards the chain's entropy, no plateau and nothing to memorize."""
+    transitions = (torch.randn(256, 256, generator=torch.Generator().manual_seed(12345)) * 3).softmax(-1)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.empty(count, MODEL.block_size + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, 256, (count,), generator=gen)
+    for i in range(MODEL.block_size):
+        tokens[:, i + 1] = torch.multinomial(transitions[tokens[:, i]], 1, generator=gen).squeeze(1)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def windows(seed: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     data = torch.tensor(list(CORPUS.read_bytes()), dtype=torch.long)
     starts = torch.randint(0, len(data) - MODEL.block_size - 1, (count,), generator=torch.Generator().manual_seed(seed))
     chunks = torch.stack([data[s : s + MODEL.block_size + 1] for s in starts.tolist()])
     return chunks[:, :-1], chunks[:, 1:]
+
+
+DATA = {"corpus": windows, "markov": markov_windows}
 
 
 def timed_step(engine, x: torch.Tensor, y: torch.Tensor, world: int) -> tuple[float, float]:
@@ -74,7 +89,7 @@ PAIRS = [("1bit-adam-0", "adam-0"), ("1bit-adam-1", "adam-1"), ("1bit-adam-2", "
 PAIRS += [("01adam-0", "adam-0"), ("1bit-lamb-0", "lamb-0")]
 
 
-def worker(freeze: int, steps: int, beta2: float = 0.999) -> dict:
+def worker(freeze: int, steps: int, beta2: float = 0.999, data: str = "corpus") -> dict:
     import zeroshard
     from zeroshard import comm
 
@@ -94,7 +109,7 @@ def worker(freeze: int, steps: int, beta2: float = 0.999) -> dict:
         engines[name], _, _, _ = zeroshard.initialize(model=GPT(MODEL), config=config)
     record = {name: {"loss": [], "times": [], "grad_bytes": [], "param_bytes": []} for name in engines}
     for step in range(steps):
-        x, y = windows(10_000 * step + rank, MICRO)
+        x, y = DATA[data](10_000 * step + rank, MICRO)
         for name, engine in engines.items():
             loss, elapsed = timed_step(engine, x, y, world)
             rec = record[name]
@@ -106,7 +121,7 @@ def worker(freeze: int, steps: int, beta2: float = 0.999) -> dict:
                     sum(t.wire_bytes for (op, _), t in totals.items() if op not in PARAMETER_TRAFFIC)
                 )
                 rec["param_bytes"].append(sum(t.wire_bytes for (op, _), t in totals.items() if op in PARAMETER_TRAFFIC))
-    eval_x, eval_y = windows(-1, 64)
+    eval_x, eval_y = DATA[data](-1, 64)
     for name, engine in engines.items():
         with torch.no_grad():
             record[name]["eval_loss"] = engine(eval_x, eval_y).item()
@@ -178,6 +193,7 @@ def main() -> None:
     parser.add_argument("--freeze", type=int, default=300)  # past the loss's breakout from its early plateau
     # the variance's time constant, 1 / (1 - beta2) steps: it has to have settled by the freeze
     parser.add_argument("--beta2", type=float, default=0.99)
+    parser.add_argument("--data", default="corpus", choices=["corpus", "markov"])
     parser.add_argument("--out", default="docs/onebit")
     args = parser.parse_args()
     out = Path(args.out)
@@ -185,7 +201,9 @@ def main() -> None:
     records, rows = {}, []
     for world in args.worlds:
         started = time.perf_counter()
-        records[world] = run_distributed(worker, world, args.freeze, args.steps, args.beta2, timeout_s=3600)[0]
+        records[world] = run_distributed(worker, world, args.freeze, args.steps, args.beta2, args.data, timeout_s=3600)[
+            0
+        ]
         rows += summarize(records[world], world)
         print(f"{world} ranks: {time.perf_counter() - started:.0f} s")
     header = (

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from onebit import MICRO, MODEL, timed_step, windows  # noqa: E402  (the 1-bit benchmark's model, data and step)
+from onebit import DATA, MICRO, MODEL, timed_step  # noqa: E402  (the 1-bit benchmark's model, data and step)
 
 from zeroshard.testing import run_distributed  # noqa: E402
 from zeroshard.testing.models import GPT  # noqa: E402
@@ -44,7 +44,7 @@ def weights(engine) -> torch.Tensor:
     return torch.cat([t.float().flatten() for t in engine.consolidated_state_dict(rank0_only=False).values()])
 
 
-def worker(steps: int, dtype: str) -> dict:
+def worker(steps: int, dtype: str, data: str = "corpus") -> dict:
     import zeroshard
     from zeroshard import comm
 
@@ -63,7 +63,7 @@ def worker(steps: int, dtype: str) -> dict:
     record = {name: {"loss": [], "times": [], "gather": [], "reduce": [], "other": []} for name in engines}
     after_three = {}
     for step in range(steps):
-        x, y = windows(10_000 * step + rank, MICRO)
+        x, y = DATA[data](10_000 * step + rank, MICRO)
         for name, engine in engines.items():
             loss, elapsed = timed_step(engine, x, y, world)
             rec = record[name]
@@ -79,7 +79,7 @@ def worker(steps: int, dtype: str) -> dict:
             )
             if step == 2:
                 after_three[name] = weights(engine)
-    eval_x, eval_y = windows(-1, 64)
+    eval_x, eval_y = DATA[data](-1, 64)
     for name, engine in engines.items():
         with torch.no_grad():
             record[name]["eval_loss"] = engine(eval_x, eval_y).float().item()
@@ -117,6 +117,7 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=600)  # all systems well past the loss's early plateau
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    parser.add_argument("--data", default="corpus", choices=sorted(DATA))
     parser.add_argument("--out", default="docs/zeropp")
     args = parser.parse_args()
     out = Path(args.out)
@@ -124,7 +125,7 @@ def main() -> None:
     rows = []
     for world in args.worlds:
         started = time.perf_counter()
-        record = run_distributed(worker, world, args.steps, args.dtype, timeout_s=3600)[0]
+        record = run_distributed(worker, world, args.steps, args.dtype, args.data, timeout_s=3600)[0]
         rows += summarize(record, world, args.dtype)
         print(f"{world} ranks: {time.perf_counter() - started:.0f} s")
     lines = [
@@ -140,8 +141,9 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    (out / f"zeropp_{args.dtype}.md").write_text(table + "\n")
-    (out / f"zeropp_{args.dtype}.json").write_text(json.dumps(rows, indent=1))
+    suffix = args.dtype if args.data == "corpus" else f"{args.dtype}_{args.data}"
+    (out / f"zeropp_{suffix}.md").write_text(table + "\n")
+    (out / f"zeropp_{suffix}.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
