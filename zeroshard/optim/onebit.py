@@ -67,9 +67,12 @@ class OneBitOptimizer(Optimizer):
         """Bytes this optimizer holds for compression: the errors (stage 0) and, 0/1 Adam, local updates."""
         return self.all_reduce.nbytes() if self.all_reduce is not None else 0
 
+    def _first_state(self) -> dict:
+        """The state of the first parameter stepped so far (every parameter shares the step count and schedules)."""
+        return next((self.state[p] for g in self.param_groups for p in g["params"] if p in self.state), {})
+
     def steps_taken(self) -> int:
-        state = next((self.state[p] for g in self.param_groups for p in g["params"] if p in self.state), None)
-        return state["step"] if state else 0
+        return self._first_state().get("step", 0)
 
     def _stepped(self):
         """(group, parameter, state) for each parameter with a gradient, its Adam state created and its step counted."""
@@ -156,14 +159,9 @@ class ZeroOneAdam(OneBitOptimizer):
         self.local_step_clipper = local_step_clipper
         self._local: dict[torch.Tensor, tuple[torch.Tensor, list[float]]] = {}  # summed local updates and lrs
 
-    def _schedule(self) -> dict:
-        state = next((self.state[p] for g in self.param_groups for p in g["params"] if p in self.state), None)
-        return state or {"step": 0, "var_interval": 1}
-
     def needs_averaged_gradients(self) -> bool:
-        schedule = self._schedule()
-        following = schedule["step"] + 1
-        return following <= self.var_freeze_step and following % schedule["var_interval"] == 0
+        following = self.steps_taken() + 1
+        return following <= self.var_freeze_step and following % self._first_state().get("var_interval", 1) == 0
 
     def reset_compression(self) -> None:
         super().reset_compression()
