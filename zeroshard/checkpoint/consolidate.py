@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from ..partition import assign_buckets
 from .client_state import read_client_tensors, restore_client_state
-from .manifest import Piece
+from .manifest import Piece, piece_dtype
 from .reading import Sources, assemble, read_manifest, resolve_tag
 from .safetensors_io import CheckpointError, write
 
@@ -55,10 +55,9 @@ def _materialize(sources: Sources, manifest: dict, name: str, shape: tuple, wher
         numel = torch.Size(shape).numel()
         out = torch.empty(numel, dtype=torch.float32)
         pieces = [Piece.from_json(p) for p in manifest["params"][name]["pieces"]]
-        assemble(sources, pieces, "master", 0, numel, out)
+        assemble(sources, pieces, "master", piece_dtype(manifest, name, pieces[0].key), 0, numel, out)
         return out.view(shape)
-    entry = manifest["module_tensors"][name]
-    value = sources.read(entry["file"], entry["key"]).view(shape)
+    value = sources.read_whole(name, manifest["module_tensors"][name])
     return value.float() if value.is_floating_point() else value
 
 
@@ -128,6 +127,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     bar of bytes written (the ``zeroshard convert`` CLI turns it on). Returns the files.
     """
     limit = parse_size(max_shard_size)
+    _check_outside(output_path, checkpoint_dir)
     sources, manifest = _open(checkpoint_dir, tag)
     entries = _entries(manifest)
     sizes = [torch.Size(shape).numel() * 4 for _, shape, _ in entries]
@@ -179,9 +179,20 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     return written
 
 
+def _check_outside(output_path: str, checkpoint_dir: str) -> None:
+    """Writing into the checkpoint being read would replace its files (a rank file, ``latest``) with the output."""
+    output, source = os.path.realpath(output_path), os.path.realpath(checkpoint_dir)
+    if os.path.commonpath([output, source]) == source:
+        raise ValueError(
+            f"output {output_path} is inside the checkpoint being converted ({checkpoint_dir}): writing there would "
+            "overwrite the checkpoint; choose a path outside it"
+        )
+
+
 def _dtype_of(manifest: dict, entry: tuple) -> torch.dtype:
+    """fp32 for every floating-point tensor (the consolidated weights are fp32), integer buffers as saved."""
     name, _, where = entry
     if where == "param":
         return torch.float32
-    dtype = manifest["module_tensors"][name].get("dtype")
-    return getattr(torch, dtype) if dtype else torch.float32
+    dtype = getattr(torch, manifest["module_tensors"][name]["dtype"])
+    return torch.float32 if dtype.is_floating_point else dtype

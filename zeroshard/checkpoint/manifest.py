@@ -109,6 +109,7 @@ class FlatGroupState(_Strict):
 class OptimizerState(_Strict):
     param_groups: list[dict]
     flat_groups: list[FlatGroupState]
+    type: Optional[str] = None  # the update rule (ZeroOptimizer.kind); absent in checkpoints before it was kept
 
 
 class Manifest(_Loose):
@@ -253,6 +254,12 @@ def _check_disjoint(params: dict[str, ParamEntry], where: str) -> None:
                     f"{where}: params.{other}.pieces[{j}] overlaps params.{name}.pieces[{i}] in tensor '{key}' "
                     f"of {file}"
                 )
+
+
+def piece_dtype(manifest: dict, name: str, key: str) -> str:
+    """How the pieces of parameter ``name`` under flat key ``key`` are stored: trained flat groups (``fg<k>``) keep
+    fp32 master weights and optimizer state; frozen ones (``ff<j>``) keep the parameter's own dtype."""
+    return manifest["params"][name]["dtype"] if key.startswith("ff") else "float32"
 
 
 def pieces_for(layout, flat_key: str, writer_files: list[str]) -> dict[str, list[Piece]]:

@@ -13,7 +13,11 @@ from typing import Optional
 import torch
 
 from .manifest import Piece, overlapping, plain_name, validate
-from .safetensors_io import CheckpointError, Reader
+from .safetensors_io import DTYPES, CheckpointError, Reader
+
+
+def _torch_name(safetensors_dtype: str) -> str:
+    return str(DTYPES[safetensors_dtype]).removeprefix("torch.")
 
 
 class Sources:
@@ -29,7 +33,13 @@ class Sources:
             expected = self.manifest["files"].get(file)
             if expected is None:
                 raise CheckpointError(f"{self.path}: manifest lists no file {file}")
-            reader = Reader(os.path.join(self.path, plain_name(file, "file", self.path)), expected["header_crc"])
+            location = os.path.join(self.path, plain_name(file, "file", self.path))
+            if os.path.dirname(os.path.realpath(location)) != os.path.realpath(self.path):
+                raise CheckpointError(
+                    f"checkpoint file {location} links to {os.path.realpath(location)}, outside the checkpoint "
+                    "directory (a checkpoint's files must be its own)"
+                )
+            reader = Reader(location, expected["header_crc"])
             if reader.size != expected["size"]:
                 raise CheckpointError(
                     f"checkpoint file {reader.path} has {reader.size} bytes, the manifest "
@@ -38,9 +48,16 @@ class Sources:
             self._readers[file] = reader
         return self._readers[file]
 
-    def read(self, file: str, key: str, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
-        """Elements [start, stop) of a saved tensor, after verifying the whole tensor once (streamed)."""
+    def read(self, file: str, key: str, dtype: str, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        """Elements [start, stop) of a saved tensor of the manifest's ``dtype``, after verifying the whole tensor
+        once (streamed). The file's header must store that dtype: reinterpreted bytes (F32 relabelled I32 with the
+        checksums redone) would load as other numbers."""
         reader = self.reader(file)
+        stored = _torch_name(reader.entry(key)["dtype"])
+        if stored != dtype:
+            raise CheckpointError(
+                f"checkpoint file {reader.path}: tensor '{key}' is stored as {stored}, the manifest says {dtype}"
+            )
         if (file, key) not in self._verified:
             crc = self.manifest["files"][file]["crc"].get(key)
             if crc is None:
@@ -48,6 +65,20 @@ class Sources:
             reader.verify(key, crc)
             self._verified.add((file, key))
         return reader.read(key, start, stop)
+
+    def read_whole(self, name: str, entry: dict) -> torch.Tensor:
+        """A tensor saved whole (a buffer, a frozen parameter below stage 3, a client_state tensor), checked against
+        its manifest ``entry``: the stored shape must be the manifest's."""
+        header = self.reader(entry["file"]).entry(entry["key"])
+        if header["shape"] != list(entry["shape"]):
+            raise CheckpointError(
+                f"checkpoint file {self.reader(entry['file']).path}: '{name}' is stored with shape {header['shape']}, "
+                f"the manifest says {list(entry['shape'])}"
+            )
+        dtype = entry["dtype"]
+        if dtype == "float32" and DTYPES[header["dtype"]].is_floating_point:
+            dtype = _torch_name(header["dtype"])  # manifests before stored dtypes said float32 for every float
+        return self.read(entry["file"], entry["key"], dtype).view(entry["shape"])
 
     def close(self) -> None:
         for reader in self._readers.values():
@@ -74,17 +105,28 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"{path} is not a complete checkpoint: manifest.json is missing")
     try:
         with open(manifest_path) as f:
-            manifest = json.load(f)
+            body = validate(json.load(f), manifest_path)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{manifest_path} is corrupted: {err}") from None
-    return validate(manifest, manifest_path)
+    except RecursionError:
+        raise CheckpointError(f"{manifest_path} is corrupted: it nests too deeply to be a manifest") from None
+    directory = os.path.basename(os.path.normpath(path))
+    if directory not in (body["tag"], f".{body['tag']}.tmp"):  # .tmp: a re-save between two renames (_commit)
+        raise CheckpointError(
+            f"{manifest_path}: the checkpoint in directory '{directory}' was saved as tag '{body['tag']}' (a copy of, "
+            "or link to, another checkpoint); load it under its own tag"
+        )
+    return body
 
 
-def assemble(sources: Sources, pieces: list[Piece], prefix: str, start: int, stop: int, out: torch.Tensor) -> None:
-    """Fill ``out`` with elements [start, stop) of a flattened parameter from the saved pieces."""
+def assemble(
+    sources: Sources, pieces: list[Piece], prefix: str, dtype: str, start: int, stop: int, out: torch.Tensor
+) -> None:
+    """Fill ``out`` with elements [start, stop) of a flattened parameter from the saved pieces (stored as
+    ``dtype``: see ``manifest.piece_dtype``)."""
     covered = 0
     for piece, (s0, s1), (d0, d1) in overlapping(pieces, start, stop):
-        out[d0:d1].copy_(sources.read(piece.file, f"{prefix}.{piece.key}", s0, s1))
+        out[d0:d1].copy_(sources.read(piece.file, f"{prefix}.{piece.key}", dtype, s0, s1))
         covered += d1 - d0
     if covered != stop - start:
         raise CheckpointError(f"{sources.path}: saved pieces cover {covered} of {stop - start} elements")

@@ -98,6 +98,28 @@ def _check_entry(name: str, entry) -> None:
         raise ValueError(f"tensor '{name}': data_offsets span {span} bytes, dtype and shape give {nbytes}")
 
 
+def _check_tiling(path: str, header: dict, data_bytes: int) -> None:
+    """The tensors tile the data exactly, in some order (as the safetensors format requires): two entries on the
+    same bytes would make one weight silently hold another's values, and bytes no entry describes are damage."""
+    end, previous = 0, None
+    for name, entry in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        start, stop = entry["data_offsets"]
+        if start < end:
+            raise CheckpointError(
+                f"checkpoint file {path}: tensors '{previous}' and '{name}' share bytes [{start}, {min(end, stop)}) "
+                "of the data (one would read the other's values)"
+            )
+        if start > end:
+            raise CheckpointError(f"checkpoint file {path}: data bytes [{end}, {start}) belong to no tensor")
+        end, previous = stop, name
+    if end > data_bytes:
+        raise CheckpointError(
+            f"checkpoint file {path} is truncated: {data_bytes} data bytes, the header describes {end}"
+        )
+    if end < data_bytes:
+        raise CheckpointError(f"checkpoint file {path}: {data_bytes - end} bytes after the last tensor")
+
+
 class Reader:
     """Random access to one safetensors file; every read names the file and tensor when it fails."""
 
@@ -125,19 +147,19 @@ class Reader:
             self.metadata = self.header.pop("__metadata__", {})
             for name, entry in self.header.items():
                 _check_entry(name, entry)
+            self.data_start = 8 + length
+            _check_tiling(path, self.header, self.size - self.data_start)
         except CheckpointError:  # a ValueError too: caught first, it says what is wrong already
             self._file.close()
             raise
+        except RecursionError:
+            self._file.close()
+            raise CheckpointError(
+                f"checkpoint file {path}: its header nests too deeply to be a safetensors header"
+            ) from None
         except (struct.error, ValueError, UnicodeDecodeError) as err:
             self._file.close()
             raise CheckpointError(f"checkpoint file {path} is truncated or corrupted: bad header ({err})") from None
-        self.data_start = 8 + length
-        end = max((v["data_offsets"][1] for v in self.header.values()), default=0)
-        if self.data_start + end > self.size:
-            self._file.close()
-            raise CheckpointError(
-                f"checkpoint file {path} is truncated: {self.size} bytes, header describes {self.data_start + end}"
-            )
 
     def keys(self) -> list[str]:
         return list(self.header)

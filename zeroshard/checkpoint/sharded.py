@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -29,7 +30,7 @@ import torch
 from .. import comm
 from ..runtime.log import log_rank0
 from .client_state import json_ready, read_client_tensors, restore_client_state, split_client_state
-from .manifest import FORMAT, Piece, pieces_for, plain_name, rank_file, seal
+from .manifest import FORMAT, Piece, piece_dtype, pieces_for, plain_name, rank_file, seal
 from .reading import Sources, assemble, read_manifest, resolve_tag
 from .safetensors_io import CheckpointError, write
 from .view import TrainingState
@@ -107,10 +108,13 @@ def save(
     client_state: Optional[dict] = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
+    keep_replaced: bool = False,
 ) -> str:
     """Every rank calls it. Returns the checkpoint directory. ``exclude_frozen_parameters`` leaves parameters
     without gradients out (a fine-tune's frozen base); loading such a checkpoint keeps the model's own values
-    for them and says so."""
+    for them and says so. ``keep_replaced``: an existing checkpoint of the same tag is moved aside (to
+    ``<tag>.replaced[.N]``, with a warning), not deleted: the engine asks for it when it would replace a step
+    checkpoint it did not write itself."""
     tag = tag or f"global_step{state.counters.global_steps}"
     if not isinstance(tag, str) or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' and no leading '.')")
@@ -145,7 +149,7 @@ def save(
             error = err
     _agree_on_write(world, error, save_dir, tmp)
     if rank == 0:
-        _commit(save_dir, tag, save_latest)
+        _commit(save_dir, tag, save_latest, keep_replaced)
     comm.barrier(world)
     return final
 
@@ -192,28 +196,46 @@ def _write_rank_files(state: TrainingState, tmp: str, frozen: list, others: list
     _atomic_write_text(os.path.join(tmp, rank_file(rank, ".json")), json.dumps(sidecar))
 
 
-def _commit(save_dir: str, tag: str, save_latest: bool) -> None:
+def _commit(save_dir: str, tag: str, save_latest: bool, keep_replaced: bool) -> None:
     """Move the complete ``.<tag>.tmp`` into place as ``<tag>`` and point ``latest`` at it.
 
     Re-saving an existing tag cannot swap two directories atomically, so ``latest`` first moves to the new
     complete copy (``.<tag>.tmp``) when it named the old one; the old directory is moved away, the new one
     renamed, and ``latest`` set to ``<tag>``. A crash between the rename and the last write leaves ``latest``
     naming ``.<tag>.tmp``, which ``resolve_tag`` reads as ``<tag>``. Every step is fsynced, so at every moment
-    ``latest`` names a complete checkpoint."""
+    ``latest`` names a complete checkpoint. With ``keep_replaced`` the old directory is kept under a free name."""
     tmp, final = os.path.join(save_dir, f".{tag}.tmp"), os.path.join(save_dir, tag)
     latest = os.path.join(save_dir, "latest")
     replacing = os.path.exists(final)
     if replacing and _read_latest(save_dir) == tag:
         _atomic_write_text(latest, f".{tag}.tmp")
     trash = os.path.join(save_dir, f".{tag}.old")
-    if replacing:
+    if replacing and keep_replaced:
+        trash = _free_name(os.path.join(save_dir, f"{tag}.replaced"))
+        warnings.warn(
+            f"save_checkpoint: {final} was not written by this run; it is kept as {trash}, not overwritten",
+            stacklevel=4,
+        )
+        log_rank0(f"save_checkpoint: kept the existing {final} (not written by this run) as {trash}")
+        os.replace(final, trash)
+        trash = None
+    elif replacing:
         shutil.rmtree(trash, ignore_errors=True)
         os.replace(final, trash)
     os.replace(tmp, final)
     _fsync_dir(save_dir)
     if save_latest or _read_latest(save_dir) == f".{tag}.tmp":
         _atomic_write_text(latest, tag)
-    shutil.rmtree(trash, ignore_errors=True)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _free_name(path: str) -> str:
+    """``path``, or ``path.N`` with the smallest N that names nothing yet."""
+    candidate, n = path, 1
+    while os.path.lexists(candidate):
+        candidate, n = f"{path}.{n}", n + 1
+    return candidate
 
 
 def _ranks_agree(save_dir: str, tag: str, world: comm.Group, tag_validation: str) -> str:
@@ -221,7 +243,7 @@ def _ranks_agree(save_dir: str, tag: str, world: comm.Group, tag_validation: str
     a checkpoint in pieces): compare the absolute paths before anything is written. Differing tags are
     refused, warned about or ignored as ``checkpoint.tag_validation`` says (DeepSpeed's key; rank 0's tag
     names the checkpoint)."""
-    pairs = [text.split("\n", 1) for text in _gather_text(f"{os.path.abspath(save_dir)}\n{tag}", world)]
+    pairs = [text.split("\n", 1) for text in gather_text(f"{os.path.abspath(save_dir)}\n{tag}", world)]
     paths, tags = [p[0] for p in pairs], [p[-1] for p in pairs]
     if len(set(tags)) > 1 and tag_validation != "ignore":
         listing = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
@@ -238,7 +260,7 @@ def _ranks_agree(save_dir: str, tag: str, world: comm.Group, tag_validation: str
     return tags[0]
 
 
-def _gather_text(text: str, world: comm.Group) -> list[str]:
+def gather_text(text: str, world: comm.Group) -> list[str]:
     """Every rank's ``text`` (cut at ``_TEXT_BYTES`` bytes), in rank order: one small all-gather."""
     if world.size == 1:
         return [text]
@@ -331,14 +353,10 @@ def _sharded_entries(zero, frozen: list) -> tuple[dict[str, dict], list[dict]]:
     return params, flat_groups
 
 
-def _rank0_entries(tensors: dict[str, torch.Tensor], float32: bool) -> dict[str, dict]:
-    """Tensors stored whole in rank 0's file (module tensors saved as fp32 when floating point)."""
-
-    def dtype(t: torch.Tensor) -> str:
-        return "float32" if float32 and t.is_floating_point() else str(t.dtype).removeprefix("torch.")
-
+def _rank0_entries(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Tensors stored whole in rank 0's file, in their own dtype."""
     return {
-        name: {"file": rank_file(0), "key": name, "shape": list(t.shape), "dtype": dtype(t)}
+        name: {"file": rank_file(0), "key": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
         for name, t in tensors.items()
     }
 
@@ -355,7 +373,7 @@ def _manifest(
     zero = state.optimizer
     files, rng = _collect_sidecars(tmp, state.grid.world.size)
     params, flat_groups = _sharded_entries(zero, frozen)
-    module_tensors = {name.removeprefix("module."): entry for name, entry in _rank0_entries(outside, True).items()}
+    module_tensors = {name.removeprefix("module."): entry for name, entry in _rank0_entries(outside).items()}
     scheduler = state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups] if zero else []
     return {
@@ -367,7 +385,11 @@ def _manifest(
         "counters": dataclasses.asdict(state.counters),
         "loss_scaler": zero.loss_scaler.state_dict() if zero else None,
         "lr_scheduler": json_ready(scheduler, "the lr scheduler's state_dict()"),
-        "optimizer": {"param_groups": json_ready(hyper, "optimizer hyperparameters"), "flat_groups": flat_groups},
+        "optimizer": {
+            "param_groups": json_ready(hyper, "optimizer hyperparameters"),
+            "flat_groups": flat_groups,
+            **({"type": zero.kind} if zero else {}),
+        },
         "params": params,
         "module_tensors": module_tensors,
         "excluded_frozen": [n.removeprefix("module.") for n in _outside_tensors(state) if n not in outside]
@@ -377,7 +399,7 @@ def _manifest(
         "aliases": {a: t for a, t in _aliases(state.module).items() if t in params or t in module_tensors},
         "config": state.config.model_dump(mode="json"),
         "client_state": client,
-        "client_tensors": _rank0_entries(client_tensors, False),
+        "client_tensors": _rank0_entries(client_tensors),
         "sampler": state.sampler.state_dict() if state.sampler is not None else None,
     }
 
@@ -408,6 +430,54 @@ def _check_params(state: TrainingState, manifest: dict, strict: bool) -> tuple[l
     )
 
 
+def _check_optimizer(zero, manifest: dict, path: str) -> None:
+    """The saved optimizer state must be this optimizer's: the same update rule, and hyperparameters of the types
+    this optimizer holds (checked before anything is restored, so a refused load changes nothing)."""
+    saved = manifest["optimizer"]
+    groups = saved["param_groups"]
+    advice = "; pass load_optimizer_states=False to load the weights (and counters) only"
+    if saved.get("type") is not None and saved["type"] != zero.kind:
+        raise CheckpointError(
+            f"{path}: the checkpoint holds {saved['type']} optimizer state, this engine's optimizer is {zero.kind}"
+            + advice
+        )
+    mine = [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups]
+    if saved.get("type") is None and groups and mine:  # older checkpoints: tell optimizers apart by their keys
+        theirs, ours = set(groups[0]), set(mine[0])
+        if theirs - ours and ours - theirs:
+            raise CheckpointError(
+                f"{path}: the checkpoint's optimizer has hyperparameters {sorted(theirs - ours)} that this engine's "
+                f"{zero.kind} lacks (and lacks its {sorted(ours - theirs)}): another optimizer" + advice
+            )
+    for i, (hyper, group) in enumerate(zip(groups, mine)):
+        for key, value in hyper.items():
+            if key in group and not _same_kind(value, group[key]):
+                raise CheckpointError(
+                    f"{path}: field 'optimizer.param_groups[{i}].{key}' is {value!r}; this optimizer holds "
+                    f"{group[key]!r} there"
+                )
+
+
+def _same_kind(saved: Any, current: Any) -> bool:
+    """A saved hyperparameter (JSON) can stand where the optimizer holds ``current``: numbers for finite numbers,
+    booleans for booleans, sequences of as many for tuples."""
+    if current is None:
+        return True
+    if isinstance(current, bool):
+        return isinstance(saved, bool)
+    if isinstance(current, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(current, (tuple, list)):
+        return (
+            isinstance(saved, list)
+            and len(saved) == len(current)
+            and all(_same_kind(s, c) for s, c in zip(saved, current))
+        )
+    if isinstance(current, str):
+        return isinstance(saved, str)
+    return True
+
+
 def load(
     state: TrainingState,
     load_dir: str,
@@ -427,6 +497,8 @@ def load(
         raise CheckpointError(f"checkpoint {path} does not exist")
     manifest = read_manifest(path)
     missing, unexpected = _check_params(state, manifest, load_module_strict)
+    if state.optimizer is not None and load_optimizer_states and not load_module_only:
+        _check_optimizer(state.optimizer, manifest, path)
     sources = Sources(path, manifest)
     zero = state.optimizer
     error: Optional[CheckpointError] = None
@@ -441,7 +513,7 @@ def load(
             for name, entry in manifest["module_tensors"].items():
                 target = _module_tensor(state.module, name) if name not in unexpected else None
                 if target is not None:
-                    target.copy_(sources.read(entry["file"], entry["key"]).view(entry["shape"]))
+                    target.copy_(sources.read_whole(name, entry))
             client_state = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest))
             if not load_module_only:
                 report = _load_training_state(state, manifest, sources, load_optimizer_states, load_lr_scheduler_states)
@@ -468,7 +540,7 @@ def _agree(world: comm.Group, error: Optional[CheckpointError], path: str) -> No
     ranks = _failed_ranks(error, world)
     if not ranks:
         return
-    messages = _gather_text(str(error) if error is not None else "", world)
+    messages = gather_text(str(error) if error is not None else "", world)
     if error is not None:
         raise error
     raise CheckpointError(f"loading {path} failed on rank(s) {ranks}: rank {ranks[0]}: {messages[ranks[0]]}")
@@ -506,6 +578,7 @@ def _load_flat(zero, index: int, flat, manifest: dict, sources: Sources, with_op
                 sources,
                 pieces[seg.slot.name],
                 key,
+                piece_dtype(manifest, seg.slot.name, pieces[seg.slot.name][0].key),
                 start,
                 start + seg.numel,
                 targets[key][seg.shard_start : seg.shard_start + seg.numel],
@@ -529,7 +602,8 @@ def _load_frozen(flat, manifest: dict, sources: Sources) -> None:
             pieces = [Piece.from_json(p) for p in saved[seg.slot.name]["pieces"]]
             start = seg.flat_start - seg.slot.offset
             out = target[seg.shard_start : seg.shard_start + seg.numel]
-            assemble(sources, pieces, "master", start, start + seg.numel, out)
+            dtype = piece_dtype(manifest, seg.slot.name, "ff")
+            assemble(sources, pieces, "master", dtype, start, start + seg.numel, out)
     flat.write_shard(0, target)
     flat.finish_publish()
 
@@ -603,4 +677,4 @@ def _rng_state(sources: Sources, file: str, key: str, current: torch.Tensor) -> 
             f"checkpoint file {sources.reader(file).path}: '{key}' is {entry['dtype']} {entry['shape']}, an RNG "
             f"state is U8 {list(current.shape)}"
         )
-    return sources.read(file, key)
+    return sources.read(file, key, "uint8")

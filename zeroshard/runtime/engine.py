@@ -8,7 +8,7 @@ import os
 import time
 import weakref
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -59,6 +59,10 @@ class ZeroshardEngine(torch.nn.Module):
         self.records = records or ParamRecords()  # what the engine knows of its (stage-3) parameters
         self.counters = TrainingCounters()
         self.resumed_from: Optional[str] = None  # the checkpoint checkpoint.auto_resume loaded, if any
+        self.resumed_client_state: Optional[dict] = None  # and the client_state saved with it
+        # called at each periodic save (checkpoint.save_interval_steps); what it returns is saved as client_state
+        self.checkpoint_client_state: Optional[Callable[[], dict]] = None
+        self._saved_tags: set[str] = set()  # checkpoints this engine wrote (it replaces only those unasked)
         self._step_applied = False
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary
         self._in_no_sync = False
@@ -171,7 +175,8 @@ class ZeroshardEngine(torch.nn.Module):
         taken after the step so a restart resumes at an accumulation boundary."""
         every = self.settings.checkpoint.save_interval_steps
         if every and self.global_steps % every == 0:
-            self.save_checkpoint(self.settings.checkpoint.save_dir)
+            client = self.checkpoint_client_state() if self.checkpoint_client_state is not None else None
+            self.save_checkpoint(self.settings.checkpoint.save_dir, client_state=client)
 
     def _last_loss_value(self) -> Optional[float]:
         """The last micro-batch's loss as a number (a device sync: only when logging or monitoring)."""
@@ -381,15 +386,22 @@ class ZeroshardEngine(torch.nn.Module):
         exclude_frozen_parameters: bool = False,
     ) -> str:
         """Save the full training state (every rank calls it); default tag ``global_step{N}``. ``client_state``
-        may hold JSON values and tensors. See :mod:`zeroshard.checkpoint.sharded` for the format and guarantees."""
-        return checkpoint_io.save(
+        may hold JSON values and tensors. See :mod:`zeroshard.checkpoint.sharded` for the format and guarantees.
+        A tag the caller names replaces a checkpoint of that tag (as DeepSpeed does); a default step tag that this
+        engine did not write (a checkpoint already in ``save_dir`` after a resume from an older step) is kept
+        under another name instead."""
+        step_tag = f"global_step{self.global_steps}"
+        path = checkpoint_io.save(
             self._training_state(),
             save_dir,
             tag=tag,
             client_state=client_state,
             save_latest=save_latest,
             exclude_frozen_parameters=exclude_frozen_parameters,
+            keep_replaced=tag is None and os.path.abspath(os.path.join(save_dir, step_tag)) not in self._saved_tags,
         )
+        self._saved_tags.add(os.path.abspath(path))
+        return path
 
     def load_checkpoint(
         self,

@@ -12,8 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .. import comm
 from ..accelerator import get_accelerator
-from ..checkpoint import CheckpointError
-from ..checkpoint.reading import resolve_tag
+from ..checkpoint.resume import agree_on_resume_point
 from ..comm.compression import Codec
 from ..config import AutoContext, Resolution, model_hidden_size, parse_config, resolve_config
 from ..inference.weights import open_source
@@ -428,24 +427,19 @@ def _build_dataloader(training_data, resolution: Resolution, grid: comm.RankGrid
 
 
 def _auto_resume(engine: ZeroshardEngine) -> None:
-    """``checkpoint.auto_resume``: load ``checkpoint.save_dir``'s newest complete checkpoint when there is one, so a
-    restarted job (an elastic restart, a resubmitted one) continues where the last save left it."""
+    """``checkpoint.auto_resume``: load the checkpoint ``latest`` names in ``checkpoint.save_dir`` (else the newest
+    complete one there, see :mod:`zeroshard.checkpoint.resume`), so a restarted job (an elastic restart, a
+    resubmitted one) continues where the last save left it; its ``client_state`` is ``engine.resumed_client_state``."""
     block = engine.settings.checkpoint
     if not block.auto_resume:
         return
-    found = torch.tensor([1.0 if resolve_tag(block.save_dir, None) is not None else 0.0])
-    comm.all_reduce(found, engine.grid.world)
-    if 0 < found.item() < engine.grid.world.size:
-        raise CheckpointError(
-            f"checkpoint.auto_resume: {int(found.item())} of {engine.grid.world.size} ranks see a checkpoint in "
-            f"{block.save_dir}; checkpoint.save_dir must be one directory every rank reads (a shared filesystem)"
-        )
-    if found.item() == 0:
-        log_rank0(f"auto_resume: no checkpoint in {block.save_dir} yet; starting from step 0")
+    point = agree_on_resume_point(block.save_dir, engine.grid.world)
+    if point is None:
+        log_rank0(f"auto_resume: no complete checkpoint in {block.save_dir} yet; starting from step 0")
         return
-    path, _ = engine.load_checkpoint(block.save_dir)
-    engine.resumed_from = path
-    log_rank0(f"auto_resume: resumed from {path} at step {engine.global_steps}")
+    path, client_state = engine.load_checkpoint(block.save_dir, tag=point.tag)
+    engine.resumed_from, engine.resumed_client_state = path, client_state
+    log_rank0(f"auto_resume: resumed from {path} at step {engine.global_steps} ({point.why})")
 
 
 def initialize(

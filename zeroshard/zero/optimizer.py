@@ -279,6 +279,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- per-flat-group state, for checkpoints (``zeroshard.checkpoint.view.ShardedOptimizer``) ----------
     @property
+    def kind(self) -> str:
+        """The update rule, as a checkpoint records it. Adam and AdamW differ only in how they decay weights (torch's
+        AdamW, DeepSpeed's CPU and fused Adams are one class with a flag), so that flag names them."""
+        if isinstance(self.optimizer, torch.optim.Adam):
+            return "AdamW" if self.optimizer.param_groups[0].get("decoupled_weight_decay") else "Adam"
+        return type(self.optimizer).__name__
+
+    @property
     def master_dtype(self) -> torch.dtype:
         return self.optimizer_state.master_dtype
 
