@@ -9,7 +9,7 @@ Accelerate and Lightning check that version before they call DeepSpeed.
 
 Three ways in, all the same mechanism: calling :func:`install_as_deepspeed`; the launcher flag
 ``zeroshard --as_deepspeed`` (which runs the script through :mod:`zeroshard.compat.run`); and the environment
-variable ``ZEROSHARD_AS_DEEPSPEED=1``, read at interpreter start by the ``zeroshard-as-deepspeed.pth`` file
+variable ``ZEROSHARD_AS_DEEPSPEED=1`` (or true/yes/on), read at interpreter start by the ``zeroshard-as-deepspeed.pth`` file
 the package installs (for ``torchrun``, ``accelerate launch``, SLURM).
 
 On a machine without a GPU the same finder adapts Accelerate so that it runs DeepSpeed on CPU ranks
@@ -137,7 +137,21 @@ def install_as_deepspeed() -> None:
     importlib.invalidate_caches()
 
 
+ENABLING = ("1", "true", "yes", "on")
+DISABLING = ("", "0", "false", "no", "off")  # the .pth file reads these itself, so a disabled flag imports nothing
+
+
 def install_from_environment() -> None:
-    """Run by the ``.pth`` file at interpreter start: install when ``ZEROSHARD_AS_DEEPSPEED`` is set (not 0)."""
-    if os.environ.get(ENV_FLAG, "") not in ("", "0"):
+    """Run by the ``.pth`` file at interpreter start: install when ``ZEROSHARD_AS_DEEPSPEED`` is 1/true/yes/on (any
+    case); 0/false/no/off or empty leave it off; anything else leaves it off with a warning naming the value."""
+    raw = os.environ.get(ENV_FLAG, "")
+    value = raw.strip().lower()
+    if value in ENABLING:
         install_as_deepspeed()
+    elif value not in DISABLING:
+        warnings.warn(
+            f"{ENV_FLAG}={raw!r} is not a switch zeroshard knows: 'import deepspeed' is NOT served by zeroshard; set "
+            f"it to one of {', '.join(ENABLING)} to enable, or {', '.join(v for v in DISABLING if v)} to disable",
+            RuntimeWarning,
+            stacklevel=2,
+        )

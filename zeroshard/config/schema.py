@@ -322,7 +322,7 @@ class ElasticityConfig(Section):
     """DeepSpeed's elastic batch (see ``zeroshard.config.elasticity``); DeepSpeed's defaults."""
 
     enabled: bool = False
-    max_train_batch_size: int = Field(2000, ge=1)
+    max_train_batch_size: int = Field(2000, ge=1, le=10**8)  # the search holds one counter per batch size
     micro_batch_sizes: list[int] = Field(default_factory=lambda: [2, 4, 6])
     min_gpus: int = Field(1, ge=1)
     max_gpus: int = Field(10000, ge=1)
@@ -335,11 +335,15 @@ class ElasticityConfig(Section):
     model_parallel_size: int = refused(1, "elastic model parallelism is not implemented")
     num_gpus_per_node: int = Field(1, ge=1)  # version 0.2: world sizes are whole nodes
 
-    @field_validator("micro_batch_sizes")
+    @field_validator("micro_batch_sizes", mode="before")
     @classmethod
-    def _positive_micro(cls, value: list[int]) -> list[int]:
-        if not value or any(m < 1 for m in value):
-            raise ValueError(f"elasticity.micro_batch_sizes must be positive integers, got {value}")
+    def _positive_micro(cls, value: Any) -> Any:
+        if (
+            not isinstance(value, list)
+            or not value
+            or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in value)
+        ):
+            raise ValueError(f"elasticity.micro_batch_sizes must be a list of positive integers, got {value!r}")
         return value
 
     @field_validator("version")

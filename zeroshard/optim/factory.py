@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from ..ops.adam import CPUAdam
+from . import hyperparams
 from .lamb import Lamb, ShardedNorms
 from .lion import Lion
 from .onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
@@ -84,6 +85,7 @@ def build_optimizer(
                 f"unknown config key 'optimizer.params.{unknown[0]}' for optimizer '{name}'; "
                 f"accepted: {sorted(OPTIMIZER_KEYS[key])}"
             )
+    params = hyperparams.check("optimizer.params.", params)
     if key in ("adam", "adamw"):
         adam_w_mode = params.pop("adam_w_mode", True)
         if key == "adamw" and adam_w_mode is False:

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from ..comm.backend import get_rank
 from ..comm.compressed import OneBitAllReduce
+from . import hyperparams
 from .lamb import ShardedNorms
 
 COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
@@ -35,7 +36,16 @@ class OneBitOptimizer(Optimizer):
 
     runs_sharded = False  # whether it can step ZeRO shards (stages 1-3): only 1-bit Adam's update is elementwise
 
-    def __init__(self, params, defaults: dict, cuda_aware: bool, comm_backend_name: str, amsgrad: bool):
+    def __init__(
+        self, params, defaults: dict, cuda_aware: bool, comm_backend_name: str, amsgrad: bool, schedule: dict
+    ):
+        """``defaults`` (lr, betas, eps, weight_decay) and the subclass's ``schedule`` numbers are checked here
+        (:mod:`zeroshard.optim.hyperparams`), for optimizers built by name and by a script alike; the checked
+        schedule is ``self.schedule``."""
+        name = f"{type(self).__name__}: "
+        defaults = hyperparams.check(name, defaults)
+        self.schedule = hyperparams.check(name, schedule)
+        hyperparams.check(name, {"cuda_aware": cuda_aware, "amsgrad": amsgrad})
         if amsgrad:
             raise ValueError(f"{type(self).__name__} does not support amsgrad (nor does DeepSpeed's)")
         if comm_backend_name not in COMM_BACKENDS:
@@ -106,9 +116,9 @@ class OneBitAdam(OneBitOptimizer):
         cuda_aware: bool = False,
         comm_backend_name: str = "nccl",
     ):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad)
-        self.freeze_step = freeze_step
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad, {"freeze_step": freeze_step})
+        self.freeze_step = self.schedule["freeze_step"]
 
     def needs_averaged_gradients(self) -> bool:
         return self.steps_taken() < self.freeze_step
@@ -151,12 +161,18 @@ class ZeroOneAdam(OneBitOptimizer):
         cuda_aware: bool = False,
         comm_backend_name: str = "nccl",
     ):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad)
-        self.var_freeze_step = var_freeze_step
-        self.var_update_scaler = var_update_scaler
-        self.local_step_scaler = local_step_scaler
-        self.local_step_clipper = local_step_clipper
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        schedule = dict(
+            var_freeze_step=var_freeze_step,
+            var_update_scaler=var_update_scaler,
+            local_step_scaler=local_step_scaler,
+            local_step_clipper=local_step_clipper,
+        )
+        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad, schedule)
+        self.var_freeze_step = self.schedule["var_freeze_step"]
+        self.var_update_scaler = self.schedule["var_update_scaler"]
+        self.local_step_scaler = self.schedule["local_step_scaler"]
+        self.local_step_clipper = self.schedule["local_step_clipper"]
         self._local: dict[torch.Tensor, tuple[torch.Tensor, list[float]]] = {}  # summed local updates and lrs
 
     def needs_averaged_gradients(self) -> bool:
@@ -253,12 +269,22 @@ class OneBitLamb(OneBitOptimizer):
         factor_threshold: float = 0.1,
         sharded_norms: Optional[ShardedNorms] = None,
     ):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad)
-        self.freeze_step = freeze_step
-        self.max_coeff, self.min_coeff = max_coeff, min_coeff
-        self.coeff_beta = coeff_beta
-        self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        schedule = dict(
+            freeze_step=freeze_step,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+            coeff_beta=coeff_beta,
+            factor_max=factor_max,
+            factor_min=factor_min,
+            factor_threshold=factor_threshold,
+        )
+        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad, schedule)
+        self.freeze_step = self.schedule["freeze_step"]
+        self.max_coeff, self.min_coeff = self.schedule["max_coeff"], self.schedule["min_coeff"]
+        self.coeff_beta = self.schedule["coeff_beta"]
+        self.factor_max, self.factor_min = self.schedule["factor_max"], self.schedule["factor_min"]
+        self.factor_threshold = self.schedule["factor_threshold"]
         self.sharded_norms = sharded_norms
 
     def needs_averaged_gradients(self) -> bool:

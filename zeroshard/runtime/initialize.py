@@ -166,10 +166,32 @@ def _materializer(model: torch.nn.Module, pretrained: Any, world: comm.Group, de
     comm.broadcast(seed, src=0, group=world)  # one seed for all ranks
     source = open_source(pretrained, model) if pretrained is not None else None
     materialize = Materializer(model, device, int(seed.item()), source)
-    missing = materialize.missing() if source is not None else []
-    if missing:
-        raise ValueError(f"pretrained={pretrained!r} lacks {len(missing)} parameter(s) of the model: {missing[:8]}")
+    if source is not None:
+        missing = materialize.missing()
+        if missing:
+            source.close()
+            raise ValueError(f"pretrained={pretrained!r} lacks {len(missing)} parameter(s) of the model: {missing[:8]}")
+        _check_buffers(model, source, pretrained)
     return materialize
+
+
+def _check_buffers(model: torch.nn.Module, source, pretrained: Any) -> None:
+    """Buffers are weights too (normalization statistics, codebooks): a persistent one (in ``state_dict``) must be
+    in ``pretrained`` as parameters must, and every one found there must have the model's shape; checked before
+    anything is sharded."""
+    persistent = set(model.state_dict(keep_vars=True))
+    buffers = dict(model.named_buffers())
+    missing = sorted(name for name in buffers if name in persistent and name not in source.names)
+    wrong = [
+        f"'{name}': pretrained {tuple(source.shape(name))}, the model {tuple(buffer.shape)}"
+        for name, buffer in buffers.items()
+        if name in source.names and tuple(source.shape(name)) != tuple(buffer.shape)
+    ]
+    if missing or wrong:
+        source.close()
+        problems = [f"lacks {len(missing)} buffer(s) of the model: {missing[:8]}"] if missing else []
+        problems += [f"has buffers of the wrong shape: {'; '.join(wrong[:8])}"] if wrong else []
+        raise ValueError(f"pretrained={pretrained!r} " + " and ".join(problems))
 
 
 def _finish_materialization(model: torch.nn.Module, materialize: Materializer, device, dtype: torch.dtype) -> None:
