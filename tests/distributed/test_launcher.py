@@ -83,10 +83,8 @@ def test_clean_runs_exit_zero_every_time(tmp_path, ranks, runs, stage):
     assert all(out.stdout.count("finished") == ranks for out in outs)
 
 
-def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
-    """A scheduler cancelling a job signals the launcher: the agent and every rank must stop with it."""
-    import os
-    import signal
+def _start_ranks_that_run_forever(tmp_path):
+    """A launcher with 2 ranks that write their pids and then wait forever; returns it and the pid files."""
     import time
 
     script = tmp_path / "forever.py"
@@ -105,17 +103,49 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
             launcher.kill()
             raise AssertionError("the ranks did not start within 10 minutes")
         time.sleep(0.2)
-    launcher.send_signal(signal.SIGTERM)
-    assert launcher.wait(timeout=120) == 128 + signal.SIGTERM
-    for pid in (int(p.read_text()) for p in pids):
-        for _ in range(100):  # the agent reaps its workers before it exits; allow a moment for the kernel
+    return launcher, [int(p.read_text()) for p in pids]
+
+
+def _assert_stopped(pids: list[int], what: str) -> None:
+    import os
+    import time
+
+    give_up = time.monotonic() + 120  # a guard against a hang, not a speed requirement
+    for pid in pids:
+        while True:
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 break
+            if time.monotonic() > give_up:
+                os.kill(pid, 9)
+                raise AssertionError(f"{what} {pid} is still running after the launcher was stopped")
             time.sleep(0.1)
-        else:
-            raise AssertionError(f"rank process {pid} is still running after the launcher was stopped")
+
+
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+    """A scheduler cancelling a job signals the launcher: the agent and every rank must stop with it."""
+    import signal
+
+    launcher, pids = _start_ranks_that_run_forever(tmp_path)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 128 + signal.SIGTERM
+    _assert_stopped(pids, "rank process")
+
+
+def test_sigkill_of_the_launcher_leaves_no_orphans(tmp_path):
+    """SIGKILL reaches no handler: the agent learns of its parent's death from the kernel (PR_SET_PDEATHSIG) and
+    stops the ranks, so a killed job leaves nothing training."""
+    import signal
+    from pathlib import Path
+
+    launcher, pids = _start_ranks_that_run_forever(tmp_path)
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    assert len(children) == 1, children  # the agent
+    launcher.send_signal(signal.SIGKILL)
+    assert launcher.wait(timeout=60) == -signal.SIGKILL
+    _assert_stopped([int(children[0])], "the agent")
+    _assert_stopped(pids, "rank process")
 
 
 def _free_port() -> int:

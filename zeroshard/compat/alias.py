@@ -9,8 +9,8 @@ Accelerate and Lightning check that version before they call DeepSpeed.
 
 Three ways in, all the same mechanism: calling :func:`install_as_deepspeed`; the launcher flag
 ``zeroshard --as_deepspeed`` (which runs the script through :mod:`zeroshard.compat.run`); and the environment
-variable ``ZEROSHARD_AS_DEEPSPEED=1`` (or true/yes/on), read at interpreter start by the ``zeroshard-as-deepspeed.pth`` file
-the package installs (for ``torchrun``, ``accelerate launch``, SLURM).
+variable ``ZEROSHARD_AS_DEEPSPEED=1`` (or true/yes/on), read at interpreter start by the
+``zeroshard-as-deepspeed.pth`` file the package installs (for ``torchrun``, ``accelerate launch``, SLURM).
 
 On a machine without a GPU the same finder adapts Accelerate so that it runs DeepSpeed on CPU ranks
 (:mod:`zeroshard.compat.accelerate_cpu`).

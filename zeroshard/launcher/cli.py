@@ -10,6 +10,7 @@ failure (``--max_restarts``), and when it gives up stops the others and exits no
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -22,6 +23,22 @@ from .hostfile import parse_hostfile, select_resources
 from .multinode import LAUNCHERS, Job, agent_command, exported_environment, read_env_files, wait_for_master
 
 DEFAULT_MASTER_PORT = 29500
+
+
+def _bounded(low: int, high: Optional[int] = None):
+    """An argparse type: an integer in [low, high] (argparse exits 2 naming the flag otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            span = f"{low}-{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes to start on this node (default: the number of GPUs, or 1 without GPUs)",
     )
     count.add_argument("--nproc_per_node", type=int, default=None, help="same as --num_gpus (torchrun's name)")
-    parser.add_argument("--num_nodes", type=int, default=None, help="nodes to use (the first N of the hostfile)")
+    parser.add_argument(
+        "--num_nodes", type=_bounded(1), default=None, help="nodes to use (the first N of the hostfile)"
+    )
     parser.add_argument(
         "--nnodes",
         default=None,
@@ -53,19 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="ssh",
         help="how the nodes of a hostfile are started (default ssh; pdsh, slurm (srun), openmpi (mpirun))",
     )
-    parser.add_argument("--ssh_port", type=int, default=None, help="ssh port of the nodes")
+    parser.add_argument("--ssh_port", type=_bounded(1, 65535), default=None, help="ssh port of the nodes")
     parser.add_argument(
         "--no_ssh",
         action="store_true",
         help="start only this node's agent (clusters that start one launcher per node); needs --node_rank",
     )
-    parser.add_argument("--node_rank", type=int, default=None, help="this node's rank with --no_ssh (0 is the master)")
+    parser.add_argument(
+        "--node_rank", type=_bounded(0), default=None, help="this node's rank with --no_ssh (0 is the master)"
+    )
     parser.add_argument(
         "--master_addr", default=None, help="rendezvous address (default 127.0.0.1; with a hostfile its first host)"
     )
     parser.add_argument(
         "--master_port",
-        type=int,
+        type=_bounded(1, 65535),
         default=None,
         help=f"rendezvous port (one node: a free port chosen by the agent; several: {DEFAULT_MASTER_PORT})",
     )
@@ -76,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a node waits for the master's rendezvous port before it gives up (default 300)",
     )
     parser.add_argument("--module", "-m", action="store_true", help="run the script as a Python module (python -m)")
-    parser.add_argument("--max_restarts", type=int, default=0, help="restarts of the whole group after a failure")
+    parser.add_argument(
+        "--max_restarts", type=_bounded(0), default=0, help="restarts of the whole group after a failure"
+    )
     parser.add_argument(
         "--as_deepspeed",
         action="store_true",
@@ -241,10 +264,28 @@ def run_node(args: argparse.Namespace) -> int:
         raise SystemExit("zeroshard: --no_ssh runs this node only; drop --hostfile (or drop --no_ssh)")
     nprocs = _local_processes(args)
     job = _job(args, args.master_addr or "127.0.0.1", args.num_nodes or 1)
+    most = _most_nodes(job.nnodes)
+    if args.node_rank >= most:
+        raise SystemExit(
+            f"zeroshard: --node_rank {args.node_rank} but the job has at most {most} node(s) (--nnodes {job.nnodes}); "
+            "node ranks are 0 .. nodes-1"
+        )
     if args.node_rank > 0:
         wait_for_master(job.master_addr, job.master_port, job.master_timeout, args.node_rank)
     rdzv_id = os.environ.get("ZEROSHARD_JOB_ID", f"zeroshard-{job.master_port}")
     return run_processes([agent_command(job, args.node_rank, nprocs, rdzv_id)], _agent_env(args))
+
+
+def _most_nodes(nnodes: str) -> int:
+    """The largest node count torchrun's ``--nnodes`` allows: ``N`` or ``MIN:MAX``."""
+    low, _, high = nnodes.partition(":")
+    try:
+        counts = [int(low), int(high or low)]
+    except ValueError:
+        raise SystemExit(f"zeroshard: --nnodes {nnodes!r}: expected N or MIN:MAX") from None
+    if not 1 <= counts[0] <= counts[1]:
+        raise SystemExit(f"zeroshard: --nnodes {nnodes!r}: expected 1 <= MIN <= MAX")
+    return counts[1]
 
 
 def run_hostfile(args: argparse.Namespace) -> int:
@@ -262,7 +303,13 @@ def run_hostfile(args: argparse.Namespace) -> int:
     if shutil.which(tool) is None:
         raise SystemExit(f"zeroshard: --launcher {args.launcher} needs '{tool}' on PATH, and it is not there")
     job = _job(args, args.master_addr or next(iter(nodes)), len(nodes))
-    env = exported_environment(dict(os.environ), read_env_files([os.path.expanduser("~"), os.getcwd()]))
+    env, skipped = exported_environment(dict(os.environ), read_env_files([os.path.expanduser("~"), os.getcwd()]))
+    if skipped:
+        print(
+            f"zeroshard: warning: not exporting {skipped} to the nodes: not shell variable names "
+            "([A-Za-z_][A-Za-z0-9_]*)",
+            file=sys.stderr,
+        )
     if args.as_deepspeed:
         env["ZEROSHARD_AS_DEEPSPEED"] = "1"
     build = LAUNCHERS[args.launcher]
@@ -279,7 +326,7 @@ def run_processes(commands: list[list[str]], env: dict[str, str]) -> int:
     """Run the agents (one, or one starter per node) until all end or one fails, which stops the others. SIGTERM
     or SIGINT sent to this launcher is passed on (an agent stops every rank; an orphan would keep training); the
     exit code is then 128 + the signal's number, as a shell reports a process ended by that signal."""
-    processes = [subprocess.Popen(cmd, env=env) for cmd in commands]
+    processes = [subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent) for cmd in commands]
     received: list[int] = []
 
     def forward(signum, frame):
@@ -297,6 +344,20 @@ def run_processes(commands: list[list[str]], env: dict[str, str]) -> int:
     if received:
         return 128 + received[0]
     return code if code >= 0 else 128 - code
+
+
+def _die_with_parent() -> None:
+    """In each child before it runs: ask Linux to send it SIGTERM when this launcher dies, even by SIGKILL (which
+    no handler sees), so the agent stops its ranks instead of training on as orphans. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _wait_all(processes: list[subprocess.Popen]) -> int:

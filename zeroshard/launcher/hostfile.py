@@ -9,7 +9,11 @@ from typing import Optional
 
 Resources = dict[str, list[int]]  # host -> slot indices (GPUs) it contributes, in hostfile order
 
-_LINE = re.compile(r"^(?P<host>[^\s=]+)\s+slots\s*=\s*(?P<slots>\d+)$")
+_LINE = re.compile(r"^(?P<host>\S+)\s+slots\s*=\s*(?P<slots>\d+)$")
+# a host name reaches ssh/pdsh arguments and remote shells: letters, digits, '.', '_', '-', not led by '-' (which
+# ssh would read as an option); no ',' (pdsh's list separator), ':' or '@' (the --include/--exclude syntax)
+_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+MAX_SLOTS = 4096  # per host; a larger count is a typo, not a machine
 
 
 def parse_hostfile(text: str, source: str = "hostfile") -> Resources:
@@ -23,6 +27,13 @@ def parse_hostfile(text: str, source: str = "hostfile") -> Resources:
         if match is None:
             raise ValueError(f"{source}:{number}: '{raw.strip()}' is not 'HOST slots=N'")
         host, slots = match["host"], int(match["slots"])
+        if not _HOST.fullmatch(host):
+            raise ValueError(
+                f"{source}:{number}: host {host!r} is not a plain host name (letters, digits, '.', '_' and '-', not "
+                "starting with '-')"
+            )
+        if slots > MAX_SLOTS:
+            raise ValueError(f"{source}:{number}: host '{host}' has slots={slots}; at most {MAX_SLOTS} per host")
         if host in hosts:
             raise ValueError(f"{source}:{number}: host '{host}' is listed twice")
         if slots < 1:
@@ -71,6 +82,9 @@ def select_resources(
     """The hosts and slots the job runs on, in hostfile order (DeepSpeed's rules: ``--include`` keeps only what
     it names, ``--exclude`` drops what it names; otherwise the first ``--num_nodes`` hosts and the first
     ``--num_gpus`` slots of each)."""
+    for flag, spec in (("--include", include), ("--exclude", exclude)):
+        if spec is not None and not spec.strip():
+            raise ValueError(f"{flag} is empty: name hosts (and slots), e.g. 'worker-0:0,1@worker-1', or drop it")
     if include and exclude:
         raise ValueError("--include and --exclude cannot be used together")
     if (include or exclude) and (num_nodes is not None or num_gpus is not None):

@@ -8,6 +8,7 @@ rendezvous at ``--master_addr:--master_port``. Building the commands is pure; ``
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import socket
 import sys
@@ -21,6 +22,8 @@ ENV_FILES = (".zeroshard_env", ".deepspeed_env")
 # the launching environment's variables every node gets (besides the env files' and per-node settings)
 _EXPORTED_PREFIXES = ("NCCL_", "GLOO_", "PYTHON", "ZEROSHARD_", "TORCH_", "OMP_", "MKL_", "UCX_", "FI_", "HF_")
 _NODE_RANK = "\0NODE_RANK\0"  # replaced by each launcher's own way of telling a node its rank
+# a name the remote shell reads as one variable name; anything else would be shell code in the exported line
+_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ def parse_env_text(text: str, source: str) -> dict[str, str]:
         if not line or line.startswith("#"):
             continue
         key, sep, value = line.removeprefix("export ").partition("=")
-        if not sep or not key.strip().isidentifier():
+        if not sep or not _VARIABLE.fullmatch(key.strip()):
             raise ValueError(f"{source}:{number}: '{line}' is not KEY=VALUE")
         values[key.strip()] = value.strip().strip("'\"")
     return values
@@ -64,9 +67,14 @@ def read_env_files(directories: list[str]) -> dict[str, str]:
     return values
 
 
-def exported_environment(environ: dict[str, str], from_files: dict[str, str]) -> dict[str, str]:
+def exported_environment(environ: dict[str, str], from_files: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The variables every node gets: the launching environment's by prefix, then the env files'. Returns them and
+    the names skipped because a shell would not read them as a variable name (``NCCL_X;touch${IFS}F``: the
+    environment can hold any name, and the remote line is shell code)."""
     exported = {k: v for k, v in environ.items() if k.startswith(_EXPORTED_PREFIXES)}
-    return {**exported, **from_files}
+    merged = {**exported, **from_files}
+    skipped = sorted(k for k in merged if not _VARIABLE.fullmatch(k))
+    return {k: v for k, v in merged.items() if k not in skipped}, skipped
 
 
 def node_command(job: Job, node_rank: str, nproc: int) -> list[str]:
@@ -80,11 +88,19 @@ def node_command(job: Job, node_rank: str, nproc: int) -> list[str]:
 
 
 def remote_shell(job: Job, node_rank: str, slots: list[int], env: dict[str, str], cwd: str) -> str:
-    """One shell line: enter the working directory, export the environment (and the node's devices), run."""
+    """One shell line: enter the working directory (or fail the node, naming host and directory: the job must not
+    run from the login directory), export the environment (and the node's devices), run. Every name is checked
+    and every value and path quoted; ``node_rank`` is the launcher's own placeholder (``%n``, ``$SLURM_NODEID``)."""
+    bad = sorted(k for k in env if not _VARIABLE.fullmatch(k))
+    if bad:
+        raise ValueError(f"environment variable names {bad} are not shell variable names; they cannot be exported")
     exports = {**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))}
     line = " ".join(f"export {k}={shlex.quote(v)};" for k, v in sorted(exports.items()))
     command = shlex.join(node_command(job, _NODE_RANK, len(slots)))
-    return f"cd {shlex.quote(cwd)} && {line} exec {command}".replace(shlex.quote(_NODE_RANK), node_rank)
+    directory = shlex.quote(cwd)
+    failure = shlex.quote(f"zeroshard: node %s cannot enter the working directory {cwd}; the job does not start\n")
+    enter = f'cd {directory} || {{ printf {failure} "$(hostname)" >&2; exit 1; }};'
+    return f"{enter} {line} exec {command}".replace(shlex.quote(_NODE_RANK), node_rank)
 
 
 def ssh_commands(job: Job, nodes: Resources, env: dict[str, str], cwd: str, ssh_port: Optional[int]) -> list[list[str]]:

@@ -65,3 +65,50 @@ def test_hostfile_errors_exit_naming_the_line_or_flag(tmp_path, monkeypatch):
         main(["--hostfile", str(hosts), "--launcher", "pdsh", str(script)])
     with pytest.raises(SystemExit, match="--no_ssh starts one node of a job: give its --node_rank"):
         main(["--no_ssh", str(script)])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--no_ssh", "--node_rank", "-1"], "--node_rank: must be >= 0, got -1"),
+        (["--master_port", "0"], "--master_port: must be 1-65535, got 0"),
+        (["--master_port", "70000"], "--master_port: must be 1-65535, got 70000"),
+        (["--max_restarts", "-1"], "--max_restarts: must be >= 0, got -1"),
+        (["--ssh_port", "x"], "--ssh_port: expected an integer, got 'x'"),
+    ],
+)
+def test_out_of_range_flags_exit_2_naming_the_flag(tmp_path, capsys, argv, message):
+    from zeroshard.launcher.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, str(script)])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_node_rank_beyond_the_node_count_is_refused(tmp_path):
+    from zeroshard.launcher.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(SystemExit, match=r"--node_rank 2 but the job has at most 2 node\(s\)"):
+        main(["--no_ssh", "--node_rank", "2", "--num_nodes", "2", str(script)])
+    with pytest.raises(SystemExit, match=r"--node_rank 4 but the job has at most 4 node\(s\) \(--nnodes 1:4\)"):
+        main(["--no_ssh", "--node_rank", "4", "--nnodes", "1:4", str(script)])
+    with pytest.raises(SystemExit, match="--nnodes '3:1': expected 1 <= MIN <= MAX"):
+        main(["--no_ssh", "--node_rank", "0", "--nnodes", "3:1", str(script)])
+
+
+def test_hostile_hostfile_and_empty_include_exit_naming_them(tmp_path):
+    from zeroshard.launcher.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("worker-0 slots=2\n-oProxyCommand=sh slots=1\n")
+    with pytest.raises(SystemExit, match=r"hosts:2: host '-oProxyCommand=sh' is not a plain host name"):
+        main(["--hostfile", str(hosts), str(script)])
+    hosts.write_text("worker-0 slots=2\n")
+    with pytest.raises(SystemExit, match="--include is empty"):
+        main(["--hostfile", str(hosts), "--include", "", str(script)])

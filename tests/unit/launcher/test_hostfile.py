@@ -58,3 +58,21 @@ def test_bad_filters_name_the_flag(kwargs, message):
 
 def test_filter_keeps_slot_order_without_duplicates():
     assert parse_filter("worker-0:2,0,2", parse_hostfile(HOSTFILE), "--include") == {"worker-0": [2, 0]}
+
+
+@pytest.mark.parametrize(
+    "host", ["-oProxyCommand=touch${IFS}x", "a,b", "h;id", "h$(id)", "h`id`", "h|x", "a:b", "u@h", "h'", "h&"]
+)
+def test_host_names_that_reach_a_shell_or_ssh_options_are_refused_naming_the_line(host):
+    with pytest.raises(ValueError, match=r"hosts:2: host .* is not a plain host name"):
+        parse_hostfile(f"worker-0 slots=1\n{host} slots=1\n", "hosts")
+
+
+def test_absurd_slot_counts_and_empty_filters_are_named():
+    with pytest.raises(ValueError, match="hosts:1: host 'w' has slots=4000000000; at most 4096"):
+        parse_hostfile("w slots=4000000000", "hosts")
+    hosts = parse_hostfile("worker-0 slots=2\nworker-1 slots=2")
+    for flag in ("include", "exclude"):
+        with pytest.raises(ValueError, match=f"--{flag} is empty"):
+            select_resources(hosts, **{flag: " "})
+    assert parse_hostfile("node_1.cluster-a slots=1") == {"node_1.cluster-a": [0]}

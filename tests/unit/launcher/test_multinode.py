@@ -1,4 +1,5 @@
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -60,7 +61,48 @@ def test_environment_files_and_exported_variables(tmp_path):
     (cwd / ".zeroshard_env").write_text("# comment\nexport SHARED='cwd'\n\nDATA=/data\n")
     files = read_env_files([str(home), str(cwd)])
     assert files == {"NCCL_IB_DISABLE": "1", "SHARED": "cwd", "DATA": "/data"}
-    env = exported_environment({"NCCL_DEBUG": "INFO", "HOME": "/root", "PYTHONPATH": "/src"}, files)
-    assert env == {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/src", **files}
+    env, skipped = exported_environment({"NCCL_DEBUG": "INFO", "HOME": "/root", "PYTHONPATH": "/src"}, files)
+    assert env == {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/src", **files} and skipped == []
     with pytest.raises(ValueError, match=r"\.zeroshard_env:1: 'not a pair' is not KEY=VALUE"):
         parse_env_text("not a pair", ".zeroshard_env")
+
+
+# -- hostile input: nothing a variable name, value, host or directory holds runs as shell code --------------------
+def _run_line(line: str, cwd) -> subprocess.CompletedProcess:
+    """Run a remote line the way ssh's remote shell does, with the launcher replaced by a harmless command."""
+    line = line.replace(shlex.join([sys.executable, "-m", "zeroshard.launcher.cli"]), "echo", 1)
+    return subprocess.run(["sh", "-c", line], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+def test_variable_names_that_are_shell_code_are_skipped_and_named(tmp_path):
+    evil = "NCCL_X;touch${IFS}" + str(tmp_path / "PWNED") + ";Y"
+    env, skipped = exported_environment({evil: "1", "NCCL_OK": "a b;touch x", "TORCH_\u00e9": "1"}, {})
+    assert skipped == sorted([evil, "TORCH_\u00e9"]) and env == {"NCCL_OK": "a b;touch x"}
+    out = _run_line(ssh_commands(JOB, NODES, env, str(tmp_path), None)[0][-1], tmp_path)
+    assert out.returncode == 0 and not (tmp_path / "PWNED").exists() and not (tmp_path / "x").exists(), out
+    with pytest.raises(ValueError, match="not shell variable names"):
+        ssh_commands(JOB, NODES, {evil: "1"}, str(tmp_path), None)
+    with pytest.raises(ValueError, match="is not KEY=VALUE"):
+        parse_env_text("A;touch${IFS}F=1", ".deepspeed_env")
+
+
+def test_values_and_directories_with_metacharacters_stay_data(tmp_path):
+    odd = tmp_path / "dir $(touch PWNED); `id`"
+    odd.mkdir()
+    env = {"NCCL_SOCKET_IFNAME": "$(touch PWNED2)"}
+    out = _run_line(ssh_commands(JOB, NODES, env, str(odd), None)[0][-1], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert not list(tmp_path.rglob("PWNED*")), out.stdout
+
+
+def test_a_missing_working_directory_fails_the_node_naming_host_and_directory(tmp_path):
+    """Before, `cd DIR && export A; export B; exec CMD` ran the job from the login directory when cd failed."""
+    missing = str(tmp_path / "gone")
+    for line in (
+        ssh_commands(JOB, NODES, {"NCCL_DEBUG": "INFO"}, missing, None)[0][-1],
+        pdsh_command(JOB, NODES, {}, missing)[0][-1],
+        slurm_command(JOB, NODES, {}, missing)[0][-1],
+    ):
+        out = _run_line(line, tmp_path)
+        assert out.returncode == 1 and out.stdout == "", out
+        assert f"cannot enter the working directory {missing}" in out.stderr and "zeroshard: node " in out.stderr
