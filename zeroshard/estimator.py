@@ -29,6 +29,7 @@ Per rank, in bytes and by location (``device``: the accelerator, or the compute 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import platform
@@ -499,12 +500,15 @@ class Candidate:
         return (wire + copies) / self.micro_batch
 
 
-def _hf_model(path: str, recompute: bool) -> Callable[[], nn.Module]:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path)
+def _hf_model(path: str, recompute: bool, layers: Optional[int] = None) -> Callable[[], nn.Module]:
+    """A builder of the causal LM an HF config file (or directory) describes, ``layers`` deep when given."""
+    config = _hf_config(path)
+    if layers is not None:
+        config.num_hidden_layers = layers
 
     def build():
+        from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_config(config)
         if recompute:  # newer transformers renamed it
             getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
@@ -513,59 +517,121 @@ def _hf_model(path: str, recompute: bool) -> Callable[[], nn.Module]:
     return build
 
 
-def _import(spec: str):
-    import importlib
+def _hf_config(path: str):
+    """A local config only: a missing path is named as such (from_pretrained would try the Hub and report a
+    network error)."""
+    from transformers import AutoConfig
 
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--hf_config {path}: no such file or directory")
+    return AutoConfig.from_pretrained(path)
+
+
+# Deeper HF models are estimated at two depths and extended linearly: every count the estimate makes is affine in
+# the number of identical blocks (model state, activations, gradients) or independent of it (the runtime, the
+# largest transient), and building and tracing a 10^5-block model on the meta device would take many minutes.
+_TRACED_LAYERS = 32
+
+
+def _extend(shallow: MemoryEstimate, deep: MemoryEstimate, traced: int, layers: int) -> MemoryEstimate:
+    """The estimate at ``layers`` blocks from those at ``traced`` and ``2 * traced`` blocks."""
+
+    def line(a: int, b: int) -> int:
+        return a + (b - a) * (layers - traced) // traced
+
+    return MemoryEstimate(
+        world_size=deep.world_size,
+        stage=deep.stage,
+        micro_batch=deep.micro_batch,
+        params=line(shallow.params, deep.params),
+        bytes={c: {w: line(shallow.bytes[c][w], deep.bytes[c][w]) for w in LOCATIONS} for c in CATEGORIES},
+        notes=deep.notes + [f"{layers} layers: extended linearly from {traced} and {2 * traced} layers"],
+    )
+
+
+def _import(spec: str):
+    """``MODULE:CALLABLE``; the working directory is searched first, as ``python -m`` would (the console script's
+    own directory is on ``sys.path`` instead)."""
     module, _, attr = spec.partition(":")
-    if not attr:
-        raise ValueError(f"--factory {spec!r}: expected MODULE:CALLABLE, e.g. my_pkg.models:build")
-    return getattr(importlib.import_module(module), attr)
+    if not module or not attr:
+        raise ValueError(f"{spec!r}: expected MODULE:CALLABLE, e.g. my_pkg.models:build")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{spec!r}: {err}") from None
+    if not callable(found):
+        raise ValueError(f"{spec!r} is a {type(found).__name__}, not a callable")
+    return found
 
 
 def build_parser():
     import argparse
+
+    from .launcher.arguments import bounded
 
     parser = argparse.ArgumentParser(
         prog="zeroshard estimate",
         description="Predict one rank's peak memory for a training configuration (model built on the meta device).",
     )
     parser.add_argument("--config", required=True, help="DeepSpeed/zeroshard JSON config")
-    parser.add_argument("--num_gpus", type=int, default=1, help="ranks per node")
-    parser.add_argument("--num_nodes", type=int, default=1)
+    parser.add_argument("--num_gpus", type=bounded(1), default=1, help="ranks per node")
+    parser.add_argument("--num_nodes", type=bounded(1), default=1)
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--hf_config", help="a Hugging Face model config (JSON file or directory)")
     model.add_argument("--factory", help="MODULE:CALLABLE returning the model")
     parser.add_argument("--sample_inputs", help="MODULE:CALLABLE(micro_batch, seq_len) returning one micro-batch")
-    parser.add_argument("--micro_batch", type=int, help="overrides train_micro_batch_size_per_gpu")
-    parser.add_argument("--seq_len", type=int, default=512)
+    parser.add_argument("--micro_batch", type=bounded(1), help="overrides train_micro_batch_size_per_gpu")
+    parser.add_argument("--seq_len", type=bounded(1), default=512)
     parser.add_argument("--budget", help="per-rank memory, e.g. 80GB: recommend the cheapest setting that fits")
     return parser
 
 
 def main(argv=None) -> int:
+    """``zeroshard estimate``: bad input (a missing file, a config error, a factory that does not import) exits 2
+    with one line naming it."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (OSError, ValueError, NotImplementedError) as err:
+        print(f"zeroshard estimate: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     with open(args.config) as f:
         config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {args.config}: expected a JSON object, got {type(config).__name__}")
     if args.micro_batch:
         config["train_micro_batch_size_per_gpu"] = args.micro_batch
         config.pop("train_batch_size", None)
     world = args.num_gpus * args.num_nodes
-
-    def factory(recompute: bool):
-        if args.hf_config:
-            return _hf_model(args.hf_config, recompute)
-        if recompute:
-            return None  # a factory model's checkpointing is its own business
-        return _import(args.factory)
+    layers = getattr(_hf_config(args.hf_config), "num_hidden_layers", None) if args.hf_config else None
+    model_factory = _import(args.factory) if args.factory else None
+    sample_factory = _import(args.sample_inputs) if args.sample_inputs else None
 
     def inputs(micro: int):
-        if args.sample_inputs:
-            return _import(args.sample_inputs)(micro, args.seq_len)
+        if sample_factory is not None:
+            return sample_factory(micro, args.seq_len)
         ids = torch.zeros(micro, args.seq_len, dtype=torch.long, device="meta")
         return {"input_ids": ids, "labels": ids} if args.hf_config else (ids,)
 
+    def predict(recompute: bool, cfg: dict, micro: int) -> Optional[MemoryEstimate]:
+        """None where the model cannot be rebuilt with recomputation (a factory's checkpointing is its own)."""
+        if not args.hf_config:
+            return None if recompute else estimate(model_factory, cfg, world, inputs(micro))
+        if layers is None or layers <= 2 * _TRACED_LAYERS:
+            return estimate(_hf_model(args.hf_config, recompute), cfg, world, inputs(micro))
+        shallow, deep = (
+            estimate(_hf_model(args.hf_config, recompute, n), cfg, world, inputs(micro))
+            for n in (_TRACED_LAYERS, 2 * _TRACED_LAYERS)
+        )
+        return _extend(shallow, deep, _TRACED_LAYERS, layers)
+
     micro = int(config.get("train_micro_batch_size_per_gpu", 1))
-    base = estimate(factory(False), config, world, inputs(micro))
+    base = predict(False, config, micro)
     print(base.table())
     if not args.budget:
         return 0
@@ -580,15 +646,20 @@ def main(argv=None) -> int:
     for stage in (0, 1, 2, 3):
         for offload in ("none", "cpu") if stage else ("none",):
             for recompute in (False, True):
-                build = factory(recompute)
-                if build is None:
-                    continue
                 for m in micros:
                     candidate = Candidate(stage, offload, m, recompute)
-                    peak = estimate(build, candidate.apply(config), world, inputs(m)).peak
-                    if peak <= budget:
+                    predicted = predict(recompute, candidate.apply(config), m)
+                    if predicted is None:
+                        break
+                    if predicted.peak <= budget:
                         fits.append(
-                            (candidate.traffic_per_sample(base.params, world, element), -m, recompute, candidate, peak)
+                            (
+                                candidate.traffic_per_sample(base.params, world, element),
+                                -m,
+                                recompute,
+                                candidate,
+                                predicted.peak,
+                            )
                         )
                         break  # the largest micro-batch that fits
     if not fits:

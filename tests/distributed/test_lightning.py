@@ -149,3 +149,12 @@ def test_the_seed_configuration_trains_with_1bit_adam(tmp_path):
     assert exact_calls == result["compressed_from"] - 1 and onebit_calls == 200 - exact_calls
     assert "1-bit communication since start: reduce_scatter_1bit" in out.stdout  # the run logs the bytes
     assert out.stderr.count("have no effect") == 1  # cuda_aware: said once (rank 0) that it means nothing here
+
+
+def test_hostile_pickles_never_run_through_trainer_or_fabric(tmp_path):
+    """Trainer.fit(ckpt_path=) passes weights_only=None, which once became weights_only=False: a pickle's
+    __reduce__ ran. Fabric's load refuses a file outright."""
+    out = run("hostile_checkpoint.py", tmp_path, cwd=tmp_path)
+    assert out["ran"] is False, out
+    assert out["trainer"].startswith("UnpicklingError: Weights only load failed"), out["trainer"]
+    assert out["fabric"].startswith("ValueError: ") and "is a file" in out["fabric"], out["fabric"]

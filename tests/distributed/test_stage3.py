@@ -5,6 +5,7 @@ Tolerances as for stages 0-2: fp32 whole-model relative error <= 1e-5 (per tenso
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -380,3 +381,57 @@ def test_pretrained_weights_missing_a_parameter_are_refused(tmp_path):
         WorkerError, match=r"lacks 1 parameter\(s\) of the model: \['transformer.h.0.mlp.c_fc.weight'\]"
     ):
         run_distributed(pretrained_worker, 2, str(tmp_path), 3)
+
+
+class _WithStatistics(torch.nn.Module):
+    """A persistent buffer pair (BatchNorm's running statistics) beside parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+
+
+def pretrained_refusals_worker(directory: str) -> dict:
+    import zeroshard
+    from zeroshard.checkpoint import CheckpointError
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    out = {}
+    for name in ("good.safetensors", "no-running-mean.safetensors", "wrong-running-var.safetensors", "evil.pt"):
+        with zeroshard.zero.Init():
+            model = _WithStatistics()
+        try:
+            engine, *_ = zeroshard.initialize(
+                model=model, config={**ds, "zero_optimization": {"stage": 3}}, pretrained=os.path.join(directory, name)
+            )
+            out[name] = {k: v.clone() for k, v in engine.module.norm.named_buffers()}
+        except (ValueError, CheckpointError) as err:
+            out[name] = str(err)
+    return out
+
+
+def test_pretrained_buffers_are_required_and_checked_and_pickles_never_run(tmp_path):
+    """Persistent buffers are weights: missing ones were skipped silently, a wrong shape raised a bare RuntimeError.
+    A pickle handed to pretrained= is refused as a corrupted file, and nothing in it runs."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    state = _WithStatistics().state_dict()
+    state["norm.running_mean"] = torch.arange(4.0)
+    save_file(state, tmp_path / "good.safetensors")
+    save_file({k: v for k, v in state.items() if k != "norm.running_mean"}, tmp_path / "no-running-mean.safetensors")
+    save_file({**state, "norm.running_var": torch.ones(5)}, tmp_path / "wrong-running-var.safetensors")
+    marker = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"linear.weight": Payload()}, tmp_path / "evil.pt")
+    for out in run_distributed(pretrained_refusals_worker, 2, str(tmp_path)):
+        assert torch.equal(out["good.safetensors"]["running_mean"], torch.arange(4.0))
+        assert "lacks 1 buffer(s) of the model: ['norm.running_mean']" in out["no-running-mean.safetensors"]
+        assert "'norm.running_var': pretrained (5,), the model (4,)" in out["wrong-running-var.safetensors"]
+        assert "evil.pt is truncated or corrupted" in out["evil.pt"], out["evil.pt"]
+    assert not marker.exists()

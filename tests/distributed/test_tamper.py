@@ -52,13 +52,17 @@ def engine_for_gpt2():
     return engine
 
 
+# client_state with a tensor, and a user dict that looks like the encoding's own tensor reference
+CLIENT = {"epoch": 3, "tricky": {"__zeroshard_tensor__": "client.0"}, "nested": [{"__zeroshard_dict__": 1}]}
+
+
 def save_worker(directory: str) -> None:
     engine = engine_for_gpt2()
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(engine.global_rank))
     for _ in range(2):
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-    engine.save_checkpoint(directory, tag="good")
+    engine.save_checkpoint(directory, tag="good", client_state={**CLIENT, "best": torch.tensor([1.5, 2.5])})
 
 
 # -- the edits -----------------------------------------------------------------------------------------
@@ -126,6 +130,99 @@ def _huge_rng_resealed(d: Path) -> None:
     _edit_manifest(d, change, reseal=True)
 
 
+def _rewrite_rank0(d: Path, change_header) -> None:
+    """Rewrite rank 0's file with an edited header (same data), and reseal everything the manifest checks: the
+    file's size and header checksum, each tensor's data checksum as the new header reads it, and the manifest's own
+    checksum. What is left to catch the edit is the reader's own sense."""
+    import struct
+
+    path = d / "good" / "rank00000.safetensors"
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header, body = json.loads(data[8 : 8 + length]), data[8 + length :]
+    header = change_header(header)
+    blob = json.dumps(header).encode() if isinstance(header, dict) else header
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + body)
+    crcs = {}
+    if isinstance(header, dict):
+        for name, entry in header.items():
+            if name != "__metadata__":
+                begin, end = entry["data_offsets"]
+                crcs[name] = zlib.crc32(body[begin:end])
+
+    def change(manifest):
+        files = manifest["files"]["rank00000.safetensors"]
+        files.update(size=path.stat().st_size, header_crc=zlib.crc32(blob))
+        files["crc"].update({k: v for k, v in crcs.items() if k in files["crc"]})
+        return manifest
+
+    _edit_manifest(d, change, reseal=True)
+
+
+def _overlap(header: dict) -> dict:
+    """The Adam moment reads the master weights' bytes (same size): one tensor silently holds another's values."""
+    header["optim.exp_avg.fg0"]["data_offsets"] = list(header["master.fg0"]["data_offsets"])
+    return header
+
+
+def _relabel_int32(header: dict) -> dict:
+    header["master.fg0"]["dtype"] = "I32"  # same bytes, read as integers: loss inf
+    return header
+
+
+def _deep(_header) -> bytes:
+    return b"[" * 100_000 + b"]" * 100_000
+
+
+def _tag_copy(d: Path) -> None:
+    shutil.copytree(d / "good", d / "global_step4")
+    (d / "latest").write_text("global_step4")
+
+
+def _tag_link(d: Path) -> None:
+    os.symlink("good", d / "global_step4")
+    (d / "latest").write_text("global_step4")
+
+
+def _rank_file_link(d: Path) -> None:
+    """A rank file replaced by a link to an identical file elsewhere (another copy of the checkpoint)."""
+    outside = d.parent / f"{d.name}-elsewhere.safetensors"
+    shutil.copy(d / "good" / "rank00001.safetensors", outside)
+    (d / "good" / "rank00001.safetensors").unlink()
+    os.symlink(outside, d / "good" / "rank00001.safetensors")
+
+
+def _client_tensor(field: str, value):
+    def change(body):
+        body["client_tensors"]["client.0"][field] = value
+        return body
+
+    return change
+
+
+def _hyper(key: str, value):
+    def change(body):
+        body["optimizer"]["param_groups"][0][key] = value
+        return body
+
+    return change
+
+
+class _Payload:
+    """Unpickling this calls ``open(path, "w")``: code from the checkpoint would run."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _pickled_rank_file(d: Path) -> None:
+    torch.save({"weights": _Payload(str(d.parent / "PWNED"))}, d / "good" / "rank00000.safetensors")
+
+
 # name -> (edit of a copy of the checkpoint directory, text the error must contain)
 CASES = {
     "offset-minus-6-stale": (lambda d: _edit_manifest(d, _set(2, -6), False), "fails its checksum"),
@@ -144,7 +241,21 @@ CASES = {
     "manifest-list": (lambda d: _manifest_path(d).write_text("[]"), "is a list"),
     "manifest-truncated": (lambda d: _manifest_path(d).write_text(_manifest_path(d).read_text()[:100]), "corrupted"),
     "bad-python-rng": (lambda d: _edit_manifest(d, lambda b: {**b, "python_rng": {"0": [1], "1": [1]}}, True), "rng"),
+    "header-overlap-resealed": (lambda d: _rewrite_rank0(d, _overlap), "share bytes"),
+    "header-int32-resealed": (lambda d: _rewrite_rank0(d, _relabel_int32), "is stored as int32, the manifest says"),
+    "header-deep-resealed": (lambda d: _rewrite_rank0(d, _deep), "nests too deeply"),
+    "manifest-deep": (lambda d: _manifest_path(d).write_text("[" * 100_000 + "]" * 100_000), "nests too deeply"),
+    "tag-copy": (_tag_copy, "was saved as tag 'good'"),
+    "tag-symlink": (_tag_link, "was saved as tag 'good'"),
+    "rank-file-symlink": (_rank_file_link, "outside the checkpoint directory"),
+    "client-tensor-shape": (lambda d: _edit_manifest(d, _client_tensor("shape", [3]), True), "'client.0' is stored"),
+    "client-tensor-key": (lambda d: _edit_manifest(d, _client_tensor("key", "rng.cpu"), True), "'client.0' is stored"),
+    "string-lr": (lambda d: _edit_manifest(d, _hyper("lr", "0.1"), True), "optimizer.param_groups[0].lr"),
+    "string-betas": (lambda d: _edit_manifest(d, _hyper("betas", "0.9"), True), "optimizer.param_groups[0].betas"),
+    "rank-file-pickle": (_pickled_rank_file, "truncated or corrupted"),
 }
+# cases that only a training load reads (inference reads weights, not optimizer or client state)
+TRAINING_ONLY = {"client-tensor-shape", "client-tensor-key", "string-lr", "string-betas"}
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +284,8 @@ def tampered(tmp_path_factory):
 
 
 def load_everywhere(base: str, names: list[str]) -> dict:
-    """Every rank tries each tampered checkpoint through load_checkpoint and init_inference."""
+    """Every rank tries each tampered checkpoint through load_checkpoint and init_inference; then the untouched one
+    into an engine with another optimizer, and its client_state back."""
     import zeroshard
     from zeroshard.checkpoint import CheckpointError
 
@@ -181,8 +293,9 @@ def load_everywhere(base: str, names: list[str]) -> dict:
     out = {}
     for name in names:
         try:
-            engine.load_checkpoint(os.path.join(base, name))
+            _, client = engine.load_checkpoint(os.path.join(base, name))
             out[("load", name)] = "loaded"
+            out[("client", name)] = client
         except CheckpointError as err:
             out[("load", name)] = str(err)
         try:
@@ -192,6 +305,26 @@ def load_everywhere(base: str, names: list[str]) -> dict:
             out[("inference", name)] = "loaded"
         except CheckpointError as err:
             out[("inference", name)] = str(err)
+    sgd, *_ = zeroshard.initialize(
+        model=gpt2(),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+            "zero_optimization": {"stage": 2},
+        },
+    )
+    before = {k: v.clone() for k, v in sgd.module.state_dict().items()}
+    try:
+        sgd.load_checkpoint(os.path.join(base, "original"))
+        out["sgd"] = "loaded"
+    except CheckpointError as err:
+        out["sgd"] = str(err)
+    out["sgd unchanged"] = all(torch.equal(v, sgd.module.state_dict()[k]) for k, v in before.items())
+    sgd.load_checkpoint(os.path.join(base, "original"), load_optimizer_states=False)
+    engine.load_checkpoint(os.path.join(base, "original"))
+    head = "lm_head.weight"
+    out["sgd weights"] = torch.equal(sgd.module.state_dict()[head], engine.module.state_dict()[head])
+    out["sgd lr"] = sgd.optimizer.param_groups[0]["lr"]
     return out
 
 
@@ -209,10 +342,30 @@ def test_load_checkpoint_refuses_on_every_rank(attempts, name):
         assert CASES[name][1] in per_rank[("load", name)], (rank, per_rank[("load", name)])
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [name for name in CASES if name not in TRAINING_ONLY])
 def test_init_inference_refuses(attempts, name):
     for per_rank in attempts:
         assert CASES[name][1] in per_rank[("inference", name)], per_rank[("inference", name)]
+
+
+def test_no_pickle_in_a_checkpoint_ever_runs(attempts, tampered):
+    assert not (tampered / "PWNED").exists()
+
+
+def test_another_optimizers_state_is_refused_naming_both_and_changes_nothing(attempts):
+    """An AdamW checkpoint into an SGD engine once merged AdamW's hyper-parameters silently."""
+    for per_rank in attempts:
+        assert "holds AdamW optimizer state, this engine's optimizer is SGD" in per_rank["sgd"], per_rank["sgd"]
+        assert "load_optimizer_states=False" in per_rank["sgd"] and per_rank["sgd unchanged"]
+        assert per_rank["sgd weights"] and per_rank["sgd lr"] == 0.1  # weights only: SGD keeps its own settings
+
+
+def test_client_state_comes_back_exactly(attempts):
+    """A user dict holding the tensor marker once came back as a tensor."""
+    for per_rank in attempts:
+        client = per_rank[("client", "original")]
+        assert {k: v for k, v in client.items() if k != "best"} == CLIENT
+        assert torch.equal(client["best"], torch.tensor([1.5, 2.5]))
 
 
 @pytest.mark.parametrize("name", list(HF_CASES))
@@ -226,7 +379,7 @@ def test_the_untouched_checkpoint_loads(attempts):
         assert per_rank[("load", "original")] == "loaded" and per_rank[("inference", "original")] == "loaded"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [name for name in CASES if name not in TRAINING_ONLY])
 def test_convert_refuses_with_exit_code_2(tampered, tmp_path, capsys, name):
     from zeroshard.launcher.cli import main
 
@@ -254,3 +407,19 @@ def test_convert_to_an_unwritable_output_is_a_message_not_a_traceback(tampered, 
     blocked.write_text("a file where a directory is needed")
     assert main(["convert", str(tampered / "original"), str(blocked / "out"), "--no_progress"]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_convert_refuses_an_output_inside_the_checkpoint(tampered, tmp_path, capsys):
+    """`zeroshard convert CK CK/<tag>/rank00000.safetensors` once exited 0 and destroyed the checkpoint."""
+    from zeroshard.launcher.cli import main
+
+    copy = tmp_path / "ck"
+    shutil.copytree(tampered / "original", copy)
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    for output in (copy / "good" / "rank00000.safetensors", copy / "latest", copy / "good", copy / "consolidated"):
+        assert main(["convert", str(copy), str(output), "--no_progress"]) == 2
+        assert "is inside the checkpoint being converted" in capsys.readouterr().err
+    os.symlink(copy / "good", tmp_path / "link-into")
+    assert main(["convert", str(copy), str(tmp_path / "link-into" / "x.safetensors"), "--no_progress"]) == 2
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+    assert main(["convert", str(copy), str(tmp_path / "out.safetensors"), "--no_progress"]) == 0

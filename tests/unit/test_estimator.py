@@ -187,11 +187,78 @@ def test_cli_with_a_hugging_face_config(tmp_path, capsys):
     assert "recommended: stage 0, offload none, micro-batch 8" in out  # everything fits: the least traffic
 
 
-def test_cli_rejects_a_factory_without_callable(tmp_path):
+def test_cli_rejects_a_factory_without_callable(tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text('{"train_micro_batch_size_per_gpu": 1}')
-    with pytest.raises(ValueError, match="MODULE:CALLABLE"):
-        main(["--config", str(path), "--factory", "tests.unit.test_estimator"])
+    assert main(["--config", str(path), "--factory", "tests.unit.test_estimator"]) == 2
+    assert "MODULE:CALLABLE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "config_text, extra, message",
+    [
+        (None, ["--factory", "m:build"], "No such file or directory"),
+        ("[1", ["--factory", "m:build"], "Expecting ',' delimiter"),
+        ("[1]", ["--factory", "m:build"], "expected a JSON object, got list"),
+        ('{"zero_optimization": {"stage": 7}}', ["--factory", "m:build"], "stage"),
+        ("{}", ["--factory", "nosuch_module_x:fn"], "No module named 'nosuch_module_x'"),
+        ("{}", ["--factory", "m:absent"], "has no attribute 'absent'"),
+        ("{}", ["--hf_config", "missing-config.json"], "--hf_config missing-config.json: no such file or directory"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(tmp_path, monkeypatch, capsys, config_text, extra, message):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    (tmp_path / "m.py").write_text("import torch\ndef build():\n    return torch.nn.Linear(4, 4)\n")
+    if config_text is not None:
+        (tmp_path / "ds.json").write_text(config_text)
+    assert main(["--config", "ds.json", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zeroshard estimate: ") and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--micro_batch", "--num_gpus", "--num_nodes", "--seq_len"])
+def test_cli_refuses_counts_below_one(tmp_path, capsys, flag):
+    (tmp_path / "ds.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(tmp_path / "ds.json"), "--factory", "m:build", flag, "0"])
+    assert exit_.value.code == 2 and f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_cli_factory_module_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    """The console script's sys.path[0] is its bin directory: the working directory is searched as python -m does."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    (tmp_path / "my_models_here.py").write_text("import torch\ndef build():\n    return torch.nn.Embedding(600, 8)\n")
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 1}')
+    assert main(["--config", "ds.json", "--factory", "my_models_here:build"]) == 0
+    assert "ZeRO stage 0" in capsys.readouterr().out
+
+
+def test_cli_huge_layer_count_is_extended_linearly_and_exact_on_identical_blocks(tmp_path, capsys):
+    """10^6 GPT-2 blocks answer at once (built and traced at 32 and 64 blocks); at 128 blocks the extension equals
+    the estimate of the whole model."""
+    from transformers import GPT2Config
+
+    from zeroshard.estimator import _extend, _hf_model
+
+    for layers in (128, 10**6):
+        GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=300, n_positions=64).save_pretrained(
+            tmp_path / str(layers)
+        )
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}')
+    args = ["--config", str(tmp_path / "ds.json"), "--num_gpus", "2", "--seq_len", "16"]
+    assert main([*args, "--hf_config", str(tmp_path / str(10**6))]) == 0
+    out = capsys.readouterr().out
+    assert "1000000 layers: extended linearly from 32 and 64 layers" in out
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    inputs = {"input_ids": ids, "labels": ids}
+    path = str(tmp_path / "128")
+    whole = zeroshard.estimate(_hf_model(path, False), config, 2, inputs)
+    shallow, deep = (zeroshard.estimate(_hf_model(path, False, n), config, 2, inputs) for n in (32, 64))
+    extended = _extend(shallow, deep, 32, 128)
+    assert extended.bytes == whole.bytes and extended.params == whole.params
 
 
 def rows(printed: str) -> list[tuple[float, float, str]]:

@@ -72,6 +72,7 @@ def init_distributed(
     world_size = env_size if world_size < 0 else world_size
     accel = get_accelerator()
     backend = dist_backend or accel.comm_backend
+    _check_backend(backend, rank)
     if init_method is None:
         os.environ.setdefault("MASTER_ADDR", _slurm_master_addr() or "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
@@ -87,6 +88,25 @@ def init_distributed(
     _import_before_joining()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     destroy_at_exit()
+
+
+_KNOWN_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")
+
+
+def _check_backend(backend: str, rank: int) -> None:
+    """A backend this torch build lacks (NCCL on a CPU-only install, NCCL without a GPU) is named up front, with the
+    ones that are there, instead of failing inside ``init_process_group``. ``backend`` may be torch's per-device form
+    (``cpu:gloo,cuda:nccl``)."""
+    names = [part.rpartition(":")[2].strip() for part in str(backend).lower().split(",")]
+    gpu = get_accelerator().name != "cpu"
+    missing = [n for n in names if not dist.is_backend_available(n) or (n == "nccl" and not gpu)]
+    if missing:
+        available = [n for n in _KNOWN_BACKENDS if dist.is_backend_available(n) and (n != "nccl" or gpu)]
+        why = " (NCCL needs a CUDA GPU)" if "nccl" in missing and dist.is_backend_available("nccl") else ""
+        raise ValueError(
+            f"rank {rank}: dist_backend {backend!r} is not available on this machine{why}; available: "
+            f"{', '.join(available) or 'none'} (leave dist_backend unset to use {get_accelerator().comm_backend!r})"
+        )
 
 
 def _import_before_joining() -> None:

@@ -19,26 +19,11 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from .arguments import bounded
 from .hostfile import parse_hostfile, select_resources
 from .multinode import LAUNCHERS, Job, agent_command, exported_environment, read_env_files, wait_for_master
 
 DEFAULT_MASTER_PORT = 29500
-
-
-def _bounded(low: int, high: Optional[int] = None):
-    """An argparse type: an integer in [low, high] (argparse exits 2 naming the flag otherwise)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            span = f"{low}-{high}" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
-        return value
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,9 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes to start on this node (default: the number of GPUs, or 1 without GPUs)",
     )
     count.add_argument("--nproc_per_node", type=int, default=None, help="same as --num_gpus (torchrun's name)")
-    parser.add_argument(
-        "--num_nodes", type=_bounded(1), default=None, help="nodes to use (the first N of the hostfile)"
-    )
+    parser.add_argument("--num_nodes", type=bounded(1), default=None, help="nodes to use (the first N of the hostfile)")
     parser.add_argument(
         "--nnodes",
         default=None,
@@ -72,21 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="ssh",
         help="how the nodes of a hostfile are started (default ssh; pdsh, slurm (srun), openmpi (mpirun))",
     )
-    parser.add_argument("--ssh_port", type=_bounded(1, 65535), default=None, help="ssh port of the nodes")
+    parser.add_argument("--ssh_port", type=bounded(1, 65535), default=None, help="ssh port of the nodes")
     parser.add_argument(
         "--no_ssh",
         action="store_true",
         help="start only this node's agent (clusters that start one launcher per node); needs --node_rank",
     )
     parser.add_argument(
-        "--node_rank", type=_bounded(0), default=None, help="this node's rank with --no_ssh (0 is the master)"
+        "--node_rank", type=bounded(0), default=None, help="this node's rank with --no_ssh (0 is the master)"
     )
     parser.add_argument(
         "--master_addr", default=None, help="rendezvous address (default 127.0.0.1; with a hostfile its first host)"
     )
     parser.add_argument(
         "--master_port",
-        type=_bounded(1, 65535),
+        type=bounded(1, 65535),
         default=None,
         help=f"rendezvous port (one node: a free port chosen by the agent; several: {DEFAULT_MASTER_PORT})",
     )
@@ -98,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--module", "-m", action="store_true", help="run the script as a Python module (python -m)")
     parser.add_argument(
-        "--max_restarts", type=_bounded(0), default=0, help="restarts of the whole group after a failure"
+        "--max_restarts", type=bounded(0), default=0, help="restarts of the whole group after a failure"
     )
     parser.add_argument(
         "--as_deepspeed",

@@ -131,7 +131,14 @@ class ZeroshardFabricStrategy(DDPStrategy):
         self._engine.save_checkpoint(path, tag=CHECKPOINT_TAG, client_state=client)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None) -> dict[str, Any]:
+        """A checkpoint directory saved by ``fabric.save``. A single file is refused, never unpickled (whatever
+        ``weights_only`` says): its weights are loaded into the model before ``fabric.setup``."""
         path = self.broadcast(str(path))
+        if os.path.isfile(path):
+            raise ValueError(
+                f"{path} is a file; ZeroshardFabricStrategy loads the checkpoint directories fabric.save writes. Load "
+                "a single file's weights into the model before fabric.setup (torch.load(..., weights_only=True))"
+            )
         _, client = self._engine.load_checkpoint(path, load_module_strict=strict)
         if client is None:
             raise FileNotFoundError(f"{path} holds no zeroshard checkpoint")

@@ -241,10 +241,14 @@ class ZeroshardStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A checkpoint directory saved by this strategy restores everything; a single file (e.g. from
-        :func:`convert_zero_checkpoint_to_fp32_state_dict`) restores the weights (``load_model_state_dict``)."""
+        :func:`convert_zero_checkpoint_to_fp32_state_dict`) restores the weights (``load_model_state_dict``).
+        ``weights_only=None`` (what ``Trainer.fit(ckpt_path=...)`` passes) is torch's default, ``True``, as in
+        Lightning's own checkpoint IO: unpickling arbitrary objects runs code, so only an explicit ``False``
+        (a file the caller trusts) allows it."""
         checkpoint_path = self.broadcast(str(checkpoint_path))
         if os.path.isfile(checkpoint_path):
-            return torch.load(checkpoint_path, map_location="cpu", weights_only=bool(weights_only))
+            trusted = weights_only is False
+            return torch.load(checkpoint_path, map_location="cpu", weights_only=not trusted)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         _, client = self._engine.load_checkpoint(
             checkpoint_path,

@@ -36,9 +36,7 @@ class OneBitOptimizer(Optimizer):
 
     runs_sharded = False  # whether it can step ZeRO shards (stages 1-3): only 1-bit Adam's update is elementwise
 
-    def __init__(
-        self, params, defaults: dict, cuda_aware: bool, comm_backend_name: str, amsgrad: bool, schedule: dict
-    ):
+    def __init__(self, params, defaults: dict, cuda_aware: bool, comm_backend_name: str, amsgrad: bool, schedule: dict):
         """``defaults`` (lr, betas, eps, weight_decay) and the subclass's ``schedule`` numbers are checked here
         (:mod:`zeroshard.optim.hyperparams`), for optimizers built by name and by a script alike; the checked
         schedule is ``self.schedule``."""
