@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 # issue 13 item 2, grouped as written there
 MODULE_NAMES = [
     "DeepSpeedEngine",
@@ -205,3 +207,27 @@ def test_moe_split_is_the_identity_without_experts():
     a, b = object(), object()
     assert split({"params": [a, b], "name": "x"}) == [{"params": [a, b], "name": "x"}]
     assert split(({"params": [a]}, {"params": [b], "lr": 1})) == [{"params": [a]}, {"params": [b], "lr": 1}]
+
+
+@pytest.mark.parametrize(
+    "value, enabled",
+    [("1", True), ("TRUE", True), (" yes ", True), ("false", False), ("no", False), (" ", False), ("off", False)],
+)
+def test_the_environment_switch_takes_only_clear_words(value, enabled):
+    """ZEROSHARD_AS_DEEPSPEED=false / no / " " once enabled compat mode (anything but "" and "0" did)."""
+    import os
+
+    env = {**os.environ, "ZEROSHARD_AS_DEEPSPEED": value}
+    code = "import sys; print(any(type(f).__name__ == '_Finder' for f in sys.meta_path))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == str(enabled) and out.stderr == "", out
+
+
+def test_an_unknown_switch_value_is_named_and_leaves_compat_mode_off():
+    import os
+
+    env = {**os.environ, "ZEROSHARD_AS_DEEPSPEED": "maybe"}
+    code = "import sys; print(any(type(f).__name__ == '_Finder' for f in sys.meta_path))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "False"
+    assert "ZEROSHARD_AS_DEEPSPEED='maybe' is not a switch zeroshard knows" in out.stderr
