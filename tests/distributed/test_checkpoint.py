@@ -546,3 +546,84 @@ def test_load_non_strict_into_a_model_that_gained_a_layer(tmp_path):
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)  # everything else restored
     assert "kept as initialized (not in the checkpoint) ['blocks.2." in log and "ignored (not in the model) []" in log
     assert strict is not None and "missing from checkpoint ['blocks.2." in strict
+
+
+def auto_resume_worker(directory: str) -> dict:
+    """One spawn, four engines on one save_dir: (A) trains 4 steps saving every 2 with its client state; 'latest' is
+    deleted and junk added; (B) must resume from the newest complete checkpoint, not from step 0; 'latest' is set
+    back to step 2; (C) resumes there and, reaching step 4 again, must keep A's global_step4, not overwrite it."""
+    import zeroshard
+    from zeroshard import comm
+
+    save_dir = os.path.join(directory, "run")
+    config = {
+        **ParityCase(stage=2).config(),
+        "checkpoint": {"save_dir": save_dir, "save_interval_steps": 2, "auto_resume": True},
+    }
+    rank = comm.get_rank()
+
+    def engine_and_train(steps: int):
+        engine, *_ = zeroshard.initialize(model=make_model(), config=config)
+        engine.checkpoint_client_state = lambda: {"step": engine.global_steps, "note": "periodic"}
+        batches = make_batches(8, 4)
+        for step in range(engine.global_steps, engine.global_steps + steps):
+            x, y = batches[step]
+            engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+            engine.step()
+        return engine
+
+    out = {}
+    first = engine_and_train(4)
+    out["A"] = {n: p.detach().clone() for n, p in first.module.named_parameters()}
+    a4 = open(os.path.join(save_dir, "global_step4", "manifest.json")).read()
+    comm.barrier(first.grid.world)
+    if rank == 0:
+        os.remove(os.path.join(save_dir, "latest"))
+        os.makedirs(os.path.join(save_dir, ".global_step6.tmp"))  # a save that never finished
+        os.makedirs(os.path.join(save_dir, "global_step8"))  # junk that is no checkpoint
+        with open(os.path.join(save_dir, "global_step8", "manifest.json"), "w") as f:
+            f.write("{}")
+    comm.barrier(first.grid.world)
+
+    second = engine_and_train(0)
+    out["B"] = {
+        "resumed_from": second.resumed_from,
+        "client": second.resumed_client_state,
+        "step": second.global_steps,
+        "same weights": all(torch.equal(p, out["A"][n]) for n, p in second.module.named_parameters()),
+    }
+    comm.barrier(second.grid.world)
+    if rank == 0:
+        with open(os.path.join(save_dir, "latest"), "w") as f:
+            f.write("global_step2")
+    comm.barrier(second.grid.world)
+
+    third = engine_and_train(2)  # resumes at step 2, saves global_step4 again
+    out["C"] = {
+        "resumed_from": third.resumed_from,
+        "kept": open(os.path.join(save_dir, "global_step4.replaced", "manifest.json")).read() == a4,
+        "latest": open(os.path.join(save_dir, "latest")).read(),
+    }
+    third.save_checkpoint(save_dir)  # this run wrote global_step4: it replaces it, keeping no second copy
+    out["C"]["listing"] = sorted(os.listdir(save_dir))
+    return out
+
+
+def test_auto_resume_without_latest_resumes_the_newest_and_never_overwrites(tmp_path):
+    """Before: 'latest' deleted -> "no checkpoint yet; starting from step 0", and the first saves overwrote
+    global_step2 and global_step4; client_state was dropped on resume and periodic saves carried none."""
+    from zeroshard.checkpoint.resume import resume_point
+
+    for out in run_distributed(auto_resume_worker, 2, str(tmp_path)):
+        assert out["B"]["resumed_from"].endswith("global_step4") and out["B"]["step"] == 4
+        assert out["B"]["same weights"] and out["B"]["client"] == {"step": 4, "note": "periodic"}
+        assert out["C"]["resumed_from"].endswith("global_step2")
+        assert out["C"]["kept"] and out["C"]["latest"] == "global_step4"  # (the new one equals it: exact resume)
+        assert out["C"]["listing"] == [".global_step6.tmp", "global_step2", "global_step4", "global_step4.replaced"] + [
+            "global_step8",
+            "latest",
+        ]
+    save_dir = str(tmp_path / "run")
+    os.remove(os.path.join(save_dir, "latest"))
+    point = resume_point(save_dir)
+    assert point.tag == "global_step4" and "'latest' is missing; global_step4 is the newest complete" in point.why
