@@ -142,6 +142,9 @@ def run_distributed(
 
 
 def _read(tmp: str, rank: int):
+    """A worker's result. Unpickled on purpose (results are any picklable value, as multiprocessing passes them):
+    the file was written by the worker this process spawned, into a directory ``tempfile`` made for this run only
+    (mode 0700), never a path anyone else names."""
     path = Path(tmp) / f"rank{rank}.pkl"
     if not path.exists():
         return None
