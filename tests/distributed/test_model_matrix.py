@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from zeroshard.testing import run_distributed
-from zeroshard.testing.parity import model_error
+from zeroshard.testing.parity import model_error, rank_threads
 
 WORLD = 2
 MICRO_BATCH = 2
@@ -217,6 +217,11 @@ def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def reference(case: Case) -> dict[str, torch.Tensor]:
+    with rank_threads():  # the ranks' thread count: GEMM rounding depends on it
+        return _reference(case)
+
+
+def _reference(case: Case) -> dict[str, torch.Tensor]:
     model = build(case)
     loss_fn = MODELS[case.model][1]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)

@@ -415,11 +415,14 @@ def test_convert_refuses_an_output_inside_the_checkpoint(tampered, tmp_path, cap
 
     copy = tmp_path / "ck"
     shutil.copytree(tampered / "original", copy)
+    (copy / "good2").mkdir()
+    shutil.copy(copy / "good" / "manifest.json", copy / "good2" / "manifest.json")  # another checkpoint beside it
     before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
-    for output in (copy / "good" / "rank00000.safetensors", copy / "latest", copy / "good", copy / "consolidated"):
+    for output in (copy / "good" / "rank00000.safetensors", copy / "latest", copy / "good", copy, copy / "good2" / "x"):
         assert main(["convert", str(copy), str(output), "--no_progress"]) == 2
         assert "is inside the checkpoint being converted" in capsys.readouterr().err
     os.symlink(copy / "good", tmp_path / "link-into")
     assert main(["convert", str(copy), str(tmp_path / "link-into" / "x.safetensors"), "--no_progress"]) == 2
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
     assert main(["convert", str(copy), str(tmp_path / "out.safetensors"), "--no_progress"]) == 0
+    assert main(["convert", str(copy), str(copy / "served.safetensors"), "--no_progress"]) == 0  # beside the tags

@@ -180,12 +180,20 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 
 
 def _check_outside(output_path: str, checkpoint_dir: str) -> None:
-    """Writing into the checkpoint being read would replace its files (a rank file, ``latest``) with the output."""
-    output, source = os.path.realpath(output_path), os.path.realpath(checkpoint_dir)
-    if os.path.commonpath([output, source]) == source:
+    """Writing into a checkpoint would replace its files with the output (``convert CK CK/<tag>/rank00000.safetensors``
+    once destroyed the checkpoint it read): an output inside any checkpoint directory of ``checkpoint_dir`` (one
+    holding a manifest, or a save in progress), or onto its ``latest``, is refused. Beside them is fine."""
+    output, root = os.path.realpath(output_path), os.path.realpath(checkpoint_dir)
+    if os.path.commonpath([output, root]) != root:
+        return
+    relative = os.path.relpath(output, root)
+    first = relative.split(os.sep)[0]
+    inside = first != "." and os.path.isdir(os.path.join(root, first))
+    holds_checkpoint = inside and (os.path.isfile(os.path.join(root, first, "manifest.json")) or first.startswith("."))
+    if relative == "." or relative == "latest" or holds_checkpoint:
         raise ValueError(
             f"output {output_path} is inside the checkpoint being converted ({checkpoint_dir}): writing there would "
-            "overwrite the checkpoint; choose a path outside it"
+            "overwrite it; choose a path outside its tag directories and 'latest'"
         )
 
 

@@ -49,7 +49,7 @@ def _worker(
 
     from .. import comm
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(RANK_THREADS)
     result_path = Path(out_dir) / f"rank{rank}.pkl"
     try:
         comm.init_distributed(
@@ -66,6 +66,9 @@ def _worker(
         comm.destroy(announce=payload[0] == "ok")
     except Exception:
         pass
+
+
+RANK_THREADS = 1  # ranks share the machine's cores; the parity references use the same count (see parity.py)
 
 
 def run_distributed(

@@ -6,11 +6,13 @@ N*b*g samples, because ``backward`` scales by 1/g and gradients are averaged ove
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .harness import RANK_THREADS
 from .models import GPT, GPTConfig
 
 MODEL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -81,8 +83,27 @@ def make_batches(steps: int, global_batch: int, seed: int = 1, vocab_size: int =
     return [(d[:, :-1], d[:, 1:]) for d in data]
 
 
+@contextlib.contextmanager
+def rank_threads():
+    """Run a reference with the ranks' thread count (``harness.RANK_THREADS``). CPU GEMMs block, and so round,
+    differently per thread count: on an AVX-512 Xeon a 768-wide GPT-2's plain AdamW run moves by 2.2e-5 relative
+    between 1 and 2 threads (Adam turns a last-bit difference in a near-zero gradient into a step of lr), which is
+    twice the parity tolerance and 8x what exact 2-way data parallelism itself changes (2.9e-6)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(RANK_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def reference_train(case: ParityCase, world_size: int) -> dict[str, torch.Tensor]:
-    """Plain single-process fp32 training on the full global batch."""
+    """Plain single-process fp32 training on the full global batch, with the ranks' thread count."""
+    with rank_threads():
+        return _reference_train(case, world_size)
+
+
+def _reference_train(case: ParityCase, world_size: int) -> dict[str, torch.Tensor]:
     model = make_model(model=case.model, frozen=case.frozen)
     if case.zero_init:
         from ..zero import reset_parameters
