@@ -28,6 +28,7 @@ Per rank, in bytes and by location (``device``: the accelerator, or the compute 
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import json
@@ -500,10 +501,10 @@ class Candidate:
         return (wire + copies) / self.micro_batch
 
 
-def _hf_model(path: str, recompute: bool, layers: Optional[int] = None) -> Callable[[], nn.Module]:
-    """A builder of the causal LM an HF config file (or directory) describes, ``layers`` deep when given."""
-    config = _hf_config(path)
+def _hf_model(config, recompute: bool, layers: Optional[int] = None) -> Callable[[], nn.Module]:
+    """A builder of the causal LM an HF config (read once by ``_hf_config``) describes, ``layers`` deep when given."""
     if layers is not None:
+        config = copy.deepcopy(config)
         config.num_hidden_layers = layers
 
     def build():
@@ -608,7 +609,8 @@ def _run(args) -> int:
         config["train_micro_batch_size_per_gpu"] = args.micro_batch
         config.pop("train_batch_size", None)
     world = args.num_gpus * args.num_nodes
-    layers = getattr(_hf_config(args.hf_config), "num_hidden_layers", None) if args.hf_config else None
+    hf_config = _hf_config(args.hf_config) if args.hf_config else None
+    layers = getattr(hf_config, "num_hidden_layers", None)
     model_factory = _import(args.factory) if args.factory else None
     sample_factory = _import(args.sample_inputs) if args.sample_inputs else None
 
@@ -620,12 +622,12 @@ def _run(args) -> int:
 
     def predict(recompute: bool, cfg: dict, micro: int) -> Optional[MemoryEstimate]:
         """None where the model cannot be rebuilt with recomputation (a factory's checkpointing is its own)."""
-        if not args.hf_config:
+        if hf_config is None:
             return None if recompute else estimate(model_factory, cfg, world, inputs(micro))
         if layers is None or layers <= 2 * _TRACED_LAYERS:
-            return estimate(_hf_model(args.hf_config, recompute), cfg, world, inputs(micro))
+            return estimate(_hf_model(hf_config, recompute), cfg, world, inputs(micro))
         shallow, deep = (
-            estimate(_hf_model(args.hf_config, recompute, n), cfg, world, inputs(micro))
+            estimate(_hf_model(hf_config, recompute, n), cfg, world, inputs(micro))
             for n in (_TRACED_LAYERS, 2 * _TRACED_LAYERS)
         )
         return _extend(shallow, deep, _TRACED_LAYERS, layers)

@@ -240,7 +240,7 @@ def test_cli_huge_layer_count_is_extended_linearly_and_exact_on_identical_blocks
     the estimate of the whole model."""
     from transformers import GPT2Config
 
-    from zeroshard.estimator import _extend, _hf_model
+    from zeroshard.estimator import _extend, _hf_config, _hf_model
 
     for layers in (128, 10**6):
         GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=300, n_positions=64).save_pretrained(
@@ -254,9 +254,9 @@ def test_cli_huge_layer_count_is_extended_linearly_and_exact_on_identical_blocks
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
     ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
     inputs = {"input_ids": ids, "labels": ids}
-    path = str(tmp_path / "128")
-    whole = zeroshard.estimate(_hf_model(path, False), config, 2, inputs)
-    shallow, deep = (zeroshard.estimate(_hf_model(path, False, n), config, 2, inputs) for n in (32, 64))
+    hf_config = _hf_config(str(tmp_path / "128"))
+    whole = zeroshard.estimate(_hf_model(hf_config, False), config, 2, inputs)
+    shallow, deep = (zeroshard.estimate(_hf_model(hf_config, False, n), config, 2, inputs) for n in (32, 64))
     extended = _extend(shallow, deep, 32, 128)
     assert extended.bytes == whole.bytes and extended.params == whole.params
 

@@ -187,10 +187,9 @@ def _check_outside(output_path: str, checkpoint_dir: str) -> None:
     if os.path.commonpath([output, root]) != root:
         return
     relative = os.path.relpath(output, root)
-    first = relative.split(os.sep)[0]
-    inside = first != "." and os.path.isdir(os.path.join(root, first))
-    holds_checkpoint = inside and (os.path.isfile(os.path.join(root, first, "manifest.json")) or first.startswith("."))
-    if relative == "." or relative == "latest" or holds_checkpoint:
+    top = os.path.join(root, relative.split(os.sep)[0])  # the save_dir entry the output is in (root itself: ".")
+    hidden_dir = os.path.basename(top).startswith(".") and os.path.isdir(top)  # root, or a save in progress
+    if relative == "latest" or hidden_dir or os.path.isfile(os.path.join(top, "manifest.json")):
         raise ValueError(
             f"output {output_path} is inside the checkpoint being converted ({checkpoint_dir}): writing there would "
             "overwrite it; choose a path outside its tag directories and 'latest'"

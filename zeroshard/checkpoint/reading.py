@@ -69,10 +69,11 @@ class Sources:
     def read_whole(self, name: str, entry: dict) -> torch.Tensor:
         """A tensor saved whole (a buffer, a frozen parameter below stage 3, a client_state tensor), checked against
         its manifest ``entry``: the stored shape must be the manifest's."""
-        header = self.reader(entry["file"]).entry(entry["key"])
+        reader = self.reader(entry["file"])
+        header = reader.entry(entry["key"])
         if header["shape"] != list(entry["shape"]):
             raise CheckpointError(
-                f"checkpoint file {self.reader(entry['file']).path}: '{name}' is stored with shape {header['shape']}, "
+                f"checkpoint file {reader.path}: '{name}' is stored with shape {header['shape']}, "
                 f"the manifest says {list(entry['shape'])}"
             )
         dtype = entry["dtype"]

@@ -211,14 +211,12 @@ def _commit(save_dir: str, tag: str, save_latest: bool, keep_replaced: bool) -> 
         _atomic_write_text(latest, f".{tag}.tmp")
     trash = os.path.join(save_dir, f".{tag}.old")
     if replacing and keep_replaced:
-        trash = _free_name(os.path.join(save_dir, f"{tag}.replaced"))
+        aside = _free_name(os.path.join(save_dir, f"{tag}.replaced"))
         warnings.warn(
-            f"save_checkpoint: {final} was not written by this run; it is kept as {trash}, not overwritten",
+            f"save_checkpoint: {final} was not written by this run; it is kept as {aside}, not overwritten",
             stacklevel=4,
         )
-        log_rank0(f"save_checkpoint: kept the existing {final} (not written by this run) as {trash}")
-        os.replace(final, trash)
-        trash = None
+        os.replace(final, aside)
     elif replacing:
         shutil.rmtree(trash, ignore_errors=True)
         os.replace(final, trash)
@@ -226,8 +224,7 @@ def _commit(save_dir: str, tag: str, save_latest: bool, keep_replaced: bool) -> 
     _fsync_dir(save_dir)
     if save_latest or _read_latest(save_dir) == f".{tag}.tmp":
         _atomic_write_text(latest, tag)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _free_name(path: str) -> str:

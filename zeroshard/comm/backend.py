@@ -99,9 +99,13 @@ def _check_backend(backend: str, rank: int) -> None:
     (``cpu:gloo,cuda:nccl``)."""
     names = [part.rpartition(":")[2].strip() for part in str(backend).lower().split(",")]
     gpu = get_accelerator().name != "cpu"
-    missing = [n for n in names if not dist.is_backend_available(n) or (n == "nccl" and not gpu)]
+
+    def usable(name: str) -> bool:
+        return dist.is_backend_available(name) and (name != "nccl" or gpu)
+
+    missing = [n for n in names if not usable(n)]
     if missing:
-        available = [n for n in _KNOWN_BACKENDS if dist.is_backend_available(n) and (n != "nccl" or gpu)]
+        available = [n for n in _KNOWN_BACKENDS if usable(n)]
         why = " (NCCL needs a CUDA GPU)" if "nccl" in missing and dist.is_backend_available("nccl") else ""
         raise ValueError(
             f"rank {rank}: dist_backend {backend!r} is not available on this machine{why}; available: "
