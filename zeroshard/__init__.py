@@ -15,11 +15,12 @@ Vocabulary used throughout the code:
   gradient-accumulation boundary.
 """
 
-from . import checkpoint, checkpointing, comm, estimator, inference, ops, zero
+from . import checkpoint, comm, estimator, inference, ops, zero
 from .comm import init_distributed
 from .compat import install_as_deepspeed
 from .estimator import estimate
 from .inference import init_empty_weights, init_inference
+from .log import log_to_stdout
 from .runtime import ZeroshardEngine, add_config_arguments, initialize
 
 __version__ = "0.1.0"
@@ -29,7 +30,6 @@ __all__ = [
     "__version__",
     "add_config_arguments",
     "checkpoint",
-    "checkpointing",
     "comm",
     "estimate",
     "estimator",
@@ -40,5 +40,6 @@ __all__ = [
     "init_inference",
     "initialize",
     "install_as_deepspeed",
+    "log_to_stdout",
     "zero",
 ]

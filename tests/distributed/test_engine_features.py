@@ -343,6 +343,7 @@ def two_engines_worker():
     with GatheredParameters([weight]):  # gathers the first engine's unit only
         other_status = other.ds_status.name
     return {
+        **_two_checkpointing_blocks(cfg),
         "kept_after_second_initialize": kept,
         "untouched_by_second_engine": untouched,
         "ledgers": ledgers,
@@ -356,8 +357,46 @@ def two_engines_worker():
     }
 
 
+def _two_checkpointing_blocks(cfg: dict) -> dict:
+    """Two engines whose configs differ in their activation_checkpointing blocks: each forward runs under its own
+    engine's options (``profile`` logs each checkpointed segment), and initialize configured nothing process-wide."""
+    import contextlib
+    import io
+
+    import zeroshard
+    from zeroshard.runtime import activation_checkpointing
+    from zeroshard.testing.models import recompute_blocks
+
+    activation_checkpointing.reset()
+    engines = {
+        profile: zeroshard.initialize(
+            model=recompute_blocks(make_model()),
+            config={**cfg, "activation_checkpointing": {"profile": profile, "synchronize_checkpoint_boundary": True}},
+        )[0]
+        for profile in (True, False)
+    }
+    x, y = make_batches(1, 2)[0]
+    logs = {}
+    for profile in (True, False, True):  # in turns: the second engine does not reconfigure the first
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            engines[profile].backward(engines[profile](x, y))
+        logs.setdefault(profile, []).append(out.getvalue().count("activation checkpoint "))
+    return {
+        "checkpoint_lines": logs,
+        "options": {
+            p: (e.activation_checkpointing.profile, e.activation_checkpointing.synchronize) for p, e in engines.items()
+        },
+        "configured_after": activation_checkpointing.is_configured(),
+    }
+
+
 def test_two_engines_in_one_process_keep_their_counts_and_parameters_apart():
     result = run_distributed(two_engines_worker, 2)[0]
+    # activation checkpointing: profile lines (one per block, forward and recomputation) from the first engine only
+    assert result["options"] == {True: (True, True), False: (False, True)}
+    assert result["checkpoint_lines"][False] == [0] and result["checkpoint_lines"][True] == [4, 4]
+    assert result["configured_after"] is False
     assert result["kept_after_second_initialize"] and result["untouched_by_second_engine"]
     first, second = result["ledgers"]
     assert first == second and result["engine_bytes"][0] > 0  # the same work, counted per engine

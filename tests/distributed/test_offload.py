@@ -117,7 +117,7 @@ def swap_hygiene_worker(swap_dir):
     masters = engine.zero.read_flat(flat)["master"]
     comm.barrier(engine.grid.world)
     params = engine.consolidated_state_dict(rank0_only=False)
-    return listed, engine.zero.swapper.bytes_on_disk(), params, masters
+    return listed, engine.zero.optimizer_state.swapper.bytes_on_disk(), params, masters
 
 
 def test_swap_files_leave_nothing_behind(tmp_path):
@@ -211,7 +211,7 @@ def io_failure_worker(checkpoint_dir):
     engine.step()
     engine.save_checkpoint(checkpoint_dir)
     saved = engine.consolidated_state_dict(rank0_only=False)
-    os.ftruncate(engine.zero.swapper.file.fd, 0)  # the swap file loses its contents
+    os.ftruncate(engine.zero.optimizer_state.swapper.file.fd, 0)  # the swap file loses its contents
     engine.backward(engine(x, x))
     try:
         engine.step()

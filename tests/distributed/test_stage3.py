@@ -104,29 +104,41 @@ def test_bytes_per_step_match_analytic(run, index):
         assert got["wire_bytes"] / case.steps == pytest.approx((3 * p - root) * elem * ring, rel=2e-2)
 
 
-def budget_worker(prefetch: int, max_live: int):
+BUDGETS = [(0, 10**9, 1), (13000, 10**9, 1), (10**9, 10**9, 1), (10**9, 10**9, 10**6), (10**9, 45000, 10**6)]
+
+
+def budget_worker():
+    """Peak gathered elements for each (stage3_prefetch_bucket_size, stage3_max_live_parameters, stage3_prefetch_depth),
+    one engine after another in one spawn."""
     from zeroshard.testing.parity import engine_train
 
-    case = ParityCase(
-        stage=3,
-        lr=1e-3,
-        steps=2,
-        model=GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32),
-        zero=BLOCK_UNITS + (("stage3_prefetch_bucket_size", prefetch), ("stage3_max_live_parameters", max_live)),
-    )
-    result = engine_train(case)
-    return result["peak_gathered_numel"], dict(result["units"])
-
-
-def test_prefetch_budget_bounds_peak_gathered_parameters():
     peaks = {}
-    for prefetch, max_live in [(0, 10**9), (13000, 10**9), (10**9, 10**9), (10**9, 45000)]:
-        peaks[(prefetch, max_live)], units = run_distributed(budget_worker, 2, prefetch, max_live)[0]
+    for prefetch, max_live, depth in BUDGETS:
+        budgets = (
+            ("stage3_prefetch_bucket_size", prefetch),
+            ("stage3_max_live_parameters", max_live),
+            ("stage3_prefetch_depth", depth),
+        )
+        case = ParityCase(
+            stage=3,
+            lr=1e-3,
+            steps=2,
+            model=GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32),
+            zero=BLOCK_UNITS + budgets,
+        )
+        result = engine_train(case)
+        peaks[(prefetch, max_live, depth)], units = result["peak_gathered_numel"], dict(result["units"])
+    return peaks, units
+
+
+def test_prefetch_depth_and_budgets_bound_peak_gathered_parameters():
+    peaks, units = run_distributed(budget_worker, 2)[0]
     root, block = units["<root>"], units["blocks.0"]
-    assert peaks[(0, 10**9)] == root + block  # no prefetch: the root and one block at a time
-    assert peaks[(13000, 10**9)] == root + 2 * block  # one block ahead
-    assert peaks[(10**9, 10**9)] > peaks[(13000, 10**9)]  # raising the budget raises the peak
-    assert peaks[(10**9, 45000)] <= 45000 < peaks[(10**9, 10**9)]  # the live budget caps it
+    assert peaks[(0, 10**9, 1)] == root + block  # no prefetch: the root and one block at a time
+    assert peaks[(13000, 10**9, 1)] == root + 2 * block  # one block ahead
+    assert peaks[(10**9, 10**9, 1)] == root + 2 * block  # the default depth: one unit ahead, whatever the budget
+    assert peaks[(10**9, 10**9, 10**6)] > root + 2 * block  # no depth limit: the element budget decides
+    assert peaks[(10**9, 45000, 10**6)] <= 45000 < peaks[(10**9, 10**9, 10**6)]  # the live budget caps it
 
 
 def gathered_worker():

@@ -240,7 +240,7 @@ def test_cli_huge_layer_count_is_extended_linearly_and_exact_on_identical_blocks
     the estimate of the whole model."""
     from transformers import GPT2Config
 
-    from zeroshard.estimator import _extend, _hf_config, _hf_model
+    from zeroshard.estimator.cli import extend as _extend, hf_config as _hf_config, hf_model as _hf_model
 
     for layers in (128, 10**6):
         GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=300, n_positions=64).save_pretrained(
@@ -268,7 +268,7 @@ def rows(printed: str) -> list[tuple[float, float, str]]:
 
 def test_deepspeed_zero3_table_for_t5_small(capsys):
     """DeepSpeed's documented output for t5-small (60,506,624 parameters, largest layer 16,449,536)."""
-    from zeroshard.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
+    from zeroshard.compat.deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
 
     estimate_zero3_model_states_mem_needs_all_cold(60_506_624, 16_449_536, num_gpus_per_node=1, num_nodes=1)
     out = capsys.readouterr().out
@@ -285,7 +285,7 @@ def test_deepspeed_zero3_table_for_t5_small(capsys):
 
 
 def test_deepspeed_zero2_live_counts_the_model(capsys):
-    from zeroshard.runtime.zero.stage_1_and_2 import (
+    from zeroshard.compat.deepspeed.runtime.zero.stage_1_and_2 import (
         estimate_zero2_model_states_mem_needs,
         estimate_zero2_model_states_mem_needs_all_live,
     )

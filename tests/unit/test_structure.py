@@ -1,6 +1,10 @@
 """Structural rules of the package, enforced: the comm layer owns torch.distributed; the public API is stable."""
 
+import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import zeroshard
@@ -62,3 +66,96 @@ def test_add_config_arguments():
     assert parser.parse_args(["--deepspeed", "--deepspeed_config", "a.json"]).deepspeed_config == "a.json"
     args = parser.parse_args(["--zeroshard", "--zeroshard_config", "b.json"])
     assert args.deepspeed and args.deepspeed_config == "b.json"
+
+
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+TOP_LEVEL = {"__init__", "__main__", "__version__"}  # the public API imports what it exposes
+
+
+def layer_table(design: str) -> dict[str, set[str]]:
+    """``docs/design.md``'s layer table: package -> the zeroshard packages it may import."""
+    section = design.split("## Layers", 1)[1].split("\n### ", 1)[0]
+    allowed = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            allowed[cells[0].strip("`/")] = set(re.findall(r"`([a-z_]+)`", cells[2]))
+    return allowed
+
+
+def imports_by_package(root: Path) -> list[tuple[str, str, str, str, list[str]]]:
+    """Every import of one zeroshard package from another: (importer, imported, file, module, names taken)."""
+    found = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        here = rel.parts[0].removesuffix(".py")
+        package = list(rel.parts[:-1])
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[tuple[list[str], list[str]]] = []
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - (node.level - 1)]
+                module = base + (node.module.split(".") if node.module else [])
+                names = [a.name for a in node.names]
+                targets = [(module, names)] if module else [([n], []) for n in names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == root.name:
+                targets = [(node.module.split(".")[1:], [a.name for a in node.names])]
+            elif isinstance(node, ast.Import):
+                targets = [
+                    (a.name.split(".")[1:] or ["runtime"], []) for a in node.names if a.name.split(".")[0] == root.name
+                ]
+            for module, names in targets:
+                if not module or module[0] == here:
+                    continue
+                found.append((here, module[0], str(rel), ".".join(module), names))
+    return found
+
+
+def layer_violations(root: Path, allowed: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for here, there, where, module, names in imports_by_package(root):
+        if here in TOP_LEVEL or there in TOP_LEVEL:
+            continue
+        private = [n for n in [*module.split("."), *names] if n.startswith("_") and not n.endswith("__")]
+        if here not in allowed:
+            problems.append(f"{where}: package '{here}' is not in the layer table")
+        elif there not in allowed[here]:
+            problems.append(f"{where}: '{here}' imports '{there}' ({module}), above it or not listed")
+        elif private:
+            problems.append(f"{where}: imports the private name {private[0]} of '{there}'")
+    return sorted(set(problems))
+
+
+def test_packages_import_only_the_layers_design_md_allows():
+    allowed = layer_table(DESIGN.read_text())
+    assert {"comm", "zero", "runtime", "checkpoint", "inference", "log"} <= set(allowed)
+    assert "runtime" not in allowed["checkpoint"] and "runtime" not in allowed["inference"]
+    assert layer_violations(PACKAGE, allowed) == []
+
+
+def test_the_layer_check_finds_an_upward_and_a_private_import(tmp_path):
+    root = tmp_path / "zeroshard"
+    for package, text in {
+        "checkpoint": "from ..runtime.log import log_rank0\n",
+        "inference": "from ..zero.init import _helper\n",
+        "runtime": "from zeroshard.zero import ZeroStack\n",
+    }.items():
+        (root / package).mkdir(parents=True)
+        (root / package / "a.py").write_text(text)
+    allowed = {"checkpoint": set(), "inference": {"zero"}, "runtime": {"zero"}, "zero": set()}
+    assert layer_violations(root, allowed) == [
+        "checkpoint/a.py: 'checkpoint' imports 'runtime' (runtime.log), above it or not listed",
+        "inference/a.py: imports the private name _helper of 'zero'",
+    ]
+
+
+def test_importing_zeroshard_configures_no_logging():
+    code = (
+        "import logging; before = (logging.root.handlers[:], logging.root.level); import zeroshard, zeroshard.compat; "
+        "lib = logging.getLogger('zeroshard'); "
+        "assert (logging.root.handlers, logging.root.level) == before; "
+        "assert [type(h).__name__ for h in lib.handlers] == ['NullHandler'], lib.handlers; "
+        "assert lib.level == logging.NOTSET and lib.propagate; print('clean')"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ZEROSHARD_LOG_LEVEL"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "clean", out.stderr

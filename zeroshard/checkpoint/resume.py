@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import comm
+from .agreement import gather_text
 from .reading import read_manifest, resolve_tag
 from .safetensors_io import CheckpointError
-from .sharded import gather_text
 
 
 @dataclass(frozen=True)

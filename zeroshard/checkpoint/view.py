@@ -1,4 +1,4 @@
-"""What a checkpoint saves and restores, as an interface: the engine hands :func:`zeroshard.checkpoint.sharded.save`
+"""What a checkpoint saves and restores, as an interface: the engine hands :func:`zeroshard.checkpoint.save.save`
 and ``load`` a :class:`TrainingState` instead of itself, so checkpointing depends on these names only."""
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ from .collectives import (
     all_reduce,
     barrier,
     broadcast,
-    inject_delays,
     reduce_scatter,
     reduce_scatter_scratch_numel,
 )
@@ -66,7 +65,6 @@ __all__ = [
     "get_world_size",
     "grid_layout",
     "init_distributed",
-    "inject_delays",
     "is_initialized",
     "log_summary",
     "reduce_scatter",

@@ -6,7 +6,6 @@ synchronous call is one whose handle was already waited on.
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,23 +23,6 @@ FORENSICS_WAIT_S = 10.0  # how long a failing rank waits for the other ranks' co
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-_delay_rng: Optional[random.Random] = None
-_delay_max_s = 0.0
-
-
-def inject_delays(max_seconds: float, seed: int = 0) -> None:
-    """Testing aid: sleep a random time (up to ``max_seconds``, different on every rank) before issuing and
-    before waiting on each collective, to expose code that uses a result before its collective completes."""
-    global _delay_rng, _delay_max_s
-    _delay_rng = random.Random(seed * 1000 + get_rank()) if max_seconds > 0 else None
-    _delay_max_s = max_seconds
-
-
-def _maybe_delay() -> None:
-    if _delay_rng is not None:
-        time.sleep(_delay_rng.uniform(0, _delay_max_s))
 
 
 class CollectiveError(RuntimeError):
@@ -69,7 +51,7 @@ class Pending:
     def wait(self, timeout: Optional[timedelta] = None) -> None:
         if self.work is None:
             return
-        _maybe_delay()
+        self.group.context.before_collective()
         try:
             if timeout is None:
                 self.work.wait()
@@ -106,7 +88,7 @@ def _issue(
 ) -> Pending:
     nbytes = tensor.numel() * tensor.element_size()
     entry = group.context.record(op, group.name, nbytes, nbytes * wire_factor, tuple(tensor.shape), str(tensor.dtype))
-    _maybe_delay()
+    group.context.before_collective()
     started = time.perf_counter()
     try:
         work = call()

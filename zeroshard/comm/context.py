@@ -11,7 +11,7 @@ is what must agree between ranks.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from .ledger import CommLedger
 from .trace import CollectiveTrace, TraceEntry
@@ -23,6 +23,9 @@ class CommContext:
         self.ledger = CommLedger()
         self.trace = parent.trace if parent is not None else CollectiveTrace()
         self.timing = False  # time every collective (it synchronizes: on for comms_logger only)
+        # called before each collective is issued and before it is waited on (a test seam:
+        # zeroshard.testing.inject_delays); the nearest context in the chain that sets one decides
+        self.pause: Optional[Callable[[], None]] = None
 
     def __repr__(self) -> str:
         return "CommContext(default)" if self.parent is None else "CommContext(child)"
@@ -42,6 +45,11 @@ class CommContext:
     def add_time(self, op: str, group: str, seconds: float) -> None:
         for context in self._chain():
             context.ledger.add_time(op, group, seconds)
+
+    def before_collective(self) -> None:
+        pause = next((c.pause for c in self._chain() if c.pause is not None), None)
+        if pause is not None:
+            pause()
 
     def child(self) -> "CommContext":
         """A context whose counts also go to this one."""

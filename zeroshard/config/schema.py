@@ -146,6 +146,9 @@ class ZeroConfig(Section):
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     sub_group_size: int = Field(1_000_000_000, ge=1)
     prefetch_bucket_size: Union[int, Auto] = Field(50_000_000, alias="stage3_prefetch_bucket_size")
+    # zeroshard's: gather units prefetched ahead at most (within prefetch_bucket_size elements); one hides the
+    # next unit's gather behind this one's compute, more only holds memory (docs/benchmarks.md "Stage-3 prefetch")
+    prefetch_depth: int = Field(1, ge=0, le=1_000_000, alias="stage3_prefetch_depth")
     param_persistence_threshold: Union[int, Auto] = Field(100_000, alias="stage3_param_persistence_threshold")
     model_persistence_threshold: int = refused(
         2**63 - 1,

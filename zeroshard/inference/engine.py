@@ -17,10 +17,11 @@ from torch import nn
 from .. import comm
 from ..accelerator import get_accelerator
 from ..checkpoint import CheckpointError
+from ..checkpoint.weights import ModuleSource, WeightSource, open_source
 from ..comm.backend import local_rank
 from ..config.inference import InferenceConfig, parse_inference_config
-from ..runtime.log import log_rank0
-from ..zero.init import parameters_replaced
+from ..log import log_as_launched, log_rank0
+from ..zero import parameters_replaced
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from .placement import (
     HEAD_COUNT_ATTRIBUTES,
@@ -32,7 +33,6 @@ from .placement import (
     split_range,
     vocab_range,
 )
-from .weights import ModuleSource, WeightSource, open_source
 
 
 class InferenceEngine:
@@ -114,6 +114,7 @@ def init_inference(
         mp_size=mp_size,
         **kwargs,
     )
+    log_as_launched()
     if not comm.is_initialized():
         comm.init_distributed()
     group = comm.build_tensor_parallel_group(settings.tp_size)

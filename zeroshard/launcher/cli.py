@@ -19,7 +19,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from .arguments import bounded
+from ..config.arguments import bounded
+from ..log import LEVEL_VARIABLE, log_to_stdout
 from .hostfile import parse_hostfile, select_resources
 from .multinode import LAUNCHERS, Job, agent_command, exported_environment, read_env_files, wait_for_master
 
@@ -196,6 +197,7 @@ def convert_main(argv: Sequence[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    log_to_stdout()  # the CLI prints zeroshard's lines (the library alone configures no logging)
     if argv[:1] == ["convert"]:
         return convert_main(argv[1:])
     if argv[:1] == ["estimate"]:
@@ -220,6 +222,7 @@ def _agent_env(args: argparse.Namespace) -> dict[str, str]:
     # torch 2.13's agent shares its rendezvous store with the workers; after a restart the new workers could
     # read the dead rank's address from it (2 of 5 restarts failed): a store per round restarts cleanly
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env.setdefault(LEVEL_VARIABLE, "INFO")  # the ranks print their rank-0 lines (read by initialize)
     if args.as_deepspeed:
         env["ZEROSHARD_AS_DEEPSPEED"] = "1"
     return env

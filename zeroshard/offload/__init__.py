@@ -3,14 +3,19 @@ or in swap files on NVMe, moved with asynchronous positioned I/O from Python thr
 
 from .aio import OffloadIOError, SwapFile
 from .optimizer_swap import MASTER, NvmeOptimizerSwapper, SubGroup, elementwise_keys
-from .plan import OffloadPlan
+from .plan import OffloadDevice, OffloadPlan, ShardHome, ShardHomes, optimizer_swapper, shard_homes
 
 __all__ = [
     "MASTER",
     "NvmeOptimizerSwapper",
     "OffloadIOError",
+    "OffloadDevice",
     "OffloadPlan",
+    "ShardHome",
+    "ShardHomes",
     "SubGroup",
     "SwapFile",
     "elementwise_keys",
+    "optimizer_swapper",
+    "shard_homes",
 ]

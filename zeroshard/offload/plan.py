@@ -1,11 +1,13 @@
-"""The offload settings of one run, resolved from ``zero_optimization.offload_*`` and ``aio``, and the
-factories that put a rank's state where they say (host memory or swap files under ``nvme_path``)."""
+"""The offload settings of one run (data only), resolved from ``zero_optimization.offload_*`` and ``aio``, and the
+objects that put a rank's state where they say: :class:`ShardHomes` places stage-3 parameter shards (and owns the
+staging pool their NVMe homes share); :func:`optimizer_swapper` makes the NVMe optimizer-state swapper."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from enum import Enum
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -14,10 +16,34 @@ from .optimizer_swap import NvmeOptimizerSwapper
 from .param_store import BufferPool, HostShard, NvmeShard
 
 
-@dataclass
+class OffloadDevice(str, Enum):
+    """Where offloaded state lives (compares equal to DeepSpeed's strings: ``"none"``, ``"cpu"``, ``"nvme"``)."""
+
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class ShardHome(Protocol):
+    """Where one stage-3 shard lives between gathers (``HostShard``, ``NvmeShard``, ZeRO++'s ``QuantizedShard``)."""
+
+    def fetch(self) -> None: ...  # start reading it (a hint; NVMe reads ahead)
+
+    def get(self) -> torch.Tensor: ...  # the shard, valid until release
+
+    def release(self) -> None: ...
+
+    def write(self, start: int, values: torch.Tensor) -> None: ...  # part of the updated shard
+
+    def flush(self) -> None: ...  # the updated shard is complete: write it home
+
+    def bytes(self) -> dict[str, int]: ...  # bytes held, by location
+
+
+@dataclass(frozen=True)
 class OffloadPlan:
-    optimizer_device: str = "none"  # none | cpu | nvme: fp32 master weights, gradient shards, optimizer state
-    param_device: str = "none"  # none | cpu | nvme: stage-3 parameter shards between gathers
+    optimizer_device: OffloadDevice = OffloadDevice.NONE  # fp32 master weights, gradient shards, optimizer state
+    param_device: OffloadDevice = OffloadDevice.NONE  # stage-3 parameter shards between gathers
     pin_memory: bool = False
     sub_group_size: int = 1_000_000_000
     optimizer_buffer_count: int = 4
@@ -28,62 +54,84 @@ class OffloadPlan:
     max_in_cpu: int = 1_000_000_000
     aio: AioSettings = AioSettings()
     rank: int = 0
-    param_pool: Optional[BufferPool] = None  # host staging buffers of NVMe-offloaded parameter shards
 
     @classmethod
     def from_config(cls, zero_cfg, aio_cfg, rank: int, can_pin: bool) -> "OffloadPlan":
         opt, par = zero_cfg.offload_optimizer, zero_cfg.offload_param
-        plan = cls(sub_group_size=zero_cfg.sub_group_size, aio=AioSettings.from_config(aio_cfg), rank=rank)
+        fields: dict = {
+            "sub_group_size": zero_cfg.sub_group_size,
+            "aio": AioSettings.from_config(aio_cfg),
+            "rank": rank,
+        }
+        pin = False
         if opt is not None and opt.device.value != "none":
-            plan.optimizer_device = opt.device.value
-            plan.optimizer_nvme_path = str(opt.nvme_path) if opt.nvme_path is not None else None
-            plan.optimizer_buffer_count = opt.buffer_count
-            plan.pin_memory |= opt.pin_memory and can_pin
-        if par is not None and par.device.value != "none":
-            plan.param_device = par.device.value
-            plan.param_nvme_path = str(par.nvme_path) if par.nvme_path is not None else None
-            plan.param_buffer_count, plan.param_buffer_size, plan.max_in_cpu = (
-                par.buffer_count,
-                par.buffer_size,
-                par.max_in_cpu,
+            fields.update(
+                optimizer_device=OffloadDevice(opt.device.value),
+                optimizer_nvme_path=str(opt.nvme_path) if opt.nvme_path is not None else None,
+                optimizer_buffer_count=opt.buffer_count,
             )
-            plan.pin_memory |= par.pin_memory and can_pin
-        return plan
+            pin |= opt.pin_memory and can_pin
+        if par is not None and par.device.value != "none":
+            fields.update(
+                param_device=OffloadDevice(par.device.value),
+                param_nvme_path=str(par.nvme_path) if par.nvme_path is not None else None,
+                param_buffer_count=par.buffer_count,
+                param_buffer_size=par.buffer_size,
+                max_in_cpu=par.max_in_cpu,
+            )
+            pin |= par.pin_memory and can_pin
+        return cls(pin_memory=pin, **fields)
 
     @property
     def offloads_optimizer(self) -> bool:
-        return self.optimizer_device != "none"
+        return self.optimizer_device is not OffloadDevice.NONE
 
-    def _swap_file(self, directory: str, kind: str) -> SwapFile:
+    def swap_file(self, directory: str, kind: str) -> SwapFile:
         return SwapFile(directory, f"zeroshard-{kind}-rank{self.rank}-pid{os.getpid()}.swap", self.aio)
 
-    def optimizer_swapper(self, max_numel: int, synchronize: Callable[[], None]) -> NvmeOptimizerSwapper:
-        """The swapper of NVMe-offloaded optimizer state, staging sub-groups of up to ``max_numel`` elements."""
-        file = self._swap_file(self.optimizer_nvme_path, "optimizer")
-        return NvmeOptimizerSwapper(file, self.optimizer_buffer_count, max_numel, self.pin_memory, synchronize)
 
-    def shard_homes(self, compute_dtype: torch.dtype, largest_shard: int) -> Optional[Callable[[torch.Tensor], object]]:
-        """A factory placing each stage-3 shard: host memory (``cpu``, or ``nvme`` within ``max_in_cpu``
-        elements), else the parameter swap file, staged through ``buffer_count`` buffers of
-        ``min(buffer_size, largest_shard)`` elements."""
-        if self.param_device == "none":
-            return None
-        state = {"in_cpu": 0, "file": None}
-        element = torch.empty((), dtype=compute_dtype).element_size()
-        buffer_numel = min(self.param_buffer_size, largest_shard)
+def optimizer_swapper(plan: OffloadPlan, max_numel: int, synchronize: Callable[[], None]) -> NvmeOptimizerSwapper:
+    """The swapper of NVMe-offloaded optimizer state, staging sub-groups of up to ``max_numel`` elements."""
+    file = plan.swap_file(plan.optimizer_nvme_path, "optimizer")
+    return NvmeOptimizerSwapper(file, plan.optimizer_buffer_count, max_numel, plan.pin_memory, synchronize)
 
-        def place(shard: torch.Tensor):
-            if self.param_device == "cpu" or state["in_cpu"] + shard.numel() <= self.max_in_cpu:
-                state["in_cpu"] += shard.numel() if self.param_device == "nvme" else 0
-                return HostShard(shard, self.pin_memory)
-            if shard.numel() > self.param_buffer_size:
-                raise ValueError(
-                    f"zero_optimization.offload_param.buffer_size={self.param_buffer_size} elements is smaller than "
-                    f"a gather unit's shard ({shard.numel()} elements); raise buffer_size to at least that"
-                )
-            if state["file"] is None:
-                state["file"] = self._swap_file(self.param_nvme_path, "param")
-                self.param_pool = BufferPool(self.param_buffer_count, buffer_numel * element, self.pin_memory)
-            return NvmeShard(shard, state["file"], self.param_pool)
 
-        return place
+class ShardHomes:
+    """Places each stage-3 shard: host memory (``cpu``, or ``nvme`` within ``max_in_cpu`` elements), else the
+    parameter swap file, staged through ``buffer_count`` host buffers of ``min(buffer_size, largest_shard)`` elements
+    that every NVMe home shares (this object owns them, created with the first NVMe home)."""
+
+    def __init__(self, plan: OffloadPlan, compute_dtype: torch.dtype, largest_shard: int):
+        self.plan = plan
+        self.in_cpu = 0  # elements of NVMe-offloaded parameters kept in host memory (max_in_cpu)
+        self.file: Optional[SwapFile] = None
+        self.pool: Optional[BufferPool] = None
+        self._buffer_bytes = (
+            min(plan.param_buffer_size, largest_shard) * torch.empty((), dtype=compute_dtype).element_size()
+        )
+
+    def place(self, shard: torch.Tensor) -> ShardHome:
+        plan = self.plan
+        if plan.param_device is OffloadDevice.CPU or self.in_cpu + shard.numel() <= plan.max_in_cpu:
+            self.in_cpu += shard.numel() if plan.param_device is OffloadDevice.NVME else 0
+            return HostShard(shard, plan.pin_memory)
+        if shard.numel() > plan.param_buffer_size:
+            raise ValueError(
+                f"zero_optimization.offload_param.buffer_size={plan.param_buffer_size} elements is smaller than "
+                f"a gather unit's shard ({shard.numel()} elements); raise buffer_size to at least that"
+            )
+        if self.file is None:
+            self.file = plan.swap_file(plan.param_nvme_path, "param")
+            self.pool = BufferPool(plan.param_buffer_count, self._buffer_bytes, plan.pin_memory)
+        return NvmeShard(shard, self.file, self.pool)
+
+    def bytes_held(self) -> dict[str, dict[str, int]]:
+        """The shared staging buffers (each home counts its own shard)."""
+        return {"params": {"host": self.pool.bytes_in_memory if self.pool is not None else 0}}
+
+
+def shard_homes(plan: OffloadPlan, compute_dtype: torch.dtype, largest_shard: int) -> Optional[ShardHomes]:
+    """The homes of stage-3 shards under ``offload_param``, or None when shards stay on the device."""
+    if plan.param_device is OffloadDevice.NONE:
+        return None
+    return ShardHomes(plan, compute_dtype, largest_shard)

@@ -1,4 +1,4 @@
-"""Activation checkpointing under DeepSpeed's names (``zeroshard.checkpointing``, ``deepspeed.checkpointing``):
+"""Activation checkpointing under DeepSpeed's names (``deepspeed.checkpointing`` in compatibility mode):
 recompute a segment's activations in backward instead of keeping them.
 
 Recomputation is non-reentrant (``torch.utils.checkpoint`` with ``use_reentrant=False``): it composes with ZeRO's
@@ -18,21 +18,25 @@ gradient. What ``configure`` (or the config's ``activation_checkpointing`` block
   else (as in DeepSpeed without ``contiguous_checkpointing``).
 - ``contiguous_checkpointing`` / ``contiguous_memory_optimization``: refused (not implemented).
 
-DeepSpeed's API is module-level (``configure`` once, then ``checkpoint`` anywhere in the model), so the options
-live in this module; ``reset()`` returns them to the defaults.
+DeepSpeed's API is module-level (``configure`` once, then ``checkpoint`` anywhere in the model); what ``configure``
+sets lives in this module (``reset()`` returns it to the defaults). A config's block belongs to its engine: the
+engine puts its options in effect (a context variable) while its forward runs, so two engines with different
+blocks in one process keep their own, and ``initialize`` writes nothing process-wide.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.utils.checkpoint
 
 from ..accelerator import get_accelerator
-from .log import log_rank0
+from ..log import log_rank0
 
 
 @dataclass(frozen=True)
@@ -44,22 +48,23 @@ class CheckpointingOptions:
     number_checkpoints: Optional[int] = None
 
 
-_options: Optional[CheckpointingOptions] = None  # None until configure() ran (DeepSpeed's is_configured)
+_configured: Optional[CheckpointingOptions] = None  # what configure() set; None until it ran (is_configured)
+# the options of the engine whose forward is running (its config's activation_checkpointing block), if any
+_engine_options: ContextVar[Optional[CheckpointingOptions]] = ContextVar("engine_checkpointing", default=None)
 
 
-def configure(
-    mpu_: Any = None,
+def options_from(
     deepspeed_config: Any = None,
+    mpu_: Any = None,
     partition_activations: Optional[bool] = None,
     contiguous_checkpointing: Optional[bool] = None,
     num_checkpoints: Optional[int] = None,
     checkpoint_in_cpu: Optional[bool] = None,
     synchronize: Optional[bool] = None,
     profile: Optional[bool] = None,
-) -> None:
-    """Set the options; ``deepspeed_config`` (a path, a dict, or a parsed config) supplies its
-    ``activation_checkpointing`` block, and the keyword arguments given override it (as in DeepSpeed)."""
-    global _options
+) -> CheckpointingOptions:
+    """The options a config's ``activation_checkpointing`` block (a path, a dict, a parsed config or the block)
+    sets, with the keyword arguments given overriding it (as in DeepSpeed); refuses what zeroshard lacks."""
     block = _config_block(deepspeed_config)
     if contiguous_checkpointing or (contiguous_checkpointing is None and block.contiguous_memory_optimization):
         raise NotImplementedError(
@@ -75,15 +80,54 @@ def configure(
     def pick(given, from_block):
         return from_block if given is None else given
 
-    _options = CheckpointingOptions(
+    options = CheckpointingOptions(
         cpu_checkpointing=bool(pick(checkpoint_in_cpu, block.cpu_checkpointing)),
         synchronize=bool(pick(synchronize, block.synchronize_checkpoint_boundary)),
         profile=bool(pick(profile, block.profile)),
         partition_activations=bool(pick(partition_activations, block.partition_activations)),
         number_checkpoints=pick(num_checkpoints, block.number_checkpoints),
     )
-    if _options.partition_activations:
+    if options.partition_activations:
         log_rank0("activation checkpointing: partition_activations with one model-parallel rank keeps inputs whole")
+    return options
+
+
+def configure(
+    mpu_: Any = None,
+    deepspeed_config: Any = None,
+    partition_activations: Optional[bool] = None,
+    contiguous_checkpointing: Optional[bool] = None,
+    num_checkpoints: Optional[int] = None,
+    checkpoint_in_cpu: Optional[bool] = None,
+    synchronize: Optional[bool] = None,
+    profile: Optional[bool] = None,
+) -> None:
+    """DeepSpeed's module-level API: set the options ``checkpoint`` uses outside an engine's forward (and inside the
+    forward of an engine whose config has no ``activation_checkpointing`` block)."""
+    global _configured
+    _configured = options_from(
+        deepspeed_config,
+        mpu_,
+        partition_activations,
+        contiguous_checkpointing,
+        num_checkpoints,
+        checkpoint_in_cpu,
+        synchronize,
+        profile,
+    )
+
+
+@contextlib.contextmanager
+def in_effect(options: Optional[CheckpointingOptions]) -> Iterator[None]:
+    """While open (an engine's forward), ``checkpoint`` uses ``options``; None leaves what ``configure`` set."""
+    if options is None:
+        yield
+        return
+    token = _engine_options.set(options)
+    try:
+        yield
+    finally:
+        _engine_options.reset(token)
 
 
 def _config_block(deepspeed_config: Any):
@@ -92,6 +136,8 @@ def _config_block(deepspeed_config: Any):
 
     if deepspeed_config is None:
         return ActivationCheckpointingConfig()
+    if isinstance(deepspeed_config, ActivationCheckpointingConfig):
+        return deepspeed_config
     block = getattr(deepspeed_config, "activation_checkpointing", None)
     if isinstance(block, ActivationCheckpointingConfig):
         return block
@@ -106,19 +152,20 @@ def _model_parallel_size(mpu: Any) -> int:
 
 
 def is_configured() -> bool:
-    """Whether ``configure`` ran since the start (or the last ``reset``)."""
-    return _options is not None
+    """Whether options are in effect here: ``configure`` ran (and no ``reset`` since), or an engine whose config
+    has an ``activation_checkpointing`` block is running its forward."""
+    return _configured is not None or _engine_options.get() is not None
 
 
 def reset() -> None:
     """Back to the defaults. (DeepSpeed also frees its contiguous buffers here; zeroshard keeps none.)"""
-    global _options
-    _options = None
+    global _configured
+    _configured = None
 
 
 def checkpoint(function, *args) -> Any:
     """Run ``function(*args)`` keeping only its inputs; its activations are recomputed in backward."""
-    options = _options or CheckpointingOptions()
+    options = _engine_options.get() or _configured or CheckpointingOptions()
     if not (options.cpu_checkpointing or options.synchronize or options.profile):
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
     device = next((a.device for a in args if torch.is_tensor(a)), None)

@@ -15,13 +15,16 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import comm
 from ..accelerator import get_accelerator
-from ..checkpoint import sharded as checkpoint_io
+from ..checkpoint.load import load as load_training_state
+from ..checkpoint.save import save as save_training_state
 from ..checkpoint.view import TrainingCounters, TrainingState
 from ..config import Resolution
+from ..log import log_rank0
 from ..precision import PrecisionPolicy
-from ..zero import ParamRecords, ZeroOptimizer, consolidated_state_dict
+from ..zero import ParamRecords, ZeroOptimizer, ZeroStack, consolidated_state_dict
 from ..zero.stage3 import Stage3Runtime
-from .log import log_rank0
+from .activation_checkpointing import CheckpointingOptions
+from .activation_checkpointing import in_effect as checkpointing_in_effect
 from .memory import MemoryTracker, format_table
 from .monitor import Monitors
 
@@ -34,19 +37,22 @@ class ZeroshardEngine(torch.nn.Module):
     def __init__(
         self,
         module: torch.nn.Module,
-        zero: Optional[ZeroOptimizer],
+        stack: ZeroStack,
         lr_scheduler: Any,
         resolution: Resolution,
         grid: comm.RankGrid,
         policy: PrecisionPolicy,
         device: torch.device,
         training_dataloader: Any = None,
-        stage3: Optional[Stage3Runtime] = None,
-        records: Optional[ParamRecords] = None,
+        *,
+        activation_checkpointing: Optional[CheckpointingOptions] = None,
     ):
         super().__init__()
         self.module = module
-        self.zero = zero
+        self.stack = stack  # every object holding this rank's model state (zeroshard.zero.assemble)
+        # the config's activation_checkpointing block, in effect while this engine's forward runs (None: what
+        # zeroshard.runtime.activation_checkpointing.configure set)
+        self.activation_checkpointing = activation_checkpointing
         self.lr_scheduler = lr_scheduler
         self.settings = resolution.config  # typed; ``config`` is DeepSpeed's dict view of it
         self._config_dict = resolution.config.model_dump(by_alias=True, mode="json")
@@ -55,8 +61,6 @@ class ZeroshardEngine(torch.nn.Module):
         self.policy = policy
         self.device = device
         self.training_dataloader = training_dataloader
-        self.stage3 = stage3
-        self.records = records or ParamRecords()  # what the engine knows of its (stage-3) parameters
         self.counters = TrainingCounters()
         self.resumed_from: Optional[str] = None  # the checkpoint checkpoint.auto_resume loaded, if any
         self.resumed_client_state: Optional[dict] = None  # and the client_state saved with it
@@ -71,9 +75,12 @@ class ZeroshardEngine(torch.nn.Module):
         self._window_start = time.perf_counter()
         self._window_tokens = 0
         self._memory_reported = False
+        # model-state bytes are sampled (a walk over every owner) only while a report is to come: until the
+        # first steps_per_print line prints the table, or throughout with memory_breakdown: true
+        self._sampling_memory = bool(self.settings.steps_per_print) or self.settings.memory_breakdown
         self.monitors = Monitors(self.settings, comm.get_rank())
         self.memory = MemoryTracker()
-        self._sample_memory()
+        self._sample_memory(always=True)
         if self.settings.comms_logger.enabled:
             self.grid.context.timing = True  # this engine's collectives only
         self._destroyed = False
@@ -90,19 +97,22 @@ class ZeroshardEngine(torch.nn.Module):
             (t for t in tree_flatten((inputs, kwargs))[0] if torch.is_tensor(t) and not t.is_floating_point()), None
         )
         self._window_tokens += tokens.numel() if tokens is not None else 0  # token ids: batch x sequence
-        out = self.module(*inputs, **kwargs)
+        with checkpointing_in_effect(self.activation_checkpointing):
+            out = self.module(*inputs, **kwargs)
         self._timers["forward"] += time.perf_counter() - started
         self._sample_memory()
         return out
 
-    def _sample_memory(self) -> None:
-        if self.zero is not None:
-            self.memory.sample(self.zero.state_bytes_by_location(), get_accelerator().max_memory_allocated())
+    def _sample_memory(self, always: bool = False) -> None:
+        if always or self._sampling_memory:
+            self.memory.sample(self.stack.state_bytes_by_location(), get_accelerator().max_memory_allocated())
 
     def memory_breakdown(self) -> dict[str, list[dict[str, int]]]:
         """Model-state bytes by category (parameters, gradients, optimizer state, communication buffers,
-        gathered units; and per location) at start and at the largest sample, for every rank: a collective."""
-        return self.memory.all_ranks(self.grid.world) if self.zero is not None else {}
+        gathered units; and per location) at start and at the largest sample, for every rank: a collective.
+        Samples are taken after forward, backward and the step while a report is to come (until the first
+        ``steps_per_print`` report, or throughout with ``memory_breakdown: true``)."""
+        return self.memory.all_ranks(self.grid.world)
 
     def _prepare_input(self, value):
         if not torch.is_tensor(value):
@@ -112,28 +122,22 @@ class ZeroshardEngine(torch.nn.Module):
         return value.to(self.device)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        if self.zero is None:
-            raise RuntimeError("engine.backward needs an optimizer: pass optimizer= or add an 'optimizer' config block")
         started = time.perf_counter()
-        self._last_loss = loss.detach()
-        scale = self.zero.loss_scaler.scale
+        scale = self.stack.loss_scale
         if scale_wrt_gas:
             scale /= self.batch.gradient_accumulation_steps
         scaled = loss.float() * scale
-        self.zero.reducer.begin_backward(self.is_gradient_accumulation_boundary(), scaled)
+        self.stack.begin_backward(self.is_gradient_accumulation_boundary(), scaled)
+        self._last_loss = loss.detach()
         scaled.backward(retain_graph=retain_graph)
         self._sample_memory()
         reduce_started = time.perf_counter()
-        self.zero.reducer.end_backward()
-        if self.stage3 is not None:
-            self.stage3.end_backward(graph_retained=retain_graph)
+        self.stack.end_backward(graph_retained=retain_graph)
         self._timers["backward"] += reduce_started - started
         self._timers["reduce_wait"] += time.perf_counter() - reduce_started
         return loss
 
     def step(self) -> None:
-        if self.zero is None:
-            raise RuntimeError("engine.step needs an optimizer: pass optimizer= or add an 'optimizer' config block")
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
@@ -144,7 +148,7 @@ class ZeroshardEngine(torch.nn.Module):
 
     def _optimizer_step(self) -> None:
         started = time.perf_counter()
-        self._step_applied = self.zero.step()
+        self._step_applied = self.stack.step()
         if self._step_applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -152,7 +156,7 @@ class ZeroshardEngine(torch.nn.Module):
             self.counters.skipped_steps += 1
             log_rank0(
                 f"step {self.global_steps + 1}: gradient overflow, step skipped, "
-                f"loss scale now {self.zero.loss_scaler.scale:g}"
+                f"loss scale now {self.stack.loss_scale:g}"
             )
         self.counters.global_steps += 1
         self.counters.global_samples += self.batch.train_batch_size
@@ -163,7 +167,7 @@ class ZeroshardEngine(torch.nn.Module):
                 [
                     ("Train/Samples/train_loss", self._last_loss_value(), self.global_samples),
                     ("Train/Samples/lr", self.get_lr()[0], self.global_samples),
-                    ("Train/Samples/loss_scale", self.zero.loss_scaler.scale, self.global_samples),
+                    ("Train/Samples/loss_scale", self.stack.loss_scale, self.global_samples),
                     ("Train/Samples/grad_norm", self.get_global_grad_norm(), self.global_samples),
                 ]
             )
@@ -191,12 +195,12 @@ class ZeroshardEngine(torch.nn.Module):
         tokens = self._window_tokens * self.grid.data_parallel_size
         log_rank0(
             f"step {self.global_steps}: loss {self._last_loss_value():.4f} lr {self.get_lr()[0]:.3e} "
-            f"loss_scale {self.zero.loss_scaler.scale:g} grad_norm {norm:.4f} (clipped {clipped:.4f}) "
+            f"loss_scale {self.stack.loss_scale:g} grad_norm {norm:.4f} (clipped {clipped:.4f}) "
             f"samples/s {samples / elapsed:.1f} tokens/s {tokens / elapsed:.0f} skipped {self.skipped_steps}"
         )
         if self.settings.wall_clock_breakdown:
-            if self.stage3 is not None:
-                self._timers["gather_wait"] = self.stage3.take_gather_seconds()
+            if self.stack.stage3 is not None:
+                self._timers["gather_wait"] = self.stack.take_gather_seconds()
             log_rank0("time (s) " + " ".join(f"{k} {v:.3f}" for k, v in sorted(self._timers.items())))
         if self.settings.comms_logger.enabled:
             log_rank0(self.comm_ledger.format())
@@ -210,6 +214,7 @@ class ZeroshardEngine(torch.nn.Module):
         if not self._memory_reported:  # once: the model-state memory of every rank at start and at its peak
             self._memory_reported = True
             log_rank0(format_table(self.memory_breakdown()))
+            self._sampling_memory = self.settings.memory_breakdown
         self._timers.clear()
         self._window_tokens = 0
         self._window_start = time.perf_counter()
@@ -245,10 +250,7 @@ class ZeroshardEngine(torch.nn.Module):
             self._in_no_sync = False
 
     def zero_grad(self) -> None:
-        if self.zero is not None:
-            self.zero.zero_grad()
-        else:
-            self.module.zero_grad(set_to_none=True)
+        self.stack.zero_grad(self.module)
 
     def destroy(self) -> None:
         """Release what the engine holds (DeepSpeed's name): finish reductions in flight, remove the gradient
@@ -258,17 +260,27 @@ class ZeroshardEngine(torch.nn.Module):
             return
         self._destroyed = True
         atexit.unregister(self._at_exit)
-        if self.zero is not None:
-            self.zero.destroy()
-        if self.stage3 is not None:
-            self.stage3.destroy()
+        self.stack.destroy()
         comm.destroy_groups(self.grid)
         self.monitors.close()
 
     # -- state queries (DeepSpeed names) --------------------------------------------------------
     @property
     def optimizer(self) -> Optional[ZeroOptimizer]:
-        return self.zero
+        """The ZeRO optimizer (None for an engine built without one); ``zero`` is the same object."""
+        return self.stack.optimizer
+
+    zero = optimizer
+
+    @property
+    def stage3(self) -> Optional[Stage3Runtime]:
+        """The stage-3 runtime (gather units and their hooks), or None below stage 3."""
+        return self.stack.stage3
+
+    @property
+    def records(self) -> ParamRecords:
+        """What the engine knows of its (stage-3) parameters."""
+        return self.stack.records
 
     @property
     def global_steps(self) -> int:
@@ -296,13 +308,13 @@ class ZeroshardEngine(torch.nn.Module):
         return self._step_applied
 
     def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.zero.param_groups] if self.zero else []
+        return self.stack.learning_rates()
 
     def get_global_grad_norm(self) -> Optional[float]:
-        return self.zero.global_grad_norm if self.zero else None
+        return self.stack.global_grad_norm
 
     def get_loss_scale(self) -> float:
-        return self.zero.loss_scaler.scale if self.zero else 1.0
+        return self.stack.loss_scale
 
     def train_batch_size(self) -> int:
         return self.batch.train_batch_size
@@ -343,8 +355,7 @@ class ZeroshardEngine(torch.nn.Module):
         """The module's full state dict on CPU in the compute dtype. Under stage 3 it is gathered one flat
         group at a time, so no rank ever holds more than one gathered unit besides the result. Every rank
         must call it; with ``rank0_only`` the others get ``{}``."""
-        flats = [*self.zero.flat_groups, *self.zero.frozen_groups] if self.zero is not None else []
-        return consolidated_state_dict(self.module, flats, rank0_only=rank0_only)
+        return consolidated_state_dict(self.module, self.stack.all_flat_groups, rank0_only=rank0_only)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """DeepSpeed's name for ``stage3_gather_16bit_weights_on_model_save``."""
@@ -386,12 +397,12 @@ class ZeroshardEngine(torch.nn.Module):
         exclude_frozen_parameters: bool = False,
     ) -> str:
         """Save the full training state (every rank calls it); default tag ``global_step{N}``. ``client_state``
-        may hold JSON values and tensors. See :mod:`zeroshard.checkpoint.sharded` for the format and guarantees.
+        may hold JSON values and tensors. See :mod:`zeroshard.checkpoint.save` for the format and guarantees.
         A tag the caller names replaces a checkpoint of that tag (as DeepSpeed does); a default step tag that this
         engine did not write (a checkpoint already in ``save_dir`` after a resume from an older step) is kept
         under another name instead."""
         step_tag = f"global_step{self.global_steps}"
-        path = checkpoint_io.save(
+        path = save_training_state(
             self._training_state(),
             save_dir,
             tag=tag,
@@ -414,7 +425,7 @@ class ZeroshardEngine(torch.nn.Module):
     ):
         """Load a checkpoint saved with any world size and stage; returns ``(load_path, client_state)``,
         or ``(None, None)`` with a warning when ``load_dir`` holds no checkpoint."""
-        return checkpoint_io.load(
+        restored = load_training_state(
             self._training_state(),
             load_dir,
             tag=tag,
@@ -423,6 +434,7 @@ class ZeroshardEngine(torch.nn.Module):
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
         )
+        return restored.path, restored.client_state
 
     def _training_state(self) -> TrainingState:
         """The engine as a checkpoint sees it (``zeroshard.checkpoint.view``)."""
@@ -433,7 +445,7 @@ class ZeroshardEngine(torch.nn.Module):
             grid=self.grid,
             config=self.settings,
             counters=self.counters,
-            optimizer=self.zero,
+            optimizer=self.stack.optimizer,
             lr_scheduler=self.lr_scheduler,
             sampler=sampler if resumable else None,
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
@@ -442,11 +454,11 @@ class ZeroshardEngine(torch.nn.Module):
 
     def state_bytes(self) -> dict[str, int]:
         """Model-state bytes held by this rank (parameters, master weights, gradient shards, optimizer state)."""
-        return self.zero.state_bytes() if self.zero else {}
+        return self.stack.state_bytes()
 
     def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
         """The same, split by where it lives: ``device``, ``host`` (offloaded) and ``nvme`` (swap files)."""
-        return self.zero.state_bytes_by_location() if self.zero else {}
+        return self.stack.state_bytes_by_location()
 
 
 def _weak_call(method: weakref.WeakMethod):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -13,29 +12,17 @@ from torch.utils.data import DataLoader, Dataset
 from .. import comm
 from ..accelerator import get_accelerator
 from ..checkpoint.resume import agree_on_resume_point
-from ..comm.compression import Codec
+from ..checkpoint.weights import open_source
 from ..config import AutoContext, Resolution, model_hidden_size, parse_config, resolve_config
-from ..inference.weights import open_source
+from ..log import log_as_launched, log_rank0
 from ..offload import OffloadPlan
 from ..optim import Lamb, ShardedNorms, build_optimizer, build_schedule, check_client_optimizer
-from ..precision import LossScaler, PrecisionPolicy
-from ..zero import (
-    FlatGroup,
-    GradBucket,
-    GradientReducer,
-    ParamRecords,
-    ReusableBuffers,
-    StagePolicy,
-    ZeroOptimizer,
-    build_optimizer_state,
-)
+from ..precision import PrecisionPolicy
+from ..zero import Placement, ZeroOptimizer, ZeroStack, build_zero_stack
 from ..zero.init import Materializer, has_meta_parameters, pending_seed, release_pending
 from ..zero.optimizer_state import MakeOptimizer
-from ..zero.planning import QuantizedComm, build_flat_groups, plan_flat_groups, plan_frozen_groups, plan_layouts
-from ..zero.stage3 import Stage3Runtime, build_units, plan_units
 from . import activation_checkpointing
 from .engine import ZeroshardEngine
-from .log import log_rank0
 from .sampler import ResumableDistributedSampler
 
 OptimizerArg = Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None]
@@ -213,32 +200,6 @@ def _load_buffers(model: torch.nn.Module, source) -> None:
                 buffer.copy_(source.read(name).to(buffer.dtype))
 
 
-def _stage3_plan(model: torch.nn.Module, cfg, gather_unit_classes) -> tuple[list, frozenset]:
-    """Gather units, and the parameters small enough to stay gathered (stage3_param_persistence_threshold)."""
-    z = cfg.zero_optimization
-    names = set(z.gather_unit_classes)
-    for cls in gather_unit_classes or ():
-        names.add(cls if isinstance(cls, str) else cls.__name__)
-    plans = plan_units(model, frozenset(names), z.gather_unit_min_params)
-    persistent = frozenset(p for p in model.parameters() if p.numel() < z.param_persistence_threshold)
-    log_rank0(
-        f"stage 3: {len(plans)} gather units ("
-        + ", ".join(p.name or "<root>" for p in plans[:6])
-        + (", ..." if len(plans) > 6 else "")
-        + f"), {len(persistent)} persistent parameters"
-    )
-    return plans, persistent
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the training state lives: precision, compute device, offload homes."""
-
-    policy: PrecisionPolicy
-    device: torch.device
-    offload: OffloadPlan
-
-
 def _placement(cfg) -> Placement:
     policy = PrecisionPolicy.from_config(cfg)
     accel = get_accelerator()
@@ -246,6 +207,14 @@ def _placement(cfg) -> Placement:
         raise ValueError(f"{policy.compute} is not supported on this {accel.name} device; disable bf16/fp16")
     offload = OffloadPlan.from_config(cfg.zero_optimization, cfg.aio, comm.get_rank(), accel.can_pin_memory)
     return Placement(policy, accel.device(comm.backend.local_rank()), offload)
+
+
+def _checkpointing_options(cfg) -> Optional[activation_checkpointing.CheckpointingOptions]:
+    """The engine's activation-checkpointing options when its config has the block (in effect during its forward);
+    None leaves what ``activation_checkpointing.configure`` set."""
+    if not cfg.activation_checkpointing.model_fields_set:
+        return None
+    return activation_checkpointing.options_from(cfg.activation_checkpointing)
 
 
 def _join_process_group(dist_init_required: Optional[bool]) -> None:
@@ -276,144 +245,19 @@ def _resolve(source: Any, args: Any, model: torch.nn.Module, training_data: Any)
     return grid, resolution
 
 
-def _build_flat_groups(
-    model, groups, cfg, grid, placement: Placement, records, buffers, materialize, unit_plans, persistent
-) -> tuple[list[FlatGroup], list[int], list[FlatGroup]]:
-    """Plan and allocate the flat groups; returns them, each one's optimizer parameter group, and (stage 3) the
-    flat groups of the parameters without gradients."""
-    z = cfg.zero_optimization
-    param_names = {p: name for name, p in model.named_parameters()}
-    unknown = [p for g in groups for p in g["params"] if p not in param_names]
-    if unknown:
-        raise ValueError(
-            f"{len(unknown)} optimizer parameter(s) (first shape {tuple(unknown[0].shape)}) "
-            "are not parameters of the model"
-        )
-    stage_policy = StagePolicy.for_stage(z.stage)
-    units = [u.params for u in unit_plans]
-    plans = plan_flat_groups(groups, stage_policy, z.reduce_bucket_size, units, persistent)
-    trainable = len(plans)
-    if stage_policy.partition_params:
-        plans += plan_frozen_groups(units, persistent)
-    # stage 0 reduces over the whole data-parallel world; sharded stages over the shard group
-    shard_group = grid.shard if stage_policy.partition_optimizer else grid.world
-    layouts = plan_layouts(plans, param_names, shard_group.size if stage_policy.partition_optimizer else 1)
-    largest = max((layout.shard_numel for layout in layouts), default=1)
-    homes = placement.offload.shard_homes(placement.policy.compute, largest)
-    flats = build_flat_groups(
-        plans,
-        layouts,
-        shard_group,
-        placement.policy.compute,
-        placement.device,
-        records,
-        buffers,
-        homes,
-        materialize,
-        QuantizedComm.from_config(z),
-    )
-    return flats[:trainable], [plan.group_index for plan in plans[:trainable]], flats[trainable:]
-
-
-def _build_zero(
-    model, optimizer, model_parameters, cfg, grid, placement: Placement, records, materialize, gather_unit_classes
-) -> tuple[ZeroOptimizer, Optional[Stage3Runtime]]:
-    """Flat groups, optimizer state in its home, gradient buckets, the stage-3 runtime and the gradient reducer,
-    wired into one ``ZeroOptimizer``."""
-    z = cfg.zero_optimization
-    stage = StagePolicy.for_stage(z.stage)
-    groups, make = _optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
-    unit_plans, persistent = _stage3_plan(model, cfg, gather_unit_classes) if z.stage == 3 else ([], frozenset())
-    buffers = ReusableBuffers(placement.device)  # gathered units and gradient staging, reused step after step
-    flats, group_of_flat, frozen = _build_flat_groups(
-        model, groups, cfg, grid, placement, records, buffers, materialize, unit_plans, persistent
-    )
-    state = build_optimizer_state(
-        flats, group_of_flat, groups, make, placement.policy.master, placement.offload, get_accelerator().synchronize
-    )
-    for flat in flats:
-        records.own(flat, state)
-    for flat in frozen:
-        records.own(flat, None)  # its compute-precision shard is its only copy
-    codec = QuantizedComm.from_config(z).gradient_codec
-    buckets = _gradient_buckets(flats, grid, placement, state.device, stage, buffers, codec)
-    stage3 = _build_stage3(model, unit_plans, buckets, frozen, buffers, z, placement.offload) if unit_plans else None
-    reducer = GradientReducer(
-        buckets,
-        {p: name for name, p in model.named_parameters()},
-        grid.world,
-        reduce_every_micro_step=stage.reduce_every_micro_step,
-        overlap_comm=z.overlap_comm,
-        predivide=cfg.gradient_predivide_factor,
-        ignore_unused_parameters=z.ignore_unused_parameters,
-        on_bucket_complete=stage3.on_flat_group_complete if stage3 is not None else None,
-    )
-    zero = ZeroOptimizer(
-        flats,
-        state,
-        reducer,
-        LossScaler.from_config(cfg.fp16),
-        buffers,
-        frozen_groups=frozen,
-        norm_group=grid.shard if stage.partition_optimizer else None,
-        gradient_clipping=cfg.gradient_clipping,
-        max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps,
-    )
-    return zero, stage3
-
-
-def _gradient_buckets(
-    flats: list[FlatGroup],
-    grid: comm.RankGrid,
-    placement: Placement,
-    grad_device: torch.device,
-    stage: StagePolicy,
-    buffers: ReusableBuffers,
-    codec: Optional[Codec] = None,
-) -> list[GradBucket]:
-    """One bucket per flat group; its gradient shard lives where the optimizer state steps it; ``codec``
-    (``zero_quantized_gradients``) quantizes its reduce-scatter."""
-    # hybrid sharding: the shard groups' results are summed across replica groups (stage 0 reduced over all)
-    one = comm.Group("replica", (comm.get_rank(),), None, grid.context)
-    replica = grid.replica if stage.partition_optimizer else one
-    policy, offload = placement.policy, placement.offload
-    pin = offload.pin_memory and offload.offloads_optimizer
-    return [GradBucket(flat, policy.reduce, policy.grad, replica, grad_device, buffers, pin, codec) for flat in flats]
-
-
-def _build_stage3(
-    model,
-    unit_plans,
-    buckets: list[GradBucket],
-    frozen: list[FlatGroup],
-    buffers: ReusableBuffers,
-    z,
-    offload: OffloadPlan,
-) -> Stage3Runtime:
-    root_unit, units = build_units(unit_plans, buckets, frozen)
-    return Stage3Runtime(
-        model,
-        root_unit,
-        units,
-        buffers,
-        z.prefetch_bucket_size,
-        z.max_live_parameters,
-        fetch_ahead=offload.param_buffer_count - 1 if offload.param_device == "nvme" else 0,
-    )
-
-
-def _finish_parameters(model, materialize, placement: Placement, records, stage3: bool) -> None:
+def _finish_parameters(model, materialize, placement: Placement, stack: ZeroStack) -> None:
     """Parameters outside the flat groups get data (zero.Init), and under stage 3 every parameter answers
     DeepSpeed's ``ds_*`` attributes, resident and frozen ones too."""
     if materialize is not None:
         _finish_materialization(model, materialize, placement.device, placement.policy.compute)
     release_pending(model.parameters())  # also those a gather materialized before initialize (HF's loading)
-    if stage3:
+    if stack.stage3 is not None:
         for param in model.parameters():
-            records.adopt(param)
+            stack.records.adopt(param)
 
 
 def _build_scheduler(lr_scheduler: Any, cfg, zero: Optional[ZeroOptimizer]):
+    """The client's scheduler (or its ``optimizer -> scheduler`` callable), else the config's ``scheduler`` block."""
     if lr_scheduler is not None:
         if cfg.scheduler is not None:
             warnings.warn(
@@ -490,28 +334,43 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize needs model=")
+    log_as_launched()
     source = _config_source(args, config if config is not None else config_params)
     _join_process_group(dist_init_required)
     grid, resolution = _resolve(source, args, model, training_data)
     cfg = resolution.config
-    if cfg.activation_checkpointing.model_fields_set:  # a block was given: it configures zeroshard.checkpointing
-        activation_checkpointing.configure(deepspeed_config=cfg)
     placement = _placement(cfg)
     materialize = _materializer(model, pretrained, grid.world, placement.device)
     _move_module(model, placement.device, placement.policy.compute)
     _broadcast_module(model, grid.world)
-    records = ParamRecords()  # the engine's per-parameter records (stage 3)
-    zero = stage3 = None
     if optimizer is not None or cfg.optimizer is not None:
-        zero, stage3 = _build_zero(
-            model, optimizer, model_parameters, cfg, grid, placement, records, materialize, gather_unit_classes
+        param_groups, make_optimizer = _optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
+        stack = build_zero_stack(
+            model=model,
+            param_groups=param_groups,
+            make_optimizer=make_optimizer,
+            config=cfg,
+            grid=grid,
+            placement=placement,
+            materialize=materialize,
+            gather_unit_classes=gather_unit_classes,
         )
-    _finish_parameters(model, materialize, placement, records, stage3 is not None)
-    scheduler = _build_scheduler(lr_scheduler, cfg, zero)
+    else:
+        stack = ZeroStack.without_optimizer(placement.device)
+    _finish_parameters(model, materialize, placement, stack)
+    scheduler = _build_scheduler(lr_scheduler, cfg, stack.optimizer)
     dataloader = _build_dataloader(training_data, resolution, grid, collate_fn)
     engine = ZeroshardEngine(
-        model, zero, scheduler, resolution, grid, placement.policy, placement.device, dataloader, stage3, records
+        model,
+        stack,
+        scheduler,
+        resolution,
+        grid,
+        placement.policy,
+        placement.device,
+        dataloader,
+        activation_checkpointing=_checkpointing_options(cfg),
     )
     _auto_resume(engine)
     grid.context.ledger.reset()  # the engine counts training traffic, not the initial weights or a resume
-    return engine, zero, dataloader, scheduler
+    return engine, stack.optimizer, dataloader, scheduler

@@ -48,8 +48,10 @@ def _worker(
     import torch
 
     from .. import comm
+    from ..log import log_to_stdout
 
     torch.set_num_threads(RANK_THREADS)
+    log_to_stdout()  # a rank's lines go to its stdout, as under the launcher
     result_path = Path(out_dir) / f"rank{rank}.pkl"
     try:
         comm.init_distributed(

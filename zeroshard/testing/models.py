@@ -82,7 +82,7 @@ class GPT(nn.Module):
 
 
 class Recomputed(nn.Module):
-    """A block run under ``zeroshard.checkpointing.checkpoint``: forward keeps only its input, backward
+    """A block run under ``activation_checkpointing.checkpoint``: forward keeps only its input, backward
     recomputes it."""
 
     def __init__(self, block: nn.Module):
@@ -90,9 +90,9 @@ class Recomputed(nn.Module):
         self.block = block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .. import checkpointing
+        from ..runtime import activation_checkpointing
 
-        return checkpointing.checkpoint(self.block, x)
+        return activation_checkpointing.checkpoint(self.block, x)
 
 
 def recompute_blocks(model: GPT) -> GPT:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .delays import inject_delays
 from .harness import RANK_THREADS
 from .models import GPT, GPTConfig
 
@@ -129,7 +130,7 @@ def engine_train(case: ParityCase) -> dict[str, Any]:
 
     with zeroshard.zero.Init(enabled=case.zero_init, seed=0):
         model = make_model(model=case.model, frozen=case.frozen)
-    comm.inject_delays(case.comm_delay_s)
+    inject_delays(case.comm_delay_s)
     engine, _, _, _ = zeroshard.initialize(model=model, config=case.config())
     rank, world = comm.get_rank(), comm.get_world_size()
     b = case.micro_batch

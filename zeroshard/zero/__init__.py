@@ -1,10 +1,11 @@
 """ZeRO data parallelism: flat groups, gradient reduction, optimizer state in its home, the optimizer for
 stages 0-3, zero.Init and whole-parameter access."""
 
+from .assemble import Placement, ZeroStack, build_zero_stack
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup, ParamState
 from .gathered import GatheredParameters, consolidated_state_dict
-from .init import Init, reset_parameters
+from .init import Init, parameters_replaced, reset_parameters
 from .optimizer import NonFiniteGradientError, ZeroOptimizer
 from .optimizer_state import DeviceState, HostState, NvmeState, OptimizerState, build_optimizer_state
 from .planning import StagePolicy
@@ -23,13 +24,17 @@ __all__ = [
     "NonFiniteGradientError",
     "NvmeState",
     "OptimizerState",
+    "Placement",
     "ParamRecords",
     "ParamState",
     "ReusableBuffers",
     "ShardedParameterError",
     "StagePolicy",
     "ZeroOptimizer",
+    "ZeroStack",
     "build_optimizer_state",
+    "build_zero_stack",
     "consolidated_state_dict",
+    "parameters_replaced",
     "reset_parameters",
 ]

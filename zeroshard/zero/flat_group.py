@@ -17,12 +17,13 @@ optimizer state the optimizer state's (:mod:`zeroshard.zero.optimizer_state`).
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from .. import comm
 from ..comm.compression import Codec
+from ..offload import ShardHome
 from ..partition import FlatLayout
 from .buffers import ReusableBuffers
 from .sharded_param import ParamRecords
@@ -48,7 +49,7 @@ class FlatGroup:
         records: ParamRecords,
         buffers: ReusableBuffers,
         resident: bool = True,
-        shard_home: Optional[Callable[[torch.Tensor], Any]] = None,
+        shard_home: Optional[Callable[[torch.Tensor], ShardHome]] = None,
         gather_codec: Optional[Codec] = None,
     ):
         if layout.shard_count not in (1, shard_group.size):
@@ -71,7 +72,7 @@ class FlatGroup:
         lo, hi = layout.shard_range(self.shard_rank)
         self.buffer: Optional[torch.Tensor] = None  # the gathered parameters (None while sharded)
         self._gather: Optional[comm.Pending] = None
-        self.home = None
+        self.home: Optional[ShardHome] = None
         self.shard: Optional[torch.Tensor]
         if resident:
             self.shard = full[lo:hi]

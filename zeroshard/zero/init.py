@@ -215,7 +215,7 @@ def has_meta_parameters(module: nn.Module) -> bool:
 class Materializer:
     """Materializes meta parameters on demand, one owning module at a time (see the module docstring): with
     their initial values, or read from ``source`` (pretrained weights: an object with ``names`` and
-    ``read(name)``, see :mod:`zeroshard.inference.weights`), so each rank reads what it needs itself and keeps
+    ``read(name)``, see :mod:`zeroshard.checkpoint.weights`), so each rank reads what it needs itself and keeps
     only its shard once the flat group is built."""
 
     def __init__(self, root: nn.Module, device: torch.device, seed: int, source: Any = None):

@@ -18,7 +18,6 @@ import torch
 from .. import comm
 from ..optim import OneBitOptimizer
 from ..precision import LossScaler
-from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .optimizer_state import OptimizerState
 from .reducer import GradientReducer, Reduction
@@ -42,7 +41,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer_state: OptimizerState,
         reducer: GradientReducer,
         loss_scaler: LossScaler,
-        buffers: ReusableBuffers,
         *,
         frozen_groups: Optional[list[FlatGroup]] = None,
         norm_group: Optional[comm.Group],
@@ -53,7 +51,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer_state = optimizer_state
         self.reducer = reducer
         self.loss_scaler = loss_scaler
-        self.buffers = buffers  # gathered units and gradient staging (the flat groups and buckets draw from it)
         self.frozen_groups = frozen_groups or []  # stage 3: sharded parameters without gradients (never stepped)
         self.norm_group = norm_group  # the group whose shards make up the gradient (None: replicated, stage 0)
         self.gradient_clipping = gradient_clipping
@@ -93,7 +90,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if self.reducer.reduction is Reduction.LOCAL
                 else "gradients reduce-scattered 1-bit compressed with error feedback"
             )
-            if comm.get_rank() == 0:  # zeroshard's logger (zeroshard.runtime.log formats it)
+            if comm.get_rank() == 0:  # zeroshard's logger (zeroshard.log formats it)
                 logging.getLogger("zeroshard").info(
                     f"{type(optimizer).__name__}: exact warm-up done after {optimizer.steps_taken()} updates; from "
                     f"global step {self.compressed_from}: {how}"
@@ -243,40 +240,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.publish()
 
-    def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
-        """Bytes of model state this rank holds per location (``device``, ``host``, ``nvme``) and role,
-        counted from the tensors (and swap-file regions) themselves."""
-        roles = (
-            "params",
-            "gathered",
-            "master",
-            "grad_shard",
-            "staging",
-            "idle_buffers",
-            "optimizer_state",
-            "compression_error",
-        )
-        totals = {where: dict.fromkeys(roles, 0) for where in ("device", "host", "nvme")}
-        parts = [flat.bytes_held() for flat in [*self.flat_groups, *self.frozen_groups]]
-        parts.append(self.reducer.bytes_held(self.optimizer_state.location))
-        parts.append(self.optimizer_state.bytes_held())
-        if isinstance(self.optimizer, OneBitOptimizer):
-            parts.append({"compression_error": {"device": self.optimizer.compression_bytes()}})
-        for part in parts:
-            for role, places in part.items():
-                for where, nbytes in places.items():
-                    totals[where][role] += nbytes
-        totals["device"]["idle_buffers"] += self.buffers.idle_bytes  # reusable, not in use between steps
-        every = [*self.flat_groups, *self.frozen_groups]
-        pools = {id(flat.home.pool): flat.home.pool for flat in every if hasattr(flat.home, "pool")}
-        totals["host"]["params"] += sum(pool.bytes_in_memory for pool in pools.values())
-        return totals
-
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes of model state this rank holds per role, wherever it lives."""
-        by_location = self.state_bytes_by_location()
-        return {role: sum(places[role] for places in by_location.values()) for role in by_location["device"]}
-
     # -- per-flat-group state, for checkpoints (``zeroshard.checkpoint.view.ShardedOptimizer``) ----------
     @property
     def kind(self) -> str:
@@ -297,11 +260,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def flat_param_group(self, index: int) -> int:
         """The optimizer parameter group of flat group ``index``."""
         return self.optimizer_state.group_of_flat[index]
-
-    @property
-    def swapper(self):
-        """The NVMe swapper of the optimizer state, or None when it is not on NVMe."""
-        return getattr(self.optimizer_state, "swapper", None)
 
     def flat_state_keys(self, index: int) -> list[str]:
         return self.optimizer_state.state_keys(index)

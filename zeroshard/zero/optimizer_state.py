@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import comm
-from ..offload import MASTER, OffloadPlan, SubGroup, elementwise_keys
+from ..offload import MASTER, OffloadPlan, SubGroup, elementwise_keys, optimizer_swapper
 from ..optim import Lamb, OneBitOptimizer, ShardedNorms
 from .flat_group import FlatGroup
 
@@ -265,7 +265,7 @@ class NvmeState(HostState):
 
     def __init__(self, flats: list[FlatGroup], *args, offload: OffloadPlan, synchronize: Callable[[], None], **kwargs):
         largest = max((flat.layout.shard_numel for flat in flats), default=1)
-        self.swapper = offload.optimizer_swapper(min(largest, offload.sub_group_size), synchronize)
+        self.swapper = optimizer_swapper(offload, min(largest, offload.sub_group_size), synchronize)
         super().__init__(flats, *args, sub_group_size=offload.sub_group_size, pin_memory=offload.pin_memory, **kwargs)
         if any(self.optimizer.state.values()):
             raise ValueError(

@@ -4,17 +4,19 @@ from the one step that allocates them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from .. import comm
 from ..comm.compression import INT4, INT8, Codec
+from ..offload import ShardHome
 from ..offload.param_store import QuantizedShard
 from ..partition import FlatLayout, assign_buckets, flat_layout
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .sharded_param import ParamRecords
+from .stage3.units import UnitPlan, plan_units
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,56 @@ def plan_layouts(
     ]
 
 
+@dataclass(frozen=True)
+class ModelPlan:
+    """Everything decided about one model before anything is allocated: the stage's policy, the gather units
+    (stage 3), the parameters that stay gathered, the flat groups (trainable ones in reduction order, then stage 3's
+    frozen ones) and their layouts. The engine allocates from it; ``zeroshard.estimate`` counts bytes from it."""
+
+    stage: StagePolicy
+    units: list[UnitPlan]  # stage 3: the gather units, the root first; [] below stage 3
+    persistent: frozenset  # stage 3: parameters small enough to stay gathered
+    trainable: list[FlatGroupPlan]
+    frozen: list[FlatGroupPlan]
+    layouts: list[FlatLayout]  # trainable, then frozen
+    shard_count: int  # shards per flat group: the shard group's size, or 1 at stage 0
+
+    @property
+    def flat_groups(self) -> list[FlatGroupPlan]:
+        return [*self.trainable, *self.frozen]
+
+
+def plan_model(
+    model: torch.nn.Module,
+    param_groups: list[dict],
+    zero_config,
+    shard_count: int,
+    gather_unit_classes: frozenset = frozenset(),
+) -> ModelPlan:
+    """Plan ``model``'s flat groups for ``param_groups`` under ``zero_config`` (the ``zero_optimization`` block) with
+    shard groups of ``shard_count`` ranks; ``gather_unit_classes`` adds to the block's unit classes (stage 3)."""
+    z = zero_config
+    stage = StagePolicy.for_stage(z.stage)
+    param_names = {p: name for name, p in model.named_parameters()}
+    unknown = [p for g in param_groups for p in g["params"] if p not in param_names]
+    if unknown:
+        raise ValueError(
+            f"{len(unknown)} optimizer parameter(s) (first shape {tuple(unknown[0].shape)}) "
+            "are not parameters of the model"
+        )
+    unit_plans, persistent = [], frozenset()
+    if stage.partition_params:
+        classes = frozenset(z.gather_unit_classes) | gather_unit_classes
+        unit_plans = plan_units(model, classes, z.gather_unit_min_params)
+        persistent = frozenset(p for p in model.parameters() if p.numel() < z.param_persistence_threshold)
+    units = [u.params for u in unit_plans]
+    trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent)
+    frozen = plan_frozen_groups(units, persistent) if stage.partition_params else []
+    count = shard_count if stage.partition_optimizer else 1
+    layouts = plan_layouts([*trainable, *frozen], param_names, count)
+    return ModelPlan(stage, unit_plans, persistent, trainable, frozen, layouts, count)
+
+
 def build_flat_groups(
     plans: list[FlatGroupPlan],
     layouts: list[FlatLayout],
@@ -132,7 +184,7 @@ def build_flat_groups(
     device: torch.device,
     records: ParamRecords,
     buffers: ReusableBuffers,
-    shard_home: Optional[Callable[[torch.Tensor], Any]] = None,
+    shard_home: Optional[Callable[[torch.Tensor], ShardHome]] = None,
     materialize: Optional[Callable[[list[torch.nn.Parameter]], None]] = None,
     quantized: QuantizedComm = QuantizedComm(),
 ) -> list[FlatGroup]:

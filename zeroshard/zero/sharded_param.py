@@ -88,9 +88,9 @@ class ZeroParameter(torch.nn.Parameter):
         return self._records.full_shape(self).numel()
 
     @property
-    def ds_status(self) -> "ZeroParamStatus":
+    def ds_status(self) -> "Availability":
         """Whether the data is present (gathered) now."""
-        return ZeroParamStatus.NOT_AVAILABLE if self._records.has_no_data(self) else ZeroParamStatus.AVAILABLE
+        return Availability.NOT_AVAILABLE if self._records.has_no_data(self) else Availability.AVAILABLE
 
     @property
     def ds_id(self) -> int:
@@ -263,20 +263,10 @@ def records_of(param: torch.nn.Parameter) -> Optional[ParamRecords]:
     return param._records if isinstance(param, ZeroParameter) else None
 
 
-class ZeroParamStatus(Enum):
-    """DeepSpeed's names for whether a stage-3 parameter's data is present."""
+class Availability(Enum):
+    """Whether a stage-3 parameter's data is present (DeepSpeed's ``ZeroParamStatus``: the members keep its names, and
+    ``ds_status`` answers with them)."""
 
     AVAILABLE = 1
     NOT_AVAILABLE = 2
     INFLIGHT = 3
-
-
-def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    """DeepSpeed's way to make a module gather a parameter another module registers. zeroshard gathers by gather
-    unit: a parameter used by a module other than its owner must belong to a unit that contains both, so this is
-    refused with the way to get that, rather than accepted and ignored."""
-    raise NotImplementedError(
-        f"zero.register_external_parameter({type(module).__name__}, ...): zeroshard gathers a parameter with the "
-        "gather unit of the module that registers it. Make a module that contains both the user and the owner a "
-        "gather unit (zero_optimization.gather_unit_classes), or register the parameter on the module that uses it"
-    )

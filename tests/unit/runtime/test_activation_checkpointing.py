@@ -1,11 +1,10 @@
-"""zeroshard.checkpointing (DeepSpeed's activation-checkpointing API) on one process."""
+"""zeroshard.runtime.activation_checkpointing (DeepSpeed's activation-checkpointing API) on one process."""
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import zeroshard
-from zeroshard import checkpointing
+from zeroshard.runtime import activation_checkpointing as checkpointing
 from zeroshard.testing.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=128, block_size=64, n_layer=4, n_head=4, n_embd=64)
@@ -50,7 +49,7 @@ def test_configure_reads_the_config_block_and_keywords_override_it():
     assert checkpointing.is_configured()
     from zeroshard.runtime import activation_checkpointing as ac
 
-    assert ac._options == ac.CheckpointingOptions(cpu_checkpointing=True, profile=False, number_checkpoints=4)
+    assert ac._configured == ac.CheckpointingOptions(cpu_checkpointing=True, profile=False, number_checkpoints=4)
     checkpointing.reset()
     assert not checkpointing.is_configured()
 
@@ -95,6 +94,28 @@ def test_recomputation_gives_the_same_gradients_and_keeps_only_block_inputs(opti
 def test_the_deepspeed_names_are_the_same_functions():
     from zeroshard.compat.deepspeed import checkpointing as ds
 
-    assert ds.checkpoint is zeroshard.checkpointing.checkpoint
+    assert ds.checkpoint is checkpointing.checkpoint
     assert ds.non_reentrant_checkpoint is ds.checkpoint
     assert ds.configure is checkpointing.configure and ds.reset is checkpointing.reset
+
+
+def test_an_engines_options_apply_inside_its_forward_only():
+    """What ``in_effect`` sets (an engine's config block) wins over ``configure`` inside it, and only there."""
+    checkpointing.configure(checkpoint_in_cpu=False, profile=False)
+    engine_options = checkpointing.options_from({"activation_checkpointing": {"profile": True}})
+    assert engine_options.profile and not engine_options.cpu_checkpointing
+    seen = []
+
+    def segment(x):
+        seen.append(checkpointing._engine_options.get() or checkpointing._configured)
+        return x * x  # saves x: backward recomputes it
+
+    x = torch.ones(2, requires_grad=True)
+    with checkpointing.in_effect(engine_options):
+        checkpointing.checkpoint(segment, x).sum().backward()
+    checkpointing.checkpoint(segment, x).sum().backward()
+    assert [o.profile for o in seen] == [True, True, False, False]  # forward and recomputation each
+    checkpointing.reset()
+    assert not checkpointing.is_configured()
+    with checkpointing.in_effect(engine_options):
+        assert checkpointing.is_configured()

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from zeroshard.compat.deepspeed.zero import ZeroParamStatus
 from zeroshard.zero import GatheredParameters, Init, ShardedParameterError
-from zeroshard.zero.sharded_param import ZeroParamStatus
 
 
 def _model():

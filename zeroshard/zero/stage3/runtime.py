@@ -74,6 +74,7 @@ class Stage3Runtime:
         prefetch_numel: int,
         max_live_numel: int,
         fetch_ahead: int = 0,
+        prefetch_depth: int = 1,
     ):
         self.root_unit = root_unit
         self.units = units  # non-root, pre-order
@@ -81,6 +82,7 @@ class Stage3Runtime:
         self._saving: Optional[torch.autograd.graph.saved_tensors_hooks] = None  # see Note [saved views ...]
         self._saving_owner: Optional[torch.nn.Module] = None  # the module whose forward entered them
         self.prefetch_numel = prefetch_numel
+        self.prefetch_depth = prefetch_depth  # units gathered ahead at most (stage3_prefetch_depth)
         self.max_live_numel = max_live_numel
         self.fetch_ahead = fetch_ahead  # offloaded (NVMe) units whose shards are read ahead of their gather
         self.unit_of_flat = {f: u for u in [root_unit, *units] for f in u.flats}
@@ -128,18 +130,19 @@ class Stage3Runtime:
                 flat.free()
 
     def _prefetch(self, candidates: list[GatherUnit]) -> None:
-        """Issue gathers for the next units while the prefetch and live budgets allow, and start reading
-        the shards of the ones after that from NVMe."""
-        issued = 0
-        pending = [u for u in candidates if u.sharded]
-        gathered = 0
-        for unit in pending:
+        """Issue gathers for the next units while the prefetch depth and the prefetch and live budgets allow, and
+        start reading the shards of the ones after that from NVMe."""
+        issued, window = 0, candidates[: self.prefetch_depth]
+        beyond = len(window)  # where the gathers stopped
+        for index, unit in enumerate(window):
+            if not unit.sharded:
+                continue  # gathered, or its gather already in flight
             if issued + unit.numel > self.prefetch_numel or self.live_numel + unit.numel > self.max_live_numel:
+                beyond = index
                 break
             self._gather(unit, async_op=True)
             issued += unit.numel
-            gathered += 1
-        for unit in pending[gathered : gathered + self.fetch_ahead]:  # beyond the gather budget: disk reads
+        for unit in [u for u in candidates[beyond:] if u.sharded][: self.fetch_ahead]:  # disk reads beyond
             for flat in unit.flats:
                 flat.fetch()
 

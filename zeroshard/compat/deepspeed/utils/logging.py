@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from zeroshard import comm
-from zeroshard.runtime.log import logger
+from zeroshard.log import logger
 
 
 def log_dist(message: str, ranks: Optional[list[int]] = None, level: int = 20) -> None:

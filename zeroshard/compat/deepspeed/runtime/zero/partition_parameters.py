@@ -3,8 +3,8 @@
 import torch
 
 from zeroshard.accelerator import get_accelerator
+from zeroshard.compat.deepspeed.zero import ZeroParamStatus, register_external_parameter
 from zeroshard.zero import GatheredParameters, Init
-from zeroshard.zero.sharded_param import ZeroParamStatus, register_external_parameter
 
 _orig_torch_arange = torch.arange
 

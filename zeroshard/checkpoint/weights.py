@@ -1,4 +1,4 @@
-"""Where inference weights come from, read one slice at a time so a rank holds only its own shards.
+"""Where weights come from (``pretrained=``, TP inference), read one slice at a time so a rank holds only its shards.
 
 A source answers ``read(name, dim, start, stop)``: the tensor ``name`` narrowed to [start, stop) along
 ``dim`` (the whole tensor when ``dim`` is None). Safetensors files read only the slice's bytes when
@@ -15,8 +15,9 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointError, CheckpointTensors, Reader
-from ..checkpoint.manifest import plain_name
+from .consolidate import CheckpointTensors
+from .manifest import plain_name
+from .safetensors_io import CheckpointError, Reader
 
 
 class WeightSource:

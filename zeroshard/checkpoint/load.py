@@ -1,0 +1,302 @@
+"""Loading a checkpoint saved at any world size and stage into an engine's training state (see ``save.py`` for the
+format): everything is read and verified before anything collective happens, then the ranks agree
+(``agreement.py``); :func:`load` returns what it restored."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import warnings
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from .. import comm
+from ..log import log_rank0
+from .agreement import agree_on_load
+from .client_state import read_client_tensors, restore_client_state
+from .manifest import Piece, piece_dtype, rank_file
+from .reading import Sources, assemble, read_manifest, resolve_tag
+from .safetensors_io import CheckpointError
+from .save import frozen_groups, outside_tensors
+from .view import TrainingState
+
+
+class Restored(NamedTuple):
+    """What :func:`load` restored: the checkpoint's path (None: nothing to load), its client state, and one line per
+    part restored beyond the weights (counters, loss scale, optimizer, scheduler, sampler, RNG, ...)."""
+
+    path: Optional[str]
+    client_state: Optional[dict]
+    restored: list[str]
+
+
+def _unscalar(entry: dict, device) -> Any:
+    if entry["tensor"]:
+        return torch.tensor(entry["value"], dtype=getattr(torch, entry["dtype"]), device=device)
+    return entry["value"]
+
+
+def load(
+    state: TrainingState,
+    load_dir: str,
+    tag: Optional[str] = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> Restored:
+    """Every rank calls it. Returns what it restored (``path`` None when there is nothing to load)."""
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        warnings.warn(f"no checkpoint to load in {load_dir} (no 'latest' file); starting from scratch", stacklevel=3)
+        return Restored(None, None, [])
+    path = os.path.join(load_dir, tag)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    manifest = read_manifest(path)
+    missing, unexpected = _check_params(state, manifest, load_module_strict)
+    if state.optimizer is not None and load_optimizer_states and not load_module_only:
+        _check_optimizer(state.optimizer, manifest, path)
+    sources = Sources(path, manifest)
+    zero = state.optimizer
+    error: Optional[CheckpointError] = None
+    report: list[str] = []
+    client_state = None
+    try:  # reading and verifying issues no collective, so a rank that fails cannot strand the others
+        with torch.no_grad():
+            for k, flat in enumerate(zero.flat_groups if zero else []):
+                _load_flat(zero, k, flat, manifest, sources, load_optimizer_states and not load_module_only)
+            for flat in frozen_groups(state):
+                _load_frozen(flat, manifest, sources)
+            for name, entry in manifest["module_tensors"].items():
+                target = _module_tensor(state.module, name) if name not in unexpected else None
+                if target is not None:
+                    target.copy_(sources.read_whole(name, entry))
+            client_state = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest))
+            if not load_module_only:
+                report = _load_training_state(state, manifest, sources, load_optimizer_states, load_lr_scheduler_states)
+    except CheckpointError as err:
+        error = err
+    finally:
+        sources.close()
+    agree_on_load(state.grid.world, error, path)
+    if missing or unexpected:
+        report.append(
+            f"load_module_strict=False: kept as initialized (not in the checkpoint) {missing}; "
+            f"ignored (not in the model) {unexpected}"
+        )
+    log_rank0(f"load_checkpoint {path}: " + "; ".join(report or ["module weights restored"]))
+    if zero is not None:
+        with torch.no_grad():
+            zero.publish()  # the compute parameters follow the loaded master weights
+    return Restored(path, None if load_module_only else client_state, report)
+
+
+def _check_params(state: TrainingState, manifest: dict, strict: bool) -> tuple[list[str], list[str]]:
+    """Shapes must match; with ``strict`` the names too. Returns (missing from the checkpoint, not in the model)."""
+    mine = {n: tuple(p.shape) for n, p in state.module.named_parameters()}  # tied aliases appear once
+    saved = {n: tuple(e["shape"]) for n, e in manifest["params"].items()}
+    saved.update({n: tuple(e["shape"]) for n, e in manifest["module_tensors"].items()})
+    mine.update({n.removeprefix("module."): tuple(t.shape) for n, t in outside_tensors(state).items()})
+    wrong = [f"{n}: checkpoint {saved[n]} vs model {s}" for n, s in mine.items() if n in saved and saved[n] != s]
+    missing = sorted(set(mine) - set(saved) - set(manifest.get("excluded_frozen", [])))
+    unexpected = sorted(set(saved) - set(mine))
+    if not (wrong or (strict and (missing or unexpected))):
+        return missing, unexpected
+    raise CheckpointError(
+        "checkpoint does not match the model: "
+        + "; ".join(
+            filter(
+                None,
+                [
+                    f"shape mismatch {wrong}" if wrong else "",
+                    f"missing from checkpoint {missing}" if missing else "",
+                    f"not in model {unexpected}" if unexpected else "",
+                ],
+            )
+        )
+    )
+
+
+def _check_optimizer(zero, manifest: dict, path: str) -> None:
+    """The saved optimizer state must be this optimizer's: the same update rule, and hyperparameters of the types
+    this optimizer holds (checked before anything is restored, so a refused load changes nothing)."""
+    saved = manifest["optimizer"]
+    groups = saved["param_groups"]
+    advice = "; pass load_optimizer_states=False to load the weights (and counters) only"
+    if saved.get("type") is not None and saved["type"] != zero.kind:
+        raise CheckpointError(
+            f"{path}: the checkpoint holds {saved['type']} optimizer state, this engine's optimizer is {zero.kind}"
+            + advice
+        )
+    mine = [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups]
+    if saved.get("type") is None and groups and mine:  # older checkpoints: tell optimizers apart by their keys
+        theirs, ours = set(groups[0]), set(mine[0])
+        if theirs - ours and ours - theirs:
+            raise CheckpointError(
+                f"{path}: the checkpoint's optimizer has hyperparameters {sorted(theirs - ours)} that this engine's "
+                f"{zero.kind} lacks (and lacks its {sorted(ours - theirs)}): another optimizer" + advice
+            )
+    for i, (hyper, group) in enumerate(zip(groups, mine)):
+        for key, value in hyper.items():
+            if key in group and not _same_kind(value, group[key]):
+                raise CheckpointError(
+                    f"{path}: field 'optimizer.param_groups[{i}].{key}' is {value!r}; this optimizer holds "
+                    f"{group[key]!r} there"
+                )
+
+
+def _same_kind(saved: Any, current: Any) -> bool:
+    """A saved hyperparameter (JSON) can stand where the optimizer holds ``current``: numbers for finite numbers,
+    booleans for booleans, sequences of as many for tuples."""
+    if current is None:
+        return True
+    if isinstance(current, bool):
+        return isinstance(saved, bool)
+    if isinstance(current, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(current, (tuple, list)):
+        return (
+            isinstance(saved, list)
+            and len(saved) == len(current)
+            and all(_same_kind(s, c) for s, c in zip(saved, current))
+        )
+    if isinstance(current, str):
+        return isinstance(saved, str)
+    return True
+
+
+def _module_tensor(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
+    owner, _, leaf = name.rpartition(".")
+    sub = module.get_submodule(owner) if owner else module
+    return getattr(sub, leaf, None)
+
+
+def _load_flat(zero, index: int, flat, manifest: dict, sources: Sources, with_optimizer: bool) -> None:
+    """Replace one flat group's master shard (and optimizer state) with the saved values; a parameter the
+    checkpoint lacks (load_module_strict=False) keeps its current master weights and zero optimizer state."""
+    saved = manifest["params"]
+    pieces = {
+        slot.name: [Piece.from_json(p) for p in saved[slot.name]["pieces"]]
+        for slot in flat.layout.slots
+        if slot.name in saved
+    }
+    keys = ["master"]
+    if with_optimizer:
+        saved_keys = {k for g in manifest["optimizer"]["flat_groups"] for k in g["state_keys"]}
+        keys += [f"optim.{k}" for k in sorted(saved_keys)]
+    device = zero.state_device
+    targets = {key: torch.zeros(flat.layout.shard_numel, dtype=zero.master_dtype, device=device) for key in keys}
+    if len(pieces) < len(flat.layout.slots):
+        targets["master"].copy_(zero.read_flat(index)["master"])
+    for seg in flat.layout.segments(flat.shard_rank):
+        if seg.slot.name not in pieces:
+            continue
+        start = seg.flat_start - seg.slot.offset
+        for key in keys:
+            assemble(
+                sources,
+                pieces[seg.slot.name],
+                key,
+                piece_dtype(manifest, seg.slot.name, pieces[seg.slot.name][0].key),
+                start,
+                start + seg.numel,
+                targets[key][seg.shard_start : seg.shard_start + seg.numel],
+            )
+    scalars = {}
+    if with_optimizer:
+        group_index = zero.flat_param_group(index)
+        for saved in manifest["optimizer"]["flat_groups"]:
+            if saved["group"] == group_index:
+                scalars = {k: _unscalar(v, device) for k, v in saved["scalars"].items()}
+    zero.write_flat(index, {key.removeprefix("optim."): value for key, value in targets.items()}, scalars)
+
+
+def _load_frozen(flat, manifest: dict, sources: Sources) -> None:
+    """Replace a frozen flat group's shard with the saved values; a parameter the checkpoint lacks (saved with
+    exclude_frozen_parameters, or load_module_strict=False) keeps its current values."""
+    saved = manifest["params"]
+    target = flat.shard_values().clone()
+    for seg in flat.layout.segments(flat.shard_rank):
+        if seg.slot.name in saved:
+            pieces = [Piece.from_json(p) for p in saved[seg.slot.name]["pieces"]]
+            start = seg.flat_start - seg.slot.offset
+            out = target[seg.shard_start : seg.shard_start + seg.numel]
+            dtype = piece_dtype(manifest, seg.slot.name, "ff")
+            assemble(sources, pieces, "master", dtype, start, start + seg.numel, out)
+    flat.write_shard(0, target)
+    flat.finish_publish()
+
+
+def _load_training_state(
+    state: TrainingState, manifest: dict, sources: Sources, optimizer: bool, scheduler: bool
+) -> list[str]:
+    """Counters, loss scale, optimizer hyperparameters, sampler, scheduler and RNG; returns what was restored
+    and what was reset, for the load report."""
+    report = []
+    saved, counters = manifest["counters"], state.counters
+    counters.global_steps, counters.global_samples = saved["global_steps"], saved["global_samples"]
+    counters.skipped_steps = saved["skipped_steps"]
+    # resume at an accumulation boundary of *this* run, whose accumulation steps may differ
+    counters.micro_steps = counters.global_steps * state.gradient_accumulation_steps
+    report.append(f"restored step {counters.global_steps}")
+    saved_fp16 = bool(manifest["config"].get("fp16", {}).get("enabled", False))
+    zero = state.optimizer
+    if zero is not None and manifest["loss_scaler"] is not None:
+        scaler = zero.loss_scaler
+        if saved_fp16 and state.fp16:
+            try:
+                scaler.load_state_dict(manifest["loss_scaler"])
+            except ValueError as err:
+                raise CheckpointError(f"{sources.path}: field 'loss_scaler': {err}") from None
+            report.append(f"restored loss scale {scaler.scale:g}")
+        elif state.fp16:  # the checkpoint's scale (1.0) means nothing to an fp16 run
+            report.append(
+                f"reset loss scale to {scaler.scale:g} from the fp16 config (the checkpoint ran without fp16)"
+            )
+        elif saved_fp16:
+            report.append("dropped the checkpoint's fp16 loss scale (this run does not use fp16)")
+    if optimizer and zero is not None:
+        saved_groups = manifest["optimizer"]["param_groups"]
+        if len(saved_groups) != len(zero.param_groups):
+            raise CheckpointError(
+                f"checkpoint has {len(saved_groups)} optimizer parameter groups, "
+                f"the optimizer has {len(zero.param_groups)}"
+            )
+        for group, hyper in zip(zero.param_groups, saved_groups):
+            for key, value in hyper.items():
+                group[key] = tuple(value) if isinstance(value, list) and isinstance(group.get(key), tuple) else value
+        report.append("restored optimizer state" if any(manifest["optimizer"]["flat_groups"]) else "")
+    if state.sampler is not None and manifest.get("sampler"):
+        state.sampler.load_state_dict(manifest["sampler"])
+    if scheduler and state.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
+        state.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+    rank = comm.get_rank()
+    if manifest["world_size"] == state.grid.world.size:  # RNG streams are per rank: restore only same-size runs
+        file = rank_file(rank)
+        torch.set_rng_state(_rng_state(sources, file, "rng.cpu", torch.get_rng_state()))
+        if torch.cuda.is_available() and "rng.cuda" in manifest["files"][file]["crc"]:
+            torch.cuda.set_rng_state(_rng_state(sources, file, "rng.cuda", torch.cuda.get_rng_state()))
+        python_rng = manifest["python_rng"].get(str(rank))
+        try:
+            random.setstate((python_rng[0], tuple(python_rng[1]), python_rng[2]))
+        except (TypeError, ValueError, IndexError) as err:
+            raise CheckpointError(
+                f"{sources.path}: field 'python_rng.{rank}' is not a Python RNG state ({err})"
+            ) from None
+        report.append("restored RNG states")
+    else:
+        report.append(f"RNG states not restored (saved by {manifest['world_size']} ranks)")
+    return [line for line in report if line]
+
+
+def _rng_state(sources: Sources, file: str, key: str, current: torch.Tensor) -> torch.Tensor:
+    entry = sources.reader(file).entry(key)
+    if entry["dtype"] != "U8" or entry["shape"] != list(current.shape):
+        raise CheckpointError(
+            f"checkpoint file {sources.reader(file).path}: '{key}' is {entry['dtype']} {entry['shape']}, an RNG "
+            f"state is U8 {list(current.shape)}"
+        )
+    return sources.read(file, key, "uint8")

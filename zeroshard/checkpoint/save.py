@@ -1,0 +1,265 @@
+"""Saving an engine's full training state as a sharded, atomic, pickle-free checkpoint.
+
+Directory layout of ``save_dir``::
+
+    latest                      the tag of the newest complete checkpoint (replaced atomically, last)
+    <tag>/manifest.json         parameters -> pieces, optimizer scalars, counters, scaler, scheduler, config
+    <tag>/rankNNNNN.safetensors this rank's shards (fp32 master, optimizer state), RNG state, and on rank 0
+                                the tensors outside the flat groups (frozen parameters, buffers)
+
+A save is written into ``.<tag>.tmp``, every file fsynced, then committed (``commit.py``). Nothing outside the
+checksummed data is trusted on load (``load.py``): the manifest carries its own checksum and each file's header
+checksum, every piece is bounds-checked, and file names and tags must be plain names inside the checkpoint
+directory (``manifest.validate``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+from typing import Any, Optional
+
+import torch
+
+from .. import comm
+from .agreement import agree_on_write, ranks_agree
+from .client_state import json_ready, split_client_state
+from .commit import atomic_write_text, commit
+from .manifest import FORMAT, pieces_for, plain_name, rank_file, seal
+from .safetensors_io import write
+from .view import TrainingState
+
+
+def _scalar(value: Any) -> dict:
+    if torch.is_tensor(value):
+        return {"value": value.item(), "tensor": True, "dtype": str(value.dtype).removeprefix("torch.")}
+    return {"value": value, "tensor": False}
+
+
+def _writes_flat(state: TrainingState, flat) -> bool:
+    """One copy of each shard: replica 0 of a sharded group, rank 0 of a replicated one."""
+    if flat.partitioned:
+        return state.grid.replica.rank == 0 if state.grid.replica.size > 1 else True
+    return comm.get_rank() == 0
+
+
+def _writer_files(flat) -> list[str]:
+    if not flat.partitioned:
+        return [rank_file(0)]
+    return [rank_file(r) for r in flat.shard_group.ranks]  # replica 0's shard group is the first row
+
+
+def frozen_groups(state: TrainingState) -> list:
+    return state.optimizer.frozen_groups if state.optimizer else []
+
+
+def outside_tensors(state: TrainingState, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    """Frozen parameters (below stage 3) and buffers: not in any flat group, whole on every rank."""
+    flats = [*state.optimizer.flat_groups, *state.optimizer.frozen_groups] if state.optimizer else []
+    in_flats = {id(p) for f in flats for p in f.params}
+    out = {
+        f"module.{n}": p
+        for n, p in state.module.named_parameters()
+        if id(p) not in in_flats and not (exclude_frozen and not p.requires_grad)
+    }
+    for prefix, sub in state.module.named_modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and name not in sub._non_persistent_buffers_set:  # as state_dict() decides
+                out[f"module.{prefix + '.' if prefix else ''}{name}"] = buffer
+    return out
+
+
+def save(
+    state: TrainingState,
+    save_dir: str,
+    tag: Optional[str] = None,
+    client_state: Optional[dict] = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+    keep_replaced: bool = False,
+) -> str:
+    """Every rank calls it. Returns the checkpoint directory. ``exclude_frozen_parameters`` leaves parameters
+    without gradients out (a fine-tune's frozen base); loading such a checkpoint keeps the model's own values
+    for them and says so. ``keep_replaced``: an existing checkpoint of the same tag is moved aside (to
+    ``<tag>.replaced[.N]``, with a warning), not deleted: the engine asks for it when it would replace a step
+    checkpoint it did not write itself."""
+    tag = tag or f"global_step{state.counters.global_steps}"
+    if not isinstance(tag, str) or tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' and no leading '.')")
+    plain_name(tag, "checkpoint tag", save_dir)
+    client, client_tensors = split_client_state(client_state)
+    world, rank = state.grid.world, comm.get_rank()
+    tag = ranks_agree(save_dir, tag, world, state.config.checkpoint.tag_validation.lower())
+    tmp, final = os.path.join(save_dir, f".{tag}.tmp"), os.path.join(save_dir, tag)
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as err:
+            error = err
+    agree_on_write(world, error, save_dir, tmp)
+
+    frozen = [] if exclude_frozen_parameters else frozen_groups(state)
+    outside = outside_tensors(state, exclude_frozen_parameters)
+    try:
+        _write_rank_files(state, tmp, frozen, [*outside.items(), *client_tensors.items()] if rank == 0 else [])
+    except OSError as err:
+        error = err
+    agree_on_write(world, error, save_dir, tmp)
+
+    if rank == 0:
+        try:
+            manifest = seal(_manifest(state, tag, client, client_tensors, outside, frozen, tmp))
+            atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
+        except OSError as err:
+            error = err
+    agree_on_write(world, error, save_dir, tmp)
+    if rank == 0:
+        commit(save_dir, tag, save_latest, keep_replaced)
+    comm.barrier(world)
+    return final
+
+
+def _write_rank_files(state: TrainingState, tmp: str, frozen: list, others: list) -> None:
+    """This rank's tensor file (its shards of every flat group it writes, then ``others`` and its RNG state) and
+    the sidecar with the file's checksums, into the temporary checkpoint directory."""
+    zero = state.optimizer
+    flats = zero.flat_groups if zero else []
+    specs: list[tuple[str, torch.dtype, tuple]] = []
+    for k, flat in enumerate(flats):
+        if _writes_flat(state, flat):
+            for key in ["master", *zero.flat_state_keys(k)]:
+                name = "master" if key == "master" else f"optim.{key}"
+                specs.append((f"{name}.fg{k}", zero.master_dtype, (flat.layout.shard_numel,)))
+    for j, flat in enumerate(frozen):
+        if _writes_flat(state, flat):  # the compute-precision shard is a frozen parameter's only copy
+            specs.append((f"master.ff{j}", flat.dtype, (flat.layout.shard_numel,)))
+    others = [*others, ("rng.cpu", torch.get_rng_state())]
+    if torch.cuda.is_available():
+        others.append(("rng.cuda", torch.cuda.get_rng_state()))
+    specs += [(name, t.dtype, tuple(t.shape)) for name, t in others]
+
+    def tensors():  # one flat group's state in memory at a time (it may be read back from NVMe)
+        for k, flat in enumerate(flats):
+            if _writes_flat(state, flat):
+                saved = zero.read_flat(k)
+                yield f"master.fg{k}", saved.pop("master")
+                yield from ((f"optim.{key}.fg{k}", saved[key]) for key in sorted(saved))
+        for j, flat in enumerate(frozen):
+            if _writes_flat(state, flat):
+                yield f"master.ff{j}", flat.shard_values()
+        yield from others
+
+    rank = comm.get_rank()
+    path = os.path.join(tmp, rank_file(rank))
+    written = write(path, tensors(), specs)
+    sidecar = {
+        "crc": written.crcs,
+        "header_crc": written.header_crc,
+        "size": os.path.getsize(path),
+        "python_rng": random.getstate(),
+    }
+    atomic_write_text(os.path.join(tmp, rank_file(rank, ".json")), json.dumps(sidecar))
+
+
+def _aliases(module: torch.nn.Module) -> dict[str, str]:
+    """Second names of shared parameters (a tied LM head) -> the name they are saved under."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def _collect_sidecars(tmp: str, world_size: int) -> tuple[dict, dict]:
+    """Each rank's file checksums and Python RNG state (written beside its file), folded into the manifest."""
+    files, rng = {}, {}
+    for r in range(world_size):
+        path = os.path.join(tmp, rank_file(r, ".json"))
+        with open(path) as f:
+            side = json.load(f)
+        os.remove(path)
+        files[rank_file(r)] = {"size": side["size"], "header_crc": side["header_crc"], "crc": side["crc"]}
+        rng[str(r)] = side["python_rng"]
+    return files, rng
+
+
+def _sharded_entries(zero, frozen: list) -> tuple[dict[str, dict], list[dict]]:
+    """Where each parameter's pieces are (world-size independent: FQN, shape, pieces) and each flat group's
+    optimizer state keys and scalars. Frozen flat groups (stage 3) are saved like master shards, as ``ff<j>``."""
+    params: dict[str, dict] = {}
+    flat_groups = []
+    keyed = [(f"fg{k}", flat) for k, flat in enumerate(zero.flat_groups if zero else [])]
+    for key, flat in keyed + [(f"ff{j}", flat) for j, flat in enumerate(frozen)]:
+        for name, plist in pieces_for(flat.layout, key, _writer_files(flat)).items():
+            params.setdefault(name, {"pieces": []})["pieces"] += [p.to_json() for p in plist]
+        for slot, param in zip(flat.layout.slots, flat.params):
+            params[slot.name].update(shape=list(slot.shape), dtype=str(param.dtype).removeprefix("torch."))
+    for k in range(len(zero.flat_groups) if zero else 0):
+        flat_groups.append(
+            {
+                "group": zero.flat_param_group(k),
+                "state_keys": zero.flat_state_keys(k),
+                "scalars": {key: _scalar(v) for key, v in zero.flat_scalars(k).items()},
+            }
+        )
+    return params, flat_groups
+
+
+def _rank0_entries(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Tensors stored whole in rank 0's file, in their own dtype."""
+    return {
+        name: {"file": rank_file(0), "key": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        for name, t in tensors.items()
+    }
+
+
+def _manifest(
+    state: TrainingState,
+    tag: str,
+    client: dict,
+    client_tensors: dict[str, torch.Tensor],
+    outside: dict[str, torch.Tensor],
+    frozen: list,
+    tmp: str,
+) -> dict:
+    zero = state.optimizer
+    files, rng = _collect_sidecars(tmp, state.grid.world.size)
+    params, flat_groups = _sharded_entries(zero, frozen)
+    module_tensors = {name.removeprefix("module."): entry for name, entry in _rank0_entries(outside).items()}
+    scheduler = state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups] if zero else []
+    return {
+        "format": FORMAT,
+        "tag": tag,
+        "world_size": state.grid.world.size,
+        "stage": state.config.zero_optimization.stage,
+        "shard_group_size": state.grid.shard.size,
+        "counters": dataclasses.asdict(state.counters),
+        "loss_scaler": zero.loss_scaler.state_dict() if zero else None,
+        "lr_scheduler": json_ready(scheduler, "the lr scheduler's state_dict()"),
+        "optimizer": {
+            "param_groups": json_ready(hyper, "optimizer hyperparameters"),
+            "flat_groups": flat_groups,
+            **({"type": zero.kind} if zero else {}),
+        },
+        "params": params,
+        "module_tensors": module_tensors,
+        "excluded_frozen": [n.removeprefix("module.") for n in outside_tensors(state) if n not in outside]
+        + [slot.name for flat in frozen_groups(state) if flat not in frozen for slot in flat.layout.slots],
+        "files": files,
+        "python_rng": rng,
+        "aliases": {a: t for a, t in _aliases(state.module).items() if t in params or t in module_tensors},
+        "config": state.config.model_dump(mode="json"),
+        "client_state": client,
+        "client_tensors": _rank0_entries(client_tensors),
+        "sampler": state.sampler.state_dict() if state.sampler is not None else None,
+    }

@@ -1,0 +1,134 @@
+"""Model-state bytes from the engine's own plan (``zeroshard.zero.planning.plan_model``): parameters, gradient
+shards, master weights and optimizer state, gathered units and communication buffers, by where they live.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .result import MemoryEstimate
+
+
+class ModelState:
+    """The engine's flat-group plan for one rank, on a meta model."""
+
+    def __init__(self, model: nn.Module, cfg, policy, offload, shard_count: int):
+        from ..zero.planning import plan_model
+
+        z = cfg.zero_optimization
+        self.cfg, self.policy, self.offload = cfg, policy, offload
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+        planned = plan_model(model, groups, z, shard_count)  # the engine's own planning
+        self.stage, self.shard_count = planned.stage, planned.shard_count
+        self.plans, self.frozen_plans = planned.trainable, planned.frozen
+        self.layouts, self.frozen_layouts = planned.layouts[: len(self.plans)], planned.layouts[len(self.plans) :]
+        unit_of = {p: i for i, u in enumerate(planned.units) for p in u.params}
+        # gathered elements per unit (index 0: the root), trainable and frozen flat groups together
+        self.unit_numel: dict[int, int] = {}
+        for plan, layout in zip(self.plans + self.frozen_plans, self.layouts + self.frozen_layouts):
+            if not plan.resident:
+                index = unit_of[plan.params[0]]
+                self.unit_numel[index] = self.unit_numel.get(index, 0) + layout.padded_numel
+        in_flats = {p for plan in self.plans + self.frozen_plans for p in plan.params}
+        self.outside = sum(p.numel() for p in model.parameters() if p not in in_flats)
+        self.state_tensors = _optimizer_state_tensors(cfg, z.stage)
+
+    def count_model_state(self, out: MemoryEstimate) -> None:
+        from ..comm.compression import INT8
+        from ..zero.planning import QuantizedComm
+
+        compute = element_size(self.policy.compute)
+        grad = element_size(self.policy.grad)
+        opt_home = "host" if self.offload.optimizer_device == "cpu" else self.offload.optimizer_device
+        opt_home = "device" if opt_home == "none" else opt_home
+        param_home = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.offload.param_device]
+        fp32_aliased = self.policy.compute == torch.float32 and self.offload.optimizer_device == "none"
+        b = out.bytes
+        for plan, layout in zip(self.plans, self.layouts):
+            shard = layout.shard_numel
+            if plan.resident:
+                b["parameters"]["device"] += layout.padded_numel * compute
+            else:
+                b["parameters"][param_home] += shard * compute
+            master_aliased = fp32_aliased and (plan.resident or self.offload.param_device == "none")
+            if not master_aliased:
+                b["optimizer_state"][opt_home] += shard * 4
+            b["gradients"][opt_home] += shard * grad
+            b["optimizer_state"][opt_home] += shard * 4 * self.state_tensors
+        quantized = QuantizedComm.from_config(self.cfg.zero_optimization)
+        for plan, layout in zip(self.frozen_plans, self.frozen_layouts):
+            if quantized.keeps_int8(plan):  # zero_quantized_nontrainable_weights: int8 plus block scales
+                b["parameters"]["device"] += INT8.message_nbytes(layout.shard_numel)
+            else:
+                b["parameters"][param_home] += layout.shard_numel * compute
+        b["parameters"]["device"] += self.outside * compute
+
+    def count_compression(self, out: MemoryEstimate) -> None:
+        """A 1-bit optimizer's compression errors (Note [1-bit reduction]): at stage 0 the optimizer's, a worker
+        and a server error covering the flat group (4 bytes per parameter; 0/1 Adam two and its local updates:
+        12); at stages 1-3 each gradient bucket's, for the chunks this rank sends ((N-1)/N x 4 bytes)."""
+        copies = _compression_copies(self.cfg)
+        if not copies:
+            return
+        if self.stage.partition_optimizer:
+            errors = sum(layout.padded_numel - layout.shard_numel for layout in self.layouts)
+        else:
+            n = out.world_size
+            errors = copies * sum(-(-layout.padded_numel // n) * n for layout in self.layouts)
+        out.bytes["communication_buffers"]["device"] += 4 * errors
+        out.notes.append(f"1-bit compression errors: {4 * errors / max(out.params, 1):.2f} bytes per parameter")
+
+    def count_buffers(self, out: MemoryEstimate, gloo: bool) -> None:
+        """What ``ReusableBuffers`` holds at the busiest moment: gradient staging for the bucket being filled and
+        the one reduction in flight (``MAX_IN_FLIGHT``), the latter with Gloo's reduce-scatter scratch when it is
+        sharded; under stage 3 also the root unit, the running unit and the prefetched ones."""
+        from ..zero.reducer import MAX_IN_FLIGHT
+
+        compute, reduce = element_size(self.policy.compute), element_size(self.policy.reduce)
+        largest = max((layout.padded_numel for layout in self.layouts), default=0)
+        staging = (MAX_IN_FLIGHT + 1) * largest * reduce
+        scratch = 0
+        if gloo and self.shard_count > 1:  # the other ranks' chunks of this rank's part
+            scratch = MAX_IN_FLIGHT * largest // self.shard_count * (self.shard_count - 1) * reduce
+        out.bytes["communication_buffers"]["device"] += staging + scratch
+        if not self.stage.partition_params:
+            return
+        z = self.cfg.zero_optimization
+        sharded_units = [n for i, n in self.unit_numel.items() if i != 0]
+        unit = max(sharded_units, default=0)
+        ahead = min(
+            z.prefetch_depth,
+            z.prefetch_bucket_size // max(unit, 1),
+            max(z.max_live_parameters // max(unit, 1) - 1, 0),
+            max(len(sharded_units) - 1, 0),  # no more units ahead than the model has
+        )
+        gathered = self.unit_numel.get(0, 0) + (1 + ahead) * unit
+        out.bytes["gathered_units"]["device"] += gathered * compute
+
+
+def _compression_copies(cfg) -> int:
+    """fp32 copies of each flat group a 1-bit optimizer keeps after its warm-up, beyond its state: the compression
+    errors (worker + server: one copy per tensor compressed), and 0/1 Adam's summed local updates."""
+    name = cfg.optimizer.type.lower() if cfg.optimizer is not None else ""
+    return {"onebitadam": 1, "onebitlamb": 1, "zerooneadam": 3}.get(name, 0)
+
+
+def _optimizer_state_tensors(cfg, stage: int) -> int:
+    """How many per-element state tensors the configured optimizer keeps: stepped once on one element."""
+    from ..optim import build_optimizer
+
+    if cfg.optimizer is None:
+        return 2  # a client optimizer: Adam's two, the common case
+    param = nn.Parameter(torch.zeros(1))
+    param.grad = torch.zeros(1)
+    optimizer = build_optimizer(
+        cfg.optimizer.type, cfg.optimizer.params, [{"params": [param]}], zero_stage=stage, allow_untested=True
+    )
+    optimizer.step()
+    state = optimizer.state[param]
+    return sum(1 for v in state.values() if torch.is_tensor(v) and v.numel() == 1 and v.dim() > 0)
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
