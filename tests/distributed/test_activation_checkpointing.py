@@ -1,5 +1,5 @@
-"""Activation checkpointing through zeroshard.checkpointing (configured by the config block) and through a Hugging
-Face model's gradient_checkpointing_enable(), under ZeRO stages 0-3, on 2 Gloo ranks."""
+"""Activation checkpointing through activation_checkpointing.checkpoint (configured by the config block) and
+through a Hugging Face model's gradient_checkpointing_enable(), under ZeRO stages 0-3, on 2 Gloo ranks."""
 
 import torch
 
@@ -14,14 +14,16 @@ def stages_worker(steps: int) -> dict:
     """Each stage trains the example GPT with every block recomputed; the config block configures checkpointing."""
     import zeroshard
     from zeroshard import comm
+    from zeroshard.runtime import activation_checkpointing
 
     rank, out = comm.get_rank(), {}
     for stage in (0, 1, 2, 3):
         case = ParityCase(stage=stage, steps=steps, lr=1e-3, extra=tuple(BLOCK.items()))
-        zeroshard.checkpointing.reset()
+        activation_checkpointing.reset()
         model = recompute_blocks(make_model())
         engine, *_ = zeroshard.initialize(model=model, config=case.config())
-        assert zeroshard.checkpointing.is_configured()
+        options = engine.activation_checkpointing  # the block configures the engine's checkpointing
+        assert options.cpu_checkpointing and options.synchronize
         b = case.micro_batch
         for x, y in make_batches(steps, 2 * b):
             engine.backward(engine(x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]))

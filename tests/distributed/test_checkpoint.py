@@ -12,7 +12,7 @@ import torch
 
 from zeroshard.accelerator import host_peak_rss
 from zeroshard.testing import WorkerError, run_distributed
-from zeroshard.testing.parity import ParityCase, make_batches, make_model, model_error, reference_train
+from zeroshard.testing.parity import ParityCase, make_batches, make_model, model_error
 
 UNITS = (("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshold", 0))
 SCHEDULE = {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 1e-3}}
@@ -48,16 +48,18 @@ def optimizer_state(engine):
 
 
 def run_phase(cases, directory, phase):
+    """``straight``: each case trains uninterrupted, and a second engine trains the first steps and saves (one
+    spawn for both); ``load``: a fresh process resumes each saved case."""
     out = []
     for index, case in enumerate(cases):
         engine = build(case)
         path = os.path.join(directory, str(index))
         if phase == "straight":
             train(engine, range(STEPS), 4 * case.gas)
-        elif phase == "save":
-            train(engine, range(SPLIT), 4 * case.gas)
-            engine.save_checkpoint(path, client_state={"epoch": 1, "note": "halfway"})
-            continue
+            saver = build(case)
+            train(saver, range(SPLIT), 4 * case.gas)
+            saver.save_checkpoint(path, client_state={"epoch": 1, "note": "halfway"})
+            saver.destroy()
         else:
             loaded, client = engine.load_checkpoint(path)
             assert client == {"epoch": 1, "note": "halfway"} and loaded.endswith(f"global_step{SPLIT}")
@@ -95,7 +97,6 @@ ROUND_TRIP += [
 
 def test_resume_is_bit_identical_to_uninterrupted_training(tmp_path):
     straight = run_distributed(run_phase, 2, ROUND_TRIP, str(tmp_path), "straight")[0]
-    run_distributed(run_phase, 2, ROUND_TRIP, str(tmp_path), "save")
     resumed = run_distributed(run_phase, 2, ROUND_TRIP, str(tmp_path), "load")[0]
     for case, a, b in zip(ROUND_TRIP, straight, resumed):
         label = f"stage {case.stage} {case.dtype} {case.zero}"
@@ -138,14 +139,29 @@ RESHARD = [
     RESHARD,
     ids=["4xstage2-to-2xstage3", "4xstage2-to-1xstage0", "2xstage3-to-4xhybrid", "nvme-stage3-to-cpu-offload-stage1"],
 )
-def test_resharded_resume_matches_uninterrupted(tmp_path, save_world, save_case, load_world, load_case):
-    run_distributed(reshard_worker, save_world, save_case, str(tmp_path), "save")
-    got = run_distributed(reshard_worker, load_world, save_case, str(tmp_path), "load", load_case)[0]
-    expected = reference_train(ParityCase(stage=0, steps=STEPS, lr=1e-3, micro_batch=8), 1)
-    assert model_error({k: v.float() for k, v in got.items()}, _schedule_reference(expected)) <= 1e-5
+def test_resharded_resume_matches_uninterrupted(saved, save_world, save_case, load_world, load_case):
+    directory = saved(save_world, save_case)
+    got = run_distributed(reshard_worker, load_world, save_case, directory, "load", load_case)[0]
+    assert model_error({k: v.float() for k, v in got.items()}, _schedule_reference()) <= 1e-5
 
 
-def _schedule_reference(_unused):
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The checkpoint a (world, case) saves after the first steps, saved once for every load of it."""
+    directories = {}
+
+    def save(world: int, case: ParityCase) -> str:
+        key = (world, repr(case))
+        if key not in directories:
+            directory = str(tmp_path_factory.mktemp("reshard"))
+            run_distributed(reshard_worker, world, case, directory, "save")
+            directories[key] = directory
+        return directories[key]
+
+    return save
+
+
+def _schedule_reference():
     """Single-process reference with the same WarmupLR schedule (the engine's)."""
     from zeroshard.optim import build_schedule
 
@@ -418,15 +434,21 @@ def sampler_worker(directory, phase):
         if phase == "save" and len(seen) == 6:
             engine.save_checkpoint(directory)
             break
+    engine.destroy()
     return seen
 
 
+def sampler_straight_and_save_worker(directory):
+    """The uninterrupted epoch, and a run that saves after 6 samples, in one spawn."""
+    return sampler_worker(directory, "straight"), sampler_worker(directory, "save")
+
+
 def test_data_loader_position_resumes_mid_epoch(tmp_path):
-    straight = run_distributed(sampler_worker, 2, str(tmp_path), "straight")
-    first = run_distributed(sampler_worker, 2, str(tmp_path), "save")
+    both = run_distributed(sampler_straight_and_save_worker, 2, str(tmp_path))
     rest = run_distributed(sampler_worker, 2, str(tmp_path), "load")
     for rank in range(2):
-        assert first[rank] + rest[rank] == straight[rank]
+        straight, first = both[rank]
+        assert first + rest[rank] == straight
 
 
 def disk_full_worker(directory):

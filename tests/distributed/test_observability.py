@@ -34,12 +34,25 @@ def logging_worker(output_dir):
             engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
             engine.step()
         breakdown = engine.memory_breakdown()
-    return out.getvalue(), breakdown, engine.state_bytes()
+    sampling = {"after_report": engine._sampling_memory}
+    cfg["memory_breakdown"] = True  # DeepSpeed's key: the table with every report, sampling throughout
+    cfg.pop("csv_monitor")
+    again, *_ = zeroshard.initialize(model=make_model(), config=cfg)
+    sampling["log"] = io.StringIO()
+    with contextlib.redirect_stdout(sampling["log"]):
+        for x, y in make_batches(4, 2 * world):
+            again.backward(again(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+            again.step()
+    sampling["with_memory_breakdown"], sampling["log"] = again._sampling_memory, sampling["log"].getvalue()
+    return out.getvalue(), breakdown, engine.state_bytes(), sampling
 
 
 def test_logs_monitors_and_memory_breakdown(tmp_path):
     results = run_distributed(logging_worker, 2, str(tmp_path))
-    log, breakdown, state = results[0]
+    log, breakdown, state, sampling = results[0]
+    # samples only while a report is due; with memory_breakdown, throughout and a table with every report
+    assert not sampling["after_report"] and sampling["with_memory_breakdown"]
+    assert sampling["log"].count("model-state memory (MiB)") == 2
     assert results[1][0] == ""  # only rank 0 logs
     step_lines = [line for line in log.splitlines() if line.startswith("[zeroshard] step ")]
     assert len(step_lines) == 2, log

@@ -240,7 +240,9 @@ def test_cli_huge_layer_count_is_extended_linearly_and_exact_on_identical_blocks
     the estimate of the whole model."""
     from transformers import GPT2Config
 
-    from zeroshard.estimator.cli import extend as _extend, hf_config as _hf_config, hf_model as _hf_model
+    from zeroshard.estimator.cli import extend as _extend
+    from zeroshard.estimator.cli import hf_config as _hf_config
+    from zeroshard.estimator.cli import hf_model as _hf_model
 
     for layers in (128, 10**6):
         GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=300, n_positions=64).save_pretrained(

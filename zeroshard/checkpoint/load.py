@@ -19,7 +19,7 @@ from .client_state import read_client_tensors, restore_client_state
 from .manifest import Piece, piece_dtype, rank_file
 from .reading import Sources, assemble, read_manifest, resolve_tag
 from .safetensors_io import CheckpointError
-from .save import frozen_groups, outside_tensors
+from .save import outside_tensors
 from .view import TrainingState
 
 
@@ -66,9 +66,9 @@ def load(
     client_state = None
     try:  # reading and verifying issues no collective, so a rank that fails cannot strand the others
         with torch.no_grad():
-            for k, flat in enumerate(zero.flat_groups if zero else []):
+            for k, flat in enumerate(state.flat_groups):
                 _load_flat(zero, k, flat, manifest, sources, load_optimizer_states and not load_module_only)
-            for flat in frozen_groups(state):
+            for flat in state.frozen_groups:
                 _load_frozen(flat, manifest, sources)
             for name, entry in manifest["module_tensors"].items():
                 target = _module_tensor(state.module, name) if name not in unexpected else None

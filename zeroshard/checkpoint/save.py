@@ -52,14 +52,9 @@ def _writer_files(flat) -> list[str]:
     return [rank_file(r) for r in flat.shard_group.ranks]  # replica 0's shard group is the first row
 
 
-def frozen_groups(state: TrainingState) -> list:
-    return state.optimizer.frozen_groups if state.optimizer else []
-
-
 def outside_tensors(state: TrainingState, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
     """Frozen parameters (below stage 3) and buffers: not in any flat group, whole on every rank."""
-    flats = [*state.optimizer.flat_groups, *state.optimizer.frozen_groups] if state.optimizer else []
-    in_flats = {id(p) for f in flats for p in f.params}
+    in_flats = {id(p) for f in [*state.flat_groups, *state.frozen_groups] for p in f.params}
     out = {
         f"module.{n}": p
         for n, p in state.module.named_parameters()
@@ -104,7 +99,7 @@ def save(
             error = err
     agree_on_write(world, error, save_dir, tmp)
 
-    frozen = [] if exclude_frozen_parameters else frozen_groups(state)
+    frozen = [] if exclude_frozen_parameters else state.frozen_groups
     outside = outside_tensors(state, exclude_frozen_parameters)
     try:
         _write_rank_files(state, tmp, frozen, [*outside.items(), *client_tensors.items()] if rank == 0 else [])
@@ -128,8 +123,7 @@ def save(
 def _write_rank_files(state: TrainingState, tmp: str, frozen: list, others: list) -> None:
     """This rank's tensor file (its shards of every flat group it writes, then ``others`` and its RNG state) and
     the sidecar with the file's checksums, into the temporary checkpoint directory."""
-    zero = state.optimizer
-    flats = zero.flat_groups if zero else []
+    zero, flats = state.optimizer, state.flat_groups
     specs: list[tuple[str, torch.dtype, tuple]] = []
     for k, flat in enumerate(flats):
         if _writes_flat(state, flat):
@@ -192,18 +186,18 @@ def _collect_sidecars(tmp: str, world_size: int) -> tuple[dict, dict]:
     return files, rng
 
 
-def _sharded_entries(zero, frozen: list) -> tuple[dict[str, dict], list[dict]]:
+def _sharded_entries(zero, flats: list, frozen: list) -> tuple[dict[str, dict], list[dict]]:
     """Where each parameter's pieces are (world-size independent: FQN, shape, pieces) and each flat group's
     optimizer state keys and scalars. Frozen flat groups (stage 3) are saved like master shards, as ``ff<j>``."""
     params: dict[str, dict] = {}
     flat_groups = []
-    keyed = [(f"fg{k}", flat) for k, flat in enumerate(zero.flat_groups if zero else [])]
+    keyed = [(f"fg{k}", flat) for k, flat in enumerate(flats)]
     for key, flat in keyed + [(f"ff{j}", flat) for j, flat in enumerate(frozen)]:
         for name, plist in pieces_for(flat.layout, key, _writer_files(flat)).items():
             params.setdefault(name, {"pieces": []})["pieces"] += [p.to_json() for p in plist]
         for slot, param in zip(flat.layout.slots, flat.params):
             params[slot.name].update(shape=list(slot.shape), dtype=str(param.dtype).removeprefix("torch."))
-    for k in range(len(zero.flat_groups) if zero else 0):
+    for k in range(len(flats)):
         flat_groups.append(
             {
                 "group": zero.flat_param_group(k),
@@ -233,7 +227,7 @@ def _manifest(
 ) -> dict:
     zero = state.optimizer
     files, rng = _collect_sidecars(tmp, state.grid.world.size)
-    params, flat_groups = _sharded_entries(zero, frozen)
+    params, flat_groups = _sharded_entries(zero, state.flat_groups, frozen)
     module_tensors = {name.removeprefix("module."): entry for name, entry in _rank0_entries(outside).items()}
     scheduler = state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups] if zero else []
@@ -254,7 +248,7 @@ def _manifest(
         "params": params,
         "module_tensors": module_tensors,
         "excluded_frozen": [n.removeprefix("module.") for n in outside_tensors(state) if n not in outside]
-        + [slot.name for flat in frozen_groups(state) if flat not in frozen for slot in flat.layout.slots],
+        + [slot.name for flat in state.frozen_groups if flat not in frozen for slot in flat.layout.slots],
         "files": files,
         "python_rng": rng,
         "aliases": {a: t for a, t in _aliases(state.module).items() if t in params or t in module_tensors},

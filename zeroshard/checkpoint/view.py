@@ -16,8 +16,6 @@ class ShardedOptimizer(Protocol):
     """The optimizer side of a checkpoint (``zeroshard.zero.ZeroOptimizer`` provides it): per flat group, this
     rank's master shard and elementwise optimizer state as tensors, the non-elementwise state as scalars."""
 
-    flat_groups: list  # zeroshard.zero.FlatGroup: layout, params, partitioned, shard_group, shard_rank
-    frozen_groups: list  # stage 3: flat groups of parameters without gradients (saved from their shards)
     loss_scaler: LossScaler
     master_dtype: torch.dtype
     state_device: torch.device  # where a flat group's loaded state is assembled
@@ -56,7 +54,9 @@ class TrainingState:
     grid: RankGrid
     config: Any  # zeroshard.config.ZeroshardConfig (saved in the manifest; its checkpoint block decides tags)
     counters: TrainingCounters
-    optimizer: Optional[ShardedOptimizer]
+    flat_groups: list  # zeroshard.zero.FlatGroup: the trainable ones, stepped by ``optimizer`` ([] without one)
+    frozen_groups: list  # stage 3: flat groups of parameters without gradients (saved from their shards)
+    optimizer: Optional[ShardedOptimizer]  # None: an engine built without one (no flat groups)
     lr_scheduler: Any  # state_dict / load_state_dict, or None
     sampler: Any  # zeroshard's resumable sampler (state_dict / load_state_dict), or None
     gradient_accumulation_steps: int

@@ -16,8 +16,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from .predict import estimate
 from .model_state import element_size
+from .predict import estimate
 from .result import CATEGORIES, LOCATIONS, MemoryEstimate
 
 # -- the command line: ``zeroshard estimate`` ------------------------------------------------------------------

@@ -7,6 +7,7 @@ checkpoint directories (one per ``ModelCheckpoint`` file name).
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -20,6 +21,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 import zeroshard
 from zeroshard import comm
+from zeroshard.log import log_to_stdout
 from zeroshard.zero import GatheredParameters, Init
 
 from . import config as configs
@@ -43,6 +45,10 @@ def join_process_group(strategy, backend: str, timeout: Optional[timedelta]) -> 
         }
     )
     comm.init_distributed(backend, timeout=timeout or comm.DEFAULT_TIMEOUT)
+    if not logging.root.handlers:
+        # Lightning prints its own INFO lines when the application configured no logging (its logger gets a
+        # stream handler then); zeroshard's lines under its strategies follow the same rule
+        log_to_stdout()
 
 
 class ZeroshardStrategy(DDPStrategy):

@@ -204,11 +204,14 @@ class _Segment:
         if self.options.synchronize:
             accel.synchronize()
         started = time.perf_counter()
-        out = self.function(*args)
-        if self.options.synchronize or self.options.profile:
-            accel.synchronize()
-        if self.options.profile:
-            phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
-            name = getattr(self.function, "__qualname__", type(self.function).__name__)
-            log_rank0(f"activation checkpoint {name}: {phase} {1e3 * (time.perf_counter() - started):.2f} ms")
-        return out
+        try:
+            return self.function(*args)
+        finally:
+            # also when torch stops a recomputation early (it raises inside the function once backward has
+            # every tensor it needs): the time spent recomputing is still logged
+            if self.options.synchronize or self.options.profile:
+                accel.synchronize()
+            if self.options.profile:
+                phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+                name = getattr(self.function, "__qualname__", type(self.function).__name__)
+                log_rank0(f"activation checkpoint {name}: {phase} {1e3 * (time.perf_counter() - started):.2f} ms")

@@ -211,7 +211,8 @@ class ZeroshardEngine(torch.nn.Module):
                 + ", ".join(f"{op} {t.calls} calls {t.wire_bytes / 1e6:.3f} MB sent" for op, t in compressed.items())
                 + f"; all collectives {self.comm_ledger.total_wire_bytes() / 1e6:.3f} MB sent"
             )
-        if not self._memory_reported:  # once: the model-state memory of every rank at start and at its peak
+        # the model-state memory of every rank at start and at its peak: once, or every report with memory_breakdown
+        if not self._memory_reported or self.settings.memory_breakdown:
             self._memory_reported = True
             log_rank0(format_table(self.memory_breakdown()))
             self._sampling_memory = self.settings.memory_breakdown
@@ -445,6 +446,8 @@ class ZeroshardEngine(torch.nn.Module):
             grid=self.grid,
             config=self.settings,
             counters=self.counters,
+            flat_groups=self.stack.flat_groups,
+            frozen_groups=self.stack.frozen_groups,
             optimizer=self.stack.optimizer,
             lr_scheduler=self.lr_scheduler,
             sampler=sampler if resumable else None,

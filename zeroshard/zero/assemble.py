@@ -108,7 +108,7 @@ class ZeroStack:
 
     def end_backward(self, graph_retained: bool = False) -> None:
         """After it: the remaining reductions are launched and finished, then (stage 3) what is still gathered is
-        freed, unless the graph is kept for another backward."""
+        freed (the hooks on this forward's outputs stay only when the graph is kept for another backward)."""
         self.reducer.end_backward()
         if self.stage3 is not None:
             self.stage3.end_backward(graph_retained=graph_retained)

@@ -119,3 +119,26 @@ def test_an_engines_options_apply_inside_its_forward_only():
     assert not checkpointing.is_configured()
     with checkpointing.in_effect(engine_options):
         assert checkpointing.is_configured()
+
+
+def test_profile_logs_the_forward_and_the_recomputation():
+    """torch stops a recomputation early by raising inside the function; its time is still logged."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("zeroshard")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        checkpointing.configure(profile=True)
+        layer = torch.nn.Linear(4, 4)
+        x = torch.randn(2, 4, requires_grad=True)
+        checkpointing.checkpoint(lambda t: torch.tanh(layer(t)) * 2, x).sum().backward()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    phases = [m.split(": ")[1].split()[0] for m in records if m.startswith("activation checkpoint")]
+    assert phases == ["forward", "recompute"], records
