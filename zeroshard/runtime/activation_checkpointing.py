@@ -53,20 +53,13 @@ _configured: Optional[CheckpointingOptions] = None  # what configure() set; None
 _engine_options: ContextVar[Optional[CheckpointingOptions]] = ContextVar("engine_checkpointing", default=None)
 
 
-def options_from(
-    deepspeed_config: Any = None,
-    mpu_: Any = None,
-    partition_activations: Optional[bool] = None,
-    contiguous_checkpointing: Optional[bool] = None,
-    num_checkpoints: Optional[int] = None,
-    checkpoint_in_cpu: Optional[bool] = None,
-    synchronize: Optional[bool] = None,
-    profile: Optional[bool] = None,
-) -> CheckpointingOptions:
+def options_from(deepspeed_config: Any = None, mpu_: Any = None, **given: Any) -> CheckpointingOptions:
     """The options a config's ``activation_checkpointing`` block (a path, a dict, a parsed config or the block)
-    sets, with the keyword arguments given overriding it (as in DeepSpeed); refuses what zeroshard lacks."""
+    sets, with ``configure``'s keyword arguments that are not None (``given``) overriding it, as in DeepSpeed;
+    refuses what zeroshard lacks."""
     block = _config_block(deepspeed_config)
-    if contiguous_checkpointing or (contiguous_checkpointing is None and block.contiguous_memory_optimization):
+    overrides = {k: v for k, v in given.items() if v is not None}
+    if overrides.get("contiguous_checkpointing", block.contiguous_memory_optimization):
         raise NotImplementedError(
             "activation checkpointing option contiguous_checkpointing (contiguous_memory_optimization) is not "
             "supported by zeroshard; leave it false"
@@ -76,16 +69,12 @@ def options_from(
             f"mpu_ reports {_model_parallel_size(mpu_)} model-parallel ranks; zeroshard trains without model "
             "parallelism, so activations cannot be partitioned across model-parallel ranks"
         )
-
-    def pick(given, from_block):
-        return from_block if given is None else given
-
     options = CheckpointingOptions(
-        cpu_checkpointing=bool(pick(checkpoint_in_cpu, block.cpu_checkpointing)),
-        synchronize=bool(pick(synchronize, block.synchronize_checkpoint_boundary)),
-        profile=bool(pick(profile, block.profile)),
-        partition_activations=bool(pick(partition_activations, block.partition_activations)),
-        number_checkpoints=pick(num_checkpoints, block.number_checkpoints),
+        cpu_checkpointing=bool(overrides.get("checkpoint_in_cpu", block.cpu_checkpointing)),
+        synchronize=bool(overrides.get("synchronize", block.synchronize_checkpoint_boundary)),
+        profile=bool(overrides.get("profile", block.profile)),
+        partition_activations=bool(overrides.get("partition_activations", block.partition_activations)),
+        number_checkpoints=overrides.get("num_checkpoints", block.number_checkpoints),
     )
     if options.partition_activations:
         log_rank0("activation checkpointing: partition_activations with one model-parallel rank keeps inputs whole")
@@ -108,12 +97,12 @@ def configure(
     _configured = options_from(
         deepspeed_config,
         mpu_,
-        partition_activations,
-        contiguous_checkpointing,
-        num_checkpoints,
-        checkpoint_in_cpu,
-        synchronize,
-        profile,
+        partition_activations=partition_activations,
+        contiguous_checkpointing=contiguous_checkpointing,
+        num_checkpoints=num_checkpoints,
+        checkpoint_in_cpu=checkpoint_in_cpu,
+        synchronize=synchronize,
+        profile=profile,
     )
 
 
