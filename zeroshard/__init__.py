@@ -15,15 +15,30 @@ Vocabulary used throughout the code:
   gradient-accumulation boundary.
 """
 
-from . import checkpoint, comm, estimator, inference, ops, zero
-from .comm import init_distributed
-from .compat import install_as_deepspeed
-from .estimator import estimate
-from .inference import init_empty_weights, init_inference
-from .log import log_to_stdout
-from .runtime import ZeroshardEngine, add_config_arguments, initialize
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
 
 __version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())  # a library configures no logging (see log.py)
+
+# The public names, imported on first use: ``import zeroshard`` costs nothing until one is touched, so the
+# ``zeroshard`` launcher (and ``--help``) starts without importing torch; torchrun's agent and the ranks import it.
+_EXPORTS = {
+    "ZeroshardEngine": "zeroshard.runtime",
+    "add_config_arguments": "zeroshard.runtime",
+    "initialize": "zeroshard.runtime",
+    "init_distributed": "zeroshard.comm",
+    "install_as_deepspeed": "zeroshard.compat",
+    "estimate": "zeroshard.estimator",
+    "init_empty_weights": "zeroshard.inference",
+    "init_inference": "zeroshard.inference",
+    "log_to_stdout": "zeroshard.log",
+}
+_SUBPACKAGES = ("checkpoint", "comm", "estimator", "inference", "ops", "zero")
 
 __all__ = [
     "ZeroshardEngine",
@@ -43,3 +58,18 @@ __all__ = [
     "log_to_stdout",
     "zero",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

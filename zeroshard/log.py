@@ -12,8 +12,7 @@ from typing import Union
 
 LEVEL_VARIABLE = "ZEROSHARD_LOG_LEVEL"  # set by the launcher for its ranks: their rank-0 lines go to stdout
 
-logger = logging.getLogger("zeroshard")
-logger.addHandler(logging.NullHandler())
+logger = logging.getLogger("zeroshard")  # its NullHandler is added by the package's __init__
 
 
 class _CurrentStdout(logging.StreamHandler):

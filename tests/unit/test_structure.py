@@ -159,3 +159,11 @@ def test_importing_zeroshard_configures_no_logging():
     env = {k: v for k, v in os.environ.items() if k != "ZEROSHARD_LOG_LEVEL"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "clean", out.stderr
+
+
+def test_the_launcher_starts_without_importing_torch():
+    """``import zeroshard`` is lazy and the launcher imports no torch: only torchrun's agent and the ranks pay for it
+    (every launch, restart and ``zeroshard --help``)."""
+    code = "import sys, zeroshard.launcher.cli; print([m for m in ('torch', 'pydantic') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

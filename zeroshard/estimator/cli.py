@@ -147,7 +147,7 @@ def _import(spec: str):
 def build_parser():
     import argparse
 
-    from ..config.arguments import bounded
+    from ..arguments import bounded
 
     parser = argparse.ArgumentParser(
         prog="zeroshard estimate",

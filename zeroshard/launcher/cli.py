@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from ..config.arguments import bounded
+from ..arguments import bounded
 from ..log import LEVEL_VARIABLE, log_to_stdout
 from .hostfile import parse_hostfile, select_resources
 from .multinode import LAUNCHERS, Job, agent_command, exported_environment, read_env_files, wait_for_master
