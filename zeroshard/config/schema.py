@@ -278,8 +278,8 @@ class CommsLoggerConfig(Section):
 
 
 class ActivationCheckpointingConfig(Section):
-    """Options of ``zeroshard.checkpointing`` (DeepSpeed's ``deepspeed.checkpointing``); ``initialize`` applies a
-    block given here, as ``configure(deepspeed_config=...)`` does."""
+    """Options of ``zeroshard.runtime.activation_checkpointing`` (DeepSpeed's ``deepspeed.checkpointing``): a block
+    given here is the engine's, in effect while its forward runs; ``configure(deepspeed_config=...)`` reads it too."""
 
     partition_activations: bool = False
     contiguous_memory_optimization: bool = refused(False, "contiguous activation buffers are not implemented")
