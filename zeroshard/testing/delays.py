@@ -14,5 +14,14 @@ def inject_delays(max_seconds: float, seed: int = 0) -> None:
     if max_seconds <= 0:
         DEFAULT_CONTEXT.pause = None
         return
-    rng = random.Random(seed * 1000 + get_rank())
-    DEFAULT_CONTEXT.pause = lambda: time.sleep(rng.uniform(0, max_seconds))
+    DEFAULT_CONTEXT.pause = RandomPause(max_seconds, random.Random(seed * 1000 + get_rank()))
+
+
+class RandomPause:
+    """A sleep of up to ``max_seconds``, drawn from this rank's generator: the comm context's ``pause`` hook."""
+
+    def __init__(self, max_seconds: float, rng: random.Random):
+        self.max_seconds, self.rng = max_seconds, rng
+
+    def __call__(self) -> None:
+        time.sleep(self.rng.uniform(0, self.max_seconds))

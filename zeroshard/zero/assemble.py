@@ -226,30 +226,8 @@ def build_zero_stack(
         records.own(flat, None)  # its compute-precision shard is its only copy
     codec = QuantizedComm.from_config(z).gradient_codec
     buckets = _gradient_buckets(flats, grid, placement, state.device, stage, buffers, codec)
-    stage3 = None
-    if plan.units:
-        root_unit, units = build_units(plan.units, buckets, frozen)
-        offload = placement.offload
-        stage3 = Stage3Runtime(
-            model,
-            root_unit,
-            units,
-            buffers,
-            z.prefetch_bucket_size,
-            z.max_live_parameters,
-            fetch_ahead=offload.param_buffer_count - 1 if offload.param_device is OffloadDevice.NVME else 0,
-            prefetch_depth=z.prefetch_depth,
-        )
-    reducer = GradientReducer(
-        buckets,
-        {p: name for name, p in model.named_parameters()},
-        grid.world,
-        reduce_every_micro_step=stage.reduce_every_micro_step,
-        overlap_comm=z.overlap_comm,
-        predivide=config.gradient_predivide_factor,
-        ignore_unused_parameters=z.ignore_unused_parameters,
-        on_bucket_complete=stage3.on_flat_group_complete if stage3 is not None else None,
-    )
+    stage3 = _stage3_runtime(model, plan, buckets, frozen, buffers, z, placement.offload) if plan.units else None
+    reducer = _reducer(model, buckets, grid, stage, config, stage3)
     optimizer = ZeroOptimizer(
         flats,
         state,
@@ -269,6 +247,36 @@ def build_zero_stack(
         optimizer=optimizer,
         stage3=stage3,
         shard_homes=homes,
+    )
+
+
+def _reducer(model, buckets, grid: comm.RankGrid, stage: StagePolicy, config, stage3) -> GradientReducer:
+    """The gradient hooks and reductions; under stage 3 a bucket's completion frees its unit (wired here)."""
+    z = config.zero_optimization
+    return GradientReducer(
+        buckets,
+        {p: name for name, p in model.named_parameters()},
+        grid.world,
+        reduce_every_micro_step=stage.reduce_every_micro_step,
+        overlap_comm=z.overlap_comm,
+        predivide=config.gradient_predivide_factor,
+        ignore_unused_parameters=z.ignore_unused_parameters,
+        on_bucket_complete=stage3.on_flat_group_complete if stage3 is not None else None,
+    )
+
+
+def _stage3_runtime(model, plan: ModelPlan, buckets, frozen, buffers, z, offload: OffloadPlan) -> Stage3Runtime:
+    """The hooks that gather and free the gather units, over their flat groups and gradient buckets."""
+    root_unit, units = build_units(plan.units, buckets, frozen)
+    return Stage3Runtime(
+        model,
+        root_unit,
+        units,
+        buffers,
+        z.prefetch_bucket_size,
+        z.max_live_parameters,
+        fetch_ahead=offload.param_buffer_count - 1 if offload.param_device is OffloadDevice.NVME else 0,
+        prefetch_depth=z.prefetch_depth,
     )
 
 

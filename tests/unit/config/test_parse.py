@@ -135,3 +135,15 @@ def test_json_file(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         parse_config(bad)
+
+
+@pytest.mark.parametrize("depth", [-1, 10**7, "two", float("nan"), 1.5, None])
+def test_stage3_prefetch_depth_refuses_what_is_not_a_unit_count(depth):
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        parse_config({"train_batch_size": 2, "zero_optimization": {"stage": 3, "stage3_prefetch_depth": depth}})
+
+
+def test_stage3_prefetch_depth_defaults_to_one_unit_and_takes_zero():
+    assert parse_config({"train_batch_size": 2}).zero_optimization.prefetch_depth == 1
+    zero = {"stage": 3, "stage3_prefetch_depth": 0}
+    assert parse_config({"train_batch_size": 2, "zero_optimization": zero}).zero_optimization.prefetch_depth == 0
