@@ -62,8 +62,6 @@ class ZeroStack:
         *,
         records: ParamRecords,
         buffers: ReusableBuffers,
-        flat_groups: list[FlatGroup],
-        frozen_groups: list[FlatGroup],
         reducer: Optional[GradientReducer],
         optimizer: Optional[ZeroOptimizer],
         stage3: Optional[Stage3Runtime],
@@ -71,8 +69,6 @@ class ZeroStack:
     ):
         self.records = records  # what is known of each (stage-3) parameter
         self.buffers = buffers  # gathered units and gradient staging, reused step after step
-        self.flat_groups = flat_groups  # trainable, in reduction order
-        self.frozen_groups = frozen_groups  # stage 3: sharded parameters without gradients
         self.reducer = reducer
         self.optimizer = optimizer  # the step's arithmetic (DeepSpeed's engine.optimizer)
         self.stage3 = stage3
@@ -84,8 +80,6 @@ class ZeroStack:
         return cls(
             records=ParamRecords(),
             buffers=ReusableBuffers(device),
-            flat_groups=[],
-            frozen_groups=[],
             reducer=None,
             optimizer=None,
             stage3=None,
@@ -142,6 +136,16 @@ class ZeroStack:
             self.stage3.destroy()
 
     # -- what it holds ------------------------------------------------------------------------
+    @property
+    def flat_groups(self) -> list[FlatGroup]:
+        """The trainable flat groups, in reduction order (the optimizer steps them)."""
+        return self.optimizer.flat_groups if self.optimizer is not None else []
+
+    @property
+    def frozen_groups(self) -> list[FlatGroup]:
+        """Stage 3: the flat groups of sharded parameters without gradients."""
+        return self.optimizer.frozen_groups if self.optimizer is not None else []
+
     @property
     def all_flat_groups(self) -> list[FlatGroup]:
         return [*self.flat_groups, *self.frozen_groups]
@@ -241,8 +245,6 @@ def build_zero_stack(
     return ZeroStack(
         records=records,
         buffers=buffers,
-        flat_groups=flats,
-        frozen_groups=frozen,
         reducer=reducer,
         optimizer=optimizer,
         stage3=stage3,
