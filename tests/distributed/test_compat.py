@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,47 +16,79 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "distributed" / "scripts" / "compat"
 
 
-def launch(*argv, timeout=300, env=None):
-    out = subprocess.run(
-        [sys.executable, "-m", "zeroshard", "--as_deepspeed", "--num_gpus", "2", *map(str, argv)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+def launch(*argv, env=None) -> subprocess.CompletedProcess:
+    """``zeroshard --as_deepspeed`` on 2 ranks; ``argv`` starting with ``torchrun``: torch's own launcher instead."""
+    if argv[0] == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv[1:]]
+    else:
+        command = [sys.executable, "-m", "zeroshard", "--as_deepspeed", "--num_gpus", "2", *argv]
+    return subprocess.run(list(map(str, command)), cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+
+def result(out: subprocess.CompletedProcess) -> dict:
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
-    return out
-
-
-def result(out) -> dict:
     line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_hf_trainer_trains_saves_and_resumes(tmp_path, stage):
-    first = result(launch(SCRIPTS / "hf_trainer.py", tmp_path, stage))
-    assert first["global_step"] == 4 and len(first["losses"]) == 4
-    saved = load_file(tmp_path / "final" / "model.safetensors")
-    gathered = torch.load(tmp_path / "final" / "gathered.pt")
-    assert saved.keys() <= gathered.keys() and len(saved) > 10
-    assert all(torch.equal(saved[k], gathered[k]) for k in saved)  # save_model wrote the gathered weights
-
-    resumed = result(launch(SCRIPTS / "hf_trainer.py", tmp_path, stage, "--resume"))
-    assert resumed["global_step"] == 4
-    assert resumed["losses"] == first["losses"]  # steps 3-4 after resuming from checkpoint-2 match the full run
-    again = load_file(tmp_path / "final-resumed" / "model.safetensors")
-    assert all(torch.equal(again[k], saved[k]) for k in saved)
-
-
-def test_hf_zero3_from_pretrained_loads_every_weight(tmp_path):
+def _save_tiny_gpt2(directory: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16, bos_token_id=0, eos_token_id=0)
-    GPT2LMHeadModel(config).save_pretrained(tmp_path)
-    out = launch(SCRIPTS / "hf_zero3_from_pretrained.py", tmp_path)
+    GPT2LMHeadModel(config).save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Every launched job the tests below read, two jobs at a time (one job alone leaves the cores idle about a
+    third of the time); a resumed run follows its first run. The processes, not their results: each test checks
+    its own jobs' exits."""
+    base = tmp_path_factory.mktemp("compat")
+    _save_tiny_gpt2(base / "pretrained")
+    bert = ["--checkpoint_dir", base / "bert", "--deepspeed_config", SCRIPTS / "bert_ds_config.json"]
+    cifar = ["--deepspeed", "--deepspeed_config", SCRIPTS / "cifar_ds_config.json"]
+    chains = {  # the longest first
+        "hf2": [[SCRIPTS / "hf_trainer.py", base / "hf2", 2], [SCRIPTS / "hf_trainer.py", base / "hf2", 2, "--resume"]],
+        "hf3": [[SCRIPTS / "hf_trainer.py", base / "hf3", 3], [SCRIPTS / "hf_trainer.py", base / "hf3", 3, "--resume"]],
+        "bert": [[SCRIPTS / "bert_mlm_style.py", *bert], [SCRIPTS / "bert_mlm_style.py", *bert, "--resume"]],
+        **{mode: [[SCRIPTS / "accelerate_train.py", mode, base / mode]] for mode in ("ddp", "ds2", "ds3")},
+        "pretrained": [[SCRIPTS / "hf_zero3_from_pretrained.py", base / "pretrained"]],
+        "cifar": [["torchrun", SCRIPTS / "cifar_style.py", *cifar]],
+    }
+    # no zeroshard launcher for cifar: ZEROSHARD_AS_DEEPSPEED=1, read at interpreter start by the installed .pth hook
+    env = {"cifar": {**os.environ, "ZEROSHARD_AS_DEEPSPEED": "1", "OMP_NUM_THREADS": "1"}}
+
+    def run_chain(name):
+        return [launch(*argv, env=env.get(name)) for argv in chains[name]]
+
+    with ThreadPoolExecutor(2) as pool:
+        outs = dict(zip(chains, pool.map(run_chain, chains)))
+    outs["dirs"] = {name: base / name for name in ("hf2", "hf3", "pretrained")}
+    return outs
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hf_trainer_trains_saves_and_resumes(launches, stage):
+    directory = launches["dirs"][f"hf{stage}"]
+    first_run, resumed_run = launches[f"hf{stage}"]
+    first = result(first_run)
+    assert first["global_step"] == 4 and len(first["losses"]) == 4
+    saved = load_file(directory / "final" / "model.safetensors")
+    gathered = torch.load(directory / "final" / "gathered.pt")
+    assert saved.keys() <= gathered.keys() and len(saved) > 10
+    assert all(torch.equal(saved[k], gathered[k]) for k in saved)  # save_model wrote the gathered weights
+
+    resumed = result(resumed_run)
+    assert resumed["global_step"] == 4
+    assert resumed["losses"] == first["losses"]  # steps 3-4 after resuming from checkpoint-2 match the full run
+    again = load_file(directory / "final-resumed" / "model.safetensors")
+    assert all(torch.equal(again[k], saved[k]) for k in saved)
+
+
+def test_hf_zero3_from_pretrained_loads_every_weight(launches):
+    (out,) = launches["pretrained"]
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
     assert "differing: []" in out.stdout and "compared 28 tensors" in out.stdout
 
 
@@ -146,38 +179,18 @@ def test_live_engine_answers_deepspeed_names(tmp_path):
     assert r0["client_best"] == 0.5 and r1["client_best"] == 0.5
 
 
-def test_cifar_style_deepspeed_script_runs_unmodified_under_torchrun_with_the_environment_variable():
+def test_cifar_style_deepspeed_script_runs_unmodified_under_torchrun_with_the_environment_variable(launches):
     """No zeroshard launcher: torchrun starts the ranks, ZEROSHARD_AS_DEEPSPEED=1 (read at interpreter start by the
     installed .pth hook) serves `import deepspeed`."""
-    env = {**os.environ, "ZEROSHARD_AS_DEEPSPEED": "1", "OMP_NUM_THREADS": "1"}
-    argv = ["--deepspeed", "--deepspeed_config", SCRIPTS / "cifar_ds_config.json"]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            SCRIPTS / "cifar_style.py",
-        ]
-        + argv,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
+    (out,) = launches["cifar"]
     run = result(out)
     assert run["steps"] == 16 and run["device"] == "cpu" and run["backend"] == "gloo"
     assert run["last4_mean_all_ranks"] < 0.92 * run["first"]  # it learns
     assert run["memory_allocated"] > 0
 
 
-def test_bert_style_script_saves_and_resumes_with_client_state(tmp_path):
-    args = ["--checkpoint_dir", tmp_path, "--deepspeed_config", SCRIPTS / "bert_ds_config.json"]
-    full = result(launch(SCRIPTS / "bert_mlm_style.py", *args))
-    resumed = result(launch(SCRIPTS / "bert_mlm_style.py", *args, "--resume"))
+def test_bert_style_script_saves_and_resumes_with_client_state(launches):
+    full, resumed = map(result, launches["bert"])
     assert full["global_steps"] == resumed["global_steps"] == 6
     assert resumed["losses"] == full["losses"][3:]  # the resumed run continues exactly (weights, Adam, RNG, data)
     client = resumed["client"]
@@ -185,12 +198,10 @@ def test_bert_style_script_saves_and_resumes_with_client_state(tmp_path):
     assert abs(client["best_loss"] - min(full["losses"][:3])) < 1e-5  # a tensor in client_state, stored unpickled
 
 
-def test_accelerate_deepspeed_plugin_matches_accelerate_ddp(tmp_path):
+def test_accelerate_deepspeed_plugin_matches_accelerate_ddp(launches):
     """Accelerate's own loop (accumulate, clip, save_state/load_state, get_state_dict) with DeepSpeedPlugin on
     zeroshard stages 2 and 3 against Accelerate's DDP path on the same data."""
-    runs = {
-        mode: result(launch(SCRIPTS / "accelerate_train.py", mode, tmp_path / mode)) for mode in ("ddp", "ds2", "ds3")
-    }
+    runs = {mode: result(launches[mode][0]) for mode in ("ddp", "ds2", "ds3")}
     assert runs["ddp"]["distributed_type"] == "DistributedType.MULTI_CPU"
     for mode in ("ds2", "ds3"):
         run = runs[mode]

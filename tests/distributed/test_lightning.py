@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,41 +17,85 @@ SCRIPTS = ROOT / "tests" / "distributed" / "scripts" / "lightning"
 TOLERANCE = 1e-5
 
 
-def run(*argv, cwd) -> dict:
-    out = subprocess.run(
+def start(*argv, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, str(SCRIPTS / argv[0]), *map(str, argv[1:])],
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
+
+
+def result(out: subprocess.CompletedProcess) -> dict:
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
 
 
+MIXED_PRECISION = [("class3", "16-mixed"), ("zeroshard_stage_3", "bf16-mixed")]
+CLI_FIT = [
+    "cli.py",
+    "fit",
+    "--trainer.accelerator=cpu",
+    "--trainer.devices=2",
+    "--trainer.strategy=zeroshard_stage_2_offload",
+    "--trainer.max_steps=2",
+    "--trainer.logger=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.enable_progress_bar=false",
+    "--optimizer.class_path=zeroshard.ops.adam.DeepSpeedCPUAdam",
+    "--optimizer.init_args.lr=0.01",
+]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One Lightning run per strategy (each a 2-process job), shared by the tests below."""
+    """Every Lightning run the tests below read (each a 2-process job started by Lightning's own launcher), two at
+    a time: one run alone leaves the cores idle about 40% of the time. The processes, not their results: each test
+    checks its own run's exit."""
     base = tmp_path_factory.mktemp("lightning")
-    plan = {
+    fits = {
+        "stage3": ["class3"],  # first: the resumed run starts from its checkpoint
         "ddp": ["ddp"],
         "stage2": ["zeroshard_stage_2"],
-        "stage3": ["class3"],
         "offload": ["zeroshard_stage_2_offload", "--cpu_adam"],
         "offload3": ["zeroshard_stage_3_offload", "--cpu_adam"],
     }
-    results = {name: run("train.py", base / name, *args, cwd=base) for name, args in plan.items()}
-    results["resumed"] = run(
-        "train.py", base / "resumed", "class3", "--resume", base / "stage3" / "ckpt" / "epoch=1-step=8.ckpt", cwd=base
-    )
-    results["dirs"] = {name: base / name for name in plan}
-    return results
+    jobs = {name: ["train.py", base / name, *args] for name, args in fits.items()}
+    jobs["config_optimizer"] = ["train.py", base / "config_optimizer", "ignored", "--config_optimizer", "--epochs", "2"]
+    for strategy, precision in MIXED_PRECISION:
+        jobs[f"{strategy}-{precision}"] = [
+            "train.py",
+            base / precision,
+            strategy,
+            "--precision",
+            precision,
+            "--epochs",
+            "2",
+        ]
+    jobs["fabric_ddp"] = ["fabric_train.py", base / "fabric_ddp", "ddp"]
+    jobs["fabric"] = ["fabric_train.py", base / "fabric", "zeroshard"]
+    jobs["cli"] = CLI_FIT
+    jobs["seed_onebit"] = ["seed_onebit.py", "200", "100"]
+    jobs["hostile"] = ["hostile_checkpoint.py", base / "cwd-hostile"]  # writes into an existing directory
+    resume = ["train.py", base / "resumed", "class3", "--resume", base / "stage3" / "ckpt" / "epoch=1-step=8.ckpt"]
+    with ThreadPoolExecutor(2) as pool:
+        started = {}
+        for name, argv in jobs.items():
+            (base / f"cwd-{name}").mkdir()
+            started[name] = pool.submit(start, *argv, cwd=base / f"cwd-{name}")
+        started["stage3"].result()
+        (base / "cwd-resumed").mkdir()
+        started["resumed"] = pool.submit(start, *resume, cwd=base / "cwd-resumed")
+        outs = {name: future.result() for name, future in started.items()}
+    outs["dirs"] = {name: base / name for name in fits}
+    return outs
 
 
 @pytest.mark.parametrize("name", ["stage2", "stage3", "offload", "offload3"])
 def test_trainer_matches_lightning_ddp(runs, name):
-    reference, mine = runs["ddp"], runs[name]
+    reference, mine = result(runs["ddp"]), result(runs[name])
     assert mine["initial_loss"] == pytest.approx(reference["initial_loss"], rel=TOLERANCE)
     assert mine["full_loss"] == pytest.approx(reference["full_loss"], rel=TOLERANCE)
     assert mine["full_loss"] < 0.7 * mine["initial_loss"]
@@ -60,8 +105,9 @@ def test_trainer_matches_lightning_ddp(runs, name):
 
 
 def test_resume_from_checkpoint_directory_continues_exactly(runs):
-    assert runs["resumed"]["global_step"] == 16
-    assert runs["resumed"]["full_loss"] == pytest.approx(runs["stage3"]["full_loss"], rel=TOLERANCE)
+    resumed = result(runs["resumed"])
+    assert resumed["global_step"] == 16
+    assert resumed["full_loss"] == pytest.approx(result(runs["stage3"])["full_loss"], rel=TOLERANCE)
 
 
 def _script_module():
@@ -80,7 +126,7 @@ def test_convert_then_load_from_checkpoint(runs, tmp_path):
     convert_zero_checkpoint_to_fp32_state_dict(str(final), str(tmp_path / "model.pt"))
     model = script.Regressor.load_from_checkpoint(tmp_path / "model.pt", weights_only=False)
     assert model.hparams.hidden == 16 and model.hparams.lr == 0.02
-    assert model.full_data_loss() == pytest.approx(runs["stage3"]["full_loss"], rel=TOLERANCE)
+    assert model.full_data_loss() == pytest.approx(result(runs["stage3"])["full_loss"], rel=TOLERANCE)
     weights = convert_zero_checkpoint_to_fp32_state_dict(str(final), str(tmp_path / "model.safetensors"))
     from safetensors.torch import load_file
 
@@ -88,20 +134,19 @@ def test_convert_then_load_from_checkpoint(runs, tmp_path):
     assert saved.keys() == weights.keys() and all(torch.equal(saved[k], model.state_dict()[k]) for k in saved)
 
 
-def test_optimizer_from_the_config_block(tmp_path):
-    out = run("train.py", tmp_path, "ignored", "--config_optimizer", "--epochs", "2", cwd=tmp_path)
+def test_optimizer_from_the_config_block(runs):
+    out = result(runs["config_optimizer"])
     assert out["full_loss"] < 0.9 * out["initial_loss"] and out["global_step"] == 8 and out["lr"] == 0.02
 
 
-@pytest.mark.parametrize("strategy,precision", [("class3", "16-mixed"), ("zeroshard_stage_3", "bf16-mixed")])
-def test_mixed_precision_trains(tmp_path, strategy, precision):
-    out = run("train.py", tmp_path, strategy, "--precision", precision, "--epochs", "2", cwd=tmp_path)
+@pytest.mark.parametrize("strategy,precision", MIXED_PRECISION)
+def test_mixed_precision_trains(runs, strategy, precision):
+    out = result(runs[f"{strategy}-{precision}"])
     assert out["full_loss"] < 0.9 * out["initial_loss"] and out["global_step"] == 8
 
 
-def test_fabric_trains_saves_and_loads_like_fabric_ddp(tmp_path):
-    reference = run("fabric_train.py", tmp_path / "ddp", "ddp", cwd=tmp_path)
-    mine = run("fabric_train.py", tmp_path / "zeroshard", "zeroshard", cwd=tmp_path)
+def test_fabric_trains_saves_and_loads_like_fabric_ddp(runs):
+    reference, mine = result(runs["fabric_ddp"]), result(runs["fabric"])
     for key in ("initial", "trained", "moved", "restored"):
         assert mine[key] == pytest.approx(reference[key], rel=TOLERANCE), key
     assert mine["trained"] < 0.8 * mine["initial"] and mine["moved"] != mine["trained"]
@@ -109,52 +154,31 @@ def test_fabric_trains_saves_and_loads_like_fabric_ddp(tmp_path):
     assert mine["step"] == 5 and mine["best"] == pytest.approx(mine["trained"])  # plain values and tensors too
 
 
-def test_lightning_cli_with_deepspeed_cpu_adam_class_path(tmp_path):
-    out = run(
-        "cli.py",
-        "fit",
-        "--trainer.accelerator=cpu",
-        "--trainer.devices=2",
-        "--trainer.strategy=zeroshard_stage_2_offload",
-        "--trainer.max_steps=2",
-        "--trainer.logger=false",
-        "--trainer.enable_checkpointing=false",
-        "--trainer.enable_progress_bar=false",
-        "--optimizer.class_path=zeroshard.ops.adam.DeepSpeedCPUAdam",
-        "--optimizer.init_args.lr=0.01",
-        cwd=tmp_path,
-    )
-    assert out == {"optimizer": "CPUAdam", "steps": 2}
+def test_lightning_cli_with_deepspeed_cpu_adam_class_path(runs):
+    assert result(runs["cli"]) == {"optimizer": "CPUAdam", "steps": 2}
 
 
-def test_the_seed_configuration_trains_with_1bit_adam(tmp_path):
+def test_the_seed_configuration_trains_with_1bit_adam(runs):
     """The seed's DeepSpeed dict (OneBitAdam with cuda_aware, WarmupLR, ZeRO 2 + CPU offload, fp16) through
     ``ZeroshardStrategy(config=...)``; freeze_step lowered to 100 so the 1-bit phase starts within 200 steps."""
-    out = subprocess.run(
-        [sys.executable, str(SCRIPTS / "seed_onebit.py"), "200", "100"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
-    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    losses = result["losses"]
-    assert result["global_step"] == 200 and result["optimizer"] == "OneBitAdam"
+    out = runs["seed_onebit"]
+    outcome = result(out)
+    losses = outcome["losses"]
+    assert outcome["global_step"] == 200 and outcome["optimizer"] == "OneBitAdam"
     assert sum(losses[-20:]) < 0.98 * sum(losses[:20])  # the loss falls over the run
     # 100 exact updates (fp16 overflow skips at the start do not count), then 1-bit from the next global step
-    assert result["compressed_from"] == 100 + result["skipped_steps"] + 1
-    ledger = result["ledger"]
+    assert outcome["compressed_from"] == 100 + outcome["skipped_steps"] + 1
+    ledger = outcome["ledger"]
     exact_calls, onebit_calls = ledger["reduce_scatter/shard"][0], ledger["reduce_scatter_1bit/shard"][0]
-    assert exact_calls == result["compressed_from"] - 1 and onebit_calls == 200 - exact_calls
+    assert exact_calls == outcome["compressed_from"] - 1 and onebit_calls == 200 - exact_calls
     assert "1-bit communication since start: reduce_scatter_1bit" in out.stdout  # the run logs the bytes
     assert out.stderr.count("have no effect") == 1  # cuda_aware: said once (rank 0) that it means nothing here
 
 
-def test_hostile_pickles_never_run_through_trainer_or_fabric(tmp_path):
+def test_hostile_pickles_never_run_through_trainer_or_fabric(runs):
     """Trainer.fit(ckpt_path=) passes weights_only=None, which once became weights_only=False: a pickle's
     __reduce__ ran. Fabric's load refuses a file outright."""
-    out = run("hostile_checkpoint.py", tmp_path, cwd=tmp_path)
+    out = result(runs["hostile"])
     assert out["ran"] is False, out
     assert out["trainer"].startswith("UnpicklingError: Weights only load failed"), out["trainer"]
     assert out["fabric"].startswith("ValueError: ") and "is a file" in out["fabric"], out["fabric"]

@@ -95,7 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _gpu_count() -> int:
+# where a GPU driver shows itself on Linux: NVIDIA (also in containers), AMD ROCm, NVIDIA under WSL2
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_count(driver_paths: Sequence[str] = GPU_DRIVER_PATHS) -> int:
+    """``torch.cuda.device_count()``. A Linux machine with none of the GPU drivers, or a Mac, has no CUDA device:
+    that answer needs no torch, whose import costs the launcher 2-3 s on every launch."""
+    if sys.platform == "darwin" or (
+        sys.platform.startswith("linux") and not any(os.path.exists(path) for path in driver_paths)
+    ):
+        return 0
     try:
         import torch
 
@@ -125,7 +135,7 @@ def check_process_count(nprocs: int, gpus: int, cores: int) -> Optional[str]:
 
 def _local_processes(args: argparse.Namespace) -> int:
     requested = args.num_gpus if args.num_gpus is not None else args.nproc_per_node
-    gpus = _gpu_count()
+    gpus = gpu_count()
     nprocs = max(gpus, 1) if requested is None else requested
     warning = check_process_count(nprocs, gpus, os.cpu_count() or 1)
     if warning:

@@ -33,16 +33,17 @@ def _worker(
     store: str,
     out_dir: str,
     comm_timeout_s: float,
-    env: dict[str, str],
+    environ: dict[str, str],
     args: tuple,
 ) -> None:
-    os.environ.update(env)
+    os.environ.clear()  # the caller's environment now, as a spawned process would get it (not the server's)
+    os.environ.update(environ)
     os.environ.update(
         {
             "RANK": str(rank),
             "WORLD_SIZE": str(world_size),
             "LOCAL_RANK": str(rank),
-            "ZEROSHARD_ACCELERATOR": env.get("ZEROSHARD_ACCELERATOR", "cpu"),
+            "ZEROSHARD_ACCELERATOR": environ.get("ZEROSHARD_ACCELERATOR", "cpu"),
         }
     )
     import torch
@@ -72,6 +73,21 @@ def _worker(
 
 RANK_THREADS = 1  # ranks share the machine's cores; the parity references use the same count (see parity.py)
 
+# Note [ranks forked from a preloaded server]: a spawned rank spends ~5 s of CPU importing torch and
+# torch._dynamo (which the first optimizer imports) before it runs a line of the test; over a suite's hundreds of
+# ranks that is most of its time on a small machine. The ranks are forked from multiprocessing's fork server,
+# which imports these once. Like spawned ranks, they start from a process that never ran a collective or touched
+# a GPU, get the caller's current environment and sys.path, and have fn and args pickled to them.
+_PRELOADED = ["torch", "torch._dynamo", "torch.distributed.nn"]
+
+
+def _start_method() -> mp.context.BaseContext:
+    if "forkserver" not in mp.get_all_start_methods():  # Windows
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOADED)
+    return context
+
 
 def run_distributed(
     fn: Callable,
@@ -88,12 +104,13 @@ def run_distributed(
     counts from the moment every rank has joined the process group: spawning and importing torch take
     seconds to minutes on a loaded machine and are bounded separately by ``start_timeout_s``.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _start_method()
+    environ = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="zeroshard-test-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
-                target=_worker, args=(fn, r, world_size, store, tmp, comm_timeout_s, env or {}, args), daemon=True
+                target=_worker, args=(fn, r, world_size, store, tmp, comm_timeout_s, environ, args), daemon=True
             )
             for r in range(world_size)
         ]

@@ -40,6 +40,28 @@ def test_process_count_against_gpus_and_cores():
     assert "16 CPU ranks on 2 core(s)" in warning and "8.0x slower" in warning
 
 
+def test_gpu_count_needs_no_torch_where_no_gpu_driver_is_present(tmp_path):
+    """No GPU driver on a Linux machine: 0 GPUs, known without importing torch (2-3 s per launch); with a driver
+    present the count is torch's."""
+    import subprocess
+    import sys
+
+    missing = [str(tmp_path / "no-driver")]
+    code = (
+        "import sys; from zeroshard.launcher.cli import gpu_count; "
+        f"print(gpu_count({missing!r}), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    if sys.platform.startswith("linux"):
+        assert out.stdout.split() == ["0", "False"]
+
+    import torch
+
+    from zeroshard.launcher.cli import gpu_count
+
+    assert gpu_count([str(tmp_path)]) == torch.cuda.device_count()  # a driver path exists: torch counts
+
+
 def test_as_deepspeed_runs_every_rank_through_the_compat_runner(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("")
