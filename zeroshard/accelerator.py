@@ -60,6 +60,10 @@ class Accelerator:
     def device_count(self) -> int:
         return torch.cuda.device_count() if self.name == "cuda" else 1
 
+    def is_available(self) -> bool:
+        """The device can run work now (the CPU always can)."""
+        return torch.cuda.is_available() if self.name == "cuda" else True
+
     def memory_allocated(self) -> int:
         """Device bytes in use now; on CPU the process's resident set."""
         if self.name == "cuda":

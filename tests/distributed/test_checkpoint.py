@@ -311,7 +311,7 @@ def test_consolidation_to_fp32_state_dict_and_safetensors(tmp_path):
     import zeroshard
 
     full, _ = run_distributed(consolidation_worker, 2, str(tmp_path / "ckpt"))[0]
-    state = zeroshard.checkpoint.get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"))
+    state = zeroshard.checkpoint.get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")  # a Path, or a str
     assert set(state) == set(full)  # tied lm_head.weight included
     for name, tensor in full.items():  # fp32 run: the master weights are the model weights
         assert torch.equal(state[name], tensor.float()), name
@@ -319,7 +319,7 @@ def test_consolidation_to_fp32_state_dict_and_safetensors(tmp_path):
     assert torch.equal(model.blocks[0].fc.weight, full["blocks.0.fc.weight"])
 
     files = zeroshard.checkpoint.convert_zero_checkpoint_to_fp32_state_dict(
-        str(tmp_path / "ckpt"), str(tmp_path / "one.safetensors")
+        tmp_path / "ckpt", tmp_path / "one.safetensors"
     )
     loaded = load_file(files[0])
     assert all(torch.equal(loaded[k], state[k]) for k in loaded) and "wte.weight" in loaded

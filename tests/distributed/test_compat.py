@@ -248,3 +248,144 @@ def test_no_sync_accumulates_locally_under_stage_1():
 
     for out in run_distributed(no_sync_worker, 2):
         assert out["steps"] == 1 and out["error"] < 1e-6
+
+
+class _WithGenerate(torch.nn.Module):
+    """A model with a method of its own, as HF models have ``generate``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.greeting = "hello"
+
+    def forward(self, x):
+        return self.proj(x)
+
+    def generate(self, x, steps: int):
+        for _ in range(steps):
+            x = self(x)
+        return x
+
+
+def client_calls_worker() -> dict:
+    """The calls of issue 28's list through ``deepspeed.``: comm's remaining functions, engine.compile (parity with
+    the uncompiled run at stages 0 and 3), attributes forwarded to the module, OneCycle's get_mom,
+    DeepSpeedConfigError, get_accelerator().is_available()."""
+    import zeroshard
+
+    zeroshard.install_as_deepspeed()
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from zeroshard.testing.parity import make_batches, make_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {"all_ranks": dist.get_all_ranks_from_group()}
+    t = torch.full((3,), float(rank + 1))
+    dist.reduce(t, dst=0)
+    out["reduce"] = t.tolist() if rank == 0 else None
+    single_in, single_out = torch.arange(4.0) + 10 * rank, torch.empty(4)
+    dist.all_to_all_single(single_out, single_in)
+    out["all_to_all_single"] = single_out.tolist()
+    lists_out = [torch.empty(2) for _ in range(world)]
+    dist.all_to_all(lists_out, [torch.full((2,), float(10 * rank + j)) for j in range(world)])
+    out["all_to_all"] = [x.tolist() for x in lists_out]
+    gathered = [torch.empty(2) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.full((2,), float(rank)), gathered, dst=0)
+    out["gather"] = [x.tolist() for x in gathered] if rank == 0 else None
+    scattered = torch.empty(2)
+    dist.scatter(scattered, [torch.full((2,), 5.0 + j) for j in range(world)] if rank == 0 else None, src=0)
+    out["scatter"] = scattered.tolist()
+    shard = torch.empty(2)
+    dist.reduce_scatter(shard, [torch.full((2,), float(j + rank)) for j in range(world)])
+    out["reduce_scatter"] = shard.tolist()
+    message = torch.tensor([float(rank)])
+    if rank == 0:
+        dist.send(torch.tensor([42.0]), dst=1)
+        dist.irecv(message, src=1).wait()
+    else:
+        dist.recv(message, src=0)
+        dist.isend(torch.tensor([7.0]), dst=0).wait()
+    out["p2p"] = message.item()
+    dist.monitored_barrier()
+    out["ops"] = sorted({op for op, _ in zeroshard.comm.LEDGER.summary()})
+
+    losses = {}
+    for stage in (0, 3):
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            config = {
+                "train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                "zero_optimization": {"stage": stage},
+                "compile": {"backend": "aot_eager"},
+                "steps_per_print": float("inf"),
+            }
+            engine, *_ = deepspeed.initialize(model=make_model(), config=config)
+            if compiled:
+                engine.compile()  # the config's backend
+                engine.compile()  # twice: a no-op
+            run = []
+            for x, y in make_batches(3, 2):
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                run.append(loss.item())
+            losses[(stage, compiled)] = (run, engine.is_compiled)
+            engine.destroy()
+    out["compile"] = {f"{stage}-{compiled}": v for (stage, compiled), v in losses.items()}
+
+    torch.manual_seed(0)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "scheduler": {
+            "type": "OneCycle",
+            "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_first_step_size": 2, "cycle_momentum": True},
+        },
+        "steps_per_print": float("inf"),
+    }
+    engine, _, _, scheduler = deepspeed.initialize(model=_WithGenerate(), config=config)
+    out["generate"] = tuple(engine.generate(torch.ones(1, 4), steps=2).shape)
+    out["greeting"] = engine.greeting
+    try:
+        out["missing"] = repr(engine.no_such_attribute)  # raises
+    except AttributeError as err:
+        out["missing"] = str(err)
+    moms = [scheduler.get_mom()[0][0]]
+    for _ in range(2):
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+        moms.append(scheduler.get_mom()[0][0])
+    out["moms"] = moms
+    out["betas"] = engine.optimizer.param_groups[0]["betas"]
+    engine.destroy()
+    try:
+        deepspeed.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 3})  # 3 is not 2 x k
+    except deepspeed.DeepSpeedConfigError as err:
+        out["config_error"] = (type(err).__name__, str(err))
+    out["available"] = deepspeed.accelerator.get_accelerator().is_available()
+    return out
+
+
+def test_client_calls_through_deepspeed_names():
+    from zeroshard.testing import run_distributed
+
+    r0, r1 = run_distributed(client_calls_worker, 2, timeout_s=300)
+    assert r0["all_ranks"] == [0, 1] and r0["reduce"] == [3.0, 3.0, 3.0]
+    assert r0["all_to_all_single"] == [0.0, 1.0, 10.0, 11.0] and r1["all_to_all_single"] == [2.0, 3.0, 12.0, 13.0]
+    assert r0["all_to_all"] == [[0.0, 0.0], [10.0, 10.0]] and r1["all_to_all"] == [[1.0, 1.0], [11.0, 11.0]]
+    assert r0["gather"] == [[0.0, 0.0], [1.0, 1.0]]
+    assert r0["scatter"] == [5.0, 5.0] and r1["scatter"] == [6.0, 6.0]
+    assert r0["reduce_scatter"] == [1.0, 1.0] and r1["reduce_scatter"] == [3.0, 3.0]  # sum over ranks of j + rank
+    assert r0["p2p"] == 7.0 and r1["p2p"] == 42.0
+    assert {"reduce", "all_to_all", "gather", "scatter", "send", "recv"} <= set(r0["ops"])  # counted by the ledger
+    for stage in (0, 3):
+        plain, compiled = r0["compile"][f"{stage}-False"], r0["compile"][f"{stage}-True"]
+        assert plain[1] is False and compiled[1] is True
+        assert compiled[0] == pytest.approx(plain[0], rel=1e-6)
+    assert r0["generate"] == (1, 4) and r0["greeting"] == "hello"
+    assert "no attribute 'no_such_attribute'" in r0["missing"]
+    assert r0["moms"][0] != r0["moms"][1] and r0["betas"][0] == r0["moms"][-1] and r0["betas"][1] == 0.99
+    assert r0["config_error"][0] == "ConfigError" and "train_batch_size 3" in r0["config_error"][1]
+    assert r0["available"] is True

@@ -24,7 +24,7 @@ def train_with_injected_overflow(stage: int):
     )
     engine, _, _, _ = zeroshard.initialize(model=make_model(), config=case.config())
     rank, world = comm.get_rank(), comm.get_world_size()
-    history = []
+    history, norms = [], []
     for step, (x, y) in enumerate(make_batches(5, world * 2)):
         before = {k: v.detach().clone() for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
         loss = engine(x[rank * 2 : (rank + 1) * 2], y[rank * 2 : (rank + 1) * 2])
@@ -34,7 +34,8 @@ def train_with_injected_overflow(stage: int):
         engine.step()
         unchanged = all(torch.equal(before[k], v) for k, v in engine.consolidated_state_dict(rank0_only=False).items())
         history.append((engine.was_step_applied(), unchanged, engine.get_loss_scale()))
-    return {"history": history, "skipped": engine.skipped_steps, "steps": engine.global_steps}
+        norms.append(engine.get_global_grad_norm())
+    return {"history": history, "skipped": engine.skipped_steps, "steps": engine.global_steps, "norms": norms}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -49,4 +50,7 @@ def test_overflow_on_one_rank_skips_everywhere(stage):
         scales = [s for _, _, s in r["history"]]
         # 256 -> doubled after a window of 2 clean steps -> halved on overflow -> doubled again after 2 clean
         assert scales == [256, 512, 256, 256, 512]
+        # the skipped step's norm is inf (the gradients held NaN), as DeepSpeed reports it; the others are finite
+        assert r["norms"][OVERFLOW_STEP] == math.inf
+        assert all(math.isfinite(n) for i, n in enumerate(r["norms"]) if i != OVERFLOW_STEP)
     assert results[0]["history"] == results[1]["history"]

@@ -4,7 +4,9 @@
 import contextlib
 import csv
 import io
+import json
 import os
+import zipfile
 
 import pytest
 
@@ -25,6 +27,9 @@ def logging_worker(output_dir):
         wall_clock_breakdown=True,
         comms_logger={"enabled": True},
         csv_monitor={"enabled": True, "output_path": output_dir, "job_name": "run"},
+        # both in their offline modes (WANDB_MODE=offline, Comet's online: false): nothing leaves the machine
+        wandb={"enabled": True, "project": "zeroshard-test", "group": "observability"},
+        comet={"enabled": True, "online": False, "project": "zeroshard-test", "samples_log_interval": 8},
     )
     engine, *_ = zeroshard.initialize(model=make_model(), config=cfg)
     out = io.StringIO()
@@ -34,9 +39,12 @@ def logging_worker(output_dir):
             engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
             engine.step()
         breakdown = engine.memory_breakdown()
+    engine.monitor.write_events([("Custom/eval_loss", 1.25, 16)])  # a client's own event, DeepSpeed's call
+    engine.destroy()  # closes the monitors: wandb finishes its offline run, Comet writes its offline archive
     sampling = {"after_report": engine._sampling_memory}
     cfg["memory_breakdown"] = True  # DeepSpeed's key: the table with every report, sampling throughout
-    cfg.pop("csv_monitor")
+    for monitor in ("csv_monitor", "wandb", "comet"):
+        cfg.pop(monitor)
     again, *_ = zeroshard.initialize(model=make_model(), config=cfg)
     sampling["log"] = io.StringIO()
     with contextlib.redirect_stdout(sampling["log"]):
@@ -48,7 +56,9 @@ def logging_worker(output_dir):
 
 
 def test_logs_monitors_and_memory_breakdown(tmp_path):
-    results = run_distributed(logging_worker, 2, str(tmp_path))
+    offline = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    offline["COMET_OFFLINE_DIRECTORY"] = str(tmp_path / "comet")
+    results = run_distributed(logging_worker, 2, str(tmp_path), env=offline)
     log, breakdown, state, sampling = results[0]
     # samples only while a report is due; with memory_breakdown, throughout and a table with every report
     assert not sampling["after_report"] and sampling["with_memory_breakdown"]
@@ -82,6 +92,23 @@ def test_logs_monitors_and_memory_breakdown(tmp_path):
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "Train/Samples/train_loss"] and [int(r[0]) for r in rows[1:]] == [4, 8, 12, 16]
     assert os.path.exists(tmp_path / "run" / "Train_Samples_grad_norm.csv")
+    with open(tmp_path / "run" / "Custom_eval_loss.csv") as f:
+        assert list(csv.reader(f))[1:] == [["16", "1.25"]]
+    # wandb: one offline run on disk (rank 0's) whose history records hold DeepSpeed's events and the client's
+    (run,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    records = run.read_bytes()
+    assert b"Train/Samples/train_loss" in records and b"Custom/eval_loss" in records and b"1.25" in records
+    # Comet: one offline archive; an event name is logged again once 8 samples have passed (4 per step here)
+    (archive,) = (tmp_path / "comet").glob("*.zip")
+    with zipfile.ZipFile(archive) as z:
+        messages = [json.loads(line) for line in z.read("messages.json").decode().splitlines()]
+    metrics = [m["payload"]["metric"] for m in messages if m.get("type") == "metric_msg"]
+    logged = [
+        (m["metricName"], m["step"])
+        for m in metrics
+        if m["metricName"] in ("Train/Samples/train_loss", "Custom/eval_loss")
+    ]
+    assert logged == [("Train/Samples/train_loss", 4), ("Train/Samples/train_loss", 12), ("Custom/eval_loss", 16)]
 
 
 def tensorboard_worker(output_dir):

@@ -20,6 +20,8 @@ from .manifest import Piece, piece_dtype
 from .reading import Sources, assemble, read_manifest, resolve_tag
 from .safetensors_io import CheckpointError, write
 
+PathLike = Union[str, os.PathLike]  # every path argument: a str or a pathlib.Path
+
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -32,7 +34,8 @@ def parse_size(size: Union[int, str]) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def _open(checkpoint_dir: str, tag: Optional[str]) -> tuple[Sources, dict]:
+def _open(checkpoint_dir: PathLike, tag: Optional[str]) -> tuple[Sources, dict]:
+    checkpoint_dir = os.fspath(checkpoint_dir)
     tag = resolve_tag(checkpoint_dir, tag)
     if tag is None:
         raise CheckpointError(f"{checkpoint_dir} has no 'latest' file; pass tag=")
@@ -65,7 +68,7 @@ class CheckpointTensors:
     """A checkpoint's fp32 weights and buffers by name, tied aliases included; each ``read`` assembles one
     tensor from its saved shards, so a reader holds one tensor at a time."""
 
-    def __init__(self, checkpoint_dir: str, tag: Optional[str] = None):
+    def __init__(self, checkpoint_dir: PathLike, tag: Optional[str] = None):
         self.sources, self.manifest = _open(checkpoint_dir, tag)
         self.entries = {name: (name, shape, where) for name, shape, where in _entries(self.manifest)}
         self.aliases = self.manifest.get("aliases", {})
@@ -84,7 +87,9 @@ class CheckpointTensors:
         self.sources.close()
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: PathLike, tag: Optional[str] = None
+) -> dict[str, torch.Tensor]:
     """The fp32 master weights (and buffers) of a checkpoint as one state dict, tied names included."""
     tensors = CheckpointTensors(checkpoint_dir, tag)
     try:
@@ -96,7 +101,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[
     return state
 
 
-def read_client_state(checkpoint_dir: str, tag: Optional[str] = None) -> dict:
+def read_client_state(checkpoint_dir: PathLike, tag: Optional[str] = None) -> dict:
     """The ``client_state`` saved with a checkpoint (tensors included), without building an engine."""
     sources, manifest = _open(checkpoint_dir, tag)
     try:
@@ -105,15 +110,15 @@ def read_client_state(checkpoint_dir: str, tag: Optional[str] = None) -> dict:
         sources.close()
 
 
-def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str, tag: Optional[str] = None):
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: PathLike, tag: Optional[str] = None):
     """Load the checkpoint's fp32 weights into a plain (unsharded) model; returns the model."""
     model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag), strict=True)
     return model
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir: str,
-    output_path: str,
+    checkpoint_dir: PathLike,
+    output_path: PathLike,
     tag: Optional[str] = None,
     max_shard_size: Union[int, str] = "5GB",
     progress: bool = False,
@@ -127,6 +132,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     bar of bytes written (the ``zeroshard convert`` CLI turns it on). Returns the files.
     """
     limit = parse_size(max_shard_size)
+    checkpoint_dir, output_path = os.fspath(checkpoint_dir), os.fspath(output_path)
     _check_outside(output_path, checkpoint_dir)
     sources, manifest = _open(checkpoint_dir, tag)
     entries = _entries(manifest)

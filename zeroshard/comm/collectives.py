@@ -266,6 +266,79 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
     )
 
 
+def reduce(tensor: torch.Tensor, dst: int, group: Group, op: str = "sum", async_op: bool = False) -> Pending:
+    """Reduce ``tensor`` of every rank of the group into global rank ``dst``'s (the others' are left undefined)."""
+    if group.size == 1:
+        return _skip("reduce", group)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    return _issue(
+        "reduce",
+        group,
+        tensor,
+        1.0,
+        lambda: dist.reduce(tensor, dst=dst, op=reduce_op, group=group.handle, async_op=True),
+        async_op,
+    )
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False) -> Pending:
+    """Equal chunks of dim 0: chunk j of ``input`` goes to the group's j-th rank, which stores it as its chunk i."""
+    if group.size == 1:
+        output.copy_(input)
+        return _skip("all_to_all", group)
+    n = group.size
+    return _issue(
+        "all_to_all",
+        group,
+        input,
+        (n - 1) / n,
+        lambda: dist.all_to_all_single(output, input, group=group.handle, async_op=True),
+        async_op,
+    )
+
+
+def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]], dst: int, group: Group) -> Pending:
+    """Every rank's ``tensor`` into ``gather_list`` on global rank ``dst`` (``None`` elsewhere)."""
+    if group.size == 1:
+        if gather_list:
+            gather_list[0].copy_(tensor)
+        return _skip("gather", group)
+    return _issue(
+        "gather",
+        group,
+        tensor,
+        1.0,
+        lambda: dist.gather(tensor, gather_list, dst=dst, group=group.handle, async_op=True),
+        False,
+    )
+
+
+def scatter(tensor: torch.Tensor, scatter_list: Optional[list[torch.Tensor]], src: int, group: Group) -> Pending:
+    """Global rank ``src``'s ``scatter_list[i]`` into the ``tensor`` of the group's i-th rank."""
+    if group.size == 1:
+        if scatter_list:
+            tensor.copy_(scatter_list[0])
+        return _skip("scatter", group)
+    return _issue(
+        "scatter",
+        group,
+        tensor,
+        1.0,
+        lambda: dist.scatter(tensor, scatter_list, src=src, group=group.handle, async_op=True),
+        False,
+    )
+
+
+def send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0, async_op: bool = False) -> Pending:
+    """Point to point, to global rank ``dst``."""
+    return _issue("send", group, tensor, 1.0, lambda: dist.isend(tensor, dst, group=group.handle, tag=tag), async_op)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0, async_op: bool = False) -> Pending:
+    """Point to point, from global rank ``src``."""
+    return _issue("recv", group, tensor, 0.0, lambda: dist.irecv(tensor, src, group=group.handle, tag=tag), async_op)
+
+
 def barrier(group: Group) -> None:
     if group.size > 1:
         entry = group.context.record("barrier", group.name, 0, 0.0, (), "")

@@ -15,9 +15,15 @@ from .backend import is_initialized as _is_initialized
 from .collectives import Pending
 from .collectives import all_gather as _all_gather
 from .collectives import all_reduce as _all_reduce
+from .collectives import all_to_all as _all_to_all
 from .collectives import barrier as _barrier
 from .collectives import broadcast as _broadcast
+from .collectives import gather as _gather
+from .collectives import recv as _recv
+from .collectives import reduce as _reduce
 from .collectives import reduce_scatter as _reduce_scatter
+from .collectives import scatter as _scatter
+from .collectives import send as _send
 from .context import DEFAULT_CONTEXT
 from .groups import Group
 
@@ -76,8 +82,76 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     return _result(pending, async_op)
 
 
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    return _result(_reduce(tensor, dst, _group(group), op=_op(op), async_op=async_op), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=ReduceOp.SUM, group=None, async_op=False):
+    """The list form: ``input_list[i]`` summed over the ranks lands on the i-th rank."""
+    return reduce_scatter_tensor(output, torch.cat([t.reshape(-1) for t in input_list]), op, group, async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes=None,
+    input_split_sizes=None,
+    group=None,
+    async_op: bool = False,
+):
+    if output_split_sizes is not None or input_split_sizes is not None:
+        raise ValueError("deepspeed.comm.all_to_all_single: uneven split sizes are not supported (equal chunks only)")
+    return _result(_all_to_all(output, input, _group(group), async_op=async_op), async_op)
+
+
+def all_to_all(
+    output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor], group=None, async_op=False
+):
+    """The list form, through one flat exchange (completed before returning)."""
+    flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
+    flat_out = torch.empty_like(flat_in)
+    pending = _all_to_all(flat_out, flat_in, _group(group))
+    for out, chunk in zip(output_tensor_list, flat_out.chunk(len(output_tensor_list))):
+        out.copy_(chunk.view_as(out))
+    return _result(pending, async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list=None, dst: int = 0, group=None, async_op: bool = False):
+    return _result(_gather(tensor, gather_list, dst, _group(group)), async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list=None, src: int = 0, group=None, async_op: bool = False):
+    return _result(_scatter(tensor, scatter_list, src, _group(group)), async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    _send(tensor, dst, _group(group), tag)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> int:
+    _recv(tensor, src, _group(group), tag)
+    return src
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+    return _send(tensor, dst, _group(group), tag, async_op=True)
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
+    return _recv(tensor, src, _group(group), tag, async_op=True)
+
+
 def barrier(group=None, async_op: bool = False, device_ids=None) -> None:
     _barrier(_group(group))
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
+    """A barrier; a rank that does not arrive already fails with an error naming the rank and the group."""
+    _barrier(_group(group))
+
+
+def get_all_ranks_from_group(group=None) -> list[int]:
+    return list(_group(group).ranks)
 
 
 def get_rank(group=None) -> int:
@@ -135,18 +209,30 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
     "barrier",
     "broadcast",
     "destroy_process_group",
+    "gather",
+    "get_all_ranks_from_group",
     "get_global_rank",
     "get_local_rank",
     "get_rank",
     "get_world_group",
     "get_world_size",
     "inference_all_reduce",
+    "irecv",
     "is_available",
     "is_initialized",
+    "isend",
     "log_summary",
+    "monitored_barrier",
     "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
     "reduce_scatter_tensor",
+    "scatter",
+    "send",
 ]

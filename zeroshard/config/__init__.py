@@ -2,11 +2,12 @@
 
 from .parse import ConfigSource, parse_config
 from .resolve import AutoContext, BatchTriad, Resolution, model_hidden_size, resolve_batch_triad, resolve_config
-from .schema import OffloadDevice, ZeroConfig, ZeroshardConfig
+from .schema import ConfigError, OffloadDevice, ZeroConfig, ZeroshardConfig
 
 __all__ = [
     "AutoContext",
     "BatchTriad",
+    "ConfigError",
     "ConfigSource",
     "OffloadDevice",
     "Resolution",

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .schema import ConfigError
+
 
 @dataclass(frozen=True)
 class ElasticBatch:
@@ -58,7 +60,7 @@ def choose_batch(
         counts[g::g] += whole[1 : n // g + 1]
     most = int(counts.max())
     if most == 0:
-        raise ValueError(
+        raise ConfigError(
             f"elasticity: no global batch up to max_train_batch_size {max_train_batch_size} splits into "
             f"micro_batch_sizes {micro_batch_sizes} on any world size from min_gpus {min_gpus} to max_gpus {max_gpus}"
         )
@@ -72,7 +74,7 @@ def micro_batch_for(batch: ElasticBatch, world_size: int, micro_batch_sizes: lis
     size the block does not allow (outside [min_gpus, max_gpus], or not whole nodes) is refused, as DeepSpeed does,
     even where the batch would divide."""
     if world_size not in batch.valid_world_sizes:
-        raise ValueError(
+        raise ConfigError(
             f"elasticity: world size {world_size} cannot train the elastic global batch {batch.train_batch_size} with "
             f"micro_batch_sizes {micro_batch_sizes}; valid world sizes: {list(batch.valid_world_sizes)[:32]} (from "
             "min_gpus, max_gpus and num_gpus_per_node): start a valid number of ranks or change the elasticity block"

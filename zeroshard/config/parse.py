@@ -6,12 +6,13 @@ import difflib
 import json
 import os
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Union
 
 from pydantic import BaseModel, ValidationError
 
-from .schema import UNSUPPORTED_FEATURE_BLOCKS, ZeroshardConfig
+from .schema import UNSUPPORTED_FEATURE_BLOCKS, ConfigError, ZeroshardConfig
 
 ConfigSource = Union[dict, str, os.PathLike, ZeroshardConfig]
 
@@ -20,14 +21,50 @@ def parse_config(source: ConfigSource) -> ZeroshardConfig:
     """Validate a config dict (or the path of a JSON file) into a :class:`ZeroshardConfig`."""
     if isinstance(source, ZeroshardConfig):
         return source
-    source = load_json_or_dict(source)
+    source = _without_foreign_top_level_keys(load_json_or_dict(source))
     try:
         config = ZeroshardConfig.model_validate(source)
     except ValidationError as err:
-        raise ValueError(format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err)) from None
     _reject_enabled_unsupported(config)
     reject_refused(config)
     return config
+
+
+def _without_foreign_top_level_keys(source: dict) -> dict:
+    """DeepSpeed reads the top level of its config with ``get`` and ignores keys it does not know (LLaMA-Factory's
+    example configs carry ``comms_config`` and ``monitor_config``); its sections are strict, and so are ours. A
+    top-level key within two edits of a known one is a typo and stays, so that validation refuses it with
+    did-you-mean; any other unknown key is named in a warning and dropped."""
+    known = _keys_of(ZeroshardConfig)
+    foreign = [k for k in source if k not in known and not any(_is_typo(k, name) for name in known)]
+    if foreign:
+        warnings.warn(
+            f"config keys {foreign} are not DeepSpeed or zeroshard keys; ignored (as DeepSpeed ignores them)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return {k: v for k, v in source.items() if k not in foreign}
+
+
+def _is_typo(key: str, known: str) -> bool:
+    """Within two single-character edits (insert, delete, replace, swap of neighbours), one for short keys."""
+    if not isinstance(key, str):
+        return False
+    budget = 1 if len(known) <= 5 else 2
+    if abs(len(key) - len(known)) > budget:
+        return False
+    a, b = key.lower(), known.lower()
+    previous, row = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        current = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            current[j] = min(row[j] + 1, current[j - 1] + 1, row[j - 1] + cost)
+            if previous is not None and i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                current[j] = min(current[j], previous[j - 2] + 1)
+        previous, row = row, current
+    return row[-1] <= budget
 
 
 def reject_refused(section: BaseModel, path: str = "") -> None:
@@ -36,7 +73,7 @@ def reject_refused(section: BaseModel, path: str = "") -> None:
         value = getattr(section, name)
         key = f"{path}{field.alias or name}"
         extra = field.json_schema_extra or {}
-        if "refused" in extra and value != field.get_default(call_default_factory=True):
+        if "refused" in extra and value not in (field.get_default(call_default_factory=True), "auto"):
             raise NotImplementedError(
                 f"config key '{key}' = {value!r} is not implemented by zeroshard ({extra['refused']}); remove the "
                 f"key or set it to {field.get_default(call_default_factory=True)!r}"
@@ -50,15 +87,15 @@ def load_json_or_dict(source: Union[dict, str, os.PathLike]) -> dict:
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if path.is_dir():
-            raise ValueError(f"config file '{path}' is a directory; pass the JSON file inside it")
+            raise ConfigError(f"config file '{path}' is a directory; pass the JSON file inside it")
         if not path.is_file():
-            raise ValueError(f"config file '{path}' does not exist")
+            raise ConfigError(f"config file '{path}' does not exist")
         try:
             source = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
         except json.JSONDecodeError as err:
-            raise ValueError(f"config file '{path}' is not valid JSON: {err}") from None
+            raise ConfigError(f"config file '{path}' is not valid JSON: {err}") from None
         except _DuplicateKey as err:
-            raise ValueError(f"config file '{path}': {err}") from None
+            raise ConfigError(f"config file '{path}': {err}") from None
     if not isinstance(source, dict):
         raise TypeError(f"config must be a dict or a path to a JSON file, got {type(source).__name__}")
     return dict(source)

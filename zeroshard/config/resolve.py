@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .elasticity import choose_batch, micro_batch_for
-from .schema import ZeroshardConfig
+from .schema import ConfigError, ZeroshardConfig
 
 # "auto" keys filled from attributes of the caller's ``args`` (HF TrainingArguments names first).
 ARG_SOURCES: dict[str, tuple[str, ...]] = {
@@ -39,6 +39,22 @@ WIDTH_RULES = {
     "zero_optimization.prefetch_bucket_size": lambda h: int(0.9 * h * h),
     "zero_optimization.param_persistence_threshold": lambda h: 10 * h,
 }
+# "auto" keys that DeepSpeed itself resolves to its default (it drops "auto" and keeps the field's default), as
+# when a client passes them straight to initialize (OpenRLHF); the width rules fall back to these too.
+DEEPSPEED_DEFAULT_FOR_AUTO = (
+    *WIDTH_RULES,
+    "zero_optimization.sub_group_size",
+    "zero_optimization.max_live_parameters",
+    "zero_optimization.max_reuse_distance",
+)
+
+
+def _schema_default(key: str) -> Any:
+    model: Any = ZeroshardConfig
+    *sections, leaf = key.split(".")
+    for name in sections:
+        model = model.model_fields[name].annotation
+    return model.model_fields[leaf].get_default(call_default_factory=True)
 
 
 @dataclass(frozen=True)
@@ -58,14 +74,14 @@ def resolve_batch_triad(
     elif tb is not None and mb is not None:
         ga, rem = divmod(tb, mb * ws)
         if rem or ga == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"train_batch_size {tb} is not divisible by train_micro_batch_size_per_gpu {mb} x world size {ws}; "
                 f"set train_batch_size to a multiple of {mb * ws}"
             )
     elif tb is not None and ga is not None:
         mb, rem = divmod(tb, ga * ws)
         if rem or mb == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"train_batch_size {tb} is not divisible by gradient_accumulation_steps {ga} x world size {ws}; "
                 f"set train_batch_size to a multiple of {ga * ws}"
             )
@@ -76,14 +92,14 @@ def resolve_batch_triad(
         ga = 1
         mb, rem = divmod(tb, ws)
         if rem or mb == 0:
-            raise ValueError(f"train_batch_size {tb} is not divisible by world size {ws}")
+            raise ConfigError(f"train_batch_size {tb} is not divisible by world size {ws}")
     else:
-        raise ValueError(
+        raise ConfigError(
             "config needs 'train_batch_size' or 'train_micro_batch_size_per_gpu' "
             "(or both with 'gradient_accumulation_steps')"
         )
     if tb != mb * ga * ws:
-        raise ValueError(
+        raise ConfigError(
             f"train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps {ga} "
             f"x world size {ws} = {mb * ga * ws}; fix one of the three or drop train_batch_size to have it inferred"
         )
@@ -129,6 +145,8 @@ def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
         found, value, source = _from_args(ctx, key)
         if not found and key in WIDTH_RULES and ctx.hidden_size:
             found, value, source = True, WIDTH_RULES[key](ctx.hidden_size), f"model hidden size {ctx.hidden_size}"
+        if not found and key in DEEPSPEED_DEFAULT_FOR_AUTO:
+            found, value, source = True, _schema_default(key), "DeepSpeed's default for auto"
         if not found and key == "scheduler.params.warmup_min_lr":
             found, value, source = True, 0.0, "default for auto"
         if not found and key == "optimizer.params.betas" and ctx.args is not None:
@@ -139,7 +157,7 @@ def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
             container[leaf] = None  # the batch triad is inferred below from the other members
             return
         if not found:
-            raise ValueError(
+            raise ConfigError(
                 f"config key '{key}' is \"auto\" but nothing resolves it: pass it through args "
                 f"({', '.join('args.' + a for a in ARG_SOURCES.get(key, ())) or 'no args attribute applies'}) "
                 "or write a value in the config"
@@ -198,7 +216,7 @@ def _elastic_triad(block, data: dict, world_size: int, derived: list) -> None:
         k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if data[k]
     ]
     if given and not block.ignore_non_elastic_batch_info:
-        raise ValueError(
+        raise ConfigError(
             f"elasticity is enabled and the config also sets {given}; elasticity chooses the batch: remove them, or "
             'set "elasticity": {"ignore_non_elastic_batch_info": true} to let elasticity override them'
         )

@@ -16,8 +16,12 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Auto = Literal["auto"]
-_ONLY_ENABLED = "used only by an enabled block, which is refused"
 DTypeName = Literal["fp32", "fp16", "bf16"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key, the value and the fix. DeepSpeed's
+    ``DeepSpeedConfigError`` is this class."""
 
 
 class Section(BaseModel):
@@ -80,7 +84,9 @@ def _rename_deprecated(values: Any, old: str, new: str) -> Any:
 
 class FP16Config(Section):
     enabled: Union[bool, Auto] = False
-    auto_cast: bool = refused(False, "autocast of the forward is not implemented; cast inputs yourself")
+    auto_cast: bool = satisfied(
+        False, "floating-point inputs of the forward are always cast to the compute dtype (positional and keyword)"
+    )
     loss_scale: float = Field(0.0, ge=0, description="0 selects dynamic loss scaling")
     initial_scale_power: int = Field(16, ge=0, le=64)
     loss_scale_window: int = Field(1000, gt=0)
@@ -144,7 +150,7 @@ class ZeroConfig(Section):
     elastic_checkpoint: bool = satisfied(False, "checkpoints always load on any world size and stage")
     offload_param: Optional[OffloadParamConfig] = None
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
-    sub_group_size: int = Field(1_000_000_000, ge=1)
+    sub_group_size: Union[int, Auto] = Field(1_000_000_000)
     prefetch_bucket_size: Union[int, Auto] = Field(50_000_000, alias="stage3_prefetch_bucket_size")
     # zeroshard's: gather units prefetched ahead at most (within prefetch_bucket_size elements); one hides the
     # next unit's gather behind this one's compute, more only holds memory (docs/benchmarks.md "Stage-3 prefetch")
@@ -156,9 +162,9 @@ class ZeroConfig(Section):
         ge=0,
         alias="stage3_model_persistence_threshold",
     )
-    max_live_parameters: int = Field(1_000_000_000, ge=0, alias="stage3_max_live_parameters")
-    max_reuse_distance: int = refused(
-        1_000_000_000, "units are always freed after use", ge=0, alias="stage3_max_reuse_distance"
+    max_live_parameters: Union[int, Auto] = Field(1_000_000_000, alias="stage3_max_live_parameters")
+    max_reuse_distance: Union[int, Auto] = refused(
+        1_000_000_000, "units are always freed after use", alias="stage3_max_reuse_distance"
     )
     gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
     module_granularity_threshold: int = refused(
@@ -214,7 +220,12 @@ class ZeroConfig(Section):
         return values
 
     @field_validator(
-        "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "param_persistence_threshold"
+        "reduce_bucket_size",
+        "allgather_bucket_size",
+        "prefetch_bucket_size",
+        "param_persistence_threshold",
+        "max_live_parameters",
+        "max_reuse_distance",
     )
     @classmethod
     def _non_negative(cls, value):
@@ -222,13 +233,24 @@ class ZeroConfig(Section):
             raise ValueError("must be >= 0")
         return value
 
+    @field_validator("sub_group_size")
+    @classmethod
+    def _positive_size(cls, value):
+        if value != "auto" and value < 1:
+            raise ValueError("must be >= 1")
+        return value
+
     @model_validator(mode="after")
     def _offload_param_needs_stage3(self):
         if self.offload_param is not None and self.offload_param.device is not OffloadDevice.none and self.stage != 3:
-            raise ValueError(
-                f"offload_param works only with stage 3 (stage is {self.stage}); "
-                "use offload_optimizer for stages 1 and 2"
+            # Accelerate's plugin writes it for every stage; DeepSpeed accepts it and ignores it below stage 3
+            warnings.warn(
+                f"zero_optimization.offload_param has no effect at stage {self.stage} (parameters are sharded and "
+                "offloaded only at stage 3); it is ignored. Use offload_optimizer for stages 1 and 2",
+                UserWarning,
+                stacklevel=2,
             )
+            self.offload_param = None
         if self.offload_optimizer is not None and self.offload_optimizer.device is not OffloadDevice.none:
             if self.stage == 0:
                 raise ValueError("offload_optimizer needs a sharded optimizer: set stage to 1, 2 or 3")
@@ -364,24 +386,47 @@ class MonitorConfig(Section):
 
 
 class WandbConfig(Section):
-    """Parsed so configs that carry a disabled block load; the monitor itself is not implemented."""
+    """DeepSpeed's ``wandb`` monitor block (``zeroshard.runtime.monitor.WandbMonitor``)."""
 
-    enabled: bool = refused(False, "the wandb monitor is not implemented; use csv_monitor or tensorboard")
-    group: Optional[str] = satisfied(None, _ONLY_ENABLED)
-    team: Optional[str] = satisfied(None, _ONLY_ENABLED)
-    project: str = satisfied("deepspeed", _ONLY_ENABLED)
+    enabled: bool = False
+    group: Optional[str] = None
+    team: Optional[str] = None
+    project: str = "deepspeed"
 
 
 class CometConfig(Section):
-    enabled: bool = refused(False, "the comet monitor is not implemented; use csv_monitor or tensorboard")
-    samples_log_interval: int = satisfied(100, _ONLY_ENABLED)
-    project: Optional[str] = satisfied(None, _ONLY_ENABLED)
-    workspace: Optional[str] = satisfied(None, _ONLY_ENABLED)
-    api_key: Optional[str] = satisfied(None, _ONLY_ENABLED)
-    experiment_name: Optional[str] = satisfied(None, _ONLY_ENABLED)
-    experiment_key: Optional[str] = satisfied(None, _ONLY_ENABLED)
-    online: Optional[bool] = satisfied(None, _ONLY_ENABLED)
-    mode: Optional[str] = satisfied(None, _ONLY_ENABLED)
+    """DeepSpeed's ``comet`` monitor block (``zeroshard.runtime.monitor.CometMonitor``)."""
+
+    enabled: bool = False
+    samples_log_interval: int = Field(100, ge=1)
+    project: Optional[str] = None
+    workspace: Optional[str] = None
+    api_key: Optional[str] = None
+    experiment_name: Optional[str] = None
+    experiment_key: Optional[str] = None
+    online: Optional[bool] = None
+    mode: Optional[str] = None
+
+
+class CompileConfig(Section):
+    """DeepSpeed's ``compile`` block. The engine compiles only when ``engine.compile()`` is called (as DeepSpeed):
+    ``backend`` and ``kwargs`` are what that call uses when it names none, and ``disable: true`` makes it a no-op."""
+
+    disable: bool = False
+    backend: str = "inductor"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    deepcompile: bool = refused(False, "DeepCompile (compiler passes for ZeRO) is not implemented")
+
+
+class TensorParallelTrainingConfig(Section):
+    """DeepSpeed's AutoTP training block; OpenRLHF always writes it (0 or 1: off)."""
+
+    autotp_size: int = refused(1, "tensor-parallel training is not implemented yet", ge=0)
+
+    @field_validator("autotp_size", mode="before")
+    @classmethod
+    def _zero_is_off(cls, value: Any) -> Any:
+        return 1 if value == 0 and not isinstance(value, bool) else value
 
 
 class DataTypesConfig(Section):
@@ -402,8 +447,6 @@ UNSUPPORTED_FEATURE_BLOCKS = (
     "eigenvalue",
     "quantize_training",
     "hybrid_engine",
-    "compile",
-    "tensor_parallel",
     "nebula",
     "weight_quantization",
 )
@@ -456,8 +499,9 @@ class ZeroshardConfig(Section):
     eigenvalue: Optional[dict[str, Any]] = None
     quantize_training: Optional[dict[str, Any]] = None
     hybrid_engine: Optional[dict[str, Any]] = None
-    compile: Optional[dict[str, Any]] = None
-    tensor_parallel: Optional[dict[str, Any]] = None
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    tensor_parallel: TensorParallelTrainingConfig = Field(default_factory=TensorParallelTrainingConfig)
+    sequence_parallel_size: int = refused(1, "sequence parallelism is not implemented yet", ge=1)
     nebula: Optional[dict[str, Any]] = None
     weight_quantization: Optional[dict[str, Any]] = None
 
@@ -468,6 +512,14 @@ class ZeroshardConfig(Section):
         if isinstance(values, dict) and values.get("steps_per_print") == math.inf:
             values = {**values, "steps_per_print": None}
         return values
+
+    @field_validator("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", mode="before")
+    @classmethod
+    def _whole_float(cls, value):
+        # ArcticTraining writes train_batch_size as a float (32.0): a whole number is that integer
+        if isinstance(value, float) and math.isfinite(value) and value == int(value):
+            return int(value)
+        return value
 
     @field_validator("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     @classmethod

@@ -205,11 +205,20 @@ class ScheduleRunner:
         self._apply(-1)  # the lr before the first step(), as DeepSpeed sets it at construction
 
     def _apply(self, step: int) -> None:
-        for group, curve in zip(self.optimizer.param_groups, self.curves):
+        momentum = self.get_mom()
+        for i, (group, curve) in enumerate(zip(self.optimizer.param_groups, self.curves)):
             group["lr"] = curve(step)
-            if self.momentum is not None and "betas" in group:
-                group["betas"] = (self.momentum(step), 0.99)
+            if momentum is not None and "betas" in group:
+                group["betas"] = momentum[i]
         self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> Optional[list[tuple[float, float]]]:
+        """OneCycle's (beta1, beta2) per parameter group at the last step, beta2 fixed at 0.99 as in DeepSpeed;
+        ``None`` for a schedule that does not cycle momentum."""
+        if self.momentum is None:
+            return None
+        beta1 = self.momentum(self.last_batch_iteration)
+        return [(beta1, 0.99) for _ in self.optimizer.param_groups]
 
     def step(self, last_batch_iteration: Optional[int] = None) -> None:
         self.last_batch_iteration = (

@@ -19,7 +19,7 @@ from ..checkpoint.load import load as load_training_state
 from ..checkpoint.save import save as save_training_state
 from ..checkpoint.view import TrainingCounters, TrainingState
 from ..config import Resolution
-from ..log import log_rank0
+from ..log import log_rank0, logger
 from ..precision import PrecisionPolicy
 from ..zero import ParamRecords, ZeroOptimizer, ZeroStack, consolidated_state_dict
 from ..zero.stage3 import Stage3Runtime
@@ -83,6 +83,7 @@ class ZeroshardEngine(torch.nn.Module):
         self._sample_memory(always=True)
         if self.settings.comms_logger.enabled:
             self.grid.context.timing = True  # this engine's collectives only
+        self._compiled: Optional[Callable] = None  # the module compiled by compile(), called by forward
         self._destroyed = False
         # a script that never calls destroy() still releases the engine before the process group goes
         # (atexit runs handlers last-registered first); a weak reference, so the hook keeps nothing alive
@@ -98,10 +99,46 @@ class ZeroshardEngine(torch.nn.Module):
         )
         self._window_tokens += tokens.numel() if tokens is not None else 0  # token ids: batch x sequence
         with checkpointing_in_effect(self.activation_checkpointing):
-            out = self.module(*inputs, **kwargs)
+            out = (self.module if self._compiled is None else self._compiled)(*inputs, **kwargs)
         self._timers["forward"] += time.perf_counter() - started
         self._sample_memory()
         return out
+
+    def compile(
+        self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, schedule: Any = None
+    ) -> None:
+        """Compile the module with ``torch.compile`` (DeepSpeed's ``engine.compile``, which Accelerate calls when
+        ``dynamo_backend`` is set). ``backend`` and ``compile_kwargs`` default to the config's ``compile`` block;
+        ``compile.disable: true`` leaves the module uncompiled. Compiling twice is a no-op, as in DeepSpeed."""
+        if schedule is not None:
+            raise NotImplementedError("engine.compile(schedule=...): DeepCompile's pass schedules are not implemented")
+        block = self.settings.compile
+        if block.disable:
+            logger.warning("engine.compile(): the config's compile.disable is true; the module stays uncompiled")
+            return
+        if self._compiled is None:
+            options = {**block.kwargs, **(compile_kwargs or {})}
+            self._compiled = torch.compile(self.module, backend=backend or block.backend, **options)
+
+    @property
+    def monitor(self) -> Monitors:
+        """DeepSpeed's ``engine.monitor``: ``engine.monitor.write_events([(name, value, step)])``."""
+        return self.monitors
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled is not None
+
+    def __getattr__(self, name: str):
+        """What the engine does not define comes from the wrapped module (``engine.generate(...)``, custom
+        methods and attributes), as DeepSpeed's engine does."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and hasattr(module, name):
+                return getattr(module, name)
+            raise AttributeError(f"'{type(self).__name__}' object (and its module) has no attribute '{name}'") from None
 
     def _sample_memory(self, always: bool = False) -> None:
         if always or self._sampling_memory:

@@ -120,7 +120,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = self.reducer.grads  # 16-bit shards (stage 3) reach the master dtype one flat group at a time
         norm = math.sqrt(self._grad_norm_squared(grads).item()) / scale
         overflow = self.overflow = not math.isfinite(norm)
-        self.global_grad_norm = norm
+        self.global_grad_norm = math.inf if overflow else norm  # NaN gradients report inf too, as DeepSpeed's
         self.steps_taken += 1
         scale_before = self.loss_scaler.scale
         self.loss_scaler.update(overflow)

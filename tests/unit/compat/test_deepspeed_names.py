@@ -57,8 +57,33 @@ MODULE_NAMES = [
     "runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold",
     "runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live",
     "runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_cold",
+    # issue 28: what today's clients call
+    "DeepSpeedConfigError",
+    "runtime.config.DeepSpeedConfigError",
+    *(
+        f"comm.{name}"
+        for name in (
+            "reduce",
+            "reduce_scatter",
+            "reduce_scatter_tensor",
+            "all_gather_into_tensor",
+            "all_to_all",
+            "all_to_all_single",
+            "gather",
+            "scatter",
+            "send",
+            "recv",
+            "isend",
+            "irecv",
+            "monitored_barrier",
+            "get_all_ranks_from_group",
+            "get_global_rank",
+            "new_group",
+        )
+    ),
 ]
 ACCELERATOR_METHODS = [
+    "is_available",
     "device_name",
     "current_device_name",
     "memory_allocated",
@@ -84,6 +109,8 @@ ENGINE_NAMES = [
     "backward",
     "step",
     "get_global_grad_norm",
+    "compile",
+    "is_compiled",
 ]
 OPTIMIZER_NAMES = ["state_dict", "load_state_dict", "loss_scale", "cur_scale", "param_groups", "state", "zero_grad"]
 
@@ -231,3 +258,19 @@ def test_an_unknown_switch_value_is_named_and_leaves_compat_mode_off():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "False"
     assert "ZEROSHARD_AS_DEEPSPEED='maybe' is not a switch zeroshard knows" in out.stderr
+
+
+def test_init_distributed_without_a_group_and_without_permission_to_create_one_is_named():
+    found = run(
+        """
+        import json, zeroshard
+        zeroshard.install_as_deepspeed()
+        import deepspeed
+        try:
+            deepspeed.init_distributed(dist_init_required=False)
+            print(json.dumps({"error": None}))
+        except RuntimeError as err:
+            print(json.dumps({"error": str(err), "group": deepspeed.comm.is_initialized()}))
+        """
+    )
+    assert "dist_init_required=False): no process group exists" in found["error"] and found["group"] is False

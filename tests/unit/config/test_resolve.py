@@ -112,9 +112,11 @@ def test_hf_style_auto_resolves_from_args_and_model_width():
 def test_unresolvable_auto_names_the_key():
     with pytest.raises(ValueError, match=r"config key 'gradient_clipping' is \"auto\" but nothing resolves it"):
         resolve_config(parse_config(HF_STYLE), AutoContext(world_size=2, args=None, hidden_size=64))
+    # DeepSpeed itself resolves a bucket size's "auto" to its default; so does zeroshard when no model width is known
     cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"reduce_bucket_size": "auto"}})
-    with pytest.raises(ValueError, match="'zero_optimization.reduce_bucket_size' is \"auto\""):
-        resolve_config(cfg, AutoContext(world_size=1))
+    resolution = resolve_config(cfg, AutoContext(world_size=1))
+    assert resolution.config.zero_optimization.reduce_bucket_size == 500_000_000
+    assert ("zero_optimization.reduce_bucket_size", 500_000_000, "DeepSpeed's default for auto") in resolution.derived
 
 
 def test_batch_from_dataloader_when_auto():

@@ -3,6 +3,7 @@
 :mod:`zeroshard.compat.alias` for how the alias is installed and docs/deepspeed-compat.md for the list."""
 
 from zeroshard import __version__ as __zeroshard_version__
+from zeroshard.config import ConfigError as DeepSpeedConfigError
 from zeroshard.inference import init_inference
 from zeroshard.runtime import add_config_arguments
 
@@ -15,6 +16,7 @@ __version__ = DEEPSPEED_API_VERSION
 __version_major__, __version_minor__, __version_patch__ = map(int, DEEPSPEED_API_VERSION.split("."))
 
 __all__ = [
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "__version__",
     "__zeroshard_version__",

@@ -30,6 +30,11 @@ def init_distributed(
     from the launcher's environment (torchrun, SLURM, OpenMPI variables), and ``distributed_port`` is used when
     the environment names no port for a multi-process job."""
     if dist_init_required is False:
+        if not _comm.is_initialized():
+            raise RuntimeError(
+                "init_distributed(dist_init_required=False): no process group exists; pass dist_init_required=True "
+                "(or leave it unset) to create one, or create it before this call"
+            )
         return
     if rank >= 0 or "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
