@@ -447,3 +447,80 @@ def test_pretrained_buffers_are_required_and_checked_and_pickles_never_run(tmp_p
         assert "'norm.running_var': pretrained (5,), the model (4,)" in out["wrong-running-var.safetensors"]
         assert "evil.pt is truncated or corrupted" in out["evil.pt"], out["evil.pt"]
     assert not marker.exists()
+
+
+def _tiny_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        max_position_embeddings=32,
+    )
+    return MixtralForCausalLM(config)
+
+
+def moe_worker() -> dict:
+    """A tiny HF Mixtral, 4 experts, top-1 routing, 3 tokens per rank: each rank leaves some experts without a
+    token. Stage 3 with the default units, with ``zero_optimization.leaf_module``, and with DeepSpeed's
+    ``set_z3_leaf_modules`` (compat), against stage 0."""
+    import zeroshard
+
+    zeroshard.install_as_deepspeed()
+    import deepspeed
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from zeroshard import comm
+
+    rank = comm.get_rank()
+    ids = torch.randint(0, 64, (4, 3), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for name, stage, leaf, mark in (
+        ("stage0", 0, None, False),
+        ("default", 3, None, False),
+        ("config", 3, {"classes": ["MixtralSparseMoeBlock"]}, False),
+        ("marked", 3, None, True),
+    ):
+        model = _tiny_mixtral()
+        if mark:
+            deepspeed.utils.set_z3_leaf_modules(model, [MixtralSparseMoeBlock])
+        zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+        if leaf:
+            zero["leaf_module"] = leaf
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": zero,
+            "steps_per_print": float("inf"),
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        losses = []
+        for _ in range(2):
+            mine = ids[2 * rank : 2 * rank + 2]
+            loss = engine(input_ids=mine, labels=mine).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        units = [u.name for u in engine.stage3.units] if engine.stage3 is not None else []
+        runs[name] = {"losses": losses, "weights": engine.consolidated_state_dict(rank0_only=False), "units": units}
+        engine.destroy()
+    return runs
+
+
+def test_moe_with_idle_experts_matches_stage_0_with_default_units_and_leaf_modules():
+    runs = run_distributed(moe_worker, 2, timeout_s=300)[0]
+    reference = runs["stage0"]
+    for name in ("default", "config", "marked"):
+        assert runs[name]["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
+        assert model_error(runs[name]["weights"], reference["weights"]) <= 1e-5, name
+    assert "model.layers.0" in runs["default"]["units"]  # the decoder layers, by default
+    for name in ("config", "marked"):  # each MoE block is a unit of its own, nothing chosen inside it
+        assert {"model.layers.0.mlp", "model.layers.1.mlp"} <= set(runs[name]["units"])
+        assert not any(u.startswith("model.layers.0.mlp.") for u in runs[name]["units"])

@@ -137,6 +137,15 @@ class OffloadOptimizerConfig(_OffloadBase):
 ZEROPP_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
 
 
+class LeafModuleConfig(Section):
+    """DeepSpeed's ``zero_optimization.leaf_module``: modules that are each one stage-3 gather unit (MoE blocks),
+    by class name (or qualified name), module path, or path suffix."""
+
+    classes: list[str] = Field(default_factory=list)
+    names: list[str] = Field(default_factory=list)
+    name_suffixes: list[str] = Field(default_factory=list)
+
+
 class ZeroConfig(Section):
     stage: int = Field(0, ge=0, le=3)
     contiguous_gradients: bool = satisfied(True, "gradients are always reduced from contiguous flat buffers")
@@ -193,6 +202,7 @@ class ZeroConfig(Section):
     enable_sanity_checks: bool = refused(False, "not implemented")
     gather_unit_classes: list[str] = Field(default_factory=list)
     gather_unit_min_params: Optional[int] = Field(None, ge=1)  # None: the model's repeated blocks
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -321,13 +321,15 @@ def initialize(
     config_params: Any = None,
     gather_unit_classes: Any = None,
     pretrained: Any = None,
+    leaf_modules: Any = (),
 ):
     """Build an engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     ``optimizer`` and ``lr_scheduler`` may be objects or callables (``params -> optimizer``,
     ``optimizer -> scheduler``); otherwise they are built from the config's blocks by name.
     ``gather_unit_classes`` (module classes or class names) adds to ``zero_optimization.gather_unit_classes``:
-    under stage 3 each module of those classes is one gather unit.
+    under stage 3 each module of those classes is one gather unit. ``leaf_modules`` (modules of ``model`` or their
+    paths) adds to ``zero_optimization.leaf_module``: each is one gather unit with no unit inside it.
     ``pretrained`` (a safetensors file, a Hugging Face checkpoint directory or a zeroshard checkpoint) fills a
     model built under ``zero.Init``: every rank reads the weights of one flat group at a time and keeps its
     shard, so no rank ever holds the whole model and nothing is broadcast.
@@ -354,6 +356,7 @@ def initialize(
             placement=placement,
             materialize=materialize,
             gather_unit_classes=gather_unit_classes,
+            leaf_modules=leaf_modules,
         )
     else:
         stack = ZeroStack.without_optimizer(placement.device)

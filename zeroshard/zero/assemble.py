@@ -177,6 +177,15 @@ class ZeroStack:
         return {role: sum(places[role] for places in by_location.values()) for role in ROLES}
 
 
+def _module_paths(model: torch.nn.Module, modules) -> tuple[str, ...]:
+    """Paths in ``model`` of ``modules`` (module objects, or paths as given)."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    for module in modules:
+        if not isinstance(module, str) and id(module) not in paths:
+            raise ValueError(f"leaf module {type(module).__name__} is not a module of the model being initialized")
+    return tuple(m if isinstance(m, str) else paths[id(m)] for m in modules)
+
+
 def build_zero_stack(
     *,
     model: torch.nn.Module,
@@ -187,6 +196,7 @@ def build_zero_stack(
     placement: Placement,
     materialize=None,
     gather_unit_classes=None,
+    leaf_modules=(),
 ) -> ZeroStack:
     """Plan and build the stack for ``model``'s ``param_groups`` (each ``{"params": [...], ...}``) under ``config``
     (the resolved ``ZeroshardConfig``); ``make_optimizer`` builds the torch optimizer over the master shards."""
@@ -195,7 +205,8 @@ def build_zero_stack(
     # stage 0 reduces over the whole data-parallel world; sharded stages over the shard group
     stage = StagePolicy.for_stage(z.stage)
     shard_group = grid.shard if stage.partition_optimizer else grid.world
-    plan = plan_model(model, param_groups, z, shard_group.size, classes)
+    leaves = _module_paths(model, leaf_modules)
+    plan = plan_model(model, param_groups, z, shard_group.size, classes, leaves)
     if stage.partition_params:
         _log_units(plan)
     records = ParamRecords()

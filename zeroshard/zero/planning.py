@@ -16,7 +16,7 @@ from ..partition import FlatLayout, assign_buckets, flat_layout
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .sharded_param import ParamRecords
-from .stage3.units import UnitPlan, plan_units
+from .stage3.units import UnitPlan, leaf_module_paths, plan_units
 
 
 @dataclass(frozen=True)
@@ -151,9 +151,11 @@ def plan_model(
     zero_config,
     shard_count: int,
     gather_unit_classes: frozenset = frozenset(),
+    leaf_paths: tuple[str, ...] = (),
 ) -> ModelPlan:
     """Plan ``model``'s flat groups for ``param_groups`` under ``zero_config`` (the ``zero_optimization`` block) with
-    shard groups of ``shard_count`` ranks; ``gather_unit_classes`` adds to the block's unit classes (stage 3)."""
+    shard groups of ``shard_count`` ranks; ``gather_unit_classes`` adds to the block's unit classes and
+    ``leaf_paths`` to its leaf modules (stage 3)."""
     z = zero_config
     stage = StagePolicy.for_stage(z.stage)
     param_names = {p: name for name, p in model.named_parameters()}
@@ -166,7 +168,9 @@ def plan_model(
     unit_plans, persistent = [], frozenset()
     if stage.partition_params:
         classes = frozenset(z.gather_unit_classes) | gather_unit_classes
-        unit_plans = plan_units(model, classes, z.gather_unit_min_params)
+        leaf = z.leaf_module
+        leaves = leaf_module_paths(model, leaf.classes, [*leaf.names, *leaf_paths], leaf.name_suffixes)
+        unit_plans = plan_units(model, classes, z.gather_unit_min_params, tuple(leaves))
         persistent = frozenset(p for p in model.parameters() if p.numel() < z.param_persistence_threshold)
     units = [u.params for u in unit_plans]
     trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent)

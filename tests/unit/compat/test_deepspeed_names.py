@@ -59,6 +59,19 @@ MODULE_NAMES = [
     "runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_cold",
     # issue 28: what today's clients call
     "DeepSpeedConfigError",
+    *(
+        f"utils.{name}"
+        for name in (
+            "set_z3_leaf_modules",
+            "unset_z3_leaf_modules",
+            "get_z3_leaf_modules",
+            "z3_leaf_module",
+            "z3_leaf_parameter",
+            "set_z3_leaf_module",
+            "set_z3_leaf_modules_by_name",
+            "set_z3_leaf_modules_by_suffix",
+        )
+    ),
     "runtime.config.DeepSpeedConfigError",
     *(
         f"comm.{name}"

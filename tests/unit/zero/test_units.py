@@ -111,3 +111,19 @@ def test_repeated_blocks_of_hf_models_and_only_the_outermost():
 def test_explicit_size_threshold_overrides_repeated_blocks():
     model = GPT(CFG)
     assert [u.name for u in plan_units(model, min_params=10**9)] == [""]
+
+
+def test_leaf_modules_are_units_with_nothing_chosen_inside():
+    from zeroshard.zero.stage3 import leaf_module_paths, plan_units
+
+    model = GPT(CFG)  # blocks.0-2 are the repeated Block units by default
+    leaves = leaf_module_paths(model, classes=["Block"], names=["wte"], name_suffixes=[".1.fc"])
+    assert leaves == ["wte", "blocks.0", "blocks.1", "blocks.1.fc", "blocks.2"]
+    # blocks.1.fc lies inside the leaf blocks.1: the leaf wins, nothing is chosen inside a leaf
+    names = [u.name for u in plan_units(model, frozenset({"Linear"}), None, ("blocks.1",))]
+    assert "blocks.1" in names and not any(n.startswith("blocks.1.") for n in names)
+    assert "blocks.0.fc" in names  # outside the leaf, the unit classes still apply
+    with pytest.raises(ValueError, match=r"leaf modules \['MoEBlock', 'nowhere', '.nothing'\] match no module"):
+        leaf_module_paths(model, classes=["MoEBlock"], names=["nowhere"], name_suffixes=[".nothing"])
+    with pytest.raises(ValueError, match=r"leaf modules \['blocks'\] are containers"):
+        leaf_module_paths(model, names=["blocks"])

@@ -73,14 +73,47 @@ def choose_unit_modules(root: nn.Module, unit_classes: frozenset[str], min_param
     return [name for name, _ in root.named_modules() if name in chosen]
 
 
+def leaf_module_paths(root: nn.Module, classes=(), names=(), name_suffixes=()) -> list[str]:
+    """Paths of the modules that must each be one gather unit (DeepSpeed's "leaf modules", set for MoE blocks
+    whose experts run in an order that changes with the data): modules whose class name or qualified class name
+    is in ``classes``, whose path is in ``names``, or whose path ends with one of ``name_suffixes``. An entry that
+    matches nothing is an error naming it (a misspelt class would silently change nothing)."""
+    modules = dict(root.named_modules())
+    qualified = {path: f"{type(m).__module__}.{type(m).__qualname__}" for path, m in modules.items()}
+    matched = {
+        path
+        for path, module in modules.items()
+        if path
+        and (
+            type(module).__name__ in classes
+            or qualified[path] in classes
+            or path in names
+            or any(path.endswith(suffix) for suffix in name_suffixes)
+        )
+    }
+    missing = [c for c in classes if not any(type(m).__name__ == c or qualified[p] == c for p, m in modules.items())]
+    missing += [n for n in names if n not in modules or not n]
+    missing += [x for x in name_suffixes if not any(p.endswith(x) for p in modules if p)]
+    if missing:
+        raise ValueError(f"leaf modules {missing} match no module of {type(root).__name__}")
+    containers = sorted(p for p in matched if not runs(modules[p]))
+    if containers:
+        raise ValueError(f"leaf modules {containers} are containers, which are never called; name what they hold")
+    return [path for path in modules if path in matched]
+
+
 def plan_units(
-    root: nn.Module, unit_classes: frozenset[str] = frozenset(), min_params: Optional[int] = None
+    root: nn.Module,
+    unit_classes: frozenset[str] = frozenset(),
+    min_params: Optional[int] = None,
+    leaf_paths: tuple[str, ...] = (),
 ) -> list[UnitPlan]:
     """The root unit first, then the chosen units in pre-order; each parameter in exactly one unit.
 
     Which modules: those of ``unit_classes``; else, with ``min_params`` given, by size (``choose_unit_modules``);
     else the model's repeated blocks (``repeated_block_classes``), or by size at ``DEFAULT_UNIT_MIN_PARAMS``
-    when it repeats none.
+    when it repeats none. Each of ``leaf_paths`` (``leaf_module_paths``) is a unit too, and no unit is chosen
+    inside one: all of a leaf's parameters are gathered when it runs, whichever of its children the data uses.
 
     A parameter belongs to the innermost unit enclosing the module that registers it; a parameter
     registered in two different units (tied weights across units) goes to the root unit, which stays
@@ -88,7 +121,9 @@ def plan_units(
     """
     if not unit_classes and min_params is None:
         unit_classes = repeated_block_classes(root)
-    names = choose_unit_modules(root, unit_classes, min_params or DEFAULT_UNIT_MIN_PARAMS)
+    chosen = choose_unit_modules(root, unit_classes, min_params or DEFAULT_UNIT_MIN_PARAMS)
+    inside_a_leaf = {n for n in chosen for leaf in leaf_paths if n.startswith(leaf + ".")}
+    names = [n for n, _ in root.named_modules() if n in (set(chosen) - inside_a_leaf) | set(leaf_paths)]
     modules = dict(root.named_modules())
     units = {"": UnitPlan("", root)} | {n: UnitPlan(n, modules[n]) for n in names}
     owner: dict[nn.Parameter, str] = {}

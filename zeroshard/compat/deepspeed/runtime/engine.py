@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional
 
+import torch
+
 from zeroshard import initialize as _initialize
 from zeroshard.runtime import ZeroshardEngine
+
+from ..utils.leaf_modules import get_z3_leaf_modules
 
 DeepSpeedEngine = ZeroshardEngine
 
@@ -35,6 +39,7 @@ def initialize(
         )
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    leaves = get_z3_leaf_modules(model) if isinstance(model, torch.nn.Module) else []
     return _initialize(
         args=args,
         model=model,
@@ -46,6 +51,7 @@ def initialize(
         dist_init_required=dist_init_required,
         collate_fn=collate_fn,
         config_params=config_params,
+        leaf_modules=leaves,  # flagged by deepspeed.utils.set_z3_leaf_modules
     )
 
 
