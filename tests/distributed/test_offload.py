@@ -147,7 +147,6 @@ BAD = [
     ({"offload_optimizer": {"device": "nvme", "nvme_path": "/no/such/dir"}}, "AdamW", "does not exist"),
     ({"offload_optimizer": {"device": "nvme", "nvme_path": "/proc"}}, "AdamW", "cannot create swap file"),
     ({"offload_optimizer": {"device": "nvme"}}, "AdamW", "nvme_path"),
-    ({"offload_param": {"device": "cpu"}}, "AdamW", "offload_param works only with stage 3"),
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "AdamW", "set stage to 1, 2 or 3"),
     ({"offload_optimizer": {"device": "cpu"}}, "Lamb", "Lamb"),
     ({"offload_optimizer": NVME}, "Adagrad", "creates its state when constructed"),

@@ -71,8 +71,8 @@ class WandbMonitor:
     package's own settings apply (``WANDB_MODE=offline`` keeps the run on disk)."""
 
     def __init__(self, block):
-        self.wandb = _import("wandb", "wandb")
-        self.run = self.wandb.init(project=block.project, group=block.group, entity=block.team)
+        wandb = _import("wandb", "wandb")
+        self.run = wandb.init(project=block.project, group=block.group, entity=block.team)
 
     def write(self, events: list[tuple[str, float, int]]) -> None:
         for name, value, step in events:
