@@ -78,24 +78,22 @@ def leaf_module_paths(root: nn.Module, classes=(), names=(), name_suffixes=()) -
     whose experts run in an order that changes with the data): modules whose class name or qualified class name
     is in ``classes``, whose path is in ``names``, or whose path ends with one of ``name_suffixes``. An entry that
     matches nothing is an error naming it (a misspelt class would silently change nothing)."""
-    modules = dict(root.named_modules())
-    qualified = {path: f"{type(m).__module__}.{type(m).__qualname__}" for path, m in modules.items()}
-    matched = {
-        path
-        for path, module in modules.items()
-        if path
-        and (
-            type(module).__name__ in classes
-            or qualified[path] in classes
-            or path in names
-            or any(path.endswith(suffix) for suffix in name_suffixes)
-        )
+    modules = {path: module for path, module in root.named_modules() if path}  # the root is never a leaf
+
+    def of_class(name: str) -> list[str]:
+        return [
+            p for p, m in modules.items() if name in (type(m).__name__, f"{type(m).__module__}.{type(m).__qualname__}")
+        ]
+
+    hits = {
+        **{c: of_class(c) for c in classes},
+        **{n: [n] if n in modules else [] for n in names},
+        **{x: [p for p in modules if p.endswith(x)] for x in name_suffixes},
     }
-    missing = [c for c in classes if not any(type(m).__name__ == c or qualified[p] == c for p, m in modules.items())]
-    missing += [n for n in names if n not in modules or not n]
-    missing += [x for x in name_suffixes if not any(p.endswith(x) for p in modules if p)]
+    missing = [entry for entry, paths in hits.items() if not paths]
     if missing:
         raise ValueError(f"leaf modules {missing} match no module of {type(root).__name__}")
+    matched = {path for paths in hits.values() for path in paths}
     containers = sorted(p for p in matched if not runs(modules[p]))
     if containers:
         raise ValueError(f"leaf modules {containers} are containers, which are never called; name what they hold")
