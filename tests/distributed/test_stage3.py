@@ -511,6 +511,13 @@ def moe_worker() -> dict:
         units = [u.name for u in engine.stage3.units] if engine.stage3 is not None else []
         runs[name] = {"losses": losses, "weights": engine.consolidated_state_dict(rank0_only=False), "units": units}
         engine.destroy()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    config["zero_optimization"] = {"stage": 3}
+    for careless in ({"leaf_modules": [torch.nn.Linear(2, 2)]}, {"leaf_modules": ["model.nowhere"]}):
+        try:  # a module of another model, a path that is not there: named, before anything is sharded
+            zeroshard.initialize(model=_tiny_mixtral(), config=config, **careless)
+        except ValueError as err:
+            runs.setdefault("refused", []).append(str(err))
     return runs
 
 
@@ -521,6 +528,10 @@ def test_moe_with_idle_experts_matches_stage_0_with_default_units_and_leaf_modul
         assert runs[name]["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
         assert model_error(runs[name]["weights"], reference["weights"]) <= 1e-5, name
     assert "model.layers.0" in runs["default"]["units"]  # the decoder layers, by default
+    assert runs["refused"] == [
+        "leaf module Linear is not a module of the model being initialized",
+        "leaf modules ['model.nowhere'] match no module of MixtralForCausalLM",
+    ]
     for name in ("config", "marked"):  # each MoE block is a unit of its own, nothing chosen inside it
         assert {"model.layers.0.mlp", "model.layers.1.mlp"} <= set(runs[name]["units"])
         assert not any(u.startswith("model.layers.0.mlp.") for u in runs[name]["units"])
