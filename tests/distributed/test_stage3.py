@@ -509,6 +509,11 @@ def moe_worker() -> dict:
             engine.step()
             losses.append(loss.item())
         units = [u.name for u in engine.stage3.units] if engine.stage3 is not None else []
+        if stage == 3 and name == "default":  # the idle buffers go, and the next step gets new ones
+            idle = engine.stack.buffers.idle_bytes
+            engine.empty_partition_cache()
+            mine = ids[2 * rank : 2 * rank + 2]
+            runs["cache"] = (idle, engine.stack.buffers.idle_bytes, engine(input_ids=mine, labels=mine).loss.item())
         runs[name] = {"losses": losses, "weights": engine.consolidated_state_dict(rank0_only=False), "units": units}
         engine.destroy()
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
@@ -528,6 +533,8 @@ def test_moe_with_idle_experts_matches_stage_0_with_default_units_and_leaf_modul
         assert runs[name]["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
         assert model_error(runs[name]["weights"], reference["weights"]) <= 1e-5, name
     assert "model.layers.0" in runs["default"]["units"]  # the decoder layers, by default
+    idle_before, idle_after, loss = runs["cache"]
+    assert idle_before > 0 and idle_after == 0 and math.isfinite(loss)  # engine.empty_partition_cache()
     assert runs["refused"] == [
         "leaf module Linear is not a module of the model being initialized",
         "leaf modules ['model.nowhere'] match no module of MixtralForCausalLM",

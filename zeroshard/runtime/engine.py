@@ -120,6 +120,12 @@ class ZeroshardEngine(torch.nn.Module):
             options = {**block.kwargs, **(compile_kwargs or {})}
             self._compiled = torch.compile(self.module, backend=backend or block.backend, **options)
 
+    def empty_partition_cache(self) -> None:
+        """Drop the idle gather and staging buffers the stack keeps for reuse (DeepSpeed's call, which OpenRLHF
+        makes before handing the device to another model); the next step allocates them again."""
+        self.stack.buffers.clear()
+        get_accelerator().empty_cache()
+
     @property
     def monitor(self) -> Monitors:
         """DeepSpeed's ``engine.monitor``: ``engine.monitor.write_events([(name, value, step)])``."""

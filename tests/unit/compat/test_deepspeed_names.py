@@ -124,6 +124,7 @@ ENGINE_NAMES = [
     "get_global_grad_norm",
     "compile",
     "is_compiled",
+    "empty_partition_cache",
 ]
 OPTIMIZER_NAMES = ["state_dict", "load_state_dict", "loss_scale", "cur_scale", "param_groups", "state", "zero_grad"]
 
