@@ -236,18 +236,13 @@ class ZeroConfig(Section):
         "param_persistence_threshold",
         "max_live_parameters",
         "max_reuse_distance",
+        "sub_group_size",
     )
     @classmethod
-    def _non_negative(cls, value):
-        if value != "auto" and value < 0:
-            raise ValueError("must be >= 0")
-        return value
-
-    @field_validator("sub_group_size")
-    @classmethod
-    def _positive_size(cls, value):
-        if value != "auto" and value < 1:
-            raise ValueError("must be >= 1")
+    def _at_least(cls, value, info):
+        low = 1 if info.field_name == "sub_group_size" else 0  # sizes of things, counts of elements
+        if value != "auto" and value < low:
+            raise ValueError(f"must be >= {low}")
         return value
 
     @model_validator(mode="after")
