@@ -66,7 +66,6 @@ MODULE_NAMES = [
             "unset_z3_leaf_modules",
             "get_z3_leaf_modules",
             "z3_leaf_module",
-            "z3_leaf_parameter",
             "set_z3_leaf_module",
             "set_z3_leaf_modules_by_name",
             "set_z3_leaf_modules_by_suffix",

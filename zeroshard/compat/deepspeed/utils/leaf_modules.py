@@ -17,11 +17,6 @@ def z3_leaf_module(model: torch.nn.Module) -> bool:
     return bool(getattr(model, _FLAG, False))
 
 
-def z3_leaf_parameter(param: torch.nn.Parameter) -> bool:
-    """DeepSpeed marks parameters of leaf modules at stage-3 set-up; zeroshard keeps nothing on parameters."""
-    return False
-
-
 def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if z3_leaf_module(module)]
 
@@ -90,5 +85,4 @@ __all__ = [
     "set_z3_leaf_modules_by_suffix",
     "unset_z3_leaf_modules",
     "z3_leaf_module",
-    "z3_leaf_parameter",
 ]
