@@ -45,6 +45,12 @@ def _op(op) -> str:
         raise ValueError(f"deepspeed.comm: reduce op {op} is not supported (SUM, MAX or MIN)") from None
 
 
+def _unflatten_into(outputs: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """The list forms run one flat collective; equal chunks of its output go back to the caller's tensors."""
+    for out, chunk in zip(outputs, flat.chunk(len(outputs))):
+        out.copy_(chunk.view_as(out))
+
+
 def _result(pending: Pending, async_op: bool):
     return pending if async_op else None
 
@@ -77,8 +83,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
     """The list form, through one flat all-gather (completed before returning; the handle is already done)."""
     flat = torch.empty(len(tensor_list) * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     pending = _all_gather(flat, tensor.contiguous().view(-1), _group(group))
-    for out, chunk in zip(tensor_list, flat.chunk(len(tensor_list))):
-        out.copy_(chunk.view_as(out))
+    _unflatten_into(tensor_list, flat)
     return _result(pending, async_op)
 
 
@@ -111,8 +116,7 @@ def all_to_all(
     flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
     flat_out = torch.empty_like(flat_in)
     pending = _all_to_all(flat_out, flat_in, _group(group))
-    for out, chunk in zip(output_tensor_list, flat_out.chunk(len(output_tensor_list))):
-        out.copy_(chunk.view_as(out))
+    _unflatten_into(output_tensor_list, flat_out)
     return _result(pending, async_op)
 
 
