@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -114,6 +116,24 @@ def host_peak_rss() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def release_host_memory() -> None:
+    """Hand freed heap memory back to the operating system (glibc's ``malloc_trim``; nothing elsewhere). After a
+    large host tensor is freed, glibc raises its mmap threshold and serves the next ones from the heap, where a small
+    live allocation above them keeps the whole span resident: code that allocates and frees one large tensor after
+    another (zero.Init putting parameters away) would otherwise grow the resident set toward the sum of them."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim if sys.platform.startswith("linux") else False
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def get_accelerator() -> Accelerator:

@@ -434,13 +434,25 @@ class TensorParallelTrainingConfig(Section):
         return 1 if value == 0 and not isinstance(value, bool) else value
 
 
+class FlopsProfilerConfig(Section):
+    """DeepSpeed's ``flops_profiler`` block: rank 0 profiles the forward of step ``profile_step`` (counted in
+    optimizer steps taken before it, as DeepSpeed counts) and prints it after that step."""
+
+    enabled: bool = False
+    recompute_fwd_factor: float = Field(0.0, ge=0.0, le=1.0)
+    profile_step: int = Field(1, ge=1)
+    module_depth: int = Field(-1, ge=-1)
+    top_modules: int = Field(1, ge=1)
+    detailed: bool = True
+    output_file: Optional[str] = None
+
+
 class DataTypesConfig(Section):
     grad_accum_dtype: Optional[DTypeName] = None
 
 
 # DeepSpeed feature blocks we parse but do not implement: accepted when absent or disabled.
 UNSUPPORTED_FEATURE_BLOCKS = (
-    "flops_profiler",
     "autotuning",
     "compression_training",
     "data_efficiency",
@@ -491,7 +503,7 @@ class ZeroshardConfig(Section):
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     comet: CometConfig = Field(default_factory=CometConfig)
-    flops_profiler: Optional[dict[str, Any]] = None
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
     autotuning: Optional[dict[str, Any]] = None
     compression_training: Optional[dict[str, Any]] = None

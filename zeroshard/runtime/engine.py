@@ -21,7 +21,9 @@ from ..checkpoint.view import TrainingCounters, TrainingState
 from ..config import Resolution
 from ..log import log_rank0, logger
 from ..precision import PrecisionPolicy
-from ..zero import ParamRecords, ZeroOptimizer, ZeroStack, consolidated_state_dict
+from ..profiling import FlopsProfiler
+from ..zero import ParamAccess, ParamRecords, ZeroOptimizer, ZeroStack, consolidated_state_dict
+from ..zero.assemble import NO_OPTIMIZER
 from ..zero.stage3 import Stage3Runtime
 from .activation_checkpointing import CheckpointingOptions
 from .activation_checkpointing import in_effect as checkpointing_in_effect
@@ -84,6 +86,14 @@ class ZeroshardEngine(torch.nn.Module):
         if self.settings.comms_logger.enabled:
             self.grid.context.timing = True  # this engine's collectives only
         self._compiled: Optional[Callable] = None  # the module compiled by compile(), called by forward
+        block = self.settings.flops_profiler
+        # DeepSpeed's: rank 0 profiles one forward (of step block.profile_step) and prints it after that step
+        self.flops_profiler = (
+            FlopsProfiler(module, recompute_fwd_factor=block.recompute_fwd_factor)
+            if block.enabled and comm.get_rank() == 0
+            else None
+        )
+        self._profile_started: Optional[float] = None
         self._destroyed = False
         # a script that never calls destroy() still releases the engine before the process group goes
         # (atexit runs handlers last-registered first); a weak reference, so the hook keeps nothing alive
@@ -93,13 +103,20 @@ class ZeroshardEngine(torch.nn.Module):
     # -- the training loop ----------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         started = time.perf_counter()
+        self.stack.refuse_if_offloaded("forward")
         inputs, kwargs = tree_map(self._prepare_input, (inputs, kwargs))
         tokens = next(
             (t for t in tree_flatten((inputs, kwargs))[0] if torch.is_tensor(t) and not t.is_floating_point()), None
         )
         self._window_tokens += tokens.numel() if tokens is not None else 0  # token ids: batch x sequence
+        profiling = self._profiling_now()
+        if profiling:
+            self._profile_started = started
+            self.flops_profiler.start_profile()
         with checkpointing_in_effect(self.activation_checkpointing):
             out = (self.module if self._compiled is None else self._compiled)(*inputs, **kwargs)
+        if profiling:
+            self.flops_profiler.stop_profile()
         self._timers["forward"] += time.perf_counter() - started
         self._sample_memory()
         return out
@@ -125,6 +142,15 @@ class ZeroshardEngine(torch.nn.Module):
         makes before handing the device to another model); the next step allocates them again."""
         self.stack.buffers.clear()
         get_accelerator().empty_cache()
+
+    def offload_states(
+        self, include=None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False
+    ) -> None:
+        """DeepSpeed's ``engine.offload_states``: the optimizer's, after dropping the idle buffers."""
+        self.stack.needs_optimizer("offload_states").offload_states(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self.stack.needs_optimizer("reload_states").reload_states(non_blocking)
 
     @property
     def monitor(self) -> Monitors:
@@ -166,6 +192,7 @@ class ZeroshardEngine(torch.nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         started = time.perf_counter()
+        self.stack.refuse_if_offloaded("backward")
         scale = self.stack.loss_scale
         if scale_wrt_gas:
             scale /= self.batch.gradient_accumulation_steps
@@ -181,13 +208,37 @@ class ZeroshardEngine(torch.nn.Module):
         return loss
 
     def step(self) -> None:
+        self.stack.refuse_if_offloaded("step")
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._optimizer_step()
         self.counters.micro_steps += 1
         if boundary:
+            self._print_flops_profile()
             self._save_periodically()
+
+    def _profiling_now(self) -> bool:
+        """The first forward of the profiled step (DeepSpeed counts it in steps already taken)."""
+        return (
+            self.flops_profiler is not None
+            and self._profile_started is None
+            and self.global_steps == self.settings.flops_profiler.profile_step
+        )
+
+    def _print_flops_profile(self) -> None:
+        if self._profile_started is None or not self.flops_profiler.stats:
+            return
+        block = self.settings.flops_profiler
+        self.flops_profiler.print_model_profile(
+            profile_step=block.profile_step,
+            module_depth=block.module_depth,
+            top_modules=block.top_modules,
+            detailed=block.detailed,
+            output_file=block.output_file,
+            step_duration=time.perf_counter() - self._profile_started,
+        )
+        self.flops_profiler.end_profile()
 
     def _optimizer_step(self) -> None:
         started = time.perf_counter()
@@ -320,6 +371,14 @@ class ZeroshardEngine(torch.nn.Module):
     def stage3(self) -> Optional[Stage3Runtime]:
         """The stage-3 runtime (gather units and their hooks), or None below stage 3."""
         return self.stack.stage3
+
+    @property
+    def param_access(self) -> ParamAccess:
+        """One parameter's fp32 master weights, reduced gradient and optimizer state, whole or this rank's part
+        (DeepSpeed's ``safe_get_full_fp32_param`` family; see :mod:`zeroshard.zero.param_access`)."""
+        if self.stack.access is None:
+            raise RuntimeError(f"engine.param_access {NO_OPTIMIZER}")
+        return self.stack.access
 
     @property
     def records(self) -> ParamRecords:

@@ -8,6 +8,7 @@ from .gathered import GatheredParameters, consolidated_state_dict
 from .init import Init, parameters_replaced, reset_parameters
 from .optimizer import NonFiniteGradientError, ZeroOptimizer
 from .optimizer_state import DeviceState, HostState, NvmeState, OptimizerState, build_optimizer_state
+from .param_access import ParamAccess
 from .planning import StagePolicy
 from .reducer import GradBucket, GradientReducer, GradState
 from .sharded_param import ParamRecords, ShardedParameterError
@@ -25,6 +26,7 @@ __all__ = [
     "NvmeState",
     "OptimizerState",
     "Placement",
+    "ParamAccess",
     "ParamRecords",
     "ParamState",
     "ReusableBuffers",

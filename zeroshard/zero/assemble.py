@@ -27,6 +27,7 @@ from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .optimizer import ZeroOptimizer
 from .optimizer_state import MakeOptimizer, build_optimizer_state
+from .param_access import ParamAccess
 from .planning import ModelPlan, QuantizedComm, StagePolicy, build_flat_groups, plan_model
 from .reducer import GradBucket, GradientReducer
 from .sharded_param import ParamRecords
@@ -66,6 +67,7 @@ class ZeroStack:
         optimizer: Optional[ZeroOptimizer],
         stage3: Optional[Stage3Runtime],
         shard_homes: Optional[ShardHomes] = None,
+        access: Optional[ParamAccess] = None,
     ):
         self.records = records  # what is known of each (stage-3) parameter
         self.buffers = buffers  # gathered units and gradient staging, reused step after step
@@ -73,6 +75,7 @@ class ZeroStack:
         self.optimizer = optimizer  # the step's arithmetic (DeepSpeed's engine.optimizer)
         self.stage3 = stage3
         self.shard_homes = shard_homes  # offload_param: where stage-3 shards live, and their staging pool
+        self.access = access  # one parameter's master weights, gradient and optimizer state
 
     @classmethod
     def without_optimizer(cls, device: torch.device) -> "ZeroStack":
@@ -85,7 +88,11 @@ class ZeroStack:
             stage3=None,
         )
 
-    def _needs_optimizer(self, call: str) -> ZeroOptimizer:
+    def refuse_if_offloaded(self, call: str) -> None:
+        if self.optimizer is not None:
+            self.optimizer.states.refuse_use(call)
+
+    def needs_optimizer(self, call: str) -> ZeroOptimizer:
         if self.optimizer is None:
             raise RuntimeError(f"engine.{call} {NO_OPTIMIZER}")
         return self.optimizer
@@ -97,7 +104,7 @@ class ZeroStack:
 
     def begin_backward(self, boundary: bool, scaled_loss: torch.Tensor) -> None:
         """Before the user's backward: whether it ends an accumulation, and the loss autograd starts from."""
-        self._needs_optimizer("backward")
+        self.needs_optimizer("backward")
         self.reducer.begin_backward(boundary, scaled_loss)
 
     def end_backward(self, graph_retained: bool = False) -> None:
@@ -109,7 +116,7 @@ class ZeroStack:
 
     def step(self) -> bool:
         """The optimizer step; False when an fp16 overflow skipped it."""
-        return self._needs_optimizer("step").step()
+        return self.needs_optimizer("step").step()
 
     def zero_grad(self, module: torch.nn.Module) -> None:
         if self.optimizer is not None:
@@ -252,6 +259,7 @@ def build_zero_stack(
         norm_group=grid.shard if stage.partition_optimizer else None,
         gradient_clipping=config.gradient_clipping,
         max_consecutive_skipped_steps=config.max_consecutive_skipped_steps,
+        buffers=buffers,
     )
     return ZeroStack(
         records=records,
@@ -260,6 +268,7 @@ def build_zero_stack(
         optimizer=optimizer,
         stage3=stage3,
         shard_homes=homes,
+        access=ParamAccess(records, state, reducer),
     )
 
 

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from .. import comm
 from ..optim import OneBitOptimizer
 from ..precision import LossScaler
+from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .optimizer_state import OptimizerState
 from .reducer import GradientReducer, Reduction
+from .state_offload import StateOffload
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -46,6 +48,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         norm_group: Optional[comm.Group],
         gradient_clipping: float = 0.0,
         max_consecutive_skipped_steps: int = 0,
+        buffers: Optional[ReusableBuffers] = None,
     ):
         self.flat_groups = flat_groups
         self.optimizer_state = optimizer_state
@@ -73,7 +76,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"optimizer {type(self.optimizer).__name__} with hybrid sharding (zero_hpz_partition_size / "
                 "mics_shard_size): the replica groups' reduction would not be compressed; drop one of the two"
             )
+        self.states = StateOffload(
+            flat_groups + self.frozen_groups,
+            optimizer_state,
+            reducer.buckets,
+            buffers if buffers is not None else ReusableBuffers(optimizer_state.device),
+            flat_groups[0].device if flat_groups else optimizer_state.device,
+        )
         self._choose_reduction()
+
+    def offload_states(
+        self, include=None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False
+    ) -> None:
+        """Move the states in ``include`` (DeepSpeed's ``OffloadStateTypeEnum`` values; all when None) to host
+        memory, freeing the compute device (see :mod:`.state_offload`); the engine refuses to train until
+        :meth:`reload_states`. Only ``device="cpu"``; ``"none"`` does nothing, as in DeepSpeed."""
+        device = getattr(device, "value", device)
+        if device == "none":
+            logging.getLogger("zeroshard").warning("offload_states(device='none'): nothing to do")
+            return
+        if device != "cpu":
+            raise ValueError(f"offload_states(device={device!r}): only 'cpu' is supported (as in DeepSpeed)")
+        if any(flat.home is not None for flat in self.states.flats):
+            raise NotImplementedError(
+                "offload_states with zero_optimization.offload_param: the parameters already live off the device"
+            )
+        self.states.offload(include, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what :meth:`offload_states` moved, bit for bit."""
+        self.states.reload(non_blocking)
 
     def _choose_reduction(self) -> None:
         """Note [1-bit reduction]: a 1-bit optimizer past its warm-up takes this rank's own gradients when it

@@ -56,10 +56,12 @@ _PASSTHROUGH = {
     torch.Tensor.is_cuda.__get__,
     torch.Tensor.is_sparse.__get__,
     torch.Tensor.is_meta.__get__,
+    torch._has_compatible_shallow_copy_type,  # asked by module._apply (module.cpu())
 }
 # A parameter still waiting for data is a meta tensor: a detached alias of it (``module.state_dict()`` for the
 # key names, as Hugging Face's loader asks before loading) holds no data to read either.
 _PENDING_PASSTHROUGH = {torch.Tensor.detach}
+_SET_DATA = torch.Tensor.data.__set__
 _GLOBAL_SHAPE = {
     torch.Tensor.shape.__get__,
     torch.Tensor.size,
@@ -109,6 +111,10 @@ class ZeroParameter(torch.nn.Parameter):
             name, shape, hint = missing
             if func in _GLOBAL_SHAPE:
                 return _global_shape_answer(func, shape, args[1:])
+            if _moves_device_only(func, args, kwargs):
+                return args[0]  # module.cpu() / .to(device): where a shard lives is the engine's to decide
+            if func == _SET_DATA and args[1] is args[0]:
+                return None  # what module._apply does with the answer above
             if func not in _PASSTHROUGH and not (hint is PENDING_HINT and func in _PENDING_PASSTHROUGH):
                 raise ShardedParameterError(
                     f"parameter '{name}' {tuple(shape)} {hint} ({getattr(func, '__name__', func)} was called on it)"
@@ -130,6 +136,15 @@ def _first_without_data(args) -> Optional[tuple[str, torch.Size, str]]:
     return None
 
 
+def _moves_device_only(func, args, kwargs) -> bool:
+    if func is torch.Tensor.cpu:
+        return True
+    if func is not torch.Tensor.to:
+        return False
+    _, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+    return dtype is None or dtype == args[0].dtype
+
+
 def _global_shape_answer(func, shape: torch.Size, rest):
     if func is torch.Tensor.numel or func is torch.Tensor.nelement:
         return shape.numel()
@@ -148,6 +163,7 @@ class InitRecipe:
     param_init_fn: Any  # Optional[Callable[[nn.Module], None]]
     module: weakref.ref  # the module that registered it
     ordinal: int  # registration order inside its Init context: a rank-independent identity before paths exist
+    initial: Any  # the value its module's __init__ left, put away (zero.init: Replayed, Constant or Sharded)
 
 
 class ParamRecords:

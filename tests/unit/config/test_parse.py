@@ -124,7 +124,23 @@ def test_conflicting_deprecated_and_new_key():
 def test_enabled_unsupported_feature_block_is_refused_disabled_one_accepted():
     with pytest.raises(NotImplementedError, match="'pipeline'"):
         parse_config({"pipeline": {"stages": 2}})
-    parse_config({"flops_profiler": {"enabled": False, "profile_step": 1}})
+    parse_config({"autotuning": {"enabled": False}})
+
+
+def test_flops_profiler_block_is_typed():
+    block = parse_config(
+        {"flops_profiler": {"enabled": True, "profile_step": 3, "output_file": "p.txt"}}
+    ).flops_profiler
+    assert (block.enabled, block.profile_step, block.module_depth, block.top_modules, block.detailed) == (
+        True,
+        3,
+        -1,
+        1,
+        True,
+    )
+    for bad in ({"profile_step": 0}, {"profile_steps": 2}, {"recompute_fwd_factor": float("nan")}, {"top_modules": 0}):
+        with pytest.raises(ValueError, match="flops_profiler"):
+            parse_config({"flops_profiler": {"enabled": True, **bad}})
 
 
 def test_json_file(tmp_path):

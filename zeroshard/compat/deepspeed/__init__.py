@@ -8,7 +8,7 @@ from zeroshard.inference import init_inference
 from zeroshard.runtime import add_config_arguments
 
 from ..alias import DEEPSPEED_API_VERSION
-from . import accelerator, checkpoint, checkpointing, comm, moe, ops, runtime, utils, zero
+from . import accelerator, checkpoint, checkpointing, comm, moe, ops, profiling, runtime, utils, zero
 from .comm import init_distributed
 from .runtime.engine import DeepSpeedEngine, initialize
 
@@ -30,6 +30,7 @@ __all__ = [
     "initialize",
     "moe",
     "ops",
+    "profiling",
     "runtime",
     "utils",
     "zero",

@@ -10,6 +10,7 @@ import torch
 from zeroshard import initialize as _initialize
 from zeroshard.runtime import ZeroshardEngine
 
+from ..utils import tensor_fragment
 from ..utils.leaf_modules import get_z3_leaf_modules
 
 DeepSpeedEngine = ZeroshardEngine
@@ -40,7 +41,7 @@ def initialize(
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     leaves = get_z3_leaf_modules(model) if isinstance(model, torch.nn.Module) else []
-    return _initialize(
+    built = _initialize(
         args=args,
         model=model,
         optimizer=optimizer,
@@ -53,6 +54,8 @@ def initialize(
         config_params=config_params,
         leaf_modules=leaves,  # flagged by deepspeed.utils.set_z3_leaf_modules
     )
+    tensor_fragment.track(built[0])
+    return built
 
 
 __all__ = ["DeepSpeedEngine", "initialize"]

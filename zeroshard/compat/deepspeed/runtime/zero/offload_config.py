@@ -1,9 +1,16 @@
-"""``deepspeed.runtime.zero.offload_config``: the offload blocks of zeroshard's config under DeepSpeed's names."""
+"""``deepspeed.runtime.zero.offload_config``: the offload blocks and offload_states kinds under DeepSpeed's names."""
 
 from zeroshard.config.schema import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig
+from zeroshard.zero.state_offload import StateKind
 
 OffloadDeviceEnum = OffloadDevice
 DeepSpeedZeroOffloadOptimizerConfig = OffloadOptimizerConfig
 DeepSpeedZeroOffloadParamConfig = OffloadParamConfig
+OffloadStateTypeEnum = StateKind  # engine.offload_states(include=[...])
 
-__all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum"]
+__all__ = [
+    "DeepSpeedZeroOffloadOptimizerConfig",
+    "DeepSpeedZeroOffloadParamConfig",
+    "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
+]

@@ -1,0 +1,153 @@
+"""zero.Init: a module's parameters keep what its ``__init__`` gave them (rank 0's values), put away as cheaply as
+they can be (replayed, constant, sharded); parameters are created in the config's dtype; ``.cpu()`` is a no-op for
+parameters without data; writes before ``initialize`` are errors outside a gather and kept inside one; a plain
+process gets a process group, as under DeepSpeed."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from zeroshard.testing import run_distributed
+
+
+class Halved(nn.Linear):
+    """Writes to its parameters after reset_parameters(): no replay reproduces that."""
+
+    def __init__(self):
+        super().__init__(4, 4)
+        self.weight.data.mul_(0.5)
+
+
+class Custom(nn.Module):
+    """What client modules do in ``__init__``: raw parameters, writes through ``.data`` and through a reference kept
+    in a local, no reset_parameters(), layers built inside a ModuleList."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(5))
+        self.noise = nn.Parameter(torch.randn(3, 5))
+        shift = nn.Parameter(torch.empty(4))
+        self.shift = shift
+        shift.data.fill_(2.5)
+        self.lin = nn.Linear(5, 3)
+        self.halved = Halved()
+        self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(3))
+        self.norm = nn.LayerNorm(3)
+
+    def forward(self, x):
+        x = self.lin(x * self.scale + self.noise.sum(0)) + self.shift[:3]
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+def _kinds(model: nn.Module) -> dict[str, str]:
+    from zeroshard.zero.init import _pending
+
+    return {n: type(_pending(p).initial).__name__ for n, p in model.named_parameters()}
+
+
+def init_semantics_worker() -> dict:
+    import zeroshard
+    from zeroshard import comm
+    from zeroshard.zero import GatheredParameters, Init, ShardedParameterError
+    from zeroshard.zero.init import _pending
+
+    rank = comm.get_rank()
+    torch.manual_seed(0)
+    expected = {n: p.detach().clone() for n, p in Custom().named_parameters()}
+    torch.manual_seed(0 if rank == 0 else 101)  # ranks differ: every rank must end with rank 0's values
+    with Init(seed=3):
+        model = Custom()
+    kinds = _kinds(model)
+    pieces = {n: _pending(p).initial.piece.numel() for n, p in model.named_parameters() if kinds[n] == "Sharded"}
+
+    # before initialize: metadata answers, writes outside a gather are refused by name, .cpu() is a no-op
+    assert model.lin.weight.shape == (3, 5) and model.lin.weight.ds_numel == 15
+    assert list(model.state_dict())[:3] == ["scale", "noise", "shift"]
+    with pytest.raises(ShardedParameterError, match=r"'Linear\.weight' \(3, 5\) was built under zero.Init"):
+        with torch.no_grad():
+            model.lin.weight.copy_(torch.ones(3, 5))
+    with pytest.raises(ShardedParameterError):
+        model.norm.bias.data.fill_(1.0)
+    model.cpu()
+    model.to("cpu")
+    assert model.lin.weight.is_meta
+
+    # HF passes a set: every rank gathers in creation order
+    params = [model.norm.bias, model.scale, model.lin.weight]
+    assert GatheredParameters(set(params)).params == [model.scale, model.lin.weight, model.norm.bias]
+
+    with GatheredParameters([model.layers[1].weight], modifier_rank=0):  # a load: rank 0's write is kept
+        with torch.no_grad():
+            model.layers[1].weight.copy_(torch.arange(9.0).view(3, 3) * (rank + 1))
+    expected["layers.1.weight"] = torch.arange(9.0).view(3, 3)
+    with GatheredParameters(list(model.parameters())):
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    mismatched = [n for n in expected if not torch.equal(got[n], expected[n])]
+
+    # param_init_fn runs after construction, as a parent's self.apply(init) would have
+    with Init(param_init_fn=lambda m: nn.init.ones_(m.weight) if isinstance(m, nn.Linear) else None):
+        initialized = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+    with GatheredParameters(list(initialized.parameters())):
+        assert torch.equal(initialized[0].weight.detach(), torch.ones(3, 3))
+
+    # dtype from the config's half precision, as DeepSpeed; an explicit dtype wins
+    dtypes = []
+    for block, dtype in (("bf16", None), ("fp16", None), ("bf16", torch.float32)):
+        config = {"zero_optimization": {"stage": 3}, block: {"enabled": True}}
+        with Init(config_dict_or_path=config, dtype=dtype):
+            half = Custom()
+        dtypes.append({str(p.dtype) for p in half.parameters()})
+
+    # trains after initialize, and .cpu() on the wrapped module is still a no-op for its shards
+    torch.manual_seed(0)
+    with Init():
+        model = Custom()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD"}}
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    engine.module.cpu()
+    losses = []
+    for _ in range(2):
+        loss = engine(torch.ones(2, 5)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"kinds": kinds, "pieces": pieces, "mismatched": mismatched, "dtypes": dtypes, "losses": losses}
+
+
+def test_init_keeps_what_init_wrote_in_the_config_dtype_with_rank0_values():
+    per_rank = run_distributed(init_semantics_worker, 2)
+    for result in per_rank:
+        assert result["mismatched"] == []
+        kinds = result["kinds"]
+        assert kinds["scale"] == kinds["shift"] == "Constant"
+        assert kinds["noise"] == kinds["halved.weight"] == "Sharded"
+        assert {kinds[n] for n in ("lin.weight", "lin.bias", "layers.2.weight", "norm.weight")} == {"Replayed"}
+        assert result["dtypes"] == [{"torch.bfloat16"}, {"torch.float16"}, {"torch.float32"}]
+        assert all(torch.isfinite(torch.tensor(result["losses"])))
+    # each rank keeps half of a sharded value: 15 elements -> 8 + 7
+    assert [r["pieces"]["noise"] for r in per_rank] == [8, 7]
+    assert per_rank[0]["losses"] == per_rank[1]["losses"]
+
+
+PLAIN_PROCESS = """
+import torch, torch.nn as nn
+from zeroshard.compat import deepspeed
+with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}):
+    model = nn.Linear(4, 4)
+print(torch.distributed.get_rank(), torch.distributed.get_world_size(), model.weight.dtype)
+"""
+
+
+def test_init_in_a_plain_process_creates_the_process_group():
+    """transformers' ZeRO-3 from_pretrained asks torch.distributed.get_rank() right after zero.Init."""
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    out = subprocess.run([sys.executable, "-c", PLAIN_PROCESS], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1", "torch.bfloat16"]

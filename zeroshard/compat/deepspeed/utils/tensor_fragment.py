@@ -1,0 +1,107 @@
+"""DeepSpeed's ``deepspeed.utils.safe_get_full_fp32_param`` family: one parameter's master weights, gradient and
+optimizer state, whole or this rank's fragment, at every stage and with offload.
+
+DeepSpeed finds the engine through state it hangs on each parameter; zeroshard hangs nothing on parameters, so
+these calls look among the engines that ``deepspeed.initialize`` built and that are still alive (held weakly,
+here only) for the one whose optimizer holds the parameter, and answer through its
+:class:`~zeroshard.zero.ParamAccess` (``engine.param_access``). Frozen parameters answer ``None``, as in DeepSpeed.
+The *full* calls are collectives: every rank of the parameter's shard group calls them together.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from zeroshard.runtime import ZeroshardEngine
+
+_ENGINES: "weakref.WeakSet[ZeroshardEngine]" = weakref.WeakSet()
+
+
+def track(engine: ZeroshardEngine) -> None:
+    """An engine ``deepspeed.initialize`` built: the calls below may answer for its parameters."""
+    _ENGINES.add(engine)
+
+
+def _access(param: torch.nn.Parameter):
+    if not isinstance(param, torch.nn.Parameter):
+        raise TypeError(f"expected a model parameter, got {type(param).__name__}")
+    for engine in list(_ENGINES):
+        access = engine.stack.access
+        if access is not None and engine.records.flat_of(param) is not None:
+            return access
+    if any(any(p is param for p in engine.module.parameters()) for engine in list(_ENGINES)):
+        return None  # an engine's frozen parameter
+    raise ValueError(
+        f"parameter {tuple(param.shape)} belongs to no live engine built by deepspeed.initialize (with an "
+        "optimizer); for an engine from zeroshard.initialize use engine.param_access"
+    )
+
+
+def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    access = _access(param)
+    return None if access is None else access.full_fp32_param(param)
+
+
+def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    access = _access(param)
+    return None if access is None else access.full_grad(param)
+
+
+def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
+    access = _access(param)
+    return None if access is None else access.full_optimizer_state(param, optim_state_key)
+
+
+def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    _required(param).set_full_fp32_param(param, value)
+
+
+def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    _required(param).set_full_optimizer_state(param, value, optim_state_key)
+
+
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    access = _access(param)
+    return None if access is None else access.local_fp32_param(param)
+
+
+def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    access = _access(param)
+    return None if access is None else access.local_grad(param)
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
+    access = _access(param)
+    return None if access is None else access.local_optimizer_state(param, optim_state_key)
+
+
+def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    _required(param).set_local_fp32_param(param, value)
+
+
+def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    _required(param).set_local_optimizer_state(param, value, optim_state_key)
+
+
+def _required(param: torch.nn.Parameter):
+    access = _access(param)
+    if access is None:
+        raise ValueError(f"parameter {tuple(param.shape)} is frozen: it has no fp32 master or optimizer state to set")
+    return access
+
+
+__all__ = [
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_optimizer_state",
+]

@@ -1,0 +1,180 @@
+"""One parameter's training state, whole or this rank's part: fp32 master weights, the reduced gradient, optimizer
+state (DeepSpeed's ``safe_get_full_fp32_param`` family, used by RLHF and analysis code).
+
+A trainable parameter is one slot of a flat group; this rank's shard holds at most one contiguous fragment of it
+(:meth:`~zeroshard.partition.layout.FlatLayout.segments`). The *local* calls read or write that fragment (a 1-D
+tensor, empty when the shard holds none of the parameter) and issue no collective. The *full* calls are
+collectives over the flat group's shard group (every rank calls them together): a read sums the fragments into a
+zero tensor of the parameter's shape (each element comes from exactly one rank), a write keeps each rank's
+fragment. Every stage and every home works the same way, since the reads and writes go through the optimizer
+state's own ``read_flat`` / ``write_flat`` (device, host, NVMe).
+
+Frozen parameters have no master weights, gradient or optimizer state: the reads answer ``None``, as DeepSpeed's.
+Gradients are the reduced (data-parallel averaged) shards the next step applies: present between a
+boundary's backward and the step (under fp16 still multiplied by the loss scale, as in DeepSpeed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import comm
+from ..offload import MASTER
+from .flat_group import FlatGroup
+from .optimizer_state import OptimizerState
+from .reducer import GradBucket, GradientReducer
+from .sharded_param import ParamRecords
+
+
+@dataclass(frozen=True)
+class _Fragment:
+    """Where this rank's part of one parameter lives."""
+
+    flat: FlatGroup
+    index: int  # the flat group's position in the optimizer state
+    shard_start: int  # offset inside the shard
+    param_start: int  # offset inside the flattened parameter
+    numel: int
+    shape: torch.Size
+
+    def of_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        return shard[self.shard_start : self.shard_start + self.numel]
+
+
+class ParamAccess:
+    """Reads and writes one parameter's state in an engine's ZeRO stack (see the module docstring)."""
+
+    def __init__(self, records: ParamRecords, state: OptimizerState, reducer: GradientReducer):
+        self.records = records
+        self.state = state
+        self.buckets: dict[int, GradBucket] = {id(bucket.flat): bucket for bucket in reducer.buckets}
+
+    def _fragment(self, param: torch.nn.Parameter) -> Optional[_Fragment]:
+        owned = self.records.flat_of(param)
+        if owned is None or owned[1] is not self.state:
+            if not isinstance(param, torch.nn.Parameter):
+                raise TypeError(f"expected a model parameter, got {type(param).__name__}")
+            return None  # frozen, or not this engine's
+        flat = owned[0]
+        position = next(i for i, p in enumerate(flat.params) if p is param)
+        slot = flat.layout.slots[position]
+        segment = next((s for s in flat.layout.segments(flat.shard_rank) if s.slot == slot), None)
+        index = next(k for k, f in enumerate(self.state.flats) if f is flat)
+        shape = torch.Size(slot.shape)
+        if segment is None:
+            return _Fragment(flat, index, 0, 0, 0, shape)
+        return _Fragment(flat, index, segment.shard_start, segment.flat_start - slot.offset, segment.numel, shape)
+
+    def _state_tensor(self, fragment: _Fragment, key: str) -> torch.Tensor:
+        tensors = self.state.read_flat(fragment.index)
+        if key not in tensors or key == MASTER:
+            known = sorted(k for k in tensors if k != MASTER)
+            why = "the optimizer has no state yet: its first step creates it" if not known else f"it has {known}"
+            raise KeyError(f"optimizer state key {key!r} not found: {why}")
+        return tensors[key]
+
+    # -- this rank's fragment: no collective -------------------------------------------------------------
+    def local_fp32_param(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        fragment = self._fragment(param)
+        if fragment is None:
+            return None
+        return fragment.of_shard(self.state.read_flat(fragment.index)[MASTER]).float().clone()
+
+    def local_grad(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        fragment = self._fragment(param)
+        if fragment is None:
+            return None
+        return fragment.of_shard(self.buckets[id(fragment.flat)].grad).float().clone()
+
+    def local_optimizer_state(self, param: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:
+        fragment = self._fragment(param)
+        if fragment is None:
+            return None
+        return fragment.of_shard(self._state_tensor(fragment, key)).clone()
+
+    def set_local_fp32_param(self, param: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Write this rank's fragment of the master weights and of the compute copy. Under stages 1-2 the other
+        ranks' whole copies see it after the next step (use :meth:`set_full_fp32_param` to see it at once)."""
+        fragment = self._required(param)
+        self._write_master(fragment, _checked(value, fragment.numel, "this rank's fragment"), publish=False)
+
+    def set_local_optimizer_state(self, param: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
+        fragment = self._required(param)
+        self._write_state(fragment, _checked(value, fragment.numel, "this rank's fragment"), key)
+
+    # -- the whole parameter: collectives over its shard group -------------------------------------------
+    def full_fp32_param(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        fragment = self._fragment(param)
+        return None if fragment is None else self._whole(fragment, self.local_fp32_param(param))
+
+    def full_grad(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        fragment = self._fragment(param)
+        return None if fragment is None else self._whole(fragment, self.local_grad(param))
+
+    def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:
+        fragment = self._fragment(param)
+        return None if fragment is None else self._whole(fragment, self.local_optimizer_state(param, key))
+
+    def set_full_fp32_param(self, param: torch.nn.Parameter, value: torch.Tensor) -> None:
+        fragment = self._required(param)
+        mine = self._mine(fragment, value)
+        self._write_master(fragment, mine, publish=True)
+
+    def set_full_optimizer_state(self, param: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
+        fragment = self._required(param)
+        self._write_state(fragment, self._mine(fragment, value), key)
+
+    # -- the mechanics ---------------------------------------------------------------------------------
+    def _required(self, param: torch.nn.Parameter) -> _Fragment:
+        fragment = self._fragment(param)
+        if fragment is None:
+            raise ValueError(
+                f"parameter {tuple(param.shape)} has no optimizer state in this engine (frozen, or another "
+                "engine's): nothing to set"
+            )
+        return fragment
+
+    def _whole(self, fragment: _Fragment, mine: torch.Tensor) -> torch.Tensor:
+        whole = torch.zeros(fragment.shape.numel(), dtype=mine.dtype, device=mine.device)
+        whole[fragment.param_start : fragment.param_start + fragment.numel].copy_(mine)
+        if fragment.flat.partitioned:
+            comm.all_reduce(whole, fragment.flat.shard_group)  # each element is non-zero on one rank only
+        return whole.view(fragment.shape)
+
+    def _mine(self, fragment: _Fragment, value: torch.Tensor) -> torch.Tensor:
+        if not torch.is_tensor(value) or tuple(value.shape) != tuple(fragment.shape):
+            got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise ValueError(f"expected a tensor of the parameter's shape {tuple(fragment.shape)}, got {got}")
+        flat = _checked(value.detach(), value.numel(), "")  # the whole value: every rank refuses it alike
+        return flat[fragment.param_start : fragment.param_start + fragment.numel]
+
+    def _write_master(self, fragment: _Fragment, values: torch.Tensor, publish: bool) -> None:
+        tensors = self.state.read_flat(fragment.index)
+        master = tensors[MASTER].clone()
+        fragment.of_shard(master).copy_(values)
+        flat = fragment.flat
+        flat.write_shard(0, master.to(flat.dtype))
+        if publish:
+            flat.finish_publish()  # an offloaded shard goes home; a resident group gathers every rank's update
+        elif flat.home is not None:
+            flat.home.flush()
+        self.state.write_flat(fragment.index, {**tensors, MASTER: master}, self.state.scalars(fragment.index))
+
+    def _write_state(self, fragment: _Fragment, values: torch.Tensor, key: str) -> None:
+        self._state_tensor(fragment, key)  # names a missing key
+        tensors = {k: v.clone() for k, v in self.state.read_flat(fragment.index).items()}
+        fragment.of_shard(tensors[key]).copy_(values)
+        self.state.write_flat(fragment.index, tensors, self.state.scalars(fragment.index))
+
+
+def _checked(value: torch.Tensor, numel: int, what: str) -> torch.Tensor:
+    if not torch.is_tensor(value):
+        raise TypeError(f"expected a tensor, got {type(value).__name__}")
+    if value.numel() != numel:
+        raise ValueError(f"expected {numel} element(s) ({what or 'the parameter'}), got {value.numel()}")
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise ValueError("refusing a value with NaN or inf: it would poison the master weights")
+    return value.reshape(-1)
