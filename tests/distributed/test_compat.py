@@ -1,6 +1,7 @@
 """DeepSpeed compatibility mode end to end: unmodified DeepSpeed-style and Hugging Face scripts under
 `zeroshard --as_deepspeed` on 2 CPU ranks (real transformers / accelerate classes, real processes)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,10 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "distributed" / "scripts" / "compat"
 
 
+HAS_BITSANDBYTES = importlib.util.find_spec("bitsandbytes") is not None
+
+
 def launch(*argv, env=None) -> subprocess.CompletedProcess:
-    """``zeroshard --as_deepspeed`` on 2 ranks; ``argv`` starting with ``torchrun``: torch's own launcher instead."""
+    """``zeroshard --as_deepspeed`` on 2 ranks; ``argv`` starting with ``torchrun``: torch's own launcher instead;
+    with ``python``: one plain process."""
     if argv[0] == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv[1:]]
+    elif argv[0] == "python":
+        command = [sys.executable, *argv[1:]]
     else:
         command = [sys.executable, "-m", "zeroshard", "--as_deepspeed", "--num_gpus", "2", *argv]
     return subprocess.run(list(map(str, command)), cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
@@ -29,6 +36,22 @@ def result(out: subprocess.CompletedProcess) -> dict:
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
+
+
+def _save_tiny_llama(directory: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
 
 
 def _save_tiny_gpt2(directory: Path) -> None:
@@ -56,6 +79,11 @@ def launches(tmp_path_factory):
         "pretrained": [[SCRIPTS / "hf_zero3_from_pretrained.py", base / "pretrained"]],
         "cifar": [["torchrun", SCRIPTS / "cifar_style.py", *cifar]],
     }
+    if HAS_BITSANDBYTES:
+        _save_tiny_llama(base / "llama")
+        qlora = [SCRIPTS / "hf_qlora.py", base / "qlora", base / "llama"]
+        chains |= {f"qlora{stage}": [[*qlora, stage]] for stage in (3, 2)}
+        chains["qlora_reference"] = [["python", *qlora, "reference"]]
     # no zeroshard launcher for cifar: ZEROSHARD_AS_DEEPSPEED=1, read at interpreter start by the installed .pth hook
     env = {"cifar": {**os.environ, "ZEROSHARD_AS_DEEPSPEED": "1", "OMP_NUM_THREADS": "1"}}
 
@@ -84,6 +112,23 @@ def test_hf_trainer_trains_saves_and_resumes(launches, stage):
     assert resumed["losses"] == first["losses"]  # steps 3-4 after resuming from checkpoint-2 match the full run
     again = load_file(directory / "final-resumed" / "model.safetensors")
     assert all(torch.equal(again[k], saved[k]) for k in saved)
+
+
+@pytest.mark.skipif(not HAS_BITSANDBYTES, reason="bitsandbytes is not installed (pip install bitsandbytes)")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_qlora_trains_like_one_process_and_shards_the_4bit_base(launches, stage):
+    """HF's QLoRA + DeepSpeed recipe (4-bit base stored as bf16, peft LoRA, HF Trainer): the losses of one process
+    within bf16 tolerance; under ZeRO-3 each rank holds half the 4-bit bytes; the adapters reload with peft."""
+    reference = result(launches["qlora_reference"][0])["losses"]
+    (out,) = launches[f"qlora{stage}"]
+    mine = result(out)
+    assert len(mine["losses"]) == len(reference) == 4
+    assert mine["losses"] == pytest.approx(reference, rel=1e-2)
+    assert mine["adapters"] == 8 and mine["differing"] == []  # q_proj and v_proj, A and B, 2 layers
+    packed = [line.split()[2:] for line in out.stdout.splitlines() if line.startswith("PACKED")]
+    assert len(packed) == 2
+    for rank_bytes, total in ((int(a), int(b)) for a, b in packed):
+        assert total > 0 and rank_bytes == (total // 2 if stage == 3 else 0)  # stage 2 shards no frozen weight
 
 
 def test_hf_zero3_from_pretrained_loads_every_weight(launches):

@@ -21,6 +21,7 @@ from ..precision import PrecisionPolicy
 from ..zero import Placement, ZeroOptimizer, ZeroStack, build_zero_stack
 from ..zero.init import Materializer, has_meta_parameters, pending_seed, release_pending
 from ..zero.optimizer_state import MakeOptimizer
+from ..zero.planning import is_packed
 from . import activation_checkpointing
 from .engine import ZeroshardEngine
 from .sampler import ResumableDistributedSampler
@@ -123,11 +124,13 @@ def _optimizer_recipe(
 
 
 def _move_module(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """``module.to(device, dtype)`` that leaves meta (zero.Init) parameters for the materializer."""
+    """``module.to(device, dtype)`` that leaves meta (zero.Init) parameters for the materializer and packed quantized
+    ones in their storage dtype."""
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
             if not tensor.is_meta:
-                tensor.data = tensor.data.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+                cast = tensor.is_floating_point() and not is_packed(tensor)
+                tensor.data = tensor.data.to(device=device, dtype=dtype if cast else None)
 
 
 def _broadcast_module(module: torch.nn.Module, group: comm.Group) -> None:

@@ -62,6 +62,15 @@ class FlatGroupPlan:
     group_index: int  # optimizer parameter group
     params: list  # in flat order
     resident: bool
+    # the dtype its buffer holds: None for the compute dtype; packed quantized parameters keep their storage dtype
+    dtype: Optional[torch.dtype] = None
+
+
+def is_packed(param: torch.nn.Parameter) -> bool:
+    """A parameter whose data is packed quantized storage with its quantization state beside it (bitsandbytes'
+    ``Params4bit``: QLoRA's frozen 4-bit base weights, stored as bytes in ``bnb_4bit_quant_storage``). Its bytes are
+    meaningful only as they are: it is sharded, gathered and moved bit for bit, never cast, reduced or stepped."""
+    return type(param) is not torch.nn.Parameter and getattr(param, "quant_state", None) is not None
 
 
 def plan_flat_groups(
@@ -111,8 +120,12 @@ def plan_frozen_groups(
     plans = []
     for unit in reversed(units):
         members = [p for p in unit if not p.requires_grad and p not in persistent]
-        if members:
-            plans.append(FlatGroupPlan(-1, members, False))
+        plain = [p for p in members if not is_packed(p)]
+        if plain:
+            plans.append(FlatGroupPlan(-1, plain, False))
+        packed = [p for p in members if is_packed(p)]
+        for dtype in dict.fromkeys(p.dtype for p in packed):  # one group per storage dtype, in parameter order
+            plans.append(FlatGroupPlan(-1, [p for p in packed if p.dtype == dtype], False, dtype))
     return plans
 
 
@@ -159,6 +172,12 @@ def plan_model(
     z = zero_config
     stage = StagePolicy.for_stage(z.stage)
     param_names = {p: name for name, p in model.named_parameters()}
+    trained_packed = [name for p, name in param_names.items() if is_packed(p) and p.requires_grad]
+    if trained_packed:
+        raise ValueError(
+            f"parameter '{trained_packed[0]}' is packed quantized storage (bitsandbytes 4-bit) and requires grad: "
+            "quantized weights cannot be trained; freeze them and train adapters (peft LoRA) instead"
+        )
     unknown = [p for g in param_groups for p in g["params"] if p not in param_names]
     if unknown:
         raise ValueError(
@@ -204,7 +223,7 @@ def build_flat_groups(
             FlatGroup(
                 layout,
                 plan.params,
-                compute_dtype,
+                plan.dtype or compute_dtype,
                 shard_group,
                 device,
                 records,

@@ -183,18 +183,29 @@ class ParamRecords:
         self.param_class = type(
             "ZeroParameter", (ZeroParameter,), {"_records": self, "__module__": ZeroParameter.__module__}
         )
+        self._subclasses: dict[type, type] = {}  # a parameter subclass -> its class under these records
 
     # -- adoption and data presence ------------------------------------------------------------
     def adopt(self, param: torch.nn.Parameter) -> None:
         """Give a parameter this records' class (identity and autograd state are unchanged). A parameter another
         records object adopted (zero.Init's) moves here once it has data. Idempotent."""
-        if type(param) is self.param_class:
+        if isinstance(param, self.param_class):
             return
         if isinstance(param, ZeroParameter) and param._records.no_data.get(id(param)) is not None:
             raise AssertionError("a parameter without data cannot change owner")
-        if type(param) is not torch.nn.Parameter and not isinstance(param, ZeroParameter):
-            raise TypeError(f"ZeRO stage 3 cannot shard a parameter of type {type(param).__name__}")
-        param.__class__ = self.param_class
+        param.__class__ = self._class_for(type(param))
+
+    def _class_for(self, cls: type) -> type:
+        """This records' class for a parameter of class ``cls``: ``param_class`` for a plain parameter (or one
+        another records object adopted); for a parameter subclass (bitsandbytes' ``Params4bit``) a class deriving
+        from both, so ``isinstance`` checks against the original class still hold."""
+        if cls is torch.nn.Parameter or issubclass(cls, ZeroParameter):
+            return self.param_class
+        if cls not in self._subclasses:
+            self._subclasses[cls] = type(
+                f"Zero{cls.__name__}", (self.param_class, cls), {"__module__": ZeroParameter.__module__}
+            )
+        return self._subclasses[cls]
 
     def bind(self, param: torch.nn.Parameter, data: torch.Tensor) -> None:
         """Point the parameter at gathered data."""

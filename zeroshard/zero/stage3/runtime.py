@@ -15,7 +15,7 @@ sit below any that activation checkpointing enters inside it, so checkpointed re
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -36,18 +36,17 @@ class SavedView(NamedTuple):
 
 class GatherUnit:
     """One module's sharded parameters: one flat group per optimizer parameter group, with its gradient bucket,
-    and one for the parameters without gradients (``frozen``). Backward is done with the unit once its buckets
+    and those of the parameters without gradients (``frozen``: one, plus one per storage dtype of packed quantized
+    weights). Backward is done with the unit once its buckets
     are complete and, when it holds frozen parameters, once the gradients of its inputs are computed: a frozen
     weight is still needed for those (a LoRA adapter's gradients arrive before its base layer's input gradient)."""
 
-    def __init__(
-        self, name: str, module: torch.nn.Module, buckets: list[GradBucket], frozen: Optional[FlatGroup] = None
-    ):
+    def __init__(self, name: str, module: torch.nn.Module, buckets: list[GradBucket], frozen: Sequence[FlatGroup] = ()):
         self.name = name or "<root>"
         self.module = module
         self.buckets = buckets
-        self.frozen = frozen
-        self.flats = [bucket.flat for bucket in buckets] + ([frozen] if frozen is not None else [])
+        self.frozen = list(frozen)
+        self.flats = [bucket.flat for bucket in buckets] + self.frozen
         self.numel = sum(f.layout.padded_numel for f in self.flats)
         self.inputs_pending = 0  # input gradients still to come in this backward (units with frozen parameters)
 
@@ -165,7 +164,7 @@ class Stage3Runtime:
     def _pre_forward(self, unit: GatherUnit, args, kwargs) -> None:
         if self._saving is None and torch._C._current_graph_task_id() == -1:
             self._save_views_by_position(unit.module)  # the model's forward did not enter through its root
-        if unit.frozen is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if unit.frozen and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             self._watch_inputs(unit, (args, kwargs))
         self._recording.append(unit)
         self._gather(unit, async_op=False)
@@ -268,6 +267,8 @@ def build_units(plans, buckets: list[GradBucket], frozen: list[FlatGroup] = ()) 
     for bucket in buckets:
         if not bucket.flat.resident:
             members[unit_of_param[bucket.flat.params[0]].name].append(bucket)
-    frozen_of = {unit_of_param[flat.params[0]].name: flat for flat in frozen}
-    units = [GatherUnit(plan.name, plan.module, members[plan.name], frozen_of.get(plan.name)) for plan in plans]
+    frozen_of: dict[str, list[FlatGroup]] = {plan.name: [] for plan in plans}
+    for flat in frozen:
+        frozen_of[unit_of_param[flat.params[0]].name].append(flat)
+    units = [GatherUnit(plan.name, plan.module, members[plan.name], frozen_of[plan.name]) for plan in plans]
     return units[0], [u for u in units[1:] if u.flats]
