@@ -10,22 +10,11 @@ import json
 import sys
 
 import torch
+from hf_trainer import Tokens  # the script beside this one
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
 
 STEPS = 4
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int = 32, length: int = 12, vocab: int = 128):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (n, length), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def quantized_base(pretrained: str):
@@ -87,7 +76,7 @@ def main(out_dir: str, pretrained: str, mode: str) -> None:
     model = get_peft_model(
         quantized_base(pretrained), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     )
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(n=32, length=12, vocab=128))
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     if reference:

@@ -11,11 +11,12 @@ The *full* calls are collectives: every rank of the parameter's shard group call
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from zeroshard.runtime import ZeroshardEngine
+from zeroshard.zero import ParamAccess
 
 _ENGINES: "weakref.WeakSet[ZeroshardEngine]" = weakref.WeakSet()
 
@@ -25,7 +26,7 @@ def track(engine: ZeroshardEngine) -> None:
     _ENGINES.add(engine)
 
 
-def _access(param: torch.nn.Parameter):
+def _access(param: torch.nn.Parameter) -> Optional[ParamAccess]:
     if not isinstance(param, torch.nn.Parameter):
         raise TypeError(f"expected a model parameter, got {type(param).__name__}")
     for engine in list(_ENGINES):
@@ -40,19 +41,33 @@ def _access(param: torch.nn.Parameter):
     )
 
 
-def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+def _answer(param: torch.nn.Parameter, read: Callable[..., Optional[torch.Tensor]], *key: str):
     access = _access(param)
-    return None if access is None else access.full_fp32_param(param)
+    return None if access is None else read(access, param, *key)
+
+
+def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    return _answer(param, ParamAccess.full_fp32_param)
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    access = _access(param)
-    return None if access is None else access.full_grad(param)
+    return _answer(param, ParamAccess.full_grad)
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
-    access = _access(param)
-    return None if access is None else access.full_optimizer_state(param, optim_state_key)
+    return _answer(param, ParamAccess.full_optimizer_state, optim_state_key)
+
+
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    return _answer(param, ParamAccess.local_fp32_param)
+
+
+def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    return _answer(param, ParamAccess.local_grad)
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
+    return _answer(param, ParamAccess.local_optimizer_state, optim_state_key)
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -63,21 +78,6 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
     _required(param).set_full_optimizer_state(param, value, optim_state_key)
 
 
-def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    access = _access(param)
-    return None if access is None else access.local_fp32_param(param)
-
-
-def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    access = _access(param)
-    return None if access is None else access.local_grad(param)
-
-
-def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
-    access = _access(param)
-    return None if access is None else access.local_optimizer_state(param, optim_state_key)
-
-
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     _required(param).set_local_fp32_param(param, value)
 
@@ -86,7 +86,7 @@ def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tenso
     _required(param).set_local_optimizer_state(param, value, optim_state_key)
 
 
-def _required(param: torch.nn.Parameter):
+def _required(param: torch.nn.Parameter) -> ParamAccess:
     access = _access(param)
     if access is None:
         raise ValueError(f"parameter {tuple(param.shape)} is frozen: it has no fp32 master or optimizer state to set")
