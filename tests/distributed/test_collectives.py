@@ -63,6 +63,15 @@ def collectives_worker() -> dict:
         p.wait()
     out["concurrent"] = results
     out["ledger"] = {f"{op}/{g}": (t.calls, t.wire_bytes) for (op, g), t in grid.context.ledger.summary().items()}
+    # a grid with a tensor-parallel axis: the groups are DeepSpeed's, and their collectives stay inside them
+    axes = comm.build_rank_grid(tp_size=2)
+    sums = {}
+    for group in (axes.tensor, axes.data, axes.shard, axes.replica):
+        value = torch.tensor([float(rank)])
+        comm.all_reduce(value, group)
+        sums[group.name] = (group.ranks, value.item())
+    out["axes"] = (sums, axes.data_parallel_size, axes.tensor_parallel_size)
+    comm.destroy_groups(axes)
     return out
 
 
@@ -88,6 +97,17 @@ def test_results_are_exact(per_rank, group, dtype):
         assert torch.equal(result["gathered"], everyone)
         assert torch.equal(result["gathered_inplace"], everyone)
         assert result["scratch_numel"] == (n - 1) * CHUNK  # only the chunks received from the other ranks
+
+
+def test_a_tensor_parallel_axis_builds_deepspeeds_groups(per_rank):
+    for rank, got in enumerate(per_rank):
+        sums, dp, tp = got["axes"]
+        tensor = (rank - rank % 2, rank - rank % 2 + 1)  # consecutive: tp_rank = rank % 2
+        data = (rank % 2, rank % 2 + 2)  # strided: dp_rank = rank // 2
+        assert sums["tensor"] == (tensor, float(sum(tensor)))
+        assert sums["data"] == sums["shard"] == (data, float(sum(data)))  # one shard row: the data group
+        assert sums["replica"] == ((rank,), float(rank))
+        assert (dp, tp) == (2, 2)
 
 
 def test_collectives_in_flight_at_once_keep_their_messages_apart(per_rank):

@@ -22,7 +22,16 @@ from .collectives import (
 )
 from .compressed import OneBitAllReduce, compressed_all_gather, compressed_all_reduce, compressed_reduce_scatter
 from .context import DEFAULT_CONTEXT, CommContext
-from .groups import Group, RankGrid, build_rank_grid, build_tensor_parallel_group, destroy_groups, grid_layout
+from .groups import (
+    Group,
+    ParallelLayout,
+    RankGrid,
+    build_rank_grid,
+    build_tensor_parallel_group,
+    destroy_groups,
+    grid_layout,
+    parallel_layout,
+)
 from .ledger import CommLedger, OpTotals
 
 LEDGER = DEFAULT_CONTEXT.ledger  # every collective of this process (an engine's own: engine.comm_ledger)
@@ -46,6 +55,7 @@ __all__ = [
     "Group",
     "OneBitAllReduce",
     "OpTotals",
+    "ParallelLayout",
     "Pending",
     "RankGrid",
     "all_gather",
@@ -67,6 +77,7 @@ __all__ = [
     "init_distributed",
     "is_initialized",
     "log_summary",
+    "parallel_layout",
     "reduce_scatter",
     "reduce_scatter_scratch_numel",
 ]

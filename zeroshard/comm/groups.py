@@ -1,8 +1,10 @@
 """Process groups derived from one rank grid.
 
-Ranks are laid out as ``arange(world).view(replicas, shard_size)``: a row is a *shard group*
-(ranks that split parameters and optimizer state), a column a *replica group* (ranks holding the
-same shard). Plain ZeRO is one row: the shard group is the whole data-parallel world.
+Two axes, in DeepSpeed's order (:func:`parallel_layout`): *tensor-parallel groups* are consecutive ranks
+(``tp_rank = rank % tp``), *data-parallel groups* stride by ``tp`` (``dp_rank = rank // tp``). Inside a
+data-parallel group, ranks are laid out as ``arange(dp).view(replicas, shard_size)``: a row is a *shard group*
+(ranks that split parameters and optimizer state), a column a *replica group* (ranks holding the same shard).
+Plain ZeRO is one tensor-parallel rank and one row: the shard group is the whole data-parallel world.
 """
 
 from __future__ import annotations
@@ -38,10 +40,16 @@ class RankGrid:
     world: Group
     shard: Group
     replica: Group
+    data: Optional[Group] = None  # this rank's data-parallel group; None: the world (no tensor parallelism)
+    tensor: Optional[Group] = None  # this rank's tensor-parallel group; None: this rank alone
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world.size
+        return (self.data or self.world).size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.tensor.size if self.tensor is not None else 1
 
     @property
     def context(self) -> CommContext:
@@ -60,6 +68,32 @@ def grid_layout(world_size: int, shard_size: Optional[int]) -> list[list[int]]:
     return [list(range(start, start + shard_size)) for start in range(0, world_size, shard_size)]
 
 
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Every group of the grid on both axes, as global rank lists (each list is one group)."""
+
+    tensor: list[list[int]]
+    data: list[list[int]]
+    shard: list[list[int]]
+    replica: list[list[int]]
+
+
+def parallel_layout(world_size: int, tp_size: int = 1, shard_size: Optional[int] = None) -> ParallelLayout:
+    """The groups of ``world_size`` ranks with ``tp_size``-way tensor parallelism and ZeRO shard groups of
+    ``shard_size`` ranks inside each data-parallel group (see the module docstring). Pure."""
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(
+            f"tensor_parallel.autotp_size {tp_size} must divide the number of ranks {world_size}: launch with a "
+            f"multiple of {tp_size} processes"
+        )
+    tensor = [list(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
+    data = [list(range(tp_rank, world_size, tp_size)) for tp_rank in range(tp_size)]
+    rows = grid_layout(world_size // tp_size, shard_size)  # positions inside one data-parallel group
+    shard = [[group[i] for i in row] for group in data for row in rows]
+    replica = [[group[i] for i in column] for group in data for column in zip(*rows)]
+    return ParallelLayout(tensor, data, shard, replica)
+
+
 def _own_group(name: str, partition: list, world_size: int, context: CommContext = DEFAULT_CONTEXT) -> Group:
     """This rank's part of ``partition`` (rank lists covering the world) as a group. Every rank calls this
     with the same partition: creating a process group is collective over the world. A part that is the
@@ -72,16 +106,21 @@ def _own_group(name: str, partition: list, world_size: int, context: CommContext
     return mine
 
 
-def build_rank_grid(shard_size: Optional[int] = None, context: Optional[CommContext] = None) -> RankGrid:
+def build_rank_grid(
+    shard_size: Optional[int] = None, context: Optional[CommContext] = None, tp_size: int = 1
+) -> RankGrid:
     """Create the groups every rank must create together (collective call). Their collectives count in
     ``context`` (by default a new child of the process's default context)."""
     context = context or DEFAULT_CONTEXT.child()
     world_size = get_world_size()
-    rows = grid_layout(world_size, shard_size)
+    layout = parallel_layout(world_size, tp_size, shard_size)
+    tensor_parallel = tp_size > 1
     return RankGrid(
         world=Group("world", tuple(range(world_size)), None, context),
-        shard=_own_group("shard", rows, world_size, context),
-        replica=_own_group("replica", list(zip(*rows)), world_size, context),
+        shard=_own_group("shard", layout.shard, world_size, context),
+        replica=_own_group("replica", layout.replica, world_size, context),
+        data=_own_group("data", layout.data, world_size, context) if tensor_parallel else None,
+        tensor=_own_group("tensor", layout.tensor, world_size, context) if tensor_parallel else None,
     )
 
 
@@ -89,7 +128,7 @@ def destroy_groups(grid: RankGrid) -> None:
     """Tear down the process groups ``build_rank_grid`` created (the default group stays: it is not ours)."""
     if not dist.is_initialized():
         return
-    for group in {grid.shard, grid.replica}:
+    for group in {grid.shard, grid.replica, grid.data, grid.tensor} - {None}:
         if group.handle is not None:
             dist.destroy_process_group(group.handle)
 

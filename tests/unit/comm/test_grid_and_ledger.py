@@ -35,3 +35,23 @@ def test_child_context_counts_its_own_traffic_and_its_parents():
     assert process.ledger.total_wire_bytes() == 800.0
     # one trace per process: forensics compares every collective a process issued, in order
     assert first.trace is second.trace is process.trace and [e.seq for e in process.trace.entries] == [1, 2]
+
+
+def test_parallel_layout_is_deepspeeds_tensor_groups_contiguous_data_groups_strided():
+    from zeroshard.comm import parallel_layout
+
+    layout = parallel_layout(8, tp_size=2, shard_size=2)
+    assert layout.tensor == [[0, 1], [2, 3], [4, 5], [6, 7]]  # tp_rank = rank % tp
+    assert layout.data == [[0, 2, 4, 6], [1, 3, 5, 7]]  # dp_rank = rank // tp
+    assert layout.shard == [[0, 2], [4, 6], [1, 3], [5, 7]]  # ZeRO shard rows inside each data group
+    assert layout.replica == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    plain = parallel_layout(4)
+    assert (plain.tensor, plain.data, plain.shard, plain.replica) == (
+        [[0], [1], [2], [3]],
+        [[0, 1, 2, 3]],
+        [[0, 1, 2, 3]],
+        [[0], [1], [2], [3]],
+    )
+    for world, tp in ((6, 4), (4, 0)):
+        with pytest.raises(ValueError, match="tensor_parallel.autotp_size"):
+            parallel_layout(world, tp)
