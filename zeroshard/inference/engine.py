@@ -239,7 +239,7 @@ def _build(
         dim = 1 if layer.transposed else 0
         w = torch.cat([read(weight, dim, k * part + lo, k * part + hi) for k in range(layer.fused)], dim)
         b = torch.cat([read(bias, 0, k * part + lo, k * part + hi) for k in range(layer.fused)]) if has_bias else None
-        return ColumnParallelLinear(cast(w.t() if layer.transposed else w), cast(b))
+        return ColumnParallelLinear(cast(w.t() if layer.transposed else w), cast(b), group)
     if layer.style == "row":
         fan_in, _ = features(module)
         lo, hi = split_range(fan_in, n, rank, f"layer '{layer.name}' input features")

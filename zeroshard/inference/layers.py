@@ -1,8 +1,10 @@
-"""The tensor-parallel layers: each holds its rank's slice of a weight and communicates in forward only.
+"""The tensor-parallel layers: each holds its rank's slice of a weight.
 
 Every rank of the tensor-parallel group runs the same forward on the same inputs; column-parallel
 outputs stay split (the attention / MLP code in between works on this rank's heads or units), and
-the row-parallel and vocabulary layers bring every rank back to the full, identical activation.
+the row-parallel and vocabulary layers bring every rank back to the full, identical activation. Their
+communication is differentiable (:mod:`zeroshard.comm.autograd`): a column layer's input gradient is summed
+over the group in backward, so the same layers train.
 """
 
 from __future__ import annotations
@@ -14,18 +16,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
+from ..comm.autograd import copy_to_group, gather_from_group, reduce_from_group
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_i = X W_i^T + b_i: this rank's output features; no communication."""
+    """Y_i = X W_i^T + b_i: this rank's output features; no communication forward, the input's gradient summed
+    over the group backward."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], group: comm.Group):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(copy_to_group(x, self.group), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"local in={self.weight.shape[1]}, out={self.weight.shape[0]}"
@@ -41,8 +46,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        comm.all_reduce(y, self.group)
+        y = reduce_from_group(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -61,9 +65,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.stop)
         local = (ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        comm.all_reduce(out, self.group)
-        return out
+        return reduce_from_group(F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
     def extra_repr(self) -> str:
         return f"vocabulary rows [{self.start}, {self.stop}) of {self.weight.shape[0]} per rank"
@@ -79,11 +81,8 @@ class VocabParallelHead(nn.Module):
         self.vocab, self.group = vocab, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight, self.bias).contiguous()
-        n = self.group.size
-        gathered = local.new_empty((n, *local.shape))
-        comm.all_gather(gathered, local, self.group)
-        return gathered.movedim(0, -2).flatten(-2)[..., : self.vocab]
+        local = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+        return gather_from_group(local, self.group)[..., : self.vocab]
 
     def extra_repr(self) -> str:
         return f"vocabulary {self.vocab}, {self.weight.shape[0]} rows per rank, all-gather over {self.group.size}"
