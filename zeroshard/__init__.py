@@ -36,6 +36,7 @@ _EXPORTS = {
     "estimate": "zeroshard.estimator",
     "init_empty_weights": "zeroshard.inference",
     "init_inference": "zeroshard.inference",
+    "tp_model_init": "zeroshard.inference",
     "log_to_stdout": "zeroshard.log",
 }
 _SUBPACKAGES = ("checkpoint", "comm", "estimator", "inference", "ops", "zero")
@@ -53,6 +54,7 @@ __all__ = [
     "init_distributed",
     "init_empty_weights",
     "init_inference",
+    "tp_model_init",
     "initialize",
     "install_as_deepspeed",
     "log_to_stdout",

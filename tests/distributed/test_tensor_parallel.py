@@ -2,6 +2,7 @@
 every gradient on 2 ranks equal a single-process reference's, slice by slice, and the ledger counts the
 tensor-parallel bytes."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -107,3 +108,76 @@ def test_tensor_parallel_layers_match_one_process_forward_and_backward():
         # forward: the embedding's and the row layer's all-reduce, the head's all-gather; backward: the column
         # layer's and the head's input gradients all-reduced
         assert got["calls"] == {"all_reduce": 4, "all_gather": 1}
+
+
+def _tiny(family: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if family == "llama":  # grouped-query attention: 4 query heads, 2 key/value heads
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+        return LlamaForCausalLM(config)
+    dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # the same computation on every rank
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0, **dropout
+        )
+    )
+
+
+def _train(model, steps: int = 3) -> list[float]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (steps, 2, 12), generator=g)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for batch in ids:  # every rank of a tensor-parallel group sees the same batch
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def hf_training_worker() -> dict:
+    import zeroshard
+
+    out = {}
+    for family in ("llama", "gpt2"):
+        model = _tiny(family)
+        before = {id(p) for p in model.parameters()}
+        zeroshard.tp_model_init(model, tp_size=2, dtype=torch.float32)
+        assert {id(p) for p in model.parameters()} <= before  # the model's own parameter objects, sliced
+        losses = _train(model)
+        state = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[family] = {"losses": losses, "state": state}
+    return out
+
+
+def test_tp_model_init_trains_hf_models_like_one_process():
+    per_rank = run_distributed(hf_training_worker, 2)
+    for family in ("llama", "gpt2"):
+        reference = _tiny(family)
+        expected = _train(reference)
+        full = dict(reference.named_parameters())
+        for rank, got in enumerate(per_rank):
+            mine = got[family]
+            assert mine["losses"] == pytest.approx(expected, rel=1e-5)
+            for name, value in mine["state"].items():
+                whole = full[name].detach()
+                if value.shape == whole.shape:  # replicated: identical to the reference's
+                    assert torch.allclose(value, whole, rtol=1e-5, atol=1e-6), name
+                elif family == "llama" and name.endswith(("q_proj.weight", "up_proj.weight")):  # column: rows
+                    rows = whole.shape[0] // 2
+                    assert torch.allclose(value, whole[rank * rows : (rank + 1) * rows], rtol=1e-5, atol=1e-6)
+                elif family == "llama" and name.endswith(("o_proj.weight", "down_proj.weight")):  # row: columns
+                    cols = whole.shape[1] // 2
+                    assert torch.allclose(value, whole[:, rank * cols : (rank + 1) * cols], rtol=1e-5, atol=1e-6)

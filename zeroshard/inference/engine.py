@@ -19,6 +19,7 @@ from ..accelerator import get_accelerator
 from ..checkpoint import CheckpointError
 from ..checkpoint.weights import ModuleSource, WeightSource, open_source
 from ..comm.backend import local_rank
+from ..config import parse_config
 from ..config.inference import InferenceConfig, parse_inference_config
 from ..log import log_as_launched, log_rank0
 from ..zero import parameters_replaced
@@ -142,6 +143,42 @@ def init_inference(
     return engine
 
 
+def tp_model_init(
+    model: nn.Module, tp_size: int, dtype: Union[torch.dtype, str, None] = None, config: Any = None, **kwargs: Any
+) -> nn.Module:
+    """Split ``model``'s layers over ``tp_size`` consecutive ranks for training (DeepSpeed's ``tp_model_init``): the
+    same placement and layers as :func:`init_inference`, with differentiable communication, applied in place to
+    the model's own parameters (each sharded one keeps its identity and now holds this rank's slice). ``dtype``
+    casts the floating-point parameters first. Returns the model."""
+    if kwargs:
+        raise TypeError(f"tp_model_init got unexpected argument(s) {sorted(kwargs)}")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_model_init: tp_size must be an integer >= 1, got {tp_size!r}")
+    configured = _configured_tp_size(config)
+    if configured is not None and configured != tp_size:
+        raise ValueError(
+            f"tp_model_init(tp_size={tp_size}) disagrees with the config's tensor_parallel.autotp_size {configured}"
+        )
+    if not comm.is_initialized():
+        comm.init_distributed()
+    group = comm.build_tensor_parallel_group(tp_size)
+    if dtype is not None:
+        model.to(parse_inference_config(None, dtype=dtype).dtype)
+    if tp_size == 1:
+        return model
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("sdpa")
+    plan = plan_tensor_parallel(model, tp_size)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    _shard(model, plan, ModuleSource(model), group, Cast(None, device), reload=False, training=True)
+    return model
+
+
+def _configured_tp_size(config: Any) -> Optional[int]:
+    """``tensor_parallel.autotp_size`` of a DeepSpeed config (dict or path), if it sets one."""
+    return None if config is None else parse_config(config).tensor_parallel.autotp_size
+
+
 class Cast:
     """Copies a tensor read from a source into a new tensor on the target device (floating point in the
     target dtype), so no view keeps a full source tensor alive."""
@@ -198,21 +235,42 @@ class _Reader:
 
 
 def _shard(
-    model: nn.Module, plan: TensorParallelPlan, source: WeightSource, group: comm.Group, cast: Cast, reload: bool
+    model: nn.Module,
+    plan: TensorParallelPlan,
+    source: WeightSource,
+    group: comm.Group,
+    cast: Cast,
+    reload: bool,
+    training: bool = False,
 ) -> None:
+    """Replace the planned layers by their tensor-parallel versions holding this rank's slices. For inference the
+    replicated parameters are placed too (read, cast, moved, frozen); for ``training`` every parameter object
+    stays the one the model had (a sharded one now holds its slice, with its ``requires_grad``), so optimizers
+    and references built before keep working, and the replicated ones are left as they are."""
     read = _Reader(source, model)
     original_weights: dict[int, str] = {}
     for p in plan.layers:
         original_weights.setdefault(id(model.get_submodule(p.name).weight), p.name)
     built: dict[str, nn.Module] = {}
+    originals: dict[str, nn.Module] = {}
+    ties: dict[str, str] = {}  # a layer -> the layer whose weight it shares
     for layer in plan.layers:  # vocab embeddings come first, so a tied LM head finds its shard
-        module = model.get_submodule(layer.name)
+        module = originals[layer.name] = model.get_submodule(layer.name)
         tied_to = original_weights.get(id(module.weight))
         shared = built[tied_to].weight if tied_to != layer.name and tied_to in built else None
+        if shared is not None:
+            ties[layer.name] = tied_to
         built[layer.name] = _build(layer, module, read, group, cast, shared)
         model.set_submodule(layer.name, built[layer.name])
-    sharded = {id(t) for m in built.values() for t in m.parameters()}
-    _place_replicated(model, read, cast, sharded, reload)
+    if training:  # only now: every layer above was built from the full weights
+        for name, layer in built.items():
+            if name not in ties:
+                _keep_parameters(originals[name], layer)
+        for name, tied_to in ties.items():
+            built[name].weight = built[tied_to].weight
+    else:
+        sharded = {id(t) for m in built.values() for t in m.parameters()}
+        _place_replicated(model, read, cast, sharded, reload)
     for name in plan.attention:
         module = model.get_submodule(name)
         for attribute in (*HEAD_COUNT_ATTRIBUTES, *WIDTH_ATTRIBUTES):
@@ -252,6 +310,15 @@ def _build(
     w = shared if shared is not None else _padded(cast(read(weight, 0, start, stop)), per)
     b = _padded(cast(read(bias, 0, start, stop)), per) if has_bias else None
     return VocabParallelHead(w, b, vocab, group)
+
+
+def _keep_parameters(original: nn.Module, built: nn.Module) -> None:
+    """The tensor-parallel layer takes the original layer's parameter objects, holding its slices now."""
+    for attribute in ("weight", "bias"):
+        kept, piece = getattr(original, attribute, None), getattr(built, attribute, None)
+        if isinstance(kept, nn.Parameter) and piece is not None:
+            kept.data = piece.data
+            setattr(built, attribute, kept)
 
 
 def _padded(rows: torch.Tensor, per: int) -> torch.Tensor:

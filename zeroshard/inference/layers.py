@@ -82,7 +82,7 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
-        return gather_from_group(local, self.group)[..., : self.vocab]
+        return gather_from_group(local, self.group)[..., : self.vocab].contiguous()  # losses view it flat
 
     def extra_repr(self) -> str:
         return f"vocabulary {self.vocab}, {self.weight.shape[0]} rows per rank, all-gather over {self.group.size}"
