@@ -110,10 +110,25 @@ def test_tensor_parallel_layers_match_one_process_forward_and_backward():
         assert got["calls"] == {"all_reduce": 4, "all_gather": 1}
 
 
+FAMILIES = ("llama", "gpt2", "qwen3")
+
+
 def _tiny(family: str):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
+    if family == "qwen3":  # per-head q_norm / k_norm: replicated weights applied to each rank's heads only
+        config = Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=32,
+        )
+        return Qwen3ForCausalLM(config)
     if family == "llama":  # grouped-query attention: 4 query heads, 2 key/value heads
         config = LlamaConfig(
             vocab_size=64,
@@ -151,7 +166,7 @@ def hf_training_worker() -> dict:
     import zeroshard
 
     out = {}
-    for family in ("llama", "gpt2"):
+    for family in FAMILIES:
         model = _tiny(family)
         before = {id(p) for p in model.parameters()}
         zeroshard.tp_model_init(model, tp_size=2, dtype=torch.float32)
@@ -163,8 +178,10 @@ def hf_training_worker() -> dict:
 
 
 def test_tp_model_init_trains_hf_models_like_one_process():
+    """Llama with grouped-query attention, GPT-2 with its fused c_attn and tied head, Qwen3 whose per-head norms
+    get their gradients summed over the group (without that, they drift apart: the replicated check fails)."""
     per_rank = run_distributed(hf_training_worker, 2)
-    for family in ("llama", "gpt2"):
+    for family in FAMILIES:
         reference = _tiny(family)
         expected = _train(reference)
         full = dict(reference.named_parameters())
@@ -175,9 +192,9 @@ def test_tp_model_init_trains_hf_models_like_one_process():
                 whole = full[name].detach()
                 if value.shape == whole.shape:  # replicated: identical to the reference's
                     assert torch.allclose(value, whole, rtol=1e-5, atol=1e-6), name
-                elif family == "llama" and name.endswith(("q_proj.weight", "up_proj.weight")):  # column: rows
+                elif family != "gpt2" and name.endswith(("q_proj.weight", "up_proj.weight")):  # column: rows
                     rows = whole.shape[0] // 2
                     assert torch.allclose(value, whole[rank * rows : (rank + 1) * rows], rtol=1e-5, atol=1e-6)
-                elif family == "llama" and name.endswith(("o_proj.weight", "down_proj.weight")):  # row: columns
+                elif family != "gpt2" and name.endswith(("o_proj.weight", "down_proj.weight")):  # row: columns
                     cols = whole.shape[1] // 2
                     assert torch.allclose(value, whole[:, rank * cols : (rank + 1) * cols], rtol=1e-5, atol=1e-6)

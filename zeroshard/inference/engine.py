@@ -8,6 +8,7 @@ full tensor at a time, so a rank's memory is about 1/N of the sharded weights pl
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Optional, Union
 
@@ -18,6 +19,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..checkpoint import CheckpointError
 from ..checkpoint.weights import ModuleSource, WeightSource, open_source
+from ..comm.autograd import reduce_from_group
 from ..comm.backend import local_rank
 from ..config import parse_config
 from ..config.inference import InferenceConfig, parse_inference_config
@@ -171,7 +173,16 @@ def tp_model_init(
     plan = plan_tensor_parallel(model, tp_size)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     _shard(model, plan, ModuleSource(model), group, Cast(None, device), reload=False, training=True)
+    for name in plan.grad_allreduce:
+        for param in model.get_submodule(name).parameters():
+            param.register_hook(functools.partial(_summed_over, group=group))
     return model
+
+
+def _summed_over(grad: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    """A replicated parameter applied to this rank's heads only: its gradient, summed over the tensor-parallel
+    group before it is accumulated (so gradient accumulation sums each micro-batch once)."""
+    return reduce_from_group(grad, group)
 
 
 def _configured_tp_size(config: Any) -> Optional[int]:

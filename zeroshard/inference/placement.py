@@ -13,6 +13,7 @@ third is split separately so every rank keeps whole heads of all three.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -50,6 +51,9 @@ class TensorParallelPlan:
     layers: list[LayerPlan]
     attention: list[str]  # modules whose head-count / width attributes become per-rank values
     tp_size: int
+    # replicated modules applied to this rank's heads only (Qwen3's per-head q_norm / k_norm): in training each
+    # rank's gradient for their parameters is a partial sum, summed over the group
+    grad_allreduce: tuple[str, ...] = ()
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -121,7 +125,22 @@ def plan_tensor_parallel(
                     f"{parent}.{attribute} = {value} is not divisible by tp_size {tp_size}: "
                     "choose a tp_size that divides the head count"
                 )
-    return TensorParallelPlan(layers=layers, attention=attention, tp_size=tp_size)
+    return TensorParallelPlan(
+        layers=layers, attention=attention, tp_size=tp_size, grad_allreduce=tuple(_grad_allreduce_modules(model))
+    )
+
+
+def _grad_allreduce_modules(model: nn.Module) -> list[str]:
+    """Module paths a Hugging Face model's own tensor-parallel plan (``config.base_model_tp_plan``) marks
+    ``replicated_with_grad_allreduce``; the plan's keys are relative to the base model and use ``*`` for a layer
+    index."""
+    tp_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    patterns = [
+        re.compile(r"(?:^|.*\.)" + re.escape(key).replace(r"\*", r"\d+") + "$")
+        for key, style in tp_plan.items()
+        if style == "replicated_with_grad_allreduce"
+    ]
+    return [name for name, _ in model.named_modules() if any(p.match(name) for p in patterns)]
 
 
 def _check_head_counts(model: nn.Module, tp_size: int) -> None:
