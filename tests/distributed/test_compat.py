@@ -40,19 +40,10 @@ def result(out: subprocess.CompletedProcess) -> dict:
 
 
 def _save_tiny_llama(directory: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from zeroshard.testing.hf import tiny_causal_lm
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory)
+    wider = dict(vocab_size=128, hidden_size=64, intermediate_size=128, max_position_embeddings=64)
+    tiny_causal_lm("llama", **wider).save_pretrained(directory)
 
 
 def _save_tiny_gpt2(directory: Path) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from zeroshard.accelerator import host_peak_rss
 from zeroshard.testing import WorkerError, run_distributed
+from zeroshard.testing.hf import tiny_causal_lm
 from zeroshard.testing.models import GPTConfig
 from zeroshard.testing.parity import (
     ParityCase,
@@ -449,24 +450,6 @@ def test_pretrained_buffers_are_required_and_checked_and_pickles_never_run(tmp_p
     assert not marker.exists()
 
 
-def _tiny_mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=4,
-        num_experts_per_tok=1,
-        max_position_embeddings=32,
-    )
-    return MixtralForCausalLM(config)
-
-
 def moe_worker() -> dict:
     """A tiny HF Mixtral, 4 experts, top-1 routing, 3 tokens per rank: each rank leaves some experts without a
     token. Stage 3 with the default units, with ``zero_optimization.leaf_module``, and with DeepSpeed's
@@ -488,7 +471,7 @@ def moe_worker() -> dict:
         ("config", 3, {"classes": ["MixtralSparseMoeBlock"]}, False),
         ("marked", 3, None, True),
     ):
-        model = _tiny_mixtral()
+        model = tiny_causal_lm("mixtral")
         if mark:
             deepspeed.utils.set_z3_leaf_modules(model, [MixtralSparseMoeBlock])
         zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
@@ -520,7 +503,7 @@ def moe_worker() -> dict:
     config["zero_optimization"] = {"stage": 3}
     for careless in ({"leaf_modules": [torch.nn.Linear(2, 2)]}, {"leaf_modules": ["model.nowhere"]}):
         try:  # a module of another model, a path that is not there: named, before anything is sharded
-            zeroshard.initialize(model=_tiny_mixtral(), config=config, **careless)
+            zeroshard.initialize(model=tiny_causal_lm("mixtral"), config=config, **careless)
         except ValueError as err:
             runs.setdefault("refused", []).append(str(err))
     return runs

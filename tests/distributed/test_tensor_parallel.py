@@ -114,38 +114,16 @@ FAMILIES = ("llama", "gpt2", "qwen3")
 
 
 def _tiny(family: str):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
 
+    from zeroshard.testing.hf import tiny_causal_lm
+
+    if family != "gpt2":
+        return tiny_causal_lm(family)
     torch.manual_seed(0)
-    if family == "qwen3":  # per-head q_norm / k_norm: replicated weights applied to each rank's heads only
-        config = Qwen3Config(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=32,
-        )
-        return Qwen3ForCausalLM(config)
-    if family == "llama":  # grouped-query attention: 4 query heads, 2 key/value heads
-        config = LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-        )
-        return LlamaForCausalLM(config)
     dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # the same computation on every rank
-    return GPT2LMHeadModel(
-        GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0, **dropout
-        )
-    )
+    shape = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(GPT2Config(**shape, **dropout))
 
 
 def _train(model, steps: int = 3) -> list[float]:

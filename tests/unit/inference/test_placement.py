@@ -111,20 +111,10 @@ def test_config_keys_and_aliases():
 
 
 def test_modules_hf_marks_replicated_with_grad_allreduce_are_listed():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from zeroshard.inference.placement import plan_tensor_parallel
+    from zeroshard.testing.hf import tiny_causal_lm
 
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    plan = plan_tensor_parallel(Qwen3ForCausalLM(config), 2)
+    plan = plan_tensor_parallel(tiny_causal_lm("qwen3"), 2)
     assert plan.grad_allreduce == tuple(
         f"model.layers.{i}.self_attn.{norm}" for i in range(2) for norm in ("q_norm", "k_norm")
     )
