@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch
 from tqdm import tqdm
 
+from ..accelerator import release_host_memory
 from ..partition import assign_buckets
 from .client_state import read_client_tensors, restore_client_state
 from .manifest import Piece, piece_dtype
@@ -163,6 +164,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
                 for i, (name, dtype, _) in zip(members, specs):
                     yield name, _materialize(sources, manifest, *entries[i]).to(dtype)
                     bar.update(sizes[i])
+                    release_host_memory()  # one tensor at a time means nothing freed should stay resident
 
             path = os.path.join(directory, file_name)
             try:
