@@ -36,7 +36,7 @@ _EXPORTS = {
     "estimate": "zeroshard.estimator",
     "init_empty_weights": "zeroshard.inference",
     "init_inference": "zeroshard.inference",
-    "tp_model_init": "zeroshard.inference",
+    "tp_model_init": "zeroshard.tensor_parallel",
     "log_to_stdout": "zeroshard.log",
 }
 _SUBPACKAGES = ("checkpoint", "comm", "estimator", "inference", "ops", "zero")

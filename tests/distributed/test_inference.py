@@ -77,7 +77,7 @@ def prompts():
 
 def auto_tp_worker(tp: int, kinds: list[str]) -> dict:
     import zeroshard
-    from zeroshard.inference import plan_tensor_parallel
+    from zeroshard.tensor_parallel import plan_tensor_parallel
 
     out = {}
     ids = prompts()

@@ -35,7 +35,7 @@ def forward(embed, column, row, head, ids, target):
 
 def layers_worker() -> dict:
     from zeroshard import comm
-    from zeroshard.inference.layers import (
+    from zeroshard.tensor_parallel.layers import (
         ColumnParallelLinear,
         RowParallelLinear,
         VocabParallelEmbedding,

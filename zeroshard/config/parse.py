@@ -80,6 +80,10 @@ def reject_refused(section: BaseModel, path: str = "") -> None:
             )
         if isinstance(value, BaseModel):
             reject_refused(value, f"{key}.")
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    reject_refused(item, f"{key}[{index}].")
 
 
 def load_json_or_dict(source: Union[dict, str, os.PathLike]) -> dict:

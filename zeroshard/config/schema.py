@@ -7,6 +7,7 @@ unchanged. Values that may be ``"auto"`` stay ``"auto"`` here; :mod:`.resolve` r
 from __future__ import annotations
 
 import math
+import re
 import typing
 import warnings
 from enum import Enum
@@ -423,15 +424,126 @@ class CompileConfig(Section):
     deepcompile: bool = refused(False, "DeepCompile (compiler passes for ZeRO) is not implemented")
 
 
-class TensorParallelTrainingConfig(Section):
-    """DeepSpeed's AutoTP training block; OpenRLHF always writes it (0 or 1: off)."""
+class TensorParallelLayerSpec(Section):
+    """One ``tensor_parallel.partition_config.layer_specs`` entry (DeepSpeed's ``TPLayerSpec``): the modules whose
+    name (or ``<name>.weight``) a pattern matches are split as ``partition_type`` (``skip``: replicated)."""
 
-    autotp_size: int = refused(1, "tensor-parallel training is not implemented yet", ge=0)
+    patterns: list[str] = Field(min_length=1)
+    partition_type: Literal["column", "row", "skip"] = "column"
+    shape: Optional[list[Any]] = None  # [k, -1] with partition_dim 0: k equal projections fused along dim 0
+    partition_dim: Optional[int] = Field(None, ge=0)
+    model_types: Optional[list[str]] = None
+    gather_output: bool = refused(False, "column layers with a gathered output; an LM head stays replicated")
+    grad_allreduce: bool = False
+
+    @field_validator("partition_type", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("patterns")
+    @classmethod
+    def _compiles(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"pattern {pattern!r} is not a regular expression: {err}") from None
+        return patterns
+
+    @model_validator(mode="after")
+    def _supported(self) -> "TensorParallelLayerSpec":
+        if self.grad_allreduce and self.partition_type != "skip":
+            raise ValueError("grad_allreduce applies to partition_type 'skip' (a replicated module) only")
+        default_dim = 0 if self.partition_type == "column" else 1
+        if self.partition_type != "skip" and self.partition_dim not in (None, default_dim):
+            raise NotImplementedError(
+                f"layer_specs {self.patterns}: partition_dim {self.partition_dim} for a {self.partition_type} layer is "
+                f"not implemented (a {self.partition_type} layer splits dim {default_dim} of its weight)"
+            )
+        if self.shape is not None and not self._fused_shape():
+            raise NotImplementedError(
+                f"layer_specs {self.patterns}: shape {self.shape} is not implemented; zeroshard takes [k, -1] on a "
+                "column layer (k equal projections fused along dim 0)"
+            )
+        return self
+
+    def _fused_shape(self) -> bool:
+        shape = self.shape
+        return (
+            self.partition_type == "column"
+            and len(shape) == 2
+            and isinstance(shape[0], int)
+            and not isinstance(shape[0], bool)
+            and shape[0] >= 1
+            and shape[1] == -1
+        )
+
+    @property
+    def fused(self) -> int:
+        return self.shape[0] if self.shape is not None else 1
+
+
+class TensorParallelPartitionConfig(Section):
+    """``tensor_parallel.partition_config``: layer specs first; with ``use_default_specs`` the model's own
+    ``base_model_tp_plan`` and zeroshard's placement by layer name place the layers no spec matches."""
+
+    use_default_specs: bool = True
+    layer_specs: list[TensorParallelLayerSpec] = Field(default_factory=list)
+
+
+class TensorParallelGroupConfig(Section):
+    """DeepSpeed's ``tensor_parallel.tp`` block."""
+
+    tp_size: int = Field(1, ge=1)
+    tp_grain_size: int = refused(1, "uneven splits; every split here is even", ge=1)
+
+
+PRESET_MODELS = ("llama", "qwen2")  # DeepSpeed's presets zeroshard has (zeroshard.tensor_parallel.placement.PRESETS)
+
+
+class TensorParallelTrainingConfig(Section):
+    """DeepSpeed's AutoTP training block (``zeroshard.tensor_parallel``); OpenRLHF always writes it (0 or 1: off)."""
+
+    autotp_size: int = Field(1, ge=0)
+    preset_model: Optional[str] = None
+    partition_config: TensorParallelPartitionConfig = Field(default_factory=TensorParallelPartitionConfig)
+    tp_overlap_comm: bool = satisfied(
+        False, "a scheduling hint: the tensor-parallel all-reduces run in order, with the same results"
+    )
+    tp: TensorParallelGroupConfig = Field(default_factory=TensorParallelGroupConfig)
+    vocab_parallel_lm_head: Optional[bool] = None  # None and False: replicated, as zeroshard always keeps it
+    injection_policy_tuple: Optional[list[Any]] = refused(None, "use partition_config.layer_specs")
+    keep_module_on_host: bool = refused(False, "keeping the unsharded model on the host")
 
     @field_validator("autotp_size", mode="before")
     @classmethod
     def _zero_is_off(cls, value: Any) -> Any:
         return 1 if value == 0 and not isinstance(value, bool) else value
+
+    @field_validator("preset_model")
+    @classmethod
+    def _known_preset(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value.lower() not in PRESET_MODELS:
+            raise NotImplementedError(
+                f"config key 'tensor_parallel.preset_model' = {value!r} is not implemented by zeroshard (it has "
+                f"{list(PRESET_MODELS)}; other models take partition_config.layer_specs or the default placement)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _sizes_agree(self) -> "TensorParallelTrainingConfig":
+        if self.vocab_parallel_lm_head:
+            raise NotImplementedError(
+                "config key 'tensor_parallel.vocab_parallel_lm_head' = True is not implemented by zeroshard (in "
+                "training the embedding and LM head stay replicated); remove the key or set it to false"
+            )
+        if self.tp.tp_size not in (1, self.autotp_size):
+            raise ValueError(
+                f"tensor_parallel.tp.tp_size {self.tp.tp_size} disagrees with tensor_parallel.autotp_size "
+                f"{self.autotp_size}; set autotp_size (tp.tp_size may be left out)"
+            )
+        return self
 
 
 class FlopsProfilerConfig(Section):

@@ -1,5 +1,6 @@
 """Pure partitioning math (no process groups, no allocation)."""
 
 from .layout import FlatLayout, Segment, Slot, assign_buckets, flat_layout, round_up
+from .tensor_split import TensorSplit
 
-__all__ = ["FlatLayout", "Segment", "Slot", "assign_buckets", "flat_layout", "round_up"]
+__all__ = ["FlatLayout", "Segment", "Slot", "assign_buckets", "flat_layout", "round_up", "TensorSplit"]

@@ -26,14 +26,20 @@ def _section_of(annotation) -> type[BaseModel] | None:
     return None
 
 
+# what an item of a list of sections needs besides the key under test
+ITEM_REQUIRED = {"layer_specs": {"patterns": ["x"]}}
+
+
 def walk(model: type[BaseModel] = ZeroshardConfig, path: tuple[str, ...] = ()):
-    """(JSON key path, attribute name, field) for every field, sub-sections included."""
+    """(JSON key path, attribute name, field) for every field, sub-sections included; the first item of a list of
+    sections is ``<key>[0]``."""
     for name, field in model.model_fields.items():
         keys = (*path, field.alias or name)
         yield keys, name, field
         section = _section_of(field.annotation)
         if section is not None:
-            yield from walk(section, keys)
+            is_list = typing.get_origin(field.annotation) is list
+            yield from walk(section, (*path, f"{keys[-1]}[0]") if is_list else keys)
 
 
 FIELDS = list(walk())
@@ -62,7 +68,7 @@ def _other_value(field):
         return default / 2
     if isinstance(default, int):
         return default - 1 if default > 1 else default + 1
-    if isinstance(default, list):
+    if isinstance(default, list) or any(typing.get_origin(a) is list for a in args):
         return ["x"]
     if isinstance(default, dict) or any(typing.get_origin(a) is dict for a in args):
         return {"x": 1}
@@ -75,7 +81,11 @@ def _nested(keys: tuple[str, ...], value) -> dict:
     config: dict = {"train_batch_size": 1, "optimizer": {"type": "Adam"}}
     node = config
     for key in keys[:-1]:
-        node = node.setdefault(key, {})
+        if key.endswith("[0]"):
+            name = key[:-3]
+            node = node.setdefault(name, [dict(ITEM_REQUIRED.get(name, {}))])[0]
+        else:
+            node = node.setdefault(key, {})
     node[keys[-1]] = value
     return config
 

@@ -4,7 +4,8 @@
 
 from zeroshard import __version__ as __zeroshard_version__
 from zeroshard.config import ConfigError as DeepSpeedConfigError
-from zeroshard.inference import init_inference, tp_model_init
+from zeroshard.inference import init_inference
+from zeroshard.tensor_parallel import tp_model_init
 from zeroshard.runtime import add_config_arguments
 
 from ..alias import DEEPSPEED_API_VERSION

@@ -17,17 +17,34 @@ from torch import nn
 
 from .. import comm
 from ..comm.autograd import copy_to_group, gather_from_group, reduce_from_group
+from ..partition import TensorSplit
 
 
 class ColumnParallelLinear(nn.Module):
     """Y_i = X W_i^T + b_i: this rank's output features; no communication forward, the input's gradient summed
-    over the group backward."""
+    over the group backward. ``fused`` and ``transposed`` say how the full weight was cut (see
+    :class:`~zeroshard.partition.TensorSplit`)."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], group: comm.Group):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        group: comm.Group,
+        fused: int = 1,
+        transposed: bool = False,
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.group = group
+        self.fused, self.transposed = fused, transposed
+
+    def splits(self) -> dict[str, TensorSplit]:
+        """How each parameter's full tensor is cut over the group: the output features, per fused projection."""
+        out = {"weight": TensorSplit(1 if self.transposed else 0, self.group.size, self.fused, self.transposed)}
+        if self.bias is not None:
+            out["bias"] = TensorSplit(0, self.group.size, self.fused)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_group(x, self.group), self.weight, self.bias)
@@ -37,13 +54,21 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Y = sum_i X_i W_i^T + b: this rank's input features, partial sums all-reduced, the bias added once."""
+    """Y = sum_i X_i W_i^T + b: this rank's input features, partial sums all-reduced, the bias added once (it is
+    replicated)."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], group: comm.Group):
+    def __init__(
+        self, weight: torch.Tensor, bias: Optional[torch.Tensor], group: comm.Group, transposed: bool = False
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.group = group
+        self.transposed = transposed
+
+    def splits(self) -> dict[str, TensorSplit]:
+        """The weight's input features are cut over the group."""
+        return {"weight": TensorSplit(0 if self.transposed else 1, self.group.size, 1, self.transposed)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_group(F.linear(x, self.weight), self.group)

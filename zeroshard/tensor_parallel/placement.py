@@ -86,15 +86,68 @@ def vocab_range(vocab: int, parts: int, index: int) -> tuple[int, int, int]:
     return start, min(start + per, vocab), per
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """One ``tensor_parallel.partition_config.layer_specs`` entry (DeepSpeed's ``TPLayerSpec``): modules whose name
+    (or ``<name>.weight``) a pattern matches are split as ``style``; ``skip`` leaves them replicated, with
+    ``grad_allreduce`` summing their gradients over the group (they act on this rank's heads only)."""
+
+    patterns: tuple[str, ...]
+    style: Literal["column", "row", "skip"]
+    fused: int = 1
+    grad_allreduce: bool = False
+    model_types: Optional[tuple[str, ...]] = None
+
+    def matches(self, name: str, model_type: Optional[str]) -> bool:
+        if self.model_types is not None and (model_type or "").lower() not in {t.lower() for t in self.model_types}:
+            return False
+        return any(re.match(p, name) or re.match(p, f"{name}.weight") for p in self.patterns)
+
+
+# DeepSpeed's ``preset_model`` layouts zeroshard has: attention and MLP of the Llama / Qwen2 families.
+SEPARATE_PROJECTIONS = (
+    LayerSpec((r".*\.self_attn\.o_proj$", r".*\.mlp\.down_proj$"), "row"),
+    LayerSpec((r".*\.self_attn\.[qkv]_proj$", r".*\.mlp\.(up|gate)_proj$"), "column"),
+)
+PRESETS = {"llama": SEPARATE_PROJECTIONS, "qwen2": SEPARATE_PROJECTIONS}
+
+
+def layer_specs_from(tensor_parallel) -> tuple[LayerSpec, ...]:
+    """The layer specs of a ``tensor_parallel`` config block (``zeroshard.config`` validated it): the
+    ``partition_config`` ones, then those of ``preset_model``."""
+    specs = tuple(
+        LayerSpec(
+            tuple(spec.patterns),
+            spec.partition_type,
+            spec.fused,
+            spec.grad_allreduce,
+            tuple(spec.model_types) if spec.model_types is not None else None,
+        )
+        for spec in tensor_parallel.partition_config.layer_specs
+    )
+    preset = tensor_parallel.preset_model
+    return specs + (PRESETS[preset.lower()] if preset is not None else ())
+
+
+# Hugging Face ``base_model_tp_plan`` styles and what they are here (in training the gathered column layer of
+# ``colwise_rep``, an LM head, is replicated: the same product without the gather).
+HF_STYLES = {"colwise": "column", "rowwise": "row", "colwise_rep": "skip", "replicated_with_grad_allreduce": "skip"}
+
+
 def plan_tensor_parallel(
     model: nn.Module,
     tp_size: int,
     injection_policy: Optional[dict] = None,
     vocab_parallel_min_bytes: int = 0,
+    layer_specs: tuple[LayerSpec, ...] = (),
+    use_default_specs: bool = True,
+    split_vocabulary: bool = True,
 ) -> TensorParallelPlan:
-    """Place every linear layer: by the known layer names (automatic), or by ``injection_policy`` =
-    ``{BlockClass or class name: (row-parallel layer paths inside the block)}`` (every other linear layer
-    inside such a block is column-parallel, layers outside all blocks stay replicated)."""
+    """Place every linear layer: by ``layer_specs`` first (``partition_config``), then (``use_default_specs``) by the
+    model's Hugging Face ``base_model_tp_plan``, then by the known layer names (automatic); or by
+    ``injection_policy`` = ``{BlockClass or class name: (row-parallel layer paths inside the block)}`` (every other
+    linear layer inside such a block is column-parallel, layers outside all blocks stay replicated). Without
+    ``split_vocabulary`` (training) the embedding and LM head stay replicated."""
     _check_head_counts(model, tp_size)
     names = {id(m): n for n, m in model.named_modules()}
     vocab = _vocab_layers(model, names)
@@ -102,10 +155,11 @@ def plan_tensor_parallel(
     layers = [  # smaller vocabulary layers stay replicated
         LayerPlan(name, style)
         for name, style in vocab.items()
-        if weights[name].numel() * weights[name].element_size() >= vocab_parallel_min_bytes
+        if split_vocabulary and weights[name].numel() * weights[name].element_size() >= vocab_parallel_min_bytes
     ]
+    grad_allreduce = _grad_allreduce_modules(model, layer_specs, use_default_specs)
     if injection_policy is None:
-        layers += _automatic(model, set(vocab))
+        layers += _automatic(model, set(vocab), layer_specs, use_default_specs)
     else:
         layers += _from_policy(model, injection_policy, set(vocab))
     for plan in layers:
@@ -125,22 +179,53 @@ def plan_tensor_parallel(
                     f"{parent}.{attribute} = {value} is not divisible by tp_size {tp_size}: "
                     "choose a tp_size that divides the head count"
                 )
-    return TensorParallelPlan(
-        layers=layers, attention=attention, tp_size=tp_size, grad_allreduce=tuple(_grad_allreduce_modules(model))
-    )
+    return TensorParallelPlan(layers=layers, attention=attention, tp_size=tp_size, grad_allreduce=grad_allreduce)
 
 
-def _grad_allreduce_modules(model: nn.Module) -> list[str]:
-    """Module paths a Hugging Face model's own tensor-parallel plan (``config.base_model_tp_plan``) marks
-    ``replicated_with_grad_allreduce``; the plan's keys are relative to the base model and use ``*`` for a layer
-    index."""
+def _hf_plan(model: nn.Module) -> list[tuple[re.Pattern, str, str]]:
+    """A Hugging Face model's own tensor-parallel plan (``config.base_model_tp_plan``) as (module-name pattern,
+    style here, the plan's entry); its keys are relative to the base model and use ``*`` for a layer index. An
+    entry of a style zeroshard does not implement is refused by name when a module of the model matches it."""
     tp_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
-    patterns = [
-        re.compile(r"(?:^|.*\.)" + re.escape(key).replace(r"\*", r"\d+") + "$")
+    return [
+        (re.compile(r"(?:^|.*\.)" + re.escape(key).replace(r"\*", r"\d+") + "$"), HF_STYLES.get(style, ""), key)
         for key, style in tp_plan.items()
-        if style == "replicated_with_grad_allreduce"
     ]
-    return [name for name, _ in model.named_modules() if any(p.match(name) for p in patterns)]
+
+
+def _model_type(model: nn.Module) -> Optional[str]:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def _hf_style(model: nn.Module, name: str, hf_plan) -> Optional[str]:
+    for pattern, style, key in hf_plan:
+        if pattern.match(name):
+            if not style:
+                raw = model.config.base_model_tp_plan[key]
+                raise PlacementError(
+                    f"module '{name}': the model's base_model_tp_plan entry '{key}': '{raw}' is a style zeroshard does "
+                    f"not implement (it does {sorted(HF_STYLES)}); place the layer with "
+                    "tensor_parallel.partition_config.layer_specs"
+                )
+            return style
+    return None
+
+
+def _grad_allreduce_modules(
+    model: nn.Module, layer_specs: tuple[LayerSpec, ...], use_default_specs: bool
+) -> tuple[str, ...]:
+    """Replicated modules applied to this rank's heads only: a layer spec's ``grad_allreduce``, or the model's own
+    plan's ``replicated_with_grad_allreduce`` (Qwen3's per-head ``q_norm`` / ``k_norm``)."""
+    tp_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    hf_plan = _hf_plan(model) if use_default_specs else []
+    hf = [p for p, _, key in hf_plan if tp_plan[key] == "replicated_with_grad_allreduce"]
+    model_type = _model_type(model)
+    found = []
+    for name, _ in model.named_modules():
+        spec = next((s for s in layer_specs if s.matches(name, model_type)), None) if name else None
+        if (spec.grad_allreduce if spec is not None else any(p.match(name) for p in hf)):
+            found.append(name)
+    return tuple(found)
 
 
 def _check_head_counts(model: nn.Module, tp_size: int) -> None:
@@ -172,11 +257,23 @@ def _vocab_layers(model: nn.Module, names: dict[int, str]) -> dict[str, Style]:
     return found
 
 
-def _automatic(model: nn.Module, skip: set[str]) -> list[LayerPlan]:
+def _automatic(
+    model: nn.Module, skip: set[str], layer_specs: tuple[LayerSpec, ...] = (), use_default_specs: bool = True
+) -> list[LayerPlan]:
     plans = []
+    hf_plan, model_type = _hf_plan(model) if use_default_specs else [], _model_type(model)
     for name, module in model.named_modules():
         if name in skip or not is_linear(module):
             continue
+        spec = next((s for s in layer_specs if s.matches(name, model_type)), None)
+        style = spec.style if spec is not None else _hf_style(model, name, hf_plan)
+        if style is not None:
+            if style != "skip":
+                fused = spec.fused if spec is not None else FUSED.get(name.rpartition(".")[2], 1)
+                plans.append(LayerPlan(name, style, fused, _is_conv1d(module)))
+            continue
+        if not use_default_specs:
+            continue  # only the layer specs place layers; the others stay replicated
         leaf = name.rpartition(".")[2]
         if leaf in COLUMN_NAMES:
             plans.append(LayerPlan(name, "column", FUSED.get(leaf, 1), _is_conv1d(module)))

@@ -6,8 +6,8 @@ import transformers
 from torch import nn
 
 from zeroshard.config.inference import parse_inference_config
-from zeroshard.inference import PlacementError, plan_tensor_parallel
-from zeroshard.inference.placement import vocab_range
+from zeroshard.tensor_parallel import PlacementError, plan_tensor_parallel
+from zeroshard.tensor_parallel.placement import vocab_range
 
 
 def gpt2(n_head=4):
@@ -111,7 +111,7 @@ def test_config_keys_and_aliases():
 
 
 def test_modules_hf_marks_replicated_with_grad_allreduce_are_listed():
-    from zeroshard.inference.placement import plan_tensor_parallel
+    from zeroshard.tensor_parallel.placement import plan_tensor_parallel
     from zeroshard.testing.hf import tiny_causal_lm
 
     plan = plan_tensor_parallel(tiny_causal_lm("qwen3"), 2)

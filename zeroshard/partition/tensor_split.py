@@ -1,0 +1,78 @@
+"""How one parameter is cut over the ranks of a tensor-parallel group: pure tensor arithmetic, no communication.
+
+A :class:`TensorSplit` describes a piece in terms of the *full* tensor as the model defines it (a Hugging Face
+``Conv1D`` weight is (in, out), a ``Linear`` weight (out, in)): the full tensor is cut along ``dim`` into ``parts``
+equal pieces, rank ``index`` keeping the ``index``-th. A *fused* tensor packs ``fused`` projections side by side
+along ``dim`` (GPT-2's ``c_attn`` holds q, k and v): each projection is cut on its own and a rank's piece is the
+concatenation of its slice of each, so every rank keeps whole heads of all of them. A ``transposed`` piece is
+stored transposed (the tensor-parallel layers hold every weight as (out, in)).
+
+Checkpoints record the split of every parameter, so a piece saved at one tensor-parallel degree can be joined to
+the full tensor and cut again at another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    dim: int  # the dim of the full tensor that is cut
+    parts: int  # tensor-parallel ranks
+    fused: int = 1  # projections packed side by side along ``dim``, each cut separately
+    transposed: bool = False  # the piece is stored transposed (2-D tensors only)
+
+    def __post_init__(self):
+        if self.parts < 1 or self.fused < 1 or self.dim < 0:
+            raise ValueError(f"invalid tensor split {self}")
+
+    def check(self, full_shape: tuple[int, ...], what: str) -> None:
+        """Refuse a full shape this split cannot cut evenly, naming ``what`` (the parameter)."""
+        if self.dim >= len(full_shape) or (self.transposed and len(full_shape) != 2):
+            raise ValueError(f"{what}: shape {list(full_shape)} has no dim {self.dim} to split")
+        size = full_shape[self.dim]
+        if size % (self.fused * self.parts):
+            fused = f" in {self.fused} fused parts" if self.fused > 1 else ""
+            raise ValueError(f"{what}: dim {self.dim} of size {size}{fused} is not divisible by {self.parts} ranks")
+
+    def piece_shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(full_shape)
+        shape[self.dim] //= self.parts
+        return tuple(reversed(shape)) if self.transposed else tuple(shape)
+
+    def full_shape(self, piece_shape: tuple[int, ...]) -> tuple[int, ...]:
+        shape = list(reversed(piece_shape)) if self.transposed else list(piece_shape)
+        shape[self.dim] *= self.parts
+        return tuple(shape)
+
+    def piece(self, full: torch.Tensor, index: int) -> torch.Tensor:
+        """Rank ``index``'s piece of ``full`` (a new tensor when fused or transposed; else a view)."""
+        part = full.shape[self.dim] // self.fused
+        per = part // self.parts
+        slices = [full.narrow(self.dim, k * part + index * per, per) for k in range(self.fused)]
+        piece = torch.cat(slices, self.dim) if self.fused > 1 else slices[0]
+        return piece.t() if self.transposed else piece
+
+    def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's piece, in rank order."""
+        if len(pieces) != self.parts:
+            raise ValueError(f"joining a tensor split over {self.parts} ranks needs {self.parts} pieces, got {len(pieces)}")
+        pieces = [p.t() if self.transposed else p for p in pieces]
+        per = pieces[0].shape[self.dim] // self.fused
+        return torch.cat([p.narrow(self.dim, k * per, per) for k in range(self.fused) for p in pieces], self.dim)
+
+    def as_record(self) -> dict:
+        """What a checkpoint manifest stores."""
+        return {"dim": self.dim, "parts": self.parts, "fused": self.fused, "transposed": self.transposed}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "TensorSplit":
+        if not isinstance(record, dict) or set(record) != {"dim", "parts", "fused", "transposed"}:
+            raise ValueError(f"a tensor split record needs dim, parts, fused and transposed, got {record!r}")
+        ints = [record[k] for k in ("dim", "parts", "fused")]
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in ints) or not isinstance(record["transposed"], bool):
+            raise ValueError(f"a tensor split record holds integers and a boolean, got {record!r}")
+        return cls(record["dim"], record["parts"], record["fused"], record["transposed"])

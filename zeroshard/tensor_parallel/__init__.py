@@ -1,0 +1,23 @@
+"""Tensor parallelism: which layer splits how (``placement``, pure), the layers that hold one rank's slice
+(``layers``), and sharding a model in place (``shard``) for inference and for training."""
+
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from .placement import LayerSpec, PlacementError, TensorParallelPlan, plan_tensor_parallel
+from .shard import Cast, shard_for_training, shard_layers, sharded_group, tensor_splits, tp_model_init
+
+__all__ = [
+    "Cast",
+    "ColumnParallelLinear",
+    "LayerSpec",
+    "PlacementError",
+    "RowParallelLinear",
+    "TensorParallelPlan",
+    "VocabParallelEmbedding",
+    "VocabParallelHead",
+    "plan_tensor_parallel",
+    "shard_for_training",
+    "shard_layers",
+    "sharded_group",
+    "tensor_splits",
+    "tp_model_init",
+]
