@@ -40,16 +40,16 @@ class RankGrid:
     world: Group
     shard: Group
     replica: Group
-    data: Optional[Group] = None  # this rank's data-parallel group; None: the world (no tensor parallelism)
-    tensor: Optional[Group] = None  # this rank's tensor-parallel group; None: this rank alone
+    data: Group  # this rank's data-parallel group: the ranks that see different batches (the world without TP)
+    tensor: Group  # this rank's tensor-parallel group: the ranks that split its layers (this rank alone without TP)
 
     @property
     def data_parallel_size(self) -> int:
-        return (self.data or self.world).size
+        return self.data.size
 
     @property
     def tensor_parallel_size(self) -> int:
-        return self.tensor.size if self.tensor is not None else 1
+        return self.tensor.size
 
     @property
     def context(self) -> CommContext:
@@ -114,13 +114,12 @@ def build_rank_grid(
     context = context or DEFAULT_CONTEXT.child()
     world_size = get_world_size()
     layout = parallel_layout(world_size, tp_size, shard_size)
-    tensor_parallel = tp_size > 1
     return RankGrid(
         world=Group("world", tuple(range(world_size)), None, context),
         shard=_own_group("shard", layout.shard, world_size, context),
         replica=_own_group("replica", layout.replica, world_size, context),
-        data=_own_group("data", layout.data, world_size, context) if tensor_parallel else None,
-        tensor=_own_group("tensor", layout.tensor, world_size, context) if tensor_parallel else None,
+        data=_own_group("data", layout.data, world_size, context),
+        tensor=_own_group("tensor", layout.tensor, world_size, context),
     )
 
 
@@ -128,7 +127,7 @@ def destroy_groups(grid: RankGrid) -> None:
     """Tear down the process groups ``build_rank_grid`` created (the default group stays: it is not ours)."""
     if not dist.is_initialized():
         return
-    for group in {grid.shard, grid.replica, grid.data, grid.tensor} - {None}:
+    for group in {grid.shard, grid.replica, grid.data, grid.tensor}:
         if group.handle is not None:
             dist.destroy_process_group(group.handle)
 

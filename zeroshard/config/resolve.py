@@ -7,6 +7,8 @@ raises an error naming the key.
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -110,10 +112,11 @@ def resolve_batch_triad(
 class AutoContext:
     """What the caller gave that can resolve ``"auto"``."""
 
-    world_size: int
+    world_size: int  # data-parallel ranks
     args: Any = None
     dataloader_batch_size: Optional[int] = None
     hidden_size: Optional[int] = None
+    tensor_parallel_size: int = 1  # ranks of a tensor-parallel group, which share each batch
 
 
 @dataclass
@@ -184,6 +187,7 @@ def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
     ):
         data["train_micro_batch_size_per_gpu"] = ctx.dataloader_batch_size
         derived.append(("train_micro_batch_size_per_gpu", ctx.dataloader_batch_size, "data loader batch size"))
+    _all_ranks_counted(data, ctx, derived)
     batch = resolve_batch_triad(
         data["train_batch_size"],
         data["train_micro_batch_size_per_gpu"],
@@ -208,6 +212,23 @@ def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
     )
     resolved = ZeroshardConfig.model_validate(data)
     return Resolution(resolved, batch, derived)
+
+
+def _all_ranks_counted(data: dict, ctx: AutoContext, derived: list) -> None:
+    """Under tensor parallelism ``train_batch_size`` counts the data-parallel ranks only (as DeepSpeed documents):
+    the ranks of a tensor-parallel group share each batch. A client that counted every rank (the HF Trainer fills
+    ``world x micro x accumulation``) wrote a value ``tp`` times too large: corrected, with a warning."""
+    tb, mb, ga, tp = (
+        data["train_batch_size"],
+        data["train_micro_batch_size_per_gpu"],
+        data["gradient_accumulation_steps"],
+        ctx.tensor_parallel_size,
+    )
+    if tp > 1 and None not in (tb, mb, ga) and tb == mb * ga * ctx.world_size * tp:
+        data["train_batch_size"] = mb * ga * ctx.world_size
+        why = f"{tb} counted all {ctx.world_size * tp} ranks; the {tp} ranks of a tensor-parallel group share a batch"
+        derived.append(("train_batch_size", data["train_batch_size"], why))
+        warnings.warn(f"train_batch_size {tb} -> {data['train_batch_size']}: {why}", stacklevel=3)
 
 
 def _elastic_triad(block, data: dict, world_size: int, derived: list) -> None:

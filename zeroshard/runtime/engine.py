@@ -22,11 +22,13 @@ from ..config import Resolution
 from ..log import log_rank0, logger
 from ..precision import PrecisionPolicy
 from ..profiling import FlopsProfiler
+from ..tensor_parallel import tensor_splits
 from ..zero import ParamAccess, ParamRecords, ZeroOptimizer, ZeroStack, consolidated_state_dict
 from ..zero.assemble import NO_OPTIMIZER
 from ..zero.stage3 import Stage3Runtime
 from .activation_checkpointing import CheckpointingOptions
 from .activation_checkpointing import in_effect as checkpointing_in_effect
+from .batch_check import check_same_batch
 from .memory import MemoryTracker, format_table
 from .monitor import Monitors
 
@@ -94,6 +96,7 @@ class ZeroshardEngine(torch.nn.Module):
             else None
         )
         self._profile_started: Optional[float] = None
+        self._batch_checked = grid.tensor.size == 1  # tensor parallelism: checked at the first forward
         self._destroyed = False
         # a script that never calls destroy() still releases the engine before the process group goes
         # (atexit runs handlers last-registered first); a weak reference, so the hook keeps nothing alive
@@ -105,6 +108,9 @@ class ZeroshardEngine(torch.nn.Module):
         started = time.perf_counter()
         self.stack.refuse_if_offloaded("forward")
         inputs, kwargs = tree_map(self._prepare_input, (inputs, kwargs))
+        if not self._batch_checked:
+            check_same_batch((inputs, kwargs), self.grid.tensor)
+            self._batch_checked = True
         tokens = next(
             (t for t in tree_flatten((inputs, kwargs))[0] if torch.is_tensor(t) and not t.is_floating_point()), None
         )
@@ -454,15 +460,41 @@ class ZeroshardEngine(torch.nn.Module):
     def world_size(self) -> int:
         return self.grid.world.size
 
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel ranks: the world over the tensor-parallel degree (DeepSpeed's attribute)."""
+        return self.grid.data.size
+
+    def autotp_size(self) -> int:
+        """Ranks of a tensor-parallel group (1: none), as ``tensor_parallel.autotp_size`` or ``tp_model_init`` set."""
+        return self.grid.tensor.size
+
     def consolidated_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The module's full state dict on CPU in the compute dtype. Under stage 3 it is gathered one flat
-        group at a time, so no rank ever holds more than one gathered unit besides the result. Every rank
-        must call it; with ``rank0_only`` the others get ``{}``."""
-        return consolidated_state_dict(self.module, self.stack.all_flat_groups, rank0_only=rank0_only)
+        group at a time, so no rank ever holds more than one gathered unit besides the result; under tensor
+        parallelism each split parameter's pieces are joined. Every rank must call it; with ``rank0_only`` the
+        others get ``{}``."""
+        return consolidated_state_dict(
+            self.module,
+            self.stack.all_flat_groups,
+            rank0_only=rank0_only,
+            tensor_group=self.grid.tensor,
+            splits=tensor_splits(self.module),
+        )
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """DeepSpeed's name for ``stage3_gather_16bit_weights_on_model_save``."""
         return self.settings.zero_optimization.gather_16bit_weights_on_model_save
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """DeepSpeed's name for the full state dict when weights are split (stage 3 or tensor parallelism), which
+        Accelerate saves through: on rank 0, ``{}`` elsewhere (every rank must call it)."""
+        if self.zero_optimization_stage() != 3 and self.autotp_size() == 1:
+            raise ValueError(
+                "_consolidated_16bit_state_dict applies when weights are split (ZeRO stage 3 or "
+                "tensor_parallel.autotp_size > 1); use engine.module.state_dict()"
+            )
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The full compute-dtype state dict on rank 0 (``{}`` elsewhere), gathered unit by unit; the name

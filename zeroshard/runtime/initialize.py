@@ -18,6 +18,7 @@ from ..log import log_as_launched, log_rank0
 from ..offload import OffloadPlan
 from ..optim import Lamb, ShardedNorms, build_optimizer, build_schedule, check_client_optimizer
 from ..precision import PrecisionPolicy
+from ..tensor_parallel import layer_specs_from, shard_for_training, sharded_group, tensor_splits
 from ..zero import Placement, ZeroOptimizer, ZeroStack, build_zero_stack
 from ..zero.init import Materializer, has_meta_parameters, pending_seed, release_pending
 from ..zero.optimizer_state import MakeOptimizer
@@ -133,13 +134,54 @@ def _move_module(module: torch.nn.Module, device: torch.device, dtype: torch.dty
                 tensor.data = tensor.data.to(device=device, dtype=dtype if cast else None)
 
 
-def _broadcast_module(module: torch.nn.Module, group: comm.Group) -> None:
-    """Start every rank from rank 0's weights, as DDP and DeepSpeed do."""
+def _broadcast_module(module: torch.nn.Module, group: comm.Group, skip: frozenset = frozenset()) -> None:
+    """Start every rank of ``group`` from its first rank's weights, as DDP and DeepSpeed do (``skip``: tensors
+    this group does not share)."""
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
-            if tensor.is_meta:
+            if tensor.is_meta or tensor in skip:
                 continue  # built under zero.Init: materialized identically on every rank from one seed
             comm.broadcast(tensor.data, src=group.ranks[0], group=group)
+
+
+def _tensor_parallel_size(model: torch.nn.Module, settings) -> int:
+    """``tensor_parallel.autotp_size``, or the size of the group the model was already split over
+    (``tp_model_init``); the two must agree when both are given."""
+    already = sharded_group(model)
+    if already is None:
+        return settings.autotp_size
+    if "autotp_size" in settings.model_fields_set and settings.autotp_size != already.size:
+        raise ValueError(
+            f"the model was split over {already.size} tensor-parallel ranks (tp_model_init) but the config's "
+            f"tensor_parallel.autotp_size is {settings.autotp_size}; make them agree"
+        )
+    return already.size
+
+
+def _split_over_tensor_group(model: torch.nn.Module, cfg, grid: comm.RankGrid, materialize) -> frozenset:
+    """Tensor parallelism: every rank starts from the same weights, then keeps its pieces (a model ``tp_model_init``
+    split already keeps its own: its replicated weights are shared over the world, its pieces over the
+    data-parallel group). Returns the split parameters."""
+    if materialize is not None:
+        raise NotImplementedError(
+            "a model built under zeroshard.zero.Init with tensor_parallel.autotp_size > 1: build it normally (its "
+            "layers are split before ZeRO shards them), or use ZeRO without tensor parallelism"
+        )
+    already = sharded_group(model) is not None
+    if not already:
+        _broadcast_module(model, grid.world)
+        settings = cfg.tensor_parallel
+        shard_for_training(model, grid.tensor, layer_specs_from(settings), settings.partition_config.use_default_specs)
+    splits = tensor_splits(model)
+    pieces = frozenset(p for name, p in model.named_parameters() if name in splits)
+    if already:
+        _broadcast_module(model, grid.tensor, skip=pieces)
+        _broadcast_module(model, grid.data)
+    log_rank0(
+        f"tensor parallelism: {len(pieces)} parameters split over {grid.tensor.size} ranks, ZeRO over "
+        f"{grid.data.size} data-parallel rank(s)"
+    )
+    return pieces
 
 
 def _materializer(model: torch.nn.Module, pretrained: Any, world: comm.Group, device) -> Optional[Materializer]:
@@ -232,7 +274,8 @@ def _resolve(source: Any, args: Any, model: torch.nn.Module, training_data: Any)
     """The rank grid (the engine's process groups, counting in a comm context of its own) and the config with
     every ``"auto"`` filled in for it."""
     parsed = parse_config(source)
-    grid = comm.build_rank_grid(parsed.zero_optimization.shard_group_size)
+    tp_size = _tensor_parallel_size(model, parsed.tensor_parallel)
+    grid = comm.build_rank_grid(parsed.zero_optimization.shard_group_size, tp_size=tp_size)
     dataloader_batch = training_data.batch_size if isinstance(training_data, DataLoader) else None
     resolution = resolve_config(
         parsed,
@@ -241,10 +284,12 @@ def _resolve(source: Any, args: Any, model: torch.nn.Module, training_data: Any)
             args=args,
             dataloader_batch_size=dataloader_batch,
             hidden_size=model_hidden_size(model),
+            tensor_parallel_size=tp_size,
         ),
     )
     stage = resolution.config.zero_optimization.stage
-    log_rank0(f"config resolved for {grid.data_parallel_size} rank(s), ZeRO stage {stage}:\n" + resolution.report())
+    ranks = f"{grid.data_parallel_size} data-parallel rank(s)" + (f" x {tp_size} tensor-parallel" if tp_size > 1 else "")
+    log_rank0(f"config resolved for {ranks}, ZeRO stage {stage}:\n" + resolution.report())
     return grid, resolution
 
 
@@ -284,7 +329,7 @@ def _build_dataloader(training_data, resolution: Resolution, grid: comm.RankGrid
     if training_data is None or isinstance(training_data, DataLoader):
         return training_data
     sampler = ResumableDistributedSampler(
-        training_data, num_replicas=grid.data_parallel_size, rank=grid.world.rank, shuffle=True
+        training_data, num_replicas=grid.data_parallel_size, rank=grid.data.rank, shuffle=True
     )
     return DataLoader(
         training_data,
@@ -347,7 +392,11 @@ def initialize(
     placement = _placement(cfg)
     materialize = _materializer(model, pretrained, grid.world, placement.device)
     _move_module(model, placement.device, placement.policy.compute)
-    _broadcast_module(model, grid.world)
+    if grid.tensor.size > 1:
+        tensor_sharded = _split_over_tensor_group(model, cfg, grid, materialize)
+    else:
+        tensor_sharded = frozenset()
+        _broadcast_module(model, grid.world)
     if optimizer is not None or cfg.optimizer is not None:
         param_groups, make_optimizer = _optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
         stack = build_zero_stack(
@@ -360,6 +409,7 @@ def initialize(
             materialize=materialize,
             gather_unit_classes=gather_unit_classes,
             leaf_modules=leaf_modules,
+            tensor_sharded=tensor_sharded,
         )
     else:
         stack = ZeroStack.without_optimizer(placement.device)

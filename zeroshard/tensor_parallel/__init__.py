@@ -2,7 +2,7 @@
 (``layers``), and sharding a model in place (``shard``) for inference and for training."""
 
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
-from .placement import LayerSpec, PlacementError, TensorParallelPlan, plan_tensor_parallel
+from .placement import LayerSpec, PlacementError, TensorParallelPlan, layer_specs_from, plan_tensor_parallel
 from .shard import Cast, shard_for_training, shard_layers, sharded_group, tensor_splits, tp_model_init
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "TensorParallelPlan",
     "VocabParallelEmbedding",
     "VocabParallelHead",
+    "layer_specs_from",
     "plan_tensor_parallel",
     "shard_for_training",
     "shard_layers",

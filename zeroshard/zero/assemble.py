@@ -204,16 +204,19 @@ def build_zero_stack(
     materialize=None,
     gather_unit_classes=None,
     leaf_modules=(),
+    tensor_sharded: frozenset = frozenset(),
 ) -> ZeroStack:
     """Plan and build the stack for ``model``'s ``param_groups`` (each ``{"params": [...], ...}``) under ``config``
-    (the resolved ``ZeroshardConfig``); ``make_optimizer`` builds the torch optimizer over the master shards."""
+    (the resolved ``ZeroshardConfig``); ``make_optimizer`` builds the torch optimizer over the master shards.
+    ``tensor_sharded`` are the parameters split over the grid's tensor-parallel group: ZeRO runs inside the
+    data-parallel group, on each rank's pieces."""
     z = config.zero_optimization
     classes = frozenset(c if isinstance(c, str) else c.__name__ for c in gather_unit_classes or ())
-    # stage 0 reduces over the whole data-parallel world; sharded stages over the shard group
+    # stage 0 reduces over the whole data-parallel group; sharded stages over the shard group inside it
     stage = StagePolicy.for_stage(z.stage)
-    shard_group = grid.shard if stage.partition_optimizer else grid.world
+    shard_group = grid.shard if stage.partition_optimizer else grid.data
     leaves = _module_paths(model, leaf_modules)
-    plan = plan_model(model, param_groups, z, shard_group.size, classes, leaves)
+    plan = plan_model(model, param_groups, z, shard_group.size, classes, leaves, tensor_sharded)
     if stage.partition_params:
         _log_units(plan)
     records = ParamRecords()
@@ -257,6 +260,8 @@ def build_zero_stack(
         LossScaler.from_config(config.fp16),
         frozen_groups=frozen,
         norm_group=grid.shard if stage.partition_optimizer else None,
+        tensor_group=grid.tensor,
+        tensor_sharded=[flat_plan.tensor_sharded for flat_plan in plan.trainable],
         gradient_clipping=config.gradient_clipping,
         max_consecutive_skipped_steps=config.max_consecutive_skipped_steps,
         buffers=buffers,
@@ -278,7 +283,7 @@ def _reducer(model, buckets, grid: comm.RankGrid, stage: StagePolicy, config, st
     return GradientReducer(
         buckets,
         {p: name for name, p in model.named_parameters()},
-        grid.world,
+        grid.data,
         reduce_every_micro_step=stage.reduce_every_micro_step,
         overlap_comm=z.overlap_comm,
         predivide=config.gradient_predivide_factor,

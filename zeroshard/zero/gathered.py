@@ -8,6 +8,7 @@ import torch
 
 from .. import comm
 from ..accelerator import get_accelerator
+from ..partition import TensorSplit
 from .flat_group import FlatGroup, ParamState
 from .init import creation_order, materialize_pending
 from .sharded_param import records_of
@@ -79,27 +80,50 @@ class GatheredParameters:
                     comm.broadcast(param.data, src=self.modifier_rank, group=world)
 
 
-def consolidated_state_dict(module: torch.nn.Module, flats: Iterable[FlatGroup], rank0_only: bool = True) -> dict:
-    """The module's full state dict on CPU, gathering one flat group at a time (never the whole model)."""
+def consolidated_state_dict(
+    module: torch.nn.Module,
+    flats: Iterable[FlatGroup],
+    rank0_only: bool = True,
+    tensor_group: Optional[comm.Group] = None,
+    splits: Optional[dict[str, TensorSplit]] = None,
+) -> dict:
+    """The module's full state dict on CPU, gathering one flat group at a time (never the whole model). Under
+    tensor parallelism the pieces of each split parameter (``splits``, by name) are gathered over ``tensor_group``
+    and joined; every rank of the world must call it."""
     keep = not rank0_only or comm.get_rank() == 0
+    splits = splits or {}
     names: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
+
+    def whole(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        split = next((splits[n] for n in names[id(param)] if n in splits), None)
+        value = param.detach()
+        if split is not None and tensor_group is not None and tensor_group.size > 1:
+            pieces = value.new_empty((tensor_group.size, *value.shape))
+            comm.all_gather(pieces, value.contiguous(), tensor_group)
+            value = split.join(list(pieces))
+        return value.to("cpu", copy=True) if keep else None
+
     result: dict[str, torch.Tensor] = {}
     handled: set[int] = set()
+
+    def add(param: torch.nn.Parameter) -> None:
+        handled.add(id(param))
+        value = whole(param)
+        if keep:
+            for name in names[id(param)]:
+                result[name] = value
+
     for flat in flats:
         with GatheredParameters(flat.params):
             for param in flat.params:
-                handled.add(id(param))
-                if keep:
-                    value = param.detach().to("cpu", copy=True)
-                    for name in names[id(param)]:
-                        result[name] = value
+                add(param)
+    for param in module.parameters():
+        if id(param) not in handled:
+            add(param)
     if not keep:
         return {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) not in handled:
-            result[name] = param.detach().to("cpu", copy=True)
     for prefix, sub in module.named_modules():
         for name, buffer in sub.named_buffers(recurse=False):
             if buffer is not None and name not in sub._non_persistent_buffers_set:  # as state_dict() decides

@@ -46,6 +46,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         *,
         frozen_groups: Optional[list[FlatGroup]] = None,
         norm_group: Optional[comm.Group],
+        tensor_group: Optional[comm.Group] = None,
+        tensor_sharded: Optional[list[bool]] = None,
         gradient_clipping: float = 0.0,
         max_consecutive_skipped_steps: int = 0,
         buffers: Optional[ReusableBuffers] = None,
@@ -56,6 +58,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scaler = loss_scaler
         self.frozen_groups = frozen_groups or []  # stage 3: sharded parameters without gradients (never stepped)
         self.norm_group = norm_group  # the group whose shards make up the gradient (None: replicated, stage 0)
+        # tensor parallelism: the group whose pieces make up the tensor-sharded flat groups' gradients (per flat
+        # group: sharded there, or replicated and counted once)
+        self.tensor_group = tensor_group if tensor_group is not None and tensor_group.size > 1 else None
+        self.tensor_sharded = tensor_sharded or [False] * len(flat_groups)
         self.gradient_clipping = gradient_clipping
         self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
         self.optimizer = optimizer_state.optimizer
@@ -130,9 +136,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- the optimizer step -------------------------------------------------------------------
     def _grad_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The squared global norm: over the data-parallel shards, then (tensor parallelism) the tensor-sharded
+        flat groups' pieces summed over the tensor-parallel group, the replicated ones counted once."""
         if not grads:
             return torch.zeros((), dtype=torch.float32)
-        squared = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2).sum().reshape(1)
+        per_flat = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2)
+        if self.tensor_group is None:
+            squared = per_flat.sum().reshape(1)
+        else:
+            sharded = torch.tensor(self.tensor_sharded, device=per_flat.device)
+            squared = torch.stack([per_flat[sharded].sum(), per_flat[~sharded].sum()])  # (tensor-sharded, replicated)
         if self.reducer.reduction is Reduction.LOCAL:
             # each rank holds its own gradient: every rank takes the mean of their squared norms, so overflow
             # skips and clipping agree across ranks (the averaged gradient is never formed)
@@ -140,7 +153,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             squared.div_(self.reducer.world.size)
         elif self.norm_group is not None:
             comm.all_reduce(squared, self.norm_group)
-        return squared
+        if self.tensor_group is not None:
+            comm.all_reduce(squared[:1], self.tensor_group)
+        return squared.sum().reshape(1)
 
     def step(self, closure=None) -> bool:
         """Unscale, clip and apply the reduced gradients; returns False when an fp16 overflow skipped the step.

@@ -64,6 +64,16 @@ class FlatGroupPlan:
     resident: bool
     # the dtype its buffer holds: None for the compute dtype; packed quantized parameters keep their storage dtype
     dtype: Optional[torch.dtype] = None
+    # its parameters are pieces split over the tensor-parallel group (each rank's gradients differ), or replicated
+    # there (identical on every rank of the group): never both, so the gradient norm counts each element once
+    tensor_sharded: bool = False
+
+
+def by_tensor_axis(params: list, tensor_sharded: frozenset) -> list[tuple[bool, list]]:
+    """``params`` as (tensor-sharded?, members) runs, replicated ones first, each in the given order; empty runs
+    are dropped. Without tensor parallelism this is ``[(False, params)]``."""
+    runs = [(False, [p for p in params if p not in tensor_sharded]), (True, [p for p in params if p in tensor_sharded])]
+    return [(sharded, members) for sharded, members in runs if members]
 
 
 def is_packed(param: torch.nn.Parameter) -> bool:
@@ -79,35 +89,37 @@ def plan_flat_groups(
     bucket_size: int,
     units: Optional[list[list[torch.nn.Parameter]]] = None,
     persistent: frozenset = frozenset(),
+    tensor_sharded: frozenset = frozenset(),
 ) -> list[FlatGroupPlan]:
     """Which parameters share a flat group, in the order their gradients are expected.
 
     Stages 0-2: buckets of ``bucket_size`` elements per parameter group, last parameter first
     (backward produces gradients roughly in reverse). Stage 3: one flat group per gather unit and
     parameter group, units in reverse forward order, then one resident group per parameter group
-    for the persistent (small, always gathered) parameters.
+    for the persistent (small, always gathered) parameters. Under tensor parallelism the pieces of
+    ``tensor_sharded`` parameters and the replicated ones never share a flat group.
     """
     trainable = [[p for p in g["params"] if p.requires_grad] for g in param_groups]
     plans = []
     if not policy.partition_params:
         for index, params in enumerate(trainable):
-            params = params[::-1]
-            numels = [p.numel() for p in params]
-            plans += [
-                FlatGroupPlan(index, [params[i] for i in bucket], True)
-                for bucket in assign_buckets(numels, bucket_size)
-            ]
+            for sharded, run in by_tensor_axis(params[::-1], tensor_sharded):
+                numels = [p.numel() for p in run]
+                plans += [
+                    FlatGroupPlan(index, [run[i] for i in bucket], True, tensor_sharded=sharded)
+                    for bucket in assign_buckets(numels, bucket_size)
+                ]
         return plans
     group_of = {p: i for i, params in enumerate(trainable) for p in params}
     for unit in reversed(units or []):
         for index in range(len(param_groups)):
             members = [p for p in unit if group_of.get(p) == index and p not in persistent]
-            if members:
-                plans.append(FlatGroupPlan(index, members, False))
+            for sharded, run in by_tensor_axis(members, tensor_sharded):
+                plans.append(FlatGroupPlan(index, run, False, tensor_sharded=sharded))
     for index, params in enumerate(trainable):
         members = [p for p in params if p in persistent]
-        if members:
-            plans.append(FlatGroupPlan(index, members, True))
+        for sharded, run in by_tensor_axis(members, tensor_sharded):
+            plans.append(FlatGroupPlan(index, run, True, tensor_sharded=sharded))
     return plans
 
 
@@ -165,10 +177,12 @@ def plan_model(
     shard_count: int,
     gather_unit_classes: frozenset = frozenset(),
     leaf_paths: tuple[str, ...] = (),
+    tensor_sharded: frozenset = frozenset(),
 ) -> ModelPlan:
     """Plan ``model``'s flat groups for ``param_groups`` under ``zero_config`` (the ``zero_optimization`` block) with
     shard groups of ``shard_count`` ranks; ``gather_unit_classes`` adds to the block's unit classes and
-    ``leaf_paths`` to its leaf modules (stage 3)."""
+    ``leaf_paths`` to its leaf modules (stage 3); ``tensor_sharded`` are the parameters split over a
+    tensor-parallel group (this rank holds a piece)."""
     z = zero_config
     stage = StagePolicy.for_stage(z.stage)
     param_names = {p: name for name, p in model.named_parameters()}
@@ -192,7 +206,7 @@ def plan_model(
         unit_plans = plan_units(model, classes, z.gather_unit_min_params, tuple(leaves))
         persistent = frozenset(p for p in model.parameters() if p.numel() < z.param_persistence_threshold)
     units = [u.params for u in unit_plans]
-    trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent)
+    trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent, tensor_sharded)
     frozen = plan_frozen_groups(units, persistent) if stage.partition_params else []
     count = shard_count if stage.partition_optimizer else 1
     layouts = plan_layouts([*trainable, *frozen], param_names, count)
