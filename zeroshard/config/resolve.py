@@ -8,7 +8,6 @@ raises an error naming the key.
 from __future__ import annotations
 
 import warnings
-
 from dataclasses import dataclass, field
 from typing import Any, Optional
 

@@ -1,7 +1,8 @@
 """``init_inference``: shard a trained model over a tensor-parallel group and serve it.
 
 Each rank replaces the planned layers (``zeroshard.tensor_parallel``) by their tensor-parallel versions holding
-only its slice, read straight from the weight source (``checkpoint.weights``); everything else is replicated. Built on the meta device (``init_empty_weights``) a model never holds more than one
+only its slice, read straight from the weight source (``checkpoint.weights``); everything else is replicated.
+Built on the meta device (``init_empty_weights``) a model never holds more than one
 full tensor at a time, so a rank's memory is about 1/N of the sharded weights plus the replicated ones.
 """
 

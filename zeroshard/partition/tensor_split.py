@@ -59,7 +59,7 @@ class TensorSplit:
     def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's piece, in rank order."""
         if len(pieces) != self.parts:
-            raise ValueError(f"joining a tensor split over {self.parts} ranks needs {self.parts} pieces, got {len(pieces)}")
+            raise ValueError(f"a tensor split over {self.parts} ranks joins {self.parts} pieces, got {len(pieces)}")
         pieces = [p.t() if self.transposed else p for p in pieces]
         per = pieces[0].shape[self.dim] // self.fused
         return torch.cat([p.narrow(self.dim, k * per, per) for k in range(self.fused) for p in pieces], self.dim)
@@ -73,6 +73,7 @@ class TensorSplit:
         if not isinstance(record, dict) or set(record) != {"dim", "parts", "fused", "transposed"}:
             raise ValueError(f"a tensor split record needs dim, parts, fused and transposed, got {record!r}")
         ints = [record[k] for k in ("dim", "parts", "fused")]
-        if any(isinstance(v, bool) or not isinstance(v, int) for v in ints) or not isinstance(record["transposed"], bool):
+        flag = record["transposed"]
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in ints) or not isinstance(flag, bool):
             raise ValueError(f"a tensor split record holds integers and a boolean, got {record!r}")
         return cls(record["dim"], record["parts"], record["fused"], record["transposed"])

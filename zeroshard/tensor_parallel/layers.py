@@ -57,9 +57,7 @@ class RowParallelLinear(nn.Module):
     """Y = sum_i X_i W_i^T + b: this rank's input features, partial sums all-reduced, the bias added once (it is
     replicated)."""
 
-    def __init__(
-        self, weight: torch.Tensor, bias: Optional[torch.Tensor], group: comm.Group, transposed: bool = False
-    ):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], group: comm.Group, transposed: bool = False):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None

@@ -223,7 +223,7 @@ def _grad_allreduce_modules(
     found = []
     for name, _ in model.named_modules():
         spec = next((s for s in layer_specs if s.matches(name, model_type)), None) if name else None
-        if (spec.grad_allreduce if spec is not None else any(p.match(name) for p in hf)):
+        if spec.grad_allreduce if spec is not None else any(p.match(name) for p in hf):
             found.append(name)
     return tuple(found)
 

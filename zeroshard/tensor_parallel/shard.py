@@ -231,7 +231,8 @@ def _build(
         dim = 1 if layer.transposed else 0
         w = torch.cat([read(weight, dim, k * part + lo, k * part + hi) for k in range(layer.fused)], dim)
         b = torch.cat([read(bias, 0, k * part + lo, k * part + hi) for k in range(layer.fused)]) if has_bias else None
-        return ColumnParallelLinear(cast(w.t() if layer.transposed else w), cast(b), group, layer.fused, layer.transposed)
+        w = cast(w.t() if layer.transposed else w)
+        return ColumnParallelLinear(w, cast(b), group, layer.fused, layer.transposed)
     if layer.style == "row":
         fan_in, _ = features(module)
         lo, hi = split_range(fan_in, n, rank, f"layer '{layer.name}' input features")
@@ -292,5 +293,3 @@ def _place_replicated(model: nn.Module, read: _Reader, cast: Cast, sharded: set[
                     value = buffer
                 done[id(buffer)] = cast(value, keep_dtype=True)
             module._buffers[attribute] = done[id(buffer)]
-
-

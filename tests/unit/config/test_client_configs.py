@@ -107,7 +107,7 @@ def test_axolotl_compile_block_is_kept_for_engine_compile():
         ({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_grain_size": 64}}}, "tensor_parallel.tp.tp_grain_size"),
         ({"tensor_parallel": {"autotp_size": 2, "preset_model": "bloom"}}, "tensor_parallel.preset_model"),
         (
-            {"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": ["x"], "gather_output": True}]}}},
+            {"tensor_parallel": {"partition_config": {"layer_specs": [{"patterns": ["x"], "gather_output": True}]}}},
             r"tensor_parallel.partition_config.layer_specs\[0\].gather_output",
         ),
         ({"sequence_parallel_size": 2}, "sequence_parallel_size"),

@@ -5,8 +5,8 @@
 from zeroshard import __version__ as __zeroshard_version__
 from zeroshard.config import ConfigError as DeepSpeedConfigError
 from zeroshard.inference import init_inference
-from zeroshard.tensor_parallel import tp_model_init
 from zeroshard.runtime import add_config_arguments
+from zeroshard.tensor_parallel import tp_model_init
 
 from ..alias import DEEPSPEED_API_VERSION
 from . import accelerator, checkpoint, checkpointing, comm, moe, ops, profiling, runtime, utils, zero
