@@ -2,6 +2,8 @@
 every gradient on 2 ranks equal a single-process reference's, slice by slice, and the ledger counts the
 tensor-parallel bytes."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,13 +224,16 @@ def tp_zero_worker(cases: list[tuple]) -> dict:
         engine, *_ = zeroshard.initialize(model=model, config=_tp_config(stage, tp, dtype))
         dp, per = engine.grid.data.rank, GLOBAL_BATCH // engine.dp_world_size
         losses, norms = [], []
-        for batch in batches:
+        for step, batch in enumerate(batches):
+            if step == 1:
+                engine.comm_ledger.reset()  # steady-state steps: the first one also checked the batch
             local = batch[dp * per : (dp + 1) * per]
             loss = engine(input_ids=local, labels=local).loss
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
             norms.append(engine.get_global_grad_norm())
+        traffic = {f"{op}/{g}": (t.calls, t.bytes, t.wire_bytes) for (op, g), t in engine.comm_ledger.summary().items()}
         splits = tensor_splits(engine.module)
         replicated = {
             name: engine.param_access.full_fp32_param(p).clone()
@@ -241,6 +246,8 @@ def tp_zero_worker(cases: list[tuple]) -> dict:
             "state": engine.consolidated_state_dict(rank0_only=True),
             "replicated": replicated,
             "autotp_size": engine.autotp_size(),
+            "ledger": traffic,
+            "state_bytes": engine.state_bytes(),
         }
         engine.destroy()
     return out
@@ -292,3 +299,54 @@ def test_tensor_parallel_inside_zero_matches_one_process(tp_runs, case):
         for name, value in tp_runs[rank][case]["replicated"].items():
             assert torch.equal(value, tp_runs[0][case]["replicated"][name]), name
     assert all(r[case]["autotp_size"] == tp for r in tp_runs)
+
+
+def _split_numels(family: str, tp: int) -> tuple[int, int, int, list[int]]:
+    """(replicated elements, split elements of the full model, tensor-parallel all-reduces per step of one
+    activation each, the sizes of the per-head norms' weights whose gradients are summed over the group)."""
+    from zeroshard.tensor_parallel import plan_tensor_parallel
+
+    model = _tp_model(family, tp)
+    plan = plan_tensor_parallel(model, tp, split_vocabulary=False)
+    split = {id(model.get_submodule(layer.name).weight) for layer in plan.layers}
+    split |= {id(model.get_submodule(p.name).bias) for p in plan.layers if p.style == "column"} - {id(None)}
+    params = list(model.parameters())
+    sharded = sum(p.numel() for p in params if id(p) in split)
+    # forward: one all-reduce per row layer's output; backward: one per column layer's input gradient
+    activations = len(plan.layers)
+    summed = [p.numel() for name in plan.grad_allreduce for p in model.get_submodule(name).parameters()]
+    return sum(p.numel() for p in params) - sharded, sharded, activations, summed
+
+
+@pytest.mark.parametrize("case", [c for c in TP_CASES if c[2] < 3 and c[3] == "fp32"], ids=str)
+def test_tensor_parallel_bytes_equal_the_analytic_values(tp_runs, case):
+    """Per steady-state step: the tensor-parallel all-reduces (activations and the per-head norms' gradients, plus
+    the norm's partial sum) and ZeRO's traffic over the data-parallel group for replicated + split/t elements;
+    model-state bytes per rank: the same elements, /dp where ZeRO shards them. Exactly."""
+    family, tp, stage, _ = case
+    dp, elem, steps = 4 // tp, 4, STEPS - 1
+    replicated, sharded, activations, summed = _split_numels(family, tp)
+    local = [replicated, sharded // tp]  # this rank's flat groups: replicated elements, then its pieces
+    ledger = tp_runs[0][case]["ledger"]
+    activation = GLOBAL_BATCH // dp * SEQ * 32 * elem  # one [batch, sequence, hidden] tensor
+    # + one all-reduce per summed norm weight (Qwen3's q_norm, k_norm), + the gradient norm's split part
+    calls = activations + len(summed) + 1
+    tensor = steps * (activations * activation + sum(summed) * elem + elem)
+    expected = {"all_reduce/tensor": (steps * calls, tensor)}
+    if dp > 1:
+        padded = [math.ceil(n / dp) * dp for n in local]
+        if stage == 0:
+            expected["all_reduce/data"] = (steps * 2, steps * sum(local) * elem)
+        else:
+            expected["reduce_scatter/shard"] = (steps * 2, steps * sum(padded) * elem)
+            expected["all_gather/shard"] = (steps * 2, steps * sum(padded) * elem)
+            expected["all_reduce/shard"] = (steps, steps * 2 * 4)  # (split, replicated) squared norms
+    assert {k: v[:2] for k, v in ledger.items()} == expected
+    ring = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
+    for key, (_, message, wire) in ledger.items():
+        op, group = key.split("/")
+        n = tp if group == "tensor" else dp
+        assert wire == pytest.approx(ring[op] * (n - 1) / n * message, rel=1e-12)
+    state = tp_runs[0][case]["state_bytes"]
+    held = sum(local) if stage == 0 else sum(math.ceil(n / dp) for n in local)
+    assert state["master"] == 4 * held and state["optimizer_state"] == 8 * held

@@ -114,11 +114,12 @@ def build_rank_grid(
     context = context or DEFAULT_CONTEXT.child()
     world_size = get_world_size()
     layout = parallel_layout(world_size, tp_size, shard_size)
+    world = Group("world", tuple(range(world_size)), None, context)
     return RankGrid(
-        world=Group("world", tuple(range(world_size)), None, context),
+        world=world,
         shard=_own_group("shard", layout.shard, world_size, context),
         replica=_own_group("replica", layout.replica, world_size, context),
-        data=_own_group("data", layout.data, world_size, context),
+        data=_own_group("data", layout.data, world_size, context) if tp_size > 1 else world,
         tensor=_own_group("tensor", layout.tensor, world_size, context),
     )
 
