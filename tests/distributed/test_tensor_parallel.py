@@ -350,3 +350,79 @@ def test_tensor_parallel_bytes_equal_the_analytic_values(tp_runs, case):
     state = tp_runs[0][case]["state_bytes"]
     held = sum(local) if stage == 0 else sum(math.ceil(n / dp) for n in local)
     assert state["master"] == 4 * held and state["optimizer_state"] == 8 * held
+
+
+def tp_refusals_worker() -> dict:
+    import warnings
+
+    import zeroshard
+    from zeroshard.runtime.batch_check import BatchMismatchError
+    from zeroshard.tensor_parallel import PlacementError
+    from zeroshard.testing.hf import tiny_causal_lm
+
+    def config(**block):
+        base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+        return {**base, **({"tensor_parallel": block} if block else {})}
+
+    out, batch = {}, _tp_batches()[0][:2]
+    rank = zeroshard.comm.get_rank()
+
+    def caught(fn, kind):
+        try:
+            fn()
+        except kind as err:
+            return str(err)
+        return None
+
+    engine, *_ = zeroshard.initialize(model=tiny_causal_lm("llama"), config=config(autotp_size=2))
+    out["config_loss"] = engine(input_ids=batch, labels=batch).loss.item()
+    engine.destroy()
+    # the legacy order: tp_model_init first; initialize adopts its split (with or without the config block)
+    for block in ({"autotp_size": 2}, {}):
+        model = zeroshard.tp_model_init(tiny_causal_lm("llama"), tp_size=2, dtype=torch.float32)
+        engine, *_ = zeroshard.initialize(model=model, config=config(**block))
+        out[f"legacy_loss_{bool(block)}"] = engine(input_ids=batch, labels=batch).loss.item()
+        engine.step()  # no backward: nothing to apply, but the engine is usable
+        out[f"legacy_size_{bool(block)}"] = engine.autotp_size()
+        engine.destroy()
+    model = zeroshard.tp_model_init(tiny_causal_lm("llama"), tp_size=2)
+    out["disagree"] = caught(lambda: zeroshard.initialize(model=model, config=config(autotp_size=1)), ValueError)
+    engine, *_ = zeroshard.initialize(model=tiny_causal_lm("llama"), config=config(autotp_size=2))
+    other = _tp_batches()[1][:2]
+    out["mismatch"] = caught(lambda: engine(input_ids=batch if rank == 0 else other), BatchMismatchError)
+    engine.destroy()
+    uneven = tiny_causal_lm("llama", hidden_size=24, num_attention_heads=3, num_key_value_heads=3)
+    out["uneven"] = caught(lambda: zeroshard.initialize(model=uneven, config=config(autotp_size=2)), PlacementError)
+    out["indivisible"] = caught(lambda: zeroshard.comm.parallel_layout(2, 3), ValueError)
+    with zeroshard.zero.Init():
+        lazy = tiny_causal_lm("llama")
+    out["zero_init"] = caught(
+        lambda: zeroshard.initialize(model=lazy, config=config(autotp_size=2)), NotImplementedError
+    )
+    with warnings.catch_warnings(record=True) as seen:  # the HF Trainer's count: world x micro x accumulation
+        warnings.simplefilter("always")
+        counted = {**config(autotp_size=2), "train_batch_size": 4, "gradient_accumulation_steps": 1}
+        engine, *_ = zeroshard.initialize(model=tiny_causal_lm("llama"), config=counted)
+    out["corrected_batch"] = (
+        engine.train_batch_size(),
+        [str(w.message) for w in seen if "counted all" in str(w.message)],
+    )
+    engine.destroy()
+    return out
+
+
+def test_tensor_parallel_refusals_and_the_legacy_order():
+    """tp_model_init before initialize (OpenRLHF, the HF Trainer) gives the same model as the config alone; a size
+    that disagrees, different batches in one group, heads that do not divide, zero.Init, a degree that does not
+    divide the ranks: each a named error on every rank, no hang; a batch size that counted every rank is corrected
+    with a warning."""
+    for rank, out in enumerate(run_distributed(tp_refusals_worker, 2)):
+        assert out["legacy_loss_True"] == out["config_loss"] == out["legacy_loss_False"]
+        assert out["legacy_size_True"] == out["legacy_size_False"] == 2
+        assert "tensor_parallel.autotp_size is 1" in out["disagree"]
+        assert "rank 0 and rank 1 of tensor-parallel group [0, 1] got different batches" in out["mismatch"]
+        assert "num_attention_heads = 3 is not divisible by tp_size 2" in out["uneven"]
+        assert "autotp_size 3 must divide the number of ranks 2" in out["indivisible"]
+        assert "zero.Init with tensor_parallel.autotp_size > 1" in out["zero_init"]
+        batch, warned = out["corrected_batch"]
+        assert batch == 2 and len(warned) == 1 and "train_batch_size 4 -> 2" in warned[0], (rank, warned)
