@@ -213,11 +213,11 @@ def _tp_config(stage: int, tp: int, dtype: str = "fp32") -> dict:
     }
 
 
-def tp_zero_worker(cases: list[tuple]) -> dict:
+def tp_zero_worker(cases: list[tuple], directory: str) -> dict:
     import zeroshard
     from zeroshard.tensor_parallel import tensor_splits
 
-    out = {}
+    out = {"checkpoints": tp_checkpoint_worker(directory)}
     batches = _tp_batches()
     for family, tp, stage, dtype in cases:
         model = _tp_model(family, tp)
@@ -275,8 +275,13 @@ TP_CASES += [("llama", 2, 2, "bf16")]
 
 
 @pytest.fixture(scope="module")
-def tp_runs():
-    return run_distributed(tp_zero_worker, 4, TP_CASES, timeout_s=900)
+def tp_directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("tensor-parallel")
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tp_directory):
+    return run_distributed(tp_zero_worker, 4, TP_CASES, str(tp_directory), timeout_s=900)
 
 
 @pytest.mark.parametrize("case", TP_CASES, ids=["-".join(map(str, c)) for c in TP_CASES])
@@ -426,3 +431,97 @@ def test_tensor_parallel_refusals_and_the_legacy_order():
         assert "zero.Init with tensor_parallel.autotp_size > 1" in out["zero_init"]
         batch, warned = out["corrected_batch"]
         assert batch == 2 and len(warned) == 1 and "train_batch_size 4 -> 2" in warned[0], (rank, warned)
+
+
+# -- checkpoints across tensor-parallel degrees ----------------------------------------------------------------------
+SAVED_AT, RESUMED = 3, 2  # steps before the save, steps after the load
+
+
+def _train_engine(engine, batches) -> None:
+    dp, per = engine.grid.data.rank, GLOBAL_BATCH // engine.dp_world_size
+    for batch in batches:
+        local = batch[dp * per : (dp + 1) * per]
+        engine.backward(engine(input_ids=local, labels=local).loss)
+        engine.step()
+
+
+def _resume(family: str, directory: str, tp: int, stage: int) -> dict:
+    """Load the TP=2 x DP=2 checkpoint at ``tp`` x (world / tp) and ``stage``, train the remaining steps."""
+    import zeroshard
+
+    engine, *_ = zeroshard.initialize(model=_tp_model(family, 4), config=_tp_config(stage, tp))
+    engine.load_checkpoint(directory, tag=family)
+    loaded = engine.consolidated_state_dict(rank0_only=True)
+    _train_engine(engine, _tp_batches()[SAVED_AT : SAVED_AT + RESUMED])
+    state = engine.consolidated_state_dict(rank0_only=True)
+    engine.destroy()
+    return {"loaded": loaded, "resumed": state}
+
+
+def tp_checkpoint_worker(directory: str) -> dict:
+    """On 4 ranks: per family, an uninterrupted TP=2 x DP=2 run; one saved after 3 steps (and its 16-bit weights);
+    that checkpoint resumed at TP=1 x DP=4 (stage 3) and TP=4 x DP=1 (stage 1). The models have 8 query / 4
+    key-value heads, so every degree holds whole heads."""
+    import os
+
+    import zeroshard
+
+    batches, out = _tp_batches(), {}
+    for family in ("llama", "gpt2"):
+        engine, *_ = zeroshard.initialize(model=_tp_model(family, 4), config=_tp_config(2, 2))
+        _train_engine(engine, batches[: SAVED_AT + RESUMED])
+        uninterrupted = engine.consolidated_state_dict(rank0_only=True)
+        engine.destroy()
+        engine, *_ = zeroshard.initialize(model=_tp_model(family, 4), config=_tp_config(2, 2))
+        _train_engine(engine, batches[:SAVED_AT])
+        engine.save_checkpoint(directory, tag=family)
+        weights = os.path.join(directory, f"{family}-16bit")
+        engine.save_16bit_model(weights)
+        if zeroshard.comm.get_rank() == 0:
+            engine.module.config.save_pretrained(weights)
+        saved = engine.consolidated_state_dict(rank0_only=True)
+        engine.destroy()
+        out[family] = {
+            "uninterrupted": uninterrupted,
+            "saved": saved,
+            "tp1": _resume(family, directory, 1, 3),
+            "tp4": _resume(family, directory, 4, 1),
+        }
+    return out
+
+
+def tp_resume_worker(directory: str) -> dict:
+    """On 2 ranks: the TP=2 x DP=2 checkpoint at TP=2 x DP=1 (stage 0)."""
+    return {family: _resume(family, directory, 2, 0) for family in ("llama", "gpt2")}
+
+
+def _close(actual: dict, expected: dict, rel: float) -> bool:
+    from zeroshard.testing.parity import model_error
+
+    return set(actual) == set(expected) and model_error(actual, expected) <= rel
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_checkpoints_resume_at_other_tensor_parallel_degrees(tp_runs, tp_directory, family):
+    """Saved at TP=2 x DP=2: loaded at TP=1 x DP=4 (stage 3), TP=4 x DP=1 (stage 1) and TP=2 x DP=1 (stage 0), the
+    weights are the saved ones exactly and continued training stays within 1e-6 of the uninterrupted run;
+    consolidation and save_16bit_model give full weights that from_pretrained loads (GPT-2's fused, transposed
+    c_attn included)."""
+    import transformers
+
+    from zeroshard.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+
+    runs = tp_runs[0]["checkpoints"][family]
+    on_two = run_distributed(tp_resume_worker, 2, str(tp_directory))[0][family]
+    for name, resumed in (("tp1", runs["tp1"]), ("tp4", runs["tp4"]), ("tp2 on 2 ranks", on_two)):
+        for key, value in runs["saved"].items():
+            assert torch.equal(resumed["loaded"][key], value), (name, key)
+        assert _close(resumed["resumed"], runs["uninterrupted"], 1e-6), name
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(tp_directory, tag=family)
+    for key, value in runs["saved"].items():
+        assert torch.equal(consolidated[key], value), key
+    model_class = transformers.LlamaForCausalLM if family == "llama" else transformers.GPT2LMHeadModel
+    loaded = model_class.from_pretrained(tp_directory / f"{family}-16bit").state_dict()
+    assert set(loaded) >= set(runs["saved"])
+    for key, value in runs["saved"].items():
+        assert torch.equal(loaded[key], value), key

@@ -17,8 +17,7 @@ from tqdm import tqdm
 from ..accelerator import release_host_memory
 from ..partition import assign_buckets
 from .client_state import read_client_tensors, restore_client_state
-from .manifest import Piece, piece_dtype
-from .reading import Sources, assemble, read_manifest, resolve_tag
+from .reading import Sources, read_manifest, read_parameter, resolve_tag
 from .safetensors_io import CheckpointError, write
 
 PathLike = Union[str, os.PathLike]  # every path argument: a str or a pathlib.Path
@@ -56,11 +55,7 @@ def _entries(manifest: dict) -> list[tuple[str, tuple, str]]:
 
 def _materialize(sources: Sources, manifest: dict, name: str, shape: tuple, where: str) -> torch.Tensor:
     if where == "param":
-        numel = torch.Size(shape).numel()
-        out = torch.empty(numel, dtype=torch.float32)
-        pieces = [Piece.from_json(p) for p in manifest["params"][name]["pieces"]]
-        assemble(sources, pieces, "master", piece_dtype(manifest, name, pieces[0].key), 0, numel, out)
-        return out.view(shape)
+        return read_parameter(sources, name).float()
     value = sources.read_whole(name, manifest["module_tensors"][name])
     return value.float() if value.is_floating_point() else value
 

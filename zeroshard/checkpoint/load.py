@@ -16,8 +16,8 @@ from .. import comm
 from ..log import log_rank0
 from .agreement import agree_on_load
 from .client_state import read_client_tensors, restore_client_state
-from .manifest import Piece, piece_dtype, rank_file
-from .reading import Sources, assemble, read_manifest, resolve_tag
+from .manifest import Piece, piece_dtype, rank_file, saved_split
+from .reading import Sources, assemble, read_manifest, read_parameter, resolve_tag
 from .safetensors_io import CheckpointError
 from .save import outside_tensors
 from .view import TrainingState
@@ -66,10 +66,11 @@ def load(
     client_state = None
     try:  # reading and verifying issues no collective, so a rank that fails cannot strand the others
         with torch.no_grad():
+            read = _PieceReader(sources, state)
             for k, flat in enumerate(state.flat_groups):
-                _load_flat(zero, k, flat, manifest, sources, load_optimizer_states and not load_module_only)
+                _load_flat(zero, k, flat, manifest, read, load_optimizer_states and not load_module_only)
             for flat in state.frozen_groups:
-                _load_frozen(flat, manifest, sources)
+                _load_frozen(flat, manifest, read)
             for name, entry in manifest["module_tensors"].items():
                 target = _module_tensor(state.module, name) if name not in unexpected else None
                 if target is not None:
@@ -95,8 +96,13 @@ def load(
 
 
 def _check_params(state: TrainingState, manifest: dict, strict: bool) -> tuple[list[str], list[str]]:
-    """Shapes must match; with ``strict`` the names too. Returns (missing from the checkpoint, not in the model)."""
-    mine = {n: tuple(p.shape) for n, p in state.module.named_parameters()}  # tied aliases appear once
+    """Shapes must match (whole parameters: tensor-parallel pieces at any degree); with ``strict`` the names too.
+    Returns (missing from the checkpoint, not in the model)."""
+    splits = state.tensor_splits
+    mine = {  # tied aliases appear once
+        n: splits[n].full_shape(tuple(p.shape)) if n in splits else tuple(p.shape)
+        for n, p in state.module.named_parameters()
+    }
     saved = {n: tuple(e["shape"]) for n, e in manifest["params"].items()}
     saved.update({n: tuple(e["shape"]) for n, e in manifest["module_tensors"].items()})
     mine.update({n.removeprefix("module."): tuple(t.shape) for n, t in outside_tensors(state).items()})
@@ -174,33 +180,52 @@ def _module_tensor(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]
     return getattr(sub, leaf, None)
 
 
-def _load_flat(zero, index: int, flat, manifest: dict, sources: Sources, with_optimizer: bool) -> None:
+class _PieceReader:
+    """Elements [start, stop) of this rank's piece of a saved parameter, flattened. A parameter saved and loaded at
+    the same tensor-parallel degree (or replicated in both runs) is read straight from the pieces that overlap;
+    otherwise the whole saved parameter is joined and this rank's piece cut from it (kept for the next segment)."""
+
+    def __init__(self, sources: Sources, state: TrainingState):
+        self.sources, self.splits, self.tensor = sources, state.tensor_splits, state.grid.tensor
+        self._cached: tuple[Optional[tuple[str, str]], Optional[torch.Tensor]] = (None, None)
+
+    def __call__(self, name: str, prefix: str, start: int, stop: int, out: torch.Tensor) -> None:
+        entry = self.sources.manifest["params"][name]
+        pieces = [Piece.from_json(p) for p in entry["pieces"]]
+        dtype = piece_dtype(self.sources.manifest, name, pieces[0].key)
+        saved, mine = saved_split(entry), self.splits.get(name)
+        if saved == mine:  # both whole, or cut alike over as many ranks: this rank's piece is saved as it is
+            shift = 0 if mine is None else self.tensor.rank * (torch.Size(entry["shape"]).numel() // mine.parts)
+            assemble(self.sources, pieces, prefix, dtype, shift + start, shift + stop, out)
+            return
+        if self._cached[0] != (name, prefix):
+            whole = read_parameter(self.sources, name, prefix)
+            piece = mine.piece(whole, self.tensor.rank) if mine is not None else whole
+            self._cached = ((name, prefix), piece.reshape(-1).clone())
+        out.copy_(self._cached[1][start:stop])
+
+
+def _load_flat(zero, index: int, flat, manifest: dict, read: _PieceReader, with_optimizer: bool) -> None:
     """Replace one flat group's master shard (and optimizer state) with the saved values; a parameter the
     checkpoint lacks (load_module_strict=False) keeps its current master weights and zero optimizer state."""
     saved = manifest["params"]
-    pieces = {
-        slot.name: [Piece.from_json(p) for p in saved[slot.name]["pieces"]]
-        for slot in flat.layout.slots
-        if slot.name in saved
-    }
+    present = sum(slot.name in saved for slot in flat.layout.slots)
     keys = ["master"]
     if with_optimizer:
         saved_keys = {k for g in manifest["optimizer"]["flat_groups"] for k in g["state_keys"]}
         keys += [f"optim.{k}" for k in sorted(saved_keys)]
     device = zero.state_device
     targets = {key: torch.zeros(flat.layout.shard_numel, dtype=zero.master_dtype, device=device) for key in keys}
-    if len(pieces) < len(flat.layout.slots):
+    if present < len(flat.layout.slots):
         targets["master"].copy_(zero.read_flat(index)["master"])
     for seg in flat.layout.segments(flat.shard_rank):
-        if seg.slot.name not in pieces:
+        if seg.slot.name not in saved:
             continue
         start = seg.flat_start - seg.slot.offset
         for key in keys:
-            assemble(
-                sources,
-                pieces[seg.slot.name],
+            read(
+                seg.slot.name,
                 key,
-                piece_dtype(manifest, seg.slot.name, pieces[seg.slot.name][0].key),
                 start,
                 start + seg.numel,
                 targets[key][seg.shard_start : seg.shard_start + seg.numel],
@@ -214,18 +239,17 @@ def _load_flat(zero, index: int, flat, manifest: dict, sources: Sources, with_op
     zero.write_flat(index, {key.removeprefix("optim."): value for key, value in targets.items()}, scalars)
 
 
-def _load_frozen(flat, manifest: dict, sources: Sources) -> None:
+def _load_frozen(flat, manifest: dict, read: _PieceReader) -> None:
     """Replace a frozen flat group's shard with the saved values; a parameter the checkpoint lacks (saved with
     exclude_frozen_parameters, or load_module_strict=False) keeps its current values."""
     saved = manifest["params"]
     target = flat.shard_values().clone()
     for seg in flat.layout.segments(flat.shard_rank):
         if seg.slot.name in saved:
-            pieces = [Piece.from_json(p) for p in saved[seg.slot.name]["pieces"]]
             start = seg.flat_start - seg.slot.offset
-            out = target[seg.shard_start : seg.shard_start + seg.numel]
-            dtype = piece_dtype(manifest, seg.slot.name, "ff")
-            assemble(sources, pieces, "master", dtype, start, start + seg.numel, out)
+            read(
+                seg.slot.name, "master", start, start + seg.numel, target[seg.shard_start : seg.shard_start + seg.numel]
+            )
     flat.write_shard(0, target)
     flat.finish_publish()
 

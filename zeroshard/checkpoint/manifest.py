@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, conint, conlist
 
+from ..partition import TensorSplit
 from .safetensors_io import CheckpointError
 
 FORMAT = "zeroshard-checkpoint/2"  # /2: the manifest and every file header carry checksums
@@ -82,8 +83,11 @@ class FileEntry(_Strict):
 
 class ParamEntry(_Strict):
     pieces: list[conlist(Any, min_length=5, max_length=5)]
-    shape: list[NonNegative]
+    shape: list[NonNegative]  # the full parameter's
     dtype: str
+    # tensor parallelism: how the parameter was cut over the saving run's tensor-parallel ranks; its pieces then
+    # cover the concatenation of every rank's piece, flattened, in rank order (see ``read_parameter``)
+    split: Optional[dict] = None
 
 
 class ModuleTensorEntry(_Strict):
@@ -116,6 +120,7 @@ class Manifest(_Loose):
     format: str
     tag: str
     world_size: conint(ge=1, strict=True)
+    tensor_parallel_size: conint(ge=1, strict=True) = 1
     stage: conint(ge=0, le=3, strict=True)
     shard_group_size: conint(ge=1, strict=True)
     counters: Counters
@@ -174,6 +179,7 @@ def validate(data: Any, where: str) -> dict:
     for name, entry in manifest.params.items():
         if entry.dtype not in _TORCH_DTYPES:
             raise CheckpointError(f"{where}: parameter '{name}' has unknown dtype {entry.dtype!r}")
+        _check_split(name, entry, manifest.tensor_parallel_size, where)
         _check_pieces(name, entry, manifest.files, where)
     _check_disjoint(manifest.params, where)
     for kind, entries in (("module tensor", manifest.module_tensors), ("client_state tensor", manifest.client_tensors)):
@@ -202,6 +208,26 @@ def _is_python_rng_state(state: list) -> bool:
         and all(isinstance(v, int) and not isinstance(v, bool) for v in state[1])
         and (state[2] is None or isinstance(state[2], (int, float)))
     )
+
+
+def saved_split(entry: dict) -> Optional[TensorSplit]:
+    """How a saved parameter was cut over tensor-parallel ranks (None: saved whole)."""
+    return TensorSplit.from_record(entry["split"]) if entry.get("split") is not None else None
+
+
+def _check_split(name: str, entry: ParamEntry, tensor_parallel_size: int, where: str) -> None:
+    if entry.split is None:
+        return
+    try:
+        split = TensorSplit.from_record(entry.split)
+        split.check(tuple(entry.shape), f"parameter '{name}'")
+    except ValueError as err:
+        raise CheckpointError(f"{where}: field 'params.{name}.split': {err}") from None
+    if split.parts != tensor_parallel_size:
+        raise CheckpointError(
+            f"{where}: field 'params.{name}.split' cuts over {split.parts} ranks, the checkpoint was saved by "
+            f"{tensor_parallel_size} tensor-parallel ranks"
+        )
 
 
 def _check_pieces(name: str, entry: ParamEntry, files: dict, where: str) -> None:

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .manifest import Piece, overlapping, plain_name, validate
+from .manifest import Piece, overlapping, piece_dtype, plain_name, saved_split, validate
 from .safetensors_io import DTYPES, CheckpointError, Reader
 
 
@@ -131,3 +131,18 @@ def assemble(
         covered += d1 - d0
     if covered != stop - start:
         raise CheckpointError(f"{sources.path}: saved pieces cover {covered} of {stop - start} elements")
+
+
+def read_parameter(sources: Sources, name: str, prefix: str = "master") -> torch.Tensor:
+    """The whole saved parameter ``name`` (its ``prefix`` state: ``master``, ``optim.exp_avg``, ...) in the shape the
+    model defines it: a tensor-parallel one is joined from every rank's piece (see ``manifest.ParamEntry``)."""
+    entry = sources.manifest["params"][name]
+    shape = tuple(entry["shape"])
+    pieces = [Piece.from_json(p) for p in entry["pieces"]]
+    dtype = piece_dtype(sources.manifest, name, pieces[0].key)
+    out = torch.empty(torch.Size(shape).numel(), dtype=getattr(torch, dtype))
+    assemble(sources, pieces, prefix, dtype, 0, out.numel(), out)
+    split = saved_split(entry)
+    if split is None:
+        return out.view(shape)
+    return split.join(list(out.view(split.parts, *split.piece_shape(shape))))

@@ -3,12 +3,13 @@ and ``load`` a :class:`TrainingState` instead of itself, so checkpointing depend
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import torch
 
 from ..comm import RankGrid
+from ..partition import TensorSplit
 from ..precision import LossScaler
 
 
@@ -61,3 +62,5 @@ class TrainingState:
     sampler: Any  # zeroshard's resumable sampler (state_dict / load_state_dict), or None
     gradient_accumulation_steps: int
     fp16: bool
+    # tensor parallelism: how each split parameter is cut over ``grid.tensor`` (by name; the others are replicated)
+    tensor_splits: dict[str, TensorSplit] = field(default_factory=dict)

@@ -587,6 +587,7 @@ class ZeroshardEngine(torch.nn.Module):
             sampler=sampler if resumable else None,
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             fp16=self.fp16_enabled(),
+            tensor_splits=tensor_splits(self.module),
         )
 
     def state_bytes(self) -> dict[str, int]:

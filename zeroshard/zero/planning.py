@@ -124,7 +124,7 @@ def plan_flat_groups(
 
 
 def plan_frozen_groups(
-    units: list[list[torch.nn.Parameter]], persistent: frozenset = frozenset()
+    units: list[list[torch.nn.Parameter]], persistent: frozenset = frozenset(), tensor_sharded: frozenset = frozenset()
 ) -> list[FlatGroupPlan]:
     """Stage 3: one flat group per gather unit for its parameters without gradients (a fine-tune's frozen base),
     sharded and gathered with the unit like the trainable ones, with no optimizer state and no gradient bucket.
@@ -133,8 +133,8 @@ def plan_frozen_groups(
     for unit in reversed(units):
         members = [p for p in unit if not p.requires_grad and p not in persistent]
         plain = [p for p in members if not is_packed(p)]
-        if plain:
-            plans.append(FlatGroupPlan(-1, plain, False))
+        for sharded, run in by_tensor_axis(plain, tensor_sharded):
+            plans.append(FlatGroupPlan(-1, run, False, tensor_sharded=sharded))
         packed = [p for p in members if is_packed(p)]
         for dtype in dict.fromkeys(p.dtype for p in packed):  # one group per storage dtype, in parameter order
             plans.append(FlatGroupPlan(-1, [p for p in packed if p.dtype == dtype], False, dtype))
@@ -207,7 +207,7 @@ def plan_model(
         persistent = frozenset(p for p in model.parameters() if p.numel() < z.param_persistence_threshold)
     units = [u.params for u in unit_plans]
     trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent, tensor_sharded)
-    frozen = plan_frozen_groups(units, persistent) if stage.partition_params else []
+    frozen = plan_frozen_groups(units, persistent, tensor_sharded) if stage.partition_params else []
     count = shard_count if stage.partition_optimizer else 1
     layouts = plan_layouts([*trainable, *frozen], param_names, count)
     return ModelPlan(stage, unit_plans, persistent, trainable, frozen, layouts, count)
