@@ -37,6 +37,7 @@ _EXPORTS = {
     "init_empty_weights": "zeroshard.inference",
     "init_inference": "zeroshard.inference",
     "tp_model_init": "zeroshard.tensor_parallel",
+    "set_autotp_mode": "zeroshard.tensor_parallel",
     "log_to_stdout": "zeroshard.log",
 }
 _SUBPACKAGES = ("checkpoint", "comm", "estimator", "inference", "ops", "zero")
@@ -55,6 +56,7 @@ __all__ = [
     "init_empty_weights",
     "init_inference",
     "tp_model_init",
+    "set_autotp_mode",
     "initialize",
     "install_as_deepspeed",
     "log_to_stdout",

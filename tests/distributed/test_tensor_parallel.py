@@ -217,7 +217,7 @@ def tp_zero_worker(cases: list[tuple], directory: str) -> dict:
     import zeroshard
     from zeroshard.tensor_parallel import tensor_splits
 
-    out = {"checkpoints": tp_checkpoint_worker(directory)}
+    out = {"checkpoints": tp_checkpoint_worker(directory), "groups": tp_groups_worker()}
     batches = _tp_batches()
     for family, tp, stage, dtype in cases:
         model = _tp_model(family, tp)
@@ -525,3 +525,45 @@ def test_checkpoints_resume_at_other_tensor_parallel_degrees(tp_runs, tp_directo
     assert set(loaded) >= set(runs["saved"])
     for key, value in runs["saved"].items():
         assert torch.equal(loaded[key], value), key
+
+
+def tp_groups_worker() -> dict:
+    """DeepSpeed's names on 4 ranks at TP=2 x DP=2: the config, tp_model_init with the config, the group getters, the
+    engine's size and the consolidated 16-bit state dict Accelerate saves through."""
+    import torch.distributed as dist
+
+    import zeroshard.compat.deepspeed as deepspeed
+    from zeroshard.compat.deepspeed.utils import groups
+
+    deepspeed.set_autotp_mode(training=True)
+    config = _tp_config(1, 2)
+    model = deepspeed.tp_model_init(_tp_model("llama", 2), tp_size=2, dtype=torch.float32, config=config)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    tensor, data = groups.get_tensor_model_parallel_group(), groups.get_data_parallel_group()
+    out = {
+        "tensor": (groups.get_tensor_model_parallel_world_size(), groups.get_tensor_model_parallel_rank()),
+        "data": (groups.get_data_parallel_world_size(), groups.get_data_parallel_rank()),
+        "model": (groups.get_model_parallel_world_size(), groups.get_tensor_model_parallel_src_rank()),
+        "handles": (dist.get_process_group_ranks(tensor), dist.get_process_group_ranks(data)),
+        "same": groups.get_model_parallel_group() is tensor,
+        "autotp_size": engine.autotp_size(),
+        "consolidated": sorted(engine._consolidated_16bit_state_dict().items()),
+        "shapes": {n: tuple(p.shape) for n, p in engine.module.named_parameters()},
+    }
+    engine.destroy()
+    return out
+
+
+def test_deepspeed_names_for_tensor_parallel_training(tp_runs):
+    """Ranks laid out as DeepSpeed does: tensor-parallel groups consecutive, data-parallel groups strided."""
+    full = dict(_tp_model("llama", 2).named_parameters())
+    for rank, out in enumerate(r["groups"] for r in tp_runs):
+        assert out["tensor"] == (2, rank % 2) and out["data"] == (2, rank // 2)
+        assert out["model"] == (2, rank - rank % 2) and out["same"] and out["autotp_size"] == 2
+        assert out["handles"] == ([rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2])
+        assert out["shapes"]["model.layers.0.self_attn.q_proj.weight"] == (16, 32)  # 4 heads of 8: 2 per rank
+        consolidated = dict(out["consolidated"])
+        if rank == 0:  # whole weights, as the model defines them
+            assert {n: tuple(t.shape) for n, t in consolidated.items()} == {n: tuple(p.shape) for n, p in full.items()}
+        else:
+            assert consolidated == {}

@@ -31,6 +31,7 @@ from .groups import (
     destroy_groups,
     grid_layout,
     parallel_layout,
+    process_group,
 )
 from .ledger import CommLedger, OpTotals
 
@@ -78,6 +79,7 @@ __all__ = [
     "is_initialized",
     "log_summary",
     "parallel_layout",
+    "process_group",
     "reduce_scatter",
     "reduce_scatter_scratch_numel",
 ]

@@ -124,6 +124,19 @@ def build_rank_grid(
     )
 
 
+def process_group(group: Group) -> Any:
+    """The torch ``ProcessGroup`` behind ``group``, for clients that call ``torch.distributed`` themselves (DeepSpeed's
+    ``groups`` getters). A group of this rank alone has none (zeroshard skips its collectives)."""
+    if group.handle is not None:
+        return group.handle
+    if group.size == get_world_size():
+        return dist.group.WORLD
+    raise ValueError(
+        f"the {group.name} group is rank {group.ranks[0]} alone, which needs no process group: its size is 1 and "
+        "this rank's index in it 0"
+    )
+
+
 def destroy_groups(grid: RankGrid) -> None:
     """Tear down the process groups ``build_rank_grid`` created (the default group stays: it is not ours)."""
     if not dist.is_initialized():

@@ -3,7 +3,15 @@
 
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from .placement import LayerSpec, PlacementError, TensorParallelPlan, layer_specs_from, plan_tensor_parallel
-from .shard import Cast, shard_for_training, shard_layers, sharded_group, tensor_splits, tp_model_init
+from .shard import (
+    Cast,
+    set_autotp_mode,
+    shard_for_training,
+    shard_layers,
+    sharded_group,
+    tensor_splits,
+    tp_model_init,
+)
 
 __all__ = [
     "Cast",
@@ -16,6 +24,7 @@ __all__ = [
     "VocabParallelHead",
     "layer_specs_from",
     "plan_tensor_parallel",
+    "set_autotp_mode",
     "shard_for_training",
     "shard_layers",
     "sharded_group",

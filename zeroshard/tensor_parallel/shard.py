@@ -72,6 +72,14 @@ def tp_model_init(
     return model
 
 
+def set_autotp_mode(training: bool = False) -> None:
+    """DeepSpeed's switch between its AutoTP layers for inference and for training. zeroshard's tensor-parallel layers
+    are one kind for both (their communication is differentiable; in training the model keeps its own parameter
+    objects, which :func:`shard_for_training` decides), so there is nothing to switch: the argument is checked."""
+    if not isinstance(training, bool):
+        raise TypeError(f"set_autotp_mode(training=...) takes True or False, got {training!r}")
+
+
 def shard_for_training(
     model: nn.Module, group: comm.Group, layer_specs: tuple[LayerSpec, ...] = (), use_default_specs: bool = True
 ) -> TensorParallelPlan:

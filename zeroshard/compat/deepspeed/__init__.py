@@ -6,7 +6,7 @@ from zeroshard import __version__ as __zeroshard_version__
 from zeroshard.config import ConfigError as DeepSpeedConfigError
 from zeroshard.inference import init_inference
 from zeroshard.runtime import add_config_arguments
-from zeroshard.tensor_parallel import tp_model_init
+from zeroshard.tensor_parallel import set_autotp_mode, tp_model_init
 
 from ..alias import DEEPSPEED_API_VERSION
 from . import accelerator, checkpoint, checkpointing, comm, moe, ops, profiling, runtime, utils, zero
@@ -29,6 +29,7 @@ __all__ = [
     "init_distributed",
     "init_inference",
     "tp_model_init",
+    "set_autotp_mode",
     "initialize",
     "moe",
     "ops",

@@ -10,7 +10,7 @@ import torch
 from zeroshard import initialize as _initialize
 from zeroshard.runtime import ZeroshardEngine
 
-from ..utils import tensor_fragment
+from ..utils import live_engines
 from ..utils.leaf_modules import get_z3_leaf_modules
 
 DeepSpeedEngine = ZeroshardEngine
@@ -32,11 +32,12 @@ def initialize(
     config_params: Any = None,
 ):
     """``deepspeed.initialize``: :func:`zeroshard.initialize` with DeepSpeed's full signature. Model parallelism
-    through ``mpu``/``mesh_param`` is refused (zeroshard is data parallel; tensor parallelism is inference-only)."""
+    through ``mpu``/``mesh_param`` is refused (tensor parallelism comes from ``tensor_parallel.autotp_size``)."""
     if mpu is not None or mesh_param is not None:
         raise NotImplementedError(
-            "deepspeed.initialize(mpu=..., mesh_param=...): model/sequence parallel training is not supported by "
-            "zeroshard; train data-parallel (ZeRO) and use init_inference for tensor parallelism"
+            "deepspeed.initialize(mpu=..., mesh_param=...): groups from an mpu or a mesh are not supported by "
+            "zeroshard; set tensor_parallel.autotp_size in the config for tensor parallelism (the groups are built "
+            "from it)"
         )
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
@@ -54,7 +55,7 @@ def initialize(
         config_params=config_params,
         leaf_modules=leaves,  # flagged by deepspeed.utils.set_z3_leaf_modules
     )
-    tensor_fragment.track(built[0])
+    live_engines.track(built[0])
     return built
 
 

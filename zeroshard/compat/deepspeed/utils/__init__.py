@@ -1,15 +1,16 @@
 """``deepspeed.utils``: the logger, checkpoint consolidation, the stage-3 leaf-module flags
 (``deepspeed.utils.z3_leaf_module`` is a function there, as in DeepSpeed) and one parameter's training state
-(``safe_get_full_fp32_param`` and its family)."""
+(``safe_get_full_fp32_param`` and its family), the process-group getters (``groups``)."""
 
 from zeroshard.comm import is_initialized
 
-from . import leaf_modules, logging, tensor_fragment, zero_to_fp32
+from . import groups, leaf_modules, logging, tensor_fragment, zero_to_fp32
 from .leaf_modules import *  # noqa: F403
 from .logging import log_dist, logger
 from .tensor_fragment import *  # noqa: F403
 
 __all__ = [
+    "groups",
     "is_initialized",
     "log_dist",
     "logger",

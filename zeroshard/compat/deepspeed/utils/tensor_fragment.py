@@ -2,38 +2,32 @@
 optimizer state, whole or this rank's fragment, at every stage and with offload.
 
 DeepSpeed finds the engine through state it hangs on each parameter; zeroshard hangs nothing on parameters, so
-these calls look among the engines that ``deepspeed.initialize`` built and that are still alive (held weakly,
-here only) for the one whose optimizer holds the parameter, and answer through its
+these calls look among the engines that ``deepspeed.initialize`` built and that are still alive (``live_engines``)
+for the one whose optimizer holds the parameter, and answer through its
 :class:`~zeroshard.zero.ParamAccess` (``engine.param_access``). Frozen parameters answer ``None``, as in DeepSpeed.
 The *full* calls are collectives: every rank of the parameter's shard group calls them together.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Optional
 
 import torch
 
-from zeroshard.runtime import ZeroshardEngine
 from zeroshard.zero import ParamAccess
 
-_ENGINES: "weakref.WeakSet[ZeroshardEngine]" = weakref.WeakSet()
-
-
-def track(engine: ZeroshardEngine) -> None:
-    """An engine ``deepspeed.initialize`` built: the calls below may answer for its parameters."""
-    _ENGINES.add(engine)
+from .live_engines import alive
 
 
 def _access(param: torch.nn.Parameter) -> Optional[ParamAccess]:
     if not isinstance(param, torch.nn.Parameter):
         raise TypeError(f"expected a model parameter, got {type(param).__name__}")
-    for engine in list(_ENGINES):
+    engines = alive()
+    for engine in engines:
         access = engine.stack.access
         if access is not None and engine.records.flat_of(param) is not None:
             return access
-    if any(any(p is param for p in engine.module.parameters()) for engine in list(_ENGINES)):
+    if any(any(p is param for p in engine.module.parameters()) for engine in engines):
         return None  # an engine's frozen parameter
     raise ValueError(
         f"parameter {tuple(param.shape)} belongs to no live engine built by deepspeed.initialize (with an "

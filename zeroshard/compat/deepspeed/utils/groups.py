@@ -1,0 +1,85 @@
+"""``deepspeed.utils.groups``: the process groups of the newest live engine ``deepspeed.initialize`` built, by
+DeepSpeed's getter names. DeepSpeed keeps them per process; zeroshard's belong to an engine (``engine.grid``), so
+these read the newest one (``live_engines``). Tensor-parallel groups are consecutive ranks (``tp_rank = rank % tp``),
+data-parallel groups strided (``dp_rank = rank // tp``), as DeepSpeed lays them out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroshard import comm
+from zeroshard.comm import Group
+
+from .live_engines import newest
+
+
+def _grid() -> comm.RankGrid:
+    engine = newest()
+    if engine is None:
+        raise RuntimeError(
+            "deepspeed.utils.groups: no engine built by deepspeed.initialize is alive; the groups exist from "
+            "initialize on (tensor parallelism: config tensor_parallel.autotp_size)"
+        )
+    return engine.grid
+
+
+def _tensor() -> Group:
+    return _grid().tensor
+
+
+def _data() -> Group:
+    return _grid().data
+
+
+def get_tensor_model_parallel_group() -> Any:
+    return comm.process_group(_tensor())
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _tensor().size
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _tensor().rank
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """The global rank of the first rank of this rank's tensor-parallel group."""
+    return _tensor().ranks[0]
+
+
+def get_data_parallel_group() -> Any:
+    return comm.process_group(_data())
+
+
+def get_data_parallel_world_size() -> int:
+    return _data().size
+
+
+def get_data_parallel_rank() -> int:
+    return _data().rank
+
+
+# model parallelism is tensor parallelism here (no pipeline stages), as in DeepSpeed's AutoTP
+get_model_parallel_group = get_tensor_model_parallel_group
+get_model_parallel_world_size = get_tensor_model_parallel_world_size
+get_model_parallel_rank = get_tensor_model_parallel_rank
+
+# the private spellings DeepSpeed's own modules and some clients call
+_get_data_parallel_group = get_data_parallel_group
+_get_data_parallel_world_size = get_data_parallel_world_size
+_get_data_parallel_rank = get_data_parallel_rank
+_get_model_parallel_world_size = get_model_parallel_world_size
+
+__all__ = [
+    "get_data_parallel_group",
+    "get_data_parallel_rank",
+    "get_data_parallel_world_size",
+    "get_model_parallel_group",
+    "get_model_parallel_rank",
+    "get_model_parallel_world_size",
+    "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_src_rank",
+    "get_tensor_model_parallel_world_size",
+]
