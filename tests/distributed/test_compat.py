@@ -22,9 +22,11 @@ HAS_BITSANDBYTES = importlib.util.find_spec("bitsandbytes") is not None
 
 
 def launch(*argv, env=None) -> subprocess.CompletedProcess:
-    """``zeroshard --as_deepspeed`` on 2 ranks; ``argv`` starting with ``torchrun``: torch's own launcher instead;
-    with ``python``: one plain process."""
-    if argv[0] == "torchrun":
+    """``zeroshard --as_deepspeed`` on 2 ranks (``argv`` starting with ``--num_gpus N``: on N); ``argv`` starting with
+    ``torchrun``: torch's own launcher instead; with ``python``: one plain process."""
+    if argv[0] == "--num_gpus":
+        command = [sys.executable, "-m", "zeroshard", "--as_deepspeed", *argv]
+    elif argv[0] == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *argv[1:]]
     elif argv[0] == "python":
         command = [sys.executable, *argv[1:]]
@@ -63,7 +65,9 @@ def launches(tmp_path_factory):
     _save_tiny_gpt2(base / "pretrained")
     bert = ["--checkpoint_dir", base / "bert", "--deepspeed_config", SCRIPTS / "bert_ds_config.json"]
     cifar = ["--deepspeed", "--deepspeed_config", SCRIPTS / "cifar_ds_config.json"]
+    _save_tiny_llama(base / "llama")
     chains = {  # the longest first
+        "autotp": [["--num_gpus", 4, SCRIPTS / "hf_autotp.py", base / "llama", base / "autotp"]],
         "hf2": [[SCRIPTS / "hf_trainer.py", base / "hf2", 2], [SCRIPTS / "hf_trainer.py", base / "hf2", 2, "--resume"]],
         "hf3": [[SCRIPTS / "hf_trainer.py", base / "hf3", 3], [SCRIPTS / "hf_trainer.py", base / "hf3", 3, "--resume"]],
         "bert": [[SCRIPTS / "bert_mlm_style.py", *bert], [SCRIPTS / "bert_mlm_style.py", *bert, "--resume"]],
@@ -72,7 +76,6 @@ def launches(tmp_path_factory):
         "cifar": [["torchrun", SCRIPTS / "cifar_style.py", *cifar]],
     }
     if HAS_BITSANDBYTES:
-        _save_tiny_llama(base / "llama")
         for mode in (3, 2, "reference"):  # each in its own directory: they run at the same time
             argv = [SCRIPTS / "hf_qlora.py", base / f"qlora-{mode}", base / "llama", mode]
             chains[f"qlora-{mode}"] = [["python", *argv] if mode == "reference" else argv]
@@ -84,7 +87,7 @@ def launches(tmp_path_factory):
 
     with ThreadPoolExecutor(2) as pool:
         outs = dict(zip(chains, pool.map(run_chain, chains)))
-    outs["dirs"] = {name: base / name for name in ("hf2", "hf3", "pretrained")}
+    outs["dirs"] = {name: base / name for name in ("hf2", "hf3", "pretrained", "autotp", "llama")}
     return outs
 
 
@@ -121,6 +124,26 @@ def test_qlora_trains_like_one_process_and_shards_the_4bit_base(launches, stage)
     assert len(packed) == 2
     for rank_bytes, total in ((int(a), int(b)) for a, b in packed):
         assert total > 0 and rank_bytes == (total // 2 if stage == 3 else 0)  # stage 2 shards no frozen weight
+
+
+def test_hf_trainer_with_llama_factory_autotp_config_trains_on_4_ranks(launches):
+    """LLaMA-Factory's ZeRO-2 + AutoTP config through the HF Trainer (and so Accelerate's DeepSpeed path, which reads
+    tensor_parallel.autotp_size): 3 steps on TP=2 x DP=2, the HF-filled batch size (world x micro) corrected to the
+    data-parallel count, and save_model writing full weights that from_pretrained loads."""
+    from transformers import LlamaForCausalLM
+
+    (out,) = launches["autotp"]
+    got = result(out)
+    assert got["global_step"] == 3 and len(got["losses"]) == 3 and got["autotp_size"] == 2
+    assert got["train_batch_size"] == 4  # micro 2 x 2 data-parallel ranks; the HF Trainer wrote 8
+    assert "train_batch_size 8 -> 4" in out.stderr
+    directory = launches["dirs"]["autotp"]
+    saved = LlamaForCausalLM.from_pretrained(directory / "final").state_dict()
+    original = LlamaForCausalLM.from_pretrained(launches["dirs"]["llama"]).state_dict()
+    gathered = torch.load(directory / "gathered.pt")
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in original.items()}
+    assert all(torch.equal(saved[k], gathered[k]) for k in saved)  # the engine's weights, joined
+    assert any(not torch.equal(saved[k], original[k]) for k in saved)  # and trained
 
 
 def test_hf_zero3_from_pretrained_loads_every_weight(launches):
