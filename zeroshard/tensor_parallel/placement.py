@@ -158,6 +158,8 @@ def plan_tensor_parallel(
         if split_vocabulary and weights[name].numel() * weights[name].element_size() >= vocab_parallel_min_bytes
     ]
     grad_allreduce = _grad_allreduce_modules(model, layer_specs, use_default_specs)
+    if use_default_specs:
+        _check_hf_plan(model, layer_specs)
     if injection_policy is None:
         layers += _automatic(model, set(vocab), layer_specs, use_default_specs)
     else:
@@ -209,6 +211,15 @@ def _hf_style(model: nn.Module, name: str, hf_plan) -> Optional[str]:
                 )
             return style
     return None
+
+
+def _check_hf_plan(model: nn.Module, layer_specs: tuple[LayerSpec, ...]) -> None:
+    """Every module the model's own plan places in a style zeroshard lacks (Mixtral's experts: ``moe_tp_experts``,
+    ``packed_colwise``) is refused by name, unless a layer spec places it: it is never silently replicated."""
+    hf_plan, model_type = _hf_plan(model), _model_type(model)
+    for name, _ in model.named_modules():
+        if name and not any(spec.matches(name, model_type) for spec in layer_specs):
+            _hf_style(model, name, hf_plan)
 
 
 def _grad_allreduce_modules(

@@ -118,3 +118,66 @@ def test_modules_hf_marks_replicated_with_grad_allreduce_are_listed():
     assert plan.grad_allreduce == tuple(
         f"model.layers.{i}.self_attn.{norm}" for i in range(2) for norm in ("q_norm", "k_norm")
     )
+
+
+class Custom(nn.Module):
+    """Layer names no placement knows: only layer specs place them."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.mix = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(8)
+        self.router = nn.Linear(16, 4)
+
+
+def _specs(tensor_parallel: dict):
+    from zeroshard.config import parse_config
+    from zeroshard.tensor_parallel import layer_specs_from
+
+    block = parse_config({"train_batch_size": 1, "tensor_parallel": tensor_parallel}).tensor_parallel
+    return layer_specs_from(block), block.partition_config.use_default_specs
+
+
+def test_layer_specs_place_what_the_names_do_not():
+    specs, default = _specs(
+        {
+            "autotp_size": 2,
+            "partition_config": {
+                "use_default_specs": False,
+                "layer_specs": [
+                    {"patterns": [r".*qkv\.weight$"], "partition_type": "column", "shape": [3, -1], "partition_dim": 0},
+                    {"patterns": [r"^mix$"], "partition_type": "ROW"},
+                    {"patterns": [r"^norm$"], "partition_type": "skip", "grad_allreduce": True},
+                ],
+            },
+        }
+    )
+    plan = plan_tensor_parallel(Custom(), 2, layer_specs=specs, use_default_specs=default, split_vocabulary=False)
+    assert {(p.name, p.style, p.fused) for p in plan.layers} == {("qkv", "column", 3), ("mix", "row", 1)}
+    assert plan.grad_allreduce == ("norm",)  # the router, matched by nothing, stays replicated
+    with pytest.raises(PlacementError, match="cannot place layer 'qkv'"):  # without the specs: named
+        plan_tensor_parallel(Custom(), 2)
+
+
+def test_a_preset_places_the_llama_layout():
+    block = {"autotp_size": 2, "preset_model": "llama", "partition_config": {"use_default_specs": False}}
+    specs, default = _specs(block)
+    plan = plan_tensor_parallel(llama(), 2, layer_specs=specs, use_default_specs=default, split_vocabulary=False)
+    styles = {p.name.rpartition(".")[2]: p.style for p in plan.layers}
+    assert styles == {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
+                      "gate_proj": "column", "up_proj": "column", "down_proj": "row"}  # fmt: skip
+
+
+def test_a_models_own_plan_style_zeroshard_lacks_is_named():
+    from zeroshard.testing.hf import tiny_causal_lm
+
+    mixtral = tiny_causal_lm("mixtral", num_attention_heads=4, num_key_value_heads=2)  # experts: 'moe_tp_experts'
+    expected = r"base_model_tp_plan entry 'layers\.\*\.mlp\.experts[a-z_.]*': '[a-z_]+' is a style"
+    with pytest.raises(PlacementError, match=expected):
+        plan_tensor_parallel(mixtral, 2, split_vocabulary=False)
+
+
+def test_training_keeps_the_vocabulary_replicated():
+    plan = plan_tensor_parallel(gpt2(), 2, split_vocabulary=False)
+    assert not {"transformer.wte", "lm_head"} & {p.name for p in plan.layers}
