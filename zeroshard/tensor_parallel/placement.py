@@ -294,8 +294,10 @@ def _automatic(
             fan_in, fan_out = features(module)
             raise PlacementError(
                 f"cannot place layer '{name}' ({type(module).__name__} {fan_in}->{fan_out}) for tensor parallelism: "
-                "its role is not known; pass injection_policy={BlockClass: ('<row-parallel layer>', ...)} naming "
-                "the layers whose outputs are summed (attention output, MLP down projection)"
+                "its role is not known; in training place it with tensor_parallel.partition_config.layer_specs "
+                "(partition_type column, row or skip), for init_inference pass injection_policy={BlockClass: "
+                "('<row-parallel layer>', ...)} naming the layers whose outputs are summed (attention output, MLP "
+                "down projection)"
             )
     return plans
 

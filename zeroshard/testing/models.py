@@ -37,11 +37,12 @@ class Block(nn.Module):
         self.fc_out = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # widths from the projections, not from x: under tensor parallelism this rank holds n_head / tp heads
+        q, k, v = self.qkv(self.ln_1(x)).chunk(3, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
 
 
