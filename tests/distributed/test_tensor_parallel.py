@@ -311,54 +311,66 @@ def test_tensor_parallel_inside_zero_matches_one_process(tp_runs, case):
     assert all(r[case]["autotp_size"] == tp for r in tp_runs)
 
 
-def _split_numels(family: str, tp: int) -> tuple[int, int, int, list[int]]:
-    """(replicated elements, split elements of the full model, tensor-parallel all-reduces per step of one
-    activation each, the sizes of the per-head norms' weights whose gradients are summed over the group)."""
+def _local_elements(family: str, tp: int) -> tuple[dict[str, list[int]], int, list[int]]:
+    """Per gather unit (each decoder layer, and the root for the rest): this rank's [replicated, split / tp]
+    elements; tensor-parallel all-reduces of one activation per step; the sizes of the per-head norms' weights whose
+    gradients are summed over the group."""
+    import re
+
     from zeroshard.tensor_parallel import plan_tensor_parallel
 
     model = _tp_model(family, tp)
     plan = plan_tensor_parallel(model, tp, split_vocabulary=False)
-    split = {id(model.get_submodule(layer.name).weight) for layer in plan.layers}
-    split |= {id(model.get_submodule(p.name).bias) for p in plan.layers if p.style == "column"} - {id(None)}
-    params = list(model.parameters())
-    sharded = sum(p.numel() for p in params if id(p) in split)
+    split = {f"{layer.name}.weight" for layer in plan.layers}
+    split |= {f"{layer.name}.bias" for layer in plan.layers if layer.style == "column"}
+    units: dict[str, list[int]] = {}
+    for name, param in model.named_parameters():
+        layer = re.match(r"(.*\.(?:layers|h)\.\d+)\.", name)
+        counts = units.setdefault(layer.group(1) if layer else "<root>", [0, 0])
+        counts[name in split] += param.numel() // (tp if name in split else 1)
     # forward: one all-reduce per row layer's output; backward: one per column layer's input gradient
-    activations = len(plan.layers)
     summed = [p.numel() for name in plan.grad_allreduce for p in model.get_submodule(name).parameters()]
-    return sum(p.numel() for p in params) - sharded, sharded, activations, summed
+    return units, len(plan.layers), summed
 
 
-@pytest.mark.parametrize("case", [c for c in TP_CASES if c[2] < 3 and c[3] == "fp32"], ids=str)
+@pytest.mark.parametrize("case", [c for c in TP_CASES if c[3] == "fp32"], ids=str)
 def test_tensor_parallel_bytes_equal_the_analytic_values(tp_runs, case):
     """Per steady-state step: the tensor-parallel all-reduces (activations and the per-head norms' gradients, plus
-    the norm's partial sum) and ZeRO's traffic over the data-parallel group for replicated + split/t elements;
-    model-state bytes per rank: the same elements, /dp where ZeRO shards them. Exactly."""
+    the norm's partial sum) and ZeRO's traffic over the data-parallel group for replicated + split/t elements (stage
+    3: every decoder layer gathered twice, the root once, everything reduce-scattered once); model-state bytes per
+    rank: the same elements, /dp where ZeRO shards them. Exactly."""
     family, tp, stage, _ = case
     dp, elem, steps = 4 // tp, 4, STEPS - 1
-    replicated, sharded, activations, summed = _split_numels(family, tp)
-    local = [replicated, sharded // tp]  # this rank's flat groups: replicated elements, then its pieces
+    units, activations, summed = _local_elements(family, tp)
+    local = [sum(u[kind] for u in units.values()) for kind in (0, 1)]  # stages 0-2: one flat group per kind
     ledger = tp_runs[0][case]["ledger"]
     activation = GLOBAL_BATCH // dp * SEQ * 32 * elem  # one [batch, sequence, hidden] tensor
     # + one all-reduce per summed norm weight (Qwen3's q_norm, k_norm), + the gradient norm's split part
     calls = activations + len(summed) + 1
     tensor = steps * (activations * activation + sum(summed) * elem + elem)
-    expected = {"all_reduce/tensor": (steps * calls, tensor)}
-    if dp > 1:
-        padded = [math.ceil(n / dp) * dp for n in local]
-        if stage == 0:
+    assert ledger.pop("all_reduce/tensor")[:2] == (steps * calls, tensor)
+    ring = (dp - 1) / dp
+    padded = {name: sum(math.ceil(n / dp) * dp for n in kinds) for name, kinds in units.items()}
+    if stage == 3:
+        gathers = 2 * sum(padded.values()) - padded["<root>"]  # the root stays gathered through backward
+        wire = steps * ((gathers + sum(padded.values())) * elem * ring + 2 * ring * 8)
+        assert sum(w for _, _, w in ledger.values()) == pytest.approx(wire, rel=1e-12)
+        held = sum(padded.values()) // dp
+    else:
+        expected = {}
+        if dp > 1 and stage == 0:
             expected["all_reduce/data"] = (steps * 2, steps * sum(local) * elem)
-        else:
-            expected["reduce_scatter/shard"] = (steps * 2, steps * sum(padded) * elem)
-            expected["all_gather/shard"] = (steps * 2, steps * sum(padded) * elem)
+        elif dp > 1:
+            flats = sum(math.ceil(n / dp) * dp for n in local)
+            expected["reduce_scatter/shard"] = (steps * 2, steps * flats * elem)
+            expected["all_gather/shard"] = (steps * 2, steps * flats * elem)
             expected["all_reduce/shard"] = (steps, steps * 2 * 4)  # (split, replicated) squared norms
-    assert {k: v[:2] for k, v in ledger.items()} == expected
-    ring = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
-    for key, (_, message, wire) in ledger.items():
-        op, group = key.split("/")
-        n = tp if group == "tensor" else dp
-        assert wire == pytest.approx(ring[op] * (n - 1) / n * message, rel=1e-12)
+        assert {k: v[:2] for k, v in ledger.items()} == expected
+        for key, (_, message, wire) in ledger.items():
+            factor = 2 if key.startswith("all_reduce") else 1
+            assert wire == pytest.approx(factor * ring * message, rel=1e-12)
+        held = sum(local) if stage == 0 else sum(math.ceil(n / dp) for n in local)
     state = tp_runs[0][case]["state_bytes"]
-    held = sum(local) if stage == 0 else sum(math.ceil(n / dp) for n in local)
     assert state["master"] == 4 * held and state["optimizer_state"] == 8 * held
 
 
