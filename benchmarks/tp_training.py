@@ -40,21 +40,22 @@ DS_SPECS = [
 ]
 
 
-def system(cfg: GPTConfig, tp: int, micro: int, stage: int):
-    import zeroshard
-
-    torch.manual_seed(0)
-    config = {
+def config(tp: int, micro: int, stage: int, specs: list[dict]) -> dict:
+    """The same config for both frameworks; only the layers the specs name split, the rest stays replicated."""
+    return {
         "train_micro_batch_size_per_gpu": micro,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 2_000_000},
-        "tensor_parallel": {
-            "autotp_size": tp,
-            "partition_config": {"use_default_specs": False, "layer_specs": LAYER_SPECS},  # the rest replicated
-        },
+        "tensor_parallel": {"autotp_size": tp, "partition_config": {"use_default_specs": False, "layer_specs": specs}},
     }
-    engine, *_ = zeroshard.initialize(model=GPT(cfg), config=config)
+
+
+def system(cfg: GPTConfig, tp: int, micro: int, stage: int):
+    import zeroshard
+
+    torch.manual_seed(0)
+    engine, *_ = zeroshard.initialize(model=GPT(cfg), config=config(tp, micro, stage, LAYER_SPECS))
     return engine
 
 
@@ -67,17 +68,8 @@ def deepspeed_system(cfg: GPTConfig, micro: int, stage: int):
     model = GPT(cfg)
     for block in model.blocks:
         block.n_head //= 2
-    config = {
-        "train_micro_batch_size_per_gpu": micro,
-        "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2_000_000},
-        "tensor_parallel": {
-            "autotp_size": 2,
-            "partition_config": {"use_default_specs": False, "layer_specs": DS_SPECS},
-        },
-    }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    settings = config(2, micro, stage, DS_SPECS)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=settings)
     return engine
 
 

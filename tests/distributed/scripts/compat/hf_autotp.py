@@ -11,6 +11,7 @@ import json
 import sys
 
 import torch
+from hf_trainer import Tokens  # the script beside this one
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
 STEPS = 3
@@ -46,18 +47,6 @@ LLAMA_FACTORY_AUTOTP = {  # the file's shape, its comment key included
 }
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int = 48, length: int = 16, vocab: int = 128):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (n, length), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def main(pretrained: str, out_dir: str) -> None:
     args = TrainingArguments(
         output_dir=out_dir,
@@ -72,7 +61,7 @@ def main(pretrained: str, out_dir: str) -> None:
         seed=0,
     )
     model = LlamaForCausalLM.from_pretrained(pretrained, torch_dtype=torch.float32)
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(n=48, vocab=128))
     trainer.train()
     trainer.save_model(f"{out_dir}/final")
     engine = trainer.model_wrapped
