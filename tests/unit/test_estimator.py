@@ -128,6 +128,11 @@ def test_factory_must_return_a_module():
         zeroshard.estimate(lambda: "gpt", config(0), 1)
 
 
+def test_tensor_parallel_configs_are_refused_by_name():
+    with pytest.raises(NotImplementedError, match="tensor_parallel.autotp_size > 1"):
+        zeroshard.estimate(tiny_gpt, {**config(1), "tensor_parallel": {"autotp_size": 2}}, 2, runtime_bytes=0)
+
+
 def test_candidate_config_and_traffic():
     base = {"train_batch_size": 64, "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}
     out = Candidate(stage=3, offload="cpu", micro_batch=2, recompute=True).apply(base)

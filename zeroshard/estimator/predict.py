@@ -61,6 +61,12 @@ def estimate(
 
     model = _meta_model(model_or_factory)
     parsed = parse_config(config)
+    if parsed.tensor_parallel.autotp_size > 1:
+        raise NotImplementedError(
+            "zeroshard estimate with tensor_parallel.autotp_size > 1: the estimator plans data parallelism only; "
+            "model state per rank is (replicated + split / autotp_size) elements, /dp where ZeRO shards them "
+            "(README, Tensor-parallel training)"
+        )
     hpz = parsed.zero_optimization.shard_group_size or world_size
     resolution = resolve_config(
         parsed,

@@ -61,7 +61,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # tensor parallelism: the group whose pieces make up the tensor-sharded flat groups' gradients (per flat
         # group: sharded there, or replicated and counted once)
         self.tensor_group = tensor_group if tensor_group is not None and tensor_group.size > 1 else None
-        self.tensor_sharded = tensor_sharded or [False] * len(flat_groups)
+        self.tensor_sharded = torch.tensor(tensor_sharded or [False] * len(flat_groups), dtype=torch.bool)
         self.gradient_clipping = gradient_clipping
         self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
         self.optimizer = optimizer_state.optimizer
@@ -144,7 +144,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.tensor_group is None:
             squared = per_flat.sum().reshape(1)
         else:
-            sharded = torch.tensor(self.tensor_sharded, device=per_flat.device)
+            sharded = self.tensor_sharded.to(per_flat.device)
             squared = torch.stack([per_flat[sharded].sum(), per_flat[~sharded].sum()])  # (tensor-sharded, replicated)
         if self.reducer.reduction is Reduction.LOCAL:
             # each rank holds its own gradient: every rank takes the mean of their squared norms, so overflow
