@@ -288,7 +288,9 @@ def _resolve(source: Any, args: Any, model: torch.nn.Module, training_data: Any)
         ),
     )
     stage = resolution.config.zero_optimization.stage
-    ranks = f"{grid.data_parallel_size} data-parallel rank(s)" + (f" x {tp_size} tensor-parallel" * (tp_size > 1))
+    ranks = f"{grid.data_parallel_size} rank(s)"
+    if tp_size > 1:
+        ranks = f"{grid.data_parallel_size} data-parallel rank(s) x {tp_size} tensor-parallel"
     log_rank0(f"config resolved for {ranks}, ZeRO stage {stage}:\n" + resolution.report())
     return grid, resolution
 
