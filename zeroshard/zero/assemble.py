@@ -25,7 +25,7 @@ from ..optim import OneBitOptimizer
 from ..precision import LossScaler, PrecisionPolicy
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
-from .optimizer import ZeroOptimizer
+from .optimizer import NormAxes, ZeroOptimizer
 from .optimizer_state import MakeOptimizer, build_optimizer_state
 from .param_access import ParamAccess
 from .planning import ModelPlan, QuantizedComm, StagePolicy, build_flat_groups, plan_model
@@ -259,9 +259,11 @@ def build_zero_stack(
         reducer,
         LossScaler.from_config(config.fp16),
         frozen_groups=frozen,
-        norm_group=grid.shard if stage.partition_optimizer else None,
-        tensor_group=grid.tensor,
-        tensor_sharded=[flat_plan.tensor_sharded for flat_plan in plan.trainable],
+        norm=NormAxes(
+            shard=grid.shard if stage.partition_optimizer else None,
+            tensor=grid.tensor,
+            tensor_sharded=tuple(flat_plan.tensor_sharded for flat_plan in plan.trainable),
+        ),
         gradient_clipping=config.gradient_clipping,
         max_consecutive_skipped_steps=config.max_consecutive_skipped_steps,
         buffers=buffers,

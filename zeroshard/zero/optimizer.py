@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -23,6 +24,21 @@ from .flat_group import FlatGroup
 from .optimizer_state import OptimizerState
 from .reducer import GradientReducer, Reduction
 from .state_offload import StateOffload
+
+
+@dataclass(frozen=True)
+class NormAxes:
+    """Where the pieces of the global gradient norm live. ``shard``: the group whose shards make up each flat group's
+    gradient (None: every rank holds it whole, stage 0). Under tensor parallelism, ``tensor``: the group over which the
+    flat groups marked in ``tensor_sharded`` hold different pieces (the others are replicated there: counted once)."""
+
+    shard: Optional[comm.Group] = None
+    tensor: Optional[comm.Group] = None
+    tensor_sharded: tuple[bool, ...] = ()
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tensor is not None and self.tensor.size > 1
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -45,9 +61,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss_scaler: LossScaler,
         *,
         frozen_groups: Optional[list[FlatGroup]] = None,
-        norm_group: Optional[comm.Group],
-        tensor_group: Optional[comm.Group] = None,
-        tensor_sharded: Optional[list[bool]] = None,
+        norm: NormAxes,
         gradient_clipping: float = 0.0,
         max_consecutive_skipped_steps: int = 0,
         buffers: Optional[ReusableBuffers] = None,
@@ -57,11 +71,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reducer = reducer
         self.loss_scaler = loss_scaler
         self.frozen_groups = frozen_groups or []  # stage 3: sharded parameters without gradients (never stepped)
-        self.norm_group = norm_group  # the group whose shards make up the gradient (None: replicated, stage 0)
-        # tensor parallelism: the group whose pieces make up the tensor-sharded flat groups' gradients (per flat
-        # group: sharded there, or replicated and counted once)
-        self.tensor_group = tensor_group if tensor_group is not None and tensor_group.size > 1 else None
-        self.tensor_sharded = torch.tensor(tensor_sharded or [False] * len(flat_groups), dtype=torch.bool)
+        self.norm = norm
+        self._tensor_sharded = torch.tensor(norm.tensor_sharded or [False] * len(flat_groups), dtype=torch.bool)
         self.gradient_clipping = gradient_clipping
         self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
         self.optimizer = optimizer_state.optimizer
@@ -141,20 +152,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not grads:
             return torch.zeros((), dtype=torch.float32)
         per_flat = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2)
-        if self.tensor_group is None:
+        if not self.norm.tensor_parallel:
             squared = per_flat.sum().reshape(1)
         else:
-            sharded = self.tensor_sharded.to(per_flat.device)
+            sharded = self._tensor_sharded.to(per_flat.device)
             squared = torch.stack([per_flat[sharded].sum(), per_flat[~sharded].sum()])  # (tensor-sharded, replicated)
         if self.reducer.reduction is Reduction.LOCAL:
             # each rank holds its own gradient: every rank takes the mean of their squared norms, so overflow
             # skips and clipping agree across ranks (the averaged gradient is never formed)
             comm.all_reduce(squared, self.reducer.world)
             squared.div_(self.reducer.world.size)
-        elif self.norm_group is not None:
-            comm.all_reduce(squared, self.norm_group)
-        if self.tensor_group is not None:
-            comm.all_reduce(squared[:1], self.tensor_group)
+        elif self.norm.shard is not None:
+            comm.all_reduce(squared, self.norm.shard)
+        if self.norm.tensor_parallel:
+            comm.all_reduce(squared[:1], self.norm.tensor)
         return squared.sum().reshape(1)
 
     def step(self, closure=None) -> bool:
@@ -206,8 +217,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 lo, _ = flat.layout.shard_range(flat.shard_rank)
                 first[0] = index * (1 << 40) + lo + int(bad[0, 0])
                 break
-        if self.norm_group is not None:
-            comm.all_reduce(first, self.norm_group, op="min")
+        if self.norm.shard is not None:
+            comm.all_reduce(first, self.norm.shard, op="min")
         index, offset = divmod(int(first.item()), 1 << 40)
         if index >= len(self.flat_groups):
             return "?"
