@@ -1,5 +1,6 @@
-"""Long sequences: computing a sequence in tiles so the largest activations never exist whole (``tiled``)."""
+"""Long sequences: computing a sequence in tiles so the largest activations (an MLP's intermediates, the logits)
+never exist whole (``tiled``)."""
 
-from .tiled import TiledMLP, agreed_tile_count, tiled_mlp
+from .tiled import TiledFusedLogitsLoss, TiledMLP, agreed_tile_count, tiled_mlp
 
-__all__ = ["TiledMLP", "agreed_tile_count", "tiled_mlp"]
+__all__ = ["TiledFusedLogitsLoss", "TiledMLP", "agreed_tile_count", "tiled_mlp"]

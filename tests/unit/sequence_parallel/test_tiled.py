@@ -65,3 +65,100 @@ def test_tile_counts_without_a_group():
     assert agreed_tile_count(1000, 256) == 4 and agreed_tile_count(0, 256) == 1
     with pytest.raises(ValueError):
         agreed_tile_count(10, 0)
+
+
+VOCAB = 100
+
+
+def head_and_batch():
+    torch.manual_seed(0)
+    return (
+        torch.nn.Linear(HIDDEN, VOCAB, bias=False),
+        torch.randn(2, TOKENS, HIDDEN),
+        torch.randint(0, VOCAB, (2, TOKENS)),
+    )
+
+
+def cross_entropy(head, x, y):
+    return torch.nn.functional.cross_entropy(head(x), y)
+
+
+def masked_sum(head, x, y, mask):
+    losses = torch.nn.functional.cross_entropy(head(x), y, reduction="none")
+    return (losses * mask).sum()
+
+
+def logits_run(tiles, reduction="mean", mask=None):
+    """Loss, gradients (head, input) and the most logits bytes saved for backward at once (each storage once)."""
+    from zeroshard.sequence_parallel import TiledFusedLogitsLoss
+
+    head, x, y = head_and_batch()
+    x.requires_grad_(True)
+    live: dict[int, list[int]] = {}  # storage -> [times saved and not yet read, bytes]
+    peak = [0]
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if t.dim() < 2 or t.shape[-1] != VOCAB or key == head.weight.untyped_storage().data_ptr():
+            return t, None  # not logits (the head's weight is saved transposed)
+        entry = live.setdefault(key, [0, t.untyped_storage().nbytes()])
+        entry[0] += 1
+        peak[0] = max(peak[0], sum(nbytes for _, nbytes in live.values()))
+        return t, key
+
+    def unpack(packed):
+        t, key = packed
+        if key is not None and key in live:
+            live[key][0] -= 1
+            if live[key][0] == 0:
+                del live[key]
+        return t
+
+    fn = masked_sum if mask is not None else cross_entropy
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        if tiles is None:
+            args = (x.reshape(-1, HIDDEN), y.reshape(-1)) + ((mask.reshape(-1),) if mask is not None else ())
+            loss = fn(head, *args)
+        else:
+            loss = TiledFusedLogitsLoss.apply(fn, head, x, y, mask, tiles, None, reduction)
+        loss.backward()
+    return loss.detach(), [head.weight.grad, x.grad], peak[0]
+
+
+def test_the_tiled_loss_equals_the_whole_one_and_keeps_one_tiles_logits():
+    loss, grads, whole = logits_run(None)
+    tiled_loss, tiled_grads, tiled = logits_run(4)
+    assert torch.allclose(tiled_loss, loss, rtol=1e-6)
+    for expected, got in zip(grads, tiled_grads):
+        assert ((got - expected).norm() / expected.norm()).item() <= 1e-6
+    assert 0 < tiled <= whole // 4  # what one tile's logits and their softmax take, never more at once
+
+
+def test_a_masked_sum_over_tiles_is_the_whole_masked_sum():
+    mask = (torch.arange(2 * TOKENS).view(2, TOKENS) % 3 != 0).float()
+    mask[0] = 0  # a tile whose tokens are all masked contributes zero
+    loss, grads, _ = logits_run(None, mask=mask)
+    tiled_loss, tiled_grads, _ = logits_run(4, "sum", mask)
+    assert torch.allclose(tiled_loss, loss, rtol=1e-6)
+    for expected, got in zip(grads, tiled_grads):
+        assert ((got - expected).norm() / expected.norm()).item() <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"reduction": "max"}, "output_reduction 'max'"),
+        ({"tiles": 0}, "tiles must be an integer >= 1"),
+        ({"y": torch.zeros(2, 3, dtype=torch.long)}, r"need the same \[batch, sequence\] dims"),
+        ({"mask": torch.ones(3)}, r"mask \[3\] must be"),
+    ],
+)
+def test_bad_arguments_are_named(change, message):
+    from zeroshard.sequence_parallel import TiledFusedLogitsLoss
+
+    head, x, y = head_and_batch()
+    args = {"y": y, "mask": None, "tiles": 2, "reduction": "mean", **change}
+    with pytest.raises(ValueError, match=message):
+        TiledFusedLogitsLoss.apply(
+            cross_entropy, head, x, args["y"], args["mask"], args["tiles"], None, args["reduction"]
+        )

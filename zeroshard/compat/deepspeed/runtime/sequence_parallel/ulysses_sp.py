@@ -1,7 +1,7 @@
-"""``deepspeed.runtime.sequence_parallel.ulysses_sp``: ``TiledMLP`` (``zeroshard.sequence_parallel``), with
-DeepSpeed's ``TiledMLP.apply(fn, self, x, shards, compute_params)``. Ulysses attention, its data loader adapter and
-the tiled logits loss are not here yet (issue 30)."""
+"""``deepspeed.runtime.sequence_parallel.ulysses_sp``: ``TiledMLP`` and ``TiledFusedLogitsLoss``
+(``zeroshard.sequence_parallel``) with DeepSpeed's ``apply`` signatures. Ulysses attention and its data loader
+adapter are not here yet (issue 30)."""
 
-from zeroshard.sequence_parallel import TiledMLP
+from zeroshard.sequence_parallel import TiledFusedLogitsLoss, TiledMLP
 
-__all__ = ["TiledMLP"]
+__all__ = ["TiledFusedLogitsLoss", "TiledMLP"]
