@@ -188,12 +188,18 @@ class _PieceReader:
     def __init__(self, sources: Sources, state: TrainingState):
         self.sources, self.splits, self.tensor = sources, state.tensor_splits, state.grid.tensor
         self._cached: tuple[Optional[tuple[str, str]], Optional[torch.Tensor]] = (None, None)
+        self._parsed: dict[str, tuple] = {}  # name -> (pieces, their dtype, saved split): read once per parameter
+
+    def _entry(self, name: str) -> tuple:
+        if name not in self._parsed:
+            entry = self.sources.manifest["params"][name]
+            pieces = [Piece.from_json(p) for p in entry["pieces"]]
+            self._parsed[name] = (pieces, piece_dtype(self.sources.manifest, name, pieces[0].key), saved_split(entry))
+        return self._parsed[name]
 
     def __call__(self, name: str, prefix: str, start: int, stop: int, out: torch.Tensor) -> None:
-        entry = self.sources.manifest["params"][name]
-        pieces = [Piece.from_json(p) for p in entry["pieces"]]
-        dtype = piece_dtype(self.sources.manifest, name, pieces[0].key)
-        saved, mine = saved_split(entry), self.splits.get(name)
+        pieces, dtype, saved = self._entry(name)
+        entry, mine = self.sources.manifest["params"][name], self.splits.get(name)
         if saved == mine:  # both whole, or cut alike over as many ranks: this rank's piece is saved as it is
             shift = 0 if mine is None else self.tensor.rank * (torch.Size(entry["shape"]).numel() // mine.parts)
             assemble(self.sources, pieces, prefix, dtype, shift + start, shift + stop, out)
