@@ -74,6 +74,7 @@ def launches(tmp_path_factory):
         **{mode: [[SCRIPTS / "accelerate_train.py", mode, base / mode]] for mode in ("ddp", "ds2", "ds3")},
         "pretrained": [[SCRIPTS / "hf_zero3_from_pretrained.py", base / "pretrained"]],
         "cifar": [["torchrun", SCRIPTS / "cifar_style.py", *cifar]],
+        "ulysses": [[SCRIPTS / "hf_ulysses.py", base / "llama", base / "ulysses"]],
     }
     if HAS_BITSANDBYTES:
         for mode in (3, 2, "reference"):  # each in its own directory: they run at the same time
@@ -81,6 +82,14 @@ def launches(tmp_path_factory):
             chains[f"qlora-{mode}"] = [["python", *argv] if mode == "reference" else argv]
     # no zeroshard launcher for cifar: ZEROSHARD_AS_DEEPSPEED=1, read at interpreter start by the installed .pth hook
     env = {"cifar": {**os.environ, "ZEROSHARD_AS_DEEPSPEED": "1", "OMP_NUM_THREADS": "1"}}
+    # what `accelerate launch` sets from parallelism_config_sp_backend: deepspeed, parallelism_config_sp_size: 2
+    env["ulysses"] = {
+        **os.environ,
+        "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+        "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed",
+        "PARALLELISM_CONFIG_SP_SIZE": "2",
+        "PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "sdpa",
+    }
 
     def run_chain(name):
         return [launch(*argv, env=env.get(name)) for argv in chains[name]]
@@ -144,6 +153,18 @@ def test_hf_trainer_with_llama_factory_autotp_config_trains_on_4_ranks(launches)
     assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in original.items()}
     assert all(torch.equal(saved[k], gathered[k]) for k in saved)  # the engine's weights, joined
     assert any(not torch.equal(saved[k], original[k]) for k in saved)  # and trained
+
+
+def test_hf_trainer_with_accelerate_ulysses_sequence_parallelism_trains(launches):
+    """Accelerate's parallelism config with sp_backend deepspeed, sp_size 2, through the HF Trainer at ZeRO-3: the
+    Trainer registers UlyssesSPAttentionHF, passes its mpu to deepspeed.initialize, adapts the loader and weighs
+    the loss over the sequence-parallel group; 3 steps with finite losses on 1 data-parallel x 2 sequence ranks."""
+    (out,) = launches["ulysses"]
+    got = result(out)
+    assert got["global_step"] == 3 and len(got["losses"]) == 3
+    assert all(0 < loss < 10 for loss in got["losses"])
+    assert got["sequence_parallel_size"] == 2 and got["train_batch_size"] == 1
+    assert got["engine"] == "zeroshard.runtime.engine"
 
 
 def test_hf_zero3_from_pretrained_loads_every_weight(launches):

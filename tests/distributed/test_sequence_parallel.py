@@ -1,12 +1,168 @@
-"""Tiled MLPs inside the ZeRO engine: parameter gradients arrive once per tile from nested backwards, which the
+"""Ulysses sequence parallelism trains a Hugging Face Llama exactly as one process does on whole sequences
+(SP=2, SP=2 x DP=2, SP=4 with its 2 key-value heads repeated; stages 0, 2, 3; an SFT sample whose prompt fills
+whole pieces), its all-to-all bytes equal the analytic value, and stage 3 shards over every rank.
+
+Tiled MLPs inside the ZeRO engine: parameter gradients arrive once per tile from nested backwards, which the
 reducer adds before reducing; the same training as untiled at stages 2 and 3, and every rank agrees on the tile
 count (ZeRO-3 regathers the weights per tile, so a rank running more tiles would wait forever)."""
 
+import math
+
+import pytest
 import torch
 
 from zeroshard.testing import run_distributed
 
 STEPS = 2
+SP_STEPS, SP_SEQ, SP_LR = 3, 64, 1e-3
+SP_STAGES = (0, 2, 3)
+PROMPT = 40  # sample 0 of rank 0: its first 40 labels are -100, so whole pieces hold no counted token
+
+
+def sp_model(**overrides):
+    from zeroshard.testing.hf import tiny_causal_lm
+
+    shape = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    return tiny_causal_lm("llama", max_position_embeddings=SP_SEQ, attn_implementation="sdpa", **{**shape, **overrides})
+
+
+def sp_samples(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per rank, its loader's samples: ids and labels [world, loader batches, 1, tokens]."""
+    batches = math.ceil(SP_STEPS / 2)  # SP >= 2 computes one loader batch per SP micro-steps
+    ids = torch.randint(0, 64, (world, batches, 1, SP_SEQ), generator=torch.Generator().manual_seed(11))
+    labels = ids.clone()
+    labels[0, 0, :, :PROMPT] = -100
+    return ids, labels
+
+
+def sp_reference(world: int, sp: int) -> dict:
+    """One process on whole sequences: at step s data-parallel group d computes rank (d * sp + s % sp)'s loader
+    batch s // sp (the adapter's order); the loss is the mean over groups of each sample's token mean."""
+    ids, labels = sp_samples(world)
+    model = sp_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=SP_LR, weight_decay=0.0)
+    losses, norms = [], []
+    for step in range(SP_STEPS):
+        owners = [d * sp + step % sp for d in range(world // sp)]
+        per_group = [model(input_ids=ids[r, step // sp], labels=labels[r, step // sp]).loss for r in owners]
+        optimizer.zero_grad()
+        (sum(per_group) / len(owners)).backward()
+        norms.append(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item())
+        optimizer.step()
+        losses.append([loss.item() for loss in per_group])
+    return {"losses": losses, "norms": norms, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def sp_worker(sp: int, reference: dict) -> dict:
+    """Every stage at ``sp``-way sequence parallelism over this world (``reference``: computed before any
+    registration, which replaces the process's sdpa attention)."""
+    import zeroshard
+    from zeroshard.sequence_parallel import UlyssesSPDataLoaderAdapter, register_with_transformers, token_weighted_loss
+
+    world = zeroshard.comm.get_world_size()
+    out = {"reference": reference}
+    ids, labels = sp_samples(world)
+    rank = zeroshard.comm.get_rank()
+    samples = [
+        {"input_ids": i, "labels": t, "position_ids": torch.arange(SP_SEQ)[None]}
+        for i, t in zip(ids[rank], labels[rank])
+    ]
+    mpu = register_with_transformers(sp_model(), "sdpa", sp, micro_batch_size=1)
+    for stage in SP_STAGES:
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": SP_LR, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        engine, *_ = zeroshard.initialize(model=sp_model(), config=config, mpu=mpu)
+        loader = UlyssesSPDataLoaderAdapter(
+            torch.utils.data.DataLoader(samples, batch_size=None), mpu.sequence.rank, mpu.sequence, sp, "cpu"
+        )
+        losses, norms = [], []
+        for step, batch in zip(range(SP_STEPS), loader):
+            if step == 1:
+                engine.comm_ledger.reset()
+            shift = batch["shift_labels"]
+            out_ = engine(
+                input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=shift, shift_labels=shift
+            )
+            loss = token_weighted_loss(out_.loss, shift, mpu.sequence)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            norms.append(engine.get_global_grad_norm())
+        out[stage] = {
+            "data_rank": rank // sp,
+            "losses": losses,
+            "norms": norms,
+            "state": engine.consolidated_state_dict(rank0_only=False),
+            "ledger": {
+                f"{op}/{g}": (t.calls, t.bytes, t.wire_bytes) for (op, g), t in engine.comm_ledger.summary().items()
+            },
+            "state_bytes": engine.state_bytes(),
+            "padded": sum(flat.layout.padded_numel for flat in engine.stack.flat_groups),
+            "sizes": (
+                engine.sequence_parallel_size,
+                engine.dp_world_size,
+                engine.seq_dp_world_size,
+                engine.train_batch_size(),
+            ),
+        }
+        engine.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def sp_runs() -> dict:
+    """4 ranks, one spawn: SP=2 x DP=2 and SP=4 (2 key-value heads repeated twice)."""
+    return run_distributed(sp_four_rank_worker, 4)
+
+
+def sp_four_rank_worker() -> dict:
+    references = {sp: sp_reference(4, sp) for sp in (2, 4)}
+    return {sp: sp_worker(sp, references[sp]) for sp in (2, 4)}
+
+
+def _check_parity(run: dict, stage: int) -> None:
+    from zeroshard.testing.parity import model_error
+
+    reference, got = run["reference"], run["sp"][stage] if "sp" in run else run[stage]
+    expected = [per_group[got["data_rank"]] for per_group in reference["losses"]]  # this rank's sample's loss
+    assert abs(got["losses"][0] - expected[0]) <= 1e-6 * abs(expected[0])
+    for loss, want in zip(got["losses"], expected):
+        assert abs(loss - want) <= 1e-5 * abs(want), (got["losses"], expected)
+    for norm, want in zip(got["norms"], reference["norms"]):
+        assert abs(norm - want) <= 1e-5 * want, (got["norms"], reference["norms"])
+    assert model_error(got["state"], reference["state"]) <= 1e-5
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("stage", SP_STAGES)
+def test_ulysses_matches_one_process_on_whole_sequences(sp_runs, sp, stage):
+    for run in sp_runs:
+        _check_parity(run[sp], stage)
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("stage", SP_STAGES)
+def test_ulysses_all_to_all_bytes_and_stage3_shards_over_every_rank(sp_runs, sp, stage):
+    """Per steady-state step: per attention layer, 2 x (q + k + v + output) message bytes, key-value heads
+    repeated to the degree; (P-1)/P of it on the wire. ZeRO state: 1/world of the padded model at stages 1-3."""
+    from zeroshard.sequence_parallel import HeadLayout, attention_all_to_all_bytes
+
+    heads, layers, steps = HeadLayout(4, 2, sp), 2, SP_STEPS - 1
+    per_layer = attention_all_to_all_bytes(1, SP_SEQ // sp, 16, heads, 4)
+    for run in sp_runs:
+        got = run[sp][stage]
+        calls, message, wire = got["ledger"]["all_to_all/sequence"]
+        assert (calls, message) == (steps * layers * 8, steps * layers * per_layer)
+        assert wire == pytest.approx(message * (sp - 1) / sp, rel=1e-12)
+        assert got["sizes"] == (sp, 4 // sp, 4, 4 // sp)
+        if stage > 0:  # fp32 masters (at stage 3 the compute shards themselves) and Adam: a quarter each
+            state = got["state_bytes"]
+            assert state["master"] + (state["params"] if stage == 3 else 0) == 4 * got["padded"] // 4
+            assert state["optimizer_state"] == 8 * got["padded"] // 4
 
 
 class Tiled(torch.nn.Module):
@@ -55,13 +211,79 @@ def worker() -> dict:
     return out
 
 
-def test_tiled_mlps_train_like_untiled_ones_under_zero():
+def two_rank_worker() -> dict:
+    """One spawn of 2 ranks: tiled MLPs in the engine, then SP=2 alone (its reference before registering), then
+    the refusals."""
+    out = {"tiled": worker(), "reference": sp_reference(2, 2)}
+    out["sp"] = sp_worker(2, out["reference"])
+    out["refusals"] = sp_refusals()
+    return out
+
+
+def sp_refusals() -> dict:
+    """Each refusal's message (on every rank: nothing hangs)."""
+    import zeroshard
+    from zeroshard.sequence_parallel import register_with_transformers
+
+    def message(call) -> str:
+        try:
+            call()
+        except (ValueError, TypeError, NotImplementedError) as error:
+            return f"{type(error).__name__}: {error}"
+        return "accepted"
+
+    mpu = register_with_transformers(sp_model(), "sdpa", 2, micro_batch_size=1)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+    class MegatronStyle:
+        def get_model_parallel_world_size(self):
+            return 2
+
+    return {
+        "other_mpu": message(lambda: zeroshard.initialize(model=sp_model(), config=config, mpu=MegatronStyle())),
+        "disagree": message(
+            lambda: zeroshard.initialize(model=sp_model(), config={**config, "sequence_parallel_size": 1}, mpu=mpu)
+        ),
+        "indivisible": message(
+            lambda: zeroshard.initialize(model=sp_model(), config={**config, "sequence_parallel_size": 3})
+        ),
+        "heads": message(
+            lambda: register_with_transformers(
+                sp_model(num_attention_heads=3, num_key_value_heads=3, hidden_size=48), "sdpa", 2, 1
+            )
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs() -> list:
+    return run_distributed(two_rank_worker, 2)
+
+
+def test_tiled_mlps_train_like_untiled_ones_under_zero(two_rank_runs):
     from zeroshard.testing.parity import model_error
 
-    for out in run_distributed(worker, 2):
+    for run in two_rank_runs:
+        out = run["tiled"]
         assert out["tiles"] == 4  # rank 1's 64 tokens need 4 tiles of 16; rank 0 runs 4 too
         for stage in (2, 3):
             losses, state = out[(stage, None)]
             tiled_losses, tiled_state = out[(stage, 3)]
             assert tiled_losses == losses  # the forward is the same computation
             assert model_error(tiled_state, state) <= 1e-6
+
+
+@pytest.mark.parametrize("stage", SP_STAGES)
+def test_ulysses_on_two_ranks_matches_one_process(two_rank_runs, stage):
+    for run in two_rank_runs:
+        _check_parity(run, stage)
+        assert run["sp"][stage]["sizes"] == (2, 1, 2, 1)
+
+
+def test_ulysses_refusals_name_what_is_wrong(two_rank_runs):
+    for run in two_rank_runs:
+        got = run["refusals"]
+        assert got["other_mpu"].startswith("NotImplementedError") and "MegatronStyle" in got["other_mpu"]
+        assert "sequence_parallel_size 1 in the config but the mpu's sequence-parallel group has 2" in got["disagree"]
+        assert "sequence_parallel_size 3 must divide the number of ranks 2" in got["indivisible"]
+        assert "3 attention heads do not divide over sequence_parallel_size 2" in got["heads"]

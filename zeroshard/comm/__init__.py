@@ -30,6 +30,7 @@ from .groups import (
     build_tensor_parallel_group,
     destroy_groups,
     grid_layout,
+    group_of,
     parallel_layout,
     process_group,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "grid_layout",
+    "group_of",
     "init_distributed",
     "is_initialized",
     "log_summary",

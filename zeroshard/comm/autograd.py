@@ -9,6 +9,12 @@ forward while the gradient entering it is already the same on every rank (:func:
 all-reduce forward, identity backward). :func:`gather_from_group` concatenates slices along the last
 dimension (a vocabulary-parallel head's logits) and hands each rank its slice of the gradient back.
 
+Sequence parallelism (Ulysses) re-cuts activations between the sequence and the heads: :func:`all_to_all_in_group`
+splits one dimension over the ranks and joins another (its backward is the same exchange the other way), and
+:func:`gather_in_group` stacks every rank's value, its backward summing the gradients every rank computed for each
+slot (as ``torch.distributed.nn.functional.all_gather``: a loss every rank computes from the gathered values sends
+each rank's value the sum of their gradients).
+
 Every collective goes through :mod:`zeroshard.comm.collectives`, so the ledger counts tensor-parallel bytes like
 any others. With one rank in the group each is the identity.
 """
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import all_gather, all_reduce
+from .collectives import all_gather, all_reduce, all_to_all
 from .groups import Group
 
 
@@ -61,6 +67,45 @@ class _GatherFromGroup(torch.autograd.Function):
         return grad[..., start : start + ctx.width].contiguous(), None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, split_dim: int, join_dim: int) -> torch.Tensor:
+        ctx.group, ctx.split_dim, ctx.join_dim = group, split_dim, join_dim
+        return _exchange(x, group, split_dim, join_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, ctx.group, ctx.join_dim, ctx.split_dim), None, None, None
+
+
+def _exchange(x: torch.Tensor, group: Group, split_dim: int, join_dim: int) -> torch.Tensor:
+    """Piece j of ``x`` along ``split_dim`` goes to the group's j-th rank; the pieces received are joined along
+    ``join_dim`` in rank order."""
+    if x.shape[split_dim] % group.size:
+        raise ValueError(
+            f"all_to_all over {group.size} ranks: dimension {split_dim} of {list(x.shape)} does not divide evenly"
+        )
+    sends = torch.stack(x.chunk(group.size, dim=split_dim))
+    received = torch.empty_like(sends)
+    all_to_all(received, sends, group)
+    return torch.cat(received.unbind(0), dim=join_dim)
+
+
+class _GatherInGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        gathered = x.new_empty((group.size, *x.shape))
+        all_gather(gathered, x.contiguous(), group)
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        summed = grad.contiguous().clone()
+        all_reduce(summed, ctx.group)
+        return summed[ctx.group.rank], None
+
+
 def copy_to_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward; backward all-reduces the gradient over ``group`` (enter a tensor-parallel region)."""
     return x if group.size == 1 else _CopyToGroup.apply(x, group)
@@ -74,3 +119,15 @@ def reduce_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
 def gather_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along the last dimension, in rank order; backward keeps this rank's slice."""
     return x if group.size == 1 else _GatherFromGroup.apply(x, group)
+
+
+def all_to_all_in_group(x: torch.Tensor, group: Group, split_dim: int, join_dim: int) -> torch.Tensor:
+    """Split ``x`` along ``split_dim`` over the group's ranks and join what arrives along ``join_dim`` (Ulysses:
+    sequence pieces with all heads in, the whole sequence with a slice of the heads out); backward exchanges back."""
+    return x if group.size == 1 else _AllToAll.apply(x, group, split_dim, join_dim)
+
+
+def gather_in_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's ``x`` stacked along a new first dimension, in rank order; backward sums each slot's gradient over
+    the ranks and hands this rank its slot's sum."""
+    return x.unsqueeze(0) if group.size == 1 else _GatherInGroup.apply(x, group)

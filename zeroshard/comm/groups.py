@@ -5,6 +5,10 @@ Two axes, in DeepSpeed's order (:func:`parallel_layout`): *tensor-parallel group
 data-parallel group, ranks are laid out as ``arange(dp).view(replicas, shard_size)``: a row is a *shard group*
 (ranks that split parameters and optimizer state), a column a *replica group* (ranks holding the same shard).
 Plain ZeRO is one tensor-parallel rank and one row: the shard group is the whole data-parallel world.
+
+*Sequence-parallel groups* (Ulysses) are consecutive ranks too. They split each sample's tokens, not the model, so
+they stay inside the data-parallel group: ZeRO shards and reduces over data x sequence ranks (DeepSpeed's
+"sequence data parallel" group), and only the batch arithmetic counts ``data / sequence`` data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -42,10 +46,14 @@ class RankGrid:
     replica: Group
     data: Group  # this rank's data-parallel group: the ranks that see different batches (the world without TP)
     tensor: Group  # this rank's tensor-parallel group: the ranks that split its layers (this rank alone without TP)
+    sequence: Group  # this rank's sequence-parallel group: the ranks that split each sample's tokens (inside `data`)
+    sequence_adopted: bool = False  # built before the grid (register_with_transformers): its owner tears it down
 
     @property
     def data_parallel_size(self) -> int:
-        return self.data.size
+        """Data-parallel ranks as the batch arithmetic counts them: the ranks of a sequence-parallel group together
+        compute one sample (DeepSpeed's ``train_batch_size`` counts world / (tp x sp))."""
+        return self.data.size // self.sequence.size
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -76,22 +84,37 @@ class ParallelLayout:
     data: list[list[int]]
     shard: list[list[int]]
     replica: list[list[int]]
+    sequence: list[list[int]]
 
 
-def parallel_layout(world_size: int, tp_size: int = 1, shard_size: Optional[int] = None) -> ParallelLayout:
-    """The groups of ``world_size`` ranks with ``tp_size``-way tensor parallelism and ZeRO shard groups of
-    ``shard_size`` ranks inside each data-parallel group (see the module docstring). Pure."""
+def parallel_layout(
+    world_size: int, tp_size: int = 1, shard_size: Optional[int] = None, sp_size: int = 1
+) -> ParallelLayout:
+    """The groups of ``world_size`` ranks with ``tp_size``-way tensor parallelism, ``sp_size``-way sequence
+    parallelism and ZeRO shard groups of ``shard_size`` ranks inside each data-parallel group (see the module
+    docstring). Pure."""
     if tp_size < 1 or world_size % tp_size:
         raise ValueError(
             f"tensor_parallel.autotp_size {tp_size} must divide the number of ranks {world_size}: launch with a "
             f"multiple of {tp_size} processes"
+        )
+    if sp_size < 1 or world_size % sp_size:
+        raise ValueError(
+            f"sequence_parallel_size {sp_size} must divide the number of ranks {world_size}: launch with a "
+            f"multiple of {sp_size} processes"
+        )
+    if tp_size > 1 and sp_size > 1:
+        raise ValueError(
+            f"tensor_parallel.autotp_size {tp_size} with sequence_parallel_size {sp_size}: combining tensor and "
+            "sequence parallelism is not supported; use one of them"
         )
     tensor = [list(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
     data = [list(range(tp_rank, world_size, tp_size)) for tp_rank in range(tp_size)]
     rows = grid_layout(world_size // tp_size, shard_size)  # positions inside one data-parallel group
     shard = [[group[i] for i in row] for group in data for row in rows]
     replica = [[group[i] for i in column] for group in data for column in zip(*rows)]
-    return ParallelLayout(tensor, data, shard, replica)
+    sequence = [list(range(start, start + sp_size)) for start in range(0, world_size, sp_size)]
+    return ParallelLayout(tensor, data, shard, replica, sequence)
 
 
 def _own_group(name: str, partition: list, world_size: int, context: CommContext = DEFAULT_CONTEXT) -> Group:
@@ -107,21 +130,41 @@ def _own_group(name: str, partition: list, world_size: int, context: CommContext
 
 
 def build_rank_grid(
-    shard_size: Optional[int] = None, context: Optional[CommContext] = None, tp_size: int = 1
+    shard_size: Optional[int] = None,
+    context: Optional[CommContext] = None,
+    tp_size: int = 1,
+    sp_size: int = 1,
+    sequence: Optional[Group] = None,
 ) -> RankGrid:
     """Create the groups every rank must create together (collective call). Their collectives count in
-    ``context`` (by default a new child of the process's default context)."""
+    ``context`` (by default a new child of the process's default context). ``sequence``: a sequence-parallel
+    group built before the engine (by ``register_with_transformers``), adopted when it has the layout's ranks."""
     context = context or DEFAULT_CONTEXT.child()
     world_size = get_world_size()
-    layout = parallel_layout(world_size, tp_size, shard_size)
+    layout = parallel_layout(world_size, tp_size, shard_size, sp_size)
     world = Group("world", tuple(range(world_size)), None, context)
+    if sequence is not None and list(sequence.ranks) not in layout.sequence:
+        raise ValueError(
+            f"the sequence-parallel group {list(sequence.ranks)} given is not one of {layout.sequence}: "
+            f"sequence_parallel_size {sp_size} groups consecutive ranks"
+        )
     return RankGrid(
         world=world,
         shard=_own_group("shard", layout.shard, world_size, context),
         replica=_own_group("replica", layout.replica, world_size, context),
         data=_own_group("data", layout.data, world_size, context) if tp_size > 1 else world,
         tensor=_own_group("tensor", layout.tensor, world_size, context),
+        sequence=sequence or _own_group("sequence", layout.sequence, world_size, context),
+        sequence_adopted=sequence is not None,
     )
+
+
+def group_of(handle: Any, name: str, context: CommContext = DEFAULT_CONTEXT) -> Group:
+    """A torch ``ProcessGroup`` (``None`` or ``WORLD``: the world) as a zeroshard group, so collectives on it are
+    counted and fail with an error naming the rank and operation."""
+    if handle is None or handle is dist.group.WORLD:
+        return Group(name, tuple(range(get_world_size())), None, context)
+    return Group(name, tuple(dist.get_process_group_ranks(handle)), handle, context)
 
 
 def process_group(group: Group) -> Any:
@@ -141,7 +184,8 @@ def destroy_groups(grid: RankGrid) -> None:
     """Tear down the process groups ``build_rank_grid`` created (the default group stays: it is not ours)."""
     if not dist.is_initialized():
         return
-    for group in {grid.shard, grid.replica, grid.data, grid.tensor}:
+    built = {grid.shard, grid.replica, grid.data, grid.tensor} | (set() if grid.sequence_adopted else {grid.sequence})
+    for group in built:
         if group.handle is not None:
             dist.destroy_process_group(group.handle)
 

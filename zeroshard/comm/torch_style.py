@@ -25,17 +25,15 @@ from .collectives import reduce_scatter as _reduce_scatter
 from .collectives import scatter as _scatter
 from .collectives import send as _send
 from .context import DEFAULT_CONTEXT
-from .groups import Group
+from .groups import Group, group_of
 
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
 
 
 def _group(group) -> Group:
-    if group is None or group is dist.group.WORLD:
-        return Group("world", tuple(range(get_world_size())), None)
     if isinstance(group, Group):
         return group
-    return Group("user", tuple(dist.get_process_group_ranks(group)), group)
+    return group_of(group, "world" if group is None or group is dist.group.WORLD else "user")
 
 
 def _op(op) -> str:

@@ -111,11 +111,12 @@ def resolve_batch_triad(
 class AutoContext:
     """What the caller gave that can resolve ``"auto"``."""
 
-    world_size: int  # data-parallel ranks
+    world_size: int  # data-parallel ranks (the world over tensor- and sequence-parallel degrees)
     args: Any = None
     dataloader_batch_size: Optional[int] = None
     hidden_size: Optional[int] = None
     tensor_parallel_size: int = 1  # ranks of a tensor-parallel group, which share each batch
+    sequence_parallel_size: int = 1  # ranks of a sequence-parallel group, which compute each sample together
 
 
 @dataclass
@@ -214,18 +215,20 @@ def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
 
 
 def _all_ranks_counted(data: dict, ctx: AutoContext, derived: list) -> None:
-    """Under tensor parallelism ``train_batch_size`` counts the data-parallel ranks only (as DeepSpeed documents):
-    the ranks of a tensor-parallel group share each batch. A client that counted every rank (the HF Trainer fills
-    ``world x micro x accumulation``) wrote a value ``tp`` times too large: corrected, with a warning."""
-    tb, mb, ga, tp = (
-        data["train_batch_size"],
-        data["train_micro_batch_size_per_gpu"],
-        data["gradient_accumulation_steps"],
-        ctx.tensor_parallel_size,
-    )
-    if tp > 1 and None not in (tb, mb, ga) and tb == mb * ga * ctx.world_size * tp:
+    """Under tensor or sequence parallelism ``train_batch_size`` counts the data-parallel ranks only (as DeepSpeed
+    documents): the ranks of a tensor-parallel group share each batch, those of a sequence-parallel group compute
+    each sample together. A client that counted every rank (the HF Trainer fills ``world x micro x accumulation``)
+    wrote a value ``tp x sp`` times too large: corrected, with a warning."""
+    tb, mb, ga = data["train_batch_size"], data["train_micro_batch_size_per_gpu"], data["gradient_accumulation_steps"]
+    tp, sp = ctx.tensor_parallel_size, ctx.sequence_parallel_size
+    if tp * sp > 1 and None not in (tb, mb, ga) and tb == mb * ga * ctx.world_size * tp * sp:
         data["train_batch_size"] = mb * ga * ctx.world_size
-        why = f"{tb} counted all {ctx.world_size * tp} ranks; the {tp} ranks of a tensor-parallel group share a batch"
+        group = (
+            f"the {tp} ranks of a tensor-parallel group share a batch"
+            if tp > 1
+            else (f"the {sp} ranks of a sequence-parallel group compute one sample")
+        )
+        why = f"{tb} counted all {ctx.world_size * tp * sp} ranks; {group}"
         derived.append(("train_batch_size", data["train_batch_size"], why))
         warnings.warn(f"train_batch_size {tb} -> {data['train_batch_size']}: {why}", stacklevel=3)
 

@@ -630,7 +630,8 @@ class ZeroshardConfig(Section):
     hybrid_engine: Optional[dict[str, Any]] = None
     compile: CompileConfig = Field(default_factory=CompileConfig)
     tensor_parallel: TensorParallelTrainingConfig = Field(default_factory=TensorParallelTrainingConfig)
-    sequence_parallel_size: int = refused(1, "sequence parallelism is not implemented yet", ge=1)
+    # Ulysses: the ranks of a sequence-parallel group split each sample's tokens (zeroshard.sequence_parallel)
+    sequence_parallel_size: int = Field(1, ge=1)
     nebula: Optional[dict[str, Any]] = None
     weight_quantization: Optional[dict[str, Any]] = None
 

@@ -292,7 +292,7 @@ class ZeroshardEngine(torch.nn.Module):
         norm = self.get_global_grad_norm()
         clip = self.settings.gradient_clipping
         clipped = min(norm, clip) if clip > 0 and norm is not None else norm
-        tokens = self._window_tokens * self.grid.data_parallel_size
+        tokens = self._window_tokens * self.grid.data.size  # every rank of the data group ran different tokens
         log_rank0(
             f"step {self.global_steps}: loss {self._last_loss_value():.4f} lr {self.get_lr()[0]:.3e} "
             f"loss_scale {self.stack.loss_scale:g} grad_norm {norm:.4f} (clipped {clipped:.4f}) "
@@ -462,7 +462,17 @@ class ZeroshardEngine(torch.nn.Module):
 
     @property
     def dp_world_size(self) -> int:
-        """Data-parallel ranks: the world over the tensor-parallel degree (DeepSpeed's attribute)."""
+        """Data-parallel ranks: the world over the tensor- and sequence-parallel degrees (DeepSpeed's attribute)."""
+        return self.grid.data_parallel_size
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks of a sequence-parallel group (1: none), as ``sequence_parallel_size`` or the ``mpu`` set it."""
+        return self.grid.sequence.size
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """The ranks ZeRO shards and reduces over: data x sequence (DeepSpeed's attribute)."""
         return self.grid.data.size
 
     def autotp_size(self) -> int:

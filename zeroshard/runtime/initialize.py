@@ -158,6 +158,31 @@ def _tensor_parallel_size(model: torch.nn.Module, settings) -> int:
     return already.size
 
 
+def _sequence_parallel(mpu: Any, parsed) -> tuple[int, Optional[comm.Group]]:
+    """The sequence-parallel degree and, when ``mpu`` (``register_with_transformers``'s groups, or any object with
+    DeepSpeed's sequence-parallel getters) brings one, its group. Other mpu shapes (Megatron's model parallelism) are
+    refused by name; ``sequence_parallel_size`` in the config must agree with the mpu when both are given."""
+    configured = parsed.sequence_parallel_size
+    if mpu is None:
+        return configured, None
+    if not hasattr(mpu, "get_sequence_parallel_world_size"):
+        raise NotImplementedError(
+            f"initialize(mpu=...): an mpu of type {type(mpu).__name__} without get_sequence_parallel_world_size(); "
+            "zeroshard takes an mpu for Ulysses sequence parallelism only (register_with_transformers returns one). "
+            "For tensor parallelism set tensor_parallel.autotp_size in the config"
+        )
+    size = int(mpu.get_sequence_parallel_world_size())
+    if "sequence_parallel_size" in parsed.model_fields_set and configured != size:
+        raise ValueError(
+            f"sequence_parallel_size {configured} in the config but the mpu's sequence-parallel group has {size} "
+            "ranks; make them agree (or drop the key: the mpu sets it)"
+        )
+    group = getattr(mpu, "sequence", None)
+    if not isinstance(group, comm.Group):
+        group = comm.group_of(mpu.get_sequence_parallel_group(), "sequence", comm.DEFAULT_CONTEXT.child())
+    return size, group
+
+
 def _split_over_tensor_group(model: torch.nn.Module, cfg, grid: comm.RankGrid, materialize) -> frozenset:
     """Tensor parallelism: every rank starts from the same weights, then keeps its pieces (a model ``tp_model_init``
     split already keeps its own: its replicated weights are shared over the world, its pieces over the
@@ -270,12 +295,21 @@ def _join_process_group(dist_init_required: Optional[bool]) -> None:
     comm.destroy_at_exit()  # also when the caller (Lightning, accelerate, a user) created the process group
 
 
-def _resolve(source: Any, args: Any, model: torch.nn.Module, training_data: Any) -> tuple[comm.RankGrid, Resolution]:
-    """The rank grid (the engine's process groups, counting in a comm context of its own) and the config with
-    every ``"auto"`` filled in for it."""
+def _resolve(
+    source: Any, args: Any, model: torch.nn.Module, training_data: Any, mpu: Any
+) -> tuple[comm.RankGrid, Resolution]:
+    """The rank grid (the engine's process groups, counting in a comm context of its own, shared with a
+    sequence-parallel group built before it) and the config with every ``"auto"`` filled in for it."""
     parsed = parse_config(source)
     tp_size = _tensor_parallel_size(model, parsed.tensor_parallel)
-    grid = comm.build_rank_grid(parsed.zero_optimization.shard_group_size, tp_size=tp_size)
+    sp_size, sequence = _sequence_parallel(mpu, parsed)
+    grid = comm.build_rank_grid(
+        parsed.zero_optimization.shard_group_size,
+        context=sequence.context if sequence is not None else None,
+        tp_size=tp_size,
+        sp_size=sp_size,
+        sequence=sequence,
+    )
     dataloader_batch = training_data.batch_size if isinstance(training_data, DataLoader) else None
     resolution = resolve_config(
         parsed,
@@ -285,12 +319,17 @@ def _resolve(source: Any, args: Any, model: torch.nn.Module, training_data: Any)
             dataloader_batch_size=dataloader_batch,
             hidden_size=model_hidden_size(model),
             tensor_parallel_size=tp_size,
+            sequence_parallel_size=sp_size,
         ),
     )
+    if sp_size > 1:  # the mpu may have set it: the engine's config reports the degree in effect
+        resolution.config.sequence_parallel_size = sp_size
     stage = resolution.config.zero_optimization.stage
     ranks = f"{grid.data_parallel_size} rank(s)"
     if tp_size > 1:
         ranks = f"{grid.data_parallel_size} data-parallel rank(s) x {tp_size} tensor-parallel"
+    if sp_size > 1:
+        ranks = f"{grid.data_parallel_size} data-parallel rank(s) x {sp_size} sequence-parallel"
     log_rank0(f"config resolved for {ranks}, ZeRO stage {stage}:\n" + resolution.report())
     return grid, resolution
 
@@ -330,9 +369,7 @@ def _build_dataloader(training_data, resolution: Resolution, grid: comm.RankGrid
     """A client DataLoader as it is; a Dataset gets zeroshard's resumable distributed sampler."""
     if training_data is None or isinstance(training_data, DataLoader):
         return training_data
-    sampler = ResumableDistributedSampler(
-        training_data, num_replicas=grid.data_parallel_size, rank=grid.data.rank, shuffle=True
-    )
+    sampler = ResumableDistributedSampler(training_data, num_replicas=grid.data.size, rank=grid.data.rank, shuffle=True)
     return DataLoader(
         training_data,
         batch_size=resolution.batch.micro_batch_size,
@@ -372,6 +409,7 @@ def initialize(
     gather_unit_classes: Any = None,
     pretrained: Any = None,
     leaf_modules: Any = (),
+    mpu: Any = None,
 ):
     """Build an engine; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
@@ -382,14 +420,16 @@ def initialize(
     paths) adds to ``zero_optimization.leaf_module``: each is one gather unit with no unit inside it.
     ``pretrained`` (a safetensors file, a Hugging Face checkpoint directory or a zeroshard checkpoint) fills a
     model built under ``zero.Init``: every rank reads the weights of one flat group at a time and keeps its
-    shard, so no rank ever holds the whole model and nothing is broadcast.
+    shard, so no rank ever holds the whole model and nothing is broadcast. ``mpu``: the sequence-parallel groups
+    ``zeroshard.sequence_parallel.register_with_transformers`` returned (Ulysses; ZeRO then shards and reduces over
+    data x sequence ranks, and ``train_batch_size`` counts world / sequence_parallel_size).
     """
     if model is None:
         raise ValueError("initialize needs model=")
     log_as_launched()
     source = _config_source(args, config if config is not None else config_params)
     _join_process_group(dist_init_required)
-    grid, resolution = _resolve(source, args, model, training_data)
+    grid, resolution = _resolve(source, args, model, training_data, mpu)
     cfg = resolution.config
     placement = _placement(cfg)
     materialize = _materializer(model, pretrained, grid.world, placement.device)

@@ -1,5 +1,8 @@
 """Tiled compute over the sequence: an MLP, or the LM head and its loss, applied to a long sequence one tile at a time.
 
+:func:`sequence_tiled_compute` is the general form (any function of [batch, tokens, ...] tensors that acts on
+each token alone); :class:`TiledMLP` is it applied to an MLP.
+
 An MLP acts on each token alone, so it can run on a sequence in tiles: the forward keeps only its input, and the
 backward recomputes each tile's forward and backpropagates it before the next. The [tokens, intermediate]
 activations (four times the hidden width in most models) then exist for one tile at a time instead of the whole
@@ -38,33 +41,123 @@ def agreed_tile_count(sequence_length: int, tile_length: int, group: Optional[co
     return int(count.item())
 
 
-class TiledMLP(torch.autograd.Function):
-    """``fn(module, x)`` on ``x`` in ``tiles`` pieces along the sequence (dim -2), keeping only ``x`` for backward
-    (DeepSpeed's ``TiledMLP``: ``TiledMLP.apply(fn, module, x, tiles, compute_params)``; ``compute_params`` is
-    accepted and not needed). ``fn`` must act on each token alone."""
+class SequenceTiledCompute(torch.autograd.Function):
+    """The tiled computation behind :func:`sequence_tiled_compute` (DeepSpeed's ``SequenceTiledCompute``): forward
+    without a graph, backward recomputing one tile at a time. Its ``apply`` takes the dict keys and values flat, as
+    autograd functions must; call :func:`sequence_tiled_compute`."""
 
     @staticmethod
-    def forward(ctx, fn: Callable, module: Any, x: torch.Tensor, tiles: int, compute_params=None) -> torch.Tensor:
-        if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
-            raise ValueError(f"TiledMLP: tiles must be an integer >= 1, got {tiles!r}")
-        ctx.fn, ctx.module, ctx.tiles = fn, module, tiles
-        ctx.save_for_backward(x)
+    def forward(
+        ctx, fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_key, compute_params, out_dim, reduction, *args
+    ):
+        _check_tiles("sequence_tiled_compute", shards)
+        if reduction not in (None, "mean", "sum"):
+            raise ValueError(f'sequence_tiled_compute: output_reduction {reduction!r}; use None, "mean" or "sum"')
+        keys = list(keys_to_shard) + list(keys_to_pass)
+        if grad_key not in keys_to_shard:
+            raise ValueError(
+                f"sequence_tiled_compute: grad_requiring_tensor_key {grad_key!r} is not one of {keys_to_shard}"
+            )
+        tensors = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.save_for_backward(*(args[i] for i in tensors))
+        ctx.tensor_slots, ctx.others = tensors, [None if torch.is_tensor(a) else a for a in args]
+        ctx.fn, ctx.keys, ctx.sharded, ctx.grad_key = fn, keys, len(keys_to_shard), grad_key
+        ctx.step, ctx.out_dim, ctx.reduction = math.ceil(seqlen / shards), out_dim, reduction
         with torch.no_grad():
-            return torch.cat([fn(module, piece) for piece in x.chunk(tiles, dim=-2)], dim=-2)
+            outputs = [fn(**tile) for tile in _sequence_tiles(dict(zip(keys, args)), ctx.sharded, ctx.step, seqlen)]
+        joined = torch.stack(outputs) if out_dim == 0 else torch.cat(outputs, dim=out_dim)
+        ctx.tiles = len(outputs)
+        if reduction is None:
+            return joined
+        return joined.mean() if reduction == "mean" else joined.sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        x_grad = torch.zeros_like(x) if ctx.needs_input_grad[2] else None
-        for index, (piece, grad_piece) in enumerate(zip(x.chunk(ctx.tiles, dim=-2), grad.chunk(ctx.tiles, dim=-2))):
-            piece = piece.detach().requires_grad_(x_grad is not None)
+        args = list(ctx.others)
+        for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
+            args[slot] = tensor
+        named = dict(zip(ctx.keys, args))
+        whole = named[ctx.grad_key]
+        named[ctx.grad_key] = whole.detach()
+        seqlen = whole.shape[1]
+        whole_grad = torch.zeros_like(whole)
+        for index, tile in enumerate(_sequence_tiles(named, ctx.sharded, ctx.step, seqlen)):
+            piece = tile[ctx.grad_key].requires_grad_(True)
             with torch.enable_grad():
-                out = ctx.fn(ctx.module, piece)
-            torch.autograd.backward(out, grad_piece)  # parameter gradients accumulate tile by tile
-            if x_grad is not None:
-                start = index * x.chunk(ctx.tiles, dim=-2)[0].shape[-2]
-                x_grad.narrow(-2, start, piece.shape[-2]).copy_(piece.grad)
-        return None, None, x_grad, None, None
+                out = ctx.fn(**tile)
+            if ctx.reduction is not None:
+                tile_grad = grad / ctx.tiles if ctx.reduction == "mean" else grad
+                tile_grad = tile_grad.expand_as(out)
+            elif ctx.out_dim == 0:
+                tile_grad = grad[index]
+            else:
+                tile_grad = grad.narrow(ctx.out_dim, index * ctx.step, out.shape[ctx.out_dim])
+            torch.autograd.backward(out, tile_grad)  # parameter gradients accumulate tile by tile
+            whole_grad.narrow(1, index * ctx.step, piece.shape[1]).copy_(piece.grad)
+        grads = [whole_grad if key == ctx.grad_key else None for key in ctx.keys]
+        return (None,) * 9 + tuple(grads)
+
+
+def sequence_tiled_compute(
+    fn: Callable,
+    seqlen: int,
+    shards: int,
+    kwargs_to_shard: dict,
+    kwargs_to_pass: dict,
+    grad_requiring_tensor_key: str,
+    compute_params: Any = None,
+    output_unshard_dimension: int = 1,
+    output_reduction: Optional[str] = "mean",
+) -> torch.Tensor:
+    """``fn(**kwargs_to_shard, **kwargs_to_pass)`` computed on tiles of ``ceil(seqlen / shards)`` tokens of the
+    tensors in ``kwargs_to_shard`` (cut along dim 1, [batch, tokens, ...]), outputs joined along
+    ``output_unshard_dimension`` (0: stacked, e.g. one loss per tile) then reduced by ``output_reduction``
+    (``None``, ``"mean"``, ``"sum"``). Backward recomputes each tile and returns the gradient of
+    ``kwargs_to_shard[grad_requiring_tensor_key]`` (and of the parameters ``fn`` uses); nothing but the inputs is kept
+    between forward and backward. DeepSpeed's signature; ``compute_params`` is accepted and not needed."""
+    return SequenceTiledCompute.apply(
+        fn,
+        seqlen,
+        shards,
+        list(kwargs_to_shard),
+        list(kwargs_to_pass),
+        grad_requiring_tensor_key,
+        compute_params,
+        output_unshard_dimension,
+        output_reduction,
+        *kwargs_to_shard.values(),
+        *kwargs_to_pass.values(),
+    )
+
+
+def _sequence_tiles(named: dict, sharded: int, step: int, seqlen: int) -> list[dict]:
+    """Each tile's keyword arguments: the first ``sharded`` entries cut to ``step`` tokens along dim 1, the rest
+    passed whole."""
+    keys = list(named)
+    return [
+        {k: named[k][:, start : start + step] if i < sharded else named[k] for i, k in enumerate(keys)}
+        for start in range(0, max(seqlen, 1), step)
+    ]
+
+
+def _check_tiles(who: str, tiles: Any) -> None:
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(f"{who}: tiles must be an integer >= 1, got {tiles!r}")
+
+
+class TiledMLP:
+    """``fn(module, x)`` on ``x`` in ``tiles`` pieces along the sequence (dim -2), keeping only ``x`` for backward
+    (DeepSpeed's ``TiledMLP``: ``TiledMLP.apply(fn, module, x, tiles, compute_params)``; ``compute_params`` is
+    accepted and not needed). ``fn`` must act on each token alone. A :class:`SequenceTiledCompute` over the tokens."""
+
+    @staticmethod
+    def apply(fn: Callable, module: Any, x: torch.Tensor, tiles: int, compute_params=None) -> torch.Tensor:
+        _check_tiles("TiledMLP", tiles)
+        rows = x.reshape(-1, *x.shape[-2:])  # [batch..., tokens, hidden] -> [rows, tokens, hidden]
+        out = sequence_tiled_compute(
+            lambda x: fn(module, x), rows.shape[1], tiles, {"x": rows}, {}, "x", output_reduction=None
+        )
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def tiled_mlp(module: torch.nn.Module, x: torch.Tensor, tiles: int, fn: Optional[Callable] = None) -> torch.Tensor:
@@ -85,8 +178,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     def forward(ctx, fn, module, x, y, mask, tiles, compute_params=None, output_reduction="mean"):
         if output_reduction not in ("mean", "sum"):
             raise ValueError(f'TiledFusedLogitsLoss: output_reduction {output_reduction!r}; use "mean" or "sum"')
-        if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
-            raise ValueError(f"TiledFusedLogitsLoss: tiles must be an integer >= 1, got {tiles!r}")
+        _check_tiles("TiledFusedLogitsLoss", tiles)
         if x.dim() < 2 or y.dim() < 2 or x.shape[:2] != y.shape[:2]:
             raise ValueError(
                 f"TiledFusedLogitsLoss: x {list(x.shape)} and y {list(y.shape)} need the same [batch, sequence] dims"

@@ -55,3 +55,17 @@ def test_parallel_layout_is_deepspeeds_tensor_groups_contiguous_data_groups_stri
     for world, tp in ((6, 4), (4, 0)):
         with pytest.raises(ValueError, match="tensor_parallel.autotp_size"):
             parallel_layout(world, tp)
+
+
+def test_sequence_groups_are_consecutive_ranks_inside_the_data_group():
+    """Ulysses splits tokens, not the model: ZeRO keeps sharding over every rank (data x sequence)."""
+    from zeroshard.comm import parallel_layout
+
+    layout = parallel_layout(8, sp_size=4, shard_size=4)
+    assert layout.sequence == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.data == [[0, 1, 2, 3, 4, 5, 6, 7]] and layout.tensor == [[r] for r in range(8)]
+    assert layout.shard == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="sequence_parallel_size 3 must divide the number of ranks 4"):
+        parallel_layout(4, sp_size=3)
+    with pytest.raises(ValueError, match="combining tensor and sequence parallelism is not supported"):
+        parallel_layout(4, tp_size=2, sp_size=2)

@@ -110,7 +110,6 @@ def test_axolotl_compile_block_is_kept_for_engine_compile():
             {"tensor_parallel": {"partition_config": {"layer_specs": [{"patterns": ["x"], "gather_output": True}]}}},
             r"tensor_parallel.partition_config.layer_specs\[0\].gather_output",
         ),
-        ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
         ({"compile": {"deepcompile": True}}, "compile.deepcompile"),
     ],
 )

@@ -129,3 +129,19 @@ def test_overlap_comm_dynamic_default_is_recorded():
     res = resolve_config(parse_config({"train_batch_size": 4}), AutoContext(world_size=1))
     assert res.config.zero_optimization.overlap_comm is False
     assert any(k == "zero_optimization.overlap_comm" for k, _, _ in res.derived)
+
+
+def test_sequence_parallel_batch_counts_data_parallel_ranks_and_corrects_a_count_of_every_rank():
+    """DeepSpeed: train_batch_size = micro x accumulation x world / sequence_parallel_size. A value that counted every
+    rank (the HF Trainer writes world x micro x accumulation) is corrected with a warning naming both."""
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 4})
+    assert cfg.sequence_parallel_size == 4
+    res = resolve_config(cfg, AutoContext(world_size=2, sequence_parallel_size=4))
+    assert res.batch.train_batch_size == 4
+    hf = parse_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1})
+    with pytest.warns(UserWarning, match="train_batch_size 16 -> 4: 16 counted all 8 ranks; the 4 ranks of a sequence"):
+        res = resolve_config(hf, AutoContext(world_size=2, sequence_parallel_size=4))
+    assert res.batch.train_batch_size == 4
+    for bad in (0, -1, "two"):
+        with pytest.raises(ValueError, match="sequence_parallel_size"):
+            parse_config({"train_batch_size": 2, "sequence_parallel_size": bad})

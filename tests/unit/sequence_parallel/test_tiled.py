@@ -162,3 +162,32 @@ def test_bad_arguments_are_named(change, message):
         TiledFusedLogitsLoss.apply(
             cross_entropy, head, x, args["y"], args["mask"], args["tiles"], None, args["reduction"]
         )
+
+
+def test_sequence_tiled_compute_matches_the_untiled_function():
+    """DeepSpeed's general form: sharded and passed keyword arguments, outputs joined on dim 1 or stacked (one
+    loss per tile) then reduced; the input's gradient and the parameters' equal the untiled ones."""
+    from zeroshard.sequence_parallel import sequence_tiled_compute
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(HIDDEN, 16)
+    x, y = torch.randn(1, TOKENS, HIDDEN, requires_grad=True), torch.randint(0, 16, (1, TOKENS))
+
+    def loss_fn(x, y, scale):
+        return torch.nn.functional.cross_entropy(head(x).flatten(0, 1), y.flatten()) * scale
+
+    def grads(loss):
+        head.zero_grad()
+        x.grad = None
+        loss.backward()
+        return loss.item(), x.grad.clone(), head.weight.grad.clone()
+
+    expected = grads(loss_fn(x, y, 2.0))
+    got = grads(sequence_tiled_compute(loss_fn, TOKENS, 4, {"x": x, "y": y}, {"scale": 2.0}, "x", None, 0, "mean"))
+    assert abs(got[0] - expected[0]) <= 1e-6 * expected[0]
+    for want, have in zip(expected[1:], got[1:]):
+        assert ((have - want).norm() / want.norm()).item() <= 1e-6
+    with pytest.raises(ValueError, match="grad_requiring_tensor_key 'y' is not one of \\['x'\\]"):
+        sequence_tiled_compute(loss_fn, TOKENS, 4, {"x": x}, {"y": y, "scale": 1.0}, "y")
+    with pytest.raises(ValueError, match="output_reduction 'max'"):
+        sequence_tiled_compute(loss_fn, TOKENS, 4, {"x": x, "y": y}, {"scale": 1.0}, "x", output_reduction="max")

@@ -31,13 +31,14 @@ def initialize(
     mesh_param: Any = None,
     config_params: Any = None,
 ):
-    """``deepspeed.initialize``: :func:`zeroshard.initialize` with DeepSpeed's full signature. Model parallelism
-    through ``mpu``/``mesh_param`` is refused (tensor parallelism comes from ``tensor_parallel.autotp_size``)."""
-    if mpu is not None or mesh_param is not None:
+    """``deepspeed.initialize``: :func:`zeroshard.initialize` with DeepSpeed's full signature. ``mpu`` is taken when
+    it carries sequence-parallel getters (``UlyssesSPAttentionHF.register_with_transformers`` returns one); other
+    model parallelism through ``mpu``/``mesh_param`` is refused (tensor parallelism comes from
+    ``tensor_parallel.autotp_size``)."""
+    if mesh_param is not None:
         raise NotImplementedError(
-            "deepspeed.initialize(mpu=..., mesh_param=...): groups from an mpu or a mesh are not supported by "
-            "zeroshard; set tensor_parallel.autotp_size in the config for tensor parallelism (the groups are built "
-            "from it)"
+            "deepspeed.initialize(mesh_param=...): groups from a mesh are not supported by zeroshard; set "
+            "tensor_parallel.autotp_size or sequence_parallel_size in the config (the groups are built from it)"
         )
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
@@ -54,6 +55,7 @@ def initialize(
         collate_fn=collate_fn,
         config_params=config_params,
         leaf_modules=leaves,  # flagged by deepspeed.utils.set_z3_leaf_modules
+        mpu=mpu,
     )
     live_engines.track(built[0])
     return built

@@ -1,7 +1,9 @@
 """``deepspeed.utils.groups``: the process groups of the newest live engine ``deepspeed.initialize`` built, by
 DeepSpeed's getter names. DeepSpeed keeps them per process; zeroshard's belong to an engine (``engine.grid``), so
 these read the newest one (``live_engines``). Tensor-parallel groups are consecutive ranks (``tp_rank = rank % tp``),
-data-parallel groups strided (``dp_rank = rank // tp``), as DeepSpeed lays them out."""
+data-parallel groups strided (``dp_rank = rank // tp``), as DeepSpeed lays them out. Sequence-parallel groups
+(Ulysses) are consecutive ranks; the sequence-data-parallel group (where ZeRO shards and reduces) is the engine's
+data group, all ranks without tensor parallelism."""
 
 from __future__ import annotations
 
@@ -60,6 +62,37 @@ def get_data_parallel_rank() -> int:
     return _data().rank
 
 
+def _get_sequence_parallel_group() -> Any:
+    return comm.process_group(_grid().sequence)
+
+
+def _get_sequence_parallel_world_size() -> int:
+    return _grid().sequence.size
+
+
+def _get_sequence_parallel_rank() -> int:
+    return _grid().sequence.rank
+
+
+def _get_sequence_data_parallel_group() -> Any:
+    return comm.process_group(_data())
+
+
+def _get_sequence_data_parallel_world_size() -> int:
+    return _data().size
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    return _data().rank
+
+
+get_sequence_parallel_group = _get_sequence_parallel_group
+get_sequence_parallel_world_size = _get_sequence_parallel_world_size
+get_sequence_parallel_rank = _get_sequence_parallel_rank
+get_sequence_data_parallel_group = _get_sequence_data_parallel_group
+get_sequence_data_parallel_world_size = _get_sequence_data_parallel_world_size
+get_sequence_data_parallel_rank = _get_sequence_data_parallel_rank
+
 # model parallelism is tensor parallelism here (no pipeline stages), as in DeepSpeed's AutoTP
 get_model_parallel_group = get_tensor_model_parallel_group
 get_model_parallel_world_size = get_tensor_model_parallel_world_size
@@ -72,6 +105,18 @@ _get_data_parallel_rank = get_data_parallel_rank
 _get_model_parallel_world_size = get_model_parallel_world_size
 
 __all__ = [
+    "_get_sequence_data_parallel_group",
+    "_get_sequence_data_parallel_rank",
+    "_get_sequence_data_parallel_world_size",
+    "_get_sequence_parallel_group",
+    "_get_sequence_parallel_rank",
+    "_get_sequence_parallel_world_size",
+    "get_sequence_data_parallel_group",
+    "get_sequence_data_parallel_rank",
+    "get_sequence_data_parallel_world_size",
+    "get_sequence_parallel_group",
+    "get_sequence_parallel_rank",
+    "get_sequence_parallel_world_size",
     "get_data_parallel_group",
     "get_data_parallel_rank",
     "get_data_parallel_world_size",
