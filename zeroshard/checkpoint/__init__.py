@@ -7,14 +7,17 @@ from .consolidate import (
     load_state_dict_from_zero_checkpoint,
     read_client_state,
 )
+from .deepspeed_import import convert_deepspeed_checkpoint, read_deepspeed_file
 from .safetensors_io import CheckpointError, Reader
 
 __all__ = [
     "CheckpointError",
     "CheckpointTensors",
     "Reader",
+    "convert_deepspeed_checkpoint",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
     "read_client_state",
+    "read_deepspeed_file",
 ]

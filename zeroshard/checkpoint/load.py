@@ -16,6 +16,7 @@ from .. import comm
 from ..log import log_rank0
 from .agreement import agree_on_load
 from .client_state import read_client_tensors, restore_client_state
+from .deepspeed_import import is_deepspeed_checkpoint
 from .manifest import Piece, piece_dtype, rank_file, saved_split
 from .reading import Sources, assemble, read_manifest, read_parameter, resolve_tag
 from .safetensors_io import CheckpointError
@@ -55,6 +56,12 @@ def load(
     path = os.path.join(load_dir, tag)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if not os.path.exists(os.path.join(path, "manifest.json")) and is_deepspeed_checkpoint(path):
+        raise CheckpointError(
+            f"{path} is a DeepSpeed checkpoint: import it first with `zeroshard convert --from-deepspeed {load_dir} "
+            "OUT_DIR`, then load OUT_DIR (weights, fp32 masters, Adam moments, steps, scheduler and client state come "
+            "over; any world size and stage can load it)"
+        )
     manifest = read_manifest(path)
     missing, unexpected = _check_params(state, manifest, load_module_strict)
     if state.optimizer is not None and load_optimizer_states and not load_module_only:
@@ -304,7 +311,9 @@ def _load_training_state(
     if scheduler and state.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
         state.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
     rank = comm.get_rank()
-    if manifest["world_size"] == state.grid.world.size:  # RNG streams are per rank: restore only same-size runs
+    if "imported_from" in manifest:
+        report.append("RNG states not restored (the checkpoint was imported from DeepSpeed, which does not save them)")
+    elif manifest["world_size"] == state.grid.world.size:  # RNG streams are per rank: restore only same-size runs
         file = rank_file(rank)
         torch.set_rng_state(_rng_state(sources, file, "rng.cpu", torch.get_rng_state()))
         if torch.cuda.is_available() and "rng.cuda" in manifest["files"][file]["crc"]:

@@ -174,19 +174,35 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 
 
 def convert_main(argv: Sequence[str]) -> int:
-    """``zeroshard convert CKPT_DIR OUT [--tag T] [--max_shard_size 5GB] [--no_progress]``."""
+    """``zeroshard convert CKPT_DIR OUT [--tag T] [--max_shard_size 5GB] [--no_progress]``, or
+    ``zeroshard convert --from-deepspeed DS_DIR OUT_DIR [--tag T]``."""
     parser = argparse.ArgumentParser(
-        prog="zeroshard convert", description="Write a checkpoint's fp32 weights as safetensors (streaming)."
+        prog="zeroshard convert",
+        description="Write a checkpoint's fp32 weights as safetensors (streaming); with --from-deepspeed, import a "
+        "DeepSpeed checkpoint as a zeroshard checkpoint (optimizer state included) to resume from.",
     )
     parser.add_argument("checkpoint_dir")
-    parser.add_argument("output", help="a .safetensors file, or a directory for (sharded) HF-style files")
+    parser.add_argument(
+        "output",
+        help="a .safetensors file, or a directory for (sharded) HF-style files; with --from-deepspeed the "
+        "directory to write the zeroshard checkpoint into",
+    )
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
     parser.add_argument("--max_shard_size", default="5GB")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar (on stderr)")
+    parser.add_argument(
+        "--from-deepspeed",
+        dest="from_deepspeed",
+        action="store_true",
+        help="CHECKPOINT_DIR holds DeepSpeed's files (read without running any pickled code)",
+    )
     args = parser.parse_args(argv)
-    from ..checkpoint import CheckpointError, convert_zero_checkpoint_to_fp32_state_dict
+    from ..checkpoint import CheckpointError, convert_deepspeed_checkpoint, convert_zero_checkpoint_to_fp32_state_dict
 
     try:
+        if args.from_deepspeed:
+            print(convert_deepspeed_checkpoint(args.checkpoint_dir, args.output, tag=args.tag))
+            return 0
         files = convert_zero_checkpoint_to_fp32_state_dict(
             args.checkpoint_dir,
             args.output,

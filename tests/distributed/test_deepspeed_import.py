@@ -1,0 +1,121 @@
+"""A DeepSpeed checkpoint imported with `zeroshard convert --from-deepspeed` resumes in zeroshard: at the same
+world size and stage, 2 more steps equal DeepSpeed's own 2 more steps (fixtures written by DeepSpeed 0.19.8 with
+their continuation); at another stage and world size the weights and Adam moments load exactly."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroshard.testing import run_distributed
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_checkpoints"
+
+
+def _fixture_module():
+    """The fixtures' model, data and config (``shapes.py`` beside the script that wrote them)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ds_fixture_shapes", FIXTURES / "shapes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def resume(directory: str, case: str, stage: int) -> dict:
+    """Load the imported ``case`` into a ``stage`` engine; the loaded weights and moments, then 2 steps."""
+    import zeroshard
+
+    shapes = _fixture_module()
+    rank = zeroshard.comm.get_rank()
+    config = shapes.config(stage, "fp32")
+    torch.manual_seed(1)  # weights that differ from the checkpoint's until it loads
+    engine, *_ = zeroshard.initialize(model=shapes.Tiny(), config=config)
+    _, client = engine.load_checkpoint(directory)
+    access = engine.param_access
+    loaded = {
+        name: (access.full_fp32_param(p).clone(), access.full_optimizer_state(p, "exp_avg").clone())
+        for name, p in engine.module.named_parameters()
+    }
+    losses = []
+    for x, y in shapes.batches(rank)[2:]:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    state = engine.consolidated_state_dict(rank0_only=False)
+    engine.destroy()
+    return {"loaded": loaded, "losses": losses, "state": state, "client": client, "steps": engine.global_steps}
+
+
+def two_rank_worker(imported: dict) -> dict:
+    import zeroshard
+
+    out = {case: resume(imported[case], case, int(case[5])) for case in ("stage1_fp32", "stage2_fp32", "stage3_fp32")}
+    out["stage2_into_3"] = resume(imported["stage2_fp32"], "stage2_fp32", 3)
+    shapes = _fixture_module()
+    engine, *_ = zeroshard.initialize(model=shapes.Tiny(), config=shapes.config(2, "fp32"))
+    try:
+        engine.load_checkpoint(str(FIXTURES / "stage2_fp32" / "ckpt"))
+        out["raw"] = "loaded"
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        out["raw"] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def one_rank_worker(imported: dict) -> dict:
+    return {"stage3_into_0": resume(imported["stage3_fp32"], "stage3_fp32", 0)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    from zeroshard.checkpoint import convert_deepspeed_checkpoint
+
+    base = tmp_path_factory.mktemp("imported")
+    imported = {
+        case: convert_deepspeed_checkpoint(str(FIXTURES / case / "ckpt"), str(base / case)).rsplit("/", 1)[0]
+        for case in ("stage1_fp32", "stage2_fp32", "stage3_fp32")
+    }
+    return {"two": run_distributed(two_rank_worker, 2, imported), "one": run_distributed(one_rank_worker, 1, imported)}
+
+
+def _expected(case: str) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    return load_file(FIXTURES / case / "expected.safetensors"), json.loads(
+        (FIXTURES / case / "expected.json").read_text()
+    )
+
+
+def _loaded_exactly(got: dict, case: str) -> None:
+    tensors, _ = _expected(case)
+    for name, (weight, exp_avg) in got["loaded"].items():
+        assert torch.equal(weight, tensors[f"fp32.{name}"]), name
+        assert torch.equal(exp_avg, tensors[f"exp_avg.{name}"]), name
+
+
+@pytest.mark.parametrize("case", ["stage1_fp32", "stage2_fp32", "stage3_fp32"])
+def test_resuming_an_imported_checkpoint_continues_as_deepspeed_does(runs, case):
+    from zeroshard.testing.parity import model_error
+
+    tensors, facts = _expected(case)
+    continued = {name: tensors[f"continued.{name}"] for name in facts["names"]}
+    for rank, out in enumerate(runs["two"]):
+        got = out[case]
+        _loaded_exactly(got, case)
+        assert got["client"] == facts["client_state"] and got["steps"] == 4
+        for loss, want in zip(got["losses"], facts["continued_losses_per_rank"][rank]):
+            assert abs(loss - want) <= 1e-5 * abs(want), (got["losses"], facts["continued_losses_per_rank"][rank])
+        assert model_error(got["state"], continued) <= 1e-5
+
+
+def test_an_imported_checkpoint_loads_at_another_stage_and_world_size(runs):
+    for out in runs["two"]:
+        _loaded_exactly(out["stage2_into_3"], "stage2_fp32")
+    _loaded_exactly(runs["one"][0]["stage3_into_0"], "stage3_fp32")
+
+
+def test_loading_deepspeeds_files_directly_says_how_to_import_them(runs):
+    for out in runs["two"]:
+        assert out["raw"].startswith("CheckpointError") and "zeroshard convert --from-deepspeed" in out["raw"]

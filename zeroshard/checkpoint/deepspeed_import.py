@@ -1,0 +1,337 @@
+"""Importing a checkpoint DeepSpeed wrote (ZeRO stages 1-3, fp32 / bf16 / fp16 training) as a zeroshard checkpoint,
+so a run moves over mid-training at any world size and stage, its optimizer state included.
+
+DeepSpeed's files are torch pickles. They are read with torch's restricted unpickler (``weights_only=True``), which
+rebuilds tensors, containers and plain values only; the few DeepSpeed classes these files hold are mapped to plain
+stand-ins here (a loss scaler's attributes, a fragment address, the ZeRO stage number), so DeepSpeed need not be
+installed and none of its code (nor anything else) runs. Any other class is refused naming it and the file.
+
+Layouts, per optimizer parameter group, in ``param_shapes`` order:
+
+- stages 1-2 (``zero_pp_rank_R_mp_rank_00_optim_states.pt``, ``bf16_`` prefixed under bf16): the parameters packed
+  back to back in one flat buffer, cut into equal contiguous partitions, one per rank
+  (``single_partition_of_fp32_groups``; the last one without its tail padding). The optimizer's state tensors
+  (``base_optimizer_state``) cover the same partitions, padding included.
+- stage 3: each parameter is cut on its own into ``ceil(numel / world)`` elements per rank (the last padded); a
+  rank's ``fp32_flat_groups`` entry and its optimizer state are its pieces of every parameter, back to back.
+
+The import writes one rank file (fp32 masters and optimizer state, one flat group per parameter group, plus buffers
+and client tensors) and a manifest, into ``.<tag>.tmp`` and committed like a save: a failure leaves nothing
+behind, and an existing checkpoint of that tag is never replaced. Not imported (named errors or warnings): tensor
+(model) parallel checkpoints, frozen parameters, client state that is not plain data (warned, left out), RNG states
+(DeepSpeed does not save them).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+import warnings
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .client_state import json_ready, split_client_state
+from .commit import atomic_write_text, commit
+from .manifest import FORMAT, plain_name, rank_file, seal
+from .safetensors_io import CheckpointError, write
+
+
+class LossScalerRecord:
+    """The attributes of DeepSpeed's ``LossScaler`` / ``DynamicLossScaler`` (``cur_scale``, ``dynamic``, ...)."""
+
+
+class FragmentAddress:
+    """DeepSpeed's ``fragment_address`` (``numel``, ``start``): where a parameter lies in a rank's partition."""
+
+
+class ZeroStage(int):
+    """DeepSpeed's ``ZeroStageEnum``: the stage number."""
+
+
+DEEPSPEED_CLASSES = [
+    (LossScalerRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (LossScalerRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+]
+
+# the model-states keys DeepSpeed writes itself; every other top-level key is the client's state
+_ENGINE_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "autoep_layers", "compression_scheduler", "ds_autotp_meta",
+}  # fmt: skip
+_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+# how torch ran the optimizer (kernels), not what it trains with: the importing run chooses its own
+_IMPLEMENTATION_KEYS = {"foreach", "fused", "capturable", "differentiable"}
+
+
+def read_deepspeed_file(path: str) -> Any:
+    """One of DeepSpeed's ``.pt`` files, unpickled with tensors, containers, plain values and DeepSpeed's checkpoint
+    classes (as stand-ins) only: anything else is a :class:`CheckpointError` naming it, and nothing of it runs."""
+    try:
+        with torch.serialization.safe_globals(DEEPSPEED_CLASSES):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        what = f"class {found.group(1)}" if found else "an object"
+        raise CheckpointError(
+            f"{path}: refused to unpickle {what}: a DeepSpeed checkpoint holds tensors, containers, plain values and "
+            "DeepSpeed's loss-scaler / fragment-address / ZeRO-stage records only (nothing in the file was run)"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as err:
+        raise CheckpointError(f"{path}: damaged or truncated DeepSpeed file ({type(err).__name__}: {err})") from None
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    """A DeepSpeed checkpoint read whole: per parameter its fp32 master and optimizer state, in parameter groups."""
+
+    path: str
+    stage: int
+    world_size: int
+    groups: list[list[tuple[str, tuple[int, ...]]]]  # per parameter group: (name, shape) in DeepSpeed's order
+    hyper: list[dict]  # per parameter group: its hyperparameters (lr, betas, ...)
+    steps: list[Any]  # per parameter group: the optimizer's step count
+    masters: dict[str, torch.Tensor]
+    states: dict[str, dict[str, torch.Tensor]]  # state key -> name -> tensor
+    counters: dict[str, int]
+    config: dict
+    lr_scheduler: Optional[dict]
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    client_state: dict = field(default_factory=dict)
+
+
+def is_deepspeed_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` (or its ``latest`` tag) holds DeepSpeed's files rather than a zeroshard manifest."""
+    for where in (directory, os.path.join(directory, _latest(directory) or "")):
+        if glob.glob(os.path.join(where, "*mp_rank_00_model_states.pt")):
+            return True
+    return False
+
+
+def _latest(directory: str) -> Optional[str]:
+    try:
+        with open(os.path.join(directory, "latest")) as f:
+            return plain_name(f.read().strip(), "tag in 'latest'", directory)
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpeedCheckpoint:
+    tag = tag if tag is not None else _latest(ds_dir)
+    if tag is None:
+        raise CheckpointError(f"{ds_dir}: no 'latest' file; pass the tag (the step directory's name) with --tag")
+    path = os.path.join(ds_dir, plain_name(tag, "tag", ds_dir))
+    model_files = sorted(glob.glob(os.path.join(path, "*mp_rank_*_model_states.pt")))
+    if not model_files:
+        raise CheckpointError(f"{path}: no DeepSpeed model states (mp_rank_00_model_states.pt) here")
+    if any(not re.search(r"mp_rank_00_model_states\.pt$", f) for f in model_files):
+        raise CheckpointError(f"{path}: a tensor-parallel DeepSpeed checkpoint (mp_rank_01...) is not importable")
+    model = read_deepspeed_file(model_files[0])
+    if not isinstance(model, dict) or "param_shapes" not in model:
+        raise CheckpointError(f"{model_files[0]}: not DeepSpeed model states (no 'param_shapes')")
+    if model.get("frozen_param_shapes") or model.get("frozen_param_fragments"):
+        raise CheckpointError(f"{path}: frozen parameters in a DeepSpeed checkpoint are not importable yet")
+    world = int(model.get("dp_world_size", 0))
+    optim = [_optim_file(path, rank) for rank in range(world)]
+    inner = [o["optimizer_state_dict"] for o in optim]
+    stage = int(inner[0]["zero_stage"])
+    groups = [[(name, tuple(int(d) for d in shape)) for name, shape in g.items()] for g in model["param_shapes"]]
+    masters, states = {}, {key: {} for key in _STATE_KEYS}
+    base = [o["base_optimizer_state"] if stage < 3 else o["optimizer_state_dict"] for o in inner]
+    for g, params in enumerate(groups):
+        pieces = _group_pieces(path, stage, inner, base, g)
+        unpack = _unpack_flat if stage < 3 else _unpack_per_param
+        for key, flats in pieces.items():
+            values = unpack(path, g, params, flats, inner[0], world)
+            (masters if key == "master" else states[key]).update(values)
+    buffers = {n: t.float() if t.is_floating_point() else t for n, t in model["module"].items()}
+    buffers = {n: buffers[n] for n in model.get("buffer_names", []) if n in buffers}
+    return DeepSpeedCheckpoint(
+        path=path,
+        stage=stage,
+        world_size=world,
+        groups=groups,
+        hyper=[
+            {k: v for k, v in group.items() if k != "params" and k not in _IMPLEMENTATION_KEYS}
+            for group in base[0]["param_groups"]
+        ],
+        steps=[_step(path, base, g) for g in range(len(groups))],
+        masters=masters,
+        states=states,
+        counters={
+            "global_steps": int(model.get("global_steps", 0)),
+            "global_samples": int(model.get("global_samples", 0)),
+            "skipped_steps": int(model.get("skipped_steps", 0)),
+        },
+        config=dict(model.get("ds_config") or {}),
+        lr_scheduler=model.get("lr_scheduler"),
+        buffers=buffers,
+        aliases={str(a): str(t) for a, t in (model.get("shared_params") or {}).items()},
+        client_state={k: v for k, v in model.items() if k not in _ENGINE_KEYS},
+    )
+
+
+def _optim_file(path: str, rank: int) -> dict:
+    for prefix in ("", "bf16_"):
+        candidate = os.path.join(path, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+        if os.path.exists(candidate):
+            data = read_deepspeed_file(candidate)
+            if not isinstance(data, dict) or "optimizer_state_dict" not in data:
+                raise CheckpointError(f"{candidate}: not DeepSpeed optimizer states (no 'optimizer_state_dict')")
+            return data
+    raise CheckpointError(
+        f"{path}: rank {rank}'s optimizer states (zero_pp_rank_{rank}_mp_rank_00_optim_states.pt) are missing; the "
+        "model states say the checkpoint was written by more ranks"
+    )
+
+
+def _group_pieces(path: str, stage: int, inner: list, base: list, g: int) -> dict[str, list[torch.Tensor]]:
+    """Each rank's flat tensor of group ``g``: masters and each optimizer state, trimmed to the master's length."""
+    key = "single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups"
+    masters = [o[key][g].float().reshape(-1) for o in inner]
+    out = {"master": masters}
+    for name in _STATE_KEYS:
+        try:
+            out[name] = [b["state"][g][name].float().reshape(-1)[: m.numel()] for b, m in zip(base, masters)]
+        except (KeyError, IndexError, TypeError):
+            raise CheckpointError(f"{path}: parameter group {g} has no optimizer state '{name}' (not Adam?)") from None
+    return out
+
+
+def _unpack_flat(path: str, g: int, params: list, flats: list, inner0: dict, world: int) -> dict[str, torch.Tensor]:
+    """Stages 1-2: the ranks' partitions joined are the group's flat buffer, parameters back to back."""
+    flat = torch.cat(flats)
+    paddings = (inner0.get("param_alignment_paddings") or [[]])[g] if inner0.get("param_alignment_paddings") else []
+    out, offset = {}, 0
+    for i, (name, shape) in enumerate(params):
+        numel = math.prod(shape)
+        if offset + numel > flat.numel():
+            raise CheckpointError(f"{path}: parameter group {g} holds {flat.numel()} values, too few for {name}")
+        out[name] = flat[offset : offset + numel].view(shape).clone()
+        offset += numel + (int(paddings[i]) if i < len(paddings) else 0)
+    return out
+
+
+def _unpack_per_param(path: str, g: int, params: list, flats: list, inner0: dict, world: int) -> dict:
+    """Stage 3: each rank holds ``ceil(numel / world)`` values of every parameter, back to back."""
+    out, offset = {}, 0
+    for name, shape in params:
+        numel = math.prod(shape)
+        part = math.ceil(numel / world)
+        if any(offset + part > f.numel() for f in flats):
+            raise CheckpointError(f"{path}: parameter group {g} on some rank is too short for {name}")
+        out[name] = torch.cat([f[offset : offset + part] for f in flats])[:numel].view(shape).clone()
+        offset += part
+    return out
+
+
+def _step(path: str, base: list, g: int) -> Any:
+    steps = {float(b["state"][g]["step"]) for b in base if "step" in b["state"].get(g, {})}
+    if len(steps) != 1:
+        raise CheckpointError(f"{path}: parameter group {g}'s optimizer step differs across ranks ({sorted(steps)})")
+    return steps.pop()
+
+
+def convert_deepspeed_checkpoint(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> str:
+    """``zeroshard convert --from-deepspeed``: write DeepSpeed's checkpoint ``ds_dir`` (tag ``tag`` or its
+    ``latest``) as a zeroshard checkpoint under ``out_dir`` (same tag; ``latest`` set). Returns its directory."""
+    source = read_deepspeed_checkpoint(ds_dir, tag)
+    tag = os.path.basename(source.path)
+    final, tmp = os.path.join(out_dir, tag), os.path.join(out_dir, f".{tag}.tmp")
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} exists; convert into another directory (nothing was replaced)")
+    client, client_tensors = _plain_client_state(source.client_state)
+    os.makedirs(out_dir, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        _write(source, tmp, tag, client, client_tensors)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit(out_dir, tag, save_latest=True, keep_replaced=False)
+    return final
+
+
+def _plain_client_state(state: dict) -> tuple[dict, dict]:
+    kept, dropped = {}, []
+    for key, value in state.items():
+        try:
+            split_client_state({key: value})
+            kept[key] = value
+        except TypeError:
+            dropped.append(key)
+    if dropped:
+        warnings.warn(f"client state {dropped} is not plain data (JSON and tensors): left out", stacklevel=3)
+    return split_client_state(kept)
+
+
+def _write(source: DeepSpeedCheckpoint, tmp: str, tag: str, client: dict, client_tensors: dict) -> None:
+    tensors: list[tuple[str, torch.Tensor]] = []
+    params: dict[str, dict] = {}
+    file = rank_file(0)
+    for g, group in enumerate(source.groups):
+        offset = 0
+        for name, shape in group:
+            numel = math.prod(shape)
+            params[name] = {"pieces": [[file, f"fg{g}", offset, 0, numel]], "shape": list(shape), "dtype": "float32"}
+            offset += numel
+        tensors.append((f"master.fg{g}", torch.cat([source.masters[n].reshape(-1) for n, _ in group])))
+        for key in _STATE_KEYS:
+            tensors.append((f"optim.{key}.fg{g}", torch.cat([source.states[key][n].reshape(-1) for n, _ in group])))
+    tensors += [(f"module.{n}", t.contiguous()) for n, t in source.buffers.items()]
+    tensors += [(n, t.contiguous()) for n, t in client_tensors.items()]
+    written = write(os.path.join(tmp, file), iter(tensors), [(n, t.dtype, tuple(t.shape)) for n, t in tensors])
+    entry = lambda n, t, key: {"file": file, "key": key, "shape": list(t.shape), "dtype": str(t.dtype)[6:]}  # noqa: E731
+    manifest = {
+        "format": FORMAT,
+        "tag": tag,
+        "world_size": source.world_size,
+        "stage": source.stage,
+        "shard_group_size": source.world_size,
+        "counters": {**source.counters, "micro_steps": source.counters["global_steps"]},
+        "loss_scaler": None,
+        "lr_scheduler": json_ready(source.lr_scheduler, "the DeepSpeed checkpoint's lr_scheduler"),
+        "optimizer": {
+            "param_groups": json_ready(source.hyper, "the DeepSpeed checkpoint's optimizer hyperparameters"),
+            "flat_groups": [
+                {
+                    "group": g,
+                    "state_keys": list(_STATE_KEYS),
+                    "scalars": {"step": {"value": step, "tensor": True, "dtype": "float32"}},
+                }
+                for g, step in enumerate(source.steps)
+            ],
+        },
+        "params": params,
+        "module_tensors": {n: entry(n, t, f"module.{n}") for n, t in source.buffers.items()},
+        "files": {
+            file: {
+                "size": os.path.getsize(os.path.join(tmp, file)),
+                "header_crc": written.header_crc,
+                "crc": written.crcs,
+            }
+        },
+        "python_rng": {},
+        "aliases": {a: t for a, t in source.aliases.items() if t in params},
+        "config": json_ready(source.config, "the DeepSpeed checkpoint's ds_config"),
+        "client_state": client,
+        "client_tensors": {n: entry(n, t, n) for n, t in client_tensors.items()},
+        "imported_from": {"deepspeed": source.path, "world_size": source.world_size, "stage": source.stage},
+    }
+    atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(seal(manifest)))
+
+
+__all__ = ["DeepSpeedCheckpoint", "convert_deepspeed_checkpoint", "is_deepspeed_checkpoint", "read_deepspeed_file"]
