@@ -225,7 +225,10 @@ def _load_flat(zero, index: int, flat, manifest: dict, read: _PieceReader, with_
     present = sum(slot.name in saved for slot in flat.layout.slots)
     keys = ["master"]
     if with_optimizer:
-        saved_keys = {k for g in manifest["optimizer"]["flat_groups"] for k in g["state_keys"]}
+        group = zero.flat_param_group(index)  # a parameter group's flat groups share one update rule and its keys
+        saved_groups = manifest["optimizer"]["flat_groups"]
+        saved_keys = {k for g in saved_groups if g["group"] == group for k in g["state_keys"]}
+        saved_keys = saved_keys or {k for g in saved_groups for k in g["state_keys"]}
         keys += [f"optim.{k}" for k in sorted(saved_keys)]
     device = zero.state_device
     targets = {key: torch.zeros(flat.layout.shard_numel, dtype=zero.master_dtype, device=device) for key in keys}

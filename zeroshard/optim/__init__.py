@@ -3,6 +3,7 @@
 from .factory import build_optimizer, check_client_optimizer
 from .lamb import Lamb, ShardedNorms
 from .lion import Lion
+from .muon import MuonWithAuxAdam, muon_param_groups
 from .onebit import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
 from .schedules import SCHEDULES, ScheduleRunner, build_schedule
 
@@ -10,6 +11,7 @@ __all__ = [
     "SCHEDULES",
     "Lamb",
     "Lion",
+    "MuonWithAuxAdam",
     "OneBitAdam",
     "OneBitLamb",
     "OneBitOptimizer",
@@ -19,4 +21,5 @@ __all__ = [
     "build_optimizer",
     "build_schedule",
     "check_client_optimizer",
+    "muon_param_groups",
 ]

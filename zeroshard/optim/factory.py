@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -11,6 +12,7 @@ from ..ops.adam import CPUAdam
 from . import hyperparams
 from .lamb import Lamb, ShardedNorms
 from .lion import Lion
+from .muon import MuonWithAuxAdam
 from .onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 
 # Accepted keys of optimizer.params per DeepSpeed name (lower case, as DeepSpeed matches them).
@@ -45,10 +47,13 @@ OPTIMIZER_KEYS.update(
     onebitlamb=_ONEBIT_KEYS
     | {"freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold"},
 )
-NOT_IMPLEMENTED = {"muadam", "muadamw", "musgd", "muon", "cpuadam"}
+OPTIMIZER_KEYS["muon"] = {"lr", "momentum", "weight_decay", "muon_lr", "adam_lr", "ns_method", "betas", "eps"}
+NOT_IMPLEMENTED = {"muadam", "muadamw", "musgd", "cpuadam"}
 
 # Optimizers whose update is elementwise (or shard-aware, like our Lamb): exact on flat ZeRO shards.
-SHARD_SAFE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, Lion, Lamb, OneBitAdam)
+SHARD_SAFE = (
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, Lion, Lamb, OneBitAdam, MuonWithAuxAdam
+)  # fmt: skip
 
 
 def _kernel_flags(cls, params: dict[str, Any]) -> dict[str, Any]:
@@ -117,6 +122,23 @@ def build_optimizer(
             params["sharded_norms"] = sharded_norms
         if "betas" in params:
             params["betas"] = tuple(params["betas"])
+    elif key == "muon":
+        if sharded_norms is None:
+            raise NotImplementedError(
+                "optimizer.type 'Muon' with the optimizer state offloaded (offload_optimizer): Muon needs whole "
+                "matrices on the device; drop offload_optimizer"
+            )
+        for split in ("muon_lr", "adam_lr"):  # applied per half by muon_param_groups
+            params.pop(split, None)
+        if "ns_method" not in params:
+            warnings.warn(
+                "optimizer 'Muon' without optimizer.params.ns_method: zeroshard runs the 'standard' Newton-Schulz "
+                "iteration (torch.optim.Muon's); DeepSpeed's default is 'gram', which zeroshard does not implement",
+                stacklevel=3,
+            )
+            params["ns_method"] = "standard"
+        params["sharded"] = sharded_norms
+        cls = MuonWithAuxAdam
     elif key == "lion":
         cls = Lion
     elif key == "sgd":

@@ -8,7 +8,7 @@ parameter, plus a function that sums partial squared norms across the shard grou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -17,9 +17,17 @@ from torch.optim import Optimizer
 
 @dataclass
 class ShardedNorms:
+    """Where the parameters lie in the master shards an optimizer gets: per-parameter norms for Lamb, whole matrices
+    for Muon (``zeroshard.optim.muon``)."""
+
     segments: dict[int, list[tuple[int, int, int]]]  # id(tensor) -> [(global slot id, start, numel)]
     slot_count: int
     all_reduce: Callable[[torch.Tensor], None]
+    # id(tensor) -> every parameter of its flat group as (offset in the flat group, numel, shape)
+    matrices: dict[int, list[tuple[int, int, tuple[int, ...]]]] = field(default_factory=dict)
+    shard_start: dict[int, int] = field(default_factory=dict)  # id(tensor) -> its offset in the flat group
+    # (tensor, values of this rank's shard) -> the flat group's values from every rank (an all-gather when sharded)
+    whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda tensor, values: values
 
 
 class Lamb(Optimizer):

@@ -16,7 +16,7 @@ from ..checkpoint.weights import open_source
 from ..config import AutoContext, Resolution, model_hidden_size, parse_config, resolve_config
 from ..log import log_as_launched, log_rank0
 from ..offload import OffloadPlan
-from ..optim import Lamb, ShardedNorms, build_optimizer, build_schedule, check_client_optimizer
+from ..optim import Lamb, ShardedNorms, build_optimizer, build_schedule, check_client_optimizer, muon_param_groups
 from ..precision import PrecisionPolicy
 from ..tensor_parallel import layer_specs_from, shard_for_training, sharded_group, tensor_splits
 from ..zero import Placement, ZeroOptimizer, ZeroStack, build_zero_stack
@@ -110,6 +110,9 @@ def _optimizer_recipe(
             return shard_aware(built, norms)
 
         return groups, build_client
+
+    if cfg.optimizer is not None and cfg.optimizer.type.lower() == "muon":  # Muon's matrices, AdamW's the rest
+        groups = muon_param_groups(model.named_parameters(), groups, cfg.optimizer.params)
 
     def build_configured(master_groups: list[dict], norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
         return build_optimizer(

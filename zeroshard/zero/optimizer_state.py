@@ -163,6 +163,16 @@ class OptimizerState:
         return 0
 
 
+def _whole(flat: FlatGroup, values: torch.Tensor) -> torch.Tensor:
+    """``values`` of this rank's shard of ``flat``, gathered from every rank of its shard group into the whole
+    padded flat group (itself when the group is not partitioned)."""
+    if not flat.partitioned:
+        return values
+    out = values.new_empty(flat.layout.padded_numel)
+    comm.all_gather(out, values.contiguous(), flat.shard_group)
+    return out
+
+
 class DeviceState(OptimizerState):
     def _subgroups(self, index: int, flat: FlatGroup) -> list[SubGroup]:
         if flat.home is None and flat.dtype == self.master_dtype:
@@ -190,7 +200,13 @@ class DeviceState(OptimizerState):
         partitioned = [flat.shard_group for flat in self.flats if flat.partitioned]
         shard_group = partitioned[0] if partitioned else None
         reduce = (lambda t: comm.all_reduce(t, shard_group)) if shard_group is not None else (lambda t: None)
-        return ShardedNorms(segments, slot_id, reduce)
+        flat_of = {id(sub.param): self.flats[sub.flat_index] for sub in self.subgroups}
+        matrices = {
+            key: [(slot.offset, slot.numel, tuple(slot.shape)) for slot in flat.layout.slots]
+            for key, flat in flat_of.items()
+        }
+        starts = {key: flat.layout.shard_range(flat.shard_rank)[0] for key, flat in flat_of.items()}
+        return ShardedNorms(segments, slot_id, reduce, matrices, starts, lambda t, v: _whole(flat_of[id(t)], v))
 
     def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
         """One fused optimizer call over every master shard when the gradients are in the master dtype; one per

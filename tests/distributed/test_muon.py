@@ -1,0 +1,182 @@
+"""Muon (DeepSpeed's "type": "Muon": Muon on hidden matrices, AdamW on the rest) under ZeRO 0-3 on 2 and 4 ranks
+equals one process running torch.optim.Muon + torch.optim.AdamW on the same parameters, with matrices that straddle
+shard boundaries; muon_lr and adam_lr apply to their halves; checkpoints resume exactly; the only extra traffic is
+one all-gather of the Muon flat groups per step."""
+
+import pytest
+import torch
+
+from zeroshard.testing import run_distributed
+
+STEPS, BATCH, SEQ = 3, 4, 12
+SETTINGS = {
+    "lr": 1e-3,
+    "momentum": 0.9,
+    "weight_decay": 0.05,
+    "muon_lr": 2e-2,
+    "adam_lr": 3e-3,
+    "ns_method": "standard",
+}
+
+
+def model():
+    from zeroshard.testing.hf import tiny_causal_lm
+
+    return tiny_causal_lm("llama", intermediate_size=40, num_hidden_layers=3)  # 3 layers: shard edges cut matrices
+
+
+def batches() -> torch.Tensor:
+    return torch.randint(0, 64, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+class Reference:
+    """One process with torch.optim.Muon + torch.optim.AdamW on the same halves. Newton-Schulz runs in bf16, where a
+    gradient 1e-7 away (another summation order) can round differently: so the reference steps with the gradients
+    the engine reduced (compared with its own whole-batch gradients at step 0), and the step itself must then be
+    the same."""
+
+    def __init__(self):
+        from zeroshard.optim.muon import uses_muon
+
+        self.net = model()
+        muon = [p for n, p in self.net.named_parameters() if uses_muon(n, p)]
+        adam = [p for n, p in self.net.named_parameters() if not uses_muon(n, p)]
+        wd = SETTINGS["weight_decay"]
+        self.optimizers = [
+            torch.optim.Muon(muon, lr=SETTINGS["muon_lr"], momentum=SETTINGS["momentum"], weight_decay=wd),
+            torch.optim.AdamW(adam, lr=SETTINGS["adam_lr"], weight_decay=wd),
+        ]
+
+    def own_grads(self, batch: torch.Tensor) -> dict:
+        self.net.zero_grad()
+        self.net(input_ids=batch, labels=batch).loss.backward()
+        return {n: p.grad.clone() for n, p in self.net.named_parameters()}
+
+    def step(self, grads: dict) -> None:
+        for name, p in self.net.named_parameters():
+            p.grad = grads[name].clone()
+        for o in self.optimizers:
+            o.step()
+
+
+def config(stage: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "Muon", "params": SETTINGS},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+
+
+def train(engine, rank: int, world: int, steps: range, reference=None, grad_errors=None) -> list[float]:
+    """Steps of the engine on this rank's part of the global batches; ``reference`` steps with the engine's reduced
+    gradients (``grad_errors`` gets their distance from the reference's own)."""
+    from zeroshard.testing.parity import model_error
+
+    per = BATCH // world
+    losses = []
+    for step in steps:
+        local = batches()[step][rank * per : (rank + 1) * per]
+        loss = engine(input_ids=local, labels=local).loss
+        engine.backward(loss)
+        if reference is not None:
+            grads = {n: engine.param_access.full_grad(p).clone() for n, p in engine.module.named_parameters()}
+            grad_errors.append(model_error(grads, reference.own_grads(batches()[step])))
+            reference.step(grads)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def worker(directory: str) -> dict:
+    import zeroshard
+
+    rank, world = zeroshard.comm.get_rank(), zeroshard.comm.get_world_size()
+    out = {}
+    for stage in (0, 1, 2, 3):
+        reference, grad_errors = Reference(), []
+        cfg = {**config(stage), "train_micro_batch_size_per_gpu": BATCH // world}
+        engine, *_ = zeroshard.initialize(model=model(), config=cfg)
+        groups = engine.optimizer.param_groups
+        straddles = any(
+            flat.partitioned
+            and any(slot.offset // flat.layout.shard_numel != (slot.offset + slot.numel - 1) // flat.layout.shard_numel
+                    for slot in flat.layout.slots)
+            for k, flat in enumerate(engine.stack.flat_groups)
+            if groups[engine.optimizer.flat_param_group(k)]["use_muon"]
+        )  # fmt: skip
+        losses = train(engine, rank, world, range(2), reference, grad_errors)
+        engine.comm_ledger.reset()
+        losses += train(engine, rank, world, range(2, 3), reference, grad_errors)
+        ledger = {f"{op}/{g}": (t.calls, t.bytes) for (op, g), t in engine.comm_ledger.summary().items()}
+        muon_flats = [
+            flat.layout.padded_numel
+            for k, flat in enumerate(engine.stack.flat_groups)
+            if groups[engine.optimizer.flat_param_group(k)]["use_muon"]
+        ]
+        out[stage] = {
+            "losses": losses,
+            "state": engine.consolidated_state_dict(rank0_only=False),
+            "reference": {k: v.clone() for k, v in reference.net.state_dict().items()},
+            "grad_errors": grad_errors,
+            "lrs": sorted((g["use_muon"], g["lr"]) for g in groups),
+            "straddles": straddles,
+            "ledger": ledger,
+            "muon_flats": muon_flats,
+            "all_flats": [flat.layout.padded_numel for flat in engine.stack.flat_groups],
+        }
+        if stage in (2, 3) and world == 2:
+            out[stage]["resumed"] = resume(engine, directory, stage, rank, world)
+        engine.destroy()
+    return out
+
+
+def resume(engine, directory: str, stage: int, rank: int, world: int) -> dict:
+    """Save after the 3 steps, load into a fresh engine, step once more in both: the same weights."""
+    import zeroshard
+
+    engine.save_checkpoint(f"{directory}/stage{stage}")
+    fresh, *_ = zeroshard.initialize(model=model(), config={**config(stage), "train_micro_batch_size_per_gpu": 2})
+    fresh.load_checkpoint(f"{directory}/stage{stage}")
+    for target in (engine, fresh):
+        train(target, rank, world, range(0, 1))
+    same = engine.consolidated_state_dict(rank0_only=False), fresh.consolidated_state_dict(rank0_only=False)
+    fresh.destroy()
+    return {"max_diff": max((same[0][k] - same[1][k]).abs().max().item() for k in same[0])}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    return {world: run_distributed(worker, world, str(tmp_path_factory.mktemp(f"muon{world}"))) for world in (2, 4)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_muon_under_zero_matches_torch_muon_and_adamw_in_one_process(runs, world, stage):
+    from zeroshard.testing.parity import model_error
+
+    for out in runs[world]:
+        got = out[stage]
+        assert got["lrs"] == [(False, SETTINGS["adam_lr"]), (True, SETTINGS["muon_lr"])]
+        assert got["grad_errors"][0] <= 1e-5  # the reduced gradients are the whole batch's
+        assert model_error(got["state"], got["reference"]) <= 1e-5
+        if stage > 0:
+            assert got["straddles"]  # a Muon matrix lies across two ranks' shards
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_muon_extra_traffic_is_one_all_gather_of_its_flat_groups(runs, stage):
+    """Stages 1-2, one steady-state step: the parameters' all-gather of every flat group plus one of the Muon flat
+    groups' updates, 4 bytes per padded element."""
+    for world in (2, 4):
+        got = runs[world][0][stage]
+        calls, message = got["ledger"]["all_gather/shard"]
+        assert (calls, message) == (
+            len(got["all_flats"]) + len(got["muon_flats"]),
+            4 * (sum(got["all_flats"]) + sum(got["muon_flats"])),
+        )
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_muon_checkpoints_resume_exactly(runs, stage):
+    for out in runs[2]:
+        assert out[stage]["resumed"]["max_diff"] == 0.0

@@ -1,0 +1,83 @@
+"""Muon with its AdamW half: on whole tensors the same step as torch.optim.Muon + torch.optim.AdamW, bit for bit;
+DeepSpeed's selection rule; muon_lr / adam_lr reach their halves; what is not implemented is refused by name."""
+
+import copy
+
+import pytest
+import torch
+
+from zeroshard.optim import MuonWithAuxAdam, build_optimizer, muon_param_groups
+from zeroshard.optim.muon import uses_muon
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(10, 6)
+        self.proj = torch.nn.Linear(6, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.lm_head = torch.nn.Linear(8, 10, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.norm(self.proj(self.embed_tokens(x))))
+
+
+SETTINGS = {"lr": 1e-3, "momentum": 0.9, "weight_decay": 0.1, "muon_lr": 2e-2, "adam_lr": 3e-3, "ns_method": "standard"}
+
+
+def test_selection_rule_is_deepspeeds_matrices_outside_embeddings_and_head():
+    net = Net()
+    assert [n for n, p in net.named_parameters() if uses_muon(n, p)] == ["proj.weight"]
+
+
+def test_each_half_gets_its_settings_and_the_groups_own_win():
+    net = Net()
+    decay = [net.proj.weight, net.lm_head.weight]
+    groups = [{"params": decay}, {"params": [p for p in net.parameters() if all(p is not q for q in decay)],
+                                  "weight_decay": 0.0}]  # fmt: skip
+    split = muon_param_groups(net.named_parameters(), groups, SETTINGS)
+    summary = [(g["use_muon"], g["lr"], g["weight_decay"], len(g["params"])) for g in split]
+    assert summary == [(True, 2e-2, 0.1, 1), (False, 3e-3, 0.1, 1), (False, 3e-3, 0.0, 4)]
+    assert "betas" not in split[0] and "momentum" not in split[1]
+
+
+def test_whole_tensor_steps_equal_torch_muon_and_adamw_bit_for_bit():
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    ours = MuonWithAuxAdam(muon_param_groups(net.named_parameters(), [{"params": list(net.parameters())}], SETTINGS))
+    muon = [p for n, p in ref.named_parameters() if uses_muon(n, p)]
+    adam = [p for n, p in ref.named_parameters() if not uses_muon(n, p)]
+    theirs = [
+        torch.optim.Muon(muon, lr=2e-2, momentum=0.9, weight_decay=0.1),
+        torch.optim.AdamW(adam, lr=3e-3, weight_decay=0.1),
+    ]
+    for _ in range(3):
+        x = torch.randint(0, 10, (4, 5))
+        for model, optimizers in ((net, [ours]), (ref, theirs)):
+            for o in optimizers:
+                o.zero_grad()
+            model(x).pow(2).mean().backward()
+            for o in optimizers:
+                o.step()
+    for a, b in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def one_matrix() -> list[dict]:  # fresh each time: an optimizer fills its defaults into the dicts it is given
+    return [{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "use_muon": True}]
+
+
+def test_config_refusals_are_named():
+    with pytest.raises(ValueError, match="unknown config key 'optimizer.params.per_head_muon'"):
+        build_optimizer("Muon", {"per_head_muon": True}, one_matrix(), zero_stage=0, allow_untested=False)
+    with pytest.raises(NotImplementedError, match="ns_method 'gram'"):
+        MuonWithAuxAdam(one_matrix(), ns_method="gram")
+    with pytest.raises(NotImplementedError, match="'Muon' with the optimizer state offloaded"):
+        build_optimizer("Muon", {"ns_method": "standard"}, one_matrix(), zero_stage=2, allow_untested=False)
+    with pytest.warns(UserWarning, match="DeepSpeed's default is 'gram'"):
+        from zeroshard.optim import ShardedNorms
+
+        build_optimizer(
+            "Muon", {}, one_matrix(), zero_stage=0, allow_untested=False, sharded_norms=ShardedNorms({}, 0, print)
+        )

@@ -1,0 +1,155 @@
+"""Muon for the hidden weight matrices, AdamW for everything else (DeepSpeed's ``"type": "Muon"``).
+
+Muon keeps a momentum buffer per matrix (elementwise: ``buf = lerp(buf, g, 1 - momentum)``, the Nesterov update
+``u = lerp(g, buf, momentum)``), orthogonalizes ``u`` with the Newton-Schulz iteration (the quintic of
+``torch.optim.Muon``, in bf16) and steps ``p *= 1 - lr * wd; p -= lr * sqrt(max(1, rows / cols)) * NS(u)``.
+Everything but Newton-Schulz is elementwise; Newton-Schulz needs the whole matrix.
+
+Under ZeRO stages 1-3 each rank holds a contiguous shard of a flat group, and a matrix may straddle shards. The
+Muon half of the optimizer gets, per master shard, where every matrix of its flat group lies and how to gather the
+flat group (:class:`~zeroshard.optim.lamb.ShardedNorms`): it updates the momentum on its shard, all-gathers the
+Nesterov update ``u`` of the Muon flat groups (one all-gather of (P-1)/P x 4 bytes x Muon parameters per rank and
+step, the only extra traffic), runs Newton-Schulz on every matrix it holds a piece of, and steps its own piece.
+No rank needs another's momentum; the parameters' all-gather of stages 1-2 is unchanged.
+
+Which parameters are Muon's (DeepSpeed's rule, :func:`muon_param_groups`): those with two or more dimensions whose
+name holds neither ``embed`` nor ``lm_head``; the rest (embeddings, the head, norms, biases) are AdamW's. Settings:
+``lr``, ``momentum``, ``weight_decay``, ``ns_method`` for the Muon half (``muon_lr`` overrides ``lr``); ``lr``,
+``betas``, ``eps``, ``weight_decay`` for the AdamW half (``adam_lr`` overrides ``lr``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from .lamb import ShardedNorms
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+MUON_KEYS = ("lr", "momentum", "weight_decay", "ns_method")
+ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def newton_schulz(update: torch.Tensor, steps: int = NS_STEPS, eps: float = NS_EPS) -> torch.Tensor:
+    """The orthogonalized direction of a 2-D ``update``: the quintic Newton-Schulz iteration in bf16, on the wide
+    orientation (``torch.optim.Muon``'s and Keller Jordan's)."""
+    a, b, c = NS_COEFFICIENTS
+    x = update.bfloat16()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def lr_scale(shape: tuple[int, ...]) -> float:
+    """Muon's step-size factor for a ``shape`` matrix: sqrt(max(1, rows / cols))."""
+    return math.sqrt(max(1.0, shape[0] / shape[1]))
+
+
+def uses_muon(name: str, param: torch.Tensor) -> bool:
+    """DeepSpeed's selection rule: a matrix (2 or more dims) outside the embeddings and the LM head."""
+    return param.dim() >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+
+
+def muon_param_groups(
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]], groups: list[dict], settings: dict[str, Any]
+) -> list[dict]:
+    """Each of ``groups`` split into its Muon and AdamW halves (empty halves dropped), with the config's settings
+    (``muon_lr`` / ``adam_lr`` over ``lr``) under the group's own."""
+    names = {id(p): n for n, p in named_parameters}
+    halves = []
+    for use_muon, keys, lr_key in ((True, MUON_KEYS, "muon_lr"), (False, ADAM_KEYS, "adam_lr")):
+        defaults = {k: settings[k] for k in keys if k in settings}
+        if lr_key in settings:
+            defaults["lr"] = settings[lr_key]
+        halves.append((use_muon, keys, defaults))
+    out = []
+    for group in groups:
+        own = {k: v for k, v in group.items() if k != "params"}
+        for use_muon, keys, defaults in halves:
+            params = [p for p in group["params"] if uses_muon(names.get(id(p), ""), p) is use_muon]
+            if params:
+                out.append({**defaults, **{k: v for k, v in own.items() if k in keys}, "params": params,
+                            "use_muon": use_muon})  # fmt: skip
+    return out
+
+
+class MuonWithAuxAdam(Optimizer):
+    """Muon on the groups with ``use_muon`` true, AdamW (torch's) on the others. A parameter of a Muon group is a
+    2-D matrix, or a ZeRO master shard that ``sharded`` describes (see the module docstring)."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        weight_decay: float = 0.0,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        ns_method: str = "standard",
+        sharded: Optional[ShardedNorms] = None,
+    ):
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
+                        ns_method=ns_method, use_muon=True)  # fmt: skip
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["use_muon"] and group["ns_method"] != "standard":
+                raise NotImplementedError(
+                    f"optimizer.params.ns_method {group['ns_method']!r}: zeroshard's Muon runs the standard "
+                    "Newton-Schulz iteration (torch.optim.Muon's); set ns_method to 'standard'"
+                )
+            group["betas"] = tuple(group["betas"])
+        self.sharded = sharded
+        self._adam = torch.optim.AdamW([g for g in self.param_groups if not g["use_muon"]] or [{"params": []}])
+        self._adam.state = self.state  # one state dict: checkpoints and state_dict see both halves
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._adam.param_groups = [g for g in self.param_groups if not g["use_muon"]]
+        if self._adam.param_groups:
+            self._adam.step()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._muon_step(p, group)
+        return loss
+
+    def _muon_step(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf = state["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - group["momentum"])
+        update = p.grad.lerp(buf, group["momentum"])
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        if p.dim() >= 2:
+            p.add_(newton_schulz(update.reshape(p.shape[0], -1)).view_as(p), alpha=-group["lr"] * lr_scale(p.shape))
+            return
+        if self.sharded is None or id(p) not in self.sharded.matrices:
+            raise ValueError("Muon got a flat parameter without its ZeRO layout: build it through zeroshard.initialize")
+        whole = self.sharded.whole(p, update)  # the flat group's update, gathered from every rank
+        start = self.sharded.shard_start[id(p)]
+        for offset, numel, shape in self.sharded.matrices[id(p)]:
+            lo, hi = max(offset, start), min(offset + numel, start + p.numel())
+            if lo >= hi:
+                continue  # no piece of this matrix on this rank
+            matrix = whole[offset : offset + numel].view(shape[0], -1)
+            direction = newton_schulz(matrix).reshape(-1)[lo - offset : hi - offset]
+            p[lo - start : hi - start].add_(direction, alpha=-group["lr"] * lr_scale(shape))
+
+
+__all__ = ["MuonWithAuxAdam", "muon_param_groups", "newton_schulz", "uses_muon"]
