@@ -22,6 +22,7 @@ sequence (one sequence per sample; packed samples, whose ``position_ids`` restar
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -284,6 +285,37 @@ def _core_attention(name: str) -> Callable:
     return current.core if isinstance(current, UlyssesAttention) else current
 
 
+class UlyssesSPAttentionHF(UlyssesAttention):
+    """DeepSpeed's name for the Ulysses attention of Hugging Face models: clients (Accelerate, the HF Trainer, ALST
+    recipes) call its ``register_with_transformers``."""
+
+    @classmethod
+    def register_with_transformers(
+        cls,
+        model_name_or_path: Any,
+        core_attn_implementation: str,
+        sequence_parallel_size: int,
+        micro_batch_size: int,
+        seq_length: Optional[int] = None,
+        seq_length_is_variable: bool = True,
+        disable_in_eval: bool = False,
+        max_length: Optional[int] = None,
+    ) -> Optional[SequenceParallelGroups]:
+        """:func:`register_with_transformers` (``max_length`` is DeepSpeed's deprecated ``seq_length``)."""
+        if max_length is not None:
+            warnings.warn("register_with_transformers(max_length=) is deprecated: use seq_length=", stacklevel=2)
+            seq_length = seq_length if seq_length is not None else max_length
+        return register_with_transformers(
+            model_name_or_path,
+            core_attn_implementation,
+            sequence_parallel_size,
+            micro_batch_size,
+            seq_length=seq_length,
+            seq_length_is_variable=seq_length_is_variable,
+            disable_in_eval=disable_in_eval,
+        )
+
+
 def attention_all_to_all_bytes(
     batch: int, local_tokens: int, head_dim: int, heads: HeadLayout, element_size: int
 ) -> int:
@@ -298,6 +330,7 @@ __all__ = [
     "HeadLayout",
     "SequenceParallelGroups",
     "UlyssesAttention",
+    "UlyssesSPAttentionHF",
     "attention_all_to_all_bytes",
     "register_with_transformers",
     "sequence_parallel_groups",

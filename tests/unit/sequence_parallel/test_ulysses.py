@@ -79,3 +79,14 @@ def test_registration_refuses_what_it_cannot_run_before_building_groups():
         register_with_transformers(42, "sdpa", 2, 1)
     with pytest.raises(RuntimeError, match="needs the process group"):
         register_with_transformers(sdpa, "sdpa", 2, 1)  # the checks passed; building groups needs ranks
+
+
+def test_deepspeeds_class_name_is_native_and_served_as_deepspeed():
+    from zeroshard.compat.deepspeed.runtime.sequence_parallel import ulysses_sp
+    from zeroshard.sequence_parallel import UlyssesSPAttentionHF
+
+    assert ulysses_sp.UlyssesSPAttentionHF is UlyssesSPAttentionHF
+    model = tiny_causal_lm("llama", attn_implementation="sdpa")
+    assert UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 1, 1) is None
+    with pytest.warns(UserWarning, match=r"max_length=\) is deprecated"), pytest.raises(ValueError, match="seq_length 63"):
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, max_length=63)
