@@ -88,5 +88,6 @@ def test_deepspeeds_class_name_is_native_and_served_as_deepspeed():
     assert ulysses_sp.UlyssesSPAttentionHF is UlyssesSPAttentionHF
     model = tiny_causal_lm("llama", attn_implementation="sdpa")
     assert UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 1, 1) is None
-    with pytest.warns(UserWarning, match=r"max_length=\) is deprecated"), pytest.raises(ValueError, match="seq_length 63"):
+    deprecated = pytest.warns(UserWarning, match=r"max_length=\) is deprecated")
+    with deprecated, pytest.raises(ValueError, match="seq_length 63"):
         UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, max_length=63)
