@@ -150,14 +150,14 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     groups = [[(name, tuple(int(d) for d in shape)) for name, shape in g.items()] for g in model["param_shapes"]]
     masters, states = {}, {key: {} for key in _STATE_KEYS}
     base = [o["base_optimizer_state"] if stage < 3 else o["optimizer_state_dict"] for o in inner]
+    unpack = _unpack_flat if stage < 3 else _unpack_per_param
     for g, params in enumerate(groups):
-        pieces = _group_pieces(path, stage, inner, base, g)
-        unpack = _unpack_flat if stage < 3 else _unpack_per_param
-        for key, flats in pieces.items():
+        for key, flats in _group_pieces(path, stage, inner, base, g).items():
             values = unpack(path, g, params, flats, inner[0], world)
             (masters if key == "master" else states[key]).update(values)
-    buffers = {n: t.float() if t.is_floating_point() else t for n, t in model["module"].items()}
-    buffers = {n: buffers[n] for n in model.get("buffer_names", []) if n in buffers}
+    module = model["module"]
+    buffers = {n: module[n].float() if module[n].is_floating_point() else module[n] for n in
+               model.get("buffer_names", []) if n in module}  # fmt: skip
     return DeepSpeedCheckpoint(
         path=path,
         stage=stage,
@@ -213,7 +213,8 @@ def _group_pieces(path: str, stage: int, inner: list, base: list, g: int) -> dic
 def _unpack_flat(path: str, g: int, params: list, flats: list, inner0: dict, world: int) -> dict[str, torch.Tensor]:
     """Stages 1-2: the ranks' partitions joined are the group's flat buffer, parameters back to back."""
     flat = torch.cat(flats)
-    paddings = (inner0.get("param_alignment_paddings") or [[]])[g] if inner0.get("param_alignment_paddings") else []
+    every_group = inner0.get("param_alignment_paddings") or []
+    paddings = every_group[g] if g < len(every_group) else []
     out, offset = {}, 0
     for i, (name, shape) in enumerate(params):
         numel = math.prod(shape)

@@ -187,6 +187,9 @@ def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
     ):
         data["train_micro_batch_size_per_gpu"] = ctx.dataloader_batch_size
         derived.append(("train_micro_batch_size_per_gpu", ctx.dataloader_batch_size, "data loader batch size"))
+    if ctx.sequence_parallel_size > 1 and data["sequence_parallel_size"] != ctx.sequence_parallel_size:
+        data["sequence_parallel_size"] = ctx.sequence_parallel_size  # the mpu's group sets the degree in effect
+        derived.append(("sequence_parallel_size", ctx.sequence_parallel_size, "the mpu's sequence-parallel group"))
     _all_ranks_counted(data, ctx, derived)
     batch = resolve_batch_triad(
         data["train_batch_size"],

@@ -325,8 +325,6 @@ def _resolve(
             sequence_parallel_size=sp_size,
         ),
     )
-    if sp_size > 1:  # the mpu may have set it: the engine's config reports the degree in effect
-        resolution.config.sequence_parallel_size = sp_size
     stage = resolution.config.zero_optimization.stage
     ranks = f"{grid.data_parallel_size} rank(s)"
     if tp_size > 1:

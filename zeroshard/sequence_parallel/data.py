@@ -121,7 +121,8 @@ def _piece(whole: dict, rank: int, ranks: int) -> dict:
     whole = dict(whole)
     if "labels" in whole:
         labels = whole.pop("labels")
-        whole.setdefault("shift_labels", shift_labels(labels))
+        if "shift_labels" not in whole:  # the loader's own shifted labels win
+            whole["shift_labels"] = shift_labels(labels)
     tokens = whole["input_ids"].shape[1]
     if tokens % ranks:
         raise ValueError(
