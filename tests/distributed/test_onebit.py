@@ -3,15 +3,17 @@
 - The engine with 1-bit optimizers: during warm-up, one-process parity (<= 1e-5, fp32); after it, every rank
   holds the same weights, the 1-bit collectives replace the gradient reductions in the ledger, and the weights
   stay within a stated distance of the same optimizer run uncompressed in one process (1-bit noise, not a bug:
-  measured 0.018 at stages 1-3, 0.12 at stage 0, whose momentum is compressed twice per step, as DeepSpeed does).
+  measured 0.12 at stages 0-2, whose momentum is compressed twice per step, as DeepSpeed does).
+- After an early freeze, 1-bit Adam at stages 1-2 trains as well as at stage 0 (issue 31).
 - Named refusals, and a checkpoint taken in the 1-bit phase resumes in it.
 """
 
 import pytest
 import torch
 
+from zeroshard.comm.compression import ONE_BIT
 from zeroshard.testing import run_distributed
-from zeroshard.testing.parity import ParityCase, engine_train_many, make_model, model_error, reference_train
+from zeroshard.testing.parity import MODEL, ParityCase, engine_train_many, make_model, model_error, reference_train
 
 
 def freeze(step: int) -> tuple:
@@ -50,8 +52,9 @@ COMPRESSED += [
     ),
     ParityCase(stage=0, optimizer="OneBitLamb", lr=1e-3, steps=STEPS, optimizer_params=freeze(FREEZE)),
 ]
-# weight distance after 10 compressed steps to the same optimizer uncompressed in one process (measured in brackets)
-TOLERANCE = [0.25, 0.05, 0.05, 0.05, 0.05, 0.1, 1.5, 0.02]  # [0.12, 0.018 x 4, 0.046, 0.70, 0.0035]
+# weight distance after 10 compressed steps to the same optimizer uncompressed in one process (measured in brackets:
+# 1-bit Adam's stages 0-2 exchange the momentum over the same chunks, stage 3's flat groups are cut otherwise)
+TOLERANCE = [0.25, 0.25, 0.25, 0.2, 0.25, 0.2, 1.5, 0.02]  # [0.118 x 3, 0.075, 0.118, 0.087, 0.70, 0.0035]
 
 
 def resume_worker(directory: str) -> dict:
@@ -71,6 +74,12 @@ def resume_worker(directory: str) -> dict:
     engine, _, _, _ = zeroshard.initialize(model=make_model(), config=config)
     train(engine, range(FREEZE + 2))
     before = engine.state_bytes()["compression_error"]
+    landed = []  # the optimizer's momentum shard against the chunk of the exchanged momentum every rank keeps
+    for index, flat in enumerate(engine.zero.flat_groups):
+        state, exchanged = engine.zero.read_flat(index), engine.zero.onebit_momentum.last_momentum(index)
+        lo, hi = flat.layout.shard_range(flat.shard_rank)
+        seen = state["exp_avg_sq"] != 0
+        landed.append(((state["exp_avg"] - exchanged[lo:hi])[seen].abs().max() / exchanged.abs().max()).item())
     engine.save_checkpoint(directory, tag="onebit")
     fresh, _, _, _ = zeroshard.initialize(model=make_model(seed=5), config=config)
     fresh.load_checkpoint(directory, tag="onebit")
@@ -78,14 +87,61 @@ def resume_worker(directory: str) -> dict:
     train(fresh, range(2))
     return {
         "error_bytes_before": before,
+        "landed": max(landed),
         **loaded,
         "steps": fresh.global_steps,
         "ledger": sorted(f"{op}" for op, _ in fresh.comm_ledger.totals),
     }
 
 
+EARLY_FREEZE = {"steps": 60, "freeze": 10, "lr": 5e-3, "micro_batch": 4}
+
+
+def markov_batch(seed: int, count: int, vocab: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of a fixed random bigram language with peaked transitions: learnable in a few dozen steps."""
+    transitions = (torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(123)) * 3).softmax(-1)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.empty(count, length + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (count,), generator=gen)
+    for i in range(length):
+        tokens[:, i + 1] = torch.multinomial(transitions[tokens[:, i]], 1, generator=gen).squeeze(1)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def early_freeze_worker() -> dict[str, float]:
+    """Issue 31's task, small: 1-bit Adam frozen after 10 of 60 steps at stages 0, 1 and 2, and AdamW, on the same
+    data; the mean loss of the last 10 steps of each."""
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard import comm
+
+    run = EARLY_FREEZE
+    systems = {"adamw": (0, "AdamW", {})}
+    systems.update({f"stage{s}": (s, "OneBitAdam", {"freeze_step": run["freeze"]}) for s in (0, 1, 2)})
+    engines = {}
+    for name, (stage, optimizer, params) in systems.items():
+        config = {
+            "train_micro_batch_size_per_gpu": run["micro_batch"],
+            "optimizer": {"type": optimizer, "params": {"lr": run["lr"], "betas": [0.9, 0.999], **params}},
+            "zero_optimization": {"stage": stage},
+        }
+        engines[name], _, _, _ = zeroshard.initialize(model=make_model(), config=config)
+    losses = {name: [] for name in engines}
+    for step in range(run["steps"]):
+        x, y = markov_batch(1000 * step + comm.get_rank(), run["micro_batch"], MODEL.vocab_size, MODEL.block_size)
+        for name, engine in engines.items():
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses[name].append(mean.item() / comm.get_world_size())
+    return {name: sum(values[-10:]) / 10 for name, values in losses.items()}
+
+
 def engine_worker(cases: list[ParityCase], directory: str) -> dict:
-    return {"cases": engine_train_many(cases), "resume": resume_worker(directory)}
+    return {"cases": engine_train_many(cases), "resume": resume_worker(directory), "early": early_freeze_worker()}
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +170,7 @@ def test_compressed_phase(engines, index):
         torch.testing.assert_close(per_rank[1]["params"][name], tensor, rtol=0, atol=1e-6)
     assert model_error(got["params"], reference_train(case, 2)) <= TOLERANCE[index]
     assert got["global_steps"] == STEPS and got["skipped_steps"] == 0
-    compressed_steps = (STEPS - FREEZE) * case.gas if case.stage else STEPS - FREEZE
+    compressed_steps = STEPS - FREEZE  # one momentum exchange per optimizer step, whatever the accumulation
     flats = len(got["flat_numels"])
     if case.optimizer == "ZeroOneAdam":
         # variance steps (exact all-reduce) 1-4, 6-12 by 2, 16-28 by 4; 1-bit gradient averages on the other 18
@@ -123,23 +179,34 @@ def test_compressed_phase(engines, index):
         assert got["ledger"]["all_reduce/world"][0] == exact * flats + (STEPS - exact)  # + norms of local grads
         assert got["ledger"]["reduce_scatter_1bit/world"][0] == (FREEZE - exact + 5) * flats
         return
+    # the momentum, exchanged in two phases over the shard layout, at every stage
     group = "world" if case.stage == 0 else "shard"
     assert got["ledger"][f"reduce_scatter_1bit/{group}"][0] == compressed_steps * flats
-    if case.stage == 0:  # the momentum, averaged in two phases; gradients all-reduced only in warm-up
-        assert got["ledger"]["all_gather_1bit/world"][0] == compressed_steps * flats
-        # + the mean squared norm of the ranks' own gradients, one all-reduce per 1-bit step
-        assert got["ledger"]["all_reduce/world"][0] == FREEZE * flats + compressed_steps
-        worker_and_server = sum(-(-numel // 2) * 2 for numel, _ in got["flat_numels"])
-        assert got["state_bytes"]["compression_error"] == 4 * worker_and_server
-    else:  # exact reduce-scatters in warm-up only; the error covers the chunks this rank sends
+    assert got["ledger"][f"all_gather_1bit/{group}"][0] == compressed_steps * flats
+    # + the mean squared norm of the ranks' own gradients, one all-reduce per 1-bit step
+    assert got["ledger"]["all_reduce/world"][0] == (FREEZE * flats if case.stage == 0 else 0) + compressed_steps
+    if case.stage:  # exact reduce-scatters in warm-up only
         assert got["ledger"]["reduce_scatter/shard"][0] == FREEZE * case.gas * flats
-        assert got["state_bytes"]["compression_error"] == 4 * sum(numel // 2 for numel, _ in got["flat_numels"])
+    # worker and server errors (fp32) over the chunked flat, and the gathered momentum as 1-bit messages
+    chunks = [-(-numel // 2) for numel, _ in got["flat_numels"]]
+    messages = case.optimizer == "OneBitAdam"
+    assert got["state_bytes"]["compression_error"] == sum(8 * c + 2 * messages * ONE_BIT.message_nbytes(c) for c in chunks)
+
+
+def test_stages_1_and_2_train_as_well_as_stage_0_after_an_early_freeze(engines):
+    """Issue 31: with the variance frozen after 1/6 of a short run, stages 1-2 must not lose more than 1 point of
+    loss (relative to AdamW's) over stage 0. They exchange the momentum as stage 0 does (measured: equal losses);
+    the 1-bit reduce-scatter of gradients they used before lost 19 points here (+57% vs +38% over AdamW)."""
+    losses = engines[0]["early"]
+    for stage in ("stage1", "stage2"):
+        assert (losses[stage] - losses["stage0"]) / losses["adamw"] <= 0.01, losses
 
 
 def test_a_checkpoint_taken_in_the_1bit_phase_resumes_in_it(engines):
     resume = engines[0]["resume"]
     assert resume["error_bytes_before"] > 0 and resume["error_bytes"] == 0  # errors are not saved (per rank)
-    assert resume["reduction"] == "one_bit" and resume["steps"] == FREEZE + 4
+    assert resume["landed"] <= 1e-6  # the gradient handed to the optimizer takes its momentum to the exchanged one
+    assert resume["reduction"] == "local" and resume["steps"] == FREEZE + 4
     assert "reduce_scatter_1bit" in resume["ledger"] and "reduce_scatter" not in resume["ledger"]
 
 

@@ -78,10 +78,13 @@ def compressed_all_gather(
     async_op: bool = False,
     codec: Codec = ONE_BIT,
     input: Optional[torch.Tensor] = None,
+    messages: Optional[torch.Tensor] = None,
 ) -> Pending:
     """Fill every chunk of ``output`` (group.size equal chunks) with the decompressed message of its owner: this
     rank's is ``input`` (default: its chunk of ``output``), compressed by ``codec``, with error feedback through
-    ``error`` (fp32, one chunk) when given. The sender keeps what the others receive, so all ranks agree."""
+    ``error`` (fp32, one chunk) when given. The sender keeps what the others receive, so all ranks agree.
+    ``messages`` (uint8, group.size x ``codec.message_nbytes(chunk)``), when given, receives the messages, for a
+    caller that keeps the gathered vector compressed."""
     n, me = group.size, group.rank
     op = f"all_gather_{codec.name}"
     if n == 1:
@@ -91,7 +94,8 @@ def compressed_all_gather(
     chunks = output.view(n, -1)
     numel = chunks.shape[1]
     mine = chunks[me] if input is None else input.reshape(-1)
-    messages = torch.empty(n, codec.message_nbytes(numel), dtype=torch.uint8, device=output.device)
+    if messages is None:
+        messages = torch.empty(n, codec.message_nbytes(numel), dtype=torch.uint8, device=output.device)
     if error is None:
         codec.compress(mine, messages[me])
     else:

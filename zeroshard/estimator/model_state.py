@@ -65,19 +65,27 @@ class ModelState:
         b["parameters"]["device"] += self.outside * compute
 
     def count_compression(self, out: MemoryEstimate) -> None:
-        """A 1-bit optimizer's compression errors (Note [1-bit reduction]): at stage 0 the optimizer's, a worker
-        and a server error covering the flat group (4 bytes per parameter; 0/1 Adam two and its local updates:
-        12); at stages 1-3 each gradient bucket's, for the chunks this rank sends ((N-1)/N x 4 bytes)."""
-        copies = _compression_copies(self.cfg)
+        """A 1-bit optimizer's compression state after its warm-up (Note [1-bit reduction]): a worker and a
+        server error covering each flat group (4 bytes per parameter; 0/1 Adam two and its local updates: 12),
+        and 1-bit Adam's last averaged momentum as 1-bit messages (1/8 byte and a scale per 256 elements). Every
+        rank then keeps its own whole gradient: at stages 1-3 the gradients grow from the shard to the flat."""
+        from ..comm.compression import ONE_BIT
+
+        name = self.cfg.optimizer.type.lower() if self.cfg.optimizer is not None else ""
+        copies = {"onebitadam": 1, "onebitlamb": 1, "zerooneadam": 3}.get(name, 0)
         if not copies:
             return
+        n = out.world_size
+        chunks = [-(-layout.padded_numel // n) for layout in self.layouts]
+        nbytes = 4 * copies * sum(chunk * n for chunk in chunks)
+        if name == "onebitadam":
+            nbytes += sum(n * ONE_BIT.message_nbytes(chunk) for chunk in chunks)
+        out.bytes["communication_buffers"]["device"] += nbytes
+        out.notes.append(f"1-bit compression state: {nbytes / max(out.params, 1):.2f} bytes per parameter")
         if self.stage.partition_optimizer:
-            errors = sum(layout.padded_numel - layout.shard_numel for layout in self.layouts)
-        else:
-            n = out.world_size
-            errors = copies * sum(-(-layout.padded_numel // n) * n for layout in self.layouts)
-        out.bytes["communication_buffers"]["device"] += 4 * errors
-        out.notes.append(f"1-bit compression errors: {4 * errors / max(out.params, 1):.2f} bytes per parameter")
+            home = {"cpu": "host", "nvme": "nvme"}.get(self.offload.optimizer_device, "device")
+            whole = sum(layout.padded_numel - layout.shard_numel for layout in self.layouts)
+            out.bytes["gradients"][home] += whole * element_size(self.policy.grad)
 
     def count_buffers(self, out: MemoryEstimate, gloo: bool) -> None:
         """What ``ReusableBuffers`` holds at the busiest moment: gradient staging for the bucket being filled and
@@ -105,13 +113,6 @@ class ModelState:
         )
         gathered = self.unit_numel.get(0, 0) + (1 + ahead) * unit
         out.bytes["gathered_units"]["device"] += gathered * compute
-
-
-def _compression_copies(cfg) -> int:
-    """fp32 copies of each flat group a 1-bit optimizer keeps after its warm-up, beyond its state: the compression
-    errors (worker + server: one copy per tensor compressed), and 0/1 Adam's summed local updates."""
-    name = cfg.optimizer.type.lower() if cfg.optimizer is not None else ""
-    return {"onebitadam": 1, "onebitlamb": 1, "zerooneadam": 3}.get(name, 0)
 
 
 def _optimizer_state_tensors(cfg, stage: int) -> int:

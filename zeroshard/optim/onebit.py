@@ -1,14 +1,14 @@
 """The 1-bit optimizers of DeepSpeed by name: 1-bit Adam, 0/1 Adam, 1-bit LAMB (DeepSpeed's parameters and
 defaults). Each warms up exactly, then communicates 1-bit compressed (:mod:`zeroshard.comm.compressed`).
 
-Who communicates, by stage (Note [1-bit reduction] in ``docs/design.md``):
+Who communicates (Note [1-bit reduction] in ``docs/design.md``): after the warm-up every rank keeps its own
+gradients, unreduced, and what DeepSpeed averages is averaged 1-bit compressed with error feedback:
 
-- stage 0 (whole tensors on every rank): after its warm-up the optimizer takes this rank's own, unreduced
-  gradients and averages what DeepSpeed averages (1-bit Adam and 1-bit LAMB the momentum, 0/1 Adam the gradient
-  or the accumulated update) through the ``OneBitAllReduce`` the ZeRO layer binds (``bind``);
-- stages 1-3 (1-bit Adam only; the momentum is sharded, no rank holds another's): the gradient reducer
-  reduce-scatters 1-bit compressed gradients with error feedback, and the optimizer steps its shard with the
-  variance frozen, communicating nothing itself.
+- 1-bit Adam, at ZeRO stages 0-3: the momentum, exchanged by the ZeRO layer over the shard layout
+  (:mod:`zeroshard.zero.onebit_momentum`); the optimizer is handed the gradient that takes its momentum to the
+  averaged one, and steps its shard with the variance frozen, communicating nothing itself;
+- 0/1 Adam and 1-bit LAMB, at stage 0 only: the optimizer averages itself (0/1 Adam the gradient or the
+  accumulated update, 1-bit LAMB the scaled momentum) through the ``OneBitAllReduce`` the ZeRO layer binds.
 
 The ZeRO layer asks ``needs_averaged_gradients()`` before every backward: True during warm-up (exact reduction).
 The compression errors are not optimizer state: they are per rank and world size, so a checkpoint does not keep
@@ -34,7 +34,9 @@ COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
 class OneBitOptimizer(Optimizer):
     """What the 1-bit optimizers share: the warm-up question and the bound all-reduce."""
 
-    runs_sharded = False  # whether it can step ZeRO shards (stages 1-3): only 1-bit Adam's update is elementwise
+    # whether the ZeRO layer exchanges what it averages (1-bit Adam's momentum), so that it runs at stages 1-3 too;
+    # the others average themselves, whole tensors at stage 0
+    runs_sharded = False
 
     def __init__(self, params, defaults: dict, cuda_aware: bool, comm_backend_name: str, amsgrad: bool, schedule: dict):
         """``defaults`` (lr, betas, eps, weight_decay) and the subclass's ``schedule`` numbers are checked here
@@ -98,7 +100,8 @@ class OneBitOptimizer(Optimizer):
 
 class OneBitAdam(OneBitOptimizer):
     """1-bit Adam: Adam (no bias correction, as DeepSpeed's) for ``freeze_step`` steps, then the variance frozen
-    and the momentum averaged 1-bit compressed with error feedback."""
+    and the momentum averaged 1-bit compressed with error feedback (by the ZeRO layer, which hands this optimizer
+    the gradient that leads its momentum to the averaged one)."""
 
     runs_sharded = True
 
@@ -130,8 +133,7 @@ class OneBitAdam(OneBitOptimizer):
             m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
             if state["step"] <= self.freeze_step:
                 v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            else:
-                self._average(m, p)
+            else:  # under an engine the momentum is now the 1-bit averaged one (Note [1-bit reduction])
                 _mask_unseen(m, v)
             _apply(p, m, v, group)
         return loss

@@ -21,7 +21,6 @@ from ..accelerator import get_accelerator
 from ..comm.compression import Codec
 from ..log import log_rank0
 from ..offload import OffloadDevice, OffloadPlan, ShardHomes, shard_homes
-from ..optim import OneBitOptimizer
 from ..precision import LossScaler, PrecisionPolicy
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
@@ -167,8 +166,7 @@ class ZeroStack:
         parts = [flat.bytes_held() for flat in self.all_flat_groups]
         parts.append(self.reducer.bytes_held(state.location))
         parts.append(state.bytes_held())
-        if isinstance(self.optimizer.optimizer, OneBitOptimizer):
-            parts.append({"compression_error": {"device": self.optimizer.optimizer.compression_bytes()}})
+        parts.append({"compression_error": {"device": self.optimizer.compression_bytes()}})
         if self.shard_homes is not None:
             parts.append(self.shard_homes.bytes_held())
         for part in parts:

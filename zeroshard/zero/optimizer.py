@@ -21,6 +21,7 @@ from ..optim import OneBitOptimizer
 from ..precision import LossScaler
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
+from .onebit_momentum import OneBitMomentum
 from .optimizer_state import OptimizerState
 from .reducer import GradientReducer, Reduction
 from .state_offload import StateOffload
@@ -93,6 +94,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"optimizer {type(self.optimizer).__name__} with hybrid sharding (zero_hpz_partition_size / "
                 "mics_shard_size): the replica groups' reduction would not be compressed; drop one of the two"
             )
+        # 1-bit Adam's momentum, exchanged 1-bit compressed over the shard layout after its warm-up (at every stage)
+        self.onebit_momentum = (
+            OneBitMomentum(flat_groups)
+            if isinstance(self.optimizer, OneBitOptimizer) and self.optimizer.runs_sharded
+            else None
+        )
         self.states = StateOffload(
             flat_groups + self.frozen_groups,
             optimizer_state,
@@ -125,19 +132,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.states.reload(non_blocking)
 
     def _choose_reduction(self) -> None:
-        """Note [1-bit reduction]: a 1-bit optimizer past its warm-up takes this rank's own gradients when it
-        holds whole tensors (stage 0; it compresses what it averages itself), else 1-bit reduce-scattered ones."""
+        """Note [1-bit reduction]: a 1-bit optimizer past its warm-up takes this rank's own whole gradients; the
+        step averages what DeepSpeed averages, 1-bit compressed (1-bit Adam's momentum: ``onebit_momentum``; the
+        others, at stage 0, in the optimizer)."""
         optimizer, before = self.optimizer, self.reducer.reduction
         if not isinstance(optimizer, OneBitOptimizer) or optimizer.needs_averaged_gradients():
             self.reducer.reduction = Reduction.EXACT
         else:
-            self.reducer.reduction = Reduction.LOCAL if optimizer.all_reduce is not None else Reduction.ONE_BIT
+            self.reducer.reduction = Reduction.LOCAL
         if before is Reduction.EXACT and self.reducer.reduction is not Reduction.EXACT and self.compressed_from is None:
             self.compressed_from = self.steps_taken + 1  # a global step: skipped steps count, unlike the optimizer's
             how = (
-                "each rank's own gradients, the optimizer averaging 1-bit compressed"
-                if self.reducer.reduction is Reduction.LOCAL
-                else "gradients reduce-scattered 1-bit compressed with error feedback"
+                "each rank's own gradients; the momentum exchanged 1-bit compressed over the shard layout"
+                if self.onebit_momentum is not None
+                else "each rank's own gradients, the optimizer averaging 1-bit compressed"
             )
             if comm.get_rank() == 0:  # zeroshard's logger (zeroshard.log formats it)
                 logging.getLogger("zeroshard").info(
@@ -180,10 +188,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         overflow = self.overflow = not math.isfinite(norm)
         self.global_grad_norm = math.inf if overflow else norm  # NaN gradients report inf too, as DeepSpeed's
         self.steps_taken += 1
-        scale_before = self.loss_scaler.scale
         self.loss_scaler.update(overflow)
         if overflow:
-            self.reducer.reset_compression()  # the dropped parts of non-finite gradients are not finite either
             self.consecutive_skipped += 1
             limit = self.max_consecutive_skipped_steps
             if not self.loss_scaler.dynamic and limit and self.consecutive_skipped >= limit:
@@ -196,16 +202,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.zero_grad()
             self._choose_reduction()
             return False
-        if self.loss_scaler.scale != scale_before:
-            self.reducer.rescale_compression(self.loss_scaler.scale / scale_before)  # errors are in scaled units
         self.consecutive_skipped = 0
         coef = 1.0 / scale
         if self.gradient_clipping > 0 and norm > self.gradient_clipping:
             coef *= self.gradient_clipping / (norm + 1e-6)
+        if self.onebit_momentum is not None and self.reducer.reduction is Reduction.LOCAL:
+            grads, coef = self._exchange_momentum(grads, coef), 1.0
         self.optimizer_state.step(grads, coef)
         self.zero_grad()
         self._choose_reduction()
         return True
+
+    def _exchange_momentum(self, grads: list[torch.Tensor], coef: float) -> list[torch.Tensor]:
+        """1-bit Adam after its warm-up: this rank's own whole gradients (times ``coef``) in, the shards of the
+        gradients that take the optimizer's momentum to the 1-bit averaged one out (:mod:`.onebit_momentum`)."""
+        shards = []
+        for index, grad in enumerate(grads):
+            beta1 = self.param_groups[self.flat_param_group(index)]["betas"][0]
+            exp_avg = None
+            if self.onebit_momentum.needs_exp_avg(index):
+                exp_avg = self.read_flat(index).get("exp_avg")
+            shards.append(self.onebit_momentum.exchange(index, grad, coef, beta1, exp_avg))
+        return shards
 
     def _first_non_finite(self, grads: list[torch.Tensor]) -> str:
         """The first parameter, in flat-group order over all ranks' shards, with a non-finite gradient."""
@@ -214,7 +232,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for index, (flat, grad) in enumerate(zip(self.flat_groups, grads)):
             bad = (~torch.isfinite(grad)).nonzero()
             if bad.numel():
-                lo, _ = flat.layout.shard_range(flat.shard_rank)
+                whole = grad.numel() == flat.layout.padded_numel  # a shard, or (1-bit phase) the whole gradient
+                lo = 0 if whole else flat.layout.shard_range(flat.shard_rank)[0]
                 first[0] = index * (1 << 40) + lo + int(bad[0, 0])
                 break
         if self.norm.shard is not None:
@@ -229,10 +248,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Copy the master weights into the compute parameters (after they were replaced, e.g. by a load); a
         1-bit optimizer forgets its compression errors and resumes in the phase its loaded step count says."""
         self.optimizer_state.publish()
-        self.reducer.reset_compression()
+        if self.onebit_momentum is not None:
+            self.onebit_momentum.reset()
         if isinstance(self.optimizer, OneBitOptimizer):
             self.optimizer.reset_compression()
         self._choose_reduction()
+
+    def compression_bytes(self) -> int:
+        """Bytes a 1-bit optimizer's compression holds: errors, the gathered momentum, 0/1 Adam's local updates."""
+        held = self.onebit_momentum.nbytes() if self.onebit_momentum is not None else 0
+        return held + (self.optimizer.compression_bytes() if isinstance(self.optimizer, OneBitOptimizer) else 0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()

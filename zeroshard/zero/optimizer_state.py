@@ -58,7 +58,8 @@ class OptimizerState:
         for sub in self.subgroups:
             master_groups[group_of_flat[sub.flat_index]]["params"].append(sub.param)
         self.optimizer = make_optimizer(master_groups, self._sharded_norms())
-        if isinstance(self.optimizer, OneBitOptimizer) and flats and not flats[0].partitioned:
+        optimizer = self.optimizer
+        if isinstance(optimizer, OneBitOptimizer) and not optimizer.runs_sharded and flats and not flats[0].partitioned:
             self.optimizer.bind(comm.OneBitAllReduce(flats[0].shard_group))  # stage 0: it averages, compressed
 
     @property

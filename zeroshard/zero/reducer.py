@@ -10,7 +10,8 @@ A :class:`GradBucket` owns the gradient side of one flat group on one rank:
   before its last (stage 3's root unit: the final norm's at the start of backward, the embedding's at the
   end) would otherwise hold a whole staging buffer through backward for a few elements.
 - ``grad`` (fp32, this rank's shard): reduced gradients, accumulated across micro-batches, on the
-  device or (offloaded optimizer) in host memory, where the optimizer state steps them.
+  device or (offloaded optimizer) in host memory, where the optimizer state steps them. Under the ``LOCAL``
+  reduction it holds this rank's own gradient of the whole bucket instead (see :class:`Reduction`).
 
 A :class:`GradientReducer` owns the buckets, the post-accumulate-grad hooks, and the schedule: which
 bucket reduces when, in one rank-independent order, with a bounded number in flight; and the :class:`Reduction`
@@ -27,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import comm
-from ..comm.compression import ONE_BIT, Codec
+from ..comm.compression import Codec
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 
@@ -36,8 +37,7 @@ MAX_IN_FLIGHT = 1  # overlapped reductions pending at once (each holds one bucke
 
 class Reduction(Enum):
     EXACT = "exact"  # summed across ranks: all-reduce (stage 0) or reduce-scatter
-    LOCAL = "local"  # not reduced: the optimizer communicates (a 1-bit optimizer at stage 0, after warm-up)
-    ONE_BIT = "one_bit"  # 1-bit compressed reduce-scatter with error feedback (1-bit Adam at stages 1-3)
+    LOCAL = "local"  # not reduced, kept whole: the step communicates (a 1-bit optimizer after its warm-up)
 
 
 class GradState(Enum):
@@ -67,6 +67,7 @@ class GradBucket:
         self.layout = flat.layout
         self.reduce_dtype = reduce_dtype
         self.replica_group = replica_group
+        self.pin_memory = pin_memory
         self.grad = torch.zeros(flat.layout.shard_numel, dtype=grad_dtype, device=grad_device, pin_memory=pin_memory)
         self.state = GradState.EMPTY
         self._staging: Optional[torch.Tensor] = None
@@ -74,8 +75,6 @@ class GradBucket:
         self._reduced: Optional[torch.Tensor] = None
         self._scratch: Optional[torch.Tensor] = None  # the collective's scratch buffer (Gloo) while reducing
         self._pending: Optional[comm.Pending] = None
-        # 1-bit reduction: what compressing the chunks this rank sends dropped so far, fp32 (allocated at first use)
-        self.compression_error: Optional[torch.Tensor] = None
         # Gradient contributions per parameter in this backward, and how many the last backward brought. A
         # parameter recomputed by reentrant activation checkpointing gets one per recomputation (each nested
         # backward fires its hook), so one arrival does not always mean its gradient is final.
@@ -128,17 +127,11 @@ class GradBucket:
             self._staging.div_(predivide)
         if reduction is Reduction.LOCAL:
             self._reduced, self._pending = self._staging, comm.Pending("local", self.flat.shard_group, None, "", 0.0)
-        elif reduction is Reduction.ONE_BIT or (self.flat.partitioned and self.codec is not None):
+        elif self.flat.partitioned and self.codec is not None:
             lo, hi = self.layout.shard_range(self.flat.shard_rank)
             self._reduced = self._staging[lo:hi]  # the owner sums the decompressed chunks in fp32
-            error, codec = None, self.codec
-            if reduction is Reduction.ONE_BIT:
-                if self.compression_error is None:
-                    numel = self.layout.padded_numel - self.layout.shard_numel
-                    self.compression_error = torch.zeros(numel, dtype=torch.float32, device=self._staging.device)
-                error, codec = self.compression_error, ONE_BIT
             self._pending = comm.compressed_reduce_scatter(
-                self._staging, error, self.flat.shard_group, async_op=async_op, codec=codec
+                self._staging, None, self.flat.shard_group, async_op=async_op, codec=self.codec
             )
         elif self.flat.partitioned:
             lo, hi = self.layout.shard_range(self.flat.shard_rank)
@@ -170,9 +163,14 @@ class GradBucket:
         self.arrived = [0] * len(self.arrived)
         self.state = GradState.EMPTY
 
-    def reset_compression(self) -> None:
-        """Forget the 1-bit compression error (a skipped step's may be non-finite; a load starts afresh)."""
-        self.compression_error = None
+    def hold_whole(self, whole: bool) -> None:
+        """Size ``grad`` for this rank's shard of the reduced gradient, or (``whole``) its own unreduced gradient of
+        the whole bucket; called between steps, when ``grad`` holds nothing."""
+        numel = self.layout.padded_numel if whole else self.layout.shard_numel
+        if self.grad.numel() != numel:
+            self.grad = torch.zeros(
+                numel, dtype=self.grad.dtype, device=self.grad.device, pin_memory=self.pin_memory
+            )
 
     def staging_bytes(self) -> int:
         return _nbytes(self._staging) + _nbytes(self._scratch) + sum(_nbytes(g) for g in self._parked.values())
@@ -213,7 +211,18 @@ class GradientReducer:
         self._root_hook = None  # the hook on the loss that notes that task, removed at the end of backward
         self._launch_limit = 0  # buckets from this index wait for the end of backward (see _on_grad)
         self._in_flight: deque[GradBucket] = deque()  # reductions launched, not yet accumulated
-        self.reduction = Reduction.EXACT  # how the next backward's gradients are reduced
+        self._reduction = Reduction.EXACT
+
+    @property
+    def reduction(self) -> Reduction:
+        """How the next backward's gradients are reduced; set between steps (the buckets' gradients resize)."""
+        return self._reduction
+
+    @reduction.setter
+    def reduction(self, reduction: Reduction) -> None:
+        self._reduction = reduction
+        for bucket in self.buckets:
+            bucket.hold_whole(reduction is Reduction.LOCAL)
 
     @property
     def grads(self) -> list[torch.Tensor]:
@@ -321,21 +330,10 @@ class GradientReducer:
             for param in bucket.flat.params:
                 param.grad = None
 
-    def reset_compression(self) -> None:
-        for bucket in self.buckets:
-            bucket.reset_compression()
-
-    def rescale_compression(self, factor: float) -> None:
-        """The loss scale changed: the compression errors (of scaled gradients) follow it."""
-        for bucket in self.buckets:
-            if bucket.compression_error is not None:
-                bucket.compression_error.mul_(factor)
-
     def bytes_held(self, grad_location: str) -> dict[str, dict[str, int]]:
         return {
             "grad_shard": {grad_location: sum(_nbytes(b.grad) for b in self.buckets)},
             "staging": {"device": sum(b.staging_bytes() for b in self.buckets)},
-            "compression_error": {"device": sum(_nbytes(b.compression_error) for b in self.buckets)},
         }
 
     def destroy(self) -> None:
