@@ -80,6 +80,7 @@ def resume_worker(directory: str) -> dict:
         lo, hi = flat.layout.shard_range(flat.shard_rank)
         seen = state["exp_avg_sq"] != 0
         landed.append(((state["exp_avg"] - exchanged[lo:hi])[seen].abs().max() / exchanged.abs().max()).item())
+    grads = own_gradient_reads(engine)
     engine.save_checkpoint(directory, tag="onebit")
     fresh, _, _, _ = zeroshard.initialize(model=make_model(seed=5), config=config)
     fresh.load_checkpoint(directory, tag="onebit")
@@ -88,6 +89,7 @@ def resume_worker(directory: str) -> dict:
     return {
         "error_bytes_before": before,
         "landed": max(landed),
+        "grads": grads,
         **loaded,
         "steps": fresh.global_steps,
         "ledger": sorted(f"{op}" for op, _ in fresh.comm_ledger.totals),
@@ -140,6 +142,28 @@ def early_freeze_worker() -> dict[str, float]:
     return {name: sum(values[-10:]) / 10 for name, values in losses.items()}
 
 
+def own_gradient_reads(engine) -> dict:
+    """In the 1-bit phase each rank holds its own gradient: ``param_access`` answers it (full without a collective,
+    local as its shard's range of it), compared with a plain model's gradient on this rank's micro-batch."""
+    from zeroshard import comm
+
+    torch.manual_seed(100 + comm.get_rank())
+    x = torch.randint(0, 64, (2, 8))
+    plain = make_model()
+    plain.load_state_dict(engine.module.state_dict())  # stage 2: every rank's module holds the whole weights
+    plain(x, x).backward()
+    engine.backward(engine(x, x))
+    full = {}
+    local_ok = True
+    for (name, param), (_, reference) in zip(engine.module.named_parameters(), plain.named_parameters()):
+        full[name] = (engine.param_access.full_grad(param) - reference.grad).abs().max().item()
+        whole, mine = engine.param_access.full_grad(param).flatten(), engine.param_access.local_grad(param)
+        if mine.numel():  # a contiguous piece of the whole
+            local_ok &= bool((whole.unfold(0, mine.numel(), 1) == mine).all(dim=1).any())
+    engine.zero_grad()
+    return {"full": max(full.values()), "local_is_a_piece_of_it": local_ok}
+
+
 def engine_worker(cases: list[ParityCase], directory: str) -> dict:
     return {"cases": engine_train_many(cases), "resume": resume_worker(directory), "early": early_freeze_worker()}
 
@@ -190,7 +214,9 @@ def test_compressed_phase(engines, index):
     # worker and server errors (fp32) over the chunked flat, and the gathered momentum as 1-bit messages
     chunks = [-(-numel // 2) for numel, _ in got["flat_numels"]]
     messages = case.optimizer == "OneBitAdam"
-    assert got["state_bytes"]["compression_error"] == sum(8 * c + 2 * messages * ONE_BIT.message_nbytes(c) for c in chunks)
+    assert got["state_bytes"]["compression_error"] == sum(
+        8 * c + 2 * messages * ONE_BIT.message_nbytes(c) for c in chunks
+    )
 
 
 def test_stages_1_and_2_train_as_well_as_stage_0_after_an_early_freeze(engines):
@@ -205,6 +231,7 @@ def test_stages_1_and_2_train_as_well_as_stage_0_after_an_early_freeze(engines):
 def test_a_checkpoint_taken_in_the_1bit_phase_resumes_in_it(engines):
     resume = engines[0]["resume"]
     assert resume["error_bytes_before"] > 0 and resume["error_bytes"] == 0  # errors are not saved (per rank)
+    assert resume["grads"]["full"] <= 1e-6 and resume["grads"]["local_is_a_piece_of_it"]
     assert resume["landed"] <= 1e-6  # the gradient handed to the optimizer takes its momentum to the exchanged one
     assert resume["reduction"] == "local" and resume["steps"] == FREEZE + 4
     assert "reduce_scatter_1bit" in resume["ledger"] and "reduce_scatter" not in resume["ledger"]

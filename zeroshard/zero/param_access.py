@@ -11,7 +11,9 @@ state's own ``read_flat`` / ``write_flat`` (device, host, NVMe).
 
 Frozen parameters have no master weights, gradient or optimizer state: the reads answer ``None``, as DeepSpeed's.
 Gradients are the reduced (data-parallel averaged) shards the next step applies: present between a
-boundary's backward and the step (under fp16 still multiplied by the loss scale, as in DeepSpeed).
+boundary's backward and the step (under fp16 still multiplied by the loss scale, as in DeepSpeed). After a 1-bit
+optimizer's warm-up no averaged gradient exists (Note [1-bit reduction]): each rank holds its own, whole, and the
+reads answer that rank's own gradient, the full one without a collective (DeepSpeed's 1-bit Adam, stage 0, too).
 """
 
 from __future__ import annotations
@@ -87,7 +89,11 @@ class ParamAccess:
         fragment = self._fragment(param)
         if fragment is None:
             return None
-        return fragment.of_shard(self.buckets[id(fragment.flat)].grad).float().clone()
+        grad, layout = self.buckets[id(fragment.flat)].grad, fragment.flat.layout
+        if grad.numel() != layout.shard_numel:  # this rank's own whole gradient (1-bit phase): its shard's range
+            lo, hi = layout.shard_range(fragment.flat.shard_rank)
+            grad = grad[lo:hi]
+        return fragment.of_shard(grad).float().clone()
 
     def local_optimizer_state(self, param: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:
         fragment = self._fragment(param)
@@ -112,7 +118,13 @@ class ParamAccess:
 
     def full_grad(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
         fragment = self._fragment(param)
-        return None if fragment is None else self._whole(fragment, self.local_grad(param))
+        if fragment is None:
+            return None
+        grad, layout = self.buckets[id(fragment.flat)].grad, fragment.flat.layout
+        if grad.numel() != layout.shard_numel:  # this rank's own whole gradient (1-bit phase): no collective
+            slot = next(s for s, p in zip(layout.slots, fragment.flat.params) if p is param)
+            return grad[slot.offset : slot.end].float().clone().view(fragment.shape)
+        return self._whole(fragment, self.local_grad(param))
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:
         fragment = self._fragment(param)

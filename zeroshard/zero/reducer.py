@@ -168,9 +168,7 @@ class GradBucket:
         the whole bucket; called between steps, when ``grad`` holds nothing."""
         numel = self.layout.padded_numel if whole else self.layout.shard_numel
         if self.grad.numel() != numel:
-            self.grad = torch.zeros(
-                numel, dtype=self.grad.dtype, device=self.grad.device, pin_memory=self.pin_memory
-            )
+            self.grad = torch.zeros(numel, dtype=self.grad.dtype, device=self.grad.device, pin_memory=self.pin_memory)
 
     def staging_bytes(self) -> int:
         return _nbytes(self._staging) + _nbytes(self._scratch) + sum(_nbytes(g) for g in self._parked.values())
