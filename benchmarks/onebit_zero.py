@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -73,6 +74,7 @@ def worker(freezes: list[int], steps: int, micro: int, data: str) -> dict:
 
     import zeroshard
     from zeroshard import comm
+    from zeroshard.zero import NonFiniteGradientError
 
     rank, world = comm.get_rank(), comm.get_world_size()
     engines = {}
@@ -89,16 +91,24 @@ def worker(freezes: list[int], steps: int, micro: int, data: str) -> dict:
     for step in range(steps):
         x, y = DATA[data](step, rank, micro)
         for name, engine in engines.items():
+            rec = record[name]
+            if rec.get("diverged"):
+                rec["loss"].append(float("nan"))
+                continue
             engine.comm_ledger.reset()
             dist.barrier()
             started = time.perf_counter()
             loss = engine(x, y)
             engine.backward(loss)
-            engine.step()
+            try:
+                engine.step()
+            except NonFiniteGradientError:  # every rank sees the same global norm: all stop this system together
+                rec["diverged"] = step
+                rec["loss"].append(float("nan"))
+                continue
             elapsed = time.perf_counter() - started
             mean = loss.detach().float().clone()
             dist.all_reduce(mean)
-            rec = record[name]
             rec["loss"].append(mean.item() / world)
             rec["bytes"].append(sum(t.wire_bytes for t in engine.comm_ledger.totals.values()))
             rec["times"].append(elapsed)
@@ -125,9 +135,10 @@ def summarize(record: dict, world: int, freezes: list[int], steps: int) -> list[
                     "loss": last(name),
                     "vs_adamw": last(name) / last("adamw-0") - 1,
                     "vs_uncompressed": last(name) / last("uncompressed") - 1,
-                    "byte_ratio": statistics.mean(record[name]["bytes"][compressed])
+                    "byte_ratio": statistics.mean(record[name]["bytes"][compressed] or [math.nan])
                     / statistics.mean(record[adamw]["bytes"][compressed]),
                     "compressed_from": record[name]["compressed_from"],
+                    "diverged": record[name].get("diverged"),
                 }
             )
     return rows
@@ -159,6 +170,8 @@ def main() -> None:
         lines.append(
             f"| {r['world']} | {r['freeze']} | {r['stage']} | {r['loss']:.4f} | {100 * r['vs_adamw']:+.2f}% | "
             f"{100 * r['vs_uncompressed']:+.2f}% | {r['byte_ratio']:.3f} |"
+            if r["diverged"] is None
+            else f"| {r['world']} | {r['freeze']} | {r['stage']} | diverged at step {r['diverged']} | | | |"
         )
     for world, adamw, num_params, uncompressed in baselines:
         lines.append(
