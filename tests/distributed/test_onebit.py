@@ -211,6 +211,12 @@ def test_compressed_phase(engines, index):
     assert got["ledger"]["all_reduce/world"][0] == (FREEZE * flats if case.stage == 0 else 0) + compressed_steps
     if case.stage:  # exact reduce-scatters in warm-up only
         assert got["ledger"]["reduce_scatter/shard"][0] == FREEZE * case.gas * flats
+    if case.stage == 2 and case.dtype == "fp32" and not case.zero:  # issue 31: <= 0.6 of AdamW's bytes per step
+        ledger = got["ledger"]
+        exact = ledger["reduce_scatter/shard"][1] / FREEZE  # a warm-up step's gradients: AdamW's
+        params = ledger["all_gather/shard"][1] / (STEPS + 1)  # each step's parameters; once the momentum, exactly
+        onebit = (ledger["reduce_scatter_1bit/shard"][1] + ledger["all_gather_1bit/shard"][1]) / compressed_steps
+        assert 0.5 < (onebit + params) / (exact + params) <= 0.6
     # worker and server errors (fp32) over the chunked flat, and the gathered momentum as 1-bit messages
     chunks = [-(-numel // 2) for numel, _ in got["flat_numels"]]
     messages = case.optimizer == "OneBitAdam"
