@@ -164,6 +164,15 @@ class FlatGroup:
         elif values.data_ptr() != self.shard[start:].data_ptr():
             self.shard[start : start + values.numel()].copy_(values, non_blocking=True)
 
+    def whole_of(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` laid out as this rank's shard (optimizer state, an update), gathered from every rank of the
+        shard group into the whole padded flat group: ``values`` itself when the group is not partitioned."""
+        if not self.partitioned:
+            return values
+        out = values.new_empty(self.layout.padded_numel)
+        comm.all_gather(out, values.contiguous(), self.shard_group)
+        return out
+
     def finish_publish(self) -> None:
         """After ``write_shard`` covered the shard: an offloaded shard is written home, a resident group
         gathers the other ranks' updates."""

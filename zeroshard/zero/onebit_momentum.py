@@ -102,10 +102,8 @@ class OneBitMomentum:
             for j, piece in enumerate(momentum.view(n, chunk)):
                 ONE_BIT.decompress(state.momentum[j], chunk, piece)
             momentum[flat.layout.padded_numel :].zero_()  # stage 0's chunks pad the flat: nothing to carry there
-        elif exp_avg is not None and flat.partitioned:
-            comm.all_gather(momentum, exp_avg.to(flat.device, torch.float32), group)
         elif exp_avg is not None:
-            momentum[: exp_avg.numel()].copy_(exp_avg)
+            momentum[: flat.layout.padded_numel].copy_(flat.whole_of(exp_avg.to(flat.device, torch.float32)))
         return momentum
 
     def last_momentum(self, index: int) -> torch.Tensor:

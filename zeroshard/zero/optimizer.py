@@ -136,10 +136,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         step averages what DeepSpeed averages, 1-bit compressed (1-bit Adam's momentum: ``onebit_momentum``; the
         others, at stage 0, in the optimizer)."""
         optimizer, before = self.optimizer, self.reducer.reduction
-        if not isinstance(optimizer, OneBitOptimizer) or optimizer.needs_averaged_gradients():
-            self.reducer.reduction = Reduction.EXACT
-        else:
-            self.reducer.reduction = Reduction.LOCAL
+        exact = not isinstance(optimizer, OneBitOptimizer) or optimizer.needs_averaged_gradients()
+        self.reducer.reduction = Reduction.EXACT if exact else Reduction.LOCAL
         if before is Reduction.EXACT and self.reducer.reduction is not Reduction.EXACT and self.compressed_from is None:
             self.compressed_from = self.steps_taken + 1  # a global step: skipped steps count, unlike the optimizer's
             how = (
@@ -195,7 +193,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if not self.loss_scaler.dynamic and limit and self.consecutive_skipped >= limit:
                 raise NonFiniteGradientError(
                     f"optimizer step {self.steps_taken}: gradients were non-finite for {self.consecutive_skipped} "
-                    f"steps in a row (every one skipped), first at parameter '{self._first_non_finite(grads)}'; "
+                    f"steps in a row (every one skipped), first at parameter '{self._first_non_finite()}'; "
                     "check the loss and the data for inf/nan, lower the learning rate, or raise "
                     "max_consecutive_skipped_steps (0 never stops)"
                 )
@@ -225,15 +223,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             shards.append(self.onebit_momentum.exchange(index, grad, coef, beta1, exp_avg))
         return shards
 
-    def _first_non_finite(self, grads: list[torch.Tensor]) -> str:
+    def _first_non_finite(self) -> str:
         """The first parameter, in flat-group order over all ranks' shards, with a non-finite gradient."""
         big = len(self.flat_groups) * (1 << 40)
         first = torch.tensor([big], dtype=torch.int64)
-        for index, (flat, grad) in enumerate(zip(self.flat_groups, grads)):
-            bad = (~torch.isfinite(grad)).nonzero()
+        for index, (flat, bucket) in enumerate(zip(self.flat_groups, self.reducer.buckets)):
+            bad = (~torch.isfinite(bucket.grad)).nonzero()
             if bad.numel():
-                whole = grad.numel() == flat.layout.padded_numel  # a shard, or (1-bit phase) the whole gradient
-                lo = 0 if whole else flat.layout.shard_range(flat.shard_rank)[0]
+                lo = 0 if bucket.holds_whole else flat.layout.shard_range(flat.shard_rank)[0]
                 first[0] = index * (1 << 40) + lo + int(bad[0, 0])
                 break
         if self.norm.shard is not None:

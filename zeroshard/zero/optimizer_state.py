@@ -58,8 +58,8 @@ class OptimizerState:
         for sub in self.subgroups:
             master_groups[group_of_flat[sub.flat_index]]["params"].append(sub.param)
         self.optimizer = make_optimizer(master_groups, self._sharded_norms())
-        optimizer = self.optimizer
-        if isinstance(optimizer, OneBitOptimizer) and not optimizer.runs_sharded and flats and not flats[0].partitioned:
+        averages_itself = isinstance(self.optimizer, OneBitOptimizer) and not self.optimizer.runs_sharded
+        if averages_itself and flats and not flats[0].partitioned:
             self.optimizer.bind(comm.OneBitAllReduce(flats[0].shard_group))  # stage 0: it averages, compressed
 
     @property
@@ -164,16 +164,6 @@ class OptimizerState:
         return 0
 
 
-def _whole(flat: FlatGroup, values: torch.Tensor) -> torch.Tensor:
-    """``values`` of this rank's shard of ``flat``, gathered from every rank of its shard group into the whole
-    padded flat group (itself when the group is not partitioned)."""
-    if not flat.partitioned:
-        return values
-    out = values.new_empty(flat.layout.padded_numel)
-    comm.all_gather(out, values.contiguous(), flat.shard_group)
-    return out
-
-
 class DeviceState(OptimizerState):
     def _subgroups(self, index: int, flat: FlatGroup) -> list[SubGroup]:
         if flat.home is None and flat.dtype == self.master_dtype:
@@ -207,7 +197,7 @@ class DeviceState(OptimizerState):
             for key, flat in flat_of.items()
         }
         starts = {key: flat.layout.shard_range(flat.shard_rank)[0] for key, flat in flat_of.items()}
-        return ShardedNorms(segments, slot_id, reduce, matrices, starts, lambda t, v: _whole(flat_of[id(t)], v))
+        return ShardedNorms(segments, slot_id, reduce, matrices, starts, lambda t, v: flat_of[id(t)].whole_of(v))
 
     def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
         """One fused optimizer call over every master shard when the gradients are in the master dtype; one per

@@ -89,9 +89,10 @@ class ParamAccess:
         fragment = self._fragment(param)
         if fragment is None:
             return None
-        grad, layout = self.buckets[id(fragment.flat)].grad, fragment.flat.layout
-        if grad.numel() != layout.shard_numel:  # this rank's own whole gradient (1-bit phase): its shard's range
-            lo, hi = layout.shard_range(fragment.flat.shard_rank)
+        bucket, flat = self.buckets[id(fragment.flat)], fragment.flat
+        grad = bucket.grad
+        if bucket.holds_whole:  # stage 0, or this rank's own whole gradient (1-bit phase): its shard's range
+            lo, hi = flat.layout.shard_range(flat.shard_rank)
             grad = grad[lo:hi]
         return fragment.of_shard(grad).float().clone()
 
@@ -120,10 +121,10 @@ class ParamAccess:
         fragment = self._fragment(param)
         if fragment is None:
             return None
-        grad, layout = self.buckets[id(fragment.flat)].grad, fragment.flat.layout
-        if grad.numel() != layout.shard_numel:  # this rank's own whole gradient (1-bit phase): no collective
-            slot = next(s for s, p in zip(layout.slots, fragment.flat.params) if p is param)
-            return grad[slot.offset : slot.end].float().clone().view(fragment.shape)
+        bucket, flat = self.buckets[id(fragment.flat)], fragment.flat
+        if bucket.holds_whole:  # stage 0, or this rank's own whole gradient (1-bit phase): no collective
+            slot = next(s for s, p in zip(flat.layout.slots, flat.params) if p is param)
+            return bucket.grad[slot.offset : slot.end].float().clone().view(fragment.shape)
         return self._whole(fragment, self.local_grad(param))
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:

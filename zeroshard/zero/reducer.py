@@ -163,6 +163,12 @@ class GradBucket:
         self.arrived = [0] * len(self.arrived)
         self.state = GradState.EMPTY
 
+    @property
+    def holds_whole(self) -> bool:
+        """Whether ``grad`` covers the whole padded flat group (stage 0, or this rank's own gradient under ``LOCAL``)
+        rather than this rank's shard."""
+        return self.grad.numel() == self.layout.padded_numel
+
     def hold_whole(self, whole: bool) -> None:
         """Size ``grad`` for this rank's shard of the reduced gradient, or (``whole``) its own unreduced gradient of
         the whole bucket; called between steps, when ``grad`` holds nothing."""
