@@ -22,42 +22,22 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from zeroshard.testing import run_distributed
-from zeroshard.testing.models import GPT, GPTConfig
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from onebit import DATA, timed_step  # noqa: E402  (the 1-bit benchmark's data, 64-token windows, and step)
 
-CORPUS = Path(__file__).resolve().parents[1] / "examples" / "data" / "corpus.txt"
+from zeroshard.testing import run_distributed  # noqa: E402
+from zeroshard.testing.models import GPT, GPTConfig  # noqa: E402
+
 MODEL = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=80)
 MICRO = 8
 LR = 5e-3
 LAST = 10  # the loss is the mean over the last LAST steps
-
-
-def markov_batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences of a fixed random bigram language over the 256 tokens (peaked transitions): fresh data whose
-    loss falls fast, unlike the corpus's, which sits near the byte unigram entropy for the first hundred steps."""
-    transitions = (torch.randn(256, 256, generator=torch.Generator().manual_seed(12345)) * 3).softmax(-1)
-    gen = torch.Generator().manual_seed(10_000 * step + rank)
-    tokens = torch.empty(micro, MODEL.block_size + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, 256, (micro,), generator=gen)
-    for i in range(MODEL.block_size):
-        tokens[:, i + 1] = torch.multinomial(transitions[tokens[:, i]], 1, generator=gen).squeeze(1)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def corpus_batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    data = torch.tensor(list(CORPUS.read_bytes()), dtype=torch.long)
-    gen = torch.Generator().manual_seed(10_000 * step + rank)
-    starts = torch.randint(0, len(data) - MODEL.block_size - 1, (micro,), generator=gen)
-    chunks = torch.stack([data[s : s + MODEL.block_size + 1] for s in starts.tolist()])
-    return chunks[:, :-1], chunks[:, 1:]
-
-
-DATA = {"corpus": corpus_batch, "markov": markov_batch}
 
 
 def systems(freezes: list[int], steps: int) -> dict[str, tuple[int, str, dict]]:
@@ -70,7 +50,6 @@ def systems(freezes: list[int], steps: int) -> dict[str, tuple[int, str, dict]]:
 
 
 def worker(freezes: list[int], steps: int, micro: int, data: str) -> dict:
-    import torch.distributed as dist
 
     import zeroshard
     from zeroshard import comm
@@ -87,31 +66,18 @@ def worker(freezes: list[int], steps: int, micro: int, data: str) -> dict:
             "zero_optimization": {"stage": stage},
         }
         engines[name], _, _, _ = zeroshard.initialize(model=GPT(MODEL), config=config)
-    record = {name: {"loss": [], "bytes": [], "times": []} for name in engines}
+    record = {name: {"loss": [], "bytes": []} for name in engines}
     for step in range(steps):
-        x, y = DATA[data](step, rank, micro)
+        x, y = DATA[data](10_000 * step + rank, micro)
         for name, engine in engines.items():
             rec = record[name]
-            if rec.get("diverged"):
-                rec["loss"].append(float("nan"))
-                continue
-            engine.comm_ledger.reset()
-            dist.barrier()
-            started = time.perf_counter()
-            loss = engine(x, y)
-            engine.backward(loss)
-            try:
-                engine.step()
-            except NonFiniteGradientError:  # every rank sees the same global norm: all stop this system together
-                rec["diverged"] = step
-                rec["loss"].append(float("nan"))
-                continue
-            elapsed = time.perf_counter() - started
-            mean = loss.detach().float().clone()
-            dist.all_reduce(mean)
-            rec["loss"].append(mean.item() / world)
-            rec["bytes"].append(sum(t.wire_bytes for t in engine.comm_ledger.totals.values()))
-            rec["times"].append(elapsed)
+            if rec.get("diverged") is None:
+                try:
+                    loss, _ = timed_step(engine, x, y, world)
+                    rec["bytes"].append(sum(t.wire_bytes for t in engine.comm_ledger.totals.values()))
+                except NonFiniteGradientError:  # every rank sees the same global norm: all stop this system together
+                    rec["diverged"] = step
+            rec["loss"].append(float("nan") if rec.get("diverged") is not None else loss)
     for name, engine in engines.items():
         record[name]["compressed_from"] = engine.zero.compressed_from
     record["num_params"] = sum(p.numel() for p in GPT(MODEL).parameters())
