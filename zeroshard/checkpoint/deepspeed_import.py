@@ -100,7 +100,8 @@ class DeepSpeedCheckpoint:
     stage: int
     world_size: int
     groups: list[list[tuple[str, tuple[int, ...]]]]  # per parameter group: (name, shape) in DeepSpeed's order
-    hyper: list[dict]  # per parameter group: its hyperparameters (lr, betas, ...)
+    hyper: list[dict]  # per parameter group: its hyperparameters (lr, betas, ...), in zeroshard's vocabulary
+    update_rule: Optional[str]  # "AdamW" / "Adam" where the files say which; None for other optimizers
     steps: list[Any]  # per parameter group: the optimizer's step count
     masters: dict[str, torch.Tensor]
     states: dict[str, dict[str, torch.Tensor]]  # state key -> name -> tensor
@@ -150,6 +151,12 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     groups = [[(name, tuple(int(d) for d in shape)) for name, shape in g.items()] for g in model["param_shapes"]]
     masters, states = {}, {key: {} for key in _STATE_KEYS}
     base = [o["base_optimizer_state"] if stage < 3 else o["optimizer_state_dict"] for o in inner]
+    config = dict(model.get("ds_config") or {})
+    update_rule = _update_rule(path, config, base[0]["param_groups"])
+    if stage < 3:
+        _check_partitions(path, groups, inner, world)
+    else:
+        _check_stage3_pieces(path, groups, inner, base, world, update_rule)
     unpack = _unpack_flat if stage < 3 else _unpack_per_param
     for g, params in enumerate(groups):
         for key, flats in _group_pieces(path, stage, inner, base, g).items():
@@ -163,10 +170,8 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
         stage=stage,
         world_size=world,
         groups=groups,
-        hyper=[
-            {k: v for k, v in group.items() if k != "params" and k not in _IMPLEMENTATION_KEYS}
-            for group in base[0]["param_groups"]
-        ],
+        hyper=[_hyperparameters(path, g, group, update_rule) for g, group in enumerate(base[0]["param_groups"])],
+        update_rule=update_rule,
         steps=[_step(path, base, g) for g in range(len(groups))],
         masters=masters,
         states=states,
@@ -175,12 +180,150 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
             "global_samples": int(model.get("global_samples", 0)),
             "skipped_steps": int(model.get("skipped_steps", 0)),
         },
-        config=dict(model.get("ds_config") or {}),
+        config=config,
         lr_scheduler=model.get("lr_scheduler"),
         buffers=buffers,
         aliases={str(a): str(t) for a, t in (model.get("shared_params") or {}).items()},
         client_state={k: v for k, v in model.items() if k not in _ENGINE_KEYS},
     )
+
+
+def _update_rule(path: str, config: dict, param_groups: list[dict]) -> Optional[str]:
+    """Adam's update rule as DeepSpeed ran it. With an ``optimizer`` block DeepSpeed decides as its engine does:
+    ``"AdamW"``, or ``"Adam"`` with ``adam_w_mode`` (default true, for FusedAdam, DeepSpeedCPUAdam and torch's
+    Adam alike), decays weights decoupled. A client's optimizer says so in its groups (torch's
+    ``decoupled_weight_decay``); DeepSpeed's own Adams (``bias_correction`` in their groups) default to AdamW."""
+    block = config.get("optimizer")
+    if isinstance(block, dict) and isinstance(block.get("type"), str):
+        name = block["type"].lower()
+        if name not in ("adam", "adamw"):
+            return None
+        params = block.get("params") if isinstance(block.get("params"), dict) else {}
+        adam_w_mode = params.get("adam_w_mode", True)
+        if not isinstance(adam_w_mode, bool):
+            raise CheckpointError(f"{path}: ds_config field 'optimizer.params.adam_w_mode' is {adam_w_mode!r}")
+        return "AdamW" if name == "adamw" or adam_w_mode else "Adam"
+    first = param_groups[0] if param_groups else {}
+    if isinstance(first.get("decoupled_weight_decay"), bool):
+        return "AdamW" if first["decoupled_weight_decay"] else "Adam"
+    if "bias_correction" in first:
+        warnings.warn(
+            f"{path}: a client optimizer of DeepSpeed's (FusedAdam / DeepSpeedCPUAdam) without an 'optimizer' config "
+            "block: imported as AdamW (their adam_w_mode default); pass the config's optimizer to resume as Adam",
+            stacklevel=4,
+        )
+        return "AdamW"
+    return None
+
+
+def _hyperparameters(path: str, g: int, group: dict, update_rule: Optional[str]) -> dict:
+    """One parameter group's hyperparameters as zeroshard's optimizer names them. DeepSpeed's Adams add
+    ``bias_correction`` (always on here: off is refused) and a group ``step`` (a counter, read by :func:`_step`);
+    Adam or AdamW becomes torch's ``decoupled_weight_decay``, the flag zeroshard's Adams hold."""
+    hyper = {k: v for k, v in group.items() if k != "params" and k not in _IMPLEMENTATION_KEYS}
+    if update_rule is None:
+        return hyper
+    if hyper.pop("bias_correction", True) is not True:
+        raise CheckpointError(
+            f"{path}: parameter group {g} ran Adam with bias_correction false, which zeroshard's Adam does not "
+            "implement (it always corrects the moments' bias)"
+        )
+    if hyper.get("amsgrad"):
+        raise CheckpointError(
+            f"{path}: parameter group {g} ran Adam with amsgrad; its max_exp_avg_sq state is not importable"
+        )
+    hyper.pop("step", None)
+    hyper["decoupled_weight_decay"] = update_rule == "AdamW"
+    return hyper
+
+
+def _check_partitions(path: str, groups: list, inner: list, world: int) -> None:
+    """Stages 1-2: each rank file's ``param_slice_mappings`` (where each parameter lies in its partition) must be
+    the ones of the rank its name says, so swapped or copied ``zero_pp_rank_*`` files are refused, not imported with
+    another rank's weights and moments in the wrong places."""
+    for rank, data in enumerate(inner):
+        count = data.get("partition_count")
+        counts = count if isinstance(count, (list, tuple)) else [count]
+        if any(c is not None and int(c) != world for c in counts):
+            raise CheckpointError(
+                f"{path}: rank {rank}'s optimizer file says partition_count {count}, the model states dp_world_size "
+                f"{world}: files of different runs"
+            )
+    for g, params in enumerate(groups):
+        sizes = [o["single_partition_of_fp32_groups"][g].numel() for o in inner]
+        partition = max(sizes)
+        every_group = inner[0].get("param_alignment_paddings") or []
+        paddings = every_group[g] if g < len(every_group) else []
+        ranges, offset = [], 0
+        for i, (name, shape) in enumerate(params):
+            numel = math.prod(shape)
+            ranges.append((name, offset, numel))
+            offset += numel + (int(paddings[i]) if i < len(paddings) else 0)
+        for rank, data in enumerate(inner):
+            mappings = data.get("param_slice_mappings")
+            if not isinstance(mappings, (list, tuple)) or g >= len(mappings):
+                continue  # DeepSpeed before 0.10 wrote none: nothing to check against
+            found = {str(n): (int(getattr(a, "start", -1)), int(getattr(a, "numel", -1))) for n, a in mappings[g].items()}
+            if found != _expected_fragments(ranges, rank, partition):
+                holder = next(
+                    (r for r in range(world) if _expected_fragments(ranges, r, partition) == found), None
+                )
+                said = f"rank {holder}'s partition" if holder is not None else "a partition of no rank of this layout"
+                raise CheckpointError(
+                    f"{path}: zero_pp_rank_{rank}_mp_rank_00_optim_states.pt holds {said} (its param_slice_mappings of "
+                    f"parameter group {g}): the rank files are swapped, copied or from another run; nothing imported"
+                )
+
+
+def _expected_fragments(ranges: list, rank: int, partition: int) -> dict[str, tuple[int, int]]:
+    low, high = rank * partition, (rank + 1) * partition
+    return {
+        name: (max(offset, low) - low, min(offset + numel, high) - max(offset, low))
+        for name, offset, numel in ranges
+        if offset < high and offset + numel > low
+    }
+
+
+def _check_stage3_pieces(path: str, groups: list, inner: list, base: list, world: int, rule: Optional[str]) -> None:
+    """Stage 3 files hold every parameter's piece at the same sizes on every rank, so their shapes cannot tell the
+    ranks apart. What can: no two ranks hold the same values (a copied file); and where a parameter's size is not a
+    multiple of the world size, the last rank's piece ends in padding whose gradient is zero, so its ``exp_avg_sq``
+    is zero there, which a swapped file's real values are not (checked where weight decay cannot reach the
+    padding's moments: AdamW, or no weight decay; the padded master values themselves are uninitialised memory)."""
+    flats = [[t.float().reshape(-1) for t in o["fp32_flat_groups"]] for o in inner]
+    for rank, data in enumerate(inner):
+        if data.get("partition_count") is not None and int(data["partition_count"]) != world:
+            raise CheckpointError(
+                f"{path}: rank {rank}'s optimizer file says partition_count {data['partition_count']}, the model "
+                f"states dp_world_size {world}: files of different runs"
+            )
+    for a in range(world):
+        for b in range(a + 1, world):
+            if all(torch.equal(x, y) for x, y in zip(flats[a], flats[b])):
+                raise CheckpointError(
+                    f"{path}: zero_pp_rank_{a} and zero_pp_rank_{b}'s optimizer files hold the same values: one is a "
+                    "copy of the other; nothing imported"
+                )
+    last = world - 1
+    for g, params in enumerate(groups):
+        group = base[last]["param_groups"][g] if g < len(base[last]["param_groups"]) else {}
+        if not (rule == "AdamW" or group.get("weight_decay", 0) == 0):
+            continue
+        moment = base[last]["state"].get(g, {}).get("exp_avg_sq")
+        if not isinstance(moment, torch.Tensor):
+            continue
+        moment, offset = moment.reshape(-1), 0
+        for name, shape in params:
+            numel = math.prod(shape)
+            part = math.ceil(numel / world)
+            padding = part * world - numel
+            if padding and offset + part <= moment.numel() and moment[offset + part - padding : offset + part].any():
+                raise CheckpointError(
+                    f"{path}: zero_pp_rank_{last}_mp_rank_00_optim_states.pt holds optimizer state where the last "
+                    f"rank's padding of {name} lies: it was written by another rank (swapped or copied rank files); "
+                    "nothing imported"
+                )
+            offset += part
 
 
 def _optim_file(path: str, rank: int) -> dict:
@@ -239,7 +382,13 @@ def _unpack_per_param(path: str, g: int, params: list, flats: list, inner0: dict
 
 
 def _step(path: str, base: list, g: int) -> Any:
+    """The optimizer's step count of group ``g``: its state's ``step`` on every rank (torch's Adams, FusedAdam,
+    DeepSpeedCPUAdam), else the group's own counter (older FusedAdam)."""
     steps = {float(b["state"][g]["step"]) for b in base if "step" in b["state"].get(g, {})}
+    if not steps:
+        steps = {float(b["param_groups"][g]["step"]) for b in base if "step" in b["param_groups"][g]}
+    if not steps:
+        raise CheckpointError(f"{path}: parameter group {g}'s optimizer state has no 'step' on any rank")
     if len(steps) != 1:
         raise CheckpointError(f"{path}: parameter group {g}'s optimizer step differs across ranks ({sorted(steps)})")
     return steps.pop()
@@ -306,6 +455,7 @@ def _write(source: DeepSpeedCheckpoint, tmp: str, tag: str, client: dict, client
         "loss_scaler": None,
         "lr_scheduler": json_ready(source.lr_scheduler, "the DeepSpeed checkpoint's lr_scheduler"),
         "optimizer": {
+            **({"type": source.update_rule} if source.update_rule else {}),
             "param_groups": json_ready(source.hyper, "the DeepSpeed checkpoint's optimizer hyperparameters"),
             "flat_groups": [
                 {

@@ -17,7 +17,8 @@ from zeroshard.checkpoint import CheckpointError, convert_deepspeed_checkpoint, 
 from zeroshard.checkpoint.reading import read_manifest
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_checkpoints"
-CASES = [f"stage{s}_{d}" for s in (1, 2, 3) for d in ("fp32", "bf16")]
+CASES = [f"{o}stage{s}_{d}" for o in ("", "fused_adamw_", "fused_adam_", "cpuadam_adamw_") for s in (1, 2, 3)
+         for d in ("fp32", "bf16")]  # fmt: skip
 
 
 def expected(case: str) -> tuple[dict, dict]:
@@ -48,9 +49,64 @@ def test_import_holds_deepspeeds_weights_moments_step_scheduler_and_client_state
     scalars = [g["scalars"]["step"]["value"] for g in manifest["optimizer"]["flat_groups"]]
     assert scalars == [float(s) for s in facts["steps"]]
     assert manifest["optimizer"]["param_groups"][0]["lr"] == facts["lrs"][0]
-    assert manifest["counters"]["global_steps"] == 2 == facts["global_steps"] - 2  # saved after 2 of 4 steps
+    continued = len(facts["continued_losses_per_rank"][0])
+    assert manifest["counters"]["global_steps"] == 2 == facts["global_steps"] - continued  # saved after 2 steps
     assert manifest["lr_scheduler"] == {"last_batch_iteration": 1}
     assert manifest["client_state"] == facts["client_state"]
+    # the update rule, in the engine's vocabulary: DeepSpeed's "Adam" runs its Adams in AdamW mode by default
+    assert manifest["optimizer"]["type"] == "AdamW"
+    hyper = manifest["optimizer"]["param_groups"][0]
+    assert hyper["decoupled_weight_decay"] is True and not {"bias_correction", "step"} & set(hyper)
+
+
+def _rewrite_config(ds: Path, optimizer: dict) -> None:
+    """DeepSpeed's ds_config in the model states, changed the way another run's config would differ."""
+    from zeroshard.checkpoint.deepspeed_import import read_deepspeed_file
+
+    for model in (ds / "global_step2").glob("*model_states.pt"):
+        data = read_deepspeed_file(str(model))
+        data["ds_config"] = {**data["ds_config"], "optimizer": optimizer}
+        torch.save(data, model)
+
+
+def test_the_update_rule_follows_deepspeeds_adam_w_mode(tmp_path):
+    ds = _copy(tmp_path, "fused_adam_stage2_fp32")
+    _rewrite_config(ds, {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False}})
+    manifest = read_manifest(convert_deepspeed_checkpoint(str(ds), str(tmp_path / "l2")))
+    assert manifest["optimizer"]["type"] == "Adam"
+    assert manifest["optimizer"]["param_groups"][0]["decoupled_weight_decay"] is False
+    _rewrite_config(ds, {"type": "Adam", "params": {"adam_w_mode": "no"}})
+    with pytest.raises(CheckpointError, match="'optimizer.params.adam_w_mode' is 'no'"):
+        convert_deepspeed_checkpoint(str(ds), str(tmp_path / "bad"))
+
+
+def test_adam_without_bias_correction_or_with_amsgrad_is_refused_by_name():
+    from zeroshard.checkpoint.deepspeed_import import _hyperparameters
+
+    fused = {"lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0, "step": 7}
+    assert _hyperparameters("ck", 0, fused, "Adam") == {
+        "lr": 1e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0, "decoupled_weight_decay": False
+    }  # fmt: skip
+    with pytest.raises(CheckpointError, match="ck: parameter group 1 ran Adam with bias_correction false"):
+        _hyperparameters("ck", 1, {**fused, "bias_correction": False}, "AdamW")
+    with pytest.raises(CheckpointError, match="amsgrad"):
+        _hyperparameters("ck", 0, {**fused, "amsgrad": True}, "AdamW")
+
+
+@pytest.mark.parametrize("case", ["fused_adamw_stage1_fp32", "fused_adamw_stage2_bf16", "cpuadam_adamw_stage3_fp32"])
+@pytest.mark.parametrize("damage", ["swapped", "copied"])
+def test_swapped_or_copied_rank_files_are_refused(tmp_path, case, damage):
+    ds = _copy(tmp_path, case)
+    prefix = "bf16_" if case.endswith("bf16") else ""
+    files = [ds / "global_step2" / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    first, second = files[0].read_bytes(), files[1].read_bytes()
+    files[0].write_bytes(second)
+    if damage == "swapped":
+        files[1].write_bytes(first)
+    message = "copy of the other" if damage == "copied" and "stage3" in case else "swapped or copied|swapped, copied"
+    with pytest.raises(CheckpointError, match=message):
+        convert_deepspeed_checkpoint(str(ds), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "global_step2").exists()
 
 
 def _copy(tmp_path: Path, case: str = "stage2_fp32") -> Path:
