@@ -96,7 +96,9 @@ def two_rank_worker(imported: dict) -> dict:
     zeroshard.install_as_deepspeed()
     out = {case: resume_as_deepspeed(imported[case], case) for case in DEFAULT_OPTIMIZER_CASES}
 
-    out.update({case: resume(imported[case], case, int(case[5])) for case in ("stage1_fp32", "stage2_fp32", "stage3_fp32")})
+    out.update(
+        {case: resume(imported[case], case, int(case[5])) for case in ("stage1_fp32", "stage2_fp32", "stage3_fp32")}
+    )
     out["stage2_into_3"] = resume(imported["stage2_fp32"], "stage2_fp32", 3)
     shapes = _fixture_module()
     engine, *_ = zeroshard.initialize(model=shapes.Tiny(), config=shapes.config(2, "fp32"))

@@ -263,11 +263,11 @@ def _check_partitions(path: str, groups: list, inner: list, world: int) -> None:
             mappings = data.get("param_slice_mappings")
             if not isinstance(mappings, (list, tuple)) or g >= len(mappings):
                 continue  # DeepSpeed before 0.10 wrote none: nothing to check against
-            found = {str(n): (int(getattr(a, "start", -1)), int(getattr(a, "numel", -1))) for n, a in mappings[g].items()}
+            found = {
+                str(n): (int(getattr(a, "start", -1)), int(getattr(a, "numel", -1))) for n, a in mappings[g].items()
+            }
             if found != _expected_fragments(ranges, rank, partition):
-                holder = next(
-                    (r for r in range(world) if _expected_fragments(ranges, r, partition) == found), None
-                )
+                holder = next((r for r in range(world) if _expected_fragments(ranges, r, partition) == found), None)
                 said = f"rank {holder}'s partition" if holder is not None else "a partition of no rank of this layout"
                 raise CheckpointError(
                     f"{path}: zero_pp_rank_{rank}_mp_rank_00_optim_states.pt holds {said} (its param_slice_mappings of "
