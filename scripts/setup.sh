@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Install zeroshard and what its tests need (transformers, accelerate, lightning). torch is held at the local CPU
-# wheel by a constraints file: without it, installing lightning or accelerate upgrades torch and pulls CUDA.
+# Install zeroshard and what its tests need (transformers, accelerate, lightning, ...) at the exact versions the
+# suite last passed with (constraints.txt, written by scripts/freeze_constraints.py). With --latest: the newest
+# versions the extras allow instead, torch still held at the local CPU wheel (without a pin, installing lightning
+# or accelerate upgrades torch and pulls CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
-constraints="$(mktemp)"
-trap 'rm -f "$constraints"' EXIT
-echo "torch==2.13.0" > "$constraints"
-python3 -m pip install -q --disable-pip-version-check -c "$constraints" -e ".[test]"
+if [[ "${1:-}" == "--latest" ]]; then
+    constraints="$(mktemp)"
+    trap 'rm -f "$constraints"' EXIT
+    echo "torch==2.13.0" > "$constraints"
+    python3 -m pip install -q --disable-pip-version-check -U --upgrade-strategy eager -c "$constraints" -e ".[test]"
+else
+    python3 -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
+fi

@@ -299,16 +299,21 @@ def no_sync_worker() -> dict:
     model = torch.nn.Linear(4, 2)
     reference = torch.nn.Linear(4, 2)
     reference.load_state_dict(model.state_dict())
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "gradient_clipping": 0.0}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine, *_ = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
     inputs = [
         torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * r + i)) for r in range(2) for i in range(2)
     ]
     mine = inputs[2 * zeroshard.comm.get_rank() : 2 * zeroshard.comm.get_rank() + 2]
+    refusals = []
     with engine.no_sync():
         engine.backward(engine(mine[0]).square().mean())
-        engine.step()  # inside no_sync nothing is a boundary: no step
+        for misuse in (engine.step, lambda: engine.no_sync().__enter__()):
+            try:
+                misuse()  # DeepSpeed asserts: step() inside no_sync, and no_sync inside no_sync
+            except AssertionError as err:
+                refusals.append(f"{type(err).__name__}: {err}")
     engine.backward(engine(mine[1]).square().mean())
     engine.step()
     # the same update by hand: gradients of both micro-batches summed, averaged over the 2 ranks
@@ -321,14 +326,20 @@ def no_sync_worker() -> dict:
     return {
         "steps": engine.global_steps,
         "error": max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items()),
+        "refusals": refusals,
     }
 
 
 def test_no_sync_accumulates_locally_under_stage_1():
+    """Gradients inside no_sync stay local; step() or no_sync() inside it is refused with an error that is an
+    AssertionError (what DeepSpeed raises there) and changes nothing."""
     from zeroshard.testing import run_distributed
 
     for out in run_distributed(no_sync_worker, 2):
         assert out["steps"] == 1 and out["error"] < 1e-6
+        step, nested = out["refusals"]
+        assert step.startswith("NoSyncError: engine.step() inside no_sync()"), step
+        assert nested.startswith("NoSyncError: no_sync() inside no_sync()"), nested
 
 
 class _WithGenerate(torch.nn.Module):

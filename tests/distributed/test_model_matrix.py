@@ -242,6 +242,7 @@ def train_all(cases: list[Case]) -> list[dict]:
         model = build(case)
         config = {
             "train_micro_batch_size_per_gpu": MICRO_BATCH,
+            "gradient_clipping": 0.0,  # the reference does not clip (DeepSpeed's default would clip at 1.0)
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
             "zero_optimization": case.zero_config(model),
         }

@@ -62,6 +62,7 @@ class Reference:
 def config(stage: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 0.0,  # the reference does not clip (DeepSpeed's default would clip at 1.0)
         "optimizer": {"type": "Muon", "params": SETTINGS},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }

@@ -63,6 +63,7 @@ def _variant_config(stage: int, variant: str) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # the reference does not clip (DeepSpeed's default would clip at 1.0)
         "optimizer": {"type": "AdamW", "params": {"lr": SP_LR, "weight_decay": 0.0}},
         "zero_optimization": zero,
         "bf16": {"enabled": variant == "bf16"},
@@ -220,6 +221,7 @@ def worker() -> dict:
                     layer.mlp = Tiled(layer.mlp, tiles)
             config = {
                 "train_micro_batch_size_per_gpu": 2,
+                "gradient_clipping": 0.0,  # the reference does not clip
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                 "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
             }

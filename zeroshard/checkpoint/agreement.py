@@ -18,6 +18,11 @@ from .safetensors_io import CheckpointError
 _TEXT_BYTES = 4096  # a path or an error message, exchanged between ranks
 
 
+class RankDisagreementError(ValueError, AssertionError):
+    """The ranks called ``save_checkpoint`` with different tags or directories. An ``AssertionError`` too, because
+    DeepSpeed asserts there and its clients' tests expect that class."""
+
+
 def ranks_agree(save_dir: str, tag: str, world: comm.Group, tag_validation: str) -> str:
     """Every rank must write into one directory (a path built from each rank's clock or hostname would split
     a checkpoint in pieces): compare the absolute paths before anything is written. Differing tags are
@@ -29,11 +34,13 @@ def ranks_agree(save_dir: str, tag: str, world: comm.Group, tag_validation: str)
         listing = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
         message = f"save_checkpoint: the ranks pass different tags ({listing})"
         if tag_validation == "fail":
-            raise ValueError(message + '; pass one tag on every rank (checkpoint.tag_validation is "Fail")')
+            raise RankDisagreementError(
+                message + '; pass one tag on every rank (checkpoint.tag_validation is "Fail")'
+            )
         warnings.warn(message + f"; the checkpoint is saved as rank 0's tag {tags[0]!r}", stacklevel=4)
     if len(set(paths)) > 1:
         listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
-        raise ValueError(
+        raise RankDisagreementError(
             f"save_checkpoint: the ranks name different save directories ({listing}); every rank must pass the "
             "same save_dir (build it once, e.g. on rank 0, and share it)"
         )

@@ -118,6 +118,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     tag: Optional[str] = None,
     max_shard_size: Union[int, str] = "5GB",
     progress: bool = False,
+    safe_serialization: bool = True,
 ) -> list[str]:
     """Write the fp32 weights as safetensors, streaming one tensor at a time.
 
@@ -126,15 +127,20 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     ``model.safetensors.index.json`` when the weights exceed ``max_shard_size`` (the layout
     Hugging Face ``from_pretrained`` reads). Tied names are written once, as in HF. ``progress`` shows a
     bar of bytes written (the ``zeroshard convert`` CLI turns it on). Returns the files.
+
+    Without ``safe_serialization`` (DeepSpeed's default in its own ``zero_to_fp32``) the files are torch's:
+    ``pytorch_model.bin`` (or ``.bin`` shards and ``pytorch_model.bin.index.json``), a dict of tensors and nothing
+    else, so ``torch.load(..., weights_only=True)`` reads it; each file's tensors are held in memory to write it.
     """
     limit = parse_size(max_shard_size)
+    suffix, stem = (".safetensors", "model") if safe_serialization else (".bin", "pytorch_model")
     checkpoint_dir, output_path = os.fspath(checkpoint_dir), os.fspath(output_path)
     _check_outside(output_path, checkpoint_dir)
     sources, manifest = _open(checkpoint_dir, tag)
     entries = _entries(manifest)
     sizes = [torch.Size(shape).numel() * 4 for _, shape, _ in entries]
     shards = assign_buckets(sizes, limit) or [[]]  # consecutive files of at most ``limit`` bytes
-    single_file = output_path.endswith(".safetensors")
+    single_file = output_path.endswith(suffix)
     if single_file and len(shards) > 1:
         sources.close()
         raise ValueError(
@@ -146,9 +152,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     if single_file:
         names = [os.path.basename(output_path)]
     elif len(shards) == 1:
-        names = ["model.safetensors"]
+        names = [f"{stem}{suffix}"]
     else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))]
     written, weight_map = [], {}
     bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="convert", disable=not progress)
     try:
@@ -163,7 +169,10 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 
             path = os.path.join(directory, file_name)
             try:
-                write(path + ".tmp", stream(), specs, metadata={"format": "pt"})
+                if safe_serialization:
+                    write(path + ".tmp", stream(), specs, metadata={"format": "pt"})
+                else:
+                    torch.save(dict(stream()), path + ".tmp")
             except BaseException:
                 if os.path.exists(path + ".tmp"):
                     os.remove(path + ".tmp")  # never leave a partial file behind
@@ -176,9 +185,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         sources.close()
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        with open(os.path.join(directory, f"{stem}{suffix}.index.json"), "w") as f:
             json.dump(index, f, indent=2)
-        written.append(os.path.join(directory, "model.safetensors.index.json"))
+        written.append(os.path.join(directory, f"{stem}{suffix}.index.json"))
     return written
 
 

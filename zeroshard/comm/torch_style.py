@@ -4,6 +4,8 @@ error naming the rank and operation. Served to DeepSpeed clients as ``deepspeed.
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
@@ -63,6 +65,36 @@ def inference_all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None):
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
     return _result(_broadcast(tensor, src, _group(group), async_op=async_op), async_op)
+
+
+def broadcast_object_list(object_list: list, src: int = 0, group=None, device=None) -> None:
+    """``object_list`` filled in place with rank ``src``'s objects, as torch's call, but sent as JSON rather than
+    pickled: plain data only (strings, numbers, booleans, None, lists, dicts with string keys; tuples arrive as
+    lists), so no rank runs code another sent. Anything else is a ``TypeError`` naming it, on ``src``."""
+    from ..accelerator import get_accelerator
+
+    where = device if device is not None else get_accelerator().device(local_rank())
+    chosen = _group(group)
+    if get_rank() == src:
+        try:
+            payload = json.dumps(list(object_list), allow_nan=True).encode()
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"broadcast_object_list: only plain data is sent (JSON, never pickled): {err}") from None
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=where)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=where)
+    _broadcast(size, src, chosen).wait()
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=where)
+    if get_rank() == src:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    _broadcast(data, src, chosen).wait()
+    received = json.loads(data.cpu().numpy().tobytes().decode())
+    if len(received) != len(object_list):
+        raise ValueError(
+            f"broadcast_object_list: rank {src} sent {len(received)} objects, this rank's list holds "
+            f"{len(object_list)}; every rank passes a list of the same length"
+        )
+    object_list[:] = received
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None, async_op=False):
@@ -215,6 +247,7 @@ __all__ = [
     "all_to_all_single",
     "barrier",
     "broadcast",
+    "broadcast_object_list",
     "destroy_process_group",
     "gather",
     "get_all_ranks_from_group",

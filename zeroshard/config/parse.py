@@ -12,7 +12,7 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ValidationError
 
-from .schema import UNSUPPORTED_FEATURE_BLOCKS, ConfigError, ZeroshardConfig
+from .schema import REMOVED_IN_DEEPSPEED, UNSUPPORTED_FEATURE_BLOCKS, ConfigError, ZeroshardConfig
 
 ConfigSource = Union[dict, str, os.PathLike, ZeroshardConfig]
 
@@ -22,6 +22,7 @@ def parse_config(source: ConfigSource) -> ZeroshardConfig:
     if isinstance(source, ZeroshardConfig):
         return source
     source = _without_foreign_top_level_keys(load_json_or_dict(source))
+    _check_depth(source)
     try:
         config = ZeroshardConfig.model_validate(source)
     except ValidationError as err:
@@ -48,9 +49,12 @@ def _without_foreign_top_level_keys(source: dict) -> dict:
 
 
 def _is_typo(key: str, known: str) -> bool:
-    """Within two single-character edits (insert, delete, replace, swap of neighbours), one for short keys."""
+    """Within two single-character edits (insert, delete, replace, swap of neighbours), one for short keys; or a
+    known key cut short (``gradient_clip`` for ``gradient_clipping``)."""
     if not isinstance(key, str):
         return False
+    if len(key) >= 8 and known.lower().startswith(key.lower()):
+        return True
     budget = 1 if len(known) <= 5 else 2
     if abs(len(key) - len(known)) > budget:
         return False
@@ -98,11 +102,30 @@ def load_json_or_dict(source: Union[dict, str, os.PathLike]) -> dict:
             source = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
         except json.JSONDecodeError as err:
             raise ConfigError(f"config file '{path}' is not valid JSON: {err}") from None
+        except RecursionError:
+            raise ConfigError(f"config file '{path}' nests deeper than JSON can be read: not a config") from None
         except _DuplicateKey as err:
             raise ConfigError(f"config file '{path}': {err}") from None
     if not isinstance(source, dict):
         raise TypeError(f"config must be a dict or a path to a JSON file, got {type(source).__name__}")
     return dict(source)
+
+
+MAX_DEPTH = 32  # DeepSpeed's deepest block is 4 levels down; free-form blocks (optimizer.params) add a few
+
+
+def _check_depth(source: dict) -> None:
+    """Refuse a config nested deeper than any real one, by name, before validation recurses into it (a crafted
+    file 10,000 levels deep would otherwise end in Python's RecursionError)."""
+    pending = [(source, 1, "")]
+    while pending:
+        node, depth, path = pending.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"config nests deeper than {MAX_DEPTH} levels (at '{path[:200]}...'): not a config")
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            if isinstance(value, (dict, list)):
+                pending.append((value, depth + 1, f"{path}.{key}" if path else str(key)))
 
 
 class _DuplicateKey(ValueError):
@@ -120,13 +143,24 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def _reject_enabled_unsupported(config: ZeroshardConfig) -> None:
-    for key in UNSUPPORTED_FEATURE_BLOCKS:
+    for key, enabled_by_default in UNSUPPORTED_FEATURE_BLOCKS.items():
         block = getattr(config, key)
-        if block and block.get("enabled", True):
+        if block is not None and block.get("enabled", enabled_by_default):
             raise NotImplementedError(
                 f"config key '{key}' enables a DeepSpeed feature zeroshard does not implement; "
                 f"remove the '{key}' block or set \"enabled\": false"
             )
+    for key, feature in REMOVED_IN_DEEPSPEED.items():
+        block = getattr(config, key)
+        if block is None:
+            continue
+        if block.get("enabled", True) is False:
+            warnings.warn(f"config key '{key}' (disabled): DeepSpeed 0.19 removed {feature}; remove it", stacklevel=3)
+            continue
+        raise NotImplementedError(
+            f"config key '{key}': DeepSpeed 0.19 removed {feature} (its config reader refuses the block) and "
+            f"zeroshard does not implement it; remove the '{key}' block"
+        )
 
 
 def _keys_of(model: type[BaseModel]) -> dict[str, type | None]:
@@ -172,7 +206,8 @@ def _is_dict_field(keys: dict[str, type | None], name: str) -> bool:
     return keys.get(name) is None and name in _DICT_FIELDS
 
 
-_DICT_FIELDS = {"params", "zeropp_loco_param", "parallel_write", *UNSUPPORTED_FEATURE_BLOCKS}
+_DICT_FIELDS = {"params", "zeropp_loco_param", "parallel_write", "timers", *UNSUPPORTED_FEATURE_BLOCKS,
+                *REMOVED_IN_DEEPSPEED}  # fmt: skip
 
 
 def format_validation_error(

@@ -211,7 +211,11 @@ def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
         zero["overlap_comm"] = zero["stage"] == 3  # DeepSpeed's dynamic default
         derived.append(("zero_optimization.overlap_comm", zero["overlap_comm"], "default for this stage"))
     derived.append(
-        ("gradient_clipping", data["gradient_clipping"], "effective value; default 0 = off, as in DeepSpeed")
+        (
+            "gradient_clipping",
+            data["gradient_clipping"],
+            "effective value; default 1.0 as in DeepSpeed since 0.19 (its PR #8068), 0 = off",
+        )
     )
     resolved = ZeroshardConfig.model_validate(data)
     return Resolution(resolved, batch, derived)

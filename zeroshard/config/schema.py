@@ -30,7 +30,9 @@ class Section(BaseModel):
 
     Numbers are numbers: ``true``/``false`` is refused where a number is expected (JSON would otherwise make
     ``"stage": true`` stage 1), and so are NaN and infinity (``gradient_clipping: NaN`` would disable
-    clipping)."""
+    clipping). Switches are switches: a string (``"enabled": "yes"``, ``"false"``) is refused where only
+    ``true``/``false`` is meant (``"auto"`` where a key takes it). A key and its DeepSpeed alias together
+    (``bf16`` and ``bfloat16``) are one key given twice: refused unless equal."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -40,15 +42,32 @@ class Section(BaseModel):
         if not isinstance(values, dict):
             return values
         for name, field in cls.model_fields.items():
+            if field.alias and name in values and field.alias in values and values[name] != values[field.alias]:
+                raise ValueError(
+                    f"'{name}' and '{field.alias}' are one key (DeepSpeed reads either spelling) given twice with "
+                    "different values; keep one"
+                )
             key = next((k for k in (name, field.alias) if k and k in values), None)
-            if key is None or not _takes_number(field.annotation):
+            if key is None:
                 continue
             value = values[key]
-            if isinstance(value, bool):
-                raise ValueError(f"'{key}' must be a number, not {str(value).lower()}")
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"'{key}' must be a finite number, not {value}")
+            if _takes_number(field.annotation):
+                if isinstance(value, bool):
+                    raise ValueError(f"'{key}' must be a number, not {str(value).lower()}")
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ValueError(f"'{key}' must be a finite number, not {value}")
+            elif _is_switch(field.annotation) and isinstance(value, str) and value != "auto":
+                raise ValueError(f"'{key}' must be true or false, not the string {value!r}")
+        if any(field.alias and name in values and field.alias in values for name, field in cls.model_fields.items()):
+            values = {k: v for k, v in values.items() if k not in {f.alias for f in cls.model_fields.values()}}
         return values
+
+
+def _is_switch(annotation: Any) -> bool:
+    """The field takes a bool and no string but "auto" (``Union[bool, Auto]``, ``Optional[bool]``)."""
+    args = typing.get_args(annotation) or (annotation,)
+    kinds = {a for arg in args for a in (typing.get_args(arg) or (arg,))}
+    return bool in kinds and str not in kinds
 
 
 def _takes_number(annotation: Any) -> bool:
@@ -173,8 +192,11 @@ class ZeroConfig(Section):
         alias="stage3_model_persistence_threshold",
     )
     max_live_parameters: Union[int, Auto] = Field(1_000_000_000, alias="stage3_max_live_parameters")
-    max_reuse_distance: Union[int, Auto] = refused(
-        1_000_000_000, "units are always freed after use", alias="stage3_max_reuse_distance"
+    max_reuse_distance: Union[int, Auto] = satisfied(
+        1_000_000_000,
+        "a memory hint: units are always freed after use (what 0 asks); a longer distance would only keep them",
+        ge=0,
+        alias="stage3_max_reuse_distance",
     )
     gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
     module_granularity_threshold: int = refused(
@@ -390,6 +412,14 @@ class MonitorConfig(Section):
     output_path: str = ""
     job_name: str = "DeepSpeedJobName"
 
+    @field_validator("job_name")
+    @classmethod
+    def _plain_job_name(cls, value: str) -> str:
+        # the monitor writes under output_path/job_name: a name with a path in it would write elsewhere
+        if not value or value in (".", "..") or any(c in value for c in "/\\\0"):
+            raise ValueError("must be a plain name (a directory under output_path): no '/', '\\', '..' or NUL")
+        return value
+
 
 class WandbConfig(Section):
     """DeepSpeed's ``wandb`` monitor block (``zeroshard.runtime.monitor.WandbMonitor``)."""
@@ -563,22 +593,35 @@ class DataTypesConfig(Section):
     grad_accum_dtype: Optional[DTypeName] = None
 
 
-# DeepSpeed feature blocks we parse but do not implement: accepted when absent or disabled.
-UNSUPPORTED_FEATURE_BLOCKS = (
-    "autotuning",
-    "compression_training",
-    "data_efficiency",
-    "curriculum_learning",
-    "sparse_attention",
-    "pipeline",
-    "amp",
-    "progressive_layer_drop",
-    "eigenvalue",
-    "quantize_training",
-    "hybrid_engine",
-    "nebula",
-    "weight_quantization",
-)
+# DeepSpeed feature blocks we parse but do not implement: accepted when absent or disabled, refused when enabled.
+# Each maps to what an absent ``enabled`` means in DeepSpeed (its AutoEP and torch_autocast blocks are off unless
+# ``"enabled": true``; the others are on when present).
+UNSUPPORTED_FEATURE_BLOCKS = {
+    "autotuning": True,
+    "data_efficiency": True,
+    "pipeline": True,
+    "hybrid_engine": True,
+    "weight_quantization": True,
+    "datastates_ckpt": True,
+    "expert_parallel": False,
+    "torch_autocast": False,
+}
+# Feature blocks DeepSpeed 0.19 removed (its config reader refuses them): refused with that reason unless
+# written ``"enabled": false`` (then harmless: a warning names them). Elasticity and MiCS, which zeroshard keeps,
+# are not among them.
+REMOVED_IN_DEEPSPEED = {
+    "amp": "NVIDIA Apex AMP (use 'fp16' or 'bf16')",
+    "compression_training": "the compression library",
+    "curriculum_learning": "top-level curriculum learning (DeepSpeed moved it under data_efficiency)",
+    "eigenvalue": "eigenvalue-based MoQ",
+    "nebula": "Nebula checkpointing",
+    "progressive_layer_drop": "progressive layer dropping",
+    "quantize_training": "Mixture-of-Quantization",
+    "sparse_attention": "Sparse Attention",
+}
+
+
+MAX_BATCH = 2**31 - 1  # samples in a batch: beyond a sampler's index range
 
 
 class ZeroshardConfig(Section):
@@ -586,13 +629,31 @@ class ZeroshardConfig(Section):
     train_micro_batch_size_per_gpu: Union[int, Auto, None] = Field(None)
     gradient_accumulation_steps: Union[int, Auto, None] = Field(None)
     steps_per_print: Optional[int] = Field(10, ge=1)
-    gradient_clipping: Union[float, Auto] = 0.0
+    # DeepSpeed's default since its PR #8068 (0.19.x): clip the global gradient norm at 1.0; 0 disables
+    gradient_clipping: Union[float, Auto] = 1.0
     # zeroshard's own: stop after this many optimizer steps in a row were skipped for non-finite gradients
     # without a dynamic fp16 loss scale to recover them (fp32/bf16, or a static fp16 scale); 0 never stops
     max_consecutive_skipped_steps: int = Field(20, ge=0)
     prescale_gradients: bool = refused(False, "gradients are divided by the world size after the reduction")
+    gradient_allreduce_op: Literal["mean", "sum"] = refused(
+        "mean", "gradients are averaged over the data-parallel ranks; summing them is not implemented"
+    )
+    managed_gradient_accumulation: bool = refused(
+        True, "the engine always accumulates gradients itself between optimizer steps"
+    )
+    disable_python_gc: Union[bool, int] = refused(False, "Python's garbage collector is left as the program set it")
+    graph_harvesting: bool = refused(False, "DeepSpeed 0.19 removed graph harvesting")
+    use_data_before_expert_parallelism: bool = refused(False, "expert parallelism is not implemented yet")
+    vocabulary_size: Optional[int] = refused(None, "DeepSpeed only warns with it about tensor-core alignment")
+    # DeepSpeed's logger level (DEBUG, INFO, ...): sets the level of the 'zeroshard' logger at initialize
+    log_level: Optional[Literal["debug", "info", "warning", "error", "critical"]] = None
+    timers: Optional[dict[str, Any]] = satisfied(
+        None, "DeepSpeed's throughput timer only prints; zeroshard's step summary needs no timer switched on"
+    )
     gradient_predivide_factor: float = Field(1.0, gt=0)
     communication_data_type: Optional[DTypeName] = None
+    # with sequence_parallel_size > 1 DeepSpeed reduces gradients in this dtype instead (default fp32)
+    seq_parallel_communication_data_type: DTypeName = "fp32"
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config, alias="bfloat16")
     optimizer: Optional[OptimizerConfig] = None
@@ -603,7 +664,7 @@ class ZeroshardConfig(Section):
     wall_clock_breakdown: bool = False
     memory_breakdown: bool = False
     dump_state: bool = refused(False, "not implemented")
-    sparse_gradients: bool = refused(False, "sparse gradients are not implemented")
+    sparse_gradients: bool = refused(False, "DeepSpeed 0.19 removed sparse embedding-gradient compression")
     disable_allgather: bool = refused(False, "not implemented")
     dataloader_drop_last: bool = False
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
@@ -628,6 +689,10 @@ class ZeroshardConfig(Section):
     eigenvalue: Optional[dict[str, Any]] = None
     quantize_training: Optional[dict[str, Any]] = None
     hybrid_engine: Optional[dict[str, Any]] = None
+    datastates_ckpt: Optional[dict[str, Any]] = None
+    # AutoEP (DeepSpeed 0.19): refused while zeroshard has no expert parallelism, never replicated silently
+    expert_parallel: Optional[dict[str, Any]] = None
+    torch_autocast: Optional[dict[str, Any]] = None
     compile: CompileConfig = Field(default_factory=CompileConfig)
     tensor_parallel: TensorParallelTrainingConfig = Field(default_factory=TensorParallelTrainingConfig)
     # Ulysses: the ranks of a sequence-parallel group split each sample's tokens (zeroshard.sequence_parallel)
@@ -656,7 +721,14 @@ class ZeroshardConfig(Section):
     def _positive(cls, value):
         if isinstance(value, int) and value < 1:
             raise ValueError("must be a positive integer")
+        if isinstance(value, int) and value > MAX_BATCH:
+            raise ValueError(f"is larger than any batch a data loader can draw (at most {MAX_BATCH})")
         return value
+
+    @field_validator("gradient_allreduce_op", "log_level", mode="before")
+    @classmethod
+    def _lower_case(cls, value):
+        return value.lower() if isinstance(value, str) else value  # as DeepSpeed reads them
 
     @field_validator("gradient_clipping")
     @classmethod

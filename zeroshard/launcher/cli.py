@@ -221,7 +221,9 @@ def convert_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, export_prefixes: Sequence[str] = ()) -> int:
+    """The ``zeroshard`` command. ``export_prefixes``: more prefixes of variables a multi-node launch exports to
+    every node (DeepSpeed's ``launcher.runner.EXPORT_ENVS``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     log_to_stdout()  # the CLI prints zeroshard's lines (the library alone configures no logging)
     if argv[:1] == ["convert"]:
@@ -238,7 +240,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.no_ssh or args.node_rank is not None:
         return run_node(args)
     if args.hostfile is not None:
-        return run_hostfile(args)
+        return run_hostfile(args, tuple(export_prefixes))
     return run_processes([torchrun_command(args)], _agent_env(args))
 
 
@@ -300,7 +302,7 @@ def _most_nodes(nnodes: str) -> int:
     return counts[1]
 
 
-def run_hostfile(args: argparse.Namespace) -> int:
+def run_hostfile(args: argparse.Namespace, export_prefixes: tuple[str, ...] = ()) -> int:
     """Start every node of the hostfile (after ``--include/--exclude/--num_nodes/--num_gpus``) through the
     chosen launcher; each runs ``zeroshard --no_ssh --node_rank K``."""
     try:
@@ -315,7 +317,9 @@ def run_hostfile(args: argparse.Namespace) -> int:
     if shutil.which(tool) is None:
         raise SystemExit(f"zeroshard: --launcher {args.launcher} needs '{tool}' on PATH, and it is not there")
     job = _job(args, args.master_addr or next(iter(nodes)), len(nodes))
-    env, skipped = exported_environment(dict(os.environ), read_env_files([os.path.expanduser("~"), os.getcwd()]))
+    env, skipped = exported_environment(
+        dict(os.environ), read_env_files([os.path.expanduser("~"), os.getcwd()]), export_prefixes
+    )
     if skipped:
         print(
             f"zeroshard: warning: not exporting {skipped} to the nodes: not shell variable names "

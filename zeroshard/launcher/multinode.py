@@ -67,11 +67,14 @@ def read_env_files(directories: list[str]) -> dict[str, str]:
     return values
 
 
-def exported_environment(environ: dict[str, str], from_files: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """The variables every node gets: the launching environment's by prefix, then the env files'. Returns them and
-    the names skipped because a shell would not read them as a variable name (``NCCL_X;touch${IFS}F``: the
-    environment can hold any name, and the remote line is shell code)."""
-    exported = {k: v for k, v in environ.items() if k.startswith(_EXPORTED_PREFIXES)}
+def exported_environment(
+    environ: dict[str, str], from_files: dict[str, str], extra_prefixes: tuple[str, ...] = ()
+) -> tuple[dict[str, str], list[str]]:
+    """The variables every node gets: the launching environment's by prefix (zeroshard's and ``extra_prefixes``,
+    DeepSpeed's ``EXPORT_ENVS`` as a client extends it), then the env files'. Returns them and the names skipped
+    because a shell would not read them as a variable name (``NCCL_X;touch${IFS}F``: the environment can hold any
+    name, and the remote line is shell code)."""
+    exported = {k: v for k, v in environ.items() if k.startswith((*_EXPORTED_PREFIXES, *extra_prefixes))}
     merged = {**exported, **from_files}
     skipped = sorted(k for k in merged if not _VARIABLE.fullmatch(k))
     return {k: v for k, v in merged.items() if k not in skipped}, skipped

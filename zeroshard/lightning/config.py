@@ -88,6 +88,8 @@ def complete_config(
         if config.get("gradient_clipping", gradient_clip_val) != gradient_clip_val:
             raise ValueError("both the config's gradient_clipping and Trainer(gradient_clip_val=...) are set; keep one")
         config["gradient_clipping"] = gradient_clip_val
+    else:  # Lightning's default is no clipping; DeepSpeed's engine would clip at 1.0 when the config is silent
+        config.setdefault("gradient_clipping", 0.0)
     block = _PRECISION_BLOCKS.get(precision)
     for other in ("fp16", "bf16", "bfloat16"):
         enabled = config.get(other, {}).get("enabled", False)

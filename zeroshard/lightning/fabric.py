@@ -52,6 +52,7 @@ class ZeroshardFabricStrategy(DDPStrategy):
             stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, **zero_kwargs
         )
         self.config.setdefault("train_micro_batch_size_per_gpu", 1)
+        self.config.setdefault("gradient_clipping", 0.0)  # Fabric clips only when asked; DeepSpeed's default is 1.0
         self._engine: Optional[zeroshard.ZeroshardEngine] = None
 
     def _setup_distributed(self) -> None:

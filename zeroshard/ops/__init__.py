@@ -1,5 +1,5 @@
 """Optimizer kernels users construct directly (DeepSpeed's ``deepspeed.ops`` names)."""
 
-from . import adam
+from . import adagrad, adam
 
-__all__ = ["adam"]
+__all__ = ["adagrad", "adam"]

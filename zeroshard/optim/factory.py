@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..ops.adagrad import CPUAdagrad
 from ..ops.adam import CPUAdam
 from . import hyperparams
 from .lamb import Lamb, ShardedNorms
@@ -164,15 +165,16 @@ def check_client_optimizer(
     optimizer: torch.optim.Optimizer, zero_stage: int, allow_untested: bool, force_cpu_optimizer: bool = False
 ) -> None:
     """``force_cpu_optimizer`` is DeepSpeed's ``zero_force_ds_cpu_optimizer`` with ``offload_optimizer``: a client
-    optimizer must then be the CPU Adam (a generic one steps far slower on the CPU)."""
+    optimizer must then be one of the CPU optimizers (Adam, Adagrad, Lion: a generic one steps far slower)."""
     if zero_stage > 0 and not isinstance(optimizer, SHARD_SAFE) and not allow_untested:
         raise ValueError(
             f"client optimizer {type(optimizer).__name__} is not verified with ZeRO sharding; "
             'set "zero_allow_untested_optimizer": true to use it anyway'
         )
-    if force_cpu_optimizer and not isinstance(optimizer, CPUAdam):
+    if force_cpu_optimizer and not isinstance(optimizer, (CPUAdam, CPUAdagrad, Lion)):
         raise ValueError(
             f"offload_optimizer with a client optimizer ({type(optimizer).__name__}): use "
-            "zeroshard.ops.adam.CPUAdam (DeepSpeedCPUAdam) or an 'optimizer' config block, or set "
+            "zeroshard.ops.adam.CPUAdam (DeepSpeedCPUAdam), zeroshard.ops.adagrad.CPUAdagrad (DeepSpeedCPUAdagrad), "
+            "zeroshard.optim.Lion (DeepSpeedCPULion) or an 'optimizer' config block, or set "
             '"zero_force_ds_cpu_optimizer": false to step it on the CPU anyway'
         )

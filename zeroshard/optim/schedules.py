@@ -170,9 +170,7 @@ def one_cycle_momentum(
     second_stairs = cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
 
     def curve(step: int) -> float:
-        if step < 0:
-            return cycle_min_mom  # DeepSpeed starts beta1 at the cycle minimum before the first step
-        if step < first + second:
+        if step < first + second:  # before the first step (-1) too: scale 0, the cycle maximum
             scale = _one_cycle_scale(step, first, second, cycle_first_stair_count, second_stairs)
             return cycle_max_mom - (cycle_max_mom - cycle_min_mom) * scale
         if decay_step_size == 0 or decay_mom_rate == 0:
@@ -197,15 +195,26 @@ class ScheduleRunner:
     Curves take the 0-based index of the last step taken; -1 means before the first ``step()``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, curves: list[Curve], momentum: Optional[Curve] = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        curves: list[Curve],
+        momentum: Optional[Curve] = None,
+        initial_beta1: Optional[float] = None,
+    ):
         self.optimizer = optimizer
         self.curves = curves
         self.momentum = momentum
+        self.initial_beta1 = initial_beta1
         self.last_batch_iteration = -1
         self._apply(-1)  # the lr before the first step(), as DeepSpeed sets it at construction
 
     def _apply(self, step: int) -> None:
         momentum = self.get_mom()
+        if step < 0 and momentum is not None and self.initial_beta1 is not None:
+            # DeepSpeed's OneCycle starts the optimizer at cycle_min_mom, while its get_mom() already answers the
+            # first step's value (cycle_max_mom): both kept
+            momentum = [(self.initial_beta1, beta2) for _, beta2 in momentum]
         for i, (group, curve) in enumerate(zip(self.optimizer.param_groups, self.curves)):
             group["lr"] = curve(step)
             if momentum is not None and "betas" in group:
@@ -251,4 +260,5 @@ def build_schedule(name: str, params: dict[str, Any], optimizer: torch.optim.Opt
         momentum = one_cycle_momentum(**params) if name == "OneCycle" and "betas" in optimizer.defaults else None
     except TypeError as err:
         raise ValueError(f"scheduler '{name}' rejected scheduler.params {params}: {err}") from None
-    return ScheduleRunner(optimizer, curves, momentum)
+    initial = params.get("cycle_min_mom", 0.8) if momentum is not None else None
+    return ScheduleRunner(optimizer, curves, momentum, initial)

@@ -37,6 +37,8 @@ class PrecisionPolicy:
         if config.fp16.enabled and config.fp16.fp16_master_weights_and_grads:
             raise NotImplementedError("fp16.fp16_master_weights_and_grads: zeroshard keeps fp32 master weights")
         reduce = DTYPE_NAMES[config.communication_data_type] if config.communication_data_type else compute
+        if config.sequence_parallel_size > 1:  # DeepSpeed's engine swaps in this dtype (default fp32) under Ulysses
+            reduce = DTYPE_NAMES[config.seq_parallel_communication_data_type]
         # DeepSpeed's stage 3 keeps gradient partitions in the compute dtype (the 16 bytes/parameter of
         # the ZeRO paper); stages 0-2 accumulate in fp32. data_types.grad_accum_dtype overrides both.
         if config.data_types.grad_accum_dtype:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import os
 import time
 import weakref
@@ -31,6 +32,11 @@ from .activation_checkpointing import in_effect as checkpointing_in_effect
 from .batch_check import check_same_batch
 from .memory import MemoryTracker, format_table
 from .monitor import Monitors
+
+
+class NoSyncError(RuntimeError, AssertionError):
+    """``no_sync()`` misused (under ZeRO 2-3, nested, or around ``step()``). An ``AssertionError`` too, because
+    DeepSpeed asserts there and its clients' tests expect that class."""
 
 
 class ZeroshardEngine(torch.nn.Module):
@@ -140,8 +146,20 @@ class ZeroshardEngine(torch.nn.Module):
             logger.warning("engine.compile(): the config's compile.disable is true; the module stays uncompiled")
             return
         if self._compiled is None:
+            if compile_kwargs is not None and not isinstance(compile_kwargs, dict):
+                raise TypeError(f"engine.compile(compile_kwargs=...) takes a dict, not {type(compile_kwargs).__name__}")
             options = {**block.kwargs, **(compile_kwargs or {})}
-            self._compiled = torch.compile(self.module, backend=backend or block.backend, **options)
+            backend = backend or block.backend
+            if not (isinstance(backend, str) or callable(backend)):
+                raise TypeError(f"engine.compile(backend={backend!r}): a backend is a name ('inductor') or a callable")
+            accepted = set(inspect.signature(torch.compile).parameters) - {"model", "backend"}
+            unknown = sorted(set(options) - accepted)
+            if unknown:
+                raise TypeError(
+                    f"engine.compile(): {unknown} are not torch.compile options (compile_kwargs / the config's "
+                    f"compile.kwargs); it takes {sorted(accepted)}"
+                )
+            self._compiled = torch.compile(self.module, backend=backend, **options)
 
     def empty_partition_cache(self) -> None:
         """Drop the idle gather and staging buffers the stack keeps for reuse (DeepSpeed's call, which OpenRLHF
@@ -214,6 +232,11 @@ class ZeroshardEngine(torch.nn.Module):
         return loss
 
     def step(self) -> None:
+        if self._in_no_sync:
+            raise NoSyncError(
+                "engine.step() inside no_sync(): gradients there are not reduced, so no optimizer step may use them "
+                "(DeepSpeed asserts the same); call step() after the no_sync block"
+            )
         self.stack.refuse_if_offloaded("step")
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
@@ -335,11 +358,13 @@ class ZeroshardEngine(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """DDP's ``no_sync``: backward passes inside accumulate gradients locally, unreduced (no micro-batch
-        inside is an accumulation boundary). Stages 0 and 1 reduce once per boundary anyway; stages 2 and 3
-        reduce each micro-batch as its gradients appear (each rank keeps only a shard) and refuse it, as
-        DeepSpeed does."""
+        inside is an accumulation boundary; ``step()`` inside is refused, as DeepSpeed asserts). Stages 0 and 1
+        reduce once per boundary anyway; stages 2 and 3 reduce each micro-batch as its gradients appear (each rank
+        keeps only a shard) and refuse it, as DeepSpeed does. Not reentrant."""
+        if self._in_no_sync:
+            raise NoSyncError("no_sync() inside no_sync(): the context is not reentrant (as in DeepSpeed)")
         if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(
+            raise NoSyncError(
                 f"no_sync() is not compatible with ZeRO stage {self.zero_optimization_stage()}: gradients are "
                 "reduced as they are produced so that each rank keeps only its shard; use "
                 "gradient_accumulation_steps (engine.backward/step) instead"
@@ -436,6 +461,46 @@ class ZeroshardEngine(torch.nn.Module):
 
     def zero_optimization_stage(self) -> int:
         return self.settings.zero_optimization.stage
+
+    def zero_optimization(self) -> bool:
+        """Whether ZeRO shards anything (stage 1 or more), as DeepSpeed's getter answers."""
+        return self.settings.zero_optimization.stage > 0
+
+    def gradient_clipping(self) -> float:
+        """The global gradient norm the step clips to (0: off); DeepSpeed's default 1.0 when the config is silent."""
+        return self.settings.gradient_clipping
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.settings.wall_clock_breakdown
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """Milliseconds spent so far in each timed phase (forward, backward, reduce_wait, optimizer_step, ...), with
+        ``wall_clock_breakdown`` on; an empty dict otherwise (DeepSpeed's snapshot of its engine timers)."""
+        if not self.settings.wall_clock_breakdown:
+            return {}
+        return {name: 1000.0 * seconds for name, seconds in self._timers.items()}
+
+    def print_forward_breakdown(self, fwd_time: float) -> None:
+        """DeepSpeed prints its MoE layers' forward times here; zeroshard has no expert layers, so the forward's."""
+        log_rank0(f"time (ms) | fwd: {fwd_time:.2f}")
+
+    def curriculum_learning_enabled(self) -> bool:
+        return False  # the data-efficiency library is refused by the config
+
+    def random_ltd_enabled(self) -> bool:
+        return False  # likewise
+
+    def module_state_dict(
+        self, destination=None, prefix: str = "", keep_vars: bool = False, exclude_frozen_parameters: bool = False
+    ) -> dict:
+        """The module's own ``state_dict`` (under stage 3 what this rank holds of it: gather with
+        ``consolidated_state_dict`` for whole weights), without frozen parameters if asked, as DeepSpeed's."""
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, param in self.module.named_parameters():
+                if not param.requires_grad:
+                    state.pop(prefix + name, None)
+        return state
 
     def fp16_enabled(self) -> bool:
         return self.policy.compute == torch.float16

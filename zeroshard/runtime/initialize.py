@@ -14,7 +14,7 @@ from ..accelerator import get_accelerator
 from ..checkpoint.resume import agree_on_resume_point
 from ..checkpoint.weights import open_source
 from ..config import AutoContext, Resolution, model_hidden_size, parse_config, resolve_config
-from ..log import log_as_launched, log_rank0
+from ..log import log_as_launched, log_rank0, logger
 from ..offload import OffloadPlan
 from ..optim import Lamb, ShardedNorms, build_optimizer, build_schedule, check_client_optimizer, muon_param_groups
 from ..precision import PrecisionPolicy
@@ -396,6 +396,18 @@ def _auto_resume(engine: ZeroshardEngine) -> None:
     log_rank0(f"auto_resume: resumed from {path} at step {engine.global_steps} ({point.why})")
 
 
+def _refuse_expert_parameters(model: torch.nn.Module) -> None:
+    """DeepSpeed's expert-parameter protocol tags each rank's own experts ``allreduce = False`` (they differ across
+    ranks). Without expert parallelism they would be averaged with other ranks' different experts, silently."""
+    tagged = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
+    if tagged:
+        raise NotImplementedError(
+            f"{len(tagged)} parameters are tagged allreduce=False (DeepSpeed's expert parameters: {tagged[:3]}...): "
+            "zeroshard has no expert parallelism yet and would average them with other ranks' experts; train the "
+            "MoE model with every expert on every rank (no expert groups, no allreduce tags)"
+        )
+
+
 def initialize(
     args: Any = None,
     model: Optional[torch.nn.Module] = None,
@@ -427,11 +439,14 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize needs model=")
+    _refuse_expert_parameters(model)
     log_as_launched()
     source = _config_source(args, config if config is not None else config_params)
     _join_process_group(dist_init_required)
     grid, resolution = _resolve(source, args, model, training_data, mpu)
     cfg = resolution.config
+    if cfg.log_level is not None:  # DeepSpeed's log_level sets its logger's level; handlers stay the program's
+        logger.setLevel(cfg.log_level.upper())
     placement = _placement(cfg)
     materialize = _materializer(model, pretrained, grid.world, placement.device)
     _move_module(model, placement.device, placement.policy.compute)

@@ -35,6 +35,11 @@ from .flat_group import FlatGroup
 MAX_IN_FLIGHT = 1  # overlapped reductions pending at once (each holds one bucket's staging and scratch buffers)
 
 
+class UnusedParameterError(RuntimeError, AssertionError):
+    """A trainable parameter got no gradient under ``ignore_unused_parameters: false``. An ``AssertionError`` too,
+    because DeepSpeed asserts there and its clients' tests expect that class."""
+
+
 class Reduction(Enum):
     EXACT = "exact"  # summed across ranks: all-reduce (stage 0) or reduce-scatter
     LOCAL = "local"  # not reduced, kept whole: the step communicates (a 1-bit optimizer after its warm-up)
@@ -322,7 +327,7 @@ class GradientReducer:
         comm.all_reduce(count, self.world, op="max")
         if count.item():
             where = f"{unused[:8]}{' ...' if len(unused) > 8 else ''}" if unused else "(on another rank)"
-            raise RuntimeError(
+            raise UnusedParameterError(
                 f"rank {comm.get_rank()}: parameters received no gradient in this backward {where}, and "
                 "zero_optimization.ignore_unused_parameters is false; freeze them (requires_grad=False), use them, "
                 "or set ignore_unused_parameters to true"

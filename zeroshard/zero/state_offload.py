@@ -72,6 +72,8 @@ class StateOffload:
             yield from (bucket.grad for bucket in self.buckets)
 
     def offload(self, include: Optional[Iterable], pin_memory: bool, non_blocking: bool) -> None:
+        if isinstance(include, (str, StateKind)) or getattr(include, "value", None) is not None:
+            include = [include]  # one state named alone (include="optim_states"), not its characters
         kinds = list(StateKind) if include is None else [_kind(k) for k in include]
         pin = pin_memory and get_accelerator().can_pin_memory
         moved = {storage.data_ptr() for storage, _ in self._moved}

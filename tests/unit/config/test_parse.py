@@ -17,7 +17,7 @@ def test_defaults_match_deepspeed():
     assert cfg.zero_optimization.stage == 0
     assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
     assert cfg.zero_optimization.prefetch_bucket_size == 50_000_000
-    assert cfg.gradient_clipping == 0.0
+    assert cfg.gradient_clipping == 1.0  # DeepSpeed 0.19 (its PR #8068); 0 disables
     assert cfg.steps_per_print == 10
     assert cfg.fp16.initial_scale_power == 16 and cfg.fp16.loss_scale_window == 1000
 

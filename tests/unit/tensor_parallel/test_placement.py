@@ -1,5 +1,7 @@
 """Placement decisions are pure: checked on real model classes without processes."""
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -7,7 +9,7 @@ from torch import nn
 
 from zeroshard.config.inference import parse_inference_config
 from zeroshard.tensor_parallel import PlacementError, plan_tensor_parallel
-from zeroshard.tensor_parallel.placement import vocab_range
+from zeroshard.tensor_parallel.placement import HF_STYLES, vocab_range
 
 
 def gpt2(n_head=4):
@@ -170,12 +172,27 @@ def test_a_preset_places_the_llama_layout():
 
 
 def test_a_models_own_plan_style_zeroshard_lacks_is_named():
+    """Read from the plan the installed transformers ships: Mixtral's experts were ``moe_tp_experts`` in its
+    ``base_model_tp_plan`` before transformers 5 moved them to ``base_model_ep_plan``. A style zeroshard lacks is
+    refused by name; the plan's other entries are placed; a planted unknown style is named on every version."""
     from zeroshard.testing.hf import tiny_causal_lm
 
-    mixtral = tiny_causal_lm("mixtral", num_attention_heads=4, num_key_value_heads=2)  # experts: 'moe_tp_experts'
-    expected = r"base_model_tp_plan entry 'layers\.\*\.mlp\.experts[a-z_.]*': '[a-z_]+' is a style"
-    with pytest.raises(PlacementError, match=expected):
-        plan_tensor_parallel(mixtral, 2, split_vocabulary=False)
+    mixtral = tiny_causal_lm("mixtral", num_attention_heads=4, num_key_value_heads=2)
+    shipped = dict(mixtral.config.base_model_tp_plan or {})
+    lacking = {key: style for key, style in shipped.items() if style not in HF_STYLES}
+    if lacking:
+        key = next(iter(lacking))
+        with pytest.raises(PlacementError, match=f"base_model_tp_plan entry '{re.escape(key)}': '{lacking[key]}'"):
+            plan_tensor_parallel(mixtral, 2, split_vocabulary=False)
+    else:
+        plan = plan_tensor_parallel(mixtral, 2, split_vocabulary=False)
+        placed = {p.name.split("layers.", 1)[1].split(".", 1)[1]: p.style for p in plan.layers}
+        wanted = {key.split(".", 2)[2]: HF_STYLES[style] for key, style in shipped.items() if "layers.*" in key}
+        assert placed == {k: v for k, v in wanted.items() if v != "skip"}
+    planted = tiny_causal_lm("llama", num_attention_heads=4, num_key_value_heads=2)
+    planted.config.base_model_tp_plan = {**planted.config.base_model_tp_plan, "layers.*.mlp.up_proj": "packed_colwise"}
+    with pytest.raises(PlacementError, match=r"entry 'layers\.\*\.mlp\.up_proj': 'packed_colwise' is a style"):
+        plan_tensor_parallel(planted, 2, split_vocabulary=False)
 
 
 def test_training_keeps_the_vocabulary_replicated():

@@ -1,5 +1,5 @@
 """``deepspeed.moe``: zeroshard has no expert layers; the helpers clients call on dense models are here."""
 
-from . import utils
+from . import layer, utils
 
-__all__ = ["utils"]
+__all__ = ["layer", "utils"]

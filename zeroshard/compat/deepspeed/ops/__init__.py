@@ -1,5 +1,5 @@
 """``deepspeed.ops``: optimizers clients construct directly."""
 
-from . import adam, lion
+from . import adagrad, adam, deepspeed4science, lion, op_builder, sparse_attention
 
-__all__ = ["adam", "lion"]
+__all__ = ["adagrad", "adam", "deepspeed4science", "lion", "op_builder", "sparse_attention"]

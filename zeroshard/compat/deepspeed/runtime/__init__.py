@@ -1,5 +1,7 @@
 """``deepspeed.runtime``."""
 
-from . import base_optimizer, config, engine, lr_schedules, sequence_parallel, zero
+from . import base_optimizer, checkpoint_engine, config, engine, lr_schedules, sequence_parallel, utils, zero
 
-__all__ = ["base_optimizer", "config", "engine", "lr_schedules", "sequence_parallel", "zero"]
+__all__ = [
+    "base_optimizer", "checkpoint_engine", "config", "engine", "lr_schedules", "sequence_parallel", "utils", "zero"
+]  # fmt: skip

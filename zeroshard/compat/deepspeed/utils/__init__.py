@@ -4,9 +4,9 @@
 
 from zeroshard.comm import is_initialized
 
-from . import groups, leaf_modules, logging, tensor_fragment, zero_to_fp32
+from . import groups, leaf_modules, logging, tensor_fragment, timer, zero_to_fp32
 from .leaf_modules import *  # noqa: F403
-from .logging import log_dist, logger
+from .logging import log_dist, logger, print_dist
 from .tensor_fragment import *  # noqa: F403
 
 __all__ = [
@@ -15,6 +15,8 @@ __all__ = [
     "log_dist",
     "logger",
     "logging",
+    "print_dist",
+    "timer",
     "zero_to_fp32",
     *leaf_modules.__all__,
     *tensor_fragment.__all__,

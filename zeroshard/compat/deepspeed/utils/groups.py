@@ -104,7 +104,60 @@ _get_data_parallel_world_size = get_data_parallel_world_size
 _get_data_parallel_rank = get_data_parallel_rank
 _get_model_parallel_world_size = get_model_parallel_world_size
 
+
+def _expert_groups_not_built(name: str):
+    """DeepSpeed's expert-parallel group functions (ArcticTraining's MoE calls them): importable, refused when called,
+    since zeroshard has no expert parallelism yet (a parameter tagged ``allreduce = False`` is refused at initialize
+    for the same reason)."""
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"deepspeed.utils.groups.{name}: expert parallelism is not implemented by zeroshard yet; train MoE models "
+            "with every expert replicated (no expert groups, no parameters tagged allreduce=False)"
+        )
+
+    refused.__name__ = refused.__qualname__ = name
+    return refused
+
+
+_create_expert_and_data_parallel = _expert_groups_not_built("_create_expert_and_data_parallel")
+_create_expert_data_and_model_parallel = _expert_groups_not_built("_create_expert_data_and_model_parallel")
+_get_max_expert_size = _expert_groups_not_built("_get_max_expert_size")
+_get_max_expert_size_name = _expert_groups_not_built("_get_max_expert_size_name")
+_get_max_expert_parallel_group = _expert_groups_not_built("_get_max_expert_parallel_group")
+_get_expert_parallel_group = _expert_groups_not_built("_get_expert_parallel_group")
+_get_expert_parallel_group_ranks = _expert_groups_not_built("_get_expert_parallel_group_ranks")
+_get_expert_parallel_group_dict = _expert_groups_not_built("_get_expert_parallel_group_dict")
+_get_expert_data_parallel_group = _expert_groups_not_built("_get_expert_data_parallel_group")
+_get_expert_data_parallel_group_ranks = _expert_groups_not_built("_get_expert_data_parallel_group_ranks")
+_get_expert_data_parallel_group_dict = _expert_groups_not_built("_get_expert_data_parallel_group_dict")
+_get_expert_broadcast_src_rank = _expert_groups_not_built("_get_expert_broadcast_src_rank")
+_get_expert_parallel_world_size = _expert_groups_not_built("_get_expert_parallel_world_size")
+_get_expert_data_parallel_world_size = _expert_groups_not_built("_get_expert_data_parallel_world_size")
+_get_expert_parallel_rank = _expert_groups_not_built("_get_expert_parallel_rank")
+_get_expert_parallel_src_rank = _expert_groups_not_built("_get_expert_parallel_src_rank")
+_get_expert_data_parallel_rank = _expert_groups_not_built("_get_expert_data_parallel_rank")
+_get_expert_model_parallel_world_size = _expert_groups_not_built("_get_expert_model_parallel_world_size")
+
 __all__ = [
+    "_create_expert_and_data_parallel",
+    "_create_expert_data_and_model_parallel",
+    "_get_max_expert_size",
+    "_get_max_expert_size_name",
+    "_get_max_expert_parallel_group",
+    "_get_expert_parallel_group",
+    "_get_expert_parallel_group_ranks",
+    "_get_expert_parallel_group_dict",
+    "_get_expert_data_parallel_group",
+    "_get_expert_data_parallel_group_ranks",
+    "_get_expert_data_parallel_group_dict",
+    "_get_expert_broadcast_src_rank",
+    "_get_expert_parallel_world_size",
+    "_get_expert_data_parallel_world_size",
+    "_get_expert_parallel_rank",
+    "_get_expert_parallel_src_rank",
+    "_get_expert_data_parallel_rank",
+    "_get_expert_model_parallel_world_size",
     "_get_sequence_data_parallel_group",
     "_get_sequence_data_parallel_rank",
     "_get_sequence_data_parallel_world_size",

@@ -15,4 +15,11 @@ def log_dist(message: str, ranks: Optional[list[int]] = None, level: int = 20) -
         logger.log(level, message)
 
 
-__all__ = ["log_dist", "logger"]
+def print_dist(message: str, ranks: Optional[list[int]] = None) -> None:
+    """Print (whatever the log level) on the given ranks (all with ``[-1]``; rank 0 when not given)."""
+    ranks = [0] if ranks is None else ranks
+    if -1 in ranks or comm.get_rank() in ranks:
+        print(f"[Rank {comm.get_rank()}] {message}")
+
+
+__all__ = ["log_dist", "logger", "print_dist"]

@@ -1,0 +1,33 @@
+"""Names DeepSpeed's clients import for features zeroshard does not build (pipeline parallelism, sparse attention,
+DeepSpeed's CUDA kernels, expert layers until they land, ...).
+
+Importing them works, so a script or a training stack that imports a name and never calls it runs; calling one,
+constructing one (a subclass too), or using it as a context manager raises ``NotImplementedError`` naming the
+DeepSpeed path and why. An ``ImportError`` at import would kill every client that merely imports the name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class NotBuilt:
+    """Base of the placeholders: a class (clients subclass ``PipelineModule`` and test ``isinstance(m, MoE)``) whose
+    construction is the refusal."""
+
+    deepspeed_path = ""
+    reason = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            f"{self.deepspeed_path} is not implemented by zeroshard ({self.reason}); see docs/deepspeed-compat.md"
+        )
+
+
+def not_built(deepspeed_path: str, reason: str) -> type:
+    """A placeholder for ``deepspeed_path`` (its last part is the name), refused with ``reason`` when used."""
+    name = deepspeed_path.rpartition(".")[2]
+    return type(name, (NotBuilt,), {"deepspeed_path": deepspeed_path, "reason": reason, "__doc__": reason})
+
+
+__all__ = ["NotBuilt", "not_built"]

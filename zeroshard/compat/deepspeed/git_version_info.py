@@ -1,0 +1,22 @@
+"""``deepspeed.git_version_info``: the DeepSpeed API version zeroshard serves, and its (absent) compiled ops."""
+
+import torch
+
+from zeroshard.accelerator import get_accelerator
+
+from ..alias import DEEPSPEED_API_VERSION
+
+version = DEEPSPEED_API_VERSION
+git_hash = "[zeroshard]"
+git_branch = "[zeroshard]"
+installed_ops: dict[str, bool] = {}  # zeroshard builds no C++/CUDA ops; its optimizers are torch's kernels
+compatible_ops: dict[str, bool] = {}
+accelerator_name = get_accelerator().device().type
+torch_info = {
+    "version": ".".join(torch.__version__.split("+")[0].split(".")[:2]),
+    "cuda_version": torch.version.cuda or "0.0",
+    "nccl_version": ".".join(map(str, torch.cuda.nccl.version()[:2])) if torch.cuda.is_available() else "0.0",
+    "hip_version": torch.version.hip or "0.0",
+}
+
+__all__ = ["accelerator_name", "compatible_ops", "git_branch", "git_hash", "installed_ops", "torch_info", "version"]

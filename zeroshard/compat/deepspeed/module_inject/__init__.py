@@ -1,0 +1,5 @@
+"""``deepspeed.module_inject``."""
+
+from . import layers
+
+__all__ = ["layers"]

@@ -1,0 +1,5 @@
+"""``deepspeed.monitor``."""
+
+from . import monitor
+
+__all__ = ["monitor"]

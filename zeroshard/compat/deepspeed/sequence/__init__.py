@@ -1,0 +1,5 @@
+"""``deepspeed.sequence``: DeepSpeed-Ulysses' attention wrapper (its sequence-parallelism tutorial)."""
+
+from . import layer
+
+__all__ = ["layer"]
