@@ -60,7 +60,11 @@ class Accelerator:
         return self.device_name(self.current_device()) if self.name == "cuda" else "cpu"
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self.name == "cuda" else 1
+        """GPUs; on CPU, as DeepSpeed's CPU accelerator counts: ``LOCAL_SIZE`` (the node's ranks) when set, else 1."""
+        if self.name == "cuda":
+            return torch.cuda.device_count()
+        local_size = os.environ.get("LOCAL_SIZE", "")
+        return int(local_size) if local_size.isdigit() and int(local_size) > 0 else 1
 
     def is_available(self) -> bool:
         """The device can run work now (the CPU always can)."""

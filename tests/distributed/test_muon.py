@@ -1,7 +1,8 @@
 """Muon (DeepSpeed's "type": "Muon": Muon on hidden matrices, AdamW on the rest) under ZeRO 0-3 on 2 and 4 ranks
 equals one process running torch.optim.Muon + torch.optim.AdamW on the same parameters, with matrices that straddle
 shard boundaries; muon_lr and adam_lr apply to their halves; checkpoints resume exactly; the only extra traffic is
-one all-gather of the Muon flat groups per step."""
+one all-gather of the Muon flat groups per step. DeepSpeed's default (no ns_method: Gram Newton-Schulz) under ZeRO
+0-3 equals one process stepping the same variant on whole matrices."""
 
 import pytest
 import torch
@@ -35,10 +36,15 @@ class Reference:
     the engine reduced (compared with its own whole-batch gradients at step 0), and the step itself must then be
     the same."""
 
-    def __init__(self):
-        from zeroshard.optim.muon import uses_muon
+    def __init__(self, ns_method: str = "standard"):
+        from zeroshard.optim.muon import MuonWithAuxAdam, muon_param_groups, uses_muon
 
         self.net = model()
+        if ns_method == "gram":  # torch has no Gram iteration: zeroshard's Muon, on whole matrices, in one process
+            groups = muon_param_groups(self.net.named_parameters(), [{"params": list(self.net.parameters())}],
+                                       {**SETTINGS, "ns_method": "gram"})  # fmt: skip
+            self.optimizers = [MuonWithAuxAdam(groups)]
+            return
         muon = [p for n, p in self.net.named_parameters() if uses_muon(n, p)]
         adam = [p for n, p in self.net.named_parameters() if not uses_muon(n, p)]
         wd = SETTINGS["weight_decay"]
@@ -128,6 +134,20 @@ def worker(directory: str) -> dict:
         if stage in (2, 3) and world == 2:
             out[stage]["resumed"] = resume(engine, directory, stage, rank, world)
         engine.destroy()
+        if world == 2:  # DeepSpeed's config as clients write it: no ns_method, so Gram Newton-Schulz
+            reference, grad_errors = Reference("gram"), []
+            params = {k: v for k, v in SETTINGS.items() if k != "ns_method"}
+            cfg = {**config(stage), "optimizer": {"type": "Muon", "params": params}}
+            cfg["train_micro_batch_size_per_gpu"] = 2
+            engine, *_ = zeroshard.initialize(model=model(), config=cfg)
+            train(engine, rank, world, range(3), reference, grad_errors)
+            out[f"gram{stage}"] = {
+                "ns_methods": {g["ns_method"] for g in engine.optimizer.param_groups if g["use_muon"]},
+                "state": engine.consolidated_state_dict(rank0_only=False),
+                "reference": {k: v.clone() for k, v in reference.net.state_dict().items()},
+                "grad_errors": grad_errors,
+            }
+            engine.destroy()
     return out
 
 
@@ -162,6 +182,16 @@ def test_muon_under_zero_matches_torch_muon_and_adamw_in_one_process(runs, world
         assert model_error(got["state"], got["reference"]) <= 1e-5
         if stage > 0:
             assert got["straddles"]  # a Muon matrix lies across two ranks' shards
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeeds_default_gram_newton_schulz_under_zero_matches_one_process(runs, stage):
+    from zeroshard.testing.parity import model_error
+
+    for out in runs[2]:
+        got = out[f"gram{stage}"]
+        assert got["ns_methods"] == {"gram"} and got["grad_errors"][0] <= 1e-5
+        assert model_error(got["state"], got["reference"]) <= 1e-5
 
 
 @pytest.mark.parametrize("stage", [1, 2])

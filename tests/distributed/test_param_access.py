@@ -52,8 +52,10 @@ def _one_config(case: ParityCase, batches, rank: int, world: int) -> dict:
         safe_get_local_grad,
         safe_get_local_optimizer_state,
         safe_set_full_fp32_param,
+        safe_set_full_grad,
         safe_set_full_optimizer_state,
         safe_set_local_fp32_param,
+        safe_set_local_grad,
         safe_set_local_optimizer_state,
     )
     from zeroshard.zero.state_offload import StatesOffloadedError
@@ -104,8 +106,17 @@ def _one_config(case: ParityCase, batches, rank: int, world: int) -> dict:
         if sq.numel() != safe_get_local_fp32_param(param).numel():
             errors.append(f"{name}: local exp_avg_sq fragment has the wrong size")
 
-    # writes: whole values, then each rank its own fragment; reads and the compute weights see them
+    # the pending (reduced, not yet applied) gradient: a whole value, then each rank its own fragment
     target = engine.module.blocks[0].fc.weight
+    planted = torch.linspace(-1, 1, target.numel()).view(tuple(safe_get_full_grad(target).shape))
+    safe_set_full_grad(target, planted)
+    grad_ok = torch.equal(safe_get_full_grad(target), planted)
+    safe_set_local_grad(target, torch.full_like(safe_get_local_grad(target), float(rank + 1)))
+    pieces = safe_get_full_grad(target).reshape(-1)
+    grad_ok &= bool(((pieces == 1) | (pieces == 2)).all())  # each element from the rank holding it
+    grad_ok &= case.stage > 0 or bool((pieces == rank + 1).all())  # stage 0: every rank holds (and wrote) it all
+
+    # writes: whole values, then each rank its own fragment; reads and the compute weights see them
     name = names[target]
     value = torch.arange(target.numel(), dtype=torch.float32).view(tuple(safe_get_full_fp32_param(target).shape))
     safe_set_full_fp32_param(target, value / 1000)
@@ -176,6 +187,7 @@ def _one_config(case: ParityCase, batches, rank: int, world: int) -> dict:
     return {
         "errors": errors,
         "set_ok": bool(set_ok),
+        "grad_ok": bool(grad_ok),
         "hostile": hostile,
         "freed": freed and len(storages) > 0,
         "refused": refused,
@@ -193,7 +205,7 @@ def test_safe_get_and_set_match_the_reference_step(results, label):
     for per_rank in results:
         result = per_rank[label]
         assert result["errors"] == []
-        assert result["set_ok"]
+        assert result["set_ok"] and result["grad_ok"]
         wrong_shape, nan, key, fragment, stranger, not_param = result["hostile"]
         assert wrong_shape.startswith("ValueError") and "shape" in wrong_shape
         assert nan.startswith("ValueError") and "NaN" in nan

@@ -165,6 +165,11 @@ class LeafModuleConfig(Section):
     names: list[str] = Field(default_factory=list)
     name_suffixes: list[str] = Field(default_factory=list)
 
+    @field_validator("classes", "names", "name_suffixes", mode="before")
+    @classmethod
+    def _one_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # DeepSpeed takes a single name as a list of one
+
 
 class ZeroConfig(Section):
     stage: int = Field(0, ge=0, le=3)
@@ -195,7 +200,6 @@ class ZeroConfig(Section):
     max_reuse_distance: Union[int, Auto] = satisfied(
         1_000_000_000,
         "a memory hint: units are always freed after use (what 0 asks); a longer distance would only keep them",
-        ge=0,
         alias="stage3_max_reuse_distance",
     )
     gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")

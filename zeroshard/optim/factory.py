@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -131,13 +130,7 @@ def build_optimizer(
             )
         for split in ("muon_lr", "adam_lr"):  # applied per half by muon_param_groups
             params.pop(split, None)
-        if "ns_method" not in params:
-            warnings.warn(
-                "optimizer 'Muon' without optimizer.params.ns_method: zeroshard runs the 'standard' Newton-Schulz "
-                "iteration (torch.optim.Muon's); DeepSpeed's default is 'gram', which zeroshard does not implement",
-                stacklevel=3,
-            )
-            params["ns_method"] = "standard"
+        params.setdefault("ns_method", "gram")  # DeepSpeed's default: Gram Newton-Schulz in fp16
         params["sharded"] = sharded_norms
         cls = MuonWithAuxAdam
     elif key == "lion":

@@ -2,8 +2,9 @@
 
 Muon keeps a momentum buffer per matrix (elementwise: ``buf = lerp(buf, g, 1 - momentum)``, the Nesterov update
 ``u = lerp(g, buf, momentum)``), orthogonalizes ``u`` with the Newton-Schulz iteration (the quintic of
-``torch.optim.Muon``, in bf16) and steps ``p *= 1 - lr * wd; p -= lr * sqrt(max(1, rows / cols)) * NS(u)``.
-Everything but Newton-Schulz is elementwise; Newton-Schulz needs the whole matrix.
+``torch.optim.Muon``, in bf16: ``ns_method: "standard"``; or its Gram form in fp16, DeepSpeed's default ``"gram"``)
+and steps ``p *= 1 - lr * wd; p -= lr * sqrt(max(1, rows / cols)) * NS(u)``. Everything but Newton-Schulz is
+elementwise; Newton-Schulz needs the whole matrix.
 
 Under ZeRO stages 1-3 each rank holds a contiguous shard of a flat group, and a matrix may straddle shards. The
 Muon half of the optimizer gets, per master shard, where every matrix of its flat group lies and how to gather the
@@ -32,6 +33,7 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
 MUON_KEYS = ("lr", "momentum", "weight_decay", "ns_method")
+GRAM_RESTART = 2  # the Gram iteration re-forms X and its Gram matrix at this step (half-precision stability)
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
@@ -48,6 +50,45 @@ def newton_schulz(update: torch.Tensor, steps: int = NS_STEPS, eps: float = NS_E
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
+
+
+def gram_newton_schulz(
+    update: torch.Tensor, steps: int = NS_STEPS, eps: float = NS_EPS, restart: int = GRAM_RESTART
+) -> torch.Tensor:
+    """The same quintic iteration as :func:`newton_schulz`, in DeepSpeed's Gram form (its ``ns_method: "gram"``,
+    the default): writing ``X_k = Q_k X_0``, each step is a polynomial in the small Gram matrix ``R = X X^T``
+    (rows x rows on the wide orientation) instead of a product with the wide ``X``, so a matrix ``r`` x ``c`` costs
+    ``O(r^2 c)`` once plus ``O(r^3)`` per step. ``Q`` and ``R`` advance as ``Z = bR + cR^2``, ``Q <- aQ + ZQ`` (the
+    first ``Q`` is ``aI + Z``), ``R <- (aI + Z) R (aI + Z)``; at step ``restart`` X is re-formed (``X <- QX``) and
+    ``R`` recomputed, which keeps half precision stable. Runs in fp16 on an accelerator and in fp32 on the CPU
+    (where DeepSpeed's CPU accelerator reports no fp16 either), after normalizing in a dtype whose range the input
+    fits; a square matrix gains nothing and takes the plain iteration."""
+    a, b, c = NS_COEFFICIENTS
+    x = update.float() if update.dtype == torch.float16 else update
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = (x / x.norm().clamp(min=eps)).to(torch.float32 if x.device.type == "cpu" else torch.float16)
+    if x.size(0) == x.size(1):
+        for _ in range(steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if tall else x
+    gram, poly = x @ x.T, None
+    for step in range(steps):
+        if step == restart:
+            x = poly @ x
+            gram, poly = x @ x.T, None
+        z = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        poly = z + a * torch.eye(z.size(0), dtype=z.dtype, device=z.device) if poly is None else a * poly + z @ poly
+        if step < steps - 1 and step + 1 != restart:
+            half = a * gram + z @ gram
+            gram = a * half + z @ half
+    x = poly @ x
+    return x.T if tall else x
+
+
+ORTHOGONALIZE = {"standard": newton_schulz, "gram": gram_newton_schulz}
 
 
 def lr_scale(shape: tuple[int, ...]) -> float:
@@ -95,17 +136,17 @@ class MuonWithAuxAdam(Optimizer):
         weight_decay: float = 0.0,
         betas=(0.9, 0.999),
         eps: float = 1e-8,
-        ns_method: str = "standard",
+        ns_method: str = "gram",
         sharded: Optional[ShardedNorms] = None,
     ):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
                         ns_method=ns_method, use_muon=True)  # fmt: skip
         super().__init__(params, defaults)
         for group in self.param_groups:
-            if group["use_muon"] and group["ns_method"] != "standard":
-                raise NotImplementedError(
-                    f"optimizer.params.ns_method {group['ns_method']!r}: zeroshard's Muon runs the standard "
-                    "Newton-Schulz iteration (torch.optim.Muon's); set ns_method to 'standard'"
+            if group["use_muon"] and group["ns_method"] not in ORTHOGONALIZE:
+                raise ValueError(
+                    f"optimizer.params.ns_method {group['ns_method']!r}: expected one of {sorted(ORTHOGONALIZE)} "
+                    "('gram', DeepSpeed's default, or 'standard', torch.optim.Muon's iteration)"
                 )
             group["betas"] = tuple(group["betas"])
         self.sharded = sharded
@@ -136,8 +177,9 @@ class MuonWithAuxAdam(Optimizer):
         buf.lerp_(p.grad, 1 - group["momentum"])
         update = p.grad.lerp(buf, group["momentum"])
         p.mul_(1 - group["lr"] * group["weight_decay"])
+        orthogonalize = ORTHOGONALIZE[group["ns_method"]]
         if p.dim() >= 2:
-            p.add_(newton_schulz(update.reshape(p.shape[0], -1)).view_as(p), alpha=-group["lr"] * lr_scale(p.shape))
+            p.add_(orthogonalize(update.reshape(p.shape[0], -1)).view_as(p), alpha=-group["lr"] * lr_scale(p.shape))
             return
         if self.sharded is None or id(p) not in self.sharded.matrices:
             raise ValueError("Muon got a flat parameter without its ZeRO layout: build it through zeroshard.initialize")
@@ -148,8 +190,8 @@ class MuonWithAuxAdam(Optimizer):
             if lo >= hi:
                 continue  # no piece of this matrix on this rank
             matrix = whole[offset : offset + numel].view(shape[0], -1)
-            direction = newton_schulz(matrix).reshape(-1)[lo - offset : hi - offset]
+            direction = orthogonalize(matrix).reshape(-1)[lo - offset : hi - offset]
             p[lo - start : hi - start].add_(direction, alpha=-group["lr"] * lr_scale(shape))
 
 
-__all__ = ["MuonWithAuxAdam", "muon_param_groups", "newton_schulz", "uses_muon"]
+__all__ = ["MuonWithAuxAdam", "gram_newton_schulz", "muon_param_groups", "newton_schulz", "uses_muon"]

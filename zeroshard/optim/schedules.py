@@ -216,10 +216,13 @@ class ScheduleRunner:
             # first step's value (cycle_max_mom): both kept
             momentum = [(self.initial_beta1, beta2) for _, beta2 in momentum]
         for i, (group, curve) in enumerate(zip(self.optimizer.param_groups, self.curves)):
-            group["lr"] = curve(step)
+            if torch.is_tensor(group["lr"]):  # a caller's tensor lr (for compiled steps) keeps its identity
+                group["lr"].fill_(curve(step))
+            else:
+                group["lr"] = curve(step)
             if momentum is not None and "betas" in group:
                 group["betas"] = momentum[i]
-        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self._last_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def get_mom(self) -> Optional[list[tuple[float, float]]]:
         """OneCycle's (beta1, beta2) per parameter group at the last step, beta2 fixed at 0.99 as in DeepSpeed;
@@ -256,7 +259,7 @@ def build_schedule(name: str, params: dict[str, Any], optimizer: torch.optim.Opt
     params.pop("last_batch_iteration", None)
     factory = SCHEDULES[name]
     try:
-        curves = [factory(group["lr"], **params) for group in optimizer.param_groups]
+        curves = [factory(float(group["lr"]), **params) for group in optimizer.param_groups]
         momentum = one_cycle_momentum(**params) if name == "OneCycle" and "betas" in optimizer.defaults else None
     except TypeError as err:
         raise ValueError(f"scheduler '{name}' rejected scheduler.params {params}: {err}") from None

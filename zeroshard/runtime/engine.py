@@ -234,8 +234,8 @@ class ZeroshardEngine(torch.nn.Module):
     def step(self) -> None:
         if self._in_no_sync:
             raise NoSyncError(
-                "engine.step() inside no_sync(): gradients there are not reduced, so no optimizer step may use them "
-                "(DeepSpeed asserts the same); call step() after the no_sync block"
+                "It is illegal to call Engine.step() inside no_sync context manager (DeepSpeed's words): gradients "
+                "there are not reduced, so no optimizer step may use them; call step() after the no_sync block"
             )
         self.stack.refuse_if_offloaded("step")
         self._step_applied = False
@@ -362,12 +362,12 @@ class ZeroshardEngine(torch.nn.Module):
         reduce once per boundary anyway; stages 2 and 3 reduce each micro-batch as its gradients appear (each rank
         keeps only a shard) and refuse it, as DeepSpeed does. Not reentrant."""
         if self._in_no_sync:
-            raise NoSyncError("no_sync() inside no_sync(): the context is not reentrant (as in DeepSpeed)")
+            raise NoSyncError("no_sync context manager reentry is unsupported (no_sync() inside no_sync())")
         if self.zero_optimization_stage() >= 2:
             raise NoSyncError(
-                f"no_sync() is not compatible with ZeRO stage {self.zero_optimization_stage()}: gradients are "
-                "reduced as they are produced so that each rank keeps only its shard; use "
-                "gradient_accumulation_steps (engine.backward/step) instead"
+                "no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage "
+                f"{self.zero_optimization_stage()}: gradients are reduced as they are produced so that each rank keeps "
+                "only its shard; use gradient_accumulation_steps (engine.backward/step) instead"
             )
         self._in_no_sync = True
         try:
@@ -611,6 +611,9 @@ class ZeroshardEngine(torch.nn.Module):
         A tag the caller names replaces a checkpoint of that tag (as DeepSpeed does); a default step tag that this
         engine did not write (a checkpoint already in ``save_dir`` after a resume from an older step) is kept
         under another name instead."""
+        if not isinstance(save_dir, (str, os.PathLike)) or not os.fspath(save_dir):
+            raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): name the directory to save into")
+        save_dir = os.fspath(save_dir)
         step_tag = f"global_step{self.global_steps}"
         path = save_training_state(
             self._training_state(),

@@ -170,7 +170,13 @@ class Init:
         if module is None:
             return
         mine = {id(p) for p in building.params}
-        named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in mine and not p.is_meta]
+        # a parameter something already holds weakly was taken while the context was open (``initialize`` inside
+        # ``with zero.Init():``, as DeepSpeed's TestDSInitWZinit does): its engine owns it now, real, so it stays
+        named = [
+            (n, p)
+            for n, p in module.named_parameters(recurse=False)
+            if id(p) in mine and not p.is_meta and not weakref.getweakrefcount(p)
+        ]
         if not named:
             return
         params = [p for _, p in named]

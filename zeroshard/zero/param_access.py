@@ -87,14 +87,21 @@ class ParamAccess:
 
     def local_grad(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
         fragment = self._fragment(param)
-        if fragment is None:
-            return None
+        return None if fragment is None else self._local_grad_view(fragment).float().clone()
+
+    def set_local_grad(self, param: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Write this rank's fragment of the reduced gradient the next step applies (DeepSpeed's
+        ``safe_set_local_grad``; the units of :meth:`local_grad`, so under fp16 loss-scaled)."""
+        fragment = self._required(param)
+        self._local_grad_view(fragment).copy_(_checked(value, fragment.numel, "this rank's fragment"))
+
+    def _local_grad_view(self, fragment: _Fragment) -> torch.Tensor:
         bucket, flat = self.buckets[id(fragment.flat)], fragment.flat
         grad = bucket.grad
         if bucket.holds_whole:  # stage 0, or this rank's own whole gradient (1-bit phase): its shard's range
             lo, hi = flat.layout.shard_range(flat.shard_rank)
             grad = grad[lo:hi]
-        return fragment.of_shard(grad).float().clone()
+        return fragment.of_shard(grad)
 
     def local_optimizer_state(self, param: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:
         fragment = self._fragment(param)
@@ -127,6 +134,19 @@ class ParamAccess:
             return bucket.grad[slot.offset : slot.end].float().clone().view(fragment.shape)
         return self._whole(fragment, self.local_grad(param))
 
+    def set_full_grad(self, param: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Every rank passes the parameter's whole gradient; each keeps what its buffer holds of it (the whole
+        parameter where the bucket holds whole gradients: stage 0, or a 1-bit optimizer's own phase). DeepSpeed's
+        ``safe_set_full_grad``: no collective, the caller's value is the reduced gradient."""
+        fragment = self._required(param)
+        bucket, flat = self.buckets[id(fragment.flat)], fragment.flat
+        whole = self._whole_value(fragment, value)
+        if bucket.holds_whole:
+            slot = next(s for s, p in zip(flat.layout.slots, flat.params) if p is param)
+            bucket.grad[slot.offset : slot.end].copy_(whole)
+            return
+        self._local_grad_view(fragment).copy_(whole[fragment.param_start : fragment.param_start + fragment.numel])
+
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:
         fragment = self._fragment(param)
         return None if fragment is None else self._whole(fragment, self.local_optimizer_state(param, key))
@@ -158,11 +178,13 @@ class ParamAccess:
         return whole.view(fragment.shape)
 
     def _mine(self, fragment: _Fragment, value: torch.Tensor) -> torch.Tensor:
+        return self._whole_value(fragment, value)[fragment.param_start : fragment.param_start + fragment.numel]
+
+    def _whole_value(self, fragment: _Fragment, value: torch.Tensor) -> torch.Tensor:
         if not torch.is_tensor(value) or tuple(value.shape) != tuple(fragment.shape):
             got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
             raise ValueError(f"expected a tensor of the parameter's shape {tuple(fragment.shape)}, got {got}")
-        flat = _checked(value.detach(), value.numel(), "")  # the whole value: every rank refuses it alike
-        return flat[fragment.param_start : fragment.param_start + fragment.numel]
+        return _checked(value.detach(), value.numel(), "")  # the whole value: every rank refuses it alike
 
     def _write_master(self, fragment: _Fragment, values: torch.Tensor, publish: bool) -> None:
         tensors = self.state.read_flat(fragment.index)

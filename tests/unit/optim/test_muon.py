@@ -71,13 +71,33 @@ def one_matrix() -> list[dict]:  # fresh each time: an optimizer fills its defau
 def test_config_refusals_are_named():
     with pytest.raises(ValueError, match="unknown config key 'optimizer.params.per_head_muon'"):
         build_optimizer("Muon", {"per_head_muon": True}, one_matrix(), zero_stage=0, allow_untested=False)
-    with pytest.raises(NotImplementedError, match="ns_method 'gram'"):
-        MuonWithAuxAdam(one_matrix(), ns_method="gram")
+    with pytest.raises(ValueError, match="ns_method 'cubic': expected one of \\['gram', 'standard'\\]"):
+        MuonWithAuxAdam(one_matrix(), ns_method="cubic")
     with pytest.raises(NotImplementedError, match="'Muon' with the optimizer state offloaded"):
         build_optimizer("Muon", {"ns_method": "standard"}, one_matrix(), zero_stage=2, allow_untested=False)
-    with pytest.warns(UserWarning, match="DeepSpeed's default is 'gram'"):
-        from zeroshard.optim import ShardedNorms
+    from zeroshard.optim import ShardedNorms
 
-        build_optimizer(
-            "Muon", {}, one_matrix(), zero_stage=0, allow_untested=False, sharded_norms=ShardedNorms({}, 0, print)
-        )
+    built = build_optimizer(  # no ns_method: DeepSpeed's default, the Gram iteration
+        "Muon", {}, one_matrix(), zero_stage=0, allow_untested=False, sharded_norms=ShardedNorms({}, 0, print)
+    )
+    assert built.param_groups[0]["ns_method"] == "gram"
+
+
+@pytest.mark.parametrize("shape", [(8, 40), (40, 8), (12, 12), (3, 50)])
+def test_gram_newton_schulz_is_the_quintic_iteration_on_the_gram_matrix(shape):
+    """DeepSpeed's ns_method "gram" computes the same polynomial of X X^T as the plain iteration: in fp32 (on the
+    CPU, as DeepSpeed's CPU accelerator runs it) the two agree to rounding, wide or tall, and a square matrix takes
+    the plain path."""
+    from zeroshard.optim.muon import gram_newton_schulz
+
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    x = g.T if shape[0] > shape[1] else g
+    x = x / x.norm()
+    a, b, c = 3.4445, -4.7750, 2.0315
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    plain = x.T if shape[0] > shape[1] else x
+    got = gram_newton_schulz(g)
+    assert got.dtype == torch.float32 and got.shape == g.shape
+    assert ((got - plain).norm() / plain.norm()).item() <= 1e-5

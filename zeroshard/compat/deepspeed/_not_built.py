@@ -24,10 +24,11 @@ class NotBuilt:
         )
 
 
-def not_built(deepspeed_path: str, reason: str) -> type:
-    """A placeholder for ``deepspeed_path`` (its last part is the name), refused with ``reason`` when used."""
+def not_built(deepspeed_path: str, reason: str, **constants: Any) -> type:
+    """A placeholder for ``deepspeed_path`` (its last part is the name), refused with ``reason`` when used;
+    ``constants`` are class attributes DeepSpeed's class has that clients read without constructing it."""
     name = deepspeed_path.rpartition(".")[2]
-    return type(name, (NotBuilt,), {"deepspeed_path": deepspeed_path, "reason": reason, "__doc__": reason})
+    return type(name, (NotBuilt,), {"deepspeed_path": deepspeed_path, "reason": reason, "__doc__": reason, **constants})
 
 
 __all__ = ["NotBuilt", "not_built"]

@@ -9,8 +9,11 @@ from ..alias import DEEPSPEED_API_VERSION
 version = DEEPSPEED_API_VERSION
 git_hash = "[zeroshard]"
 git_branch = "[zeroshard]"
-installed_ops: dict[str, bool] = {}  # zeroshard builds no C++/CUDA ops; its optimizers are torch's kernels
-compatible_ops: dict[str, bool] = {}
+# DeepSpeed's op names zeroshard serves without building anything (its optimizers are torch's kernels); every other
+# op is absent (``.get`` answers None), as an op not built
+SERVED_OPS = ("cpu_adam", "fused_adam", "cpu_adagrad", "cpu_lion", "fused_lion")
+installed_ops: dict[str, bool] = dict.fromkeys(SERVED_OPS, True)
+compatible_ops: dict[str, bool] = dict(installed_ops)
 accelerator_name = get_accelerator().device().type
 torch_info = {
     "version": ".".join(torch.__version__.split("+")[0].split(".")[:2]),

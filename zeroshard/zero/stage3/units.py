@@ -77,8 +77,9 @@ def leaf_module_paths(root: nn.Module, classes=(), names=(), name_suffixes=()) -
     """Paths of the modules that must each be one gather unit (DeepSpeed's "leaf modules", set for MoE blocks
     whose experts run in an order that changes with the data): modules whose class name or qualified class name
     is in ``classes``, whose path is in ``names``, or whose path ends with one of ``name_suffixes``. An entry that
-    matches nothing is an error naming it (a misspelt class would silently change nothing)."""
-    modules = {path: module for path, module in root.named_modules() if path}  # the root is never a leaf
+    matches nothing is an error naming it (a misspelt class would silently change nothing). The root itself may be
+    a leaf (path ``""``, as DeepSpeed's tests flag whole models): then the model is one unit, gathered whole."""
+    modules = dict(root.named_modules())
 
     def of_class(name: str) -> list[str]:
         return [
@@ -120,8 +121,8 @@ def plan_units(
     if not unit_classes and min_params is None:
         unit_classes = repeated_block_classes(root)
     chosen = choose_unit_modules(root, unit_classes, min_params or DEFAULT_UNIT_MIN_PARAMS)
-    inside_a_leaf = {n for n in chosen for leaf in leaf_paths if n.startswith(leaf + ".")}
-    names = [n for n, _ in root.named_modules() if n in (set(chosen) - inside_a_leaf) | set(leaf_paths)]
+    inside_a_leaf = {n for n in chosen for leaf in leaf_paths if leaf == "" or n.startswith(leaf + ".")}
+    names = [n for n, _ in root.named_modules() if n and n in (set(chosen) - inside_a_leaf) | set(leaf_paths)]
     modules = dict(root.named_modules())
     units = {"": UnitPlan("", root)} | {n: UnitPlan(n, modules[n]) for n in names}
     owner: dict[nn.Parameter, str] = {}

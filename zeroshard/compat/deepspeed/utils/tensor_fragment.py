@@ -76,6 +76,14 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
     _required(param).set_local_fp32_param(param, value)
 
 
+def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    _required(param).set_full_grad(param, value)
+
+
+def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    _required(param).set_local_grad(param, value)
+
+
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     _required(param).set_local_optimizer_state(param, value, optim_state_key)
 
@@ -95,7 +103,9 @@ __all__ = [
     "safe_get_local_grad",
     "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param",
+    "safe_set_full_grad",
     "safe_set_full_optimizer_state",
     "safe_set_local_fp32_param",
+    "safe_set_local_grad",
     "safe_set_local_optimizer_state",
 ]

@@ -4,9 +4,10 @@ so DeepSpeed's extension builders have nothing to build; NVMe offload is the con
 from ..._not_built import not_built
 
 _WHY = "zeroshard builds no C++/CUDA extensions; use the config's offload_optimizer / offload_param with nvme"
-AsyncIOBuilder = not_built("deepspeed.ops.op_builder.AsyncIOBuilder", _WHY)
-GDSBuilder = not_built("deepspeed.ops.op_builder.GDSBuilder", _WHY)
-CPUAdamBuilder = not_built("deepspeed.ops.op_builder.CPUAdamBuilder", _WHY)
-FusedAdamBuilder = not_built("deepspeed.ops.op_builder.FusedAdamBuilder", _WHY)
+# NAME: the op name each builder carries (DeepSpeed's tests look compatibility up by it)
+AsyncIOBuilder = not_built("deepspeed.ops.op_builder.AsyncIOBuilder", _WHY, NAME="async_io")
+GDSBuilder = not_built("deepspeed.ops.op_builder.GDSBuilder", _WHY, NAME="gds")
+CPUAdamBuilder = not_built("deepspeed.ops.op_builder.CPUAdamBuilder", _WHY, NAME="cpu_adam")
+FusedAdamBuilder = not_built("deepspeed.ops.op_builder.FusedAdamBuilder", _WHY, NAME="fused_adam")
 
 __all__ = ["AsyncIOBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "GDSBuilder"]

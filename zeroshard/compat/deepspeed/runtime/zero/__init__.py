@@ -2,6 +2,6 @@
 
 from zeroshard.zero import GatheredParameters, Init
 
-from . import offload_config, partition_parameters
+from . import config, leaf_module_config, offload_config, partition_parameters
 
-__all__ = ["GatheredParameters", "Init", "offload_config", "partition_parameters"]
+__all__ = ["GatheredParameters", "Init", "config", "leaf_module_config", "offload_config", "partition_parameters"]

@@ -1,0 +1,142 @@
+"""DeepSpeed 0.19.8's own config keys and defaults (issue 40, part 3). The keys DeepSpeed's config reader looks up
+were recorded by running it (``tests/fixtures/deepspeed_config/record_keys.py``): each one is implemented or refused
+by name here, never dropped with the "unknown key, ignored" warning; the blocks DeepSpeed 0.19 removed are refused
+with its reason (or warned about when written disabled); inputs found accepted or unclear are named errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroshard.config import ConfigError, parse_config
+from zeroshard.config.parse import _keys_of
+from zeroshard.config.schema import REMOVED_IN_DEEPSPEED, ZeroshardConfig
+from zeroshard.precision import PrecisionPolicy
+
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_config" / "keys_0.19.8.json"
+KEYS = json.loads(FIXTURE.read_text())
+
+
+def _warnings_of(config: dict) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            parse_config(config)
+        except (ValueError, NotImplementedError):
+            pass  # refused by name: what this test checks is that nothing is dropped as unknown
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("key", KEYS["read"])
+def test_no_key_deepspeed_reads_is_dropped_as_unknown(key):
+    assert key in _keys_of(ZeroshardConfig), f"'{key}' is read by DeepSpeed 0.19.8 and not in zeroshard's schema"
+    assert not [w for w in _warnings_of({"train_batch_size": 2, key: {}}) if "are not DeepSpeed or zeroshard" in w]
+
+
+@pytest.mark.parametrize("key", sorted(REMOVED_IN_DEEPSPEED))
+def test_blocks_deepspeed_removed_are_refused_with_the_reason(key):
+    assert key in KEYS["removed"]
+    with pytest.raises(NotImplementedError, match=f"config key '{key}': DeepSpeed 0.19 removed"):
+        parse_config({"train_batch_size": 2, key: {"enabled": True}})
+    with pytest.warns(UserWarning, match=f"config key '{key}' \\(disabled\\): DeepSpeed 0.19 removed"):
+        parse_config({"train_batch_size": 2, key: {"enabled": False}})
+
+
+def test_removed_keys_zeroshard_keeps_are_honoured():
+    """Elasticity and MiCS left DeepSpeed 0.19; zeroshard keeps both, so their keys still work."""
+    assert {"elasticity"} <= set(KEYS["removed"]) and "mics_shard_size" in KEYS["removed_zero"]
+    config = parse_config({"elasticity": {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [2]}})
+    assert config.elasticity.enabled
+    mics = parse_config({"zero_optimization": {"stage": 3, "mics_shard_size": 2}})
+    assert mics.zero_optimization.mics_shard_size == 2
+    for removed in ("sparse_gradients", "graph_harvesting"):
+        with pytest.raises(NotImplementedError, match=f"config key '{removed}' = True.*DeepSpeed 0.19 removed"):
+            parse_config({removed: True})
+
+
+def test_auto_ep_is_refused_not_replicated():
+    with pytest.raises(NotImplementedError, match="config key 'expert_parallel' enables a DeepSpeed feature"):
+        parse_config({"expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}})
+    parse_config({"expert_parallel": {"autoep_size": 2}})  # DeepSpeed's block is off unless enabled
+    with pytest.raises(NotImplementedError, match="torch_autocast"):
+        parse_config({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+
+
+def test_gradient_clipping_defaults_to_deepspeeds_one():
+    assert parse_config({}).gradient_clipping == 1.0
+    assert parse_config({"gradient_clipping": 0}).gradient_clipping == 0  # explicit 0 disables
+    from zeroshard.config.resolve import AutoContext, resolve_config
+
+    resolution = resolve_config(parse_config({"train_micro_batch_size_per_gpu": 1}), AutoContext(world_size=1))
+    (line,) = [d for d in resolution.derived if d[0] == "gradient_clipping"]
+    assert line[1] == 1.0 and "default 1.0 as in DeepSpeed" in line[2]
+
+
+def test_near_typos_of_new_keys_fail_with_did_you_mean():
+    with pytest.raises(ConfigError, match="unknown config key 'gradient_clip'; did you mean 'gradient_clipping'"):
+        parse_config({"gradient_clip": 1.0})
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"bf16": {"enabled": True}, "bfloat16": {"enabled": False}}, "'bf16' and 'bfloat16' are one key"),
+        ({"bfloat16": {"enabled": "yes"}}, "'enabled' must be true or false, not the string 'yes'"),
+        ({"fp16": {"enabled": "false"}}, "'enabled' must be true or false, not the string 'false'"),
+        ({"train_batch_size": 1e20}, "larger than any batch a data loader can draw"),
+        ({"train_micro_batch_size_per_gpu": 2**40}, "larger than any batch"),
+        ({"csv_monitor": {"enabled": True, "output_path": "/tmp", "job_name": "../x"}}, "must be a plain name"),
+        ({"tensorboard": {"enabled": True, "job_name": "a/b"}}, "must be a plain name"),
+        ({"csv_monitor": {"job_name": ".."}}, "must be a plain name"),
+        ({"gradient_allreduce_op": "SUM"}, None),
+        ({"log_level": "loud"}, "log_level"),
+    ],
+)
+def test_inputs_found_accepted_or_unclear_are_named(config, message):
+    if message is None:  # refused as not implemented, by name
+        with pytest.raises(NotImplementedError, match="config key 'gradient_allreduce_op' = 'sum'"):
+            parse_config(config)
+        return
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_config(config)
+
+
+def test_equal_spellings_together_and_auto_switches_are_accepted():
+    assert parse_config({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}).bf16.enabled
+    assert parse_config({"bf16": {"enabled": "auto"}}).bf16.enabled == "auto"
+
+
+def test_a_deeply_nested_config_is_a_named_error(tmp_path):
+    nested: dict = {}
+    node = nested
+    for _ in range(10_000):
+        node["a"] = {}
+        node = node["a"]
+    with pytest.raises(ConfigError, match="nests deeper than 32 levels"):
+        parse_config({"optimizer": {"type": "Adam", "params": nested}})
+    path = tmp_path / "deep.json"
+    path.write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    with pytest.raises(ConfigError, match="nests deeper than JSON can be read"):
+        parse_config(str(path))
+
+
+def test_keys_deepspeed_0_19_reads_do_what_it_documents():
+    """max_reuse_distance 0 (what zeroshard always does: free after use) is accepted; DeepSpeed's sequence-parallel
+    reduction dtype replaces communication_data_type under Ulysses (default fp32); log_level sets the level of
+    zeroshard's logger (set at initialize, here by the same line of code's effect)."""
+    assert parse_config({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0}})
+    bf16_sp = parse_config({"bf16": {"enabled": True}, "sequence_parallel_size": 2})
+    assert PrecisionPolicy.from_config(bf16_sp).reduce == torch.float32
+    fp16_wire = parse_config({"bf16": {"enabled": True}, "sequence_parallel_size": 2,
+                              "seq_parallel_communication_data_type": "bf16"})  # fmt: skip
+    assert PrecisionPolicy.from_config(fp16_wire).reduce == torch.bfloat16
+    assert PrecisionPolicy.from_config(parse_config({"bf16": {"enabled": True}})).reduce == torch.bfloat16
+    assert parse_config({"log_level": "WARNING"}).log_level == "warning"
+    assert logging.getLevelName("WARNING") == 30
+    assert math.isfinite(parse_config({"timers": {"throughput": {"enabled": False}}}).gradient_clipping)
