@@ -25,6 +25,10 @@ class Accelerator:
         if self.name == "cuda":
             torch.cuda.set_device(local_rank)
 
+    def supported_dtypes(self) -> list[torch.dtype]:
+        """DeepSpeed's list form of :meth:`supports_dtype` (its tests pick their cases by it)."""
+        return [d for d in (torch.float32, torch.bfloat16, torch.float16) if self.supports_dtype(d)]
+
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         if self.name == "cuda" and dtype is torch.bfloat16:
             return torch.cuda.is_bf16_supported()

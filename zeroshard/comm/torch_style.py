@@ -75,15 +75,20 @@ def broadcast_object_list(object_list: list, src: int = 0, group=None, device=No
 
     where = device if device is not None else get_accelerator().device(local_rank())
     chosen = _group(group)
+    payload, refusal = b"", ""
     if get_rank() == src:
         try:
             payload = json.dumps(list(object_list), allow_nan=True).encode()
         except (TypeError, ValueError) as err:
-            raise TypeError(f"broadcast_object_list: only plain data is sent (JSON, never pickled): {err}") from None
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=where)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=where)
+            refusal = str(err)
+    # the size goes first; -1 tells the other ranks that src refused, so every rank raises instead of waiting
+    size = torch.tensor([-1 if refusal else len(payload)], dtype=torch.int64, device=where)
     _broadcast(size, src, chosen).wait()
+    if int(size.item()) < 0:
+        raise TypeError(
+            f"broadcast_object_list: only plain data is sent (JSON, never pickled); rank {src}'s list is not: "
+            f"{refusal or 'see that rank'}"
+        )
     data = torch.empty(int(size.item()), dtype=torch.uint8, device=where)
     if get_rank() == src:
         data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))

@@ -9,10 +9,11 @@ from ..alias import DEEPSPEED_API_VERSION
 version = DEEPSPEED_API_VERSION
 git_hash = "[zeroshard]"
 git_branch = "[zeroshard]"
-# DeepSpeed's op names zeroshard serves without building anything (its optimizers are torch's kernels); every other
-# op is absent (``.get`` answers None), as an op not built
+# DeepSpeed's ops by name: true for those zeroshard serves without building anything (its optimizers are torch's
+# kernels), false for DeepSpeed's compiled kernels, which it does not have (its NVMe offload is its own I/O)
 SERVED_OPS = ("cpu_adam", "fused_adam", "cpu_adagrad", "cpu_lion", "fused_lion")
-installed_ops: dict[str, bool] = dict.fromkeys(SERVED_OPS, True)
+KERNEL_OPS = ("async_io", "gds", "evoformer_attn", "sparse_attn", "transformer", "transformer_inference", "quantizer")
+installed_ops: dict[str, bool] = {**dict.fromkeys(KERNEL_OPS, False), **dict.fromkeys(SERVED_OPS, True)}
 compatible_ops: dict[str, bool] = dict(installed_ops)
 accelerator_name = get_accelerator().device().type
 torch_info = {

@@ -1,7 +1,18 @@
 """``deepspeed.runtime``."""
 
-from . import base_optimizer, checkpoint_engine, config, engine, lr_schedules, sequence_parallel, utils, zero
+from . import (
+    base_optimizer,
+    checkpoint_engine,
+    config,
+    engine,
+    lr_schedules,
+    sequence_parallel,
+    swap_tensor,
+    utils,
+    zero,
+)
 
 __all__ = [
-    "base_optimizer", "checkpoint_engine", "config", "engine", "lr_schedules", "sequence_parallel", "utils", "zero"
+    "base_optimizer", "checkpoint_engine", "config", "engine", "lr_schedules", "sequence_parallel", "swap_tensor",
+    "utils", "zero",
 ]  # fmt: skip

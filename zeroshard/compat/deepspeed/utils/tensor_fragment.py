@@ -84,6 +84,18 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     _required(param).set_local_grad(param, value)
 
 
+def safe_update_full_grad_vectorized(param_list: list, update_func: Callable) -> None:
+    """``update_func(full_grad, param)`` becomes each parameter's full gradient (a collective, like the full
+    reads): for a parameter holding ``.grad`` (no engine, or between accumulation boundaries) that ``.grad``, else
+    the reduced gradient its engine's next step applies. Frozen parameters are skipped."""
+    for param in param_list:
+        if param.grad is not None:
+            param.grad.copy_(update_func(param.grad, param))
+        elif param.requires_grad:
+            access = _required(param)
+            access.set_full_grad(param, update_func(access.full_grad(param), param))
+
+
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     _required(param).set_local_optimizer_state(param, value, optim_state_key)
 
@@ -108,4 +120,5 @@ __all__ = [
     "safe_set_local_fp32_param",
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
 ]
