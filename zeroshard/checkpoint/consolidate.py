@@ -130,7 +130,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 
     Without ``safe_serialization`` (DeepSpeed's default in its own ``zero_to_fp32``) the files are torch's:
     ``pytorch_model.bin`` (or ``.bin`` shards and ``pytorch_model.bin.index.json``), a dict of tensors and nothing
-    else, so ``torch.load(..., weights_only=True)`` reads it; each file's tensors are held in memory to write it.
+    else, so ``torch.load(..., weights_only=True)`` reads it; tied names are both there as one shared tensor (as
+    DeepSpeed writes them); each file's tensors are held in memory to write it.
     """
     limit = parse_size(max_shard_size)
     suffix, stem = (".safetensors", "model") if safe_serialization else (".bin", "pytorch_model")
@@ -171,8 +172,10 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             try:
                 if safe_serialization:
                     write(path + ".tmp", stream(), specs, metadata={"format": "pt"})
-                else:
-                    torch.save(dict(stream()), path + ".tmp")
+                else:  # as DeepSpeed's zero_to_fp32: a tied name is the same tensor, saved once by torch
+                    tensors = dict(stream())
+                    tensors.update({a: tensors[t] for a, t in manifest.get("aliases", {}).items() if t in tensors})
+                    torch.save(tensors, path + ".tmp")
             except BaseException:
                 if os.path.exists(path + ".tmp"):
                     os.remove(path + ".tmp")  # never leave a partial file behind
@@ -180,6 +183,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             os.replace(path + ".tmp", path)
             written.append(path)
             weight_map.update({entries[i][0]: file_name for i in members})
+            if not safe_serialization:
+                weight_map.update({a: weight_map[t] for a, t in manifest.get("aliases", {}).items() if t in weight_map})
     finally:
         bar.close()
         sources.close()

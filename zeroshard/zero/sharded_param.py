@@ -103,6 +103,12 @@ class ZeroParameter(torch.nn.Parameter):
         """Elements of this parameter inside this rank's shard."""
         return self._records.partition_numel(self)
 
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        """This rank's piece of the compute values, flat (``partition_numel()`` elements; a copy: DeepSpeed's
+        partition tensor, which clients read for its shape and values; write through ``param_access``)."""
+        return self._records.partition_values(self)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -257,6 +263,18 @@ class ParamRecords:
         flat = owned[0]
         slot = flat.layout.slots[next(i for i, p in enumerate(flat.params) if p is param)]
         return sum(s.numel for s in flat.layout.segments(flat.shard_rank) if s.slot == slot)
+
+    def partition_values(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """A copy of this rank's piece of the parameter's compute values (1-D, ``partition_numel`` elements)."""
+        owned = self._flats.get(param)
+        if owned is None:
+            raise ValueError("ds_tensor: the parameter belongs to no flat group yet (initialize shards it)")
+        flat = owned[0]
+        slot = flat.layout.slots[next(i for i, p in enumerate(flat.params) if p is param)]
+        shard = flat.shard_values()
+        pieces = [shard[s.shard_start : s.shard_start + s.numel] for s in flat.layout.segments(flat.shard_rank)
+                  if s.slot == slot]  # fmt: skip
+        return torch.cat(pieces).detach().clone() if pieces else shard.new_empty(0)
 
     # -- zero.Init ------------------------------------------------------------------------------
     def add_pending(self, param: torch.nn.Parameter, pending: InitRecipe) -> None:
