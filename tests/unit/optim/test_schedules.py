@@ -76,6 +76,9 @@ def test_one_cycle_lr_and_momentum():
         o,
     )
     assert o.param_groups[0]["lr"] == 0.01 and o.param_groups[0]["betas"] == (0.8, 0.99)
+    # DeepSpeed's TestOneCycle::test_mom: before the first step get_mom() answers cycle_max_mom (the first step's
+    # value), while the optimizer starts at cycle_min_mom, as DeepSpeed sets it at construction
+    assert sched.get_mom() == [(0.9, 0.99)]
     seen = []
     for _ in range(12):
         sched.step()
@@ -111,3 +114,13 @@ def test_state_round_trip_and_errors():
         build_schedule("WarmupLR", {"warmup_steps": 3}, opt())
     with pytest.raises(ValueError, match="warmup_num_steps must be a positive integer"):
         build_schedule("WarmupLR", {"warmup_num_steps": 0}, opt())
+
+
+def test_a_tensor_lr_keeps_its_identity():
+    """DeepSpeed's schedules write into a caller's tensor lr in place (compiled optimizer steps hold it)."""
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    o = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = build_schedule("WarmupLR", {"warmup_num_steps": 10}, o)
+    sched.step(1)
+    assert o.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(0.1 * math.log(2) / math.log(10))
+    assert sched.get_last_lr() == [pytest.approx(lr.item())]
