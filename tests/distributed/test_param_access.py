@@ -139,6 +139,8 @@ def _one_config(case: ParityCase, batches, rank: int, world: int) -> dict:
         lambda: safe_set_local_fp32_param(target, torch.zeros(mine.numel() + 1)),
         lambda: safe_get_full_fp32_param(torch.nn.Parameter(torch.zeros(2))),
         lambda: safe_get_full_fp32_param("not a parameter"),
+        lambda: safe_set_full_grad(target, torch.full_like(value, float("inf"))),
+        lambda: safe_set_local_grad(target, torch.zeros(mine.numel() + 1)),
     ):
         try:
             call()
@@ -206,13 +208,15 @@ def test_safe_get_and_set_match_the_reference_step(results, label):
         result = per_rank[label]
         assert result["errors"] == []
         assert result["set_ok"] and result["grad_ok"]
-        wrong_shape, nan, key, fragment, stranger, not_param = result["hostile"]
+        wrong_shape, nan, key, fragment, stranger, not_param, inf_grad, grad_fragment = result["hostile"]
         assert wrong_shape.startswith("ValueError") and "shape" in wrong_shape
         assert nan.startswith("ValueError") and "NaN" in nan
         assert key.startswith("KeyError") and "momentum_buffer" in key and "exp_avg" in key
         assert fragment.startswith("ValueError") and "element" in fragment
         assert stranger.startswith("ValueError") and "no live engine" in stranger
         assert not_param.startswith("TypeError")
+        assert inf_grad.startswith("ValueError") and "NaN or inf" in inf_grad
+        assert grad_fragment.startswith("ValueError") and "element" in grad_fragment
 
 
 @pytest.mark.parametrize("label", list(CONFIGS))
