@@ -78,18 +78,27 @@ _IMPLEMENTATION_KEYS = {"foreach", "fused", "capturable", "differentiable"}
 def read_deepspeed_file(path: str) -> Any:
     """One of DeepSpeed's ``.pt`` files, unpickled with tensors, containers, plain values and DeepSpeed's checkpoint
     classes (as stand-ins) only: anything else is a :class:`CheckpointError` naming it, and nothing of it runs."""
+    return read_restricted_pickle(
+        path,
+        "a DeepSpeed checkpoint holds tensors, containers, plain values and DeepSpeed's loss-scaler / fragment-address "
+        "/ ZeRO-stage records only",
+        DEEPSPEED_CLASSES,
+    )
+
+
+def read_restricted_pickle(path: str, holds: str, classes: list = (), map_location: Any = "cpu") -> Any:
+    """A torch pickle read with the restricted unpickler (``weights_only=True``, ``classes`` allowed besides): a
+    file asking for anything else is a :class:`CheckpointError` naming the class (``holds`` says what the file
+    should hold), and nothing in it runs; a damaged file is a named error too."""
     try:
-        with torch.serialization.safe_globals(DEEPSPEED_CLASSES):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(classes)):
+            return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)", str(err))
         what = f"class {found.group(1)}" if found else "an object"
-        raise CheckpointError(
-            f"{path}: refused to unpickle {what}: a DeepSpeed checkpoint holds tensors, containers, plain values and "
-            "DeepSpeed's loss-scaler / fragment-address / ZeRO-stage records only (nothing in the file was run)"
-        ) from None
+        raise CheckpointError(f"{path}: refused to unpickle {what}: {holds} (nothing in the file was run)") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as err:
-        raise CheckpointError(f"{path}: damaged or truncated DeepSpeed file ({type(err).__name__}: {err})") from None
+        raise CheckpointError(f"{path}: damaged or truncated file ({type(err).__name__}: {err})") from None
 
 
 @dataclass
@@ -485,4 +494,10 @@ def _write(source: DeepSpeedCheckpoint, tmp: str, tag: str, client: dict, client
     atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(seal(manifest)))
 
 
-__all__ = ["DeepSpeedCheckpoint", "convert_deepspeed_checkpoint", "is_deepspeed_checkpoint", "read_deepspeed_file"]
+__all__ = [
+    "DeepSpeedCheckpoint",
+    "convert_deepspeed_checkpoint",
+    "is_deepspeed_checkpoint",
+    "read_deepspeed_file",
+    "read_restricted_pickle",
+]

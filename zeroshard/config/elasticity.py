@@ -69,6 +69,19 @@ def choose_batch(
     return ElasticBatch(batch, valid_world_sizes(batch, micro_batch_sizes, min_gpus, max_gpus, gpus_per_node))
 
 
+def batch_of(block) -> ElasticBatch:
+    """The elastic batch of a validated ``elasticity`` block (version 0.2 counts world sizes in whole nodes)."""
+    per_node = block.num_gpus_per_node if block.version >= 0.2 else 1
+    return choose_batch(
+        block.max_train_batch_size,
+        block.micro_batch_sizes,
+        block.min_gpus,
+        block.max_gpus,
+        block.prefer_larger_batch,
+        per_node,
+    )
+
+
 def micro_batch_for(batch: ElasticBatch, world_size: int, micro_batch_sizes: list[int]) -> tuple[int, int]:
     """(micro-batch size, gradient accumulation steps) for this world size: the largest allowed micro-batch. A world
     size the block does not allow (outside [min_gpus, max_gpus], or not whole nodes) is refused, as DeepSpeed does,

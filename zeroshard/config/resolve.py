@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .elasticity import choose_batch, micro_batch_for
+from .elasticity import batch_of, micro_batch_for
 from .schema import ConfigError, ZeroshardConfig
 
 # "auto" keys filled from attributes of the caller's ``args`` (HF TrainingArguments names first).
@@ -250,15 +250,7 @@ def _elastic_triad(block, data: dict, world_size: int, derived: list) -> None:
             f"elasticity is enabled and the config also sets {given}; elasticity chooses the batch: remove them, or "
             'set "elasticity": {"ignore_non_elastic_batch_info": true} to let elasticity override them'
         )
-    per_node = block.num_gpus_per_node if block.version >= 0.2 else 1
-    batch = choose_batch(
-        block.max_train_batch_size,
-        block.micro_batch_sizes,
-        block.min_gpus,
-        block.max_gpus,
-        block.prefer_larger_batch,
-        per_node,
-    )
+    batch = batch_of(block)
     micro, accumulation = micro_batch_for(batch, world_size, block.micro_batch_sizes)
     data["train_batch_size"], data["train_micro_batch_size_per_gpu"] = batch.train_batch_size, micro
     data["gradient_accumulation_steps"] = accumulation

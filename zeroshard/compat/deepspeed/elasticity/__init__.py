@@ -7,7 +7,7 @@ import json
 import os
 
 from zeroshard.config import ConfigError, parse_config
-from zeroshard.config.elasticity import choose_batch
+from zeroshard.config.elasticity import batch_of
 
 ELASTICITY = "elasticity"
 ENABLED = "enabled"
@@ -49,14 +49,7 @@ def compute_elastic_config(
         block = parse_config({ELASTICITY: ds_config[ELASTICITY]}).elasticity
     except (ConfigError, ValueError, NotImplementedError) as err:
         raise ElasticityConfigError(str(err)) from None
-    batch = choose_batch(
-        block.max_train_batch_size,
-        block.micro_batch_sizes,
-        block.min_gpus,
-        block.max_gpus,
-        block.prefer_larger_batch,
-        block.num_gpus_per_node,
-    )
+    batch = batch_of(block)
     valid = list(batch.valid_world_sizes)
     if world_size == 0 and return_microbatch:
         current = os.environ.get("WORLD_SIZE", "")

@@ -6,15 +6,13 @@ holding anything else is refused naming the class, and nothing in it runs."""
 from __future__ import annotations
 
 import os
-import pickle
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.commit import fsync_dir
+from zeroshard.checkpoint.deepspeed_import import read_restricted_pickle
 
 
 @dataclass
@@ -83,15 +81,8 @@ class TorchCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         """``torch.load(path, weights_only=True)``: tensors, containers and plain values; any class is refused by
         name (DeepSpeed's engine loads with ``weights_only=False``, which runs whatever the file holds)."""
-        try:
-            return torch.load(os.fspath(path), map_location=map_location, weights_only=True)
-        except pickle.UnpicklingError as err:
-            found = re.search(r"GLOBAL ([\w.]+)", str(err))
-            what = f"class {found.group(1)}" if found else "an object"
-            raise CheckpointError(
-                f"{path}: refused to unpickle {what}: TorchCheckpointEngine.load reads tensors, containers and plain "
-                "values only (nothing in the file was run)"
-            ) from None
+        holds = "TorchCheckpointEngine.load reads tensors, containers and plain values only"
+        return read_restricted_pickle(os.fspath(path), holds, map_location=map_location)
 
 
 __all__ = ["CheckpointCommitInfo", "CheckpointEngine", "TorchCheckpointEngine"]
