@@ -58,9 +58,9 @@ class Section(BaseModel):
                     raise ValueError(f"'{key}' must be a finite number, not {value}")
             elif _is_switch(field.annotation) and isinstance(value, str) and value != "auto":
                 raise ValueError(f"'{key}' must be true or false, not the string {value!r}")
-        if any(field.alias and name in values and field.alias in values for name, field in cls.model_fields.items()):
-            values = {k: v for k, v in values.items() if k not in {f.alias for f in cls.model_fields.values()}}
-        return values
+        twice = {field.alias for name, field in cls.model_fields.items() if field.alias and name in values
+                 and field.alias in values}  # fmt: skip
+        return {k: v for k, v in values.items() if k not in twice} if twice else values
 
 
 def _is_switch(annotation: Any) -> bool:
