@@ -169,22 +169,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(
                     release_host_memory()  # one tensor at a time means nothing freed should stay resident
 
             path = os.path.join(directory, file_name)
-            try:
-                if safe_serialization:
-                    write(path + ".tmp", stream(), specs, metadata={"format": "pt"})
-                else:  # as DeepSpeed's zero_to_fp32: a tied name is the same tensor, saved once by torch
-                    tensors = dict(stream())
-                    tensors.update({a: tensors[t] for a, t in manifest.get("aliases", {}).items() if t in tensors})
-                    torch.save(tensors, path + ".tmp")
-            except BaseException:
-                if os.path.exists(path + ".tmp"):
-                    os.remove(path + ".tmp")  # never leave a partial file behind
-                raise
-            os.replace(path + ".tmp", path)
+            aliases = None if safe_serialization else manifest.get("aliases", {})
+            _write_weights(path, stream(), specs, aliases)
             written.append(path)
             weight_map.update({entries[i][0]: file_name for i in members})
-            if not safe_serialization:
-                weight_map.update({a: weight_map[t] for a, t in manifest.get("aliases", {}).items() if t in weight_map})
+        if not safe_serialization:  # torch's files hold the tied names too
+            weight_map.update({a: weight_map[t] for a, t in manifest.get("aliases", {}).items() if t in weight_map})
     finally:
         bar.close()
         sources.close()
@@ -194,6 +184,24 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             json.dump(index, f, indent=2)
         written.append(os.path.join(directory, f"{stem}{suffix}.index.json"))
     return written
+
+
+def _write_weights(path: str, tensors, specs: list, aliases: Optional[dict]) -> None:
+    """One weights file, written beside ``path`` and renamed into place (never a partial file): safetensors
+    streamed one tensor at a time; with ``aliases`` (tied name -> its tensor's name) torch's format, as DeepSpeed's
+    ``zero_to_fp32`` writes it, a tied name being the same tensor, saved once by torch."""
+    try:
+        if aliases is None:
+            write(path + ".tmp", tensors, specs, metadata={"format": "pt"})
+        else:
+            state = dict(tensors)
+            state.update({alias: state[target] for alias, target in aliases.items() if target in state})
+            torch.save(state, path + ".tmp")
+    except BaseException:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        raise
+    os.replace(path + ".tmp", path)
 
 
 def _check_outside(output_path: str, checkpoint_dir: str) -> None:

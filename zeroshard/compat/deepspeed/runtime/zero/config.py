@@ -4,6 +4,5 @@ validation: ``DeepSpeedZeroConfig(stage=3, leaf_module={...})``)."""
 from zeroshard.config.schema import OffloadDevice, ZeroConfig
 
 DeepSpeedZeroConfig = ZeroConfig
-ZeroStageEnum = int  # DeepSpeed's enum of stage numbers; zeroshard's stage is the number itself
 
-__all__ = ["DeepSpeedZeroConfig", "OffloadDevice", "ZeroStageEnum"]
+__all__ = ["DeepSpeedZeroConfig", "OffloadDevice"]
