@@ -8,6 +8,7 @@ slice of a 1-D tensor reads only those bytes. Files are plain safetensors, reada
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -36,9 +37,16 @@ class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated, corrupted or does not match the model."""
 
 
-def _raw(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().contiguous().view(-1).cpu()
-    return memoryview(flat.view(torch.uint8).numpy())
+def _write_tensor(f, tensor: torch.Tensor) -> int:
+    """Write a tensor's bytes; returns their crc32. The bytes are read through ctypes, not ``.numpy()``: numpy's
+    view marks the storage non-resizable for good, and ``offload_states`` frees a storage by resizing it."""
+    flat = tensor.detach().contiguous().view(-1).cpu()  # kept alive while its bytes are read
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return zlib.crc32(b"")
+    raw = memoryview((ctypes.c_char * nbytes).from_address(flat.data_ptr())).cast("B")
+    f.write(raw)
+    return zlib.crc32(raw)
 
 
 @dataclass(frozen=True)
@@ -70,9 +78,7 @@ def write(
         for (name, tensor), (spec_name, dtype, shape) in zip(tensors, specs):
             if name != spec_name or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
                 raise AssertionError(f"tensor {name} does not match its spec {spec_name} {dtype} {shape}")
-            raw = _raw(tensor)
-            crcs[name] = zlib.crc32(raw)
-            f.write(raw)
+            crcs[name] = _write_tensor(f, tensor)
         f.flush()
         os.fsync(f.fileno())
     return Written(zlib.crc32(blob), crcs)

@@ -164,7 +164,7 @@ def _write_rank_files(state: TrainingState, tmp: str, frozen: list, others: list
                 yield from ((f"optim.{key}.fg{k}", saved[key]) for key in sorted(saved))
         for j, flat in enumerate(frozen):
             if _writes_flat(state, flat):
-                yield f"master.ff{j}", flat.shard_values()
+                yield f"master.ff{j}", zero.read_frozen(j)
         yield from others
 
     rank = comm.get_rank()

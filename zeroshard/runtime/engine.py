@@ -112,7 +112,7 @@ class ZeroshardEngine(torch.nn.Module):
     # -- the training loop ----------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         started = time.perf_counter()
-        self.stack.refuse_if_offloaded("forward")
+        self.stack.refuse_if_offloaded("forward", weights_only=True)
         inputs, kwargs = tree_map(self._prepare_input, (inputs, kwargs))
         if not self._batch_checked:
             check_same_batch((inputs, kwargs), self.grid.tensor)
@@ -549,6 +549,7 @@ class ZeroshardEngine(torch.nn.Module):
         group at a time, so no rank ever holds more than one gathered unit besides the result; under tensor
         parallelism each split parameter's pieces are joined. Every rank must call it; with ``rank0_only`` the
         others get ``{}``."""
+        self.stack.refuse_if_offloaded("consolidated_state_dict", weights_only=True)
         return consolidated_state_dict(
             self.module,
             self.stack.all_flat_groups,
@@ -638,6 +639,7 @@ class ZeroshardEngine(torch.nn.Module):
     ):
         """Load a checkpoint saved with any world size and stage; returns ``(load_path, client_state)``,
         or ``(None, None)`` with a warning when ``load_dir`` holds no checkpoint."""
+        self.stack.refuse_if_offloaded("load_checkpoint")  # it would write into freed storages
         restored = load_training_state(
             self._training_state(),
             load_dir,

@@ -30,6 +30,7 @@ from .param_access import ParamAccess
 from .planning import ModelPlan, QuantizedComm, StagePolicy, build_flat_groups, plan_model
 from .reducer import GradBucket, GradientReducer
 from .sharded_param import ParamRecords
+from .state_offload import COMPUTE, TRAINING
 from .stage3 import Stage3Runtime, build_units
 
 ROLES = (
@@ -87,9 +88,11 @@ class ZeroStack:
             stage3=None,
         )
 
-    def refuse_if_offloaded(self, call: str) -> None:
+    def refuse_if_offloaded(self, call: str, weights_only: bool = False) -> None:
+        """Refuse ``call`` by name while a state it needs is on the host (``weights_only``: it reads the compute
+        parameters and nothing else, as a forward does)."""
         if self.optimizer is not None:
-            self.optimizer.states.refuse_use(call)
+            self.optimizer.states.refuse_use(f"engine.{call}", COMPUTE if weights_only else TRAINING)
 
     def needs_optimizer(self, call: str) -> ZeroOptimizer:
         if self.optimizer is None:
@@ -273,7 +276,7 @@ def build_zero_stack(
         optimizer=optimizer,
         stage3=stage3,
         shard_homes=homes,
-        access=ParamAccess(records, state, reducer),
+        access=ParamAccess(records, state, reducer, optimizer.states),
     )
 
 

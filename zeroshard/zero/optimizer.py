@@ -348,7 +348,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.optimizer_state.scalars(index)
 
     def read_flat(self, index: int) -> dict[str, torch.Tensor]:
-        return self.optimizer_state.read_flat(index)
+        """One flat group's master shard and optimizer state; while offloaded, read from the host copies."""
+        return {key: self.states.readable(t) for key, t in self.optimizer_state.read_flat(index).items()}
+
+    def read_frozen(self, index: int) -> torch.Tensor:
+        """A frozen flat group's shard (its only copy), read like :meth:`read_flat`."""
+        return self.states.readable(self.frozen_groups[index].shard_values())
 
     def write_flat(self, index: int, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
         self.optimizer_state.write_flat(index, tensors, scalars)

@@ -9,6 +9,9 @@ zero tensor of the parameter's shape (each element comes from exactly one rank),
 fragment. Every stage and every home works the same way, since the reads and writes go through the optimizer
 state's own ``read_flat`` / ``write_flat`` (device, host, NVMe).
 
+While ``offload_states`` holds the states on the host every call raises ``StatesOffloadedError`` (before anything
+is read or written): the storages are freed, and ``reload_states`` brings them back bit for bit.
+
 Frozen parameters have no master weights, gradient or optimizer state: the reads answer ``None``, as DeepSpeed's.
 Gradients are the reduced (data-parallel averaged) shards the next step applies: present between a
 boundary's backward and the step (under fp16 still multiplied by the loss scale, as in DeepSpeed). After a 1-bit
@@ -29,6 +32,7 @@ from .flat_group import FlatGroup
 from .optimizer_state import OptimizerState
 from .reducer import GradBucket, GradientReducer
 from .sharded_param import ParamRecords
+from .state_offload import StateOffload
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,14 @@ class _Fragment:
 class ParamAccess:
     """Reads and writes one parameter's state in an engine's ZeRO stack (see the module docstring)."""
 
-    def __init__(self, records: ParamRecords, state: OptimizerState, reducer: GradientReducer):
+    def __init__(self, records: ParamRecords, state: OptimizerState, reducer: GradientReducer, offload: StateOffload):
         self.records = records
         self.state = state
+        self.offload = offload  # while the states are on the host, every call is refused by name
         self.buckets: dict[int, GradBucket] = {id(bucket.flat): bucket for bucket in reducer.buckets}
 
     def _fragment(self, param: torch.nn.Parameter) -> Optional[_Fragment]:
+        self.offload.refuse_use("engine.param_access (safe_get_full_fp32_param and its family)")
         owned = self.records.flat_of(param)
         if owned is None or owned[1] is not self.state:
             if not isinstance(param, torch.nn.Parameter):

@@ -5,8 +5,13 @@ model while the other waits.
 Each state tensor's *storage* moves: its bytes are copied into a host buffer and the storage is resized to zero,
 which frees the device memory while every tensor viewing it (the parameters viewing a flat group's buffer, a
 shard viewing its buffer) stays the same object; reloading resizes the storage back and copies the bytes in. The
-round trip is bit-exact, and nothing that refers to these tensors needs to know. Storages shared by two kinds
-(the fp32 master that *is* the compute shard) move once. Only storages on the compute device move: what already
+round trip is bit-exact, and nothing that refers to these tensors needs to know. A storage shared by two kinds
+(the fp32 master that *is* the compute shard) moves once both are offloaded.
+
+While offloaded, a step, a backward, a load and the per-parameter accessors are refused by name
+(:class:`StatesOffloadedError`); a forward and reading the weights are refused only while the compute parameters
+are away (OpenRLHF offloads everything else around generation); a checkpoint saves the true state, read from the
+host copies (:meth:`StateOffload.readable`). Only storages on the compute device move: what already
 lives on the host (``offload_optimizer``) stays, as in DeepSpeed. On a CPU-only machine the compute device is
 the host, and the storages still move (into separate host buffers), so the mechanism runs the same way.
 """
@@ -33,6 +38,10 @@ class StateKind(str, Enum):
     lp_params = "lp_params"  # compute-precision parameters: stage-3 shards, stage 0-2 buffers
     lp_grads = "lp_grads"  # gradient shards
     contiguous_grad_buffer = "contiguous_grad_buffer"  # idle gather and gradient staging buffers (freed, not moved)
+
+
+TRAINING = frozenset(StateKind) - {StateKind.contiguous_grad_buffer}  # a step needs every state on the device
+COMPUTE = frozenset({StateKind.lp_params})  # a forward, or reading the weights, needs the compute parameters
 
 
 class StatesOffloadedError(RuntimeError):
@@ -75,29 +84,34 @@ class StateOffload:
         if isinstance(include, (str, StateKind)) or getattr(include, "value", None) is not None:
             include = [include]  # one state named alone (include="optim_states"), not its characters
         kinds = list(StateKind) if include is None else [_kind(k) for k in include]
+        if StateKind.contiguous_grad_buffer in kinds:
+            self.buffers.clear()
+        self.offloaded.update(kinds)
         pin = pin_memory and get_accelerator().can_pin_memory
-        moved = {storage.data_ptr() for storage, _ in self._moved}
-        for kind in kinds:
-            if kind in self.offloaded:
+        already = {id(storage) for storage, _ in self._moved}
+        for storage, holders in self._storages().values():
+            if id(storage) in already or storage.nbytes() == 0 or not holders <= self.offloaded:
                 continue
-            if kind is StateKind.contiguous_grad_buffer:
-                self.buffers.clear()
-            for tensor in self._tensors(kind):
-                if tensor is None or tensor.device != self.device:
-                    continue
-                storage = tensor.untyped_storage()
-                if storage.nbytes() == 0 or storage.data_ptr() in moved:
-                    continue
-                moved.add(storage.data_ptr())
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-                host.copy_(_bytes_of(storage, tensor.device), non_blocking=non_blocking)
-                self._moved.append((storage, host))
-            self.offloaded.add(kind)
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            host.copy_(_bytes_of(storage, self.device), non_blocking=non_blocking)
+            self._moved.append((storage, host))
         if non_blocking:
             get_accelerator().synchronize()  # the copies must land before the storages are freed
         for storage, _ in self._moved:
             storage.resize_(0)
         get_accelerator().empty_cache()
+
+    def _storages(self) -> dict[int, tuple[torch.UntypedStorage, set[StateKind]]]:
+        """Each device storage the states use, with the kinds that hold it. A storage moves once every kind holding
+        it is offloaded: the fp32 master that *is* the compute shard stays while the compute parameters stay (as
+        DeepSpeed keeps them), so a forward still runs after ``offload_states(include=[hp_params, ...])``."""
+        found: dict[int, tuple[torch.UntypedStorage, set[StateKind]]] = {}
+        for kind in StateKind:
+            for tensor in self._tensors(kind):
+                if tensor is not None and tensor.device == self.device:
+                    storage = tensor.untyped_storage()  # the same object for every view while one is alive
+                    found.setdefault(id(storage), (storage, set()))[1].add(kind)
+        return found
 
     def reload(self, non_blocking: bool) -> None:
         for storage, host in self._moved:
@@ -108,13 +122,25 @@ class StateOffload:
         self._moved.clear()
         self.offloaded.clear()
 
-    def refuse_use(self, call: str) -> None:
-        if self.offloaded - {StateKind.contiguous_grad_buffer}:
-            held = sorted(k.value for k in self.offloaded)
+    def refuse_use(self, call: str, needs: frozenset[StateKind] = TRAINING) -> None:
+        """Raise by name when a state ``call`` needs is on the host."""
+        if self.offloaded & needs:
+            held = sorted(k.value for k in self.offloaded & needs)
             raise StatesOffloadedError(
-                f"engine.{call}: the engine's states {held} are offloaded to the host; call engine.reload_states() "
-                "first"
+                f"{call}: the engine's states {held} are offloaded to the host; call engine.reload_states() first"
             )
+
+    def readable(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` itself, or, while its storage is on the host, a host tensor of the same dtype, offset, shape
+        and strides viewing the saved bytes: a checkpoint written while offloaded holds the true state, with no
+        device memory taken back."""
+        storage = tensor.untyped_storage()
+        host = next((host for moved, host in self._moved if moved is storage), None)  # the storage object is kept
+        if host is None:
+            return tensor
+        return torch.empty(0, dtype=tensor.dtype).set_(
+            host.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+        )
 
 
 def _kind(value) -> StateKind:
