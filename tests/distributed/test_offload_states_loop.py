@@ -44,9 +44,28 @@ def _state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
+def _refusals(engine, x, y, save_dir: str, tag: str) -> dict[str, str]:
+    from zeroshard.zero.state_offload import StatesOffloadedError
+
+    param = next(p for p in engine.module.parameters() if p.requires_grad)
+    out = {}
+    for label, call in {
+        "forward": lambda: engine(x, y),
+        "get": lambda: engine.param_access.full_fp32_param(param),
+        "set": lambda: engine.param_access.set_local_fp32_param(param, torch.zeros(1)),
+        "load": lambda: engine.load_checkpoint(save_dir, tag=tag),
+        "step": engine.step,
+    }.items():
+        try:
+            call()
+            out[label] = "accepted"
+        except StatesOffloadedError as err:
+            out[label] = str(err)
+    return out
+
+
 def _run(case: ParityCase, offload: bool, save_dir: str | None) -> tuple[list[float], dict, dict]:
     import zeroshard
-    from zeroshard.zero.state_offload import StatesOffloadedError
 
     rank, world = zeroshard.comm.get_rank(), zeroshard.comm.get_world_size()
     engine, *_ = zeroshard.initialize(model=make_model(frozen=FROZEN), config=case.config())
@@ -68,19 +87,7 @@ def _run(case: ParityCase, offload: bool, save_dir: str | None) -> tuple[list[fl
                 engine.offload_states()  # the rest too: the save reads everything from the host copies
                 saved[f"s{step}"] = engine.save_checkpoint(save_dir, tag=f"s{step}")
                 if step == SAVE_EVERY:  # every use that needs a state on the device is refused by name
-                    param = next(p for p in engine.module.parameters() if p.requires_grad)
-                    for label, call in {
-                        "forward": lambda: engine(x[rows], y[rows]),
-                        "get": lambda: engine.param_access.full_fp32_param(param),
-                        "set": lambda: engine.param_access.set_local_fp32_param(param, torch.zeros(1)),
-                        "load": lambda: engine.load_checkpoint(save_dir, tag=f"s{step}"),
-                        "step": engine.step,
-                    }.items():
-                        try:
-                            call()
-                            refusals[label] = "accepted"
-                        except StatesOffloadedError as err:
-                            refusals[label] = str(err)
+                    refusals = _refusals(engine, x[rows], y[rows], save_dir, f"s{step}")
             engine.reload_states()
         elif save_dir is not None and step % SAVE_EVERY == 0:
             saved[f"s{step}"] = engine.save_checkpoint(save_dir, tag=f"s{step}")

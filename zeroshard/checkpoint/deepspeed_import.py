@@ -4,7 +4,9 @@ so a run moves over mid-training at any world size and stage, its optimizer stat
 DeepSpeed's files are torch pickles. They are read with torch's restricted unpickler (``weights_only=True``), which
 rebuilds tensors, containers and plain values only; the few DeepSpeed classes these files hold are mapped to plain
 stand-ins here (a loss scaler's attributes, a fragment address, the ZeRO stage number), so DeepSpeed need not be
-installed and none of its code (nor anything else) runs. Any other class is refused naming it and the file.
+installed and none of its code (nor anything else) runs. Any other class is refused naming it and the file; data
+that expands without bound through shared references is refused (:mod:`.restricted_pickle`); every field read is
+checked first (:mod:`.deepspeed_fields`), so a malformed or edited file is an error naming the file and the field.
 
 Layouts, per optimizer parameter group, in ``param_shapes`` order:
 
@@ -28,11 +30,9 @@ import glob
 import json
 import math
 import os
-import pickle
 import re
 import shutil
 import warnings
-import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -40,8 +40,18 @@ import torch
 
 from .client_state import json_ready, split_client_state
 from .commit import atomic_write_text, commit
+from .deepspeed_fields import STATE_KEYS as _STATE_KEYS
+from .deepspeed_fields import (
+    RankRecord,
+    agreed_stage,
+    agreed_step,
+    check_same_hyperparameters,
+    model_states,
+    rank_record,
+)
 from .deepspeed_ranks import check_partitions, check_stage3_pieces
 from .manifest import FORMAT, plain_name, rank_file, seal
+from .restricted_pickle import read_restricted_pickle
 from .safetensors_io import CheckpointError, write
 
 
@@ -71,7 +81,6 @@ _ENGINE_KEYS = {
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "checkpoint_parallel_dimensions", "autoep_layers", "compression_scheduler", "ds_autotp_meta",
 }  # fmt: skip
-_STATE_KEYS = ("exp_avg", "exp_avg_sq")
 # how torch ran the optimizer (kernels), not what it trains with: the importing run chooses its own
 _IMPLEMENTATION_KEYS = {"foreach", "fused", "capturable", "differentiable"}
 
@@ -85,21 +94,6 @@ def read_deepspeed_file(path: str) -> Any:
         "/ ZeRO-stage records only",
         DEEPSPEED_CLASSES,
     )
-
-
-def read_restricted_pickle(path: str, holds: str, classes: list = (), map_location: Any = "cpu") -> Any:
-    """A torch pickle read with the restricted unpickler (``weights_only=True``, ``classes`` allowed besides): a
-    file asking for anything else is a :class:`CheckpointError` naming the class (``holds`` says what the file
-    should hold), and nothing in it runs; a damaged file is a named error too."""
-    try:
-        with torch.serialization.safe_globals(list(classes)):
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        found = re.search(r"GLOBAL ([\w.]+)", str(err))
-        what = f"class {found.group(1)}" if found else "an object"
-        raise CheckpointError(f"{path}: refused to unpickle {what}: {holds} (nothing in the file was run)") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as err:
-        raise CheckpointError(f"{path}: damaged or truncated file ({type(err).__name__}: {err})") from None
 
 
 @dataclass
@@ -150,31 +144,31 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     if any(not re.search(r"mp_rank_00_model_states\.pt$", f) for f in model_files):
         raise CheckpointError(f"{path}: a tensor-parallel DeepSpeed checkpoint (mp_rank_01...) is not importable")
     model = read_deepspeed_file(model_files[0])
-    if not isinstance(model, dict) or "param_shapes" not in model:
-        raise CheckpointError(f"{model_files[0]}: not DeepSpeed model states (no 'param_shapes')")
-    if model.get("frozen_param_shapes") or model.get("frozen_param_fragments"):
+    if isinstance(model, dict) and (model.get("frozen_param_shapes") or model.get("frozen_param_fragments")):
         raise CheckpointError(f"{path}: frozen parameters in a DeepSpeed checkpoint are not importable yet")
-    world = int(model.get("dp_world_size", 0))
-    optim = [_optim_file(path, rank) for rank in range(world)]
-    inner = [o["optimizer_state_dict"] for o in optim]
-    stage = int(inner[0]["zero_stage"])
-    groups = [[(name, tuple(int(d) for d in shape)) for name, shape in g.items()] for g in model["param_shapes"]]
-    masters, states = {}, {key: {} for key in _STATE_KEYS}
-    base = [o["base_optimizer_state"] if stage < 3 else o["optimizer_state_dict"] for o in inner]
-    config = dict(model.get("ds_config") or {})
-    update_rule = _update_rule(path, config, base[0]["param_groups"])
+    states = model_states(model_files[0], model)
+    world, groups = states.world, states.groups
+    present = len(glob.glob(os.path.join(path, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")))
+    if present > world:
+        raise CheckpointError(
+            f"{path}: {present} ranks' optimizer files, but the model states say dp_world_size {world}: files of "
+            "different runs"
+        )
+    ranks = [rank_record(*_optim_file(path, rank), groups) for rank in range(world)]
+    stage = agreed_stage(path, ranks)
+    check_same_hyperparameters(path, ranks)
+    inner, base = [r.inner for r in ranks], [r.base for r in ranks]
+    update_rule = _update_rule(path, states.config, base[0]["param_groups"])
     if stage < 3:
         check_partitions(path, groups, inner, world)
     else:
         check_stage3_pieces(path, groups, inner, base, world, update_rule)
+    masters, moments = {}, {key: {} for key in _STATE_KEYS}
     unpack = _unpack_flat if stage < 3 else _unpack_per_param
     for g, params in enumerate(groups):
-        for key, flats in _group_pieces(path, stage, inner, base, g).items():
+        for key, flats in _group_pieces(ranks, g).items():
             values = unpack(path, g, params, flats, inner[0], world)
-            (masters if key == "master" else states[key]).update(values)
-    module = model["module"]
-    buffers = {n: module[n].float() if module[n].is_floating_point() else module[n] for n in
-               model.get("buffer_names", []) if n in module}  # fmt: skip
+            (masters if key == "master" else moments[key]).update(values)
     return DeepSpeedCheckpoint(
         path=path,
         stage=stage,
@@ -182,18 +176,14 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
         groups=groups,
         hyper=[_hyperparameters(path, g, group, update_rule) for g, group in enumerate(base[0]["param_groups"])],
         update_rule=update_rule,
-        steps=[_step(path, base, g) for g in range(len(groups))],
+        steps=[agreed_step(path, ranks, g) for g in range(len(groups))],
         masters=masters,
-        states=states,
-        counters={
-            "global_steps": int(model.get("global_steps", 0)),
-            "global_samples": int(model.get("global_samples", 0)),
-            "skipped_steps": int(model.get("skipped_steps", 0)),
-        },
-        config=config,
-        lr_scheduler=model.get("lr_scheduler"),
-        buffers=buffers,
-        aliases={str(a): str(t) for a, t in (model.get("shared_params") or {}).items()},
+        states=moments,
+        counters=states.counters,
+        config=states.config,
+        lr_scheduler=states.lr_scheduler,
+        buffers=states.buffers,
+        aliases=states.aliases,
         client_state={k: v for k, v in model.items() if k not in _ENGINE_KEYS},
     )
 
@@ -247,30 +237,23 @@ def _hyperparameters(path: str, g: int, group: dict, update_rule: Optional[str])
     return hyper
 
 
-def _optim_file(path: str, rank: int) -> dict:
+def _optim_file(path: str, rank: int) -> tuple[str, Any]:
     for prefix in ("", "bf16_"):
         candidate = os.path.join(path, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
         if os.path.exists(candidate):
-            data = read_deepspeed_file(candidate)
-            if not isinstance(data, dict) or "optimizer_state_dict" not in data:
-                raise CheckpointError(f"{candidate}: not DeepSpeed optimizer states (no 'optimizer_state_dict')")
-            return data
+            return candidate, read_deepspeed_file(candidate)
     raise CheckpointError(
         f"{path}: rank {rank}'s optimizer states (zero_pp_rank_{rank}_mp_rank_00_optim_states.pt) are missing; the "
         "model states say the checkpoint was written by more ranks"
     )
 
 
-def _group_pieces(path: str, stage: int, inner: list, base: list, g: int) -> dict[str, list[torch.Tensor]]:
+def _group_pieces(ranks: list[RankRecord], g: int) -> dict[str, list[torch.Tensor]]:
     """Each rank's flat tensor of group ``g``: masters and each optimizer state, trimmed to the master's length."""
-    key = "single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups"
-    masters = [o[key][g].float().reshape(-1) for o in inner]
+    masters = [r.masters[g] for r in ranks]
     out = {"master": masters}
     for name in _STATE_KEYS:
-        try:
-            out[name] = [b["state"][g][name].float().reshape(-1)[: m.numel()] for b, m in zip(base, masters)]
-        except (KeyError, IndexError, TypeError):
-            raise CheckpointError(f"{path}: parameter group {g} has no optimizer state '{name}' (not Adam?)") from None
+        out[name] = [r.base["state"][g][name].float().reshape(-1)[: m.numel()] for r, m in zip(ranks, masters)]
     return out
 
 
@@ -300,19 +283,6 @@ def _unpack_per_param(path: str, g: int, params: list, flats: list, inner0: dict
         out[name] = torch.cat([f[offset : offset + part] for f in flats])[:numel].view(shape).clone()
         offset += part
     return out
-
-
-def _step(path: str, base: list, g: int) -> Any:
-    """The optimizer's step count of group ``g``: its state's ``step`` on every rank (torch's Adams, FusedAdam,
-    DeepSpeedCPUAdam), else the group's own counter (older FusedAdam)."""
-    steps = {float(b["state"][g]["step"]) for b in base if "step" in b["state"].get(g, {})}
-    if not steps:
-        steps = {float(b["param_groups"][g]["step"]) for b in base if "step" in b["param_groups"][g]}
-    if not steps:
-        raise CheckpointError(f"{path}: parameter group {g}'s optimizer state has no 'step' on any rank")
-    if len(steps) != 1:
-        raise CheckpointError(f"{path}: parameter group {g}'s optimizer step differs across ranks ({sorted(steps)})")
-    return steps.pop()
 
 
 def convert_deepspeed_checkpoint(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> str:
@@ -411,5 +381,4 @@ __all__ = [
     "convert_deepspeed_checkpoint",
     "is_deepspeed_checkpoint",
     "read_deepspeed_file",
-    "read_restricted_pickle",
 ]

@@ -30,8 +30,8 @@ from .param_access import ParamAccess
 from .planning import ModelPlan, QuantizedComm, StagePolicy, build_flat_groups, plan_model
 from .reducer import GradBucket, GradientReducer
 from .sharded_param import ParamRecords
-from .state_offload import COMPUTE, TRAINING
 from .stage3 import Stage3Runtime, build_units
+from .state_offload import COMPUTE, TRAINING
 
 ROLES = (
     "params",

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint.commit import fsync_dir
-from zeroshard.checkpoint.deepspeed_import import read_restricted_pickle
+from zeroshard.checkpoint.restricted_pickle import read_restricted_pickle
 
 
 @dataclass
