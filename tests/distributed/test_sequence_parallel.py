@@ -267,6 +267,7 @@ def sp_refusals() -> dict:
             return 2
 
     return {
+        **_exchange_refusals(mpu, message),
         "other_mpu": message(lambda: zeroshard.initialize(model=sp_model(), config=config, mpu=MegatronStyle())),
         "disagree": message(
             lambda: zeroshard.initialize(model=sp_model(), config={**config, "sequence_parallel_size": 1}, mpu=mpu)
@@ -279,6 +280,37 @@ def sp_refusals() -> dict:
                 sp_model(num_attention_heads=3, num_key_value_heads=3, hidden_size=48), "sdpa", 2, 1
             )
         ),
+    }
+
+
+def _exchange_refusals(mpu, message) -> dict:
+    """Batches the ranks' loaders disagree on, exchanged by the Ulysses adapter: every rank raises, naming the rank
+    and entry (before: int64 labels arrived as float64 denormals, int32 ones aborted both ranks in Gloo, a batch
+    refused on one rank left the other waiting); and ``token_weighted_loss`` over the torch ProcessGroup DeepSpeed's
+    code passes."""
+    from zeroshard import comm
+    from zeroshard.sequence_parallel import UlyssesSPDataLoaderAdapter, token_weighted_loss
+
+    rank, group = comm.get_rank(), mpu.get_sequence_parallel_group()
+    ids = torch.arange(8).view(1, 8)
+
+    def batch(labels_dtype=torch.int64, **extra):
+        return {"input_ids": ids, "position_ids": ids, "labels": ids.to(labels_dtype), **extra}
+
+    def first(batches) -> str:
+        return message(lambda: next(iter(UlyssesSPDataLoaderAdapter(batches, rank, group, 2))))
+
+    loss, labels = torch.tensor(float(rank + 1), requires_grad=True), torch.tensor([[1, -100, 2][: 3 - rank]])
+    by_torch_group = token_weighted_loss(loss, labels, group)
+    by_own_group = token_weighted_loss(loss, labels, comm.as_group(group, "sequence"))
+    return {
+        "same_item_size": first([batch(torch.int64 if rank == 0 else torch.float64)]),
+        "other_item_size": first([batch(torch.int64 if rank == 0 else torch.int32)]),
+        "refused_on_one_rank": first([batch() if rank == 0 else {"input_ids": ids}]),
+        "not_plain_on_one_rank": first([batch(note="x" if rank == 0 else object())]),
+        "agreeing": first([batch()]),
+        "loss_over_torch_group": (by_torch_group.item(), by_own_group.item()),
+        "loss_over_a_string": message(lambda: token_weighted_loss(loss, labels, "sequence")),
     }
 
 
@@ -314,3 +346,19 @@ def test_ulysses_refusals_name_what_is_wrong(two_rank_runs):
         assert "sequence_parallel_size 1 in the config but the mpu's sequence-parallel group has 2" in got["disagree"]
         assert "sequence_parallel_size 3 must divide the number of ranks 2" in got["indivisible"]
         assert "3 attention heads do not divide over sequence_parallel_size 2" in got["heads"]
+
+
+def test_ulysses_batch_exchange_names_the_rank_whose_batch_disagrees(two_rank_runs):
+    for rank, run in enumerate(two_rank_runs):
+        got = run["refusals"]
+        for case, dtype in (("same_item_size", "float64"), ("other_item_size", "int32")):
+            assert got[case].startswith("ValueError"), got[case]
+            assert f"'labels' is {dtype} on sequence-parallel rank 1" in got[case]
+        other = "the batch has no ['position_ids'" if rank == 1 else "sequence-parallel rank 1's batch was refused"
+        assert got["refused_on_one_rank"].startswith("ValueError") and other in got["refused_on_one_rank"]
+        assert "batch entry 'note' is a object" in got["not_plain_on_one_rank"]
+        assert got["agreeing"] == "accepted"
+        by_torch, by_own = got["loss_over_torch_group"]
+        assert by_torch == by_own == pytest.approx(4 / 3)  # rank 0: loss 1 over 2 tokens, rank 1: loss 2 over 1
+        string = got["loss_over_a_string"]
+        assert string.startswith("TypeError") and "expected a torch ProcessGroup" in string

@@ -164,7 +164,18 @@ def group_of(handle: Any, name: str, context: CommContext = DEFAULT_CONTEXT) -> 
     counted and fail with an error naming the rank and operation."""
     if handle is None or handle is dist.group.WORLD:
         return Group(name, tuple(range(get_world_size())), None, context)
+    if not isinstance(handle, dist.ProcessGroup):
+        raise TypeError(
+            f"the {name} group: expected a torch ProcessGroup, a zeroshard group or None (the world), got "
+            f"{type(handle).__name__}"
+        )
     return Group(name, tuple(dist.get_process_group_ranks(handle)), handle, context)
+
+
+def as_group(group: Any, name: str) -> Group:
+    """``group`` as a zeroshard group: itself, or a torch ``ProcessGroup`` / ``None`` through :func:`group_of`
+    (DeepSpeed's clients pass what ``mpu`` returns)."""
+    return group if isinstance(group, Group) else group_of(group, name)
 
 
 def process_group(group: Group) -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -36,7 +36,7 @@ class UlyssesSPDataLoaderAdapter:
     the module docstring). DeepSpeed's signature; ``sp_group`` is a torch ``ProcessGroup`` or a zeroshard group."""
 
     def __init__(self, dl: Iterable, sp_rank: int, sp_group: Any, sp_world_size: int, device: Any = None):
-        self.group = sp_group if isinstance(sp_group, comm.Group) else comm.group_of(sp_group, "sequence")
+        self.group = comm.as_group(sp_group, "sequence")
         if self.group.size != sp_world_size or self.group.rank != sp_rank:
             raise ValueError(
                 f"UlyssesSPDataLoaderAdapter: sp_rank {sp_rank} / sp_world_size {sp_world_size} disagree with the "
@@ -63,7 +63,11 @@ class UlyssesSPDataLoaderAdapter:
         return self._pieces.popleft()
 
     def _cut(self, batch: Any) -> list[dict]:
-        batches = exchange_batches(_checked(batch), self.group, self.device)
+        try:
+            batch, refused = _checked(batch), None
+        except (TypeError, ValueError) as err:  # still exchanged, so every rank raises instead of one hanging
+            batch, refused = {}, err
+        batches = exchange_batches(batch, self.group, self.device, refused)
         return [_piece(whole, self.group.rank, self.group.size) for whole in batches]
 
 
@@ -88,22 +92,42 @@ def _checked(batch: Any) -> dict:
     return batch
 
 
-def exchange_batches(batch: dict, group: comm.Group, device: torch.device) -> list[dict]:
+def exchange_batches(
+    batch: dict, group: comm.Group, device: torch.device, refused: Optional[Exception] = None
+) -> list[dict]:
     """Every rank's ``batch``, in rank order (a collective over ``group``): tensors of any length along dim 1,
-    plain values through JSON."""
+    plain values through JSON. A batch this rank ``refused`` (or one whose values are not plain data) is still
+    announced in the header, so every rank raises, naming the rank, instead of the others waiting on it."""
+    try:
+        values = {k: _plain(k, v) for k, v in batch.items() if not torch.is_tensor(v)}
+    except TypeError as err:
+        refused, values = refused or err, {}
     header = {
         "tensors": {
             k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in batch.items() if torch.is_tensor(v)
         },
-        "values": {k: _plain(k, v) for k, v in batch.items() if not torch.is_tensor(v)},
+        "values": values,
+        "refused": None if refused is None else str(refused),
     }
     headers = [json.loads(raw) for raw in _gather_bytes(json.dumps(header).encode(), group, device)]
+    if refused is not None:
+        raise refused
+    for rank, other in enumerate(headers):
+        if other["refused"] is not None:
+            raise ValueError(f"sequence-parallel rank {rank}'s batch was refused there: {other['refused']}")
     keys = [sorted(h["tensors"]) + sorted(h["values"]) for h in headers]
     if any(k != keys[0] for k in keys):
         raise ValueError(f"UlyssesSPDataLoaderAdapter: the ranks' batches have different keys: {keys}")
     out: list[dict] = [dict(h["values"]) for h in headers]
     for key in sorted(header["tensors"]):
         shapes = [h["tensors"][key][0] for h in headers]
+        dtypes = [h["tensors"][key][1] for h in headers]
+        for rank, dtype in enumerate(dtypes):  # every rank sees the same headers: all raise together
+            if dtype != dtypes[0]:
+                raise ValueError(
+                    f"UlyssesSPDataLoaderAdapter: batch entry {key!r} is {dtype} on sequence-parallel rank {rank} "
+                    f"and {dtypes[0]} on rank 0; every rank's loader must give the same dtypes"
+                )
         longest = max(shape[1] for shape in shapes)
         if any(shape[:1] + shape[2:] != shapes[0][:1] + shapes[0][2:] for shape in shapes):
             raise ValueError(f"UlyssesSPDataLoaderAdapter: {key} differs beyond its length across ranks: {shapes}")

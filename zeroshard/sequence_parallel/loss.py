@@ -17,6 +17,8 @@ HF Trainer and of DeepSpeed's ALST examples (``torch.distributed.nn.functional.a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import comm
@@ -24,10 +26,12 @@ from ..comm.autograd import gather_in_group
 from .data import IGNORE_INDEX
 
 
-def token_weighted_loss(loss: torch.Tensor, shift_labels: torch.Tensor, group: comm.Group) -> torch.Tensor:
-    """The sample's loss over ``group`` from this rank's mean ``loss`` over its tokens and its ``shift_labels``
-    (see the module docstring); every rank gets the same value, and backpropagating it on every rank gives exact
-    gradients under the engine's average over data x sequence ranks."""
+def token_weighted_loss(loss: torch.Tensor, shift_labels: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sample's loss over ``group`` (a zeroshard group, or the torch ``ProcessGroup`` DeepSpeed's
+    ``mpu.get_sequence_parallel_group()`` returns) from this rank's mean ``loss`` over its tokens and its
+    ``shift_labels`` (see the module docstring); every rank gets the same value, and backpropagating it on every
+    rank gives exact gradients under the engine's average over data x sequence ranks."""
+    group = comm.as_group(group, "sequence")
     if loss.dim() != 0:
         raise ValueError(f"token_weighted_loss: loss must be this rank's scalar mean, got shape {list(loss.shape)}")
     counted = (shift_labels != IGNORE_INDEX).sum().to(loss.dtype)
