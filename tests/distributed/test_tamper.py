@@ -56,7 +56,27 @@ def engine_for_gpt2():
 CLIENT = {"epoch": 3, "tricky": {"__zeroshard_tensor__": "client.0"}, "nested": [{"__zeroshard_dict__": 1}]}
 
 
-def save_worker(directory: str) -> None:
+def engine_for_gpt2_tp(tp: int):
+    import zeroshard
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1},
+        "tensor_parallel": {"autotp_size": tp},
+    }
+    engine, *_ = zeroshard.initialize(model=gpt2(), config=config)
+    return engine
+
+
+def save_worker(directory: str, tp_directory: str) -> None:
+    """The checkpoint every case edits, and a tensor-parallel one (TP=2) for the split-record cases."""
+    engine = engine_for_gpt2_tp(2)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(tp_directory, tag="good")
+    engine.destroy()
     engine = engine_for_gpt2()
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(engine.global_rank))
     for _ in range(2):
@@ -89,6 +109,15 @@ def _set(index: int, value):
         return body
 
     return change
+
+
+def _past_tensor_end(body: dict) -> dict:
+    """The last piece of the first piece's saved tensor moved past the tensor's end (order kept: the read bound
+    catches it)."""
+    file, key = _first_piece(body)[:2]
+    pieces = [p for entry in body["params"].values() for p in entry["pieces"] if p[:2] == [file, key]]
+    max(pieces, key=lambda p: p[2])[2] += 10**9
+    return body
 
 
 def _foreign_file(name: str):
@@ -201,6 +230,60 @@ def _client_tensor(field: str, value):
     return change
 
 
+def _counter(key: str, value):
+    def change(body):
+        body["counters"][key] = value
+        return body
+
+    return change
+
+
+def _dangling(body: dict) -> dict:
+    body["client_state"]["lost"] = {"__zeroshard_tensor__": "client.9"}
+    return body
+
+
+def _swap_offsets(body: dict) -> dict:
+    """Two parameters' pieces in the same saved tensor exchange their offsets (sizes equal, so every bound holds):
+    a consistent edit, checksum recomputed."""
+    seen: dict = {}
+    for entry in body["params"].values():
+        for piece in entry["pieces"]:
+            twin = seen.get((piece[0], piece[1], piece[4]))
+            if twin is not None:
+                twin[2], piece[2] = piece[2], twin[2]
+                return body
+            seen[(piece[0], piece[1], piece[4])] = piece
+    raise AssertionError("no two pieces of one size share a tensor")
+
+
+# tensor-parallel split records edited (resealed): loaded at TP=2 and at TP=1, each is refused by name
+def _split_edit(name: str, change):
+    def edit(body):
+        change(body["params"][name])
+        return body
+
+    return lambda d: _edit_manifest(d, edit, True)
+
+
+def _swap_tensor_rank_files(body: dict) -> dict:
+    pieces = body["params"]["transformer.h.0.mlp.c_fc.weight"]["pieces"]
+    files = [p[0] for p in pieces]
+    for piece, file in zip(pieces, reversed(files)):
+        piece[0] = file
+    return body
+
+
+ATTN, FC = "transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_fc.weight"
+TP_CASES = {
+    "tp-dim": (_split_edit(FC, lambda e: e["split"].update(dim=0)), f"field 'params.{FC}.split'"),
+    "tp-fused": (_split_edit(ATTN, lambda e: e["split"].update(fused=1)), f"field 'params.{ATTN}.split'"),
+    "tp-transposed": (_split_edit(FC, lambda e: e["split"].update(transposed=False)), f"field 'params.{FC}.split'"),
+    "tp-deleted": (_split_edit(FC, lambda e: e.pop("split")), f"field 'params.{FC}.split' is no split"),
+    "tp-pieces-swapped": (lambda d: _edit_manifest(d, _swap_tensor_rank_files, True), "pieces moved between ranks"),
+}
+
+
 def _hyper(key: str, value):
     def change(body):
         body["optimizer"]["param_groups"][0][key] = value
@@ -229,7 +312,7 @@ CASES = {
     "offset-minus-6": (lambda d: _edit_manifest(d, _set(2, -6), True), "lies outside parameter"),
     "offset-plus-4": (lambda d: _edit_manifest(d, _set(2, lambda v: v + 4), True), "overlaps"),
     "param-offset-minus-2": (lambda d: _edit_manifest(d, _set(3, -2), True), "lies outside parameter"),
-    "offset-past-tensor": (lambda d: _edit_manifest(d, _set(2, lambda v: v + 10**9), True), "requested"),
+    "offset-past-tensor": (lambda d: _edit_manifest(d, _past_tensor_end, True), "requested"),
     "file-dotdot": (lambda d: _edit_manifest(d, _foreign_file("../../x.safetensors"), True), "not a plain name"),
     "file-absolute": (lambda d: _edit_manifest(d, _foreign_file("/tmp/x.safetensors"), True), "not a plain name"),
     "latest-absolute": (lambda d: (d / "latest").write_text(str(d / "good")), "not a plain name"),
@@ -253,6 +336,10 @@ CASES = {
     "string-lr": (lambda d: _edit_manifest(d, _hyper("lr", "0.1"), True), "optimizer.param_groups[0].lr"),
     "string-betas": (lambda d: _edit_manifest(d, _hyper("betas", "0.9"), True), "optimizer.param_groups[0].betas"),
     "rank-file-pickle": (_pickled_rank_file, "truncated or corrupted"),
+    "steps-huge": (lambda d: _edit_manifest(d, _counter("global_steps", 10**30), True), "counters.global_steps"),
+    "steps-float": (lambda d: _edit_manifest(d, _counter("global_steps", 1e30), True), "counters.global_steps"),
+    "client-dangling": (lambda d: _edit_manifest(d, _dangling, True), "refers to tensor 'client.9'"),
+    "offsets-swapped": (lambda d: _edit_manifest(d, _swap_offsets, True), "offsets swapped between parameters"),
 }
 # cases that only a training load reads (inference reads weights, not optimizer or client state)
 TRAINING_ONLY = {"client-tensor-shape", "client-tensor-key", "string-lr", "string-betas"}
@@ -261,9 +348,12 @@ TRAINING_ONLY = {"client-tensor-shape", "client-tensor-key", "string-lr", "strin
 @pytest.fixture(scope="module")
 def tampered(tmp_path_factory):
     base = tmp_path_factory.mktemp("tamper")
-    run_distributed(save_worker, 2, str(base / "original"))
+    run_distributed(save_worker, 2, str(base / "original"), str(base / "tp-original"))
     for name, (edit, _) in CASES.items():
         shutil.copytree(base / "original", base / name)
+        edit(base / name)
+    for name, (edit, _) in TP_CASES.items():
+        shutil.copytree(base / "tp-original", base / name)
         edit(base / name)
     # Hugging Face directories for init_inference: an index pointing outside, and a weight of half its rows
     model = gpt2()
@@ -325,6 +415,17 @@ def load_everywhere(base: str, names: list[str]) -> dict:
     head = "lm_head.weight"
     out["sgd weights"] = torch.equal(sgd.module.state_dict()[head], engine.module.state_dict()[head])
     out["sgd lr"] = sgd.optimizer.param_groups[0]["lr"]
+    engine.destroy()
+    sgd.destroy()
+    for tp in (2, 1):  # the split-record cases, at the saved degree and whole
+        engine = engine_for_gpt2_tp(tp)
+        for name in [*TP_CASES, "tp-original"]:
+            try:
+                engine.load_checkpoint(os.path.join(base, name))
+                out[(f"tp{tp}", name)] = "loaded"
+            except CheckpointError as err:
+                out[(f"tp{tp}", name)] = str(err)
+        engine.destroy()
     return out
 
 
@@ -346,6 +447,15 @@ def test_load_checkpoint_refuses_on_every_rank(attempts, name):
 def test_init_inference_refuses(attempts, name):
     for per_rank in attempts:
         assert CASES[name][1] in per_rank[("inference", name)], per_rank[("inference", name)]
+
+
+@pytest.mark.parametrize("name", list(TP_CASES))
+@pytest.mark.parametrize("tp", [2, 1])
+def test_an_edited_split_record_is_refused_at_any_tensor_parallel_degree(attempts, name, tp):
+    """Re-checksummed edits of a split record once loaded other weights at TP 1 and TP 2 without a word."""
+    for rank, per_rank in enumerate(attempts):
+        assert TP_CASES[name][1] in per_rank[(f"tp{tp}", name)], (rank, per_rank[(f"tp{tp}", name)])
+        assert per_rank[(f"tp{tp}", "tp-original")] == "loaded"
 
 
 def test_no_pickle_in_a_checkpoint_ever_runs(attempts, tampered):

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import torch
 
+from .manifest import ESCAPE_MARK as _ESCAPE_MARK
+from .manifest import TENSOR_MARK as _TENSOR_MARK
 from .reading import Sources
 from .safetensors_io import NAMES
 
@@ -21,8 +23,6 @@ def json_ready(value: Any, where: str) -> Any:
         raise TypeError(f"{where} must be JSON-serializable (checkpoints never pickle): {err}") from None
 
 
-_TENSOR_MARK = "__zeroshard_tensor__"  # {_TENSOR_MARK: "client.N"} stands for a tensor
-_ESCAPE_MARK = "__zeroshard_dict__"  # {_ESCAPE_MARK: {...}} stands for a user dict that holds one of the marks
 _MARKS = {_TENSOR_MARK, _ESCAPE_MARK}
 
 

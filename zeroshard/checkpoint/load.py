@@ -64,6 +64,7 @@ def load(
         )
     manifest = read_manifest(path)
     missing, unexpected = _check_params(state, manifest, load_module_strict)
+    _check_split_records(state, manifest, path)
     if state.optimizer is not None and load_optimizer_states and not load_module_only:
         _check_optimizer(state.optimizer, manifest, path)
     sources = Sources(path, manifest)
@@ -131,6 +132,29 @@ def _check_params(state: TrainingState, manifest: dict, strict: bool) -> tuple[l
             )
         )
     )
+
+
+def _check_split_records(state: TrainingState, manifest: dict, path: str) -> None:
+    """Each saved split record (and each record's absence) must be how this model cuts that parameter at the
+    saved degree (:func:`~zeroshard.tensor_parallel.splits_at`): the pieces are joined by the record, so an edited
+    ``dim`` / ``fused`` / ``transposed`` or a deleted record would load other weights without a word."""
+    saved_tp = manifest.get("tensor_parallel_size", 1)
+    if saved_tp == 1 or state.splits_at is None:
+        return
+    try:
+        expected = state.splits_at(saved_tp)
+    except ValueError:  # this model cannot be split at that degree: the shapes check speaks for it
+        return
+    for name, entry in manifest["params"].items():
+        saved, mine = saved_split(entry), expected.get(name)
+        if saved != mine:
+            said = saved.as_record() if saved is not None else "no split (whole)"
+            want = mine.as_record() if mine is not None else "no split (replicated)"
+            raise CheckpointError(
+                f"{path}: field 'params.{name}.split' is {said}, but this model cuts '{name}' over {saved_tp} "
+                f"tensor-parallel ranks as {want}: an edited record, or a run that placed layers otherwise (load "
+                "with the tensor_parallel block it was saved with)"
+            )
 
 
 def _check_optimizer(zero, manifest: dict, path: str) -> None:

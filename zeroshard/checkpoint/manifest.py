@@ -23,6 +23,9 @@ from .safetensors_io import CheckpointError
 FORMAT = "zeroshard-checkpoint/2"  # /2: the manifest and every file header carry checksums
 _TORCH_DTYPES = {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
 _RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
+TENSOR_MARK = "__zeroshard_tensor__"  # in client_state, {TENSOR_MARK: "client.N"} stands for a saved tensor
+ESCAPE_MARK = "__zeroshard_dict__"  # {ESCAPE_MARK: {...}} stands for a user dict that holds one of the marks
+MAX_COUNTER = (1 << 63) - 1  # counters become int64 tensors and step numbers: a larger one is no real run's
 
 
 def rank_file(rank: int, suffix: str = ".safetensors") -> str:
@@ -65,6 +68,7 @@ def plain_name(value: str, what: str, where: str) -> str:
 
 # -- the manifest's schema: what a loader may rely on, checked before anything is read -----------------
 NonNegative = conint(ge=0, strict=True)
+Counter = conint(ge=0, le=MAX_COUNTER, strict=True)
 
 
 class _Strict(BaseModel):
@@ -98,10 +102,10 @@ class ModuleTensorEntry(_Strict):
 
 
 class Counters(_Strict):
-    global_steps: NonNegative
-    global_samples: NonNegative
-    skipped_steps: NonNegative
-    micro_steps: NonNegative
+    global_steps: Counter
+    global_samples: Counter
+    skipped_steps: Counter
+    micro_steps: Counter
 
 
 class FlatGroupState(_Strict):
@@ -181,7 +185,13 @@ def validate(data: Any, where: str) -> dict:
             raise CheckpointError(f"{where}: parameter '{name}' has unknown dtype {entry.dtype!r}")
         _check_split(name, entry, manifest.tensor_parallel_size, where)
         _check_pieces(name, entry, manifest.files, where)
+        _check_tensor_ranks(name, entry, manifest.tensor_parallel_size, where)
     _check_disjoint(manifest.params, where)
+    for reference in _client_references(manifest.client_state):
+        if reference not in manifest.client_tensors:
+            raise CheckpointError(
+                f"{where}: client_state refers to tensor {reference!r}, which 'client_tensors' does not list"
+            )
     for kind, entries in (("module tensor", manifest.module_tensors), ("client_state tensor", manifest.client_tensors)):
         for name, entry in entries.items():
             if entry.file not in manifest.files:
@@ -218,6 +228,11 @@ def saved_split(entry: dict) -> Optional[TensorSplit]:
 def _check_split(name: str, entry: ParamEntry, tensor_parallel_size: int, where: str) -> None:
     if entry.split is None:
         return
+    if tensor_parallel_size == 1:
+        raise CheckpointError(
+            f"{where}: field 'params.{name}.split' in a checkpoint saved without tensor parallelism "
+            "(tensor_parallel_size 1)"
+        )
     try:
         split = TensorSplit.from_record(entry.split)
         split.check(tuple(entry.shape), f"parameter '{name}'")
@@ -251,9 +266,44 @@ def _check_pieces(name: str, entry: ParamEntry, files: dict, where: str) -> None
             )
 
 
+def _client_references(value: Any) -> list:
+    """The tensor references in saved client state (an escaped user dict is data, never a reference)."""
+    if isinstance(value, dict):
+        if set(value) == {TENSOR_MARK}:
+            return [value[TENSOR_MARK]]
+        if set(value) == {ESCAPE_MARK} and isinstance(value[ESCAPE_MARK], dict):
+            value = value[ESCAPE_MARK]
+        return [ref for v in value.values() for ref in _client_references(v)]
+    if isinstance(value, list):
+        return [ref for v in value for ref in _client_references(v)]
+    return []
+
+
+def _check_tensor_ranks(name: str, entry: ParamEntry, tensor_parallel_size: int, where: str) -> None:
+    """A split parameter's pieces cover every tensor-parallel rank's piece in rank order; each must come from a
+    file of the rank whose piece it covers (tensor rank = global rank mod the degree, ``comm.parallel_layout``),
+    so pieces moved between the ranks' files are refused even with the checksum recomputed."""
+    if entry.split is None or tensor_parallel_size == 1:
+        return
+    per = 1
+    for dim in entry.shape:
+        per *= dim
+    per //= tensor_parallel_size
+    for i, (file, _, _, param_offset, count) in enumerate(entry.pieces):
+        writer = int(file[4:9]) % tensor_parallel_size
+        if param_offset // per != writer or (param_offset + count - 1) // per != writer:
+            raise CheckpointError(
+                f"{where}: params.{name}.pieces[{i}] covers tensor-parallel rank {param_offset // per}'s piece but "
+                f"lies in {file}, written by tensor-parallel rank {writer}: pieces moved between ranks"
+            )
+
+
 def _check_disjoint(params: dict[str, ParamEntry], where: str) -> None:
     """Pieces tile each parameter exactly once, and no two pieces share elements of a saved tensor: a shifted
-    offset that stays inside the tensor would otherwise read a neighbour's values."""
+    offset that stays inside the tensor would otherwise read a neighbour's values. Inside one saved tensor the
+    parameters lie in the manifest's order (every writer lays them out so), so offsets swapped between two
+    parameters are refused even with the checksum recomputed."""
+    order = {name: position for position, name in enumerate(params)}
     spans: dict[tuple[str, str], list[tuple[int, int, str, int]]] = {}
     for name, entry in params.items():
         covered = 0
@@ -279,6 +329,11 @@ def _check_disjoint(params: dict[str, ParamEntry], where: str) -> None:
                 raise CheckpointError(
                     f"{where}: params.{other}.pieces[{j}] overlaps params.{name}.pieces[{i}] in tensor '{key}' "
                     f"of {file}"
+                )
+            if order[other] < order[name]:
+                raise CheckpointError(
+                    f"{where}: in tensor '{key}' of {file}, params.{other}.pieces[{j}] lies after "
+                    f"params.{name}.pieces[{i}], against the manifest's order: offsets swapped between parameters"
                 )
 
 

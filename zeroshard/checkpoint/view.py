@@ -4,7 +4,7 @@ and ``load`` a :class:`TrainingState` instead of itself, so checkpointing depend
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -66,3 +66,6 @@ class TrainingState:
     fp16: bool
     # tensor parallelism: how each split parameter is cut over ``grid.tensor`` (by name; the others are replicated)
     tensor_splits: dict[str, TensorSplit] = field(default_factory=dict)
+    # how the model's parameters are cut over N tensor-parallel ranks (its own placement at that degree): a
+    # checkpoint's split records must agree; None where the engine cannot say
+    splits_at: Optional[Callable[[int], dict[str, TensorSplit]]] = None

@@ -77,3 +77,15 @@ class TensorSplit:
         if any(isinstance(v, bool) or not isinstance(v, int) for v in ints) or not isinstance(flag, bool):
             raise ValueError(f"a tensor split record holds integers and a boolean, got {record!r}")
         return cls(record["dim"], record["parts"], record["fused"], record["transposed"])
+
+
+def linear_splits(style: str, parts: int, fused: int = 1, transposed: bool = False, bias: bool = True) -> dict:
+    """How a linear layer's parameters (``weight``, ``bias``) are cut over ``parts`` ranks: a column-parallel layer
+    cuts its output features (the bias too), a row-parallel one its input features (the bias stays whole).
+    ``transposed``: the weight is stored (in, out), as Hugging Face's ``Conv1D``."""
+    if style == "column":
+        out = {"weight": TensorSplit(1 if transposed else 0, parts, fused, transposed)}
+        return {**out, "bias": TensorSplit(0, parts, fused)} if bias else out
+    if style == "row":
+        return {"weight": TensorSplit(0 if transposed else 1, parts, 1, transposed)}
+    raise ValueError(f"a linear layer is split as 'column' or 'row', not {style!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import inspect
 import os
 import time
@@ -23,7 +24,7 @@ from ..config import Resolution
 from ..log import log_rank0, logger
 from ..precision import PrecisionPolicy
 from ..profiling import FlopsProfiler
-from ..tensor_parallel import tensor_splits
+from ..tensor_parallel import layer_specs_from, splits_at, tensor_splits
 from ..zero import ParamAccess, ParamRecords, ZeroOptimizer, ZeroStack, consolidated_state_dict
 from ..zero.assemble import NO_OPTIMIZER
 from ..zero.stage3 import Stage3Runtime
@@ -668,6 +669,12 @@ class ZeroshardEngine(torch.nn.Module):
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             fp16=self.fp16_enabled(),
             tensor_splits=tensor_splits(self.module),
+            splits_at=functools.partial(
+                splits_at,
+                self.module,
+                layer_specs=layer_specs_from(self.settings.tensor_parallel),
+                use_default_specs=self.settings.tensor_parallel.partition_config.use_default_specs,
+            ),
         )
 
     def state_bytes(self) -> dict[str, int]:

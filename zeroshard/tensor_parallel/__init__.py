@@ -9,6 +9,7 @@ from .shard import (
     shard_for_training,
     shard_layers,
     sharded_group,
+    splits_at,
     tensor_splits,
     tp_model_init,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "shard_for_training",
     "shard_layers",
     "sharded_group",
+    "splits_at",
     "tensor_splits",
     "tp_model_init",
 ]

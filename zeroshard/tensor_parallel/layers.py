@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import comm
 from ..comm.autograd import copy_to_group, gather_from_group, reduce_from_group
-from ..partition import TensorSplit
+from ..partition import TensorSplit, linear_splits
 
 
 class ColumnParallelLinear(nn.Module):
@@ -41,10 +41,7 @@ class ColumnParallelLinear(nn.Module):
 
     def splits(self) -> dict[str, TensorSplit]:
         """How each parameter's full tensor is cut over the group: the output features, per fused projection."""
-        out = {"weight": TensorSplit(1 if self.transposed else 0, self.group.size, self.fused, self.transposed)}
-        if self.bias is not None:
-            out["bias"] = TensorSplit(0, self.group.size, self.fused)
-        return out
+        return linear_splits("column", self.group.size, self.fused, self.transposed, self.bias is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_group(x, self.group), self.weight, self.bias)
@@ -66,7 +63,7 @@ class RowParallelLinear(nn.Module):
 
     def splits(self) -> dict[str, TensorSplit]:
         """The weight's input features are cut over the group."""
-        return {"weight": TensorSplit(0 if self.transposed else 1, self.group.size, 1, self.transposed)}
+        return linear_splits("row", self.group.size, transposed=self.transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_group(F.linear(x, self.weight), self.group)

@@ -8,6 +8,7 @@ For inference (``zeroshard.init_inference``) the replicated parameters are read 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional, Union
 
@@ -20,7 +21,7 @@ from ..checkpoint.weights import ModuleSource, WeightSource
 from ..comm.autograd import reduce_from_group
 from ..config import parse_config
 from ..config.inference import parse_inference_config
-from ..partition import TensorSplit
+from ..partition import TensorSplit, linear_splits
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 from .placement import (
     HEAD_COUNT_ATTRIBUTES,
@@ -113,6 +114,28 @@ def tensor_splits(model: nn.Module) -> dict[str, TensorSplit]:
             for attribute, split in module.splits().items():
                 splits[f"{name}.{attribute}" if name else attribute] = split
     return splits
+
+
+def splits_at(
+    model: nn.Module, parts: int, layer_specs: tuple[LayerSpec, ...] = (), use_default_specs: bool = True
+) -> dict[str, TensorSplit]:
+    """How this model's parameters are (or would be) cut over ``parts`` tensor-parallel ranks in training: a model
+    already split keeps its own placement at that degree; a whole one is planned as :func:`shard_for_training`
+    would (pure: nothing is split). A checkpoint's split records are checked against it."""
+    own = tensor_splits(model)
+    if sharded_group(model) is not None:
+        return {name: dataclasses.replace(split, parts=parts) for name, split in own.items()}
+    plan = plan_tensor_parallel(
+        model, parts, layer_specs=layer_specs, use_default_specs=use_default_specs, split_vocabulary=False
+    )
+    out = {}
+    for layer in plan.layers:
+        module = model.get_submodule(layer.name)
+        prefix = f"{layer.name}." if layer.name else ""
+        if layer.style in ("column", "row"):
+            planned = linear_splits(layer.style, parts, layer.fused, layer.transposed, module.bias is not None)
+            out.update({prefix + attribute: split for attribute, split in planned.items()})
+    return out
 
 
 def _summed_over(grad: torch.Tensor, group: comm.Group) -> torch.Tensor:
