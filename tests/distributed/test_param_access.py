@@ -126,10 +126,10 @@ def _one_config(case: ParityCase, batches, rank: int, world: int) -> dict:
     set_ok &= torch.equal(engine.consolidated_state_dict(rank0_only=False)[name].float(), value / 1000)
     mine = safe_get_local_fp32_param(target)
     safe_set_local_fp32_param(target, torch.full_like(mine, float(rank + 1)))
-    safe_set_local_optimizer_state(target, torch.full_like(mine, -float(rank + 1)), "exp_avg_sq")
+    safe_set_local_optimizer_state(target, torch.full_like(mine, float(rank + 1) / 8), "exp_avg_sq")
     both = safe_get_full_fp32_param(target).reshape(-1)
     set_ok &= bool(((both == 1) | (both == 2)).all()) and (not bool((both == 2).any()) or world > 1)
-    set_ok &= bool((safe_get_full_optimizer_state(target, "exp_avg_sq") < 0).all())
+    set_ok &= bool((safe_get_full_optimizer_state(target, "exp_avg_sq") > 0).all())
 
     hostile = []
     for call in (
@@ -141,6 +141,8 @@ def _one_config(case: ParityCase, batches, rank: int, world: int) -> dict:
         lambda: safe_get_full_fp32_param("not a parameter"),
         lambda: safe_set_full_grad(target, torch.full_like(value, float("inf"))),
         lambda: safe_set_local_grad(target, torch.zeros(mine.numel() + 1)),
+        lambda: safe_set_full_optimizer_state(target, -value - 1, "exp_avg_sq"),  # a negative second moment
+        lambda: safe_set_local_optimizer_state(target, torch.full_like(mine, -1.0), "exp_avg_sq"),
     ):
         try:
             call()
@@ -191,6 +193,7 @@ def _one_config(case: ParityCase, batches, rank: int, world: int) -> dict:
         "set_ok": bool(set_ok),
         "grad_ok": bool(grad_ok),
         "hostile": hostile,
+        "fragment_numel": mine.numel(),
         "freed": freed and len(storages) > 0,
         "refused": refused,
         "same_after_reload": same and losses[0] == losses[1],
@@ -208,7 +211,7 @@ def test_safe_get_and_set_match_the_reference_step(results, label):
         result = per_rank[label]
         assert result["errors"] == []
         assert result["set_ok"] and result["grad_ok"]
-        wrong_shape, nan, key, fragment, stranger, not_param, inf_grad, grad_fragment = result["hostile"]
+        wrong_shape, nan, key, fragment, stranger, not_param, inf_grad, grad_fragment, *negative = result["hostile"]
         assert wrong_shape.startswith("ValueError") and "shape" in wrong_shape
         assert nan.startswith("ValueError") and "NaN" in nan
         assert key.startswith("KeyError") and "momentum_buffer" in key and "exp_avg" in key
@@ -217,6 +220,9 @@ def test_safe_get_and_set_match_the_reference_step(results, label):
         assert not_param.startswith("TypeError")
         assert inf_grad.startswith("ValueError") and "NaN or inf" in inf_grad
         assert grad_fragment.startswith("ValueError") and "element" in grad_fragment
+        whole, local = negative  # a rank holding none of the parameter has no fragment to refuse
+        assert whole.startswith("ValueError") and "negative 'exp_avg_sq'" in whole, whole
+        assert "negative 'exp_avg_sq'" in local if result["fragment_numel"] else local == "accepted", local
 
 
 @pytest.mark.parametrize("label", list(CONFIGS))

@@ -432,15 +432,58 @@ def tp_refusals_worker() -> dict:
         [str(w.message) for w in seen if "counted all" in str(w.message)],
     )
     engine.destroy()
+    out.update(_spec_refusals(config, caught))
     return out
 
 
-def test_tensor_parallel_refusals_and_the_legacy_order():
+def _spec_refusals(config, caught) -> dict:
+    """Layer specs that leave the model inconsistent are refused at initialize (before: the first forward failed
+    with "mat1 and mat2 shapes cannot be multiplied"); a spec matching an embedding or a norm is named as ignored;
+    a pattern that backtracks without bound is refused by the config (before: initialize ran for minutes)."""
+    import warnings
+
+    import zeroshard
+    from zeroshard.tensor_parallel import PlacementError
+    from zeroshard.testing.hf import tiny_causal_lm
+
+    def specs(*entries):
+        return config(autotp_size=2, partition_config={"layer_specs": [dict(e) for e in entries]})
+
+    def refused(*entries):
+        model = tiny_causal_lm("llama")
+        return caught(lambda: zeroshard.initialize(model=model, config=specs(*entries)), PlacementError)
+
+    out = {
+        "all_column": refused({"patterns": [".*"], "partition_type": "column"}),
+        "all_row": refused({"patterns": [".*"], "partition_type": "row"}),
+        "q_row": refused({"patterns": [r".*\.q_proj$"], "partition_type": "row"}),
+        "redos": caught(
+            lambda: zeroshard.initialize(model=tiny_causal_lm("llama"), config=specs({"patterns": ["(.*.*)*Z"]})),
+            ValueError,
+        ),
+    }
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        norm = {"patterns": [r".*embed_tokens$", r".*input_layernorm$"], "partition_type": "column"}
+        engine, *_ = zeroshard.initialize(model=tiny_causal_lm("llama"), config=specs(norm))
+    batch = _tp_batches()[0][:2]
+    out["ignored"] = [str(w.message) for w in seen if "stay replicated" in str(w.message)]
+    out["ignored_trains"] = bool(torch.isfinite(engine(input_ids=batch, labels=batch).loss))
+    engine.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_refusals() -> list:
+    return run_distributed(tp_refusals_worker, 2)
+
+
+def test_tensor_parallel_refusals_and_the_legacy_order(tp_refusals):
     """tp_model_init before initialize (OpenRLHF, the HF Trainer) gives the same model as the config alone; a size
     that disagrees, different batches in one group, heads that do not divide, zero.Init, a degree that does not
     divide the ranks: each a named error on every rank, no hang; a batch size that counted every rank is corrected
     with a warning."""
-    for rank, out in enumerate(run_distributed(tp_refusals_worker, 2)):
+    for rank, out in enumerate(tp_refusals):
         assert out["legacy_loss_True"] == out["config_loss"] == out["legacy_loss_False"]
         assert out["legacy_size_True"] == out["legacy_size_False"] == 2
         assert "tensor_parallel.autotp_size is 1" in out["disagree"]
@@ -450,6 +493,16 @@ def test_tensor_parallel_refusals_and_the_legacy_order():
         assert "zero.Init with tensor_parallel.autotp_size > 1" in out["zero_init"]
         batch, warned = out["corrected_batch"]
         assert batch == 2 and len(warned) == 1 and "train_batch_size 4 -> 2" in warned[0], (rank, warned)
+
+
+def test_layer_specs_that_cannot_work_are_refused_at_initialize(tp_refusals):
+    for out in tp_refusals:
+        assert "with column-parallel layers" in out["all_column"] and "no row-parallel layer" in out["all_column"]
+        assert "with row-parallel layers" in out["all_row"] and "no column-parallel layer" in out["all_row"]
+        assert "a forward of 4 tokens fails" in out["q_row"] and "layer_specs" in out["q_row"]
+        assert "'(.*.*)*Z' can take exponential time" in out["redos"]
+        assert len(out["ignored"]) == 1 and "embed_tokens (Embedding)" in out["ignored"][0], out["ignored"]
+        assert "input_layernorm (LlamaRMSNorm)" in out["ignored"][0] and out["ignored_trains"]
 
 
 # -- checkpoints across tensor-parallel degrees ----------------------------------------------------------------------

@@ -78,6 +78,8 @@ def flag(where: str, value: Any) -> bool:
 # what each hyperparameter key means, whichever optimizer takes it
 CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "lr": non_negative,
+    "muon_lr": non_negative,  # Muon's own learning rates over lr
+    "adam_lr": non_negative,
     "weight_decay": non_negative,
     "eps": positive,
     "betas": betas,

@@ -143,6 +143,11 @@ class MuonWithAuxAdam(Optimizer):
                         ns_method=ns_method, use_muon=True)  # fmt: skip
         super().__init__(params, defaults)
         for group in self.param_groups:
+            if group["use_muon"] and not 0 <= group["momentum"] < 1:  # buf = lerp(buf, g, 1 - momentum)
+                raise ValueError(
+                    f"optimizer.params.momentum {group['momentum']!r}: Muon's momentum is a fraction in [0, 1) "
+                    "(DeepSpeed's default 0.95)"
+                )
             if group["use_muon"] and group["ns_method"] not in ORTHOGONALIZE:
                 raise ValueError(
                     f"optimizer.params.ns_method {group['ns_method']!r}: expected one of {sorted(ORTHOGONALIZE)} "

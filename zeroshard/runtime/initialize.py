@@ -18,7 +18,7 @@ from ..log import log_as_launched, log_rank0, logger
 from ..offload import OffloadPlan
 from ..optim import Lamb, ShardedNorms, build_optimizer, build_schedule, check_client_optimizer, muon_param_groups
 from ..precision import PrecisionPolicy
-from ..tensor_parallel import layer_specs_from, shard_for_training, sharded_group, tensor_splits
+from ..tensor_parallel import check_forward, layer_specs_from, shard_for_training, sharded_group, tensor_splits
 from ..zero import Placement, ZeroOptimizer, ZeroStack, build_zero_stack
 from ..zero.init import Materializer, has_meta_parameters, pending_seed, release_pending
 from ..zero.optimizer_state import MakeOptimizer
@@ -200,6 +200,7 @@ def _split_over_tensor_group(model: torch.nn.Module, cfg, grid: comm.RankGrid, m
         _broadcast_module(model, grid.world)
         settings = cfg.tensor_parallel
         shard_for_training(model, grid.tensor, layer_specs_from(settings), settings.partition_config.use_default_specs)
+        check_forward(model, grid.tensor)
     splits = tensor_splits(model)
     pieces = frozenset(p for name, p in model.named_parameters() if name in splits)
     if already:

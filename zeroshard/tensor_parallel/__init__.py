@@ -5,6 +5,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedd
 from .placement import LayerSpec, PlacementError, TensorParallelPlan, layer_specs_from, plan_tensor_parallel
 from .shard import (
     Cast,
+    check_forward,
     set_autotp_mode,
     shard_for_training,
     shard_layers,
@@ -16,6 +17,7 @@ from .shard import (
 
 __all__ = [
     "Cast",
+    "check_forward",
     "ColumnParallelLinear",
     "LayerSpec",
     "PlacementError",

@@ -14,6 +14,7 @@ third is split separately so every rank keeps whole heads of all three.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -162,6 +163,8 @@ def plan_tensor_parallel(
         _check_hf_plan(model, layer_specs)
     if injection_policy is None:
         layers += _automatic(model, set(vocab), layer_specs, use_default_specs)
+        if layer_specs:
+            _check_spec_placement(model, layers, layer_specs)
     else:
         layers += _from_policy(model, injection_policy, set(vocab))
     for plan in layers:
@@ -300,6 +303,43 @@ def _automatic(
                 "down projection)"
             )
     return plans
+
+
+def _check_spec_placement(model: nn.Module, layers: list[LayerPlan], layer_specs: tuple[LayerSpec, ...]) -> None:
+    """What user layer specs can get wrong, said at ``initialize`` instead of at the first forward: a block left
+    with column-parallel layers and no row-parallel one to join their split outputs (or the reverse) cannot run; a
+    spec that matches a module which is not a linear layer (an embedding, a norm, the LM head) is ignored, and said
+    so. (A spec that splits the wrong layer of a consistent block, e.g. ``q_proj`` as row, is caught by the forward
+    :func:`~zeroshard.tensor_parallel.shard.check_forward` runs after the split.)"""
+    model_type = _model_type(model)
+    styles: dict[str, dict[str, list[str]]] = {}
+    for plan in layers:
+        if plan.style in ("column", "row"):
+            parent, _, leaf = plan.name.rpartition(".")
+            styles.setdefault(parent, {"column": [], "row": []})[plan.style].append(leaf)
+    for parent, found in styles.items():
+        if not found["column"] or not found["row"]:
+            only, other = ("column", "row") if found["column"] else ("row", "column")
+            raise PlacementError(
+                f"tensor_parallel.partition_config.layer_specs leave '{parent or '<root>'}' with {only}-parallel "
+                f"layers {found[only]} and no {other}-parallel layer: a column layer's split output must be joined "
+                "by a row layer of the same block (attention q/k/v column with o_proj row; MLP up/gate column with "
+                "down row); fix the specs' patterns"
+            )
+    planned = {plan.name for plan in layers}
+    ignored = [
+        f"{name} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if name not in planned
+        and any(True for _ in module.parameters(recurse=False))
+        and any(spec.style != "skip" and spec.matches(name, model_type) for spec in layer_specs)
+    ]
+    if ignored:
+        warnings.warn(
+            f"tensor_parallel.partition_config.layer_specs match {ignored[:8]}{' ...' if len(ignored) > 8 else ''}, "
+            "which stay replicated: only linear layers are split in training (the embedding and LM head stay whole)",
+            stacklevel=3,
+        )
 
 
 def _from_policy(model: nn.Module, policy: dict, skip: set[str]) -> list[LayerPlan]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Optional, Union
 
 import torch
@@ -28,6 +29,7 @@ from .placement import (
     WIDTH_ATTRIBUTES,
     LayerPlan,
     LayerSpec,
+    PlacementError,
     TensorParallelPlan,
     features,
     layer_specs_from,
@@ -114,6 +116,30 @@ def tensor_splits(model: nn.Module) -> dict[str, TensorSplit]:
             for attribute, split in module.splits().items():
                 splits[f"{name}.{attribute}" if name else attribute] = split
     return splits
+
+
+def check_forward(model: nn.Module, group: comm.Group) -> None:
+    """A forward of a few tokens right after the split (Hugging Face language models, whose inputs are known): a
+    placement that leaves the model inconsistent (a layer split on the wrong side, e.g. ``q_proj`` row-parallel)
+    fails here, at ``initialize``, naming the cause, instead of at the first training step. Evaluation mode, no
+    gradients, the CPU RNG restored: it changes nothing."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int) or "input_ids" not in inspect.signature(model.forward).parameters:
+        return
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    training = model.training
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model.eval()
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device))
+    except RuntimeError as err:
+        raise PlacementError(
+            f"tensor parallelism over {group.size} ranks: after splitting the layers as planned, a forward of 4 tokens "
+            f"fails ({err}); the placement leaves the model inconsistent (a layer split on the wrong side?): check "
+            "tensor_parallel.partition_config.layer_specs"
+        ) from None
+    finally:
+        model.train(training)
 
 
 def splits_at(

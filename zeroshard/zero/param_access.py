@@ -123,7 +123,7 @@ class ParamAccess:
 
     def set_local_optimizer_state(self, param: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
         fragment = self._required(param)
-        self._write_state(fragment, _checked(value, fragment.numel, "this rank's fragment"), key)
+        self._write_state(fragment, _not_negative(key, _checked(value, fragment.numel, "this rank's fragment")), key)
 
     # -- the whole parameter: collectives over its shard group -------------------------------------------
     def full_fp32_param(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -164,6 +164,7 @@ class ParamAccess:
 
     def set_full_optimizer_state(self, param: torch.nn.Parameter, value: torch.Tensor, key: str) -> None:
         fragment = self._required(param)
+        _not_negative(key, self._whole_value(fragment, value))  # the whole value: every rank refuses it alike
         self._write_state(fragment, self._mine(fragment, value), key)
 
     # -- the mechanics ---------------------------------------------------------------------------------
@@ -209,6 +210,18 @@ class ParamAccess:
         tensors = {k: v.clone() for k, v in self.state.read_flat(fragment.index).items()}
         fragment.of_shard(tensors[key]).copy_(values)
         self.state.write_flat(fragment.index, tensors, self.state.scalars(fragment.index))
+
+
+NON_NEGATIVE_STATE = ("exp_avg_sq", "max_exp_avg_sq", "sum", "exp_inf")  # Adam's, Adagrad's, Adamax's second moments
+
+
+def _not_negative(key: str, value: torch.Tensor) -> torch.Tensor:
+    if key in NON_NEGATIVE_STATE and bool((value < 0).any()):
+        raise ValueError(
+            f"refusing a negative {key!r}: it is a mean (or maximum, or sum) of squares, never below 0, and the next "
+            "step takes its square root"
+        )
+    return value
 
 
 def _checked(value: torch.Tensor, numel: int, what: str) -> torch.Tensor:

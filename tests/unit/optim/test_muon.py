@@ -83,6 +83,27 @@ def test_config_refusals_are_named():
     assert built.param_groups[0]["ns_method"] == "gram"
 
 
+@pytest.mark.parametrize(
+    "params,field",
+    [
+        ({"muon_lr": float("nan")}, "optimizer.params.muon_lr"),
+        ({"adam_lr": float("nan")}, "optimizer.params.adam_lr"),
+        ({"muon_lr": -0.1}, "optimizer.params.muon_lr"),
+        ({"adam_lr": float("inf")}, "optimizer.params.adam_lr"),
+        ({"momentum": 1.5}, "optimizer.params.momentum 1.5"),
+        ({"momentum": 1.0}, "optimizer.params.momentum 1.0"),
+    ],
+)
+def test_learning_rates_and_momentum_that_would_poison_the_weights_are_refused(params, field):
+    """Accepted before: a NaN muon_lr / adam_lr turned the weights NaN, momentum 1.5 diverged."""
+    from zeroshard.optim import ShardedNorms
+
+    with pytest.raises(ValueError, match=field):
+        build_optimizer(
+            "Muon", params, one_matrix(), zero_stage=0, allow_untested=False, sharded_norms=ShardedNorms({}, 0, print)
+        )
+
+
 @pytest.mark.parametrize("shape", [(8, 40), (40, 8), (12, 12), (3, 50)])
 def test_gram_newton_schulz_is_the_quintic_iteration_on_the_gram_matrix(shape):
     """DeepSpeed's ns_method "gram" computes the same polynomial of X X^T as the plain iteration: in fp32 (on the

@@ -198,3 +198,28 @@ def test_a_models_own_plan_style_zeroshard_lacks_is_named():
 def test_training_keeps_the_vocabulary_replicated():
     plan = plan_tensor_parallel(gpt2(), 2, split_vocabulary=False)
     assert not {"transformer.wte", "lm_head"} & {p.name for p in plan.layers}
+
+
+@pytest.mark.parametrize(
+    "pattern,refused",
+    [
+        ("(.*.*)*Z", True),  # nested unbounded repeats: exponential on a failing match
+        ("(a|aa)*b", True),  # alternatives under an unbounded repeat
+        ("(a+)+$", True),
+        ("x" * 600, True),  # longer than any module name pattern needs
+        (r".*\.self_attn\.[qkv]_proj$", False),
+        (r".*\.mlp\.(up|gate)_proj$", False),
+        (r"model\.layers\.\d+\.(q|k)_proj", False),
+    ],
+)
+def test_layer_spec_patterns_that_backtrack_without_bound_are_refused(pattern, refused):
+    """Python's re has no time limit; a spec's pattern is matched against every module name at initialize."""
+    from zeroshard.config import parse_config
+
+    block = {"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": [pattern]}]}}
+    config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": block}
+    if refused:
+        with pytest.raises(ValueError, match="can take exponential time to match"):
+            parse_config(config)
+    else:
+        parse_config(config)
