@@ -19,8 +19,8 @@ from .client_state import read_client_tensors, restore_client_state
 from .deepspeed_import import is_deepspeed_checkpoint
 from .manifest import Piece, piece_dtype, rank_file, saved_split
 from .reading import Sources, assemble, read_manifest, read_parameter, resolve_tag
-from .safetensors_io import CheckpointError
-from .save import outside_tensors
+from .safetensors_io import DTYPES, CheckpointError
+from .save import COMPRESSION, outside_tensors
 from .view import TrainingState
 
 
@@ -71,7 +71,7 @@ def load(
     zero = state.optimizer
     error: Optional[CheckpointError] = None
     report: list[str] = []
-    client_state = None
+    client_state, compression = None, {}
     try:  # reading and verifying issues no collective, so a rank that fails cannot strand the others
         with torch.no_grad():
             read = _PieceReader(sources, state)
@@ -86,6 +86,8 @@ def load(
             client_state = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest))
             if not load_module_only:
                 report = _load_training_state(state, manifest, sources, load_optimizer_states, load_lr_scheduler_states)
+                if zero is not None and load_optimizer_states:
+                    compression = _compression_state(state, manifest, sources)
     except CheckpointError as err:
         error = err
     finally:
@@ -100,6 +102,14 @@ def load(
     if zero is not None:
         with torch.no_grad():
             zero.publish()  # the compute parameters follow the loaded master weights
+        if compression:
+            restored = zero.load_compression_state(compression)
+            log_rank0(
+                "load_checkpoint: 1-bit compression errors and momentum restored (same layout: the resume is exact)"
+                if restored
+                else "load_checkpoint: 1-bit compression state reset (saved at another layout; the exchange restarts "
+                "from the loaded exp_avg with zero errors, as DeepSpeed does on every load)"
+            )
     return Restored(path, None if load_module_only else client_state, report)
 
 
@@ -356,6 +366,28 @@ def _load_training_state(
     else:
         report.append(f"RNG states not restored (saved by {manifest['world_size']} ranks)")
     return [line for line in report if line]
+
+
+def _compression_state(state: TrainingState, manifest: dict, sources: Sources) -> dict[str, torch.Tensor]:
+    """This rank's saved 1-bit compression state, when the checkpoint was saved at this layout (the same ranks in the
+    same shard groups: each rank's errors are its own); {} otherwise."""
+    same = (manifest["world_size"], manifest["shard_group_size"], manifest.get("tensor_parallel_size", 1)) == (
+        state.grid.world.size,
+        state.grid.shard.size,
+        state.grid.tensor.size,
+    )
+    if not same or "imported_from" in manifest:
+        return {}
+    file = rank_file(comm.get_rank())
+    out = {}
+    for key in manifest["files"][file]["crc"]:
+        if key.startswith(COMPRESSION):
+            entry = sources.reader(file).entry(key)
+            dtype = str(DTYPES.get(entry["dtype"])).removeprefix("torch.")
+            if dtype not in ("float32", "uint8"):
+                raise CheckpointError(f"checkpoint file {sources.reader(file).path}: '{key}' is {dtype}")
+            out[key.removeprefix(COMPRESSION)] = sources.read(file, key, dtype).view(entry["shape"])
+    return out
 
 
 def _rng_state(sources: Sources, file: str, key: str, current: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,8 @@ from .manifest import FORMAT, pieces_for, plain_name, rank_file, seal
 from .safetensors_io import write
 from .view import TrainingState
 
+COMPRESSION = "compression."  # a rank file's 1-bit compression state, restored at the same layout only
+
 
 def _scalar(value: Any) -> dict:
     if torch.is_tensor(value):
@@ -151,7 +153,8 @@ def _write_rank_files(state: TrainingState, tmp: str, frozen: list, others: list
     for j, flat in enumerate(frozen):
         if _writes_flat(state, flat):  # the compute-precision shard is a frozen parameter's only copy
             specs.append((f"master.ff{j}", flat.dtype, (flat.layout.shard_numel,)))
-    others = [*others, ("rng.cpu", torch.get_rng_state())]
+    compression = zero.compression_state() if zero is not None else {}  # this rank's own: 1-bit Adam's errors
+    others = [*others, *((f"{COMPRESSION}{n}", t) for n, t in compression.items()), ("rng.cpu", torch.get_rng_state())]
     if torch.cuda.is_available():
         others.append(("rng.cuda", torch.cuda.get_rng_state()))
     specs += [(name, t.dtype, tuple(t.shape)) for name, t in others]

@@ -38,6 +38,10 @@ class ShardedOptimizer(Protocol):
 
     def publish(self) -> None: ...
 
+    def compression_state(self) -> dict[str, torch.Tensor]: ...
+
+    def load_compression_state(self, tensors: dict[str, torch.Tensor]) -> bool: ...
+
 
 @dataclass
 class TrainingCounters:

@@ -21,8 +21,11 @@ gradient whose momentum rule leads from the old averaged momentum to the new one
 (device, host, NVMe), the unseen-element mask and checkpoints are therefore those of exact training; the
 exchange needs each rank's whole gradient, which the reducer keeps unreduced in the compressed phase.
 
-Right after the warm-up or a load, ``m`` is the owners' ``exp_avg``, gathered exactly once. The errors and
-messages are per rank and world size: a load forgets them (DeepSpeed resets its errors on load too).
+Right after the warm-up, ``m`` is the owners' ``exp_avg``, gathered exactly once. The errors and messages are per
+rank and layout: a checkpoint saves each rank's (:meth:`OneBitMomentum.state_tensors`), and a load at the same
+layout (world size, shard groups, flat groups) restores them, so a resume in the compressed phase continues bit for
+bit; at another layout they do not fit, and the load starts the exchange afresh from the loaded ``exp_avg`` with
+zero errors (what DeepSpeed does on every load).
 """
 
 from __future__ import annotations
@@ -115,6 +118,48 @@ class OneBitMomentum:
         """Whether the next exchange of flat group ``index`` starts from the optimizer's momentum."""
         state = self._state.get(index)
         return state is None or state.momentum is None
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's compression state, for a checkpoint: per flat group its two errors and the gathered
+        momentum's 1-bit messages."""
+        out = {}
+        for index, state in sorted(self._state.items()):
+            out[f"fg{index}.worker_error"] = state.worker_error
+            out[f"fg{index}.server_error"] = state.server_error
+            if state.momentum is not None:
+                out[f"fg{index}.momentum"] = state.momentum
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Restore what :meth:`state_tensors` saved when every tensor fits this layout exactly; otherwise keep the
+        exchange reset. Returns whether it restored."""
+        restored: dict[int, _Exchange] = {}
+        for index, flat in enumerate(self.flats):
+            n, chunk = flat.shard_group.size, self.chunk_numel(index)
+            worker, server = tensors.get(f"fg{index}.worker_error"), tensors.get(f"fg{index}.server_error")
+            momentum = tensors.get(f"fg{index}.momentum")
+            if worker is None and server is None and momentum is None:
+                continue
+            fits = (
+                worker is not None
+                and server is not None
+                and n > 1
+                and worker.shape == ((n - 1) * chunk,)
+                and server.shape == (chunk,)
+                and (momentum is None or momentum.shape == (n, ONE_BIT.message_nbytes(chunk)))
+                and bool(torch.isfinite(worker).all() and torch.isfinite(server).all())
+            )
+            if not fits:
+                return False
+            restored[index] = _Exchange(
+                worker.to(flat.device, torch.float32),
+                server.to(flat.device, torch.float32),
+                momentum.to(flat.device, torch.uint8) if momentum is not None else None,
+            )
+        if len(tensors) != sum(2 + (s.momentum is not None) for s in restored.values()):
+            return False  # names of flat groups this layout does not have
+        self._state = restored
+        return True
 
     def reset(self) -> None:
         """Forget the errors and the gathered momentum (after a load: they are per rank and world size)."""

@@ -251,6 +251,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.optimizer.reset_compression()
         self._choose_reduction()
 
+    def compression_state(self) -> dict[str, torch.Tensor]:
+        """This rank's 1-bit Adam compression state (errors, the gathered momentum), for a checkpoint; {} otherwise."""
+        return self.onebit_momentum.state_tensors() if self.onebit_momentum is not None else {}
+
+    def load_compression_state(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """After :meth:`publish`: restore a checkpoint's compression state when it fits this layout exactly (a
+        resume in the compressed phase is then bit-identical); returns whether it did."""
+        return self.onebit_momentum is not None and self.onebit_momentum.load_state_tensors(tensors)
+
     def compression_bytes(self) -> int:
         """Bytes a 1-bit optimizer's compression holds: errors, the gathered momentum, 0/1 Adam's local updates."""
         held = self.onebit_momentum.nbytes() if self.onebit_momentum is not None else 0
