@@ -1,11 +1,12 @@
 """Step time of zeroshard stages 0-3 against torch DDP and FSDP2, same model, data and global batch, one run.
 
-    python benchmarks/step_time.py [--world 2] [--n_layer 4] [--n_embd 256] [--steps 30]
+    python benchmarks/step_time.py [--world 2] [--n_layer 4] [--n_embd 256] [--steps 30] [--gradient_check]
 
 Each system trains the same GPT from the same seed on the same micro-batches; the systems take
 turns step by step inside one process group, so machine noise hits all of them alike. Reports the
 median step time and its ratio to DDP, the final loss (all systems must agree), and bytes
-communicated per step.
+communicated per step. ``--gradient_check`` adds each stage with ``gradient_check`` on, checking every step and
+every 100th step (its overhead, against the same stage without it).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def fsdp2_system(cfg, lr, dtype: str = "fp32"):
     return torch_step(model, opt)
 
 
-def zeroshard_system(cfg, lr, stage, micro, extra_zero=None, dtype: str = "fp32"):
+def zeroshard_system(cfg, lr, stage, micro, extra_zero=None, dtype: str = "fp32", extra=None):
     import zeroshard
 
     torch.manual_seed(0)
@@ -89,6 +90,7 @@ def zeroshard_system(cfg, lr, stage, micro, extra_zero=None, dtype: str = "fp32"
             **(extra_zero or {}),
         },
         "bf16": {"enabled": dtype == "bf16"},
+        **(extra or {}),
     }
     engine, _, _, _ = zeroshard.initialize(model=model, config=config)
     return engine_step(engine)
@@ -130,13 +132,16 @@ def take_turns(systems: dict, data: list, warmup: int, after_step=None) -> dict:
     return results
 
 
-def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int):
+def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int, gradient_check: bool = False):
     from zeroshard import comm
 
     data = batches(cfg, steps, micro, comm.get_rank())
     systems = {"ddp": ddp_system(cfg, 1e-3), "fsdp2": fsdp2_system(cfg, 1e-3)}
     for stage in (0, 1, 2, 3):
         systems[f"zeroshard-{stage}"] = zeroshard_system(cfg, 1e-3, stage, micro)
+        for interval in (1, 100) if gradient_check else ():
+            check = {"gradient_check": {"enabled": True, "interval": interval}}
+            systems[f"zeroshard-{stage} check/{interval}"] = zeroshard_system(cfg, 1e-3, stage, micro, extra=check)
 
     def wire(name, step):
         return {"bytes": step.engine.comm_ledger.total_wire_bytes() if name.startswith("zeroshard") else None}
@@ -152,10 +157,13 @@ def main():
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--gradient_check", action="store_true", help="add each stage with gradient_check on")
     args = parser.parse_args()
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd)
     params = sum(p.numel() for p in GPT(cfg).parameters())
-    results = run_distributed(worker, args.world, cfg, args.steps, args.micro, args.warmup, timeout_s=3600)[0]
+    results = run_distributed(
+        worker, args.world, cfg, args.steps, args.micro, args.warmup, args.gradient_check, timeout_s=3600
+    )[0]
     base = statistics.median(results["ddp"]["times"])
     print(
         f"GPT {params / 1e6:.2f}M params, {args.world} Gloo ranks, micro-batch {args.micro} x {cfg.block_size} tokens"

@@ -678,6 +678,17 @@ REMOVED_IN_DEEPSPEED = {
 MAX_BATCH = 2**31 - 1  # samples in a batch: beyond a sampler's index range
 
 
+class GradientCheckConfig(Section):
+    """zeroshard's own (DeepSpeed has none): check at the step that the gradient reduction summed every rank's
+    gradient and divided by the group size, from random projections (``zeroshard/zero/gradient_check.py``). One
+    small all-reduce per checked step; ``interval`` checks every N-th optimizer step."""
+
+    enabled: bool = False
+    interval: int = Field(1, ge=1)
+    projections: int = Field(2, ge=1, le=16)  # random directions per flat group: more make a miss less likely
+    seed: int = Field(0, ge=0)
+
+
 class ZeroshardConfig(Section):
     train_batch_size: Union[int, Auto, None] = Field(None)
     train_micro_batch_size_per_gpu: Union[int, Auto, None] = Field(None)
@@ -751,6 +762,7 @@ class ZeroshardConfig(Section):
     tensor_parallel: TensorParallelTrainingConfig = Field(default_factory=TensorParallelTrainingConfig)
     # Ulysses: the ranks of a sequence-parallel group split each sample's tokens (zeroshard.sequence_parallel)
     sequence_parallel_size: int = Field(1, ge=1)
+    gradient_check: GradientCheckConfig = Field(default_factory=GradientCheckConfig)
     nebula: Optional[dict[str, Any]] = None
     weight_quantization: Optional[dict[str, Any]] = None
 

@@ -24,6 +24,7 @@ from ..offload import OffloadDevice, OffloadPlan, ShardHomes, shard_homes
 from ..precision import LossScaler, PrecisionPolicy
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
+from .gradient_check import GradientCheck
 from .optimizer import NormAxes, ZeroOptimizer
 from .optimizer_state import MakeOptimizer, build_optimizer_state
 from .param_access import ParamAccess
@@ -283,15 +284,38 @@ def build_zero_stack(
 def _reducer(model, buckets, grid: comm.RankGrid, stage: StagePolicy, config, stage3) -> GradientReducer:
     """The gradient hooks and reductions; under stage 3 a bucket's completion frees its unit (wired here)."""
     z = config.zero_optimization
+    names = {p: name for name, p in model.named_parameters()}
     return GradientReducer(
         buckets,
-        {p: name for name, p in model.named_parameters()},
+        names,
         grid.data,
         reduce_every_micro_step=stage.reduce_every_micro_step,
         overlap_comm=z.overlap_comm,
         predivide=config.gradient_predivide_factor,
         ignore_unused_parameters=z.ignore_unused_parameters,
         on_bucket_complete=stage3.on_flat_group_complete if stage3 is not None else None,
+        check=_gradient_check(buckets, names, grid, config),
+    )
+
+
+def _gradient_check(buckets, names: dict, grid: comm.RankGrid, config) -> Optional[GradientCheck]:
+    """The ``gradient_check`` block's check, or None (off, the default)."""
+    settings = config.gradient_check
+    if not settings.enabled:
+        return None
+    if any(bucket.codec is not None for bucket in buckets):
+        raise NotImplementedError(
+            "gradient_check with zero_optimization.zero_quantized_gradients: the quantized reduce-scatter is not "
+            "exact, and the check cannot tell its rounding from a lost gradient; use one or the other"
+        )
+    return GradientCheck(
+        buckets,
+        grid.data,
+        grid.world,
+        [[names[p] for p in bucket.flat.params] for bucket in buckets],
+        interval=settings.interval,
+        projections=settings.projections,
+        seed=settings.seed,
     )
 
 

@@ -180,6 +180,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        self.reducer.verify_gradients(self.steps_taken + 1)
         scale = self.loss_scaler.scale
         grads = self.reducer.grads  # 16-bit shards (stage 3) reach the master dtype one flat group at a time
         norm = math.sqrt(self._grad_norm_squared(grads).item()) / scale

@@ -58,6 +58,7 @@ class ParamAccess:
         self.state = state
         self.offload = offload  # while the states are on the host, every call is refused by name
         self.buckets: dict[int, GradBucket] = {id(bucket.flat): bucket for bucket in reducer.buckets}
+        self.check = reducer.check  # a gradient written here is not backward's: that step is not checked
 
     def _fragment(self, param: torch.nn.Parameter) -> Optional[_Fragment]:
         self.offload.refuse_use("engine.param_access (safe_get_full_fp32_param and its family)")
@@ -99,6 +100,8 @@ class ParamAccess:
         """Write this rank's fragment of the reduced gradient the next step applies (DeepSpeed's
         ``safe_set_local_grad``; the units of :meth:`local_grad`, so under fp16 loss-scaled)."""
         fragment = self._required(param)
+        if self.check is not None:
+            self.check.forget()
         self._local_grad_view(fragment).copy_(_checked(value, fragment.numel, "this rank's fragment"))
 
     def _local_grad_view(self, fragment: _Fragment) -> torch.Tensor:
@@ -145,6 +148,8 @@ class ParamAccess:
         parameter where the bucket holds whole gradients: stage 0, or a 1-bit optimizer's own phase). DeepSpeed's
         ``safe_set_full_grad``: no collective, the caller's value is the reduced gradient."""
         fragment = self._required(param)
+        if self.check is not None:
+            self.check.forget()
         bucket, flat = self.buckets[id(fragment.flat)], fragment.flat
         whole = self._whole_value(fragment, value)
         if bucket.holds_whole:

@@ -31,6 +31,7 @@ from .. import comm
 from ..comm.compression import Codec
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
+from .gradient_check import GradientCheck
 
 MAX_IN_FLIGHT = 1  # overlapped reductions pending at once (each holds one bucket's staging and scratch buffers)
 
@@ -67,6 +68,7 @@ class GradBucket:
         codec: Optional[Codec] = None,
     ):
         self.flat = flat
+        self.group = flat.shard_group  # the group this bucket reduces over (a test seam can point it elsewhere)
         self.codec = codec  # ZeRO++ qgZ: the exact reduction's reduce-scatter sends block-quantized chunks
         self.buffers = buffers
         self.layout = flat.layout
@@ -131,25 +133,25 @@ class GradBucket:
         if predivide != 1.0:
             self._staging.div_(predivide)
         if reduction is Reduction.LOCAL:
-            self._reduced, self._pending = self._staging, comm.Pending("local", self.flat.shard_group, None, "", 0.0)
+            self._reduced, self._pending = self._staging, comm.Pending("local", self.group, None, "", 0.0)
         elif self.flat.partitioned and self.codec is not None:
             lo, hi = self.layout.shard_range(self.flat.shard_rank)
             self._reduced = self._staging[lo:hi]  # the owner sums the decompressed chunks in fp32
             self._pending = comm.compressed_reduce_scatter(
-                self._staging, None, self.flat.shard_group, async_op=async_op, codec=self.codec
+                self._staging, None, self.group, async_op=async_op, codec=self.codec
             )
         elif self.flat.partitioned:
             lo, hi = self.layout.shard_range(self.flat.shard_rank)
             self._reduced = self._staging[lo:hi]  # in place: this rank's chunk of the input receives the sum
-            scratch = comm.reduce_scatter_scratch_numel(self.flat.shard_group, self.layout.padded_numel)
+            scratch = comm.reduce_scatter_scratch_numel(self.group, self.layout.padded_numel)
             if scratch:
                 self._scratch = self.buffers.acquire(scratch, self.reduce_dtype)
             self._pending = comm.reduce_scatter(
-                self._reduced, self._staging, self.flat.shard_group, async_op=async_op, scratch=self._scratch
+                self._reduced, self._staging, self.group, async_op=async_op, scratch=self._scratch
             )
         else:
             self._reduced = self._staging
-            self._pending = comm.all_reduce(self._staging, self.flat.shard_group, async_op=async_op)
+            self._pending = comm.all_reduce(self._staging, self.group, async_op=async_op)
         self.state = GradState.REDUCING
 
     def finish_reduce(self, post_scale: float) -> None:
@@ -203,8 +205,10 @@ class GradientReducer:
         predivide: float = 1.0,
         ignore_unused_parameters: bool = True,
         on_bucket_complete: Optional[Callable[[FlatGroup], None]] = None,
+        check: Optional[GradientCheck] = None,
     ):
         self.buckets = buckets
+        self.check = check  # gradient_check: projections before and after reduction (Note [gradient check])
         self.param_names = param_names
         self.world = world
         self.reduce_every_micro_step = reduce_every_micro_step
@@ -241,6 +245,8 @@ class GradientReducer:
     def begin_backward(self, boundary: bool, root: torch.Tensor) -> None:
         """Called before ``root.backward()``; ``root`` tells which autograd graph task is the outer backward."""
         self._reducing = boundary or self.reduce_every_micro_step
+        if self._reducing and self.check is not None:
+            self.check.note_reduction()
         self._next_launch = 0
         self._launch_limit = len(self.buckets)
         self._outer_task = None
@@ -273,6 +279,8 @@ class GradientReducer:
         if nested and bucket.expected[position] is None:
             self._launch_limit = min(self._launch_limit, index)
         was_complete = bucket.complete
+        if self.check is not None:
+            self.check.observe(index, position, param.grad)
         bucket.stage_grad(position, param.grad, next_to_reduce=index == self._next_launch)
         param.grad = None
         if bucket.complete and not was_complete and self.on_bucket_complete is not None:
@@ -333,7 +341,15 @@ class GradientReducer:
                 "or set ignore_unused_parameters to true"
             )
 
+    def verify_gradients(self, step: int) -> None:
+        """``gradient_check``: raise by name on every rank when this step's reduction did not sum and average what
+        backward produced (a collective on checked steps; Note [gradient check])."""
+        if self.check is not None:
+            self.check.verify(step, reduced=self.reduction is Reduction.EXACT)
+
     def zero_grad(self) -> None:
+        if self.check is not None:
+            self.check.reset()
         for bucket in self.buckets:
             bucket.grad.zero_()
             for param in bucket.flat.params:

@@ -1,0 +1,208 @@
+"""Gradients that check themselves: an opt-in test, at the step it happens, that the gradient reduction summed what
+every rank's backward produced and divided it by the right count (config block ``gradient_check``).
+
+Note [gradient check]. Reduction is linear. Let ``r`` be a random vector, the same on every rank (seeded by the
+step, the flat group and the parameter), ``g_j`` the gradient rank ``j``'s backward produced for a flat group
+(summed over the step's micro-batches), and ``G`` the reduced gradient the optimizer is about to apply (each rank
+holds its shard). Then ``<G, r> = sum_j <g_j, r> / N`` over the ``N`` ranks of the data-parallel group, whatever the
+bucketing, sharding, hybrid groups or accumulation. Each rank projects every gradient on ``r`` as autograd hands it
+over (before staging) and its shard of ``G`` at the step; one all-reduce of a few numbers per flat group over the
+data-parallel group gives both sides on every rank. A dropped bucket, a wrong divisor (2.9x too low a norm, SP
+gradients left scaled by the sequence degree), a reduction over the wrong group, a gradient counted twice: each
+moves ``<G, r>`` by about its own size, and every rank raises the same :class:`GradientCheckError`, naming the step,
+the flat group (its parameters) and the process groups.
+
+Tolerance. Both sides differ by rounding only. The reduction rounds each element's sum of ``N`` values once per
+addition in the reduce dtype (unit roundoff ``u``: 2^-24 in fp32, 2^-8 in bf16, 2^-11 in fp16; the larger of the
+reduce and gradient dtypes'), and the step's ``R`` reductions accumulate. These errors are independent across
+elements, so their projection on a Gaussian ``r`` is close to Gaussian, with standard deviation at most
+``sigma = u sqrt((N + 1) R) sqrt(N S) / N``, ``S = sum_j sum_i r_i^2 g_ji^2`` (``sqrt(N S)`` bounds
+``|| r * sum_j |g_j| ||``). The dot products themselves round in fp32, pairwise within blocks: at most
+``2 u32 log2(block) A / N``, ``A = sum_j sum_i |r_i g_ji|``. The check allows ``8 sigma + 4 u32 log2(block) A / N``:
+a false alarm is an 8-sigma event. A fault's signal is the projection of what was lost, about ``||lost||``, against
+``sigma ~ u ||G||``; several projections (``projections``, default 2) make a miss need every one of them to land
+near zero (bf16, a dropped bucket: about 2% per projection).
+
+Gradients a caller writes before the step (``param_access`` setters) are not what backward produced: that step is
+not checked. Steps with non-finite gradients (an fp16 overflow) are skipped by the optimizer, not checked here; the
+1-bit optimizers' compressed phase reduces nothing, so it is not checked either.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import comm
+
+BLOCK = 1 << 20  # elements of a parameter whose projection rows are drawn together (memory: projections x 4 MiB)
+SIGMAS = 8.0
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+_MIX = 1_000_003  # mixes (seed, step, flat group, parameter, block) into one generator seed
+
+
+class GradientCheckError(RuntimeError):
+    """A gradient reduction did not sum every rank's gradient and divide by the group size (Note [gradient check])."""
+
+
+class GradientCheck:
+    """Projections of one engine's gradients, before and after reduction; owned by its :class:`GradientReducer`."""
+
+    def __init__(
+        self,
+        buckets: list,
+        group: comm.Group,
+        world: comm.Group,
+        names: list[list[str]],
+        interval: int = 1,
+        projections: int = 2,
+        seed: int = 0,
+    ):
+        self.buckets = buckets  # GradBucket, one per flat group
+        self.group = group  # the data-parallel group the reduction averages over
+        self.world = world  # every rank: a failure in one data-parallel group (tensor parallelism) stops them all
+        self.names = names  # per flat group, its parameters' names (for the error)
+        self.interval, self.projections, self.seed = interval, projections, seed
+        self.steps = 0  # optimizer steps seen, checked or not
+        self.reductions = 0  # reductions in the current step (micro-batches under stages 2-3)
+        self.forgotten = False  # a caller wrote gradients this step: nothing to compare
+        self.largest_ratio = 0.0  # the largest difference seen, in tolerances (a margin to monitor: below 1 passes)
+        self._sums: Optional[torch.Tensor] = None  # per flat group: <g, r>, sum r^2 g^2, sum |r g| per projection
+
+    @property
+    def active(self) -> bool:
+        return self.steps % self.interval == 0
+
+    def note_reduction(self) -> None:
+        if self.active:
+            self.reductions += 1
+
+    def observe(self, index: int, position: int, grad: torch.Tensor) -> None:
+        """A gradient autograd handed over for parameter ``position`` of flat group ``index`` (before staging)."""
+        if not self.active:
+            return
+        if self._sums is None:
+            self._sums = torch.zeros(len(self.buckets), 3, self.projections, device=grad.device)
+        values = grad.detach().reshape(-1)
+        self._sums[index] += self._project(index, position, 0, values, values.numel()).to(self._sums.device)
+
+    def forget(self) -> None:
+        """Gradients were written by the caller this step (``param_access``): they are not backward's to check."""
+        self.forgotten = True
+
+    def reset(self) -> None:
+        self._sums, self.reductions, self.forgotten = None, 0, False
+
+    def verify(self, step: int, reduced: bool) -> None:
+        """At the optimizer step, before the gradients are used: compare both sides on every rank (a collective
+        over the data-parallel group on checked steps; ``reduced`` False: the 1-bit phase reduced nothing)."""
+        checked = self.active and reduced  # the same on every rank: the collective below is never one-sided
+        try:
+            if checked:
+                self._verify(step)
+        finally:
+            self.steps += 1
+            self.reset()
+
+    def _verify(self, step: int) -> None:
+        device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
+        sums = self._sums if self._sums is not None else torch.zeros(len(self.buckets), 3, self.projections)
+        reduced_side = torch.zeros(len(self.buckets), self.projections)
+        for k in range(len(self.buckets)):
+            reduced_side[k] = self._reduced_projection(k).cpu()  # the same rows as observed: this step's seed
+        packed = torch.cat([sums.to(device), reduced_side.to(device).unsqueeze(1)], dim=1)  # [K, 4, m]
+        packed = torch.cat([packed.reshape(-1), torch.tensor([float(self.forgotten)], device=device)])
+        comm.all_reduce(packed, self.group)
+        failure = None
+        if packed[-1].item() == 0:  # else a rank's caller wrote gradients (param_access): not backward's to compare
+            per_flat = packed[:-1].reshape(len(self.buckets), 4, self.projections).double().cpu()
+            for k, bucket in enumerate(self.buckets):
+                failure = failure or self._compare(step, k, bucket, per_flat[k], max(self.reductions, 1))
+        if self.world.size > self.group.size:  # other data-parallel groups checked other pieces: agree on a verdict
+            verdict = torch.tensor([1.0 if failure else 0.0], device=device)
+            comm.all_reduce(verdict, self.world, op="max")
+            if verdict.item() and failure is None:
+                failure = (
+                    f"rank {comm.get_rank()}: gradient check failed at optimizer step {step} in another data-parallel "
+                    f"group than '{self.group.name}' ranks {list(self.group.ranks)} (its ranks name the flat group); "
+                    "this rank's own reductions checked out"
+                )
+        if failure is not None:
+            raise GradientCheckError(failure)
+
+    # -- the two sides --------------------------------------------------------------------------------
+    def _rows(self, index: int, position: int, block: int, numel: int, device: torch.device) -> torch.Tensor:
+        """Projection rows for one block of one parameter: the same numbers on every rank."""
+        generator = torch.Generator(device=device)
+        seed = self.seed
+        for part in (self.steps, index, position, block):
+            seed = (seed * _MIX + part) % (1 << 62)
+        generator.manual_seed(seed)
+        return torch.randn(self.projections, numel, generator=generator, device=device)
+
+    def _project(self, index: int, position: int, start: int, values: torch.Tensor, numel: int) -> torch.Tensor:
+        """[3, m]: <v, r>, sum r^2 v^2, sum |r v| for ``values`` lying at ``start`` of parameter ``position`` (of
+        ``numel`` elements: a block's rows are drawn whole, so both sides draw the same numbers)."""
+        device = self.buckets[index].flat.device
+        values = values.to(device, torch.float32)
+        out = torch.zeros(3, self.projections, device=device)
+        stop = start + values.numel()
+        for block in range(start // BLOCK, -(-stop // BLOCK)):
+            lo, hi = max(start, block * BLOCK), min(stop, (block + 1) * BLOCK)
+            length = min(BLOCK, numel - block * BLOCK)
+            rows = self._rows(index, position, block, length, device)[:, lo - block * BLOCK : hi - block * BLOCK]
+            part = rows * values[lo - start : hi - start]
+            out[0] += part.sum(dim=1)
+            out[1] += part.pow(2).sum(dim=1)
+            out[2] += part.abs().sum(dim=1)
+        return out
+
+    def _reduced_projection(self, index: int) -> torch.Tensor:
+        """[m]: <G, r> over this rank's shard of flat group ``index``, divided by the ranks holding each copy."""
+        bucket = self.buckets[index]
+        flat, layout = bucket.flat, bucket.layout
+        out = torch.zeros(self.projections, device=flat.device)
+        if bucket.holds_whole:  # stage 0: every rank holds the whole reduced gradient
+            for position, slot in enumerate(layout.slots):
+                out += self._project(index, position, 0, bucket.grad[slot.offset : slot.end], slot.numel)[0]
+            return out / self.group.size
+        positions = {slot.name: position for position, slot in enumerate(layout.slots)}
+        for segment in layout.segments(flat.shard_rank):
+            values = bucket.grad[segment.shard_start : segment.shard_start + segment.numel]
+            start = segment.flat_start - segment.slot.offset
+            out += self._project(index, positions[segment.slot.name], start, values, segment.slot.numel)[0]
+        copies = self.group.size // flat.shard_group.size  # hybrid sharding: each shard is held once per replica
+        return out / copies
+
+    def _compare(self, step: int, k: int, bucket, sums: torch.Tensor, reductions: int) -> Optional[str]:
+        """The failure message for flat group ``k``, or None when both sides agree within the tolerance."""
+        produced, squares, absolute, reduced = sums[0], sums[1], sums[2], sums[3]
+        if not (torch.isfinite(sums).all()):
+            return None  # an fp16 overflow: the optimizer skips this step
+        n = self.group.size
+        unit = max(UNIT_ROUNDOFF.get(bucket.reduce_dtype, 2.0**-24), UNIT_ROUNDOFF.get(bucket.grad.dtype, 2.0**-24))
+        sigma = unit * math.sqrt((n + 1) * reductions) * torch.sqrt(n * squares) / n
+        tolerance = SIGMAS * sigma + 4 * UNIT_ROUNDOFF[torch.float32] * math.log2(BLOCK) * absolute / n
+        expected = produced / n
+        difference = (reduced - expected).abs()
+        ratio = torch.where(tolerance > 0, difference / tolerance.clamp(min=1e-300), difference * math.inf)
+        self.largest_ratio = max(self.largest_ratio, float(ratio.nan_to_num(0.0).max()))
+        if bool((difference <= tolerance).all()):
+            return None
+        worst = int(torch.argmax(difference - tolerance))
+        names = self.names[k]
+        shard = bucket.group
+        return (
+            f"rank {comm.get_rank()}: gradient check failed at optimizer step {step} for flat group {k} "
+            f"({names[0]} .. {names[-1]}, {len(names)} parameters, {bucket.layout.numel} elements), reduced over "
+            f"process group '{shard.name}' ranks {list(shard.ranks)} and averaged over '{self.group.name}' ranks "
+            f"{list(self.group.ranks)}: the reduced gradient projects to {float(reduced[worst]):.6g}, the ranks' "
+            f"gradients to {float(produced[worst]):.6g} / {n} = {float(expected[worst]):.6g} (difference "
+            f"{float(difference[worst]):.3g}, tolerance {float(tolerance[worst]):.3g}): the reduction lost, scaled "
+            "or mixed gradients (a dropped bucket, a wrong divisor, the wrong process group)"
+        )
+
+
+__all__ = ["GradientCheck", "GradientCheckError"]
