@@ -20,12 +20,13 @@ from zeroshard.testing import run_distributed
 CLEAN_STEPS, FAULT_AT = 200, 4
 
 
-def _config(stage: int, dtype: str, **check) -> dict:
+def _config(stage: int, dtype: str, shard_size: int = 0, **check) -> dict:
     from zeroshard.testing.parity import ParityCase
 
     case = ParityCase(
         stage=stage,
         dtype=dtype,
+        shard_size=shard_size,
         gas=2 if stage in (1, 2) else 1,
         bucket_size=8192,  # several flat groups
         zero=(("stage3_param_persistence_threshold", 0),) if stage == 3 else (),
@@ -186,6 +187,14 @@ def four_rank_worker() -> dict:
             engine, *_ = zeroshard.initialize(model=_llama(), config=config)
             out[("tp", stage, label)] = _hf_train(engine, 8 if label == "clean" else FAULT_AT + 1, **kwargs)
             engine.destroy()
+    # hybrid sharding (shard groups of 2 in 4 ranks, replicas all-reduced): each shard is counted once
+    from zeroshard.testing.parity import make_model
+
+    config, case = _config(3, "fp32", shard_size=2)
+    for label, fault in (("clean", None), ("dropped", lambda e: faults.drop_reduced_bucket(e, 1))):
+        engine, *_ = zeroshard.initialize(model=make_model(), config=config)
+        out[("hybrid", label)] = _train(engine, case, 12 if fault is None else FAULT_AT + 1, fault)
+        engine.destroy()
     # SP=2 x DP=2: the reduction averages over all 4 ranks; a gradient left scaled by the sequence degree
     mpu = register_with_transformers(_llama(), "sdpa", 2, micro_batch_size=1)
     rank = zeroshard.comm.get_rank()
@@ -223,6 +232,13 @@ def test_tensor_parallel_reduction_over_the_wrong_group_or_dropped_is_caught(fou
             assert "flat group 0" in message and "averaged over 'data' ranks [0, 2]" in message, message
         else:
             assert "in another data-parallel group than 'data' ranks [1, 3]" in message, message
+
+
+def test_hybrid_sharding_counts_each_shard_once(four_ranks):
+    for out in four_ranks:
+        assert out[("hybrid", "clean")] == (0, "")
+        step, message = out[("hybrid", "dropped")]
+        assert step == FAULT_AT and "flat group 1" in message and "averaged over 'world' ranks [0, 1, 2, 3]" in message
 
 
 def test_sequence_parallel_gradient_left_scaled_is_caught(four_ranks):
