@@ -35,26 +35,39 @@ def _config(stage: int, dtype: str, shard_size: int = 0, **check) -> dict:
     return case.config(), case
 
 
+def _run(engine, losses, gas: int = 1, fault=None, at: int = FAULT_AT, wrap=None) -> tuple[int, str]:
+    """Train on ``losses`` (each a callable giving one micro-batch's loss), ``gas`` micro-batches per step.
+    ``fault(engine)`` runs on rank 0 between the last backward and the step of step ``at``; ``wrap(engine)``
+    (every rank) is a context around that step's backward and step. Returns (the step that raised, its message),
+    or (0, "") when none did."""
+    import contextlib
+
+    from zeroshard import comm
+    from zeroshard.zero.gradient_check import GradientCheckError
+
+    for i, loss_of in enumerate(losses):
+        step, boundary = i // gas + 1, (i + 1) % gas == 0
+        with wrap(engine) if wrap is not None and step == at else contextlib.nullcontext():
+            engine.backward(loss_of())
+            if fault is not None and step == at and boundary and comm.get_rank() == 0:
+                fault(engine)
+            try:
+                engine.step()
+            except GradientCheckError as err:
+                return step, str(err)
+    return 0, ""
+
+
 def _train(engine, case, steps: int, fault=None, at: int = FAULT_AT) -> tuple[int, str]:
-    """Train ``steps`` optimizer steps; ``fault(engine)`` runs on rank 0 between the last backward and the step of
-    step ``at``. Returns (the step that raised, its message), or (0, "") when none did."""
+    """The tiny GPT on ``steps`` optimizer steps of the parity batches (each rank its rows)."""
     from zeroshard import comm
     from zeroshard.testing.parity import make_batches
-    from zeroshard.zero.gradient_check import GradientCheckError
 
     rank, world = comm.get_rank(), comm.get_world_size()
     rows = slice(rank * case.micro_batch, (rank + 1) * case.micro_batch)
     batches = make_batches(steps * case.gas, case.micro_batch * world, seed=engine.global_steps + 1)
-    for i, (x, y) in enumerate(batches):
-        engine.backward(engine(x[rows], y[rows]))
-        step = i // case.gas + 1
-        if fault is not None and step == at and (i + 1) % case.gas == 0 and rank == 0:
-            fault(engine)
-        try:
-            engine.step()
-        except GradientCheckError as err:
-            return step, str(err)
-    return 0, ""
+    losses = [lambda x=x, y=y: engine(x[rows], y[rows]) for x, y in batches]
+    return _run(engine, losses, case.gas, fault, at)
 
 
 def two_rank_worker() -> dict:
@@ -148,27 +161,15 @@ def _hf_config(stage: int, **parallel) -> dict:
 
 
 def _hf_train(engine, steps: int, fault=None, wrap=None, loss_of=None) -> tuple[int, str]:
-    """``wrap(engine)``: a context around backward and step at step FAULT_AT (every rank); ``fault``: as in
-    ``_train``."""
-    import contextlib
-
-    from zeroshard import comm
-    from zeroshard.zero.gradient_check import GradientCheckError
-
+    """The tiny Llama on ``steps`` steps; the ranks of one tensor-parallel group see the same batch."""
     ids = torch.randint(0, 64, (steps, 4, 16), generator=torch.Generator().manual_seed(5))
-    data = engine.grid.data.rank  # data-parallel (x sequence) index: TP ranks of one group see the same batch
-    for step in range(1, steps + 1):
-        batch = ids[step - 1, data % 4 : data % 4 + 1]
-        with wrap(engine) if wrap is not None and step == FAULT_AT else contextlib.nullcontext():
-            loss = loss_of(engine, batch) if loss_of is not None else engine(input_ids=batch, labels=batch).loss
-            engine.backward(loss)
-            if fault is not None and step == FAULT_AT and comm.get_rank() == 0:
-                fault(engine)
-            try:
-                engine.step()
-            except GradientCheckError as err:
-                return step, str(err)
-    return 0, ""
+    data = engine.grid.data.rank  # data-parallel (x sequence) index
+    batches = [ids[step, data % 4 : data % 4 + 1] for step in range(steps)]
+    if loss_of is None:
+        losses = [lambda b=b: engine(input_ids=b, labels=b).loss for b in batches]
+    else:
+        losses = [lambda b=b: loss_of(engine, b) for b in batches]
+    return _run(engine, losses, fault=fault, wrap=wrap)
 
 
 def four_rank_worker() -> dict:
