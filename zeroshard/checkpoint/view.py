@@ -24,6 +24,9 @@ class ShardedOptimizer(Protocol):
     @property
     def param_groups(self) -> list[dict]: ...
 
+    @property
+    def kind(self) -> str: ...  # the update rule ("AdamW", "Adam", the optimizer's class): saved, checked at load
+
     def flat_state_keys(self, index: int) -> list[str]: ...
 
     def flat_scalars(self, index: int) -> dict: ...
