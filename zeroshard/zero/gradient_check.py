@@ -84,9 +84,9 @@ class GradientCheck:
         if not self.active:
             return
         if self._sums is None:
-            self._sums = torch.zeros(len(self.buckets), 3, self.projections, device=grad.device)
+            self._sums = torch.zeros(len(self.buckets), 3, self.projections, device=self.buckets[index].flat.device)
         values = grad.detach().reshape(-1)
-        self._sums[index] += self._project(index, position, 0, values, values.numel()).to(self._sums.device)
+        self._sums[index] += self._project(index, position, 0, values, values.numel())
 
     def forget(self) -> None:
         """Gradients were written by the caller this step (``param_access``): they are not backward's to check."""
@@ -107,12 +107,13 @@ class GradientCheck:
             self.reset()
 
     def _verify(self, step: int) -> None:
-        device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
+        if not self.buckets:  # nothing trained (every rank alike): nothing reduced
+            return
+        device = self.buckets[0].flat.device
         sums = self._sums if self._sums is not None else torch.zeros(len(self.buckets), 3, self.projections)
-        reduced_side = torch.zeros(len(self.buckets), self.projections)
-        for k in range(len(self.buckets)):
-            reduced_side[k] = self._reduced_projection(k).cpu()  # the same rows as observed: this step's seed
-        packed = torch.cat([sums.to(device), reduced_side.to(device).unsqueeze(1)], dim=1)  # [K, 4, m]
+        # the same rows as observed (this step's seed); stacked on the device: no host round trip per flat group
+        reduced_side = torch.stack([self._reduced_projection(k) for k in range(len(self.buckets))]).to(device)
+        packed = torch.cat([sums.to(device), reduced_side.unsqueeze(1)], dim=1)  # [K, 4, m]
         packed = torch.cat([packed.reshape(-1), torch.tensor([float(self.forgotten)], device=device)])
         comm.all_reduce(packed, self.group)
         failure = None

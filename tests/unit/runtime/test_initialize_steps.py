@@ -8,6 +8,7 @@ from torch.utils.data import TensorDataset
 
 from zeroshard import comm
 from zeroshard.config import parse_config
+from zeroshard.runtime.optimizer_recipe import optimizer_recipe
 
 steps = importlib.import_module("zeroshard.runtime.initialize")  # the module, not the function it exports
 
@@ -51,4 +52,4 @@ def test_a_client_optimizer_and_a_config_block_are_refused_together():
     cfg = _cfg({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     placement = steps._placement(cfg)
     with pytest.raises(ValueError, match="both a client optimizer and an 'optimizer' config block"):
-        steps._optimizer_recipe(torch.optim.AdamW(model.parameters()), model, None, cfg, placement.offload)
+        optimizer_recipe(torch.optim.AdamW(model.parameters()), model, None, cfg, placement.offload)

@@ -1,0 +1,105 @@
+"""How the optimizer over the master shards is built from what the client gave ``initialize``: its optimizer object
+(adopted: its groups re-pointed at the shards), a callable ``params -> optimizer``, or the config's ``optimizer``
+block; and what tensor parallelism refuses among them."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from ..offload import OffloadPlan
+from ..optim import (
+    WHOLE_PARAMETER_OPTIMIZERS,
+    Lamb,
+    ShardedNorms,
+    build_optimizer,
+    check_client_optimizer,
+    muon_param_groups,
+)
+from ..zero.optimizer_state import MakeOptimizer
+
+OptimizerArg = Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None]
+
+
+def _param_groups(module: torch.nn.Module, model_parameters: Any) -> list[dict]:
+    if model_parameters is None:
+        return [{"params": list(module.parameters())}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": list(g["params"])} for g in items]
+    return [{"params": items}]
+
+
+def optimizer_recipe(
+    optimizer: OptimizerArg, model: torch.nn.Module, model_parameters: Any, cfg, offload: OffloadPlan
+) -> tuple[list[dict], MakeOptimizer]:
+    """The parameter groups to shard, and how to build the optimizer over their master shards: the client's
+    optimizer object (its groups re-pointed at the shards, so a scheduler bound to it keeps working), a client
+    callable ``params -> optimizer``, or the config's ``optimizer`` block."""
+    stage, allow_untested = cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer
+    force_cpu_optimizer = offload.offloads_optimizer and cfg.zero_force_ds_cpu_optimizer
+
+    def shard_aware(built: torch.optim.Optimizer, norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
+        if isinstance(built, Lamb) and built.sharded_norms is None:
+            built.sharded_norms = norms  # a Lamb the client built learns the shards' parameter ranges
+        return built
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.optimizer is not None:
+            raise ValueError("both a client optimizer and an 'optimizer' config block were given; drop one")
+        check_client_optimizer(optimizer, stage, allow_untested, force_cpu_optimizer)
+
+        def adopt(master_groups: list[dict], norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
+            for target, group in zip(optimizer.param_groups, master_groups):
+                target["params"] = group["params"]
+            optimizer.state.clear()
+            return shard_aware(optimizer, norms)
+
+        return [dict(g) for g in optimizer.param_groups], adopt
+    groups = _param_groups(model, model_parameters)
+    if optimizer is not None:
+
+        def build_client(master_groups: list[dict], norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
+            built = optimizer(master_groups)
+            check_client_optimizer(built, stage, allow_untested, force_cpu_optimizer)
+            return shard_aware(built, norms)
+
+        return groups, build_client
+
+    if cfg.optimizer is not None and cfg.optimizer.type.lower() == "muon":  # Muon's matrices, AdamW's the rest
+        groups = muon_param_groups(model.named_parameters(), groups, cfg.optimizer.params)
+
+    def build_configured(master_groups: list[dict], norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
+        return build_optimizer(
+            cfg.optimizer.type,
+            cfg.optimizer.params,
+            master_groups,
+            zero_stage=stage,
+            allow_untested=allow_untested,
+            sharded_norms=norms,
+        )
+
+    return groups, build_configured
+
+
+def elementwise_only(make_optimizer: MakeOptimizer, model, tensor_sharded: frozenset, tp: int) -> MakeOptimizer:
+    """Under tensor parallelism each rank holds a piece of every split matrix: an optimizer that needs the whole
+    parameter (Lamb's trust ratio, Muon's orthogonalization) would act on the piece and drift from one process
+    without a word (Muon at TP=2: 4.7% off torch.optim.Muon), so it is refused by name until it gathers them."""
+
+    def make(master_groups: list[dict], norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
+        built = make_optimizer(master_groups, norms)
+        if isinstance(built, WHOLE_PARAMETER_OPTIMIZERS):
+            split = [name for name, p in model.named_parameters() if p in tensor_sharded][:3]
+            raise NotImplementedError(
+                f"optimizer {type(built).__name__} with tensor parallelism (tensor_parallel.autotp_size {tp}): it "
+                f"updates each parameter from the whole matrix, and each rank holds a piece of {split} ...; not "
+                "implemented yet: use AdamW (or another elementwise optimizer), or train without tensor parallelism"
+            )
+        return built
+
+    return make
+
+
+__all__ = ["OptimizerArg", "elementwise_only", "optimizer_recipe"]
