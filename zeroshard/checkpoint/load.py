@@ -380,7 +380,7 @@ def _compression_state(state: TrainingState, manifest: dict, sources: Sources) -
         return {}
     file = rank_file(comm.get_rank())
     out = {}
-    for key in manifest["files"][file]["crc"]:
+    for key in manifest["files"].get(file, {}).get("crc", {}):  # a manifest without this rank's file: nothing
         if key.startswith(COMPRESSION):
             entry = sources.reader(file).entry(key)
             dtype = str(DTYPES.get(entry["dtype"])).removeprefix("torch.")
