@@ -35,7 +35,7 @@ def worker(cfg: GPTConfig, directory: str):
     x = torch.randint(0, cfg.vocab_size, (1, 9))
     engine.backward(engine(x[:, :-1], x[:, 1:]))
     engine.step()
-    comm.barrier(engine.grid.world)
+    comm.barrier(engine.mesh.world)
     started = time.perf_counter()
     path = engine.save_checkpoint(directory, tag="bench")
     save_s = time.perf_counter() - started

@@ -73,7 +73,7 @@ def worker(cfg: GPTConfig, mode: str, nvme_path: str, steps: int) -> dict:
     x = torch.randint(0, cfg.vocab_size, (1, SEQ))
     times = []
     for _ in range(steps):
-        comm.barrier(engine.grid.world)
+        comm.barrier(engine.mesh.world)
         started = time.perf_counter()
         engine.backward(engine(x, x))
         engine.step()

@@ -123,7 +123,7 @@ def worker(name: str, budget_mib: int, max_tokens: int, time_tokens: int) -> dic
     sp, tiled = SYSTEMS[name]
     model = _model()
     mpu = register_with_transformers(model, "sdpa", sp, micro_batch_size=1) if sp > 1 else None
-    group = mpu.sequence if mpu is not None else zeroshard.comm.build_rank_grid().tensor  # a group of this rank
+    group = mpu.sequence if mpu is not None else zeroshard.comm.tensor_parallel_group(1)  # a group of this rank
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "steps_per_print": 10**9,
@@ -152,7 +152,7 @@ def worker(name: str, budget_mib: int, max_tokens: int, time_tokens: int) -> dic
 
     step(256)
     fits, peaks = 0, {}
-    world = zeroshard.comm.build_rank_grid().world
+    world = zeroshard.comm.group_of(None, "world")
     for tokens in _lengths(max_tokens):
         before, _ = _resident_kib()
         _reset_peak()

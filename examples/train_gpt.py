@@ -87,7 +87,7 @@ def main():
     stats[0, rank] = tokens
     stats[1, rank] = engine.comm_ledger.total_wire_bytes()
     stats[2, rank] = zeroshard.accelerator.get_accelerator().max_memory_allocated()
-    comm.all_reduce(stats, engine.grid.world)
+    comm.all_reduce(stats, engine.mesh.world)
     if rank == 0:
         print(f"final loss {loss.item():.4f} after {engine.global_steps} steps in {elapsed:.1f}s")
         print(f"tokens/s (all ranks): {stats[0].sum().item() / elapsed:,.0f}")

@@ -598,14 +598,14 @@ def auto_resume_worker(directory: str) -> dict:
     first = engine_and_train(4)
     out["A"] = {n: p.detach().clone() for n, p in first.module.named_parameters()}
     a4 = open(os.path.join(save_dir, "global_step4", "manifest.json")).read()
-    comm.barrier(first.grid.world)
+    comm.barrier(first.mesh.world)
     if rank == 0:
         os.remove(os.path.join(save_dir, "latest"))
         os.makedirs(os.path.join(save_dir, ".global_step6.tmp"))  # a save that never finished
         os.makedirs(os.path.join(save_dir, "global_step8"))  # junk that is no checkpoint
         with open(os.path.join(save_dir, "global_step8", "manifest.json"), "w") as f:
             f.write("{}")
-    comm.barrier(first.grid.world)
+    comm.barrier(first.mesh.world)
 
     second = engine_and_train(0)
     out["B"] = {
@@ -614,11 +614,11 @@ def auto_resume_worker(directory: str) -> dict:
         "step": second.global_steps,
         "same weights": all(torch.equal(p, out["A"][n]) for n, p in second.module.named_parameters()),
     }
-    comm.barrier(second.grid.world)
+    comm.barrier(second.mesh.world)
     if rank == 0:
         with open(os.path.join(save_dir, "latest"), "w") as f:
             f.write("global_step2")
-    comm.barrier(second.grid.world)
+    comm.barrier(second.mesh.world)
 
     third = engine_and_train(2)  # resumes at step 2, saves global_step4 again
     out["C"] = {

@@ -19,11 +19,12 @@ def rank_data(rank: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
 def collectives_worker() -> dict:
     from zeroshard import comm
 
-    grid = comm.build_rank_grid(shard_size=2)  # world: 4 ranks; shard: {0, 1} and {2, 3}
+    # world: 4 ranks; shard: {0, 1} and {2, 3}
+    mesh = comm.build_mesh(comm.ParallelDims.for_world(4, shard_group_size=2))
     rank = comm.get_rank()
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for group in (grid.world, grid.shard):
+        for group in (mesh.world, mesh.shard):
             n, me = group.size, group.rank
             data = rank_data(rank, dtype)[: n * CHUNK]
             name = f"{group.name}/{dtype}"
@@ -49,7 +50,7 @@ def collectives_worker() -> dict:
                 "scratch_numel": scratch.numel(),
             }
     # both kinds in flight at once, issued in the same order on every rank, finished in reverse
-    group = grid.world
+    group = mesh.world
     pending, results = [], []
     for k in range(3):
         shard = torch.full((CHUNK + k,), float(rank + 10 * k))
@@ -62,16 +63,16 @@ def collectives_worker() -> dict:
     for p in reversed(pending):
         p.wait()
     out["concurrent"] = results
-    out["ledger"] = {f"{op}/{g}": (t.calls, t.wire_bytes) for (op, g), t in grid.context.ledger.summary().items()}
-    # a grid with a tensor-parallel axis: the groups are DeepSpeed's, and their collectives stay inside them
-    axes = comm.build_rank_grid(tp_size=2)
+    out["ledger"] = {f"{op}/{g}": (t.calls, t.wire_bytes) for (op, g), t in mesh.context.ledger.summary().items()}
+    # a mesh with a tensor-parallel axis: the groups are DeepSpeed's, and their collectives stay inside them
+    axes = comm.build_mesh(comm.ParallelDims.for_world(4, tp=2))
     sums = {}
-    for group in (axes.tensor, axes.data, axes.shard, axes.replica):
+    for group in (axes.tensor, axes.gradient, axes.shard, axes.replica):
         value = torch.tensor([float(rank)])
         comm.all_reduce(value, group)
         sums[group.name] = (group.ranks, value.item())
-    out["axes"] = (sums, axes.data_parallel_size, axes.tensor_parallel_size)
-    comm.destroy_groups(axes)
+    out["axes"] = (sums, axes.data_parallel_size, axes.tensor.size)
+    comm.destroy_mesh(axes)
     return out
 
 
@@ -105,7 +106,7 @@ def test_a_tensor_parallel_axis_builds_deepspeeds_groups(per_rank):
         tensor = (rank - rank % 2, rank - rank % 2 + 1)  # consecutive: tp_rank = rank % 2
         data = (rank % 2, rank % 2 + 2)  # strided: dp_rank = rank // 2
         assert sums["tensor"] == (tensor, float(sum(tensor)))
-        assert sums["data"] == sums["shard"] == (data, float(sum(data)))  # one shard row: the data group
+        assert sums["gradient"] == sums["shard"] == (data, float(sum(data)))  # one shard row: the data group
         assert sums["replica"] == ((rank,), float(rank))
         assert (dp, tp) == (2, 2)
 

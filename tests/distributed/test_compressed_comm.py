@@ -23,9 +23,10 @@ def rank_data(rank: int, salt: int, numel: int) -> torch.Tensor:
 def collectives_worker() -> dict:
     from zeroshard import comm
 
-    grid = comm.build_rank_grid(shard_size=2)  # world: 4 ranks; shard: {0, 1} and {2, 3}
+    # world: 4 ranks; shard: {0, 1} and {2, 3}
+    mesh = comm.build_mesh(comm.ParallelDims.for_world(4, shard_group_size=2))
     rank, out = comm.get_rank(), {}
-    for group in (grid.world, grid.shard):
+    for group in (mesh.world, mesh.shard):
         n, me = group.size, group.rank
         for name, (codec, feedback) in CODECS.items():
             error = torch.zeros((n - 1) * CHUNK) if feedback else None
@@ -44,7 +45,7 @@ def collectives_worker() -> dict:
         averaged = rank_data(rank, 20, n * CHUNK - 3)  # not a multiple of the group size: padded inside
         comm.OneBitAllReduce(group)(averaged, key="x")
         out[group.name, "mean"] = averaged
-    out["ledger"] = {f"{op}/{g}": (t.calls, t.bytes, t.wire_bytes) for (op, g), t in grid.context.ledger.totals.items()}
+    out["ledger"] = {f"{op}/{g}": (t.calls, t.bytes, t.wire_bytes) for (op, g), t in mesh.context.ledger.totals.items()}
     out["hybrid"] = _initialize_error(
         {"stage": 2, "zero_hpz_partition_size": 2}, {"type": "OneBitAdam", "params": {"freeze_step": 2}}
     )

@@ -11,11 +11,11 @@ from zeroshard.testing import WorkerError, WorkerHang, run_distributed
 def skip_collective_on_last_rank():
     from zeroshard import comm
 
-    grid = comm.build_rank_grid()
+    mesh = comm.build_mesh(comm.ParallelDims.for_world(comm.get_world_size()))
     if comm.get_rank() == comm.get_world_size() - 1:
         time.sleep(30)  # never joins the all-reduce
         return None
-    comm.all_reduce(torch.ones(4), grid.world)
+    comm.all_reduce(torch.ones(4), mesh.world)
 
 
 def test_missing_collective_times_out_naming_rank_op_and_group():
@@ -70,7 +70,7 @@ def diverging_worker(kind):
     """Three warm-up all-reduces, then rank 1 skips one (kind 'skip') or swaps two (kind 'reorder')."""
     from zeroshard import comm
 
-    world = comm.build_rank_grid().world
+    world = comm.build_mesh(comm.ParallelDims.for_world(comm.get_world_size())).world
     small, large = torch.ones(4), torch.ones(8)
     for _ in range(3):
         comm.all_reduce(small, world)

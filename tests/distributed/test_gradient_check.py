@@ -163,7 +163,7 @@ def _hf_config(stage: int, **parallel) -> dict:
 def _hf_train(engine, steps: int, fault=None, wrap=None, loss_of=None) -> tuple[int, str]:
     """The tiny Llama on ``steps`` steps; the ranks of one tensor-parallel group see the same batch."""
     ids = torch.randint(0, 64, (steps, 4, 16), generator=torch.Generator().manual_seed(5))
-    data = engine.grid.data.rank  # data-parallel (x sequence) index
+    data = engine.mesh.gradient.rank  # data-parallel (x sequence) index
     batches = [ids[step, data % 4 : data % 4 + 1] for step in range(steps)]
     if loss_of is None:
         losses = [lambda b=b: engine(input_ids=b, labels=b).loss for b in batches]
@@ -182,7 +182,7 @@ def four_rank_worker() -> dict:
         config = _hf_config(stage, tensor_parallel={"autotp_size": 2})
         for label, kwargs in (
             ("clean", {}),
-            ("wrong_group", {"wrap": lambda e: faults.reduce_over(e, 0, e.grid.tensor)}),
+            ("wrong_group", {"wrap": lambda e: faults.reduce_over(e, 0, e.mesh.tensor)}),
             ("dropped", {"fault": lambda e: faults.drop_reduced_bucket(e, 0)}),
         ):
             engine, *_ = zeroshard.initialize(model=_llama(), config=config)

@@ -41,7 +41,7 @@ def logging_worker(output_dir):
         breakdown = engine.memory_breakdown()
     engine.monitor.write_events([("Custom/eval_loss", 1.25, 16)])  # a client's own event, DeepSpeed's call
     engine.destroy()  # closes the monitors: wandb finishes its offline run, Comet writes its offline archive
-    sampling = {"after_report": engine._sampling_memory}
+    sampling = {"after_report": engine.reporting.sampling_memory}
     cfg["memory_breakdown"] = True  # DeepSpeed's key: the table with every report, sampling throughout
     for monitor in ("csv_monitor", "wandb", "comet"):
         cfg.pop(monitor)
@@ -51,7 +51,7 @@ def logging_worker(output_dir):
         for x, y in make_batches(4, 2 * world):
             again.backward(again(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
             again.step()
-    sampling["with_memory_breakdown"], sampling["log"] = again._sampling_memory, sampling["log"].getvalue()
+    sampling["with_memory_breakdown"], sampling["log"] = again.reporting.sampling_memory, sampling["log"].getvalue()
     return out.getvalue(), breakdown, engine.state_bytes(), sampling
 
 

@@ -115,7 +115,7 @@ def swap_hygiene_worker(swap_dir):
             weight.data.fill_(0.5)
     flat = next(k for k, f in enumerate(engine.zero.flat_groups) if any(p is weight for p in f.params))
     masters = engine.zero.read_flat(flat)["master"]
-    comm.barrier(engine.grid.world)
+    comm.barrier(engine.mesh.world)
     params = engine.consolidated_state_dict(rank0_only=False)
     return listed, engine.zero.optimizer_state.swapper.bytes_on_disk(), params, masters
 

@@ -56,11 +56,12 @@ def sp_reference(world: int, sp: int) -> dict:
 SP_VARIANTS = ("bf16", "offload", "checkpointing")  # with SP=2 x DP=2 at stage 3 (bf16: stage 2)
 
 
-def _variant_config(stage: int, variant: str) -> dict:
+def _variant_config(stage: int, variant: str, tp: int = 1) -> dict:
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if variant == "offload":
         zero["offload_optimizer"] = {"device": "cpu"}
     return {
+        **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {}),
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,  # the reference does not clip (DeepSpeed's default would clip at 1.0)
@@ -70,27 +71,28 @@ def _variant_config(stage: int, variant: str) -> dict:
     }
 
 
-def sp_worker(sp: int, reference: dict, variants: tuple = ()) -> dict:
-    """Every stage at ``sp``-way sequence parallelism over this world, then ``variants`` (``reference``: computed
-    before any registration, which replaces the process's sdpa attention)."""
+def sp_worker(sp: int, reference: dict, variants: tuple = (), tp: int = 1, stages: tuple = SP_STAGES) -> dict:
+    """Every stage at ``sp``-way sequence parallelism (inside ``tp``-way tensor parallelism) over this world, then
+    ``variants`` (``reference``: computed before any registration, which replaces the process's sdpa attention).
+    The ranks of a tensor-parallel group share their samples: rank r reads the loader of sample rank r // tp."""
     import zeroshard
     from zeroshard.sequence_parallel import UlyssesSPDataLoaderAdapter, register_with_transformers, token_weighted_loss
 
     world = zeroshard.comm.get_world_size()
     out = {"reference": reference}
-    ids, labels = sp_samples(world)
+    ids, labels = sp_samples(world // tp)
     rank = zeroshard.comm.get_rank()
     samples = [
         {"input_ids": i, "labels": t, "position_ids": torch.arange(SP_SEQ)[None]}
-        for i, t in zip(ids[rank], labels[rank])
+        for i, t in zip(ids[rank // tp], labels[rank // tp])
     ]
-    mpu = register_with_transformers(sp_model(), "sdpa", sp, micro_batch_size=1)
-    cases = [(stage, "fp32") for stage in SP_STAGES] + [(2 if v == "bf16" else 3, v) for v in variants]
+    mpu = register_with_transformers(sp_model(), "sdpa", sp, micro_batch_size=1, tensor_parallel_size=tp)
+    cases = [(stage, "fp32") for stage in stages] + [(2 if v == "bf16" else 3, v) for v in variants]
     for stage, variant in cases:
         model = sp_model()
         if variant == "checkpointing":
             model.gradient_checkpointing_enable()
-        engine, *_ = zeroshard.initialize(model=model, config=_variant_config(stage, variant), mpu=mpu)
+        engine, *_ = zeroshard.initialize(model=model, config=_variant_config(stage, variant, tp), mpu=mpu)
         loader = UlyssesSPDataLoaderAdapter(
             torch.utils.data.DataLoader(samples, batch_size=None), mpu.sequence.rank, mpu.sequence, sp, "cpu"
         )
@@ -108,7 +110,7 @@ def sp_worker(sp: int, reference: dict, variants: tuple = ()) -> dict:
             losses.append(loss.item())
             norms.append(engine.get_global_grad_norm())
         out[stage if variant == "fp32" else variant] = {
-            "data_rank": rank // sp,
+            "data_rank": rank // (sp * tp),
             "losses": losses,
             "norms": norms,
             "state": engine.consolidated_state_dict(rank0_only=False),
@@ -136,7 +138,12 @@ def sp_runs() -> dict:
 
 def sp_four_rank_worker() -> dict:
     references = {sp: sp_reference(4, sp) for sp in (2, 4)}
-    return {2: sp_worker(2, references[2], SP_VARIANTS), 4: sp_worker(4, references[4])}
+    tensor_and_sequence = sp_reference(2, 2)  # TP=2 x SP=2: one data-parallel group, two sample ranks
+    return {
+        2: sp_worker(2, references[2], SP_VARIANTS),
+        4: sp_worker(4, references[4]),
+        "tp2": sp_worker(2, tensor_and_sequence, tp=2, stages=(0, 1, 2, 3)),
+    }
 
 
 def _check_parity(run: dict, case, first: float = 1e-6, bound: float = 1e-5) -> None:
@@ -157,6 +164,17 @@ def _check_parity(run: dict, case, first: float = 1e-6, bound: float = 1e-5) -> 
 def test_ulysses_matches_one_process_on_whole_sequences(sp_runs, sp, stage):
     for run in sp_runs:
         _check_parity(run[sp], stage)
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2, 3))
+def test_tensor_and_sequence_parallelism_together_match_one_process(sp_runs, stage):
+    """TP=2 x SP=2 on 4 ranks is a mesh shape: tensor groups are consecutive ranks, sequence groups stride by tp,
+    ZeRO shards over the sequence ranks of one tensor position; each rank holds one of the 4 query heads."""
+    for run in sp_runs:
+        _check_parity(run["tp2"], stage)
+        assert run["tp2"][stage]["sizes"][:3] == (2, 1, 2)  # sequence, data-parallel, sequence x data
+        tensor_pieces = {op for op in run["tp2"][stage]["ledger"] if op.endswith("/tensor")}
+        assert tensor_pieces, run["tp2"][stage]["ledger"]  # the row-parallel sums ran over the tensor group
 
 
 @pytest.mark.parametrize("variant", SP_VARIANTS)
@@ -212,7 +230,7 @@ def worker() -> dict:
     rank = zeroshard.comm.get_rank()
     g = torch.Generator().manual_seed(5)
     batches = torch.randint(0, 64, (STEPS, 2, 2, 24), generator=g)  # step, rank, batch, tokens
-    out = {"tiles": agreed_tile_count(24 + 40 * rank, 16, zeroshard.comm.build_rank_grid().world)}
+    out = {"tiles": agreed_tile_count(24 + 40 * rank, 16, zeroshard.comm.group_of(None, "world"))}
     for stage in (2, 3):
         for tiles in (None, 3):
             model = tiny_causal_lm("llama")

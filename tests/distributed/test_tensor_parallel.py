@@ -44,7 +44,7 @@ def layers_worker() -> dict:
         VocabParallelHead,
     )
 
-    group = comm.build_rank_grid(tp_size=2).tensor
+    group = comm.tensor_parallel_group(2)
     rank = group.rank
     weights, ids, target = reference()
     half, per = HIDDEN // 2, -(-VOCAB // 2)
@@ -227,7 +227,7 @@ def tp_zero_worker(cases: list[tuple], directory: str) -> dict:
     for family, tp, stage, dtype in cases:
         model = _tp_model(family, tp)
         engine, *_ = zeroshard.initialize(model=model, config=_tp_config(stage, tp, dtype))
-        dp, per = engine.grid.data.rank, GLOBAL_BATCH // engine.dp_world_size
+        dp, per = engine.mesh.batch.rank, GLOBAL_BATCH // engine.dp_world_size
         losses, norms = [], []
         for step, batch in enumerate(batches):
             if step == 1:
@@ -417,7 +417,7 @@ def tp_refusals_worker() -> dict:
     engine.destroy()
     uneven = tiny_causal_lm("llama", hidden_size=24, num_attention_heads=3, num_key_value_heads=3)
     out["uneven"] = caught(lambda: zeroshard.initialize(model=uneven, config=config(autotp_size=2)), PlacementError)
-    out["indivisible"] = caught(lambda: zeroshard.comm.parallel_layout(2, 3), ValueError)
+    out["indivisible"] = caught(lambda: zeroshard.comm.ParallelDims.for_world(2, tp=3), ValueError)
     with zeroshard.zero.Init():
         lazy = tiny_causal_lm("llama")
     out["zero_init"] = caught(
@@ -543,7 +543,7 @@ SAVED_AT, RESUMED = 3, 2  # steps before the save, steps after the load
 
 
 def _train_engine(engine, batches) -> None:
-    dp, per = engine.grid.data.rank, GLOBAL_BATCH // engine.dp_world_size
+    dp, per = engine.mesh.batch.rank, GLOBAL_BATCH // engine.dp_world_size
     for batch in batches:
         local = batch[dp * per : (dp + 1) * per]
         engine.backward(engine(input_ids=local, labels=local).loss)

@@ -46,7 +46,7 @@ class Custom(nn.Module):
 
 
 def _kinds(model: nn.Module) -> dict[str, str]:
-    from zeroshard.zero.init import _pending
+    from zeroshard.zero.materialize import pending_recipe as _pending
 
     return {n: type(_pending(p).initial).__name__ for n, p in model.named_parameters()}
 
@@ -55,7 +55,7 @@ def init_semantics_worker() -> dict:
     import zeroshard
     from zeroshard import comm
     from zeroshard.zero import GatheredParameters, Init, ShardedParameterError
-    from zeroshard.zero.init import _pending
+    from zeroshard.zero.materialize import pending_recipe as _pending
 
     rank = comm.get_rank()
     torch.manual_seed(0)

@@ -92,7 +92,7 @@ def load(
         error = err
     finally:
         sources.close()
-    agree_on_load(state.grid.world, error, path)
+    agree_on_load(state.mesh.world, error, path)
     if missing or unexpected:
         report.append(
             f"load_module_strict=False: kept as initialized (not in the checkpoint) {missing}; "
@@ -227,7 +227,7 @@ class _PieceReader:
     otherwise the whole saved parameter is joined and this rank's piece cut from it (kept for the next segment)."""
 
     def __init__(self, sources: Sources, state: TrainingState):
-        self.sources, self.splits, self.tensor = sources, state.tensor_splits, state.grid.tensor
+        self.sources, self.splits, self.tensor = sources, state.tensor_splits, state.mesh.tensor
         self._cached: tuple[Optional[tuple[str, str]], Optional[torch.Tensor]] = (None, None)
         self._parsed: dict[str, tuple] = {}  # name -> (pieces, their dtype, saved split): read once per parameter
 
@@ -350,7 +350,7 @@ def _load_training_state(
     rank = comm.get_rank()
     if "imported_from" in manifest:
         report.append("RNG states not restored (the checkpoint was imported from DeepSpeed, which does not save them)")
-    elif manifest["world_size"] == state.grid.world.size:  # RNG streams are per rank: restore only same-size runs
+    elif manifest["world_size"] == state.mesh.world.size:  # RNG streams are per rank: restore only same-size runs
         file = rank_file(rank)
         torch.set_rng_state(_rng_state(sources, file, "rng.cpu", torch.get_rng_state()))
         if torch.cuda.is_available() and "rng.cuda" in manifest["files"][file]["crc"]:
@@ -372,9 +372,9 @@ def _compression_state(state: TrainingState, manifest: dict, sources: Sources) -
     """This rank's saved 1-bit compression state, when the checkpoint was saved at this layout (the same ranks in the
     same shard groups: each rank's errors are its own); {} otherwise."""
     same = (manifest["world_size"], manifest["shard_group_size"], manifest.get("tensor_parallel_size", 1)) == (
-        state.grid.world.size,
-        state.grid.shard.size,
-        state.grid.tensor.size,
+        state.mesh.world.size,
+        state.mesh.shard.size,
+        state.mesh.tensor.size,
     )
     if not same or "imported_from" in manifest:
         return {}

@@ -281,7 +281,7 @@ def _client_references(value: Any) -> list:
 
 def _check_tensor_ranks(name: str, entry: ParamEntry, tensor_parallel_size: int, where: str) -> None:
     """A split parameter's pieces cover every tensor-parallel rank's piece in rank order; each must come from a
-    file of the rank whose piece it covers (tensor rank = global rank mod the degree, ``comm.parallel_layout``),
+    file of the rank whose piece it covers (tensor rank = global rank mod the degree, ``comm.ParallelDims``),
     so pieces moved between the ranks' files are refused even with the checksum recomputed."""
     if entry.split is None or tensor_parallel_size == 1:
         return

@@ -41,28 +41,21 @@ def _scalar(value: Any) -> dict:
     return {"value": value, "tensor": False}
 
 
-def _is_split(state: TrainingState, flat) -> bool:
-    """A flat group of tensor-parallel pieces (planning never mixes them with replicated parameters)."""
-    return bool(flat.layout.slots) and flat.layout.slots[0].name in state.tensor_splits
-
-
 def _writes_flat(state: TrainingState, flat) -> bool:
     """One copy of each shard: replica 0 of a sharded group, data-parallel rank 0 of a replicated one; of a flat group
     replicated over the tensor-parallel group, tensor-parallel rank 0's only."""
-    if state.grid.tensor.rank > 0 and not _is_split(state, flat):
+    if state.mesh.tensor.rank > 0 and not flat.layout.tensor_sharded:
         return False
     if flat.partitioned:
-        return state.grid.replica.rank == 0 if state.grid.replica.size > 1 else True
-    return state.grid.data.rank == 0
+        return state.mesh.replica.rank == 0 if state.mesh.replica.size > 1 else True
+    return state.mesh.gradient.rank == 0
 
 
-def _writer_files(flat, tensor_rank: int = 0) -> list[str]:
+def _writer_files(flat, dims: comm.ParallelDims, tensor_rank: int = 0) -> list[str]:
     """The files holding the shards of ``flat`` as tensor-parallel rank ``tensor_rank`` laid it out (rank 0 writes
-    the manifest from its own layouts: the other tensor-parallel ranks' groups are the same ranks plus their
-    offset, ``comm.parallel_layout``)."""
-    if not flat.partitioned:
-        return [rank_file(tensor_rank)]
-    return [rank_file(r + tensor_rank) for r in flat.shard_group.ranks]  # replica 0's shard group is the first row
+    the manifest from its own layouts: the mesh says which ranks hold the same shards of the other pieces)."""
+    writers = flat.shard_group.ranks if flat.partitioned else (comm.get_rank(),)  # replica 0's group: rank 0's
+    return [rank_file(dims.rank_at(r, tp=tensor_rank)) for r in writers]
 
 
 def outside_tensors(state: TrainingState, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
@@ -99,7 +92,7 @@ def save(
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' and no leading '.')")
     plain_name(tag, "checkpoint tag", save_dir)
     client, client_tensors = split_client_state(client_state)
-    world, rank = state.grid.world, comm.get_rank()
+    world, rank = state.mesh.world, comm.get_rank()
     tag = ranks_agree(save_dir, tag, world, state.config.checkpoint.tag_validation.lower())
     tmp, final = os.path.join(save_dir, f".{tag}.tmp"), os.path.join(save_dir, tag)
     error = None
@@ -212,19 +205,19 @@ def _sharded_entries(state: TrainingState, flats: list, frozen: list) -> tuple[d
     optimizer state keys and scalars. Frozen flat groups (stage 3) are saved like master shards, as ``ff<j>``. A
     tensor-parallel parameter is described whole: its ``split``, and pieces covering every tensor-parallel rank's
     piece in rank order."""
-    zero, splits, tensor_ranks = state.optimizer, state.tensor_splits, state.grid.tensor.size
+    zero, dims = state.optimizer, state.mesh.dims
     params: dict[str, dict] = {}
     flat_groups = []
     keyed = [(f"fg{k}", flat) for k, flat in enumerate(flats)]
     for key, flat in keyed + [(f"ff{j}", flat) for j, flat in enumerate(frozen)]:
         numels = {slot.name: slot.numel for slot in flat.layout.slots}
-        for tensor_rank in range(tensor_ranks if _is_split(state, flat) else 1):
-            for name, plist in pieces_for(flat.layout, key, _writer_files(flat, tensor_rank)).items():
+        for tensor_rank in range(dims.tp if flat.layout.tensor_sharded else 1):
+            for name, plist in pieces_for(flat.layout, key, _writer_files(flat, dims, tensor_rank)).items():
                 shift = tensor_rank * numels[name]
                 shifted = [dataclasses.replace(p, param_offset=p.param_offset + shift) for p in plist]
                 params.setdefault(name, {"pieces": []})["pieces"] += [p.to_json() for p in shifted]
         for slot, param in zip(flat.layout.slots, flat.params):
-            split = splits.get(slot.name)
+            split = slot.split
             shape = split.full_shape(tuple(slot.shape)) if split is not None else tuple(slot.shape)
             params[slot.name].update(shape=list(shape), dtype=str(param.dtype).removeprefix("torch."))
             if split is not None:
@@ -258,7 +251,7 @@ def _manifest(
     tmp: str,
 ) -> dict:
     zero = state.optimizer
-    files, rng = _collect_sidecars(tmp, state.grid.world.size)
+    files, rng = _collect_sidecars(tmp, state.mesh.world.size)
     params, flat_groups = _sharded_entries(state, state.flat_groups, frozen)
     module_tensors = {name.removeprefix("module."): entry for name, entry in _rank0_entries(outside).items()}
     scheduler = state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None
@@ -266,10 +259,10 @@ def _manifest(
     return {
         "format": FORMAT,
         "tag": tag,
-        "world_size": state.grid.world.size,
-        "tensor_parallel_size": state.grid.tensor.size,
+        "world_size": state.mesh.world.size,
+        "tensor_parallel_size": state.mesh.tensor.size,
         "stage": state.config.zero_optimization.stage,
-        "shard_group_size": state.grid.shard.size,
+        "shard_group_size": state.mesh.shard.size,
         "counters": dataclasses.asdict(state.counters),
         "loss_scaler": zero.loss_scaler.state_dict() if zero else None,
         "lr_scheduler": json_ready(scheduler, "the lr scheduler's state_dict()"),

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from ..comm import RankGrid
+from ..comm import Mesh
 from ..partition import TensorSplit
 from ..precision import LossScaler
 
@@ -61,7 +61,7 @@ class TrainingState:
     """The engine as a checkpoint sees it. ``counters`` is the engine's own object: a load restores it in place."""
 
     module: torch.nn.Module
-    grid: RankGrid
+    mesh: Mesh
     config: Any  # zeroshard.config.ZeroshardConfig (saved in the manifest; its checkpoint block decides tags)
     counters: TrainingCounters
     flat_groups: list  # zeroshard.zero.FlatGroup: the trainable ones, stepped by ``optimizer`` ([] without one)
@@ -71,7 +71,7 @@ class TrainingState:
     sampler: Any  # zeroshard's resumable sampler (state_dict / load_state_dict), or None
     gradient_accumulation_steps: int
     fp16: bool
-    # tensor parallelism: how each split parameter is cut over ``grid.tensor`` (by name; the others are replicated)
+    # tensor parallelism: how each split parameter is cut over ``mesh.tensor`` (by name; the others are replicated)
     tensor_splits: dict[str, TensorSplit] = field(default_factory=dict)
     # how the model's parameters are cut over N tensor-parallel ranks (its own placement at that degree): a
     # checkpoint's split records must agree; None where the engine cannot say

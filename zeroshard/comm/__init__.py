@@ -22,20 +22,9 @@ from .collectives import (
 )
 from .compressed import OneBitAllReduce, compressed_all_gather, compressed_all_reduce, compressed_reduce_scatter
 from .context import DEFAULT_CONTEXT, CommContext
-from .groups import (
-    Group,
-    ParallelLayout,
-    RankGrid,
-    as_group,
-    build_rank_grid,
-    build_tensor_parallel_group,
-    destroy_groups,
-    grid_layout,
-    group_of,
-    parallel_layout,
-    process_group,
-)
+from .groups import Group, as_group, group_of, process_group
 from .ledger import CommLedger, OpTotals
+from .mesh import DERIVED, Mesh, ParallelDims, build_groups, build_mesh, destroy_mesh, tensor_parallel_group
 
 LEDGER = DEFAULT_CONTEXT.ledger  # every collective of this process (an engine's own: engine.comm_ledger)
 
@@ -50,6 +39,7 @@ def log_summary(print_fn=print) -> str:
 
 __all__ = [
     "DEFAULT_CONTEXT",
+    "DERIVED",
     "DEFAULT_TIMEOUT",
     "LEDGER",
     "CollectiveError",
@@ -58,32 +48,31 @@ __all__ = [
     "Group",
     "OneBitAllReduce",
     "OpTotals",
-    "ParallelLayout",
+    "ParallelDims",
     "Pending",
-    "RankGrid",
+    "Mesh",
     "all_gather",
     "all_reduce",
     "barrier",
     "broadcast",
-    "build_rank_grid",
-    "build_tensor_parallel_group",
+    "build_groups",
+    "build_mesh",
     "compressed_all_gather",
     "compressed_all_reduce",
     "compressed_reduce_scatter",
     "destroy",
     "destroy_at_exit",
-    "destroy_groups",
+    "destroy_mesh",
     "env_world",
     "get_rank",
     "get_world_size",
-    "grid_layout",
     "as_group",
     "group_of",
     "init_distributed",
     "is_initialized",
     "log_summary",
-    "parallel_layout",
     "process_group",
     "reduce_scatter",
     "reduce_scatter_scratch_numel",
+    "tensor_parallel_group",
 ]

@@ -106,7 +106,7 @@ def init_inference(
     log_as_launched()
     if not comm.is_initialized():
         comm.init_distributed()
-    group = comm.build_tensor_parallel_group(settings.tp_size)
+    group = comm.tensor_parallel_group(settings.tp_size)
     accelerator = get_accelerator()
     device = accelerator.device(local_rank())
     dtype = settings.dtype

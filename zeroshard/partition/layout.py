@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
+
+from .tensor_split import TensorSplit
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -22,6 +24,7 @@ class Slot:
     name: str
     shape: tuple[int, ...]
     offset: int
+    split: Optional[TensorSplit] = None  # how the whole parameter is cut over the tensor-parallel ranks (a piece)
 
     @property
     def numel(self) -> int:
@@ -48,6 +51,12 @@ class FlatLayout:
 
     slots: tuple[Slot, ...]
     shard_count: int
+
+    @property
+    def tensor_sharded(self) -> bool:
+        """Its parameters are tensor-parallel pieces (each rank of the tensor group holds different values); a flat
+        group never mixes pieces and replicated parameters, so the first slot answers for all."""
+        return bool(self.slots) and self.slots[0].split is not None
 
     @property
     def numel(self) -> int:
@@ -83,12 +92,19 @@ class FlatLayout:
 
 
 def flat_layout(
-    names: Sequence[str], shapes: Sequence[tuple[int, ...]], shard_count: int, indices: Sequence[int] | None = None
+    names: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    shard_count: int,
+    indices: Sequence[int] | None = None,
+    splits: Sequence[Optional[TensorSplit]] | None = None,
 ) -> FlatLayout:
     indices = range(len(names)) if indices is None else indices
+    splits = [None] * len(names) if splits is None else splits
+    if len({split is None for split in splits}) > 1:
+        raise ValueError(f"a flat group mixes tensor-parallel pieces and replicated parameters: {list(names)}")
     slots, offset = [], 0
-    for index, name, shape in zip(indices, names, shapes):
-        slot = Slot(index, name, tuple(shape), offset)
+    for index, name, shape, split in zip(indices, names, shapes, splits):
+        slot = Slot(index, name, tuple(shape), offset, split)
         slots.append(slot)
         offset = slot.end
     return FlatLayout(tuple(slots), shard_count)

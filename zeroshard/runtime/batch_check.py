@@ -41,6 +41,6 @@ def check_same_batch(inputs: Any, group: comm.Group) -> None:
         raise BatchMismatchError(
             f"rank {group.ranks[0]} and rank {differing[0]} of tensor-parallel group {list(group.ranks)} got different "
             "batches at the first forward: every rank of a tensor-parallel group must see the same batch. Shard the "
-            "data by data-parallel rank (engine.grid.data.rank, deepspeed.utils.groups.get_data_parallel_rank()), "
+            "data by data-parallel rank (engine.mesh.gradient.rank, deepspeed.utils.groups.get_data_parallel_rank()), "
             "not by global rank, or pass training_data= to initialize"
         )

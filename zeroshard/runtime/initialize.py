@@ -20,7 +20,7 @@ from ..optim import build_schedule
 from ..precision import PrecisionPolicy
 from ..tensor_parallel import check_forward, layer_specs_from, shard_for_training, sharded_group, tensor_splits
 from ..zero import Placement, ZeroOptimizer, ZeroStack, build_zero_stack
-from ..zero.init import Materializer, has_meta_parameters, pending_seed, release_pending
+from ..zero.materialize import Materializer, has_meta_parameters, pending_seed, release_pending
 from ..zero.planning import is_packed
 from . import activation_checkpointing
 from .engine import ZeroshardEngine
@@ -123,10 +123,10 @@ def _sequence_parallel(mpu: Any, parsed) -> tuple[int, Optional[comm.Group]]:
     return size, group
 
 
-def _split_over_tensor_group(model: torch.nn.Module, cfg, grid: comm.RankGrid, materialize) -> frozenset:
+def _split_over_tensor_group(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> dict:
     """Tensor parallelism: every rank starts from the same weights, then keeps its pieces (a model ``tp_model_init``
     split already keeps its own: its replicated weights are shared over the world, its pieces over the
-    data-parallel group). Returns the split parameters."""
+    gradient group). Returns the split parameters, each with how it is cut (recorded here, once)."""
     if materialize is not None:
         raise NotImplementedError(
             "a model built under zeroshard.zero.Init with tensor_parallel.autotp_size > 1: build it normally (its "
@@ -134,18 +134,18 @@ def _split_over_tensor_group(model: torch.nn.Module, cfg, grid: comm.RankGrid, m
         )
     already = sharded_group(model) is not None
     if not already:
-        _broadcast_module(model, grid.world)
+        _broadcast_module(model, mesh.world)
         settings = cfg.tensor_parallel
-        shard_for_training(model, grid.tensor, layer_specs_from(settings), settings.partition_config.use_default_specs)
-        check_forward(model, grid.tensor)
+        shard_for_training(model, mesh.tensor, layer_specs_from(settings), settings.partition_config.use_default_specs)
+        check_forward(model, mesh.tensor, mesh.sequence)
     splits = tensor_splits(model)
-    pieces = frozenset(p for name, p in model.named_parameters() if name in splits)
+    pieces = {p: splits[name] for name, p in model.named_parameters() if name in splits}
     if already:
-        _broadcast_module(model, grid.tensor, skip=pieces)
-        _broadcast_module(model, grid.data)
+        _broadcast_module(model, mesh.tensor, skip=frozenset(pieces))
+        _broadcast_module(model, mesh.gradient)
     log_rank0(
-        f"tensor parallelism: {len(pieces)} parameters split over {grid.tensor.size} ranks, ZeRO over "
-        f"{grid.data.size} data-parallel rank(s)"
+        f"tensor parallelism: {len(pieces)} parameters split over {mesh.tensor.size} ranks, ZeRO over "
+        f"{mesh.gradient.size} data-parallel rank(s)"
     )
     return pieces
 
@@ -238,24 +238,21 @@ def _join_process_group(dist_init_required: Optional[bool]) -> None:
 
 def _resolve(
     source: Any, args: Any, model: torch.nn.Module, training_data: Any, mpu: Any
-) -> tuple[comm.RankGrid, Resolution]:
-    """The rank grid (the engine's process groups, counting in a comm context of its own, shared with a
+) -> tuple[comm.Mesh, Resolution]:
+    """The rank mesh (the engine's process groups, counting in a comm context of its own, shared with a
     sequence-parallel group built before it) and the config with every ``"auto"`` filled in for it."""
     parsed = parse_config(source)
     tp_size = _tensor_parallel_size(model, parsed.tensor_parallel)
     sp_size, sequence = _sequence_parallel(mpu, parsed)
-    grid = comm.build_rank_grid(
-        parsed.zero_optimization.shard_group_size,
-        context=sequence.context if sequence is not None else None,
-        tp_size=tp_size,
-        sp_size=sp_size,
-        sequence=sequence,
+    dims = comm.ParallelDims.for_world(
+        comm.get_world_size(), tp=tp_size, sp=sp_size, shard_group_size=parsed.zero_optimization.shard_group_size
     )
+    mesh = comm.build_mesh(dims, context=sequence.context if sequence is not None else None, sequence=sequence)
     dataloader_batch = training_data.batch_size if isinstance(training_data, DataLoader) else None
     resolution = resolve_config(
         parsed,
         AutoContext(
-            world_size=grid.data_parallel_size,
+            world_size=mesh.data_parallel_size,
             args=args,
             dataloader_batch_size=dataloader_batch,
             hidden_size=model_hidden_size(model),
@@ -264,13 +261,12 @@ def _resolve(
         ),
     )
     stage = resolution.config.zero_optimization.stage
-    ranks = f"{grid.data_parallel_size} rank(s)"
-    if tp_size > 1:
-        ranks = f"{grid.data_parallel_size} data-parallel rank(s) x {tp_size} tensor-parallel"
-    if sp_size > 1:
-        ranks = f"{grid.data_parallel_size} data-parallel rank(s) x {sp_size} sequence-parallel"
+    axes = "".join(
+        f" x {size} {name}-parallel" for name, size in (("sequence", sp_size), ("tensor", tp_size)) if size > 1
+    )
+    ranks = f"{mesh.data_parallel_size} data-parallel rank(s){axes}" if axes else f"{mesh.data_parallel_size} rank(s)"
     log_rank0(f"config resolved for {ranks}, ZeRO stage {stage}:\n" + resolution.report())
-    return grid, resolution
+    return mesh, resolution
 
 
 def _finish_parameters(model, materialize, placement: Placement, stack: ZeroStack) -> None:
@@ -304,11 +300,13 @@ def _build_scheduler(lr_scheduler: Any, cfg, zero: Optional[ZeroOptimizer]):
     return None
 
 
-def _build_dataloader(training_data, resolution: Resolution, grid: comm.RankGrid, collate_fn) -> Optional[DataLoader]:
+def _build_dataloader(training_data, resolution: Resolution, mesh: comm.Mesh, collate_fn) -> Optional[DataLoader]:
     """A client DataLoader as it is; a Dataset gets zeroshard's resumable distributed sampler."""
     if training_data is None or isinstance(training_data, DataLoader):
         return training_data
-    sampler = ResumableDistributedSampler(training_data, num_replicas=grid.data.size, rank=grid.data.rank, shuffle=True)
+    sampler = ResumableDistributedSampler(
+        training_data, num_replicas=mesh.batch.size, rank=mesh.batch.rank, shuffle=True
+    )
     return DataLoader(
         training_data,
         batch_size=resolution.batch.micro_batch_size,
@@ -325,7 +323,7 @@ def _auto_resume(engine: ZeroshardEngine) -> None:
     block = engine.settings.checkpoint
     if not block.auto_resume:
         return
-    point = agree_on_resume_point(block.save_dir, engine.grid.world)
+    point = agree_on_resume_point(block.save_dir, engine.mesh.world)
     if point is None:
         log_rank0(f"auto_resume: no complete checkpoint in {block.save_dir} yet; starting from step 0")
         return
@@ -381,50 +379,50 @@ def initialize(
     log_as_launched()
     source = _config_source(args, config if config is not None else config_params)
     _join_process_group(dist_init_required)
-    grid, resolution = _resolve(source, args, model, training_data, mpu)
+    mesh, resolution = _resolve(source, args, model, training_data, mpu)
     cfg = resolution.config
     if cfg.log_level is not None:  # DeepSpeed's log_level sets its logger's level; handlers stay the program's
         logger.setLevel(cfg.log_level.upper())
     placement = _placement(cfg)
-    materialize = _materializer(model, pretrained, grid.world, placement.device)
+    materialize = _materializer(model, pretrained, mesh.world, placement.device)
     _move_module(model, placement.device, placement.policy.compute)
-    if grid.tensor.size > 1:
-        tensor_sharded = _split_over_tensor_group(model, cfg, grid, materialize)
+    if mesh.tensor.size > 1:
+        pieces = _split_over_tensor_group(model, cfg, mesh, materialize)
     else:
-        tensor_sharded = frozenset()
-        _broadcast_module(model, grid.world)
+        pieces = {}
+        _broadcast_module(model, mesh.world)
     if optimizer is not None or cfg.optimizer is not None:
         param_groups, make_optimizer = optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
-        if tensor_sharded:
-            make_optimizer = elementwise_only(make_optimizer, model, tensor_sharded, grid.tensor.size)
+        if pieces:
+            make_optimizer = elementwise_only(make_optimizer, model, frozenset(pieces), mesh.tensor.size)
         stack = build_zero_stack(
             model=model,
             param_groups=param_groups,
             make_optimizer=make_optimizer,
             config=cfg,
-            grid=grid,
+            mesh=mesh,
             placement=placement,
             materialize=materialize,
             gather_unit_classes=gather_unit_classes,
             leaf_modules=leaf_modules,
-            tensor_sharded=tensor_sharded,
+            tensor_splits=pieces,
         )
     else:
         stack = ZeroStack.without_optimizer(placement.device)
     _finish_parameters(model, materialize, placement, stack)
     scheduler = _build_scheduler(lr_scheduler, cfg, stack.optimizer)
-    dataloader = _build_dataloader(training_data, resolution, grid, collate_fn)
+    dataloader = _build_dataloader(training_data, resolution, mesh, collate_fn)
     engine = ZeroshardEngine(
         model,
         stack,
         scheduler,
         resolution,
-        grid,
+        mesh,
         placement.policy,
         placement.device,
         dataloader,
         activation_checkpointing=_checkpointing_options(cfg),
     )
     _auto_resume(engine)
-    grid.context.ledger.reset()  # the engine counts training traffic, not the initial weights or a resume
+    mesh.context.ledger.reset()  # the engine counts training traffic, not the initial weights or a resume
     return engine, stack.optimizer, dataloader, scheduler

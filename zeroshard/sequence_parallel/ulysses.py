@@ -41,8 +41,8 @@ class SequenceParallelGroups:
     ``register_with_transformers`` returns one, and ``initialize(mpu=...)`` adopts its sequence group (the engine's
     collectives then count in the same ledger as attention's)."""
 
-    sequence: comm.Group  # consecutive ranks that split each sample's tokens
-    data: comm.Group  # the ranks ZeRO shards and reduces over: data x sequence (DeepSpeed's sequence-data group)
+    sequence: comm.Group  # the ranks that split each sample's tokens (the mesh's ``sequence``)
+    data: comm.Group  # the ranks ZeRO shards and reduces over: data x sequence (the mesh's ``gradient``)
 
     def get_sequence_parallel_group(self) -> Any:
         return comm.process_group(self.sequence)
@@ -68,18 +68,24 @@ class SequenceParallelGroups:
     get_model_parallel_rank = get_sequence_parallel_rank
 
 
-def sequence_parallel_groups(sequence_parallel_size: int) -> SequenceParallelGroups:
+def sequence_parallel_groups(sequence_parallel_size: int, tensor_parallel_size: int = 1) -> SequenceParallelGroups:
     """Build the groups for ``sequence_parallel_size``-way sequence parallelism over the whole world (a collective
-    call); their collectives count in a context of their own, which an engine built on them shares."""
-    if isinstance(sequence_parallel_size, bool) or not isinstance(sequence_parallel_size, int):
-        raise TypeError(f"sequence_parallel_size must be an int, got {sequence_parallel_size!r}")
+    call), laid out as the engine's mesh lays them out beside ``tensor_parallel_size``-way tensor parallelism;
+    their collectives count in a context of their own, which an engine built on them shares."""
+    for name, size in (
+        ("sequence_parallel_size", sequence_parallel_size),
+        ("tensor_parallel_size", tensor_parallel_size),
+    ):
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"{name} must be an int, got {size!r}")
     if not comm.is_initialized():
         raise RuntimeError(
             "sequence parallelism needs the process group: launch with zeroshard / torchrun and call "
             "zeroshard.comm.init_distributed() (or torch.distributed.init_process_group) first"
         )
-    grid = comm.build_rank_grid(sp_size=sequence_parallel_size)
-    return SequenceParallelGroups(grid.sequence, grid.world)
+    dims = comm.ParallelDims.for_world(comm.get_world_size(), tp=tensor_parallel_size, sp=sequence_parallel_size)
+    groups = comm.build_groups(dims, ("sequence", "gradient"), comm.DEFAULT_CONTEXT.child())
+    return SequenceParallelGroups(groups["sequence"], groups["gradient"])
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,19 @@ class HeadLayout:
                 f"{self.kv_heads} key-value heads and sequence_parallel_size {self.ranks}: one must divide the other "
                 "(key-value heads are split over the ranks, or repeated sequence_parallel_size / kv_heads times)"
             )
+
+    @classmethod
+    def under_tensor_parallelism(cls, heads: int, kv_heads: int, ranks: int, tensor_parallel_size: int) -> HeadLayout:
+        """The layout of the heads one tensor-parallel rank holds (its columns of q, k and v: heads / tp)."""
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
+            raise TypeError(f"tensor_parallel_size must be an int, got {tensor_parallel_size!r}")
+        for what, count in (("attention", heads), ("key-value", kv_heads)):
+            if tensor_parallel_size < 1 or count % tensor_parallel_size:
+                raise ValueError(
+                    f"{count} {what} heads do not divide over tensor_parallel_size {tensor_parallel_size}: tensor "
+                    "parallelism gives each rank whole heads"
+                )
+        return cls(heads // tensor_parallel_size, kv_heads // tensor_parallel_size, ranks)
 
     @property
     def kv_repeats(self) -> int:
@@ -203,10 +222,13 @@ def register_with_transformers(
     seq_length: Optional[int] = None,
     seq_length_is_variable: bool = True,
     disable_in_eval: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> Optional[SequenceParallelGroups]:
     """Build the sequence-parallel groups and route the model's attention (``core_attn_implementation``, e.g.
     ``"sdpa"``) through Ulysses; returns the groups, to pass as ``initialize(mpu=...)`` (``None`` when
-    ``sequence_parallel_size`` is 1). ``model_name_or_path``: the model, or a name / path its config loads from."""
+    ``sequence_parallel_size`` is 1). ``model_name_or_path``: the model, or a name / path its config loads from.
+    ``tensor_parallel_size``: the engine's ``tensor_parallel.autotp_size`` when both run together: each rank then
+    holds heads / tp heads, which Ulysses splits further, and the groups are laid out as the engine's mesh."""
     if isinstance(sequence_parallel_size, bool) or not isinstance(sequence_parallel_size, int):
         raise TypeError(f"sequence_parallel_size must be an int, got {sequence_parallel_size!r}")
     if sequence_parallel_size == 1:
@@ -222,12 +244,13 @@ def register_with_transformers(
         )
     core = _core_attention(core_attn_implementation)
     config = _text_config(model_name_or_path, core_attn_implementation)
-    heads = HeadLayout(
+    heads = HeadLayout.under_tensor_parallelism(
         config.num_attention_heads,
         getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         sequence_parallel_size,
+        tensor_parallel_size,
     )
-    groups = sequence_parallel_groups(sequence_parallel_size)
+    groups = sequence_parallel_groups(sequence_parallel_size, tensor_parallel_size)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = UlyssesAttention(
@@ -300,6 +323,7 @@ class UlyssesSPAttentionHF(UlyssesAttention):
         seq_length_is_variable: bool = True,
         disable_in_eval: bool = False,
         max_length: Optional[int] = None,
+        tensor_parallel_size: int = 1,
     ) -> Optional[SequenceParallelGroups]:
         """:func:`register_with_transformers` (``max_length`` is DeepSpeed's deprecated ``seq_length``)."""
         if max_length is not None:
@@ -313,6 +337,7 @@ class UlyssesSPAttentionHF(UlyssesAttention):
             seq_length=seq_length,
             seq_length_is_variable=seq_length_is_variable,
             disable_in_eval=disable_in_eval,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
 

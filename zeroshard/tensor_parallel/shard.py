@@ -65,7 +65,7 @@ def tp_model_init(
         )
     if not comm.is_initialized():
         comm.init_distributed()
-    group = comm.build_tensor_parallel_group(tp_size)
+    group = comm.tensor_parallel_group(tp_size)
     if dtype is not None:
         model.to(parse_inference_config(None, dtype=dtype).dtype)
     if tp_size > 1:
@@ -118,20 +118,27 @@ def tensor_splits(model: nn.Module) -> dict[str, TensorSplit]:
     return splits
 
 
-def check_forward(model: nn.Module, group: comm.Group) -> None:
+def check_forward(model: nn.Module, group: comm.Group, sequence: Optional[comm.Group] = None) -> None:
     """A forward of a few tokens right after the split (Hugging Face language models, whose inputs are known): a
     placement that leaves the model inconsistent (a layer split on the wrong side, e.g. ``q_proj`` row-parallel)
     fails here, at ``initialize``, naming the cause, instead of at the first training step. Evaluation mode, no
-    gradients, the CPU RNG restored: it changes nothing."""
+    gradients, the CPU RNG restored: it changes nothing. Under sequence parallelism (``sequence``) each rank's 4
+    tokens are its piece of one sequence, with their positions in it, as Ulysses attention expects."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if not isinstance(vocab, int) or "input_ids" not in inspect.signature(model.forward).parameters:
+    accepted = inspect.signature(model.forward).parameters
+    if not isinstance(vocab, int) or "input_ids" not in accepted:
         return
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     training = model.training
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model.eval()
-            model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device))
+            first = sequence.rank * 4 if sequence is not None else 0
+            positions = {"position_ids": torch.arange(first, first + 4, device=device)[None]}
+            model(
+                input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
+                **(positions if "position_ids" in accepted else {}),
+            )
     except RuntimeError as err:
         raise PlacementError(
             f"tensor parallelism over {group.size} ranks: after splitting the layers as planned, a forward of 4 tokens "

@@ -5,7 +5,8 @@ from .assemble import Placement, ZeroStack, build_zero_stack
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup, ParamState
 from .gathered import GatheredParameters, consolidated_state_dict
-from .init import Init, parameters_replaced, reset_parameters
+from .init import Init, parameters_replaced
+from .materialize import reset_parameters
 from .optimizer import NonFiniteGradientError, ZeroOptimizer
 from .optimizer_state import DeviceState, HostState, NvmeState, OptimizerState, build_optimizer_state
 from .param_access import ParamAccess

@@ -12,7 +12,8 @@ missing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 import torch
 
@@ -201,24 +202,24 @@ def build_zero_stack(
     param_groups: list[dict],
     make_optimizer: MakeOptimizer,
     config,
-    grid: comm.RankGrid,
+    mesh: comm.Mesh,
     placement: Placement,
     materialize=None,
     gather_unit_classes=None,
     leaf_modules=(),
-    tensor_sharded: frozenset = frozenset(),
+    tensor_splits: Mapping = MappingProxyType({}),
 ) -> ZeroStack:
     """Plan and build the stack for ``model``'s ``param_groups`` (each ``{"params": [...], ...}``) under ``config``
     (the resolved ``ZeroshardConfig``); ``make_optimizer`` builds the torch optimizer over the master shards.
-    ``tensor_sharded`` are the parameters split over the grid's tensor-parallel group: ZeRO runs inside the
-    data-parallel group, on each rank's pieces."""
+    ``tensor_splits`` maps the parameters split over the mesh's tensor-parallel group to how they are cut (each
+    flat group's slots carry it): ZeRO runs inside the gradient group, on each rank's pieces."""
     z = config.zero_optimization
     classes = frozenset(c if isinstance(c, str) else c.__name__ for c in gather_unit_classes or ())
     # stage 0 reduces over the whole data-parallel group; sharded stages over the shard group inside it
     stage = StagePolicy.for_stage(z.stage)
-    shard_group = grid.shard if stage.partition_optimizer else grid.data
+    shard_group = mesh.shard if stage.partition_optimizer else mesh.gradient
     leaves = _module_paths(model, leaf_modules)
-    plan = plan_model(model, param_groups, z, shard_group.size, classes, leaves, tensor_sharded)
+    plan = plan_model(model, param_groups, z, shard_group.size, classes, leaves, tensor_splits)
     if stage.partition_params:
         _log_units(plan)
     records = ParamRecords()
@@ -252,20 +253,16 @@ def build_zero_stack(
     for flat in frozen:
         records.own(flat, None)  # its compute-precision shard is its only copy
     codec = QuantizedComm.from_config(z).gradient_codec
-    buckets = _gradient_buckets(flats, grid, placement, state.device, stage, buffers, codec)
+    buckets = _gradient_buckets(flats, mesh, placement, state.device, stage, buffers, codec)
     stage3 = _stage3_runtime(model, plan, buckets, frozen, buffers, z, placement.offload) if plan.units else None
-    reducer = _reducer(model, buckets, grid, stage, config, stage3)
+    reducer = _reducer(model, buckets, mesh, stage, config, stage3)
     optimizer = ZeroOptimizer(
         flats,
         state,
         reducer,
         LossScaler.from_config(config.fp16),
         frozen_groups=frozen,
-        norm=NormAxes(
-            shard=grid.shard if stage.partition_optimizer else None,
-            tensor=grid.tensor,
-            tensor_sharded=tuple(flat_plan.tensor_sharded for flat_plan in plan.trainable),
-        ),
+        norm=NormAxes(shard=mesh.shard if stage.partition_optimizer else None, tensor=mesh.tensor),
         gradient_clipping=config.gradient_clipping,
         max_consecutive_skipped_steps=config.max_consecutive_skipped_steps,
         buffers=buffers,
@@ -281,24 +278,24 @@ def build_zero_stack(
     )
 
 
-def _reducer(model, buckets, grid: comm.RankGrid, stage: StagePolicy, config, stage3) -> GradientReducer:
+def _reducer(model, buckets, mesh: comm.Mesh, stage: StagePolicy, config, stage3) -> GradientReducer:
     """The gradient hooks and reductions; under stage 3 a bucket's completion frees its unit (wired here)."""
     z = config.zero_optimization
     names = {p: name for name, p in model.named_parameters()}
     return GradientReducer(
         buckets,
         names,
-        grid.data,
+        mesh.gradient,
         reduce_every_micro_step=stage.reduce_every_micro_step,
         overlap_comm=z.overlap_comm,
         predivide=config.gradient_predivide_factor,
         ignore_unused_parameters=z.ignore_unused_parameters,
         on_bucket_complete=stage3.on_flat_group_complete if stage3 is not None else None,
-        check=_gradient_check(buckets, names, grid, config),
+        check=_gradient_check(buckets, names, mesh, config),
     )
 
 
-def _gradient_check(buckets, names: dict, grid: comm.RankGrid, config) -> Optional[GradientCheck]:
+def _gradient_check(buckets, names: dict, mesh: comm.Mesh, config) -> Optional[GradientCheck]:
     """The ``gradient_check`` block's check, or None (off, the default)."""
     settings = config.gradient_check
     if not settings.enabled:
@@ -310,8 +307,8 @@ def _gradient_check(buckets, names: dict, grid: comm.RankGrid, config) -> Option
         )
     return GradientCheck(
         buckets,
-        grid.data,
-        grid.world,
+        mesh.gradient,
+        mesh.world,
         [[names[p] for p in bucket.flat.params] for bucket in buckets],
         interval=settings.interval,
         projections=settings.projections,
@@ -344,7 +341,7 @@ def _log_units(plan: ModelPlan) -> None:
 
 def _gradient_buckets(
     flats: list[FlatGroup],
-    grid: comm.RankGrid,
+    mesh: comm.Mesh,
     placement: Placement,
     grad_device: torch.device,
     stage: StagePolicy,
@@ -354,8 +351,20 @@ def _gradient_buckets(
     """One bucket per flat group; its gradient shard lives where the optimizer state steps it; ``codec``
     (``zero_quantized_gradients``) quantizes its reduce-scatter."""
     # hybrid sharding: the shard groups' results are summed across replica groups (stage 0 reduced over all)
-    one = comm.Group("replica", (comm.get_rank(),), None, grid.context)
-    replica = grid.replica if stage.partition_optimizer else one
+    one = comm.Group("replica", (comm.get_rank(),), None, mesh.context)
+    replica = mesh.replica if stage.partition_optimizer else one
     policy, offload = placement.policy, placement.offload
     pin = offload.pin_memory and offload.offloads_optimizer
-    return [GradBucket(flat, policy.reduce, policy.grad, replica, grad_device, buffers, pin, codec) for flat in flats]
+    return [
+        GradBucket(
+            flat=flat,
+            reduce_dtype=policy.reduce,
+            grad_dtype=policy.grad,
+            replica_group=replica,
+            grad_device=grad_device,
+            buffers=buffers,
+            pin_memory=pin,
+            codec=codec,
+        )
+        for flat in flats
+    ]

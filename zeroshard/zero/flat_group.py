@@ -41,6 +41,7 @@ class FlatGroup:
 
     def __init__(
         self,
+        *,
         layout: FlatLayout,
         params: list[torch.nn.Parameter],
         compute_dtype: torch.dtype,

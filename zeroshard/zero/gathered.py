@@ -10,7 +10,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..partition import TensorSplit
 from .flat_group import FlatGroup, ParamState
-from .init import creation_order, materialize_pending
+from .materialize import creation_order, materialize_pending
 from .sharded_param import records_of
 
 

@@ -30,12 +30,12 @@ from .state_offload import StateOffload
 @dataclass(frozen=True)
 class NormAxes:
     """Where the pieces of the global gradient norm live. ``shard``: the group whose shards make up each flat group's
-    gradient (None: every rank holds it whole, stage 0). Under tensor parallelism, ``tensor``: the group over which the
-    flat groups marked in ``tensor_sharded`` hold different pieces (the others are replicated there: counted once)."""
+    gradient (None: every rank holds it whole, stage 0). Under tensor parallelism, ``tensor``: the group over which
+    the tensor-sharded flat groups (``FlatLayout.tensor_sharded``) hold different pieces (the others are replicated
+    there: counted once)."""
 
     shard: Optional[comm.Group] = None
     tensor: Optional[comm.Group] = None
-    tensor_sharded: tuple[bool, ...] = ()
 
     @property
     def tensor_parallel(self) -> bool:
@@ -73,7 +73,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scaler = loss_scaler
         self.frozen_groups = frozen_groups or []  # stage 3: sharded parameters without gradients (never stepped)
         self.norm = norm
-        self._tensor_sharded = torch.tensor(norm.tensor_sharded or [False] * len(flat_groups), dtype=torch.bool)
+        self._tensor_sharded = torch.tensor([flat.layout.tensor_sharded for flat in flat_groups], dtype=torch.bool)
         self.gradient_clipping = gradient_clipping
         self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
         self.optimizer = optimizer_state.optimizer

@@ -4,7 +4,8 @@ from the one step that allocates them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -64,16 +65,15 @@ class FlatGroupPlan:
     resident: bool
     # the dtype its buffer holds: None for the compute dtype; packed quantized parameters keep their storage dtype
     dtype: Optional[torch.dtype] = None
-    # its parameters are pieces split over the tensor-parallel group (each rank's gradients differ), or replicated
-    # there (identical on every rank of the group): never both, so the gradient norm counts each element once
-    tensor_sharded: bool = False
 
 
-def by_tensor_axis(params: list, tensor_sharded: frozenset) -> list[tuple[bool, list]]:
-    """``params`` as (tensor-sharded?, members) runs, replicated ones first, each in the given order; empty runs
-    are dropped. Without tensor parallelism this is ``[(False, params)]``."""
-    runs = [(False, [p for p in params if p not in tensor_sharded]), (True, [p for p in params if p in tensor_sharded])]
-    return [(sharded, members) for sharded, members in runs if members]
+def by_tensor_axis(params: list, tensor_splits: Mapping) -> list[list]:
+    """``params`` as runs that are all replicated over the tensor-parallel group (identical on every rank of it) or
+    all pieces of split parameters (``tensor_splits``: parameter -> its split), replicated ones first, each in the
+    given order; empty runs are dropped. A flat group is one run, so the gradient norm counts each element once.
+    Without tensor parallelism this is ``[params]``."""
+    runs = [[p for p in params if p not in tensor_splits], [p for p in params if p in tensor_splits]]
+    return [members for members in runs if members]
 
 
 def is_packed(param: torch.nn.Parameter) -> bool:
@@ -89,24 +89,24 @@ def plan_flat_groups(
     bucket_size: int,
     units: Optional[list[list[torch.nn.Parameter]]] = None,
     persistent: frozenset = frozenset(),
-    tensor_sharded: frozenset = frozenset(),
+    tensor_splits: Mapping = MappingProxyType({}),
 ) -> list[FlatGroupPlan]:
     """Which parameters share a flat group, in the order their gradients are expected.
 
     Stages 0-2: buckets of ``bucket_size`` elements per parameter group, last parameter first
     (backward produces gradients roughly in reverse). Stage 3: one flat group per gather unit and
     parameter group, units in reverse forward order, then one resident group per parameter group
-    for the persistent (small, always gathered) parameters. Under tensor parallelism the pieces of
-    ``tensor_sharded`` parameters and the replicated ones never share a flat group.
+    for the persistent (small, always gathered) parameters. Under tensor parallelism the pieces of split
+    parameters (``tensor_splits``) and the replicated ones never share a flat group.
     """
     trainable = [[p for p in g["params"] if p.requires_grad] for g in param_groups]
     plans = []
     if not policy.partition_params:
         for index, params in enumerate(trainable):
-            for sharded, run in by_tensor_axis(params[::-1], tensor_sharded):
+            for run in by_tensor_axis(params[::-1], tensor_splits):
                 numels = [p.numel() for p in run]
                 plans += [
-                    FlatGroupPlan(index, [run[i] for i in bucket], True, tensor_sharded=sharded)
+                    FlatGroupPlan(index, [run[i] for i in bucket], True)
                     for bucket in assign_buckets(numels, bucket_size)
                 ]
         return plans
@@ -114,17 +114,19 @@ def plan_flat_groups(
     for unit in reversed(units or []):
         for index in range(len(param_groups)):
             members = [p for p in unit if group_of.get(p) == index and p not in persistent]
-            for sharded, run in by_tensor_axis(members, tensor_sharded):
-                plans.append(FlatGroupPlan(index, run, False, tensor_sharded=sharded))
+            for run in by_tensor_axis(members, tensor_splits):
+                plans.append(FlatGroupPlan(index, run, False))
     for index, params in enumerate(trainable):
         members = [p for p in params if p in persistent]
-        for sharded, run in by_tensor_axis(members, tensor_sharded):
-            plans.append(FlatGroupPlan(index, run, True, tensor_sharded=sharded))
+        for run in by_tensor_axis(members, tensor_splits):
+            plans.append(FlatGroupPlan(index, run, True))
     return plans
 
 
 def plan_frozen_groups(
-    units: list[list[torch.nn.Parameter]], persistent: frozenset = frozenset(), tensor_sharded: frozenset = frozenset()
+    units: list[list[torch.nn.Parameter]],
+    persistent: frozenset = frozenset(),
+    tensor_splits: Mapping = MappingProxyType({}),
 ) -> list[FlatGroupPlan]:
     """Stage 3: one flat group per gather unit for its parameters without gradients (a fine-tune's frozen base),
     sharded and gathered with the unit like the trainable ones, with no optimizer state and no gradient bucket.
@@ -133,8 +135,8 @@ def plan_frozen_groups(
     for unit in reversed(units):
         members = [p for p in unit if not p.requires_grad and p not in persistent]
         plain = [p for p in members if not is_packed(p)]
-        for sharded, run in by_tensor_axis(plain, tensor_sharded):
-            plans.append(FlatGroupPlan(-1, run, False, tensor_sharded=sharded))
+        for run in by_tensor_axis(plain, tensor_splits):
+            plans.append(FlatGroupPlan(-1, run, False))
         packed = [p for p in members if is_packed(p)]
         for dtype in dict.fromkeys(p.dtype for p in packed):  # one group per storage dtype, in parameter order
             plans.append(FlatGroupPlan(-1, [p for p in packed if p.dtype == dtype], False, dtype))
@@ -142,11 +144,20 @@ def plan_frozen_groups(
 
 
 def plan_layouts(
-    plans: list[FlatGroupPlan], param_names: dict[torch.nn.Parameter, str], shard_count: int
+    plans: list[FlatGroupPlan],
+    param_names: dict[torch.nn.Parameter, str],
+    shard_count: int,
+    tensor_splits: Mapping = MappingProxyType({}),
 ) -> list[FlatLayout]:
-    """Each planned flat group's layout, cut into ``shard_count`` shards (1 under stage 0)."""
+    """Each planned flat group's layout, cut into ``shard_count`` shards (1 under stage 0); each slot carries its
+    parameter's tensor-parallel split, recorded here once."""
     return [
-        flat_layout([param_names[p] for p in plan.params], [tuple(p.shape) for p in plan.params], shard_count)
+        flat_layout(
+            [param_names[p] for p in plan.params],
+            [tuple(p.shape) for p in plan.params],
+            shard_count,
+            splits=[tensor_splits.get(p) for p in plan.params],
+        )
         for plan in plans
     ]
 
@@ -177,12 +188,12 @@ def plan_model(
     shard_count: int,
     gather_unit_classes: frozenset = frozenset(),
     leaf_paths: tuple[str, ...] = (),
-    tensor_sharded: frozenset = frozenset(),
+    tensor_splits: Mapping = MappingProxyType({}),
 ) -> ModelPlan:
     """Plan ``model``'s flat groups for ``param_groups`` under ``zero_config`` (the ``zero_optimization`` block) with
     shard groups of ``shard_count`` ranks; ``gather_unit_classes`` adds to the block's unit classes and
-    ``leaf_paths`` to its leaf modules (stage 3); ``tensor_sharded`` are the parameters split over a
-    tensor-parallel group (this rank holds a piece)."""
+    ``leaf_paths`` to its leaf modules (stage 3); ``tensor_splits`` maps the parameters split over a
+    tensor-parallel group (this rank holds a piece) to how they are cut."""
     z = zero_config
     stage = StagePolicy.for_stage(z.stage)
     param_names = {p: name for name, p in model.named_parameters()}
@@ -206,10 +217,10 @@ def plan_model(
         unit_plans = plan_units(model, classes, z.gather_unit_min_params, tuple(leaves))
         persistent = frozenset(p for p in model.parameters() if p.numel() < z.param_persistence_threshold)
     units = [u.params for u in unit_plans]
-    trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent, tensor_sharded)
-    frozen = plan_frozen_groups(units, persistent, tensor_sharded) if stage.partition_params else []
+    trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent, tensor_splits)
+    frozen = plan_frozen_groups(units, persistent, tensor_splits) if stage.partition_params else []
     count = shard_count if stage.partition_optimizer else 1
-    layouts = plan_layouts([*trainable, *frozen], param_names, count)
+    layouts = plan_layouts([*trainable, *frozen], param_names, count, tensor_splits)
     return ModelPlan(stage, unit_plans, persistent, trainable, frozen, layouts, count)
 
 
@@ -235,16 +246,16 @@ def build_flat_groups(
         home = (lambda values: QuantizedShard(values, INT8)) if quantized.keeps_int8(plan) else shard_home
         flats.append(
             FlatGroup(
-                layout,
-                plan.params,
-                plan.dtype or compute_dtype,
-                shard_group,
-                device,
-                records,
-                buffers,
-                plan.resident,
-                home,
-                quantized.gather_codec(plan),
+                layout=layout,
+                params=plan.params,
+                compute_dtype=plan.dtype or compute_dtype,
+                shard_group=shard_group,
+                device=device,
+                records=records,
+                buffers=buffers,
+                resident=plan.resident,
+                shard_home=home,
+                gather_codec=quantized.gather_codec(plan),
             )
         )
     return flats

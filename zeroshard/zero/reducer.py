@@ -58,6 +58,7 @@ class GradBucket:
 
     def __init__(
         self,
+        *,
         flat: FlatGroup,
         reduce_dtype: torch.dtype,
         grad_dtype: torch.dtype,

@@ -23,7 +23,15 @@ CPU = torch.device("cpu")
 
 def _flat(params):
     layout = flat_layout([f"p{i}" for i in range(len(params))], [tuple(p.shape) for p in params], 1)
-    return FlatGroup(layout, params, torch.float32, ONE, CPU, ParamRecords(), ReusableBuffers(CPU))
+    return FlatGroup(
+        layout=layout,
+        params=params,
+        compute_dtype=torch.float32,
+        shard_group=ONE,
+        device=CPU,
+        records=ParamRecords(),
+        buffers=ReusableBuffers(CPU),
+    )
 
 
 def _params():
@@ -34,7 +42,14 @@ def _params():
 @pytest.mark.parametrize("next_to_reduce", [True, False], ids=["staged", "parked"])
 def test_bucket_adds_repeated_contributions_and_zeroes_unused_slots(next_to_reduce):
     params = _params()
-    bucket = GradBucket(_flat(params), torch.float32, torch.float32, ONE, CPU, ReusableBuffers(CPU))
+    bucket = GradBucket(
+        flat=_flat(params),
+        reduce_dtype=torch.float32,
+        grad_dtype=torch.float32,
+        replica_group=ONE,
+        grad_device=CPU,
+        buffers=ReusableBuffers(CPU),
+    )
     first = torch.ones(3, 2)
     bucket.stage_grad(0, first, next_to_reduce)
     assert not bucket.complete  # parameter 1 has brought nothing yet
@@ -49,7 +64,14 @@ def test_bucket_adds_repeated_contributions_and_zeroes_unused_slots(next_to_redu
 def test_a_parked_bucket_draws_its_staging_buffer_at_launch():
     params = _params()
     buffers = ReusableBuffers(CPU)
-    bucket = GradBucket(_flat(params), torch.float32, torch.float32, ONE, CPU, buffers)
+    bucket = GradBucket(
+        flat=_flat(params),
+        reduce_dtype=torch.float32,
+        grad_dtype=torch.float32,
+        replica_group=ONE,
+        grad_device=CPU,
+        buffers=buffers,
+    )
     grad0, grad1 = torch.ones(3, 2), torch.full((5,), 3.0)
     bucket.stage_grad(0, grad0, next_to_reduce=False)
     assert buffers.in_use_bytes == 0 and bucket.staging_bytes() == grad0.numel() * 4  # autograd's tensor, held
@@ -67,7 +89,14 @@ def test_a_parked_bucket_draws_its_staging_buffer_at_launch():
 def test_reducer_hooks_collect_autograd_gradients():
     params = _params()
     flat = _flat(params)
-    bucket = GradBucket(flat, torch.float32, torch.float32, ONE, CPU, ReusableBuffers(CPU))
+    bucket = GradBucket(
+        flat=flat,
+        reduce_dtype=torch.float32,
+        grad_dtype=torch.float32,
+        replica_group=ONE,
+        grad_device=CPU,
+        buffers=ReusableBuffers(CPU),
+    )
     reducer = GradientReducer(
         [bucket], {p: f"p{i}" for i, p in enumerate(params)}, ONE, reduce_every_micro_step=True, overlap_comm=False
     )
@@ -117,13 +146,13 @@ def test_device_state_steps_16_bit_gradients_one_flat_group_at_a_time():
     groups = [[torch.nn.Parameter(torch.randn(4, 3).bfloat16())], [torch.nn.Parameter(torch.randn(7).bfloat16())]]
     flats = [
         FlatGroup(
-            flat_layout(["w"], [tuple(g[0].shape)], 1),
-            g,
-            torch.bfloat16,
-            ONE,
-            CPU,
-            ParamRecords(),
-            ReusableBuffers(CPU),
+            layout=flat_layout(["w"], [tuple(g[0].shape)], 1),
+            params=g,
+            compute_dtype=torch.bfloat16,
+            shard_group=ONE,
+            device=CPU,
+            records=ParamRecords(),
+            buffers=ReusableBuffers(CPU),
         )
         for g in groups
     ]

@@ -1,5 +1,5 @@
 """``deepspeed.utils.groups``: the process groups of the newest live engine ``deepspeed.initialize`` built, by
-DeepSpeed's getter names. DeepSpeed keeps them per process; zeroshard's belong to an engine (``engine.grid``), so
+DeepSpeed's getter names. DeepSpeed keeps them per process; zeroshard's belong to an engine (``engine.mesh``), so
 these read the newest one (``live_engines``). Tensor-parallel groups are consecutive ranks (``tp_rank = rank % tp``),
 data-parallel groups strided (``dp_rank = rank // tp``), as DeepSpeed lays them out. Sequence-parallel groups
 (Ulysses) are consecutive ranks; the sequence-data-parallel group (where ZeRO shards and reduces) is the engine's
@@ -15,22 +15,22 @@ from zeroshard.comm import Group
 from .live_engines import newest
 
 
-def _grid() -> comm.RankGrid:
+def _mesh() -> comm.Mesh:
     engine = newest()
     if engine is None:
         raise RuntimeError(
             "deepspeed.utils.groups: no engine built by deepspeed.initialize is alive; the groups exist from "
             "initialize on (tensor parallelism: config tensor_parallel.autotp_size)"
         )
-    return engine.grid
+    return engine.mesh
 
 
 def _tensor() -> Group:
-    return _grid().tensor
+    return _mesh().tensor
 
 
 def _data() -> Group:
-    return _grid().data
+    return _mesh().gradient
 
 
 def get_tensor_model_parallel_group() -> Any:
@@ -63,15 +63,15 @@ def get_data_parallel_rank() -> int:
 
 
 def _get_sequence_parallel_group() -> Any:
-    return comm.process_group(_grid().sequence)
+    return comm.process_group(_mesh().sequence)
 
 
 def _get_sequence_parallel_world_size() -> int:
-    return _grid().sequence.size
+    return _mesh().sequence.size
 
 
 def _get_sequence_parallel_rank() -> int:
-    return _grid().sequence.rank
+    return _mesh().sequence.rank
 
 
 def _get_sequence_data_parallel_group() -> Any:

@@ -1,0 +1,91 @@
+import pytest
+
+from zeroshard.comm import DERIVED, CommLedger, ParallelDims
+
+
+def test_ledger_counts_per_op_and_group():
+    ledger = CommLedger()
+    ledger.record("all_reduce", "world", 400, 400.0)
+    ledger.record("all_reduce", "world", 400, 400.0)
+    ledger.record("all_gather", "shard", 800, 400.0)
+    summary = ledger.summary()
+    assert summary[("all_reduce", "world")].calls == 2 and summary[("all_reduce", "world")].bytes == 800
+    assert ledger.total_wire_bytes() == 1200.0
+    assert "all_gather" in ledger.format()
+    ledger.reset()
+    assert ledger.total_wire_bytes() == 0
+
+
+def test_child_context_counts_its_own_traffic_and_its_parents():
+    from zeroshard.comm import CommContext
+
+    process = CommContext()
+    first, second = process.child(), process.child()
+    first.record("all_reduce", "world", 400, 400.0, (100,), "torch.float32")
+    second.record("all_gather", "shard", 800, 400.0, (200,), "torch.float32")
+    second.ledger.reset()  # one engine's reset leaves the other's and the process's counts alone
+    assert first.ledger.total_wire_bytes() == 400.0 and second.ledger.total_wire_bytes() == 0
+    assert process.ledger.total_wire_bytes() == 800.0
+    # one trace per process: forensics compares every collective a process issued, in order
+    assert first.trace is second.trace is process.trace and [e.seq for e in process.trace.entries] == [1, 2]
+
+
+def test_tensor_groups_are_consecutive_ranks_data_groups_strided_as_deepspeed_lays_them_out():
+    dims = ParallelDims.for_world(8, tp=2, shard_group_size=2)
+    assert (dims.dp_replicate, dims.dp_shard, dims.sp, dims.tp) == (2, 2, 1, 2)
+    assert dims.derived("tensor") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # tp_rank = rank % tp
+    assert dims.derived("gradient") == [[0, 2, 4, 6], [1, 3, 5, 7]]  # dp_rank = rank // tp
+    assert dims.derived("shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # ZeRO shard rows inside each gradient group
+    assert dims.derived("replica") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.derived("batch") == dims.derived("gradient") and dims.data_parallel_size == 4
+    plain = ParallelDims.for_world(4)
+    assert plain == ParallelDims(dp_shard=4) and plain.derived("tensor") == [[0], [1], [2], [3]]
+    assert plain.derived("shard") == plain.derived("gradient") == [[0, 1, 2, 3]]
+    for world, tp in ((6, 4), (4, 0), (4, True)):
+        with pytest.raises(ValueError, match="tensor_parallel.autotp_size"):
+            ParallelDims.for_world(world, tp=tp)
+    with pytest.raises(ValueError, match="shard group size 3 must divide the world size 8"):
+        ParallelDims.for_world(8, shard_group_size=3)
+
+
+def test_sequence_groups_are_inside_zeros_shard_group():
+    """Ulysses splits tokens, not the model: ZeRO keeps sharding over every rank (data x sequence); the batch
+    arithmetic counts the data-parallel ranks only."""
+    dims = ParallelDims.for_world(8, sp=4, shard_group_size=4)
+    assert dims.derived("sequence") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dims.derived("gradient") == [list(range(8))] and dims.derived("shard") == dims.derived("sequence")
+    assert dims.derived("batch") == [[0, 4], [1, 5], [2, 6], [3, 7]] and dims.data_parallel_size == 2
+    with pytest.raises(ValueError, match="sequence_parallel_size 3 must divide the number of ranks 4"):
+        ParallelDims.for_world(4, sp=3)
+    with pytest.raises(ValueError, match="must be a multiple of sequence_parallel_size 4"):
+        ParallelDims.for_world(8, sp=4, shard_group_size=2)
+
+
+def test_tensor_and_sequence_parallelism_are_one_mesh_shape():
+    """TP innermost (consecutive ranks), SP next: the sequence groups stride by tp, and ZeRO's groups are the
+    ranks of one tensor position."""
+    dims = ParallelDims.for_world(8, tp=2, sp=2)
+    assert (dims.dp_replicate, dims.dp_shard, dims.sp, dims.tp, dims.world_size) == (1, 2, 2, 2, 8)
+    assert dims.derived("tensor") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.derived("sequence") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.derived("shard") == dims.derived("gradient") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dims.derived("batch") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    every = [sorted(r for g in dims.derived(name) for r in g) for name in DERIVED]
+    assert all(ranks == list(range(8)) for ranks in every)  # each derived name partitions the world
+    with pytest.raises(ValueError, match="autotp_size 2 x sequence_parallel_size 4 must divide the number of ranks 4"):
+        ParallelDims.for_world(4, tp=2, sp=4)
+
+
+@pytest.mark.parametrize("field", ["dp_shard", "tp", "sp", "dp_replicate"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True, None])
+def test_parallel_dims_refuse_sizes_that_are_not_positive_ints(field, value):
+    with pytest.raises(ValueError, match=f"parallel dimension {field} must be a positive int"):
+        ParallelDims(**{field: value})
+
+
+def test_expert_and_pipeline_dimensions_are_refused_until_they_land():
+    for field, what in (("ep", "expert"), ("pp", "pipeline")):
+        with pytest.raises(ValueError, match=f"{what} parallelism"):
+            ParallelDims(**{field: 2})
+    with pytest.raises(ValueError, match="unknown parallel dimension"):
+        ParallelDims(dp_shard=2).groups(("dp",))

@@ -1,0 +1,221 @@
+"""The mesh: how a run's ranks split over named parallel dimensions, and the process groups derived from it.
+
+:class:`ParallelDims` (pure, torchtitan's name) holds one size per dimension and lays the world out as
+``arange(world).view(pp, dp_replicate, dp_shard, sp, tp)``: the tensor-parallel dimension is innermost (consecutive
+ranks, ``tp_rank = rank % tp``, as DeepSpeed lays out AutoTP), sequence parallelism next, then the two data-parallel
+dimensions. A group is the ranks that differ only along some dimensions; every group the engine uses is one such
+set of dimensions, named once here (:data:`DERIVED`):
+
+- ``tensor`` (tp): the ranks that split a layer's matrices;
+- ``sequence`` (sp): the ranks that split each sample's tokens (Ulysses);
+- ``shard`` (dp_shard x sp): ZeRO's shard group, the ranks that split parameters, gradients and optimizer state.
+  Sequence ranks hold the same model and see different tokens, so ZeRO shards over them too (DeepSpeed's
+  "sequence data parallel" group);
+- ``replica`` (dp_replicate): the ranks holding the same shard (hybrid sharding: ``zero_hpz_partition_size``,
+  ``mics_shard_size``);
+- ``batch`` (dp_replicate x dp_shard): the ranks that see different samples; the batch arithmetic counts these
+  (``train_batch_size = micro x accumulation x batch``);
+- ``gradient`` (dp_replicate x dp_shard x sp): every rank whose gradients sum into one update (all but tensor).
+
+Expert (``ep``) and pipeline (``pp``) parallelism have their fields; a size above 1 is refused until they land.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .backend import get_rank, get_world_size
+from .context import DEFAULT_CONTEXT, CommContext
+from .groups import Group
+
+ORDER = ("pp", "dp_replicate", "dp_shard", "sp", "tp")  # outermost to innermost
+DERIVED = {
+    "tensor": ("tp",),
+    "sequence": ("sp",),
+    "shard": ("dp_shard", "sp"),
+    "replica": ("dp_replicate",),
+    "batch": ("dp_replicate", "dp_shard"),
+    "gradient": ("dp_replicate", "dp_shard", "sp"),
+}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The size of every parallel dimension; their product is the world. Pure: every rule about which ranks group
+    together lives here and is testable without processes."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    sp: int = 1
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        for name in ("dp_replicate", "dp_shard", "sp", "tp", "ep", "pp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel dimension {name} must be a positive int, got {value!r}")
+        for name, what in (("ep", "expert"), ("pp", "pipeline")):
+            if getattr(self, name) > 1:
+                raise ValueError(f"{what} parallelism ({name}={getattr(self, name)}) is not available yet")
+
+    @classmethod
+    def for_world(
+        cls, world_size: int, *, tp: int = 1, sp: int = 1, shard_group_size: Optional[int] = None
+    ) -> ParallelDims:
+        """The dimensions of ``world_size`` ranks from the config's sizes (``tensor_parallel.autotp_size``,
+        ``sequence_parallel_size``, and ZeRO's shard group size, ``zero_hpz_partition_size`` / ``mics_shard_size``:
+        the data x sequence ranks otherwise). Each mismatch is an error naming its key."""
+        for key, size in (("tensor_parallel.autotp_size", tp), ("sequence_parallel_size", sp)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
+                raise ValueError(
+                    f"{key} {size} must divide the number of ranks {world_size}: launch with a multiple of {size} "
+                    "processes"
+                )
+        if world_size % (tp * sp):
+            raise ValueError(
+                f"tensor_parallel.autotp_size {tp} x sequence_parallel_size {sp} must divide the number of ranks "
+                f"{world_size}: launch with a multiple of {tp * sp} processes"
+            )
+        data_and_sequence = world_size // tp
+        shard = shard_group_size or data_and_sequence
+        if shard < 1 or data_and_sequence % shard:
+            raise ValueError(
+                f"shard group size {shard} must divide the world size {data_and_sequence} "
+                "(zero_hpz_partition_size / mics_shard_size; the ranks of one tensor-parallel position)"
+            )
+        if shard % sp:
+            raise ValueError(
+                f"shard group size {shard} (zero_hpz_partition_size / mics_shard_size) must be a multiple of "
+                f"sequence_parallel_size {sp}: ZeRO shards over whole sequence-parallel groups"
+            )
+        return cls(dp_replicate=data_and_sequence // shard, dp_shard=shard // sp, sp=sp, tp=tp)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(getattr(self, name) for name in ORDER)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different samples (DeepSpeed's ``dp_world_size``: the world over tp x sp)."""
+        return self.dp_replicate * self.dp_shard
+
+    def groups(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """The world cut into groups of the ranks that differ only along ``dims`` (each list one group, its ranks in
+        order). Every rank is in exactly one group."""
+        unknown = set(dims) - set(ORDER)
+        if unknown:
+            raise ValueError(f"unknown parallel dimension(s) {sorted(unknown)}; the mesh has {list(ORDER)}")
+        shape = [getattr(self, name) for name in ORDER]
+        grid = torch.arange(self.world_size).view(shape)
+        inner = [ORDER.index(name) for name in ORDER if name in dims]
+        outer = [i for i in range(len(ORDER)) if i not in inner]
+        size = math.prod(shape[i] for i in inner)
+        return grid.permute(outer + inner).reshape(-1, size).tolist()
+
+    def rank_at(self, rank: int, **coordinates: int) -> int:
+        """The rank whose coordinates are ``rank``'s with ``coordinates`` (dimension -> index) put in, e.g. the
+        rank holding tensor-parallel piece 1 of what ``rank`` holds piece 0 of: ``rank_at(rank, tp=1)``."""
+        index = list(torch.unravel_index(torch.tensor(rank), [getattr(self, name) for name in ORDER]))
+        for name, value in coordinates.items():
+            if name not in ORDER or not 0 <= value < getattr(self, name):
+                raise ValueError(f"coordinate {name}={value} is outside the mesh {self}")
+            index[ORDER.index(name)] = torch.tensor(value)
+        return int(torch.arange(self.world_size).view([getattr(self, n) for n in ORDER])[tuple(index)])
+
+    def derived(self, name: str) -> list[list[int]]:
+        """The groups of one derived name (:data:`DERIVED`)."""
+        return self.groups(DERIVED[name])
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's group on every derived dimension (:data:`DERIVED`), built by :func:`build_mesh`."""
+
+    dims: ParallelDims
+    world: Group
+    tensor: Group
+    sequence: Group
+    shard: Group
+    replica: Group
+    batch: Group
+    gradient: Group
+    sequence_adopted: bool = False  # built before the mesh (register_with_transformers): its owner tears it down
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.batch.size
+
+    @property
+    def context(self) -> CommContext:
+        """Where the mesh's collectives are counted (one context for all its groups)."""
+        return self.world.context
+
+
+def build_groups(dims: ParallelDims, names: tuple[str, ...], context: CommContext) -> dict[str, Group]:
+    """This rank's group of each derived name in ``names`` (a collective call: every rank makes the same calls in
+    the same order), one process group per distinct partition of the world: two names with the same ranks share
+    it. A group of the whole world uses the default group; a group of one rank needs none (its collectives are
+    skipped)."""
+    world_size, rank = get_world_size(), get_rank()
+    handles: dict[tuple, dict] = {}
+    groups = {}
+    for name in names:
+        key = tuple(map(tuple, dims.derived(name)))
+        if key not in handles:
+            handles[key] = {part: dist.new_group(list(part)) if 1 < len(part) < world_size else None for part in key}
+        part = next(p for p in key if rank in p)
+        groups[name] = Group(name, part, handles[key][part], context)
+    return groups
+
+
+def build_mesh(dims: ParallelDims, context: Optional[CommContext] = None, sequence: Optional[Group] = None) -> Mesh:
+    """Create the mesh's groups (a collective call). Their collectives count in ``context`` (by default a new child
+    of the process's default context). ``sequence``: a sequence-parallel group built before the engine (by
+    ``register_with_transformers``), adopted when its ranks are one of the mesh's sequence groups."""
+    world_size = get_world_size()
+    if dims.world_size != world_size:
+        raise ValueError(f"the parallel dimensions {dims} cover {dims.world_size} ranks, the world has {world_size}")
+    if sequence is not None and list(sequence.ranks) not in dims.derived("sequence"):
+        raise ValueError(
+            f"the sequence-parallel group {list(sequence.ranks)} given is not one of {dims.derived('sequence')}: "
+            f"sequence_parallel_size {dims.sp} with tensor_parallel.autotp_size {dims.tp} groups ranks "
+            "tp apart (pass tensor_parallel_size= to register_with_transformers)"
+        )
+    context = context or DEFAULT_CONTEXT.child()
+    groups = build_groups(dims, tuple(name for name in DERIVED if name != "sequence" or sequence is None), context)
+    return Mesh(
+        dims=dims,
+        world=Group("world", tuple(range(world_size)), None, context),
+        sequence=sequence or groups.pop("sequence"),
+        sequence_adopted=sequence is not None,
+        **groups,
+    )
+
+
+def destroy_mesh(mesh: Mesh) -> None:
+    """Tear down the process groups :func:`build_mesh` created (the default group and an adopted sequence group
+    stay: they are not the mesh's)."""
+    if not dist.is_initialized():
+        return
+    adopted = mesh.sequence.handle if mesh.sequence_adopted else None
+    handles = {
+        id(g.handle): g.handle
+        for g in (mesh.tensor, mesh.sequence, mesh.shard, mesh.replica, mesh.batch, mesh.gradient)
+    }
+    for handle in handles.values():
+        if handle is not None and handle is not adopted:
+            dist.destroy_process_group(handle)
+
+
+def tensor_parallel_group(tp_size: int) -> Group:
+    """This rank's tensor-parallel group of ``tp_size`` consecutive ranks, and no other group (a collective call;
+    inference and ``tp_model_init``)."""
+    dims = ParallelDims.for_world(get_world_size(), tp=tp_size)
+    return build_groups(dims, ("tensor",), DEFAULT_CONTEXT)["tensor"]

@@ -1,0 +1,168 @@
+"""What an engine measures and prints about its training, apart from the loop that trains.
+
+One :class:`Reporting` per engine: phase timers (``wall_clock_breakdown``), samples and tokens per second between
+``steps_per_print`` lines, the monitors (TensorBoard, W&B, CSV), model-state memory samples, DeepSpeed's flops
+profiler (rank 0 profiles one forward of ``flops_profiler.profile_step``) and the communication lines
+(``comms_logger``, 1-bit totals). The loop tells it what happened; it decides what to measure and print.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .. import comm
+from ..accelerator import get_accelerator
+from ..checkpoint.view import TrainingCounters
+from ..config import BatchTriad
+from ..log import log_rank0
+from ..profiling import FlopsProfiler
+from ..zero import ZeroStack
+from .memory import MemoryTracker, format_table
+from .monitor import Monitors
+
+
+class Reporting:
+    """The engine's timers, throughput window, monitors, memory samples and flops profile (see the module)."""
+
+    def __init__(
+        self,
+        settings,
+        module: torch.nn.Module,
+        stack: ZeroStack,
+        mesh: comm.Mesh,
+        counters: TrainingCounters,
+        batch: BatchTriad,
+    ):
+        self.settings, self.stack, self.mesh, self.counters, self.batch = settings, stack, mesh, counters, batch
+        self.timers: dict[str, float] = defaultdict(float)  # seconds per phase since the last report
+        self._window_start = time.perf_counter()
+        self._window_tokens = 0
+        self._memory_reported = False
+        # model-state bytes are sampled (a walk over every owner) only while a report is to come: until the
+        # first steps_per_print line prints the table, or throughout with memory_breakdown: true
+        self.sampling_memory = bool(settings.steps_per_print) or settings.memory_breakdown
+        self.monitors = Monitors(settings, comm.get_rank())
+        self.memory = MemoryTracker()
+        self.sample_memory(always=True)
+        if settings.comms_logger.enabled:
+            mesh.context.timing = True  # this engine's collectives only
+        block = settings.flops_profiler
+        self.flops_profiler = (
+            FlopsProfiler(module, recompute_fwd_factor=block.recompute_fwd_factor)
+            if block.enabled and comm.get_rank() == 0
+            else None
+        )
+        self._profile_started: Optional[float] = None
+
+    def count_tokens(self, inputs) -> None:
+        """Count the forward's tokens: the first integer tensor of its inputs (token ids: batch x sequence)."""
+        tokens = next((t for t in tree_flatten(inputs)[0] if torch.is_tensor(t) and not t.is_floating_point()), None)
+        self._window_tokens += tokens.numel() if tokens is not None else 0
+
+    @contextlib.contextmanager
+    def forward(self, started: float):
+        """Around one forward: the flops profile of the profiled step's first forward, the forward timer and a
+        memory sample."""
+        profiling = (
+            self.flops_profiler is not None
+            and self._profile_started is None
+            and self.counters.global_steps == self.settings.flops_profiler.profile_step
+        )
+        if profiling:
+            self._profile_started = started
+            self.flops_profiler.start_profile()
+        yield
+        if profiling:
+            self.flops_profiler.stop_profile()
+        self.timers["forward"] += time.perf_counter() - started
+        self.sample_memory()
+
+    def sample_memory(self, always: bool = False) -> None:
+        if always or self.sampling_memory:
+            self.memory.sample(self.stack.state_bytes_by_location(), get_accelerator().max_memory_allocated())
+
+    def memory_breakdown(self) -> dict[str, list[dict[str, int]]]:
+        """Every rank's model-state bytes at start and at the largest sample (a collective)."""
+        return self.memory.all_ranks(self.mesh.world)
+
+    def print_flops_profile(self) -> None:
+        """After the profiled step: print its profile (DeepSpeed's report) and stop profiling."""
+        if self._profile_started is None or not self.flops_profiler.stats:
+            return
+        block = self.settings.flops_profiler
+        self.flops_profiler.print_model_profile(
+            profile_step=block.profile_step,
+            module_depth=block.module_depth,
+            top_modules=block.top_modules,
+            detailed=block.detailed,
+            output_file=block.output_file,
+            step_duration=time.perf_counter() - self._profile_started,
+        )
+        self.flops_profiler.end_profile()
+
+    def step_taken(self, last_loss: Optional[torch.Tensor]) -> None:
+        """After an optimizer step (applied or skipped): the monitors' events, and every ``steps_per_print`` steps
+        the report line. ``last_loss`` is read (a device sync) only when one of them needs it."""
+        self.sample_memory()
+        if self.monitors.enabled:
+            samples = self.counters.global_samples
+            self.monitors.write(
+                [
+                    ("Train/Samples/train_loss", _value(last_loss), samples),
+                    ("Train/Samples/lr", self.stack.learning_rates()[0], samples),
+                    ("Train/Samples/loss_scale", self.stack.loss_scale, samples),
+                    ("Train/Samples/grad_norm", self.stack.global_grad_norm, samples),
+                ]
+            )
+        every = self.settings.steps_per_print
+        if every and self.counters.global_steps % every == 0:
+            self._report(_value(last_loss))
+
+    def _report(self, loss: Optional[float]) -> None:
+        elapsed = time.perf_counter() - self._window_start
+        samples = self.settings.steps_per_print * self.batch.train_batch_size
+        norm = self.stack.global_grad_norm
+        clip = self.settings.gradient_clipping
+        clipped = min(norm, clip) if clip > 0 and norm is not None else norm
+        tokens = self._window_tokens * self.mesh.gradient.size  # every rank of the gradient group ran other tokens
+        ledger = self.mesh.context.ledger
+        log_rank0(
+            f"step {self.counters.global_steps}: loss {loss:.4f} lr {self.stack.learning_rates()[0]:.3e} "
+            f"loss_scale {self.stack.loss_scale:g} grad_norm {norm:.4f} (clipped {clipped:.4f}) "
+            f"samples/s {samples / elapsed:.1f} tokens/s {tokens / elapsed:.0f} skipped {self.counters.skipped_steps}"
+        )
+        if self.settings.wall_clock_breakdown:
+            if self.stack.stage3 is not None:
+                self.timers["gather_wait"] = self.stack.take_gather_seconds()
+            log_rank0("time (s) " + " ".join(f"{k} {v:.3f}" for k, v in sorted(self.timers.items())))
+        if self.settings.comms_logger.enabled:
+            log_rank0(ledger.format())
+        compressed = {op: t for (op, _), t in ledger.totals.items() if op.endswith("_1bit")}
+        if compressed:  # a 1-bit optimizer past its warm-up: what the compressed collectives sent so far
+            log_rank0(
+                "1-bit communication since start: "
+                + ", ".join(f"{op} {t.calls} calls {t.wire_bytes / 1e6:.3f} MB sent" for op, t in compressed.items())
+                + f"; all collectives {ledger.total_wire_bytes() / 1e6:.3f} MB sent"
+            )
+        # the model-state memory of every rank at start and at its peak: once, or every report with memory_breakdown
+        if not self._memory_reported or self.settings.memory_breakdown:
+            self._memory_reported = True
+            log_rank0(format_table(self.memory_breakdown()))
+            self.sampling_memory = self.settings.memory_breakdown
+        self.timers.clear()
+        self._window_tokens = 0
+        self._window_start = time.perf_counter()
+
+    def close(self) -> None:
+        self.monitors.close()
+
+
+def _value(loss: Optional[torch.Tensor]) -> Optional[float]:
+    """The last micro-batch's loss as a number (a device sync: only when logging or monitoring)."""
+    return None if loss is None else loss.float().item()
