@@ -138,20 +138,29 @@ def wire_bytes(name: str, step) -> dict:
     return {"wire": ledger.total_wire_bytes(), "analytic_wire": analytic_wire(step.engine, comm.get_world_size())}
 
 
+def whole_numel(param) -> int:
+    """A parameter's element count (under stage 3 its data is this rank's shard or nothing: ``ds_numel``)."""
+    return getattr(param, "ds_numel", None) or param.numel()
+
+
 def analytic_wire(engine, world: int) -> float:
-    """Ring bytes per rank per step: 2P (stages 0-2; reduce-scatter + all-gather or one all-reduce), and for
-    stage 3 every unit gathered twice (forward, backward) except the root, which stays gathered, plus one
-    reduce-scatter of everything; plus the 4-byte gradient-norm all-reduce of the sharded stages. Gathers move
-    the compute dtype, reductions the reduce dtype (``communication_data_type``)."""
+    """Ring bytes per rank per step from the model's shapes (not the engine's plan): 2P (stages 0-2; reduce-scatter +
+    all-gather or one all-reduce), and for stage 3 every unit gathered twice (forward, backward) except the root (the
+    parameters outside ``model.blocks``, whose units are the blocks), which stays gathered, plus one reduce-scatter
+    of everything; plus the 4-byte gradient-norm all-reduce of the sharded stages. Gathers move the compute dtype,
+    reductions the reduce dtype (``communication_data_type``). Padding (under ``world`` elements per flat group) is
+    left out, so the ledger may exceed it by that."""
     share = (world - 1) / world
-    numel = sum(f.layout.padded_numel for f in engine.zero.flat_groups)
+    model = engine.module
+    numel = sum(whole_numel(p) for p in model.parameters() if p.requires_grad)
     gathered, reduced = numel * engine.policy.compute.itemsize, numel * engine.policy.reduce.itemsize
     if engine.zero_optimization_stage() == 0:
         return 2 * share * reduced
     norm = 2 * share * 4
-    if engine.stage3 is None:
+    if engine.zero_optimization_stage() < 3:
         return share * (reduced + gathered) + norm
-    root = sum(f.layout.padded_numel for f in engine.stage3.root_unit.flats) * engine.policy.compute.itemsize
+    in_blocks = sum(whole_numel(p) for p in model.blocks.parameters() if p.requires_grad)
+    root = (numel - in_blocks) * engine.policy.compute.itemsize
     return share * (2 * gathered - root + reduced) + norm
 
 

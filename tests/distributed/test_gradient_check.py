@@ -226,13 +226,13 @@ def test_tensor_parallel_reduction_over_the_wrong_group_or_dropped_is_caught(fou
         data = [0, 2] if rank % 2 == 0 else [1, 3]
         step, message = out[("tp", stage, "wrong_group")]  # on every rank: each data group sees it
         assert step == FAULT_AT and "flat group 0" in message, (rank, message)
-        assert "reduced over process group 'tensor'" in message and f"averaged over 'data' ranks {data}" in message
+        assert "reduced over process group 'tensor'" in message and f"averaged over 'gradient' ranks {data}" in message
         step, message = out[("tp", stage, "dropped")]  # on rank 0: its data group names it, the others stop too
         assert step == FAULT_AT, (rank, message)
         if rank in (0, 2):
-            assert "flat group 0" in message and "averaged over 'data' ranks [0, 2]" in message, message
+            assert "flat group 0" in message and "averaged over 'gradient' ranks [0, 2]" in message, message
         else:
-            assert "in another data-parallel group than 'data' ranks [1, 3]" in message, message
+            assert "in another data-parallel group than 'gradient' ranks [1, 3]" in message, message
 
 
 def test_hybrid_sharding_counts_each_shard_once(four_ranks):

@@ -83,20 +83,44 @@ def test_sharded_model_state_is_16_bytes_per_parameter_over_n(run):
     assert 16 * p / world <= total <= 16 * (p / world + len(got["flat_numels"]))
 
 
+def units_from_shapes(case: ParityCase, world: int, engine_units: dict) -> tuple[int, list[int], int]:
+    """(root unit, other units, persistent group) in elements moved, padded to the world, from the model's parameter
+    shapes: parameters under ``stage3_param_persistence_threshold`` elements stay gathered in one resident group;
+    with Block units each block is a unit and the rest is the root. Size-based units (``gather_unit_min_params``)
+    are the engine's grouping: only their boundaries are read from it."""
+    model = make_model(model=case.model)
+
+    def padded(n: int) -> int:
+        return -(-n // world) * world
+
+    threshold = dict(case.zero)["stage3_param_persistence_threshold"]
+    persistent = {id(p) for p in model.parameters() if p.numel() < threshold}
+    if "gather_unit_classes" not in dict(case.zero):
+        sizes = {name: padded(n) for name, n in engine_units.items()}
+        return (
+            sizes.pop("<root>"),
+            list(sizes.values()),
+            padded(sum(p.numel() for p in model.parameters() if id(p) in persistent)),
+        )
+    blocks = [sum(p.numel() for p in block.parameters() if id(p) not in persistent) for block in model.blocks]
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in persistent) - sum(blocks)
+    resident = sum(p.numel() for p in model.parameters() if id(p) in persistent)
+    return padded(rest), [padded(n) for n in blocks], padded(resident) if resident else 0
+
+
 @pytest.mark.parametrize("index", [0, 1, 2, 5], ids=["fp32-gas1", "bf16-gas1", "fp32-gas2", "persistent"])
 def test_bytes_per_step_match_analytic(run, index):
     """Per micro-batch: every non-root unit gathered twice (forward, backward), the root once (it stays gathered
     from forward to the end of backward), every flat group reduce-scattered once; per step: resident
-    (persistent) groups all-gathered after the step, plus the 4-byte gradient-norm all-reduce."""
+    (persistent) groups all-gathered after the step, plus the 4-byte gradient-norm all-reduce. The sizes come from
+    the model's shapes (``units_from_shapes``), not from the engine's plan."""
     world, per_rank = run
     case, got = CASES[index], per_rank[0][index]
     elem = 4 if case.dtype == "fp32" else 2
     ring = (world - 1) / world
-    units = dict(got["units"])
-    root = units.pop("<root>")
-    resident = sum(n for n, r in got["flat_numels"] if r)
-    gathers = case.gas * (2 * sum(units.values()) + root) + resident
-    reduces = case.gas * sum(n for n, _ in got["flat_numels"])
+    root, units, resident = units_from_shapes(case, world, dict(got["units"]))
+    gathers = case.gas * (2 * sum(units) + root) + resident
+    reduces = case.gas * (root + sum(units) + resident)
     analytic = (gathers + reduces) * elem * ring + 2 * ring * 4
     assert got["wire_bytes"] / case.steps == pytest.approx(analytic, rel=1e-12)
     p = got["num_params"]

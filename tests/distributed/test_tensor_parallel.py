@@ -359,7 +359,7 @@ def test_tensor_parallel_bytes_equal_the_analytic_values(tp_runs, case):
     else:
         expected = {}
         if dp > 1 and stage == 0:
-            expected["all_reduce/data"] = (steps * 2, steps * sum(local) * elem)
+            expected["all_reduce/gradient"] = (steps * 2, steps * sum(local) * elem)
         elif dp > 1:
             flats = sum(math.ceil(n / dp) * dp for n in local)
             expected["reduce_scatter/shard"] = (steps * 2, steps * flats * elem)

@@ -190,9 +190,12 @@ def build_mesh(dims: ParallelDims, context: Optional[CommContext] = None, sequen
         )
     context = context or DEFAULT_CONTEXT.child()
     groups = build_groups(dims, tuple(name for name in DERIVED if name != "sequence" or sequence is None), context)
+    world = Group("world", tuple(range(world_size)), None, context)
+    if groups["gradient"].size == world_size:  # without tensor parallelism it is the world (the ledger says so)
+        groups["gradient"] = world
     return Mesh(
         dims=dims,
-        world=Group("world", tuple(range(world_size)), None, context),
+        world=world,
         sequence=sequence or groups.pop("sequence"),
         sequence_adopted=sequence is not None,
         **groups,
