@@ -123,7 +123,7 @@ def alone_worker(cfg: GPTConfig, name: str, micro: int, steps: int, warmup: int,
     state = None
     if name.startswith("zeroshard"):
         b = step.engine.state_bytes()
-        aliased = step.engine.zero.optimizer_state.master_bytes_shared_with_params()  # fp32: master = params
+        aliased = step.engine.stack.optimizer_state.master_bytes_shared_with_params()  # fp32: master = params
         state = b["params"] + b["grad_shard"] + b["optimizer_state"] + b["master"] - aliased
     return {**result, "peak_rss": peak, "rss_growth": peak - before, "model_state": state}
 

@@ -43,7 +43,7 @@ def train(engine, steps: range, global_batch: int):
 
 
 def optimizer_state(engine):
-    zero = engine.zero
+    zero = engine.stack
     return [{**zero.read_flat(k), **zero.flat_scalars(k)} for k in range(len(zero.flat_groups))]
 
 
@@ -70,7 +70,7 @@ def run_phase(cases, directory, phase):
                 "opt": optimizer_state(engine),
                 "lr": engine.get_lr(),
                 "steps": (engine.global_steps, engine.global_samples),
-                "scale": engine.zero.loss_scaler.state_dict(),
+                "scale": engine.stack.loss_scaler.state_dict(),
             }
         )
     return out

@@ -45,7 +45,7 @@ def measure(stage: int, offload: bool, recompute: bool) -> dict:
         engine.backward(engine(x[:, :-1], x[:, 1:]))
         engine.step()
     held = engine.state_bytes()  # after a step: the optimizer state exists
-    held["master"] -= engine.zero.optimizer_state.master_bytes_shared_with_params()  # fp32: master = params
+    held["master"] -= engine.stack.optimizer_state.master_bytes_shared_with_params()  # fp32: master = params
     predicted = {c: sum(est.bytes[c].values()) for c in est.bytes}
     return {"predicted": predicted, "peak": est.peak, "held": held, "measured": host_peak_rss(), "table": est.table()}
 

@@ -80,7 +80,7 @@ def two_rank_worker() -> dict:
         for stage in (0, 1, 2, 3):
             config, case = _config(stage, dtype)
             engine, *_ = zeroshard.initialize(model=make_model(), config=config)
-            check = engine.zero.reducer.check
+            check = engine.stack.reducer.check
             out[(dtype, stage, "clean")] = (*_train(engine, case, CLEAN_STEPS), check.largest_ratio, len(check.buckets))
             engine.destroy()
             for label, fault in (

@@ -34,6 +34,7 @@ def result(out: subprocess.CompletedProcess) -> dict:
 
 
 MIXED_PRECISION = [("class3", "16-mixed"), ("zeroshard_stage_3", "bf16-mixed")]
+FP16_SKIPPED = 4  # of the 16-mixed run's 8 steps, while the dynamic loss scale comes down from 2^16 to 2^12
 CLI_FIT = [
     "cli.py",
     "fit",
@@ -64,6 +65,11 @@ def runs(tmp_path_factory):
     }
     jobs = {name: ["train.py", base / name, *args] for name, args in fits.items()}
     jobs["config_optimizer"] = ["train.py", base / "config_optimizer", "ignored", "--config_optimizer", "--epochs", "2"]
+    # the references of the 2-epoch runs: DDP with the config block's optimizer, and DDP in fp32 and bf16-mixed
+    jobs["ddp_constant_lr"] = ["train.py", base / "ddp_constant_lr", "ddp", "--constant_lr", "--epochs", "2"]
+    jobs["ddp-bf16-mixed"] = ["train.py", base / "ddp-bf16-mixed", "ddp", "--precision", "bf16-mixed", "--epochs", "2"]
+    skip = ["--skip_first", str(FP16_SKIPPED)]
+    jobs["ddp-32-true"] = ["train.py", base / "ddp-32-true", "ddp", "--epochs", "2", *skip]
     for strategy, precision in MIXED_PRECISION:
         jobs[f"{strategy}-{precision}"] = [
             "train.py",
@@ -134,15 +140,30 @@ def test_convert_then_load_from_checkpoint(runs, tmp_path):
     assert saved.keys() == weights.keys() and all(torch.equal(saved[k], model.state_dict()[k]) for k in saved)
 
 
-def test_optimizer_from_the_config_block(runs):
-    out = result(runs["config_optimizer"])
-    assert out["full_loss"] < 0.9 * out["initial_loss"] and out["global_step"] == 8 and out["lr"] == 0.02
+def test_optimizer_from_the_config_block_trains_like_ddp(runs):
+    """The config block's AdamW against DDP with the same optimizer: losses and the last gradient norm (before
+    clipping: a gradient scaled 2x, which clipping and Adam would hide from the losses, shows there)."""
+    out, reference = result(runs["config_optimizer"]), result(runs["ddp_constant_lr"])
+    assert out["global_step"] == reference["global_step"] == 8 and out["lr"] == reference["lr"] == 0.02
+    for key in ("initial_loss", "full_loss", "grad_norm"):
+        assert out[key] == pytest.approx(reference[key], rel=TOLERANCE), key
+    assert out["full_loss"] < 0.9 * out["initial_loss"]
+
+
+# zeroshard's 16-bit runs against DDP: fp16 (loss-scaled, fp32 master weights) against fp32 DDP that skips the
+# steps the loss scale skips (it comes down from 2^16), bf16 weights and compute (fp32 master weights) against
+# DDP's bf16 autocast (fp32 weights)
+MIXED_REFERENCE = {"16-mixed": ("ddp-32-true", 1e-2), "bf16-mixed": ("ddp-bf16-mixed", 5e-2)}
 
 
 @pytest.mark.parametrize("strategy,precision", MIXED_PRECISION)
-def test_mixed_precision_trains(runs, strategy, precision):
+def test_mixed_precision_trains_like_ddp(runs, strategy, precision):
     out = result(runs[f"{strategy}-{precision}"])
-    assert out["full_loss"] < 0.9 * out["initial_loss"] and out["global_step"] == 8
+    name, rel = MIXED_REFERENCE[precision]
+    reference = result(runs[name])
+    assert out["global_step"] == 8 and out["skipped_steps"] == reference["skipped_steps"]
+    for key in ("initial_loss", "full_loss", "grad_norm"):
+        assert out[key] == pytest.approx(reference[key], rel=rel), key
 
 
 def test_fabric_trains_saves_and_loads_like_fabric_ddp(runs):

@@ -109,7 +109,7 @@ def worker(directory: str) -> dict:
             and any(slot.offset // flat.layout.shard_numel != (slot.offset + slot.numel - 1) // flat.layout.shard_numel
                     for slot in flat.layout.slots)
             for k, flat in enumerate(engine.stack.flat_groups)
-            if groups[engine.optimizer.flat_param_group(k)]["use_muon"]
+            if groups[engine.stack.flat_param_group(k)]["use_muon"]
         )  # fmt: skip
         losses = train(engine, rank, world, range(2), reference, grad_errors)
         engine.comm_ledger.reset()
@@ -118,7 +118,7 @@ def worker(directory: str) -> dict:
         muon_flats = [
             flat.layout.padded_numel
             for k, flat in enumerate(engine.stack.flat_groups)
-            if groups[engine.optimizer.flat_param_group(k)]["use_muon"]
+            if groups[engine.stack.flat_param_group(k)]["use_muon"]
         ]
         out[stage] = {
             "losses": losses,

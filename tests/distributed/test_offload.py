@@ -113,11 +113,11 @@ def swap_hygiene_worker(swap_dir):
     with zeroshard.zero.GatheredParameters([weight], modifier_rank=0):
         if comm.get_rank() == 0:
             weight.data.fill_(0.5)
-    flat = next(k for k, f in enumerate(engine.zero.flat_groups) if any(p is weight for p in f.params))
-    masters = engine.zero.read_flat(flat)["master"]
+    flat = next(k for k, f in enumerate(engine.stack.flat_groups) if any(p is weight for p in f.params))
+    masters = engine.stack.read_flat(flat)["master"]
     comm.barrier(engine.mesh.world)
     params = engine.consolidated_state_dict(rank0_only=False)
-    return listed, engine.zero.optimizer_state.swapper.bytes_on_disk(), params, masters
+    return listed, engine.stack.optimizer_state.swapper.bytes_on_disk(), params, masters
 
 
 def test_swap_files_leave_nothing_behind(tmp_path):
@@ -210,7 +210,7 @@ def io_failure_worker(checkpoint_dir):
     engine.step()
     engine.save_checkpoint(checkpoint_dir)
     saved = engine.consolidated_state_dict(rank0_only=False)
-    os.ftruncate(engine.zero.optimizer_state.swapper.file.fd, 0)  # the swap file loses its contents
+    os.ftruncate(engine.stack.optimizer_state.swapper.file.fd, 0)  # the swap file loses its contents
     engine.backward(engine(x, x))
     try:
         engine.step()

@@ -162,7 +162,7 @@ def _one_config(case: ParityCase, batches, rank: int, world: int) -> dict:
         x, y = batch
         engine.backward(engine(x[rows], y[rows]))
         engine.step()
-    storages = [t.untyped_storage() for t in engine.optimizer.states._tensors(OffloadStateTypeEnum.optim_states)]
+    storages = [t.untyped_storage() for t in engine.stack.states._tensors(OffloadStateTypeEnum.optim_states)]
     engine.optimizer.offload_states(include=[OffloadStateTypeEnum.optim_states], non_blocking=True)
     engine.offload_states()  # the rest, through the engine's name
     freed = all(s.nbytes() == 0 for s in storages)

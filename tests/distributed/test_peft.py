@@ -79,7 +79,7 @@ def lora_worker(kinds: list) -> dict:
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         }
         engine, *_ = zeroshard.initialize(model=model, config=config)
-        frozen = engine.zero.frozen_groups
+        frozen = engine.stack.frozen_groups
         held = {
             "frozen_shard_numel": sum(f.layout.shard_numel for f in frozen),
             "frozen_padding": sum(f.layout.padded_numel - f.layout.numel for f in frozen),

@@ -45,7 +45,7 @@ def exact_gather_check(c: ParityCase) -> dict:
     import zeroshard
 
     engine, _, _, _ = zeroshard.initialize(model=make_model(), config=c.config())
-    flat = next(f for f in engine.zero.flat_groups if not f.resident)
+    flat = next(f for f in engine.stack.flat_groups if not f.resident)
     lo, hi = flat.layout.shard_range(flat.shard_rank)
     with zeroshard.zero.GatheredParameters(flat.params):
         exact = torch.equal(flat.buffer[lo:hi], flat.shard)

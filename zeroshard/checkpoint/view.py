@@ -14,7 +14,7 @@ from ..precision import LossScaler
 
 
 class ShardedOptimizer(Protocol):
-    """The optimizer side of a checkpoint (``zeroshard.zero.ZeroOptimizer`` provides it): per flat group, this
+    """The optimizer side of a checkpoint (``zeroshard.zero.ZeroStack`` provides it): per flat group, this
     rank's master shard and elementwise optimizer state as tensors, the non-elementwise state as scalars."""
 
     loss_scaler: LossScaler

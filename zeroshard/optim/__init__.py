@@ -2,7 +2,7 @@
 
 import torch
 
-from .factory import build_optimizer, check_client_optimizer
+from .factory import build_optimizer, check_client_optimizer, update_rule
 from .lamb import Lamb, ShardedNorms
 from .lion import Lion
 from .muon import MuonWithAuxAdam, muon_param_groups
@@ -31,6 +31,7 @@ __all__ = [
     "ShardedNorms",
     "ZeroOneAdam",
     "build_optimizer",
+    "update_rule",
     "build_schedule",
     "check_client_optimizer",
     "muon_param_groups",

@@ -171,3 +171,11 @@ def check_client_optimizer(
             "zeroshard.optim.Lion (DeepSpeedCPULion) or an 'optimizer' config block, or set "
             '"zero_force_ds_cpu_optimizer": false to step it on the CPU anyway'
         )
+
+
+def update_rule(optimizer: torch.optim.Optimizer) -> str:
+    """The update rule an optimizer applies, as a checkpoint records it. Adam and AdamW differ only in how they decay
+    weights (torch's AdamW, DeepSpeed's CPU and fused Adams are one class with a flag), so that flag names them."""
+    if isinstance(optimizer, torch.optim.Adam):
+        return "AdamW" if optimizer.param_groups[0].get("decoupled_weight_decay") else "Adam"
+    return type(optimizer).__name__

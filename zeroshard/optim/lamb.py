@@ -31,6 +31,10 @@ class ShardedNorms:
 
 
 class Lamb(Optimizer):
+    # its trust ratio reads each parameter's whole norms (over every sub-group of an offloaded shard): the ZeRO layer
+    # refuses homes that step a parameter in pieces
+    needs_whole_parameter_norms = True
+
     def __init__(
         self,
         params,

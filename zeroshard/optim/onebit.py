@@ -34,9 +34,10 @@ COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
 class OneBitOptimizer(Optimizer):
     """What the 1-bit optimizers share: the warm-up question and the bound all-reduce."""
 
-    # whether the ZeRO layer exchanges what it averages (1-bit Adam's momentum), so that it runs at stages 1-3 too;
-    # the others average themselves, whole tensors at stage 0
-    runs_sharded = False
+    # how the ZeRO layer exchanges gradients for it after the warm-up (zeroshard.zero.exchange): 1-bit Adam's
+    # momentum averaged over the shard layout, so that it runs at stages 1-3 too ("momentum"); the others average
+    # themselves, whole tensors at stage 0 ("optimizer_averaged")
+    gradient_exchange = "optimizer_averaged"
 
     def __init__(self, params, defaults: dict, cuda_aware: bool, comm_backend_name: str, amsgrad: bool, schedule: dict):
         """``defaults`` (lr, betas, eps, weight_decay) and the subclass's ``schedule`` numbers are checked here
@@ -103,7 +104,7 @@ class OneBitAdam(OneBitOptimizer):
     and the momentum averaged 1-bit compressed with error feedback (by the ZeRO layer, which hands this optimizer
     the gradient that leads its momentum to the averaged one)."""
 
-    runs_sharded = True
+    gradient_exchange = "momentum"
 
     def __init__(
         self,

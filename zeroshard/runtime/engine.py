@@ -54,7 +54,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
     ):
         super().__init__()
         self.module = module
-        self.stack = stack  # every object holding this rank's model state (zeroshard.zero.assemble)
+        self.stack = stack  # every object holding this rank's model state (zeroshard.zero.stack)
         # the config's activation_checkpointing block, in effect while this engine's forward runs (None: what
         # zeroshard.runtime.activation_checkpointing.configure set)
         self.activation_checkpointing = activation_checkpointing

@@ -12,7 +12,7 @@ import torch
 from .. import comm
 from ..log import log_rank0
 from ..zero import ParamAccess, ParamRecords, ZeroOptimizer
-from ..zero.assemble import NO_OPTIMIZER
+from ..zero.stack import NO_OPTIMIZER
 from ..zero.stage3 import Stage3Runtime
 from .monitor import Monitors
 

@@ -153,7 +153,7 @@ class CheckpointAndExport:
             counters=self.counters,
             flat_groups=self.stack.flat_groups,
             frozen_groups=self.stack.frozen_groups,
-            optimizer=self.stack.optimizer,
+            optimizer=self.stack if self.stack.optimizer is not None else None,  # its per-flat-group state
             lr_scheduler=self.lr_scheduler,
             sampler=sampler if resumable else None,
             gradient_accumulation_steps=self.gradient_accumulation_steps(),

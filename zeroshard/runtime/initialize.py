@@ -123,6 +123,15 @@ def _sequence_parallel(mpu: Any, parsed) -> tuple[int, Optional[comm.Group]]:
     return size, group
 
 
+def _apply_tensor_parallel(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> dict:
+    """Every rank starts from rank 0's weights; under tensor parallelism each then keeps its pieces. Returns the split
+    parameters with how each is cut ({} without tensor parallelism)."""
+    if mesh.tensor.size > 1:
+        return _split_over_tensor_group(model, cfg, mesh, materialize)
+    _broadcast_module(model, mesh.world)
+    return {}
+
+
 def _split_over_tensor_group(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> dict:
     """Tensor parallelism: every rank starts from the same weights, then keeps its pieces (a model ``tp_model_init``
     split already keeps its own: its replicated weights are shared over the world, its pieces over the
@@ -386,11 +395,7 @@ def initialize(
     placement = _placement(cfg)
     materialize = _materializer(model, pretrained, mesh.world, placement.device)
     _move_module(model, placement.device, placement.policy.compute)
-    if mesh.tensor.size > 1:
-        pieces = _split_over_tensor_group(model, cfg, mesh, materialize)
-    else:
-        pieces = {}
-        _broadcast_module(model, mesh.world)
+    pieces = _apply_tensor_parallel(model, cfg, mesh, materialize)
     if optimizer is not None or cfg.optimizer is not None:
         param_groups, make_optimizer = optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
         if pieces:

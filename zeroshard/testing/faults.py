@@ -18,7 +18,7 @@ from .. import comm
 
 
 def _bucket(engine, index: int):
-    buckets = engine.zero.reducer.buckets
+    buckets = engine.stack.reducer.buckets
     if not 0 <= index < len(buckets):
         raise ValueError(f"flat group {index}: the engine has {len(buckets)}")
     return buckets[index]

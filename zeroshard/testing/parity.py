@@ -154,7 +154,7 @@ def engine_train(case: ParityCase) -> dict[str, Any]:
         "units": (
             [(u.name, u.numel) for u in [engine.stage3.root_unit, *engine.stage3.units]] if engine.stage3 else None
         ),
-        "flat_numels": [(f.layout.padded_numel, f.resident) for f in engine.zero.flat_groups],
+        "flat_numels": [(f.layout.padded_numel, f.resident) for f in engine.stack.flat_groups],
         "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
         "num_params": sum(p.numel() for p in model.parameters()),

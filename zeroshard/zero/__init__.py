@@ -1,18 +1,19 @@
 """ZeRO data parallelism: flat groups, gradient reduction, optimizer state in its home, the optimizer for
 stages 0-3, zero.Init and whole-parameter access."""
 
-from .assemble import Placement, ZeroStack, build_zero_stack
+from .assemble import Placement, build_zero_stack
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup, ParamState
 from .gathered import GatheredParameters, consolidated_state_dict
 from .init import Init, parameters_replaced
 from .materialize import reset_parameters
-from .optimizer import NonFiniteGradientError, ZeroOptimizer
+from .optimizer import ZeroOptimizer
 from .optimizer_state import DeviceState, HostState, NvmeState, OptimizerState, build_optimizer_state
 from .param_access import ParamAccess
 from .planning import StagePolicy
 from .reducer import GradBucket, GradientReducer, GradState
 from .sharded_param import ParamRecords, ShardedParameterError
+from .stack import NonFiniteGradientError, ZeroStack
 
 __all__ = [
     "DeviceState",

@@ -1,12 +1,9 @@
-"""The ZeRO stack: every object that holds a rank's model state for one engine, built in one place.
+"""Building the ZeRO stack: every object that holds a rank's model state for one engine, built in one place.
 
 :func:`build_zero_stack` plans and allocates, in order, the gather units (stage 3), the flat groups, the optimizer
-state in its home, one gradient bucket per flat group, the stage-3 runtime and the gradient reducer (wired to the
-stage-3 runtime here, so nothing outside ``zero/`` completes an object after construction). The
-:class:`ZeroStack` it returns is what the engine drives: ``begin_backward`` / ``end_backward`` around the user's
-backward, ``step``, ``zero_grad``, and the bytes held, counted from the owners' tensors. An engine without an
-optimizer holds a stack with no flat groups (:meth:`ZeroStack.without_optimizer`), whose training calls say what is
-missing.
+state in its home, one gradient bucket per flat group, the stage-3 runtime, the gradient reducer (wired to the
+stage-3 runtime here, so nothing outside ``zero/`` completes an object after construction) and the gradient
+exchange the optimizer names, and hands them to the :class:`~zeroshard.zero.stack.ZeroStack` that owns them.
 """
 
 from __future__ import annotations
@@ -21,31 +18,18 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..comm.compression import Codec
 from ..log import log_rank0
-from ..offload import OffloadDevice, OffloadPlan, ShardHomes, shard_homes
+from ..offload import OffloadDevice, OffloadPlan, shard_homes
 from ..precision import LossScaler, PrecisionPolicy
 from .buffers import ReusableBuffers
+from .exchange import exchange_for
 from .flat_group import FlatGroup
 from .gradient_check import GradientCheck
-from .optimizer import NormAxes, ZeroOptimizer
 from .optimizer_state import MakeOptimizer, build_optimizer_state
-from .param_access import ParamAccess
 from .planning import ModelPlan, QuantizedComm, StagePolicy, build_flat_groups, plan_model
 from .reducer import GradBucket, GradientReducer
 from .sharded_param import ParamRecords
+from .stack import NormAxes, StepSettings, ZeroStack
 from .stage3 import Stage3Runtime, build_units
-from .state_offload import COMPUTE, TRAINING
-
-ROLES = (
-    "params",
-    "gathered",
-    "master",
-    "grad_shard",
-    "staging",
-    "idle_buffers",
-    "optimizer_state",
-    "compression_error",
-)
-NO_OPTIMIZER = "needs an optimizer: pass optimizer= or add an 'optimizer' config block"
 
 
 @dataclass(frozen=True)
@@ -55,136 +39,6 @@ class Placement:
     policy: PrecisionPolicy
     device: torch.device
     offload: OffloadPlan
-
-
-class ZeroStack:
-    """One engine's ZeRO state and the calls that drive it (see the module docstring)."""
-
-    def __init__(
-        self,
-        *,
-        records: ParamRecords,
-        buffers: ReusableBuffers,
-        reducer: Optional[GradientReducer],
-        optimizer: Optional[ZeroOptimizer],
-        stage3: Optional[Stage3Runtime],
-        shard_homes: Optional[ShardHomes] = None,
-        access: Optional[ParamAccess] = None,
-    ):
-        self.records = records  # what is known of each (stage-3) parameter
-        self.buffers = buffers  # gathered units and gradient staging, reused step after step
-        self.reducer = reducer
-        self.optimizer = optimizer  # the step's arithmetic (DeepSpeed's engine.optimizer)
-        self.stage3 = stage3
-        self.shard_homes = shard_homes  # offload_param: where stage-3 shards live, and their staging pool
-        self.access = access  # one parameter's master weights, gradient and optimizer state
-
-    @classmethod
-    def without_optimizer(cls, device: torch.device) -> "ZeroStack":
-        """An engine built without an optimizer (evaluation, ``init_inference``-like use): nothing is sharded."""
-        return cls(
-            records=ParamRecords(),
-            buffers=ReusableBuffers(device),
-            reducer=None,
-            optimizer=None,
-            stage3=None,
-        )
-
-    def refuse_if_offloaded(self, call: str, weights_only: bool = False) -> None:
-        """Refuse ``call`` by name while a state it needs is on the host (``weights_only``: it reads the compute
-        parameters and nothing else, as a forward does)."""
-        if self.optimizer is not None:
-            self.optimizer.states.refuse_use(f"engine.{call}", COMPUTE if weights_only else TRAINING)
-
-    def needs_optimizer(self, call: str) -> ZeroOptimizer:
-        if self.optimizer is None:
-            raise RuntimeError(f"engine.{call} {NO_OPTIMIZER}")
-        return self.optimizer
-
-    # -- one training step -------------------------------------------------------------------
-    @property
-    def loss_scale(self) -> float:
-        return self.optimizer.loss_scaler.scale if self.optimizer is not None else 1.0
-
-    def begin_backward(self, boundary: bool, scaled_loss: torch.Tensor) -> None:
-        """Before the user's backward: whether it ends an accumulation, and the loss autograd starts from."""
-        self.needs_optimizer("backward")
-        self.reducer.begin_backward(boundary, scaled_loss)
-
-    def end_backward(self, graph_retained: bool = False) -> None:
-        """After it: the remaining reductions are launched and finished, then (stage 3) what is still gathered is
-        freed (the hooks on this forward's outputs stay only when the graph is kept for another backward)."""
-        self.reducer.end_backward()
-        if self.stage3 is not None:
-            self.stage3.end_backward(graph_retained=graph_retained)
-
-    def step(self) -> bool:
-        """The optimizer step; False when an fp16 overflow skipped it."""
-        return self.needs_optimizer("step").step()
-
-    def zero_grad(self, module: torch.nn.Module) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad()
-        else:
-            module.zero_grad(set_to_none=True)
-
-    def learning_rates(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
-
-    @property
-    def global_grad_norm(self) -> Optional[float]:
-        return self.optimizer.global_grad_norm if self.optimizer is not None else None
-
-    def take_gather_seconds(self) -> float:
-        """Time spent gathering stage-3 units since the last call (0 without stage 3)."""
-        return self.stage3.take_gather_seconds() if self.stage3 is not None else 0.0
-
-    def destroy(self) -> None:
-        """Finish the reductions in flight and remove the gradient and stage-3 module hooks."""
-        if self.reducer is not None:
-            self.reducer.destroy()
-        if self.stage3 is not None:
-            self.stage3.destroy()
-
-    # -- what it holds ------------------------------------------------------------------------
-    @property
-    def flat_groups(self) -> list[FlatGroup]:
-        """The trainable flat groups, in reduction order (the optimizer steps them)."""
-        return self.optimizer.flat_groups if self.optimizer is not None else []
-
-    @property
-    def frozen_groups(self) -> list[FlatGroup]:
-        """Stage 3: the flat groups of sharded parameters without gradients."""
-        return self.optimizer.frozen_groups if self.optimizer is not None else []
-
-    @property
-    def all_flat_groups(self) -> list[FlatGroup]:
-        return [*self.flat_groups, *self.frozen_groups]
-
-    def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
-        """Bytes of model state this rank holds per location (``device``, ``host``, ``nvme``) and role, counted
-        from the owners' tensors (and swap-file regions)."""
-        totals = {where: dict.fromkeys(ROLES, 0) for where in ("device", "host", "nvme")}
-        if self.optimizer is None:
-            return totals
-        state = self.optimizer.optimizer_state
-        parts = [flat.bytes_held() for flat in self.all_flat_groups]
-        parts.append(self.reducer.bytes_held(state.location))
-        parts.append(state.bytes_held())
-        parts.append({"compression_error": {"device": self.optimizer.compression_bytes()}})
-        if self.shard_homes is not None:
-            parts.append(self.shard_homes.bytes_held())
-        for part in parts:
-            for role, places in part.items():
-                for where, nbytes in places.items():
-                    totals[where][role] += nbytes
-        totals["device"]["idle_buffers"] += self.buffers.idle_bytes  # reusable, not in use between steps
-        return totals
-
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes of model state this rank holds per role, wherever it lives."""
-        by_location = self.state_bytes_by_location()
-        return {role: sum(places[role] for places in by_location.values()) for role in ROLES}
 
 
 def _module_paths(model: torch.nn.Module, modules) -> tuple[str, ...]:
@@ -256,25 +110,19 @@ def build_zero_stack(
     buckets = _gradient_buckets(flats, mesh, placement, state.device, stage, buffers, codec)
     stage3 = _stage3_runtime(model, plan, buckets, frozen, buffers, z, placement.offload) if plan.units else None
     reducer = _reducer(model, buckets, mesh, stage, config, stage3)
-    optimizer = ZeroOptimizer(
-        flats,
-        state,
-        reducer,
-        LossScaler.from_config(config.fp16),
-        frozen_groups=frozen,
-        norm=NormAxes(shard=mesh.shard if stage.partition_optimizer else None, tensor=mesh.tensor),
-        gradient_clipping=config.gradient_clipping,
-        max_consecutive_skipped_steps=config.max_consecutive_skipped_steps,
-        buffers=buffers,
-    )
     return ZeroStack(
         records=records,
         buffers=buffers,
+        flat_groups=flats,
+        frozen_groups=frozen,
+        optimizer_state=state,
         reducer=reducer,
-        optimizer=optimizer,
+        exchange=exchange_for(state.optimizer, flats, reducer, state.group_of_flat),
+        loss_scaler=LossScaler.from_config(config.fp16),
+        norm=NormAxes(shard=mesh.shard if stage.partition_optimizer else None, tensor=mesh.tensor),
+        settings=StepSettings(config.gradient_clipping, config.max_consecutive_skipped_steps),
         stage3=stage3,
         shard_homes=homes,
-        access=ParamAccess(records, state, reducer, optimizer.states),
     )
 
 

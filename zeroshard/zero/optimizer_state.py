@@ -23,7 +23,7 @@ import torch
 
 from .. import comm
 from ..offload import MASTER, OffloadPlan, SubGroup, elementwise_keys, optimizer_swapper
-from ..optim import Lamb, OneBitOptimizer, ShardedNorms
+from ..optim import ShardedNorms
 from .flat_group import FlatGroup
 
 MakeOptimizer = Callable[[list[dict], Optional[ShardedNorms]], torch.optim.Optimizer]
@@ -58,9 +58,6 @@ class OptimizerState:
         for sub in self.subgroups:
             master_groups[group_of_flat[sub.flat_index]]["params"].append(sub.param)
         self.optimizer = make_optimizer(master_groups, self._sharded_norms())
-        averages_itself = isinstance(self.optimizer, OneBitOptimizer) and not self.optimizer.runs_sharded
-        if averages_itself and flats and not flats[0].partitioned:
-            self.optimizer.bind(comm.OneBitAllReduce(flats[0].shard_group))  # stage 0: it averages, compressed
 
     @property
     def device(self) -> torch.device:
@@ -233,7 +230,7 @@ class HostState(OptimizerState):
         self.sub_group_size = sub_group_size
         self.pin_memory = pin_memory
         super().__init__(*args, **kwargs)
-        if isinstance(self.optimizer, Lamb):
+        if getattr(self.optimizer, "needs_whole_parameter_norms", False):
             raise ValueError(
                 "optimizer Lamb needs whole-parameter norms across sub-groups and cannot run with "
                 "zero_optimization.offload_optimizer; use Adam/AdamW, Adagrad, Lion or SGD, or remove the offload"

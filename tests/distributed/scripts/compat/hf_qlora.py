@@ -49,7 +49,7 @@ def packed_bytes(engine) -> tuple[int, int]:
     ids = {id(p) for p in packed}
     mine = sum(
         flat.shard.numel() * flat.shard.element_size()
-        for flat in engine.optimizer.frozen_groups
+        for flat in engine.stack.frozen_groups
         if id(flat.params[0]) in ids
     )
     return mine, total

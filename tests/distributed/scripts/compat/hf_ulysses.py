@@ -6,7 +6,9 @@ environment ``accelerate launch`` sets from ``parallelism_config_sp_backend: dee
 The Trainer's Accelerate path registers DeepSpeed's ``UlyssesSPAttentionHF``, passes its mpu to
 ``deepspeed.initialize``, wraps the loader in ``UlyssesSPDataLoaderAdapter`` and computes the token-weighted loss
 over the sequence-parallel group. SFT-style samples: the first 20 of 32 labels are -100, so one rank's piece of
-every sample holds no counted token. Trains 3 steps at ZeRO-3 and prints what the test checks."""
+every sample holds no counted token. Trains 3 steps at ZeRO-3 and prints what the test checks. With
+``--reference`` (one plain process, no DeepSpeed, no sequence parallelism): the same Trainer on whole sequences, the
+losses the sequence-parallel run must reproduce."""
 
 import json
 import sys
@@ -40,10 +42,11 @@ CONFIG = {
 }
 
 
-def main(pretrained: str, out_dir: str) -> None:
+def main(pretrained: str, out_dir: str, reference: bool = False) -> None:
     args = TrainingArguments(
         output_dir=out_dir,
-        deepspeed=CONFIG,
+        deepspeed=None if reference else CONFIG,
+        use_cpu=reference,
         per_device_train_batch_size=1,
         max_steps=STEPS,
         learning_rate=1e-3,
@@ -58,15 +61,15 @@ def main(pretrained: str, out_dir: str) -> None:
     engine = trainer.model_wrapped
     if trainer.is_world_process_zero():
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-        result = {
-            "global_step": trainer.state.global_step,
-            "losses": losses,
-            "sequence_parallel_size": engine.sequence_parallel_size,
-            "train_batch_size": engine.train_batch_size(),
-            "engine": type(engine).__module__,
-        }
+        result = {"global_step": trainer.state.global_step, "losses": losses}
+        if not reference:
+            result.update(
+                sequence_parallel_size=engine.sequence_parallel_size,
+                train_batch_size=engine.train_batch_size(),
+                engine=type(engine).__module__,
+            )
         print("RESULT " + json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], reference="--reference" in sys.argv[3:])

@@ -1,8 +1,9 @@
 """A Lightning training script run under Lightning's own launcher (2 CPU processes) with a chosen strategy.
 
-usage: train.py OUT_DIR STRATEGY [--precision P] [--epochs N] [--resume CKPT] [--cpu_adam]
+usage: train.py OUT_DIR STRATEGY [--precision P] [--epochs N] [--resume CKPT] [--cpu_adam] [--constant_lr]
 STRATEGY: ddp | a registered zeroshard name | class3 (ZeroshardStrategy(stage=3), every parameter sharded)
-Prints RESULT {...} on rank 0: the full-data loss after training, the gradient-clipping evidence, the paths."""
+Prints RESULT {...} on rank 0: the full-data loss after training, the last step's gradient norm before clipping (the
+engine's, or under DDP the averaged gradients' measured before the step), the paths."""
 
 import argparse
 import json
@@ -26,9 +27,19 @@ def data():
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, hidden: int = 16, lr: float = 0.02, cpu_adam: bool = False, config_optimizer: bool = False):
+    def __init__(
+        self,
+        hidden: int = 16,
+        lr: float = 0.02,
+        cpu_adam: bool = False,
+        config_optimizer: bool = False,
+        constant_lr: bool = False,
+        skip_first: int = 0,
+    ):
         super().__init__()
         self.save_hyperparameters()
+        self.grad_norm = None
+        self.skipped = 0
         self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 2))
 
     def forward(self, x):
@@ -43,6 +54,8 @@ class Regressor(L.LightningModule):
             return None  # the strategy's config has an "optimizer" block
         cls = DeepSpeedCPUAdam if self.hparams.cpu_adam else torch.optim.AdamW
         optimizer = cls(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
+        if self.hparams.constant_lr:  # what the config-block run does: AdamW at lr 0.02, no scheduler
+            return optimizer
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 4, gamma=0.5)}
 
     def full_data_loss(self) -> float:
@@ -52,6 +65,21 @@ class Regressor(L.LightningModule):
 
     def dtype_of_inputs(self):
         return next(p.dtype for p in self.parameters())
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        """``skip_first``: the first steps run forward and backward but do not update, as an fp16 engine's first
+        steps do while its loss scale comes down from 2^16 (the DDP reference of a 16-mixed run)."""
+        if self.skipped < self.hparams.skip_first:
+            optimizer_closure()
+            optimizer.zero_grad()
+            self.skipped += 1
+            return
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:  # DDP: the averaged, accumulated gradients, before Lightning clips them
+            self.grad_norm = torch.nn.utils.get_total_norm(grads).item()
 
     def on_train_start(self):
         self.initial_loss = self.full_data_loss()
@@ -69,6 +97,8 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--cpu_adam", action="store_true")
     parser.add_argument("--config_optimizer", action="store_true", help="optimizer from the config block")
+    parser.add_argument("--constant_lr", action="store_true", help="no LR scheduler (the config-block run's)")
+    parser.add_argument("--skip_first", type=int, default=0, help="optimizer steps skipped at the start")
     args = parser.parse_args()
 
     L.seed_everything(0)
@@ -96,7 +126,12 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = Regressor(cpu_adam=args.cpu_adam, config_optimizer=args.config_optimizer)
+    model = Regressor(
+        cpu_adam=args.cpu_adam,
+        config_optimizer=args.config_optimizer,
+        constant_lr=args.constant_lr,
+        skip_first=args.skip_first,
+    )
     loader = torch.utils.data.DataLoader(data(), batch_size=4, shuffle=False)
     trainer.fit(model, loader, ckpt_path=args.resume)
     trainer.save_checkpoint(f"{args.out_dir}/final.ckpt")
@@ -110,9 +145,12 @@ def main() -> None:
                     "global_step": trainer.global_step,
                     "checkpoints": sorted(os.listdir(f"{args.out_dir}/ckpt")),
                     "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                    "skipped_steps": trainer.strategy.engine.skipped_steps
+                    if hasattr(trainer.strategy, "engine")
+                    else model.skipped,
                     "grad_norm": trainer.strategy.engine.get_global_grad_norm()
                     if hasattr(trainer.strategy, "engine")
-                    else None,
+                    else model.grad_norm,
                 }
             )
         )
