@@ -132,6 +132,18 @@ def test_packages_import_only_the_layers_design_md_allows():
     assert layer_violations(PACKAGE, allowed) == []
 
 
+def test_the_layer_table_is_as_strict_as_the_code():
+    """Each row names exactly the packages its package imports: a row that allows more than the code uses would let
+    a new upward-looking import pass unnoticed."""
+    allowed = layer_table(DESIGN.read_text())
+    used: dict[str, set[str]] = {name: set() for name in allowed}
+    for here, there, *_ in imports_by_package(PACKAGE):
+        if here not in TOP_LEVEL and there not in TOP_LEVEL:
+            used.setdefault(here, set()).add(there)
+    slack = {name: sorted(allowed[name] - used[name]) for name in allowed if allowed[name] - used[name]}
+    assert slack == {}
+
+
 def test_the_layer_check_finds_an_upward_and_a_private_import(tmp_path):
     root = tmp_path / "zeroshard"
     for package, text in {
