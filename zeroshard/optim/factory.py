@@ -118,7 +118,7 @@ def build_optimizer(
                 )
                 + "; use stage 0, or OneBitAdam, which runs with ZeRO stages 0-3"
             )
-        if key == "onebitlamb":
+        if key in ("onebitlamb", "zerooneadam"):  # the shards' layout, and at stage 0 the compressed all-reduce
             params["sharded_norms"] = sharded_norms
         if "betas" in params:
             params["betas"] = tuple(params["betas"])

@@ -14,6 +14,8 @@ from typing import Callable, Optional
 import torch
 from torch.optim import Optimizer
 
+from ..comm import OneBitAllReduce
+
 
 @dataclass
 class ShardedNorms:
@@ -28,6 +30,9 @@ class ShardedNorms:
     shard_start: dict[int, int] = field(default_factory=dict)  # id(tensor) -> its offset in the flat group
     # (tensor, values of this rank's shard) -> the flat group's values from every rank (an all-gather when sharded)
     whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda tensor, values: values
+    # stage 0 (every rank holds whole tensors): the 1-bit all-reduce over those ranks, for the 1-bit optimizers that
+    # average themselves (0/1 Adam, 1-bit LAMB); it owns their compression errors
+    compressed: Optional[OneBitAllReduce] = None
 
 
 class Lamb(Optimizer):

@@ -39,7 +39,16 @@ class OneBitOptimizer(Optimizer):
     # themselves, whole tensors at stage 0 ("optimizer_averaged")
     gradient_exchange = "optimizer_averaged"
 
-    def __init__(self, params, defaults: dict, cuda_aware: bool, comm_backend_name: str, amsgrad: bool, schedule: dict):
+    def __init__(
+        self,
+        params,
+        defaults: dict,
+        cuda_aware: bool,
+        comm_backend_name: str,
+        amsgrad: bool,
+        schedule: dict,
+        compressed: Optional[OneBitAllReduce] = None,
+    ):
         """``defaults`` (lr, betas, eps, weight_decay) and the subclass's ``schedule`` numbers are checked here
         (:mod:`zeroshard.optim.hyperparams`), for optimizers built by name and by a script alike; the checked
         schedule is ``self.schedule``."""
@@ -59,11 +68,9 @@ class OneBitOptimizer(Optimizer):
                 stacklevel=3,
             )
         super().__init__(params, defaults)
-        self.all_reduce: Optional[OneBitAllReduce] = None
-
-    def bind(self, all_reduce: OneBitAllReduce) -> None:
-        """Stage 0: the compressed all-reduce this optimizer averages with (it owns the compression errors)."""
-        self.all_reduce = all_reduce
+        # stage 0: the compressed all-reduce this optimizer averages with (it owns the compression errors); None on
+        # one rank, and for 1-bit Adam, whose momentum the ZeRO layer exchanges
+        self.all_reduce = compressed
 
     def needs_averaged_gradients(self) -> bool:
         """Whether the next step takes exactly averaged gradients (else this rank's own, or 1-bit reduced ones)."""
@@ -161,6 +168,7 @@ class ZeroOneAdam(OneBitOptimizer):
         amsgrad: bool = False,
         cuda_aware: bool = False,
         comm_backend_name: str = "nccl",
+        sharded_norms: Optional[ShardedNorms] = None,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         schedule = dict(
@@ -169,7 +177,8 @@ class ZeroOneAdam(OneBitOptimizer):
             local_step_scaler=local_step_scaler,
             local_step_clipper=local_step_clipper,
         )
-        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad, schedule)
+        compressed = sharded_norms.compressed if sharded_norms is not None else None
+        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad, schedule, compressed)
         self.var_freeze_step = self.schedule["var_freeze_step"]
         self.var_update_scaler = self.schedule["var_update_scaler"]
         self.local_step_scaler = self.schedule["local_step_scaler"]
@@ -280,7 +289,8 @@ class OneBitLamb(OneBitOptimizer):
             factor_min=factor_min,
             factor_threshold=factor_threshold,
         )
-        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad, schedule)
+        compressed = sharded_norms.compressed if sharded_norms is not None else None
+        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad, schedule, compressed)
         self.freeze_step = self.schedule["freeze_step"]
         self.max_coeff, self.min_coeff = self.schedule["max_coeff"], self.schedule["min_coeff"]
         self.coeff_beta = self.schedule["coeff_beta"]

@@ -12,7 +12,9 @@ from ..offload import OffloadPlan
 from ..optim import (
     WHOLE_PARAMETER_OPTIMIZERS,
     Lamb,
+    OneBitLamb,
     ShardedNorms,
+    ZeroOneAdam,
     build_optimizer,
     check_client_optimizer,
     muon_param_groups,
@@ -41,8 +43,12 @@ def optimizer_recipe(
     force_cpu_optimizer = offload.offloads_optimizer and cfg.zero_force_ds_cpu_optimizer
 
     def shard_aware(built: torch.optim.Optimizer, norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
-        if isinstance(built, Lamb) and built.sharded_norms is None:
-            built.sharded_norms = norms  # a Lamb the client built learns the shards' parameter ranges
+        """An optimizer the client built learns what the ZeRO layer knows: a Lamb (and 1-bit LAMB) the shards'
+        parameter ranges, a stage-0 1-bit optimizer the compressed all-reduce it averages with."""
+        if isinstance(built, (Lamb, OneBitLamb)) and built.sharded_norms is None:
+            built.sharded_norms = norms
+        if isinstance(built, (OneBitLamb, ZeroOneAdam)) and built.all_reduce is None and norms is not None:
+            built.all_reduce = norms.compressed  # they average themselves (1-bit Adam's momentum is the stack's)
         return built
 
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -9,7 +9,7 @@ in ``docs/design.md``).
   averaged one.
 - :class:`OptimizerAveragedExchange`: 0/1 Adam and 1-bit LAMB, at stage 0 only. Exact while the optimizer asks for
   averaged gradients; otherwise each rank keeps its own and the optimizer averages what it needs through the
-  compressed all-reduce this exchange owns.
+  compressed all-reduce it was built with (``ShardedNorms.compressed``).
 
 The optimizer names its exchange (``gradient_exchange``: ``"exact"`` unless it says otherwise), so nothing in
 ``zero/`` asks which optimizer family it holds. The exchange owns the reduction mode, the whole-gradient holding
@@ -151,8 +151,11 @@ class OptimizerAveragedExchange(_Compressed):
                 "tensors on every rank); use stage 0, or OneBitAdam, which runs with ZeRO stages 0-3"
             )
         super().__init__(optimizer, flats, reducer, group_of_flat)
-        if flats:
-            optimizer.bind(comm.OneBitAllReduce(flats[0].shard_group))
+        if flats and flats[0].shard_group.size > 1 and optimizer.all_reduce is None:
+            raise NotImplementedError(
+                f"optimizer {type(optimizer).__name__} has no compressed all-reduce to average with: it gets one when "
+                "built over the master weights on the device (zero_optimization.offload_optimizer is not supported)"
+            )
 
 
 EXCHANGES = {"exact": ExactExchange, "momentum": MomentumExchange, "optimizer_averaged": OptimizerAveragedExchange}

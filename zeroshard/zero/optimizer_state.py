@@ -194,7 +194,16 @@ class DeviceState(OptimizerState):
             for key, flat in flat_of.items()
         }
         starts = {key: flat.layout.shard_range(flat.shard_rank)[0] for key, flat in flat_of.items()}
-        return ShardedNorms(segments, slot_id, reduce, matrices, starts, lambda t, v: flat_of[id(t)].whole_of(v))
+        whole = shard_group is None and self.flats and self.flats[0].shard_group.size > 1  # stage 0, several ranks
+        return ShardedNorms(
+            segments,
+            slot_id,
+            reduce,
+            matrices,
+            starts,
+            lambda t, v: flat_of[id(t)].whole_of(v),
+            compressed=comm.OneBitAllReduce(self.flats[0].shard_group) if whole else None,
+        )
 
     def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
         """One fused optimizer call over every master shard when the gradients are in the master dtype; one per
