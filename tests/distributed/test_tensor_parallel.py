@@ -202,7 +202,8 @@ def _tp_batches() -> torch.Tensor:
 
 
 def _tp_config(stage: int, tp: int, dtype: str = "fp32") -> dict:
-    """``dtype``: fp32, bf16, fp16 (dynamic loss scale), or offload (fp32 with the optimizer state on the host)."""
+    """``dtype``: fp32, bf16, fp16 (dynamic loss scale), offload (fp32 with the optimizer state on the host), or lamb
+    (fp32 with Lamb, whose trust ratios need each split matrix's whole norms)."""
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if dtype == "offload":
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -210,7 +211,7 @@ def _tp_config(stage: int, tp: int, dtype: str = "fp32") -> dict:
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (4 // tp),
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "optimizer": {"type": "Lamb" if dtype == "lamb" else "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "zero_optimization": zero,
         "bf16": {"enabled": dtype == "bf16"},
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
@@ -262,7 +263,12 @@ def _tp_reference(family: str, tp: int, dtype: str = "fp32") -> dict:
     model = _tp_model(family, tp)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation("sdpa")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    if dtype == "lamb":
+        from zeroshard.optim import Lamb
+
+        optimizer = Lamb(model.parameters(), lr=LR, weight_decay=0.01)  # one process: each parameter whole
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses, norms = [], []
     for batch in _tp_batches():
         halves = batch.chunk(4 // tp)  # the data-parallel ranks' batches: the engine averages their mean losses
@@ -277,6 +283,7 @@ def _tp_reference(family: str, tp: int, dtype: str = "fp32") -> dict:
 
 TP_CASES = [(family, tp, stage, "fp32") for family in FAMILIES for tp in TP_LAYOUTS for stage in TP_STAGES]
 TP_CASES += [("llama", 2, 2, "bf16"), ("qwen3", 2, 1, "fp16"), ("llama", 2, 3, "offload"), ("gpt2", 4, 2, "offload")]
+TP_CASES += [("llama", 2, stage, "lamb") for stage in TP_STAGES] + [("gpt2", 4, 3, "lamb")]
 
 
 @pytest.fixture(scope="module")
@@ -294,8 +301,8 @@ def test_tensor_parallel_inside_zero_matches_one_process(tp_runs, case):
     """Step-0 loss within 1e-6, gradient norms before clipping within 1e-5, parameters after 5 AdamW steps within
     1e-5 (bf16: 1e-2); the replicated parameters identical on every rank of a tensor-parallel group."""
     family, tp, stage, dtype = case
-    expected = _tp_reference(family, tp)
-    tol = 1e-5 if dtype in ("fp32", "offload") else 2e-2
+    expected = _tp_reference(family, tp, dtype)
+    tol = 1e-5 if dtype in ("fp32", "offload", "lamb") else 2e-2
     leaders = [tp_runs[d * tp][case] for d in range(4 // tp)]  # tensor-parallel rank 0 of each data-parallel rank
     mean_losses = [sum(r["losses"][i] for r in leaders) / len(leaders) for i in range(STEPS)]
     assert mean_losses[0] == pytest.approx(expected["losses"][0], rel=1e-6 if tol < 1e-4 else 1e-2)
@@ -438,8 +445,9 @@ def tp_refusals_worker() -> dict:
 
 
 def _optimizer_refusals(config, caught) -> dict:
-    """Optimizers that update a parameter from the whole matrix are refused under tensor parallelism (before:
-    Muon at TP=2 ended 4.7% away from one process, silently); an elementwise one (AdamW) is not."""
+    """Optimizers that update a parameter from the whole matrix and do not gather its pieces are refused under tensor
+    parallelism (before: Muon at TP=2 ended 4.7% away from one process, silently); an elementwise one (AdamW) is
+    not, nor is Lamb, which completes its norms over the tensor group (test_tensor_parallel_inside_zero_...)."""
     import zeroshard
     from zeroshard.testing.hf import tiny_causal_lm
 
@@ -455,7 +463,7 @@ def _optimizer_refusals(config, caught) -> dict:
     plain.pop("optimizer")
     return {
         "muon": refused(with_optimizer("Muon")),
-        "lamb": refused(with_optimizer("Lamb")),
+        "onebit_lamb": refused({**with_optimizer("OneBitLamb"), "zero_optimization": {"stage": 0}}),
         "torch_muon": refused(plain, lambda m: torch.optim.Muon([p for p in m.parameters() if p.dim() == 2])),
         "adamw": refused(with_optimizer("AdamW")),
     }
@@ -522,7 +530,7 @@ def test_tensor_parallel_refusals_and_the_legacy_order(tp_refusals):
 
 def test_whole_matrix_optimizers_are_refused_under_tensor_parallelism(tp_refusals):
     for out in tp_refusals:
-        for kind, name in (("muon", "MuonWithAuxAdam"), ("lamb", "Lamb"), ("torch_muon", "Muon")):
+        for kind, name in (("muon", "MuonWithAuxAdam"), ("onebit_lamb", "OneBitLamb"), ("torch_muon", "Muon")):
             assert f"optimizer {name} with tensor parallelism (tensor_parallel.autotp_size 2)" in out[kind], out[kind]
             assert "q_proj" in out[kind] and "use AdamW" in out[kind]
         assert out["adamw"] is None

@@ -91,12 +91,13 @@ def optimizer_recipe(
 
 def elementwise_only(make_optimizer: MakeOptimizer, model, tensor_sharded: frozenset, tp: int) -> MakeOptimizer:
     """Under tensor parallelism each rank holds a piece of every split matrix: an optimizer that needs the whole
-    parameter (Lamb's trust ratio, Muon's orthogonalization) would act on the piece and drift from one process
-    without a word (Muon at TP=2: 4.7% off torch.optim.Muon), so it is refused by name until it gathers them."""
+    parameter would act on the piece and drift from one process without a word (Muon at TP=2: 4.7% off
+    torch.optim.Muon). Lamb completes its per-parameter norms over the tensor group (``ShardedNorms``) and trains as
+    one process does; Muon's orthogonalization and 1-bit LAMB are refused by name until they gather the pieces."""
 
     def make(master_groups: list[dict], norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
         built = make_optimizer(master_groups, norms)
-        if isinstance(built, WHOLE_PARAMETER_OPTIMIZERS):
+        if isinstance(built, WHOLE_PARAMETER_OPTIMIZERS) and not isinstance(built, Lamb):
             split = [name for name, p in model.named_parameters() if p in tensor_sharded][:3]
             raise NotImplementedError(
                 f"optimizer {type(built).__name__} with tensor parallelism (tensor_parallel.autotp_size {tp}): it "

@@ -101,6 +101,7 @@ def build_zero_stack(
         placement.policy.master,
         placement.offload,
         get_accelerator().synchronize,
+        tensor=mesh.tensor,
     )
     for flat in flats:
         records.own(flat, state)

@@ -45,8 +45,10 @@ class OptimizerState:
         param_groups: list[dict],
         make_optimizer: MakeOptimizer,
         master_dtype: torch.dtype,
+        tensor: Optional[comm.Group] = None,
     ):
         self.flats = flats
+        self.tensor = tensor  # tensor parallelism: the group over which tensor-sharded flat groups hold pieces
         self.group_of_flat = group_of_flat
         self.master_dtype = master_dtype
         self._index = {id(flat): k for k, flat in enumerate(flats)}
@@ -187,7 +189,20 @@ class DeviceState(OptimizerState):
             slot_id += len(flat.layout.slots)
         partitioned = [flat.shard_group for flat in self.flats if flat.partitioned]
         shard_group = partitioned[0] if partitioned else None
-        reduce = (lambda t: comm.all_reduce(t, shard_group)) if shard_group is not None else (lambda t: None)
+        split = torch.tensor([flat.layout.tensor_sharded for flat in self.flats for _ in flat.layout.slots])
+        pieces = self.tensor if self.tensor is not None and self.tensor.size > 1 and bool(split.any()) else None
+
+        def reduce(squares: torch.Tensor) -> None:
+            """Per-parameter sums of squares ([rows, slots]) made whole: over the shard group, then the pieces of
+            tensor-parallel parameters over the tensor group (the replicated ones are whole on every rank there)."""
+            if shard_group is not None:
+                comm.all_reduce(squares, shard_group)
+            if pieces is not None:
+                mask = split.to(squares.device)
+                summed = squares[:, mask].contiguous()
+                comm.all_reduce(summed, pieces)
+                squares[:, mask] = summed
+
         flat_of = {id(sub.param): self.flats[sub.flat_index] for sub in self.subgroups}
         matrices = {
             key: [(slot.offset, slot.numel, tuple(slot.shape)) for slot in flat.layout.slots]
@@ -332,16 +347,22 @@ def build_optimizer_state(
     master_dtype: torch.dtype,
     offload: OffloadPlan,
     synchronize: Callable[[], None],
+    tensor: Optional[comm.Group] = None,
 ) -> OptimizerState:
-    """The optimizer state in the home ``offload_optimizer`` names."""
+    """The optimizer state in the home ``offload_optimizer`` names (``tensor``: the tensor-parallel group, over which
+    whole-parameter optimizers complete the norms of split parameters)."""
     args = (flats, group_of_flat, param_groups, make_optimizer)
     if offload.optimizer_device == "nvme":
-        return NvmeState(*args, master_dtype=master_dtype, offload=offload, synchronize=synchronize)
+        return NvmeState(*args, master_dtype=master_dtype, offload=offload, synchronize=synchronize, tensor=tensor)
     if offload.optimizer_device == "cpu":
         return HostState(
-            *args, master_dtype=master_dtype, sub_group_size=offload.sub_group_size, pin_memory=offload.pin_memory
+            *args,
+            master_dtype=master_dtype,
+            sub_group_size=offload.sub_group_size,
+            pin_memory=offload.pin_memory,
+            tensor=tensor,
         )
-    return DeviceState(*args, master_dtype=master_dtype)
+    return DeviceState(*args, master_dtype=master_dtype, tensor=tensor)
 
 
 def _copy(value):
