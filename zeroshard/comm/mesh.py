@@ -67,16 +67,23 @@ class ParallelDims:
 
     @classmethod
     def for_world(
-        cls, world_size: int, *, tp: int = 1, sp: int = 1, shard_group_size: Optional[int] = None
+        cls,
+        world_size: int,
+        *,
+        tp: int = 1,
+        sp: int = 1,
+        shard_group_size: Optional[int] = None,
+        tp_key: str = "tensor_parallel.autotp_size",
     ) -> ParallelDims:
         """The dimensions of ``world_size`` ranks from the config's sizes (``tensor_parallel.autotp_size``,
         ``sequence_parallel_size``, and ZeRO's shard group size, ``zero_hpz_partition_size`` / ``mics_shard_size``:
-        the data x sequence ranks otherwise). Each mismatch is an error naming its key."""
-        for key, size in (("tensor_parallel.autotp_size", tp), ("sequence_parallel_size", sp)):
+        the data x sequence ranks otherwise). Each mismatch is an error naming its key (``tp_key``: inference's
+        ``tensor_parallel.tp_size``)."""
+        for key, size in ((tp_key, tp), ("sequence_parallel_size", sp)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
                 raise ValueError(
                     f"{key} {size} must divide the number of ranks {world_size}: launch with a multiple of {size} "
-                    "processes"
+                    f"processes (e.g. zeroshard --num_gpus {size} ...)"
                 )
         if world_size % (tp * sp):
             raise ValueError(
@@ -220,5 +227,5 @@ def destroy_mesh(mesh: Mesh) -> None:
 def tensor_parallel_group(tp_size: int) -> Group:
     """This rank's tensor-parallel group of ``tp_size`` consecutive ranks, and no other group (a collective call;
     inference and ``tp_model_init``)."""
-    dims = ParallelDims.for_world(get_world_size(), tp=tp_size)
+    dims = ParallelDims.for_world(get_world_size(), tp=tp_size, tp_key="tensor_parallel.tp_size")
     return build_groups(dims, ("tensor",), DEFAULT_CONTEXT)["tensor"]
