@@ -7,9 +7,9 @@ Vocabulary used throughout the code:
 - *flat group*: a bucket of parameters packed back to back in one buffer, padded so the ranks of a
   shard group own equal contiguous slices (:mod:`zeroshard.zero.flat_group`).
 - *shard*: one rank's slice of a flat group; for that slice the rank keeps the fp32 master weights and
-  the optimizer state (:mod:`zeroshard.zero.optimizer_state`) and the fp32 reduced gradients
+  the optimizer state (:mod:`zeroshard.zero.optimizer_state`) and the reduced gradients
   (:mod:`zeroshard.zero.reducer`).
-- *shard group* / *replica group*: rows and columns of the rank grid (:mod:`zeroshard.comm.groups`):
+- *shard group* / *replica group*: named groups of the mesh of parallel dimensions (:mod:`zeroshard.comm.mesh`):
   ranks that split the state, and ranks that hold the same shard.
 - *micro-step* / *boundary*: one ``backward`` per micro-batch; the optimizer runs at the
   gradient-accumulation boundary.
