@@ -129,12 +129,19 @@ class ParallelDims:
     def rank_at(self, rank: int, **coordinates: int) -> int:
         """The rank whose coordinates are ``rank``'s with ``coordinates`` (dimension -> index) put in, e.g. the
         rank holding tensor-parallel piece 1 of what ``rank`` holds piece 0 of: ``rank_at(rank, tp=1)``."""
-        index = list(torch.unravel_index(torch.tensor(rank), [getattr(self, name) for name in ORDER]))
-        for name, value in coordinates.items():
-            if name not in ORDER or not 0 <= value < getattr(self, name):
-                raise ValueError(f"coordinate {name}={value} is outside the mesh {self}")
-            index[ORDER.index(name)] = torch.tensor(value)
-        return int(torch.arange(self.world_size).view([getattr(self, n) for n in ORDER])[tuple(index)])
+        moved, stride = rank, 1
+        for name in reversed(ORDER):  # innermost first: a dimension's index is (rank // stride) % size
+            size = getattr(self, name)
+            if name in coordinates:
+                value = coordinates[name]
+                if not 0 <= value < size:
+                    raise ValueError(f"coordinate {name}={value} is outside the mesh {self}")
+                moved += (value - (rank // stride) % size) * stride
+            stride *= size
+        unknown = set(coordinates) - set(ORDER)
+        if unknown:
+            raise ValueError(f"coordinate(s) {sorted(unknown)} are not dimensions of the mesh {self}")
+        return moved
 
     def derived(self, name: str) -> list[list[int]]:
         """The groups of one derived name (:data:`DERIVED`)."""

@@ -35,6 +35,8 @@ ReadExpAvg = Callable[[int], Optional[torch.Tensor]]  # flat group index -> its 
 class ExactExchange:
     """Every gradient reduced exactly (see the module)."""
 
+    describe = "exact"  # what the compressed phase does, for the line that announces it
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -65,8 +67,6 @@ class ExactExchange:
                     f"{type(self.optimizer).__name__}: exact warm-up done after {self.optimizer.steps_taken()} "
                     f"updates; from global step {self.compressed_from}: {self.describe}"
                 )
-
-    describe = "exact"
 
     def _exact_next(self) -> bool:
         return True
