@@ -103,10 +103,6 @@ def build_zero_stack(
         get_accelerator().synchronize,
         tensor=mesh.tensor,
     )
-    for flat in flats:
-        records.own(flat, state)
-    for flat in frozen:
-        records.own(flat, None)  # its compute-precision shard is its only copy
     codec = QuantizedComm.from_config(z).gradient_codec
     buckets = _gradient_buckets(flats, mesh, placement, state.device, stage, buffers, codec)
     stage3 = _stage3_runtime(model, plan, buckets, frozen, buffers, z, placement.offload) if plan.units else None

@@ -87,6 +87,7 @@ class FlatGroup:
         if shard_home is not None and not resident:
             self.home = shard_home(self.shard)
             self.shard = None
+        records.place(self)
 
     # -- parameter lifecycle (stage 3) ---------------------------------------------------------
     @property

@@ -48,6 +48,8 @@ class OptimizerState:
         tensor: Optional[comm.Group] = None,
     ):
         self.flats = flats
+        for flat in flats:
+            flat.records.keep(flat, self)
         self.tensor = tensor  # tensor parallelism: the group over which tensor-sharded flat groups hold pieces
         self.group_of_flat = group_of_flat
         self.master_dtype = master_dtype

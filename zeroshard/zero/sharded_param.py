@@ -179,12 +179,13 @@ class ParamRecords:
     built under zero.Init and not materialized yet); it is keyed by id, read on every torch call on the
     parameter, and each entry is dropped when its parameter is collected. The flat group holding a parameter,
     the object keeping its master weights (``keeper``: ``overwrite(flat, values)``) and its zero.Init recipe
-    are kept in weak, identity-keyed maps."""
+    are kept in weak, identity-keyed maps, each written by the object it names when that object is built."""
 
     def __init__(self):
         self.no_data: dict[int, tuple[str, torch.Size, str]] = {}
         self._finalizers: dict[int, weakref.finalize] = {}
-        self._flats = WeakIdKeyDictionary()  # param -> (flat group, keeper)
+        self._flats = WeakIdKeyDictionary()  # param -> its flat group
+        self._keepers = WeakIdKeyDictionary()  # flat group -> the object keeping its master weights
         self._pending = WeakIdKeyDictionary()  # param -> InitRecipe
         self.param_class = type(
             "ZeroParameter", (ZeroParameter,), {"_records": self, "__module__": ZeroParameter.__module__}
@@ -246,30 +247,35 @@ class ParamRecords:
             return param.shape
 
     # -- flat groups ---------------------------------------------------------------------------
-    def own(self, flat, keeper) -> None:
-        """Record the flat group holding each of ``flat.params`` and the object keeping their master weights."""
+    def place(self, flat) -> None:
+        """Record that ``flat`` holds each of ``flat.params`` (the flat group calls this when it is built)."""
         for param in flat.params:
-            self._flats[param] = (flat, keeper)
+            self._flats[param] = flat
+
+    def keep(self, flat, keeper) -> None:
+        """Record ``keeper`` as the object keeping ``flat``'s master weights (the optimizer state calls this when
+        it is built; a frozen flat group has none: its compute-precision shard is its only copy)."""
+        self._keepers[flat] = keeper
 
     def flat_of(self, param: torch.nn.Parameter):
-        """(flat group, keeper) of a parameter, or None when it is in no flat group (frozen, not yet sharded)."""
-        return self._flats.get(param)
+        """(flat group, keeper) of a parameter, or None when it is in no flat group (not yet sharded); the keeper is
+        None for a frozen flat group."""
+        flat = self._flats.get(param)
+        return None if flat is None else (flat, self._keepers.get(flat))
 
     def partition_numel(self, param: torch.nn.Parameter) -> int:
         """Elements of this parameter inside this rank's shard of its flat group (all of them when not sharded)."""
-        owned = self._flats.get(param)
-        if owned is None or not owned[0].partitioned:
+        flat = self._flats.get(param)
+        if flat is None or not flat.partitioned:
             return self.full_shape(param).numel()
-        flat = owned[0]
         slot = flat.layout.slots[next(i for i, p in enumerate(flat.params) if p is param)]
         return sum(s.numel for s in flat.layout.segments(flat.shard_rank) if s.slot == slot)
 
     def partition_values(self, param: torch.nn.Parameter) -> torch.Tensor:
         """A copy of this rank's piece of the parameter's compute values (1-D, ``partition_numel`` elements)."""
-        owned = self._flats.get(param)
-        if owned is None:
+        flat = self._flats.get(param)
+        if flat is None:
             raise ValueError("ds_tensor: the parameter belongs to no flat group yet (initialize shards it)")
-        flat = owned[0]
         slot = flat.layout.slots[next(i for i, p in enumerate(flat.params) if p is param)]
         shard = flat.shard_values()
         pieces = [shard[s.shard_start : s.shard_start + s.numel] for s in flat.layout.segments(flat.shard_rank)
