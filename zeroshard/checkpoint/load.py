@@ -223,11 +223,13 @@ def _module_tensor(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]
 
 class _PieceReader:
     """Elements [start, stop) of this rank's piece of a saved parameter, flattened. A parameter saved and loaded at
-    the same tensor-parallel degree (or replicated in both runs) is read straight from the pieces that overlap;
-    otherwise the whole saved parameter is joined and this rank's piece cut from it (kept for the next segment)."""
+    the same tensor- (expert-) parallel degree (or replicated in both runs) is read straight from the pieces that
+    overlap; otherwise the whole saved parameter is joined and this rank's piece cut from it (kept for the next
+    segment)."""
 
     def __init__(self, sources: Sources, state: TrainingState):
-        self.sources, self.splits, self.tensor = sources, state.tensor_splits, state.mesh.tensor
+        self.sources, self.splits = sources, state.tensor_splits
+        self.piece_index = {"tp": state.mesh.tensor.rank, "ep": state.mesh.expert.rank}  # this rank's, per axis
         self._cached: tuple[Optional[tuple[str, str]], Optional[torch.Tensor]] = (None, None)
         self._parsed: dict[str, tuple] = {}  # name -> (pieces, their dtype, saved split): read once per parameter
 
@@ -242,12 +244,14 @@ class _PieceReader:
         pieces, dtype, saved = self._entry(name)
         entry, mine = self.sources.manifest["params"][name], self.splits.get(name)
         if saved == mine:  # both whole, or cut alike over as many ranks: this rank's piece is saved as it is
-            shift = 0 if mine is None else self.tensor.rank * (torch.Size(entry["shape"]).numel() // mine.parts)
+            shift = (
+                0 if mine is None else self.piece_index[mine.axis] * (torch.Size(entry["shape"]).numel() // mine.parts)
+            )
             assemble(self.sources, pieces, prefix, dtype, shift + start, shift + stop, out)
             return
         if self._cached[0] != (name, prefix):
             whole = read_parameter(self.sources, name, prefix)
-            piece = mine.piece(whole, self.tensor.rank) if mine is not None else whole
+            piece = mine.piece(whole, self.piece_index[mine.axis]) if mine is not None else whole
             self._cached = ((name, prefix), piece.reshape(-1).clone())
         out.copy_(self._cached[1][start:stop])
 
@@ -371,11 +375,12 @@ def _load_training_state(
 def _compression_state(state: TrainingState, manifest: dict, sources: Sources) -> dict[str, torch.Tensor]:
     """This rank's saved 1-bit compression state, when the checkpoint was saved at this layout (the same ranks in the
     same shard groups: each rank's errors are its own); {} otherwise."""
-    same = (manifest["world_size"], manifest["shard_group_size"], manifest.get("tensor_parallel_size", 1)) == (
-        state.mesh.world.size,
-        state.mesh.shard.size,
-        state.mesh.tensor.size,
-    )
+    same = (
+        manifest["world_size"],
+        manifest["shard_group_size"],
+        manifest.get("tensor_parallel_size", 1),
+        manifest.get("expert_parallel_size", 1),
+    ) == (state.mesh.world.size, state.mesh.shard.size, state.mesh.tensor.size, state.mesh.expert.size)
     if not same or "imported_from" in manifest:
         return {}
     file = rank_file(comm.get_rank())

@@ -125,6 +125,7 @@ class Manifest(_Loose):
     tag: str
     world_size: conint(ge=1, strict=True)
     tensor_parallel_size: conint(ge=1, strict=True) = 1
+    expert_parallel_size: conint(ge=1, strict=True) = 1
     stage: conint(ge=0, le=3, strict=True)
     shard_group_size: conint(ge=1, strict=True)
     counters: Counters
@@ -183,9 +184,10 @@ def validate(data: Any, where: str) -> dict:
     for name, entry in manifest.params.items():
         if entry.dtype not in _TORCH_DTYPES:
             raise CheckpointError(f"{where}: parameter '{name}' has unknown dtype {entry.dtype!r}")
-        _check_split(name, entry, manifest.tensor_parallel_size, where)
+        sizes = {"tp": manifest.tensor_parallel_size, "ep": manifest.expert_parallel_size}
+        _check_split(name, entry, sizes, where)
         _check_pieces(name, entry, manifest.files, where)
-        _check_tensor_ranks(name, entry, manifest.tensor_parallel_size, where)
+        _check_piece_ranks(name, entry, sizes, where)
     _check_disjoint(manifest.params, where)
     for reference in _client_references(manifest.client_state):
         if reference not in manifest.client_tensors:
@@ -220,28 +222,38 @@ def _is_python_rng_state(state: list) -> bool:
     )
 
 
+AXIS_NAMES = {"tp": ("tensor", "tensor_parallel_size"), "ep": ("expert", "expert_parallel_size")}
+
+
 def saved_split(entry: dict) -> Optional[TensorSplit]:
-    """How a saved parameter was cut over tensor-parallel ranks (None: saved whole)."""
+    """How a saved parameter was cut over tensor- or expert-parallel ranks (None: saved whole)."""
     return TensorSplit.from_record(entry["split"]) if entry.get("split") is not None else None
 
 
-def _check_split(name: str, entry: ParamEntry, tensor_parallel_size: int, where: str) -> None:
+def _check_split(name: str, entry: ParamEntry, sizes: dict[str, int], where: str) -> None:
+    """A split record is one the run could have written: its axis was in use (``sizes``: the saved degree per
+    axis), it cuts over that many ranks, evenly, and a tensor of experts is cut along its expert dimension only."""
     if entry.split is None:
         return
-    if tensor_parallel_size == 1:
-        raise CheckpointError(
-            f"{where}: field 'params.{name}.split' in a checkpoint saved without tensor parallelism "
-            "(tensor_parallel_size 1)"
-        )
     try:
         split = TensorSplit.from_record(entry.split)
         split.check(tuple(entry.shape), f"parameter '{name}'")
     except ValueError as err:
         raise CheckpointError(f"{where}: field 'params.{name}.split': {err}") from None
-    if split.parts != tensor_parallel_size:
+    what, key = AXIS_NAMES[split.axis]
+    if sizes[split.axis] == 1:
+        raise CheckpointError(
+            f"{where}: field 'params.{name}.split' in a checkpoint saved without {what} parallelism ({key} 1)"
+        )
+    if split.parts != sizes[split.axis]:
         raise CheckpointError(
             f"{where}: field 'params.{name}.split' cuts over {split.parts} ranks, the checkpoint was saved by "
-            f"{tensor_parallel_size} tensor-parallel ranks"
+            f"{sizes[split.axis]} {what}-parallel ranks"
+        )
+    if split.axis == "ep" and (split.dim, split.fused, split.transposed) != (0, 1, False):
+        raise CheckpointError(
+            f"{where}: field 'params.{name}.split' cuts experts along dim {split.dim} (fused {split.fused}, "
+            f"transposed {split.transposed}); experts are cut along dim 0 only"
         )
 
 
@@ -279,22 +291,27 @@ def _client_references(value: Any) -> list:
     return []
 
 
-def _check_tensor_ranks(name: str, entry: ParamEntry, tensor_parallel_size: int, where: str) -> None:
-    """A split parameter's pieces cover every tensor-parallel rank's piece in rank order; each must come from a
-    file of the rank whose piece it covers (tensor rank = global rank mod the degree, ``comm.ParallelDims``),
-    so pieces moved between the ranks' files are refused even with the checksum recomputed."""
-    if entry.split is None or tensor_parallel_size == 1:
+def _check_piece_ranks(name: str, entry: ParamEntry, sizes: dict[str, int], where: str) -> None:
+    """A split parameter's pieces cover every tensor- (expert-) parallel rank's piece in rank order; each must come
+    from a file of the rank whose piece it covers (the piece index = global rank mod the degree: tensor parallelism
+    is the mesh's innermost dimension, and expert parallelism runs without tensor or sequence parallelism,
+    ``comm.ParallelDims``), so pieces moved between the ranks' files are refused even with the checksum
+    recomputed."""
+    if entry.split is None:
         return
+    axis = entry.split.get("axis", "tp")
+    size = sizes[axis]
+    what = AXIS_NAMES[axis][0]
     per = 1
     for dim in entry.shape:
         per *= dim
-    per //= tensor_parallel_size
+    per //= size
     for i, (file, _, _, param_offset, count) in enumerate(entry.pieces):
-        writer = int(file[4:9]) % tensor_parallel_size
+        writer = int(file[4:9]) % size
         if param_offset // per != writer or (param_offset + count - 1) // per != writer:
             raise CheckpointError(
-                f"{where}: params.{name}.pieces[{i}] covers tensor-parallel rank {param_offset // per}'s piece but "
-                f"lies in {file}, written by tensor-parallel rank {writer}: pieces moved between ranks"
+                f"{where}: params.{name}.pieces[{i}] covers {what}-parallel rank {param_offset // per}'s piece but "
+                f"lies in {file}, written by {what}-parallel rank {writer}: pieces moved between ranks"
             )
 
 

@@ -42,20 +42,23 @@ def _scalar(value: Any) -> dict:
 
 
 def _writes_flat(state: TrainingState, flat) -> bool:
-    """One copy of each shard: replica 0 of a sharded group, data-parallel rank 0 of a replicated one; of a flat group
-    replicated over the tensor-parallel group, tensor-parallel rank 0's only."""
-    if state.mesh.tensor.rank > 0 and not flat.layout.tensor_sharded:
+    """One copy of each shard: replica 0 of a sharded group, the first rank of the group holding a replicated one
+    (the data-parallel ranks; for experts, the ranks holding the same experts); of a flat group replicated over the
+    tensor-parallel group, tensor-parallel rank 0's only."""
+    if state.mesh.tensor.rank > 0 and flat.layout.split_axis != "tp":
         return False
     if flat.partitioned:
         return state.mesh.replica.rank == 0 if state.mesh.replica.size > 1 else True
-    return state.mesh.gradient.rank == 0
+    return flat.shard_group.rank == 0
 
 
-def _writer_files(flat, dims: comm.ParallelDims, tensor_rank: int = 0) -> list[str]:
-    """The files holding the shards of ``flat`` as tensor-parallel rank ``tensor_rank`` laid it out (rank 0 writes
-    the manifest from its own layouts: the mesh says which ranks hold the same shards of the other pieces)."""
+def _writer_files(flat, dims: comm.ParallelDims, piece: int = 0) -> list[str]:
+    """The files holding the shards of ``flat`` as the rank holding piece ``piece`` of its split axis laid it out
+    (rank 0 writes the manifest from its own layouts: the mesh says which ranks hold the same shards of the other
+    pieces)."""
     writers = flat.shard_group.ranks if flat.partitioned else (comm.get_rank(),)  # replica 0's group: rank 0's
-    return [rank_file(dims.rank_at(r, tp=tensor_rank)) for r in writers]
+    axis = flat.layout.split_axis
+    return [rank_file(dims.rank_at(r, **{axis: piece}) if axis else r) for r in writers]
 
 
 def outside_tensors(state: TrainingState, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
@@ -110,7 +113,8 @@ def save(
     pieces_outside = sorted(set(state.tensor_splits) & {name.removeprefix("module.") for name in outside})
     if pieces_outside:  # every rank has the same model: all refuse, before anything is written
         raise NotImplementedError(
-            f"save_checkpoint: frozen tensor-parallel parameters outside ZeRO's flat groups ({pieces_outside[:4]}) "
+            f"save_checkpoint: frozen tensor- or expert-parallel parameters outside ZeRO's flat groups "
+            f"({pieces_outside[:4]}) "
             "are not saved yet; use ZeRO stage 3 (it shards frozen parameters too) or "
             "exclude_frozen_parameters=True"
         )
@@ -203,17 +207,18 @@ def _collect_sidecars(tmp: str, world_size: int) -> tuple[dict, dict]:
 def _sharded_entries(state: TrainingState, flats: list, frozen: list) -> tuple[dict[str, dict], list[dict]]:
     """Where each parameter's pieces are (world-size independent: FQN, shape, pieces) and each flat group's
     optimizer state keys and scalars. Frozen flat groups (stage 3) are saved like master shards, as ``ff<j>``. A
-    tensor-parallel parameter is described whole: its ``split``, and pieces covering every tensor-parallel rank's
-    piece in rank order."""
+    tensor-parallel parameter (or a tensor of experts) is described whole: its ``split``, and pieces covering every
+    tensor-parallel (expert-parallel) rank's piece in rank order."""
     zero, dims = state.optimizer, state.mesh.dims
     params: dict[str, dict] = {}
     flat_groups = []
     keyed = [(f"fg{k}", flat) for k, flat in enumerate(flats)]
     for key, flat in keyed + [(f"ff{j}", flat) for j, flat in enumerate(frozen)]:
         numels = {slot.name: slot.numel for slot in flat.layout.slots}
-        for tensor_rank in range(dims.tp if flat.layout.tensor_sharded else 1):
-            for name, plist in pieces_for(flat.layout, key, _writer_files(flat, dims, tensor_rank)).items():
-                shift = tensor_rank * numels[name]
+        axis = flat.layout.split_axis
+        for piece in range(getattr(dims, axis) if axis else 1):
+            for name, plist in pieces_for(flat.layout, key, _writer_files(flat, dims, piece)).items():
+                shift = piece * numels[name]
                 shifted = [dataclasses.replace(p, param_offset=p.param_offset + shift) for p in plist]
                 params.setdefault(name, {"pieces": []})["pieces"] += [p.to_json() for p in shifted]
         for slot, param in zip(flat.layout.slots, flat.params):
@@ -261,6 +266,7 @@ def _manifest(
         "tag": tag,
         "world_size": state.mesh.world.size,
         "tensor_parallel_size": state.mesh.tensor.size,
+        "expert_parallel_size": state.mesh.expert.size,
         "stage": state.config.zero_optimization.stage,
         "shard_group_size": state.mesh.shard.size,
         "counters": dataclasses.asdict(state.counters),

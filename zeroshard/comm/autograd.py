@@ -15,6 +15,9 @@ splits one dimension over the ranks and joins another (its backward is the same 
 slot (as ``torch.distributed.nn.functional.all_gather``: a loss every rank computes from the gathered values sends
 each rank's value the sum of their gradients).
 
+Expert parallelism sends each token to the ranks holding its experts: :func:`all_to_all_rows_in_group` exchanges
+rows in counts that differ per rank pair (its backward is the same exchange with the counts swapped).
+
 Every collective goes through :mod:`zeroshard.comm.collectives`, so the ledger counts tensor-parallel bytes like
 any others. With one rank in the group each is the identity.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .collectives import all_gather, all_reduce, all_to_all
+from .collectives import all_gather, all_reduce, all_to_all, all_to_all_uneven
 from .groups import Group
 
 
@@ -91,6 +94,23 @@ def _exchange(x: torch.Tensor, group: Group, split_dim: int, join_dim: int) -> t
     return torch.cat(received.unbind(0), dim=join_dim)
 
 
+class _AllToAllUneven(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return _exchange_rows(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange_rows(grad, ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
+
+
+def _exchange_rows(x: torch.Tensor, group: Group, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    received = x.new_empty((sum(output_splits), *x.shape[1:]))
+    all_to_all_uneven(received, x.contiguous(), output_splits, input_splits, group)
+    return received
+
+
 class _GatherInGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -125,6 +145,17 @@ def all_to_all_in_group(x: torch.Tensor, group: Group, split_dim: int, join_dim:
     """Split ``x`` along ``split_dim`` over the group's ranks and join what arrives along ``join_dim`` (Ulysses:
     sequence pieces with all heads in, the whole sequence with a slice of the heads out); backward exchanges back."""
     return x if group.size == 1 else _AllToAll.apply(x, group, split_dim, join_dim)
+
+
+def all_to_all_rows_in_group(
+    x: torch.Tensor, group: Group, output_splits: list[int], input_splits: list[int]
+) -> torch.Tensor:
+    """Send ``input_splits[j]`` consecutive rows of ``x`` to the group's j-th rank and receive ``output_splits[j]``
+    from it (any counts, 0 included; every rank's counts must mirror its peers'): an expert layer's token dispatch.
+    Backward sends each row's gradient back where the row came from."""
+    if group.size == 1:
+        return x
+    return _AllToAllUneven.apply(x, group, list(output_splits), list(input_splits))
 
 
 def gather_in_group(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -297,6 +297,32 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     )
 
 
+def all_to_all_uneven(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: Group,
+    async_op: bool = False,
+) -> Pending:
+    """Chunks of dim 0 of any sizes: the ``input_splits[j]`` rows after the first ``sum(input_splits[:j])`` go to the
+    group's j-th rank, and ``output_splits[j]`` rows arrive from it, in rank order (a count may be 0). The wire
+    counts the rows this rank sends to other ranks."""
+    if group.size == 1:
+        output.copy_(input)
+        return _skip("all_to_all", group)
+    rows = sum(input_splits)
+    sent = rows - input_splits[group.rank]
+    return _issue(
+        "all_to_all",
+        group,
+        input,
+        sent / rows if rows else 0.0,
+        lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group.handle, async_op=True),
+        async_op,
+    )
+
+
 def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]], dst: int, group: Group) -> Pending:
     """Every rank's ``tensor`` into ``gather_list`` on global rank ``dst`` (``None`` elsewhere)."""
     if group.size == 1:

@@ -17,7 +17,17 @@ set of dimensions, named once here (:data:`DERIVED`):
   (``train_batch_size = micro x accumulation x batch``);
 - ``gradient`` (dp_replicate x dp_shard x sp): every rank whose gradients sum into one update (all but tensor).
 
-Expert (``ep``) and pipeline (``pp``) parallelism have their fields; a size above 1 is refused until they land.
+Expert parallelism splits the sharded data dimension: ``dp_shard`` ranks are ``edp`` (``dp_shard / ep``) groups of
+``ep`` consecutive ranks (DeepSpeed's layout: expert groups of consecutive ranks, expert-data groups ``ep`` apart).
+The ``ep`` ranks of one expert group hold different experts and exchange tokens; they still see different samples,
+so ``batch`` and ``shard`` keep every data rank. The groups of expert parameters:
+
+- ``expert`` (ep): the ranks that split the experts between them and exchange tokens;
+- ``expert_shard`` (edp x sp): ZeRO's shard group of expert parameters, the ranks holding the same experts;
+- ``expert_gradient`` (dp_replicate x edp x sp): every rank whose expert gradients sum into one update (the sum is
+  divided by the whole data-parallel size, as dense gradients are, so an expert's update does not depend on ``ep``).
+
+Pipeline parallelism (``pp``) has its field; a size above 1 is refused until it lands.
 """
 
 from __future__ import annotations
@@ -33,7 +43,8 @@ from .backend import get_rank, get_world_size
 from .context import DEFAULT_CONTEXT, CommContext
 from .groups import Group
 
-ORDER = ("pp", "dp_replicate", "dp_shard", "sp", "tp")  # outermost to innermost
+ORDER = ("pp", "dp_replicate", "edp", "ep", "sp", "tp")  # outermost to innermost; dp_shard is edp x ep
+COMPOSITE = {"dp_shard": ("edp", "ep")}
 DERIVED = {
     "tensor": ("tp",),
     "sequence": ("sp",),
@@ -41,13 +52,16 @@ DERIVED = {
     "replica": ("dp_replicate",),
     "batch": ("dp_replicate", "dp_shard"),
     "gradient": ("dp_replicate", "dp_shard", "sp"),
+    "expert": ("ep",),
+    "expert_shard": ("edp", "sp"),
+    "expert_gradient": ("dp_replicate", "edp", "sp"),
 }
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The size of every parallel dimension; their product is the world. Pure: every rule about which ranks group
-    together lives here and is testable without processes."""
+    """The size of every parallel dimension; their product (``ep`` inside ``dp_shard``) is the world. Pure: every
+    rule about which ranks group together lives here and is testable without processes."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -61,9 +75,23 @@ class ParallelDims:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel dimension {name} must be a positive int, got {value!r}")
-        for name, what in (("ep", "expert"), ("pp", "pipeline")):
-            if getattr(self, name) > 1:
-                raise ValueError(f"{what} parallelism ({name}={getattr(self, name)}) is not available yet")
+        if self.pp > 1:
+            raise ValueError(f"pipeline parallelism (pp={self.pp}) is not available yet")
+        if self.dp_shard % self.ep:
+            raise ValueError(
+                f"expert parallelism ep={self.ep} must divide the sharded data-parallel size dp_shard={self.dp_shard}: "
+                "expert groups are made of data-parallel ranks"
+            )
+        if self.ep > 1 and (self.tp > 1 or self.sp > 1):
+            raise ValueError(
+                f"expert parallelism (ep={self.ep}) with tensor (tp={self.tp}) or sequence (sp={self.sp}) "
+                "parallelism is not available yet"
+            )
+
+    @property
+    def edp(self) -> int:
+        """The expert-data-parallel part of ``dp_shard``: how many expert groups a shard group holds."""
+        return self.dp_shard // self.ep
 
     @classmethod
     def for_world(
@@ -73,12 +101,14 @@ class ParallelDims:
         tp: int = 1,
         sp: int = 1,
         shard_group_size: Optional[int] = None,
+        ep: int = 1,
         tp_key: str = "tensor_parallel.autotp_size",
+        ep_key: str = "expert_parallel.autoep_size",
     ) -> ParallelDims:
         """The dimensions of ``world_size`` ranks from the config's sizes (``tensor_parallel.autotp_size``,
         ``sequence_parallel_size``, and ZeRO's shard group size, ``zero_hpz_partition_size`` / ``mics_shard_size``:
-        the data x sequence ranks otherwise). Each mismatch is an error naming its key (``tp_key``: inference's
-        ``tensor_parallel.tp_size``)."""
+        the data x sequence ranks otherwise) and the expert-parallel size (``ep_key``: what set it). Each mismatch
+        is an error naming its key (``tp_key``: inference's ``tensor_parallel.tp_size``)."""
         for key, size in ((tp_key, tp), ("sequence_parallel_size", sp)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
                 raise ValueError(
@@ -102,11 +132,32 @@ class ParallelDims:
                 f"shard group size {shard} (zero_hpz_partition_size / mics_shard_size) must be a multiple of "
                 f"sequence_parallel_size {sp}: ZeRO shards over whole sequence-parallel groups"
             )
-        return cls(dp_replicate=data_and_sequence // shard, dp_shard=shard // sp, sp=sp, tp=tp)
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or (shard // sp) % ep:
+            raise ValueError(
+                f"{ep_key} {ep} must divide the {shard // sp} data-parallel ranks of a shard group: expert groups "
+                f"are made of data-parallel ranks (launch a multiple of {ep} processes)"
+            )
+        if ep > 1 and (tp > 1 or sp > 1 or shard != data_and_sequence):
+            raise ValueError(
+                f"{ep_key} {ep} with tensor parallelism, sequence parallelism or hybrid sharding "
+                "(zero_hpz_partition_size / mics_shard_size) is not available yet"
+            )
+        return cls(dp_replicate=data_and_sequence // shard, dp_shard=shard // sp, sp=sp, tp=tp, ep=ep)
 
     @property
     def world_size(self) -> int:
-        return math.prod(getattr(self, name) for name in ORDER)
+        return math.prod(self._size(name) for name in ORDER)
+
+    def _size(self, name: str) -> int:
+        return self.edp if name == "edp" else getattr(self, name)
+
+    @staticmethod
+    def _expand(dims) -> set[str]:
+        """``dims`` in the mesh's own dimensions (``dp_shard`` is ``edp`` x ``ep``)."""
+        unknown = set(dims) - set(ORDER) - set(COMPOSITE)
+        if unknown:
+            raise ValueError(f"unknown parallel dimension(s) {sorted(unknown)}; the mesh has {list(ORDER)}")
+        return {part for name in dims for part in COMPOSITE.get(name, (name,))}
 
     @property
     def data_parallel_size(self) -> int:
@@ -116,10 +167,8 @@ class ParallelDims:
     def groups(self, dims: tuple[str, ...]) -> list[list[int]]:
         """The world cut into groups of the ranks that differ only along ``dims`` (each list one group, its ranks in
         order). Every rank is in exactly one group."""
-        unknown = set(dims) - set(ORDER)
-        if unknown:
-            raise ValueError(f"unknown parallel dimension(s) {sorted(unknown)}; the mesh has {list(ORDER)}")
-        shape = [getattr(self, name) for name in ORDER]
+        dims = self._expand(dims)
+        shape = [self._size(name) for name in ORDER]
         grid = torch.arange(self.world_size).view(shape)
         inner = [ORDER.index(name) for name in ORDER if name in dims]
         outer = [i for i in range(len(ORDER)) if i not in inner]
@@ -129,18 +178,21 @@ class ParallelDims:
     def rank_at(self, rank: int, **coordinates: int) -> int:
         """The rank whose coordinates are ``rank``'s with ``coordinates`` (dimension -> index) put in, e.g. the
         rank holding tensor-parallel piece 1 of what ``rank`` holds piece 0 of: ``rank_at(rank, tp=1)``."""
+        self._expand(coordinates)
+        if "dp_shard" in coordinates:
+            value = coordinates.pop("dp_shard")
+            if not 0 <= value < self.dp_shard:
+                raise ValueError(f"coordinate dp_shard={value} is outside the mesh {self}")
+            coordinates["edp"], coordinates["ep"] = divmod(value, self.ep)
         moved, stride = rank, 1
         for name in reversed(ORDER):  # innermost first: a dimension's index is (rank // stride) % size
-            size = getattr(self, name)
+            size = self._size(name)
             if name in coordinates:
                 value = coordinates[name]
                 if not 0 <= value < size:
                     raise ValueError(f"coordinate {name}={value} is outside the mesh {self}")
                 moved += (value - (rank // stride) % size) * stride
             stride *= size
-        unknown = set(coordinates) - set(ORDER)
-        if unknown:
-            raise ValueError(f"coordinate(s) {sorted(unknown)} are not dimensions of the mesh {self}")
         return moved
 
     def derived(self, name: str) -> list[list[int]]:
@@ -160,6 +212,9 @@ class Mesh:
     replica: Group
     batch: Group
     gradient: Group
+    expert: Group
+    expert_shard: Group
+    expert_gradient: Group
     sequence_adopted: bool = False  # built before the mesh (register_with_transformers): its owner tears it down
 
     @property
@@ -205,8 +260,9 @@ def build_mesh(dims: ParallelDims, context: Optional[CommContext] = None, sequen
     context = context or DEFAULT_CONTEXT.child()
     groups = build_groups(dims, tuple(name for name in DERIVED if name != "sequence" or sequence is None), context)
     world = Group("world", tuple(range(world_size)), None, context)
-    if groups["gradient"].size == world_size:  # without tensor parallelism it is the world (the ledger says so)
-        groups["gradient"] = world
+    for name in ("gradient", "expert_gradient"):
+        if groups[name].size == world_size:  # without tensor (expert) parallelism it is the world (the ledger says so)
+            groups[name] = world
     return Mesh(
         dims=dims,
         world=world,
@@ -224,7 +280,17 @@ def destroy_mesh(mesh: Mesh) -> None:
     adopted = mesh.sequence.handle if mesh.sequence_adopted else None
     handles = {
         id(g.handle): g.handle
-        for g in (mesh.tensor, mesh.sequence, mesh.shard, mesh.replica, mesh.batch, mesh.gradient)
+        for g in (
+            mesh.tensor,
+            mesh.sequence,
+            mesh.shard,
+            mesh.replica,
+            mesh.batch,
+            mesh.gradient,
+            mesh.expert,
+            mesh.expert_shard,
+            mesh.expert_gradient,
+        )
     }
     for handle in handles.values():
         if handle is not None and handle is not adopted:

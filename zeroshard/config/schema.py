@@ -630,6 +630,35 @@ class TensorParallelTrainingConfig(Section):
         return self
 
 
+EXPERT_PRESETS = ("mixtral", "qwen3_moe")  # DeepSpeed's AutoEP presets zeroshard has (zeroshard.moe.PRESETS)
+
+
+class ExpertParallelConfig(Section):
+    """DeepSpeed's AutoEP block (``zeroshard.moe``): the fused experts of a Hugging Face MoE model are split over
+    expert groups of ``autoep_size`` consecutive data-parallel ranks. Off unless ``"enabled": true``."""
+
+    enabled: bool = False
+    autoep_size: int = Field(1, ge=1)
+    preset_model: Optional[str] = None
+    use_grouped_mm: bool = satisfied(True, "a kernel choice: the experts' matrix products give the same values")
+    disable_triton_grouped_mm: bool = satisfied(False, "a kernel choice: no Triton kernel is used")
+    expert_tensor_parallel_size: int = refused(1, "tensor parallelism inside experts", ge=1)
+    load_balance_coeff: Optional[float] = refused(None, "auxiliary-loss-free load balancing (expert bias)")
+    moe_layer_pattern: Optional[str] = refused(None, "custom layer patterns; fused experts are found by layout")
+    expert_pattern: Optional[str] = refused(None, "custom expert patterns; fused experts are found by layout")
+    router_pattern: Optional[str] = refused(None, "custom router patterns; the model's own router routes")
+
+    @field_validator("preset_model")
+    @classmethod
+    def _known_preset(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value not in EXPERT_PRESETS:
+            raise NotImplementedError(
+                f"config key 'expert_parallel.preset_model' = {value!r} is not implemented by zeroshard (it has "
+                f"{list(EXPERT_PRESETS)}; other models with fused experts need no preset)"
+            )
+        return value
+
+
 class FlopsProfilerConfig(Section):
     """DeepSpeed's ``flops_profiler`` block: rank 0 profiles the forward of step ``profile_step`` (counted in
     optimizer steps taken before it, as DeepSpeed counts) and prints it after that step."""
@@ -657,7 +686,6 @@ UNSUPPORTED_FEATURE_BLOCKS = {
     "hybrid_engine": True,
     "weight_quantization": True,
     "datastates_ckpt": True,
-    "expert_parallel": False,
     "torch_autocast": False,
 }
 # Feature blocks DeepSpeed 0.19 removed (its config reader refuses them): refused with that reason unless
@@ -755,8 +783,7 @@ class ZeroshardConfig(Section):
     quantize_training: Optional[dict[str, Any]] = None
     hybrid_engine: Optional[dict[str, Any]] = None
     datastates_ckpt: Optional[dict[str, Any]] = None
-    # AutoEP (DeepSpeed 0.19): refused while zeroshard has no expert parallelism, never replicated silently
-    expert_parallel: Optional[dict[str, Any]] = None
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     torch_autocast: Optional[dict[str, Any]] = None
     compile: CompileConfig = Field(default_factory=CompileConfig)
     tensor_parallel: TensorParallelTrainingConfig = Field(default_factory=TensorParallelTrainingConfig)

@@ -24,7 +24,7 @@ class Slot:
     name: str
     shape: tuple[int, ...]
     offset: int
-    split: Optional[TensorSplit] = None  # how the whole parameter is cut over the tensor-parallel ranks (a piece)
+    split: Optional[TensorSplit] = None  # how the whole parameter is cut over tensor- or expert-parallel ranks
 
     @property
     def numel(self) -> int:
@@ -53,10 +53,11 @@ class FlatLayout:
     shard_count: int
 
     @property
-    def tensor_sharded(self) -> bool:
-        """Its parameters are tensor-parallel pieces (each rank of the tensor group holds different values); a flat
-        group never mixes pieces and replicated parameters, so the first slot answers for all."""
-        return bool(self.slots) and self.slots[0].split is not None
+    def split_axis(self) -> Optional[str]:
+        """The mesh dimension whose ranks hold different pieces of its parameters (``tp``: tensor-parallel pieces,
+        ``ep``: experts), or None when they are replicated there; a flat group never mixes pieces of different axes
+        or pieces and replicated parameters, so the first slot answers for all."""
+        return self.slots[0].split.axis if self.slots and self.slots[0].split is not None else None
 
     @property
     def numel(self) -> int:

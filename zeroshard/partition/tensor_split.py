@@ -7,8 +7,11 @@ along ``dim`` (GPT-2's ``c_attn`` holds q, k and v): each projection is cut on i
 concatenation of its slice of each, so every rank keeps whole heads of all of them. A ``transposed`` piece is
 stored transposed (the tensor-parallel layers hold every weight as (out, in)).
 
-Checkpoints record the split of every parameter, so a piece saved at one tensor-parallel degree can be joined to
-the full tensor and cut again at another.
+Expert parallelism cuts a fused experts tensor (``[E, ...]``) the same way along its expert dimension, over the
+expert-parallel ranks: ``axis`` names the mesh dimension the pieces lie along (``tp`` or ``ep``).
+
+Checkpoints record the split of every parameter, so a piece saved at one tensor- or expert-parallel degree can be
+joined to the full tensor and cut again at another.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+AXES = ("tp", "ep")
+
 
 @dataclass(frozen=True)
 class TensorSplit:
@@ -24,9 +29,10 @@ class TensorSplit:
     parts: int  # tensor-parallel ranks
     fused: int = 1  # projections packed side by side along ``dim``, each cut separately
     transposed: bool = False  # the piece is stored transposed (2-D tensors only)
+    axis: str = "tp"  # the mesh dimension whose ranks hold the pieces: tensor (tp) or expert (ep) parallelism
 
     def __post_init__(self):
-        if self.parts < 1 or self.fused < 1 or self.dim < 0:
+        if self.parts < 1 or self.fused < 1 or self.dim < 0 or self.axis not in AXES:
             raise ValueError(f"invalid tensor split {self}")
 
     def check(self, full_shape: tuple[int, ...], what: str) -> None:
@@ -65,18 +71,23 @@ class TensorSplit:
         return torch.cat([p.narrow(self.dim, k * per, per) for k in range(self.fused) for p in pieces], self.dim)
 
     def as_record(self) -> dict:
-        """What a checkpoint manifest stores."""
-        return {"dim": self.dim, "parts": self.parts, "fused": self.fused, "transposed": self.transposed}
+        """What a checkpoint manifest stores (``axis`` only when it is not tensor parallelism's)."""
+        record = {"dim": self.dim, "parts": self.parts, "fused": self.fused, "transposed": self.transposed}
+        return record if self.axis == "tp" else {**record, "axis": self.axis}
 
     @classmethod
     def from_record(cls, record: dict) -> "TensorSplit":
-        if not isinstance(record, dict) or set(record) != {"dim", "parts", "fused", "transposed"}:
-            raise ValueError(f"a tensor split record needs dim, parts, fused and transposed, got {record!r}")
+        keys = {"dim", "parts", "fused", "transposed"}
+        if not isinstance(record, dict) or not keys <= set(record) <= keys | {"axis"}:
+            raise ValueError(f"a tensor split record needs dim, parts, fused and transposed (and axis), got {record!r}")
+        axis = record.get("axis", "tp")
+        if axis not in AXES:
+            raise ValueError(f"a tensor split record's axis is one of {list(AXES)}, got {axis!r}")
         ints = [record[k] for k in ("dim", "parts", "fused")]
         flag = record["transposed"]
         if any(isinstance(v, bool) or not isinstance(v, int) for v in ints) or not isinstance(flag, bool):
             raise ValueError(f"a tensor split record holds integers and a boolean, got {record!r}")
-        return cls(record["dim"], record["parts"], record["fused"], record["transposed"])
+        return cls(record["dim"], record["parts"], record["fused"], record["transposed"], axis)
 
 
 def linear_splits(style: str, parts: int, fused: int = 1, transposed: bool = False, bias: bool = True) -> dict:

@@ -45,7 +45,7 @@ class CheckpointAndExport:
             self.module,
             self.stack.all_flat_groups,
             rank0_only=rank0_only,
-            tensor_group=self.mesh.tensor,
+            split_groups={"tp": self.mesh.tensor, "ep": self.mesh.expert},
             splits=self.tensor_splits,
         )
 

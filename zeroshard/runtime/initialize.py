@@ -15,6 +15,7 @@ from ..checkpoint.resume import agree_on_resume_point
 from ..checkpoint.weights import open_source
 from ..config import AutoContext, Resolution, model_hidden_size, parse_config, resolve_config
 from ..log import log_as_launched, log_rank0, logger
+from ..moe import find_fused_experts, shard_experts
 from ..offload import OffloadPlan
 from ..optim import build_schedule
 from ..precision import PrecisionPolicy
@@ -159,6 +160,28 @@ def _split_over_tensor_group(model: torch.nn.Module, cfg, mesh: comm.Mesh, mater
     return pieces
 
 
+def _apply_expert_parallel(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> dict:
+    """AutoEP (``expert_parallel``): after every rank started from the same weights, each keeps its expert group
+    position's experts. Returns them, each with how the whole tensor is cut ({} when off)."""
+    settings = cfg.expert_parallel
+    if not settings.enabled:
+        return {}
+    if materialize is not None:
+        raise NotImplementedError(
+            "a model built under zeroshard.zero.Init with expert_parallel enabled: build it normally (its experts are "
+            "split before ZeRO shards them)"
+        )
+    if mesh.expert.size == 1:  # every expert local (DeepSpeed's autoep_size 1): the model stays as it is
+        find_fused_experts(model, settings.preset_model)
+        return {}
+    pieces = shard_experts(model, mesh.expert, settings.preset_model)
+    log_rank0(
+        f"expert parallelism: {len(pieces)} expert tensors split over {mesh.expert.size} ranks, sharded over "
+        f"{mesh.expert_shard.size} rank(s) holding the same experts"
+    )
+    return pieces
+
+
 def _materializer(model: torch.nn.Module, pretrained: Any, world: comm.Group, device) -> Optional[Materializer]:
     """For a model built under zero.Init: what gives its parameters data, one flat group at a time (initial
     values from one seed shared by every rank, or ``pretrained`` weights, which must cover every parameter)."""
@@ -253,8 +276,13 @@ def _resolve(
     parsed = parse_config(source)
     tp_size = _tensor_parallel_size(model, parsed.tensor_parallel)
     sp_size, sequence = _sequence_parallel(mpu, parsed)
+    ep_size = parsed.expert_parallel.autoep_size if parsed.expert_parallel.enabled else 1
     dims = comm.ParallelDims.for_world(
-        comm.get_world_size(), tp=tp_size, sp=sp_size, shard_group_size=parsed.zero_optimization.shard_group_size
+        comm.get_world_size(),
+        tp=tp_size,
+        sp=sp_size,
+        shard_group_size=parsed.zero_optimization.shard_group_size,
+        ep=ep_size,
     )
     mesh = comm.build_mesh(dims, context=sequence.context if sequence is not None else None, sequence=sequence)
     dataloader_batch = training_data.batch_size if isinstance(training_data, DataLoader) else None
@@ -396,10 +424,11 @@ def initialize(
     materialize = _materializer(model, pretrained, mesh.world, placement.device)
     _move_module(model, placement.device, placement.policy.compute)
     pieces = _apply_tensor_parallel(model, cfg, mesh, materialize)
+    pieces.update(_apply_expert_parallel(model, cfg, mesh, materialize))
     if optimizer is not None or cfg.optimizer is not None:
         param_groups, make_optimizer = optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
         if pieces:
-            make_optimizer = elementwise_only(make_optimizer, model, frozenset(pieces), mesh.tensor.size)
+            make_optimizer = elementwise_only(make_optimizer, model, pieces)
         stack = build_zero_stack(
             model=model,
             param_groups=param_groups,

@@ -4,7 +4,7 @@ block; and what tensor parallelism refuses among them."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
@@ -13,6 +13,7 @@ from ..optim import (
     WHOLE_PARAMETER_OPTIMIZERS,
     Lamb,
     OneBitLamb,
+    OneBitOptimizer,
     ShardedNorms,
     ZeroOneAdam,
     build_optimizer,
@@ -89,22 +90,35 @@ def optimizer_recipe(
     return groups, build_configured
 
 
-def elementwise_only(make_optimizer: MakeOptimizer, model, tensor_sharded: frozenset, tp: int) -> MakeOptimizer:
-    """Under tensor parallelism each rank holds a piece of every split matrix: an optimizer that needs the whole
-    parameter would act on the piece and drift from one process without a word (Muon at TP=2: 4.7% off
-    torch.optim.Muon). Lamb completes its per-parameter norms over the tensor group (``ShardedNorms``) and trains as
-    one process does; Muon's orthogonalization and 1-bit LAMB are refused by name until they gather the pieces."""
+AXIS_KEYS = {"tp": ("tensor", "tensor_parallel.autotp_size"), "ep": ("expert", "expert_parallel.autoep_size")}
+
+
+def elementwise_only(make_optimizer: MakeOptimizer, model, pieces: Mapping) -> MakeOptimizer:
+    """Under tensor or expert parallelism each rank holds a piece of every split tensor (``pieces``: parameter ->
+    its split): an optimizer that needs the whole parameter would act on the piece and drift from one process without
+    a word (Muon at TP=2: 4.7% off torch.optim.Muon). Lamb completes its per-parameter norms over the tensor group
+    (``ShardedNorms``) and trains as one process does; Muon's orthogonalization and 1-bit LAMB are refused by name
+    until they gather the pieces. Under expert parallelism Lamb (whose trust ratio would see this rank's experts of
+    a fused tensor) and the 1-bit optimizers (whose compressed exchange averages over all ranks) are refused too."""
+    axes = {split.axis: split.parts for split in pieces.values()}
 
     def make(master_groups: list[dict], norms: Optional[ShardedNorms]) -> torch.optim.Optimizer:
         built = make_optimizer(master_groups, norms)
-        if isinstance(built, WHOLE_PARAMETER_OPTIMIZERS) and not isinstance(built, Lamb):
-            split = [name for name, p in model.named_parameters() if p in tensor_sharded][:3]
-            raise NotImplementedError(
-                f"optimizer {type(built).__name__} with tensor parallelism (tensor_parallel.autotp_size {tp}): it "
-                f"updates each parameter from the whole matrix, and each rank holds a piece of {split} ...; not "
-                "implemented yet: use AdamW (or another elementwise optimizer), or train without tensor parallelism"
-            )
-        return built
+        whole = isinstance(built, WHOLE_PARAMETER_OPTIMIZERS) and not isinstance(built, Lamb)
+        if "ep" in axes and isinstance(built, (Lamb, OneBitOptimizer)):
+            axis = "ep"
+        elif whole:
+            axis = next(iter(axes))
+        else:
+            return built
+        split = [name for name, p in model.named_parameters() if pieces.get(p) and pieces[p].axis == axis][:3]
+        what, key = AXIS_KEYS[axis]
+        raise NotImplementedError(
+            f"optimizer {type(built).__name__} with {what} parallelism ({key} {axes[axis]}): it updates each "
+            f"parameter from the whole tensor (or averages over every rank), and each rank holds a piece of {split} "
+            f"...; not implemented yet: use AdamW (or another elementwise optimizer), or train without {what} "
+            "parallelism"
+        )
 
     return make
 

@@ -31,12 +31,28 @@ _SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
             num_experts_per_tok=1,
         ),
     ),
+    "qwen3_moe": (  # 8 experts, top-2, every layer sparse
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            hidden_size=16,
+            intermediate_size=32,
+            moe_intermediate_size=24,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+    ),
 }
 
 
 def tiny_causal_lm(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A freshly initialized tiny causal LM of ``family`` (``llama``, ``qwen3``, ``mixtral``) with a 64-token
-    vocabulary and 2 layers, its weights drawn under ``seed``; ``overrides`` change config fields."""
+    """A freshly initialized tiny causal LM of ``family`` (``llama``, ``qwen3``, ``mixtral``, ``qwen3_moe``) with a
+    64-token vocabulary and 2 layers, its weights drawn under ``seed``; ``overrides`` change config fields."""
     import transformers
 
     if family not in _SHAPES:

@@ -65,15 +65,18 @@ def build_zero_stack(
 ) -> ZeroStack:
     """Plan and build the stack for ``model``'s ``param_groups`` (each ``{"params": [...], ...}``) under ``config``
     (the resolved ``ZeroshardConfig``); ``make_optimizer`` builds the torch optimizer over the master shards.
-    ``tensor_splits`` maps the parameters split over the mesh's tensor-parallel group to how they are cut (each
-    flat group's slots carry it): ZeRO runs inside the gradient group, on each rank's pieces."""
+    ``tensor_splits`` maps the parameters split over the mesh's tensor-parallel group, and this rank's experts
+    (split over its expert group), to how they are cut (each flat group's slots carry it): ZeRO runs inside the
+    gradient group, on each rank's pieces; groups of experts shard and reduce over the ranks holding the same
+    experts, divided by the whole data-parallel size as every gradient is."""
     z = config.zero_optimization
     classes = frozenset(c if isinstance(c, str) else c.__name__ for c in gather_unit_classes or ())
     # stage 0 reduces over the whole data-parallel group; sharded stages over the shard group inside it
     stage = StagePolicy.for_stage(z.stage)
     shard_group = mesh.shard if stage.partition_optimizer else mesh.gradient
+    expert_group = mesh.expert_shard if stage.partition_optimizer else mesh.expert_gradient
     leaves = _module_paths(model, leaf_modules)
-    plan = plan_model(model, param_groups, z, shard_group.size, classes, leaves, tensor_splits)
+    plan = plan_model(model, param_groups, z, shard_group.size, classes, leaves, tensor_splits, mesh.dims.ep)
     if stage.partition_params:
         _log_units(plan)
     records = ParamRecords()
@@ -91,6 +94,7 @@ def build_zero_stack(
         homes.place if homes is not None else None,
         materialize,
         QuantizedComm.from_config(z),
+        expert_group,
     )
     flats, frozen = every[: len(plan.trainable)], every[len(plan.trainable) :]
     state = build_optimizer_state(
@@ -116,11 +120,20 @@ def build_zero_stack(
         reducer=reducer,
         exchange=exchange_for(state.optimizer, flats, reducer, state.group_of_flat),
         loss_scaler=LossScaler.from_config(config.fp16),
-        norm=NormAxes(shard=mesh.shard if stage.partition_optimizer else None, tensor=mesh.tensor),
+        norm=_norm_axes(mesh, stage),
         settings=StepSettings(config.gradient_clipping, config.max_consecutive_skipped_steps),
         stage3=stage3,
         shard_homes=homes,
     )
+
+
+def _norm_axes(mesh: comm.Mesh, stage: StagePolicy) -> NormAxes:
+    """The gradient norm's groups: over the shard group (sharded stages), then tensor-parallel pieces over the tensor
+    group and, at stage 0 (each rank holds its experts' whole gradients), experts over the expert group."""
+    split = {"tp": mesh.tensor} if mesh.tensor.size > 1 else {}
+    if mesh.expert.size > 1 and not stage.partition_optimizer:
+        split["ep"] = mesh.expert
+    return NormAxes(shard=mesh.shard if stage.partition_optimizer else None, split=split)
 
 
 def _reducer(model, buckets, mesh: comm.Mesh, stage: StagePolicy, config, stage3) -> GradientReducer:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 
@@ -84,12 +84,13 @@ def consolidated_state_dict(
     module: torch.nn.Module,
     flats: Iterable[FlatGroup],
     rank0_only: bool = True,
-    tensor_group: Optional[comm.Group] = None,
+    split_groups: Optional[Mapping[str, comm.Group]] = None,
     splits: Optional[dict[str, TensorSplit]] = None,
 ) -> dict:
     """The module's full state dict on CPU, gathering one flat group at a time (never the whole model). Under
-    tensor parallelism the pieces of each split parameter (``splits``, by name) are gathered over ``tensor_group``
-    and joined; every rank of the world must call it."""
+    tensor or expert parallelism the pieces of each split parameter (``splits``, by name) are gathered over the
+    group of their axis (``split_groups``: ``tp`` -> the tensor group, ``ep`` -> the expert group) and joined; every
+    rank of the world must call it."""
     keep = not rank0_only or comm.get_rank() == 0
     splits = splits or {}
     names: dict[int, list[str]] = {}
@@ -99,9 +100,10 @@ def consolidated_state_dict(
     def whole(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
         split = next((splits[n] for n in names[id(param)] if n in splits), None)
         value = param.detach()
-        if split is not None and tensor_group is not None and tensor_group.size > 1:
-            pieces = value.new_empty((tensor_group.size, *value.shape))
-            comm.all_gather(pieces, value.contiguous(), tensor_group)
+        group = (split_groups or {}).get(split.axis) if split is not None else None
+        if group is not None and group.size > 1:
+            pieces = value.new_empty((group.size, *value.shape))
+            comm.all_gather(pieces, value.contiguous(), group)
             value = split.join(list(pieces))
         return value.to("cpu", copy=True) if keep else None
 

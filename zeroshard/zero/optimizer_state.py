@@ -191,7 +191,7 @@ class DeviceState(OptimizerState):
             slot_id += len(flat.layout.slots)
         partitioned = [flat.shard_group for flat in self.flats if flat.partitioned]
         shard_group = partitioned[0] if partitioned else None
-        split = torch.tensor([flat.layout.tensor_sharded for flat in self.flats for _ in flat.layout.slots])
+        split = torch.tensor([flat.layout.split_axis == "tp" for flat in self.flats for _ in flat.layout.slots])
         pieces = self.tensor if self.tensor is not None and self.tensor.size > 1 and bool(split.any()) else None
 
         def reduce(squares: torch.Tensor) -> None:

@@ -67,12 +67,21 @@ class FlatGroupPlan:
     dtype: Optional[torch.dtype] = None
 
 
-def by_tensor_axis(params: list, tensor_splits: Mapping) -> list[list]:
-    """``params`` as runs that are all replicated over the tensor-parallel group (identical on every rank of it) or
-    all pieces of split parameters (``tensor_splits``: parameter -> its split), replicated ones first, each in the
-    given order; empty runs are dropped. A flat group is one run, so the gradient norm counts each element once.
-    Without tensor parallelism this is ``[params]``."""
-    runs = [[p for p in params if p not in tensor_splits], [p for p in params if p in tensor_splits]]
+SPLIT_AXES = (None, "tp", "ep")  # replicated, tensor-parallel pieces, experts
+
+
+def axis_of(param, tensor_splits: Mapping) -> Optional[str]:
+    split = tensor_splits.get(param)
+    return None if split is None else split.axis
+
+
+def by_split_axis(params: list, tensor_splits: Mapping) -> list[list]:
+    """``params`` as runs that are all replicated (identical on every rank of the tensor and expert groups) or all
+    pieces split over one axis (``tensor_splits``: parameter -> its split; ``tp`` tensor-parallel pieces, ``ep`` this
+    rank's experts), replicated ones first, each in the given order; empty runs are dropped. A flat group is one run,
+    so the gradient norm counts each element once and expert groups shard over their own ranks. Without tensor or
+    expert parallelism this is ``[params]``."""
+    runs = [[p for p in params if axis_of(p, tensor_splits) == axis] for axis in SPLIT_AXES]
     return [members for members in runs if members]
 
 
@@ -96,14 +105,14 @@ def plan_flat_groups(
     Stages 0-2: buckets of ``bucket_size`` elements per parameter group, last parameter first
     (backward produces gradients roughly in reverse). Stage 3: one flat group per gather unit and
     parameter group, units in reverse forward order, then one resident group per parameter group
-    for the persistent (small, always gathered) parameters. Under tensor parallelism the pieces of split
-    parameters (``tensor_splits``) and the replicated ones never share a flat group.
+    for the persistent (small, always gathered) parameters. Pieces of split parameters (``tensor_splits``:
+    tensor-parallel pieces, experts) and the replicated ones never share a flat group.
     """
     trainable = [[p for p in g["params"] if p.requires_grad] for g in param_groups]
     plans = []
     if not policy.partition_params:
         for index, params in enumerate(trainable):
-            for run in by_tensor_axis(params[::-1], tensor_splits):
+            for run in by_split_axis(params[::-1], tensor_splits):
                 numels = [p.numel() for p in run]
                 plans += [
                     FlatGroupPlan(index, [run[i] for i in bucket], True)
@@ -114,11 +123,11 @@ def plan_flat_groups(
     for unit in reversed(units or []):
         for index in range(len(param_groups)):
             members = [p for p in unit if group_of.get(p) == index and p not in persistent]
-            for run in by_tensor_axis(members, tensor_splits):
+            for run in by_split_axis(members, tensor_splits):
                 plans.append(FlatGroupPlan(index, run, False))
     for index, params in enumerate(trainable):
         members = [p for p in params if p in persistent]
-        for run in by_tensor_axis(members, tensor_splits):
+        for run in by_split_axis(members, tensor_splits):
             plans.append(FlatGroupPlan(index, run, True))
     return plans
 
@@ -135,7 +144,7 @@ def plan_frozen_groups(
     for unit in reversed(units):
         members = [p for p in unit if not p.requires_grad and p not in persistent]
         plain = [p for p in members if not is_packed(p)]
-        for run in by_tensor_axis(plain, tensor_splits):
+        for run in by_split_axis(plain, tensor_splits):
             plans.append(FlatGroupPlan(-1, run, False))
         packed = [p for p in members if is_packed(p)]
         for dtype in dict.fromkeys(p.dtype for p in packed):  # one group per storage dtype, in parameter order
@@ -148,14 +157,16 @@ def plan_layouts(
     param_names: dict[torch.nn.Parameter, str],
     shard_count: int,
     tensor_splits: Mapping = MappingProxyType({}),
+    expert_shard_count: Optional[int] = None,
 ) -> list[FlatLayout]:
-    """Each planned flat group's layout, cut into ``shard_count`` shards (1 under stage 0); each slot carries its
-    parameter's tensor-parallel split, recorded here once."""
+    """Each planned flat group's layout, cut into ``shard_count`` shards (1 under stage 0), or, for a group of
+    experts, ``expert_shard_count`` (the ranks holding the same experts); each slot carries its parameter's split,
+    recorded here once."""
     return [
         flat_layout(
             [param_names[p] for p in plan.params],
             [tuple(p.shape) for p in plan.params],
-            shard_count,
+            expert_shard_count or shard_count if axis_of(plan.params[0], tensor_splits) == "ep" else shard_count,
             splits=[tensor_splits.get(p) for p in plan.params],
         )
         for plan in plans
@@ -175,6 +186,7 @@ class ModelPlan:
     frozen: list[FlatGroupPlan]
     layouts: list[FlatLayout]  # trainable, then frozen
     shard_count: int  # shards per flat group: the shard group's size, or 1 at stage 0
+    expert_shard_count: int = 1  # shards per flat group of experts: the expert shard group's size, or 1 at stage 0
 
     @property
     def flat_groups(self) -> list[FlatGroupPlan]:
@@ -189,11 +201,14 @@ def plan_model(
     gather_unit_classes: frozenset = frozenset(),
     leaf_paths: tuple[str, ...] = (),
     tensor_splits: Mapping = MappingProxyType({}),
+    expert_parallel: int = 1,
 ) -> ModelPlan:
     """Plan ``model``'s flat groups for ``param_groups`` under ``zero_config`` (the ``zero_optimization`` block) with
     shard groups of ``shard_count`` ranks; ``gather_unit_classes`` adds to the block's unit classes and
     ``leaf_paths`` to its leaf modules (stage 3); ``tensor_splits`` maps the parameters split over a
-    tensor-parallel group (this rank holds a piece) to how they are cut."""
+    tensor-parallel group (this rank holds a piece) or an expert-parallel group of ``expert_parallel`` ranks (this
+    rank's experts, sharded over the ``shard_count / expert_parallel`` ranks holding the same ones) to how they are
+    cut."""
     z = zero_config
     stage = StagePolicy.for_stage(z.stage)
     param_names = {p: name for name, p in model.named_parameters()}
@@ -219,9 +234,12 @@ def plan_model(
     units = [u.params for u in unit_plans]
     trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent, tensor_splits)
     frozen = plan_frozen_groups(units, persistent, tensor_splits) if stage.partition_params else []
+    if shard_count % expert_parallel:
+        raise ValueError(f"expert parallelism over {expert_parallel} ranks must divide the {shard_count} shard ranks")
     count = shard_count if stage.partition_optimizer else 1
-    layouts = plan_layouts([*trainable, *frozen], param_names, count, tensor_splits)
-    return ModelPlan(stage, unit_plans, persistent, trainable, frozen, layouts, count)
+    experts = shard_count // expert_parallel if stage.partition_optimizer else 1
+    layouts = plan_layouts([*trainable, *frozen], param_names, count, tensor_splits, experts)
+    return ModelPlan(stage, unit_plans, persistent, trainable, frozen, layouts, count, experts)
 
 
 def build_flat_groups(
@@ -235,10 +253,11 @@ def build_flat_groups(
     shard_home: Optional[Callable[[torch.Tensor], ShardHome]] = None,
     materialize: Optional[Callable[[list[torch.nn.Parameter]], None]] = None,
     quantized: QuantizedComm = QuantizedComm(),
+    expert_shard_group: Optional[comm.Group] = None,
 ) -> list[FlatGroup]:
-    """One flat group per plan over ``shard_group``. ``materialize`` (zero.Init) gives each group's parameters
-    data just before the group is built, so a rank never holds more than one group's whole parameters besides
-    its shards."""
+    """One flat group per plan over ``shard_group`` (a group of experts over ``expert_shard_group``).
+    ``materialize`` (zero.Init) gives each group's parameters data just before the group is built, so a rank never
+    holds more than one group's whole parameters besides its shards."""
     flats = []
     for plan, layout in zip(plans, layouts):
         if materialize is not None:
@@ -249,7 +268,7 @@ def build_flat_groups(
                 layout=layout,
                 params=plan.params,
                 compute_dtype=plan.dtype or compute_dtype,
-                shard_group=shard_group,
+                shard_group=expert_shard_group if layout.split_axis == "ep" else shard_group,
                 device=device,
                 records=records,
                 buffers=buffers,

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -57,16 +57,13 @@ NO_OPTIMIZER = "needs an optimizer: pass optimizer= or add an 'optimizer' config
 @dataclass(frozen=True)
 class NormAxes:
     """Where the pieces of the global gradient norm live. ``shard``: the group whose shards make up each flat group's
-    gradient (None: every rank holds it whole, stage 0). Under tensor parallelism, ``tensor``: the group over which
-    the tensor-sharded flat groups (``FlatLayout.tensor_sharded``) hold different pieces (the others are replicated
-    there: counted once)."""
+    gradient (None: every rank holds it whole, stage 0). ``split``: per split axis (``FlatLayout.split_axis``), the
+    group over which those flat groups hold different pieces beyond ``shard`` (the others are replicated there:
+    counted once): ``tp`` the tensor group; ``ep`` the expert group at stage 0 (sharded stages spread the experts'
+    shards over ``shard`` already)."""
 
     shard: Optional[comm.Group] = None
-    tensor: Optional[comm.Group] = None
-
-    @property
-    def tensor_parallel(self) -> bool:
-        return self.tensor is not None and self.tensor.size > 1
+    split: Mapping[str, comm.Group] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -119,7 +116,16 @@ class ZeroStack:
             flat_groups[0].device if flat_groups else optimizer_state.device,
         )
         self.access = ParamAccess(records, optimizer_state, reducer, self.states)  # one parameter's state
-        self._tensor_sharded = torch.tensor([flat.layout.tensor_sharded for flat in flat_groups], dtype=torch.bool)
+        # per flat group, the row of the norm's partial sums it adds to: 0 for the replicated ones (and the split ones
+        # whose pieces the shard group already spans), then one per axis of ``norm.split``
+        self._norm_axes = [None, *self.norm.split]
+        self._norm_rows = torch.tensor(
+            [
+                self._norm_axes.index(f.layout.split_axis) if f.layout.split_axis in norm.split else 0
+                for f in flat_groups
+            ],
+            dtype=torch.long,
+        )
         self.consecutive_skipped = 0
         self.steps_taken = 0  # optimizer steps attempted (applied or skipped)
         self.overflow = False  # DeepSpeed's name: whether the last step was skipped for non-finite gradients
@@ -191,16 +197,12 @@ class ZeroStack:
         return True
 
     def _grad_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The squared global norm: over the data-parallel shards, then (tensor parallelism) the tensor-sharded
-        flat groups' pieces summed over the tensor-parallel group, the replicated ones counted once."""
+        """The squared global norm: over the data-parallel shards, then the split flat groups' pieces summed over
+        their axis's group (tensor or expert parallelism), the replicated ones counted once."""
         if not grads:
             return torch.zeros((), dtype=torch.float32)
         per_flat = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2)
-        if not self.norm.tensor_parallel:
-            squared = per_flat.sum().reshape(1)
-        else:
-            sharded = self._tensor_sharded.to(per_flat.device)
-            squared = torch.stack([per_flat[sharded].sum(), per_flat[~sharded].sum()])  # (tensor-sharded, replicated)
+        squared = per_flat.new_zeros(len(self._norm_axes)).index_add_(0, self._norm_rows.to(per_flat.device), per_flat)
         if self.exchange.averages_itself():
             # each rank holds its own gradient: every rank takes the mean of their squared norms, so overflow
             # skips and clipping agree across ranks (the averaged gradient is never formed)
@@ -208,8 +210,8 @@ class ZeroStack:
             squared.div_(self.reducer.world.size)
         elif self.norm.shard is not None:
             comm.all_reduce(squared, self.norm.shard)
-        if self.norm.tensor_parallel:
-            comm.all_reduce(squared[:1], self.norm.tensor)
+        for row, group in enumerate(self.norm.split.values(), start=1):
+            comm.all_reduce(squared[row : row + 1], group)
         return squared.sum().reshape(1)
 
     def _first_non_finite(self) -> str:

@@ -83,9 +83,38 @@ def test_parallel_dims_refuse_sizes_that_are_not_positive_ints(field, value):
         ParallelDims(**{field: value})
 
 
-def test_expert_and_pipeline_dimensions_are_refused_until_they_land():
-    for field, what in (("ep", "expert"), ("pp", "pipeline")):
-        with pytest.raises(ValueError, match=f"{what} parallelism"):
-            ParallelDims(**{field: 2})
+def test_pipeline_dimension_is_refused_until_it_lands():
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        ParallelDims(pp=2)
     with pytest.raises(ValueError, match="unknown parallel dimension"):
         ParallelDims(dp_shard=2).groups(("dp",))
+
+
+def test_expert_groups_are_consecutive_data_ranks_as_deepspeed_lays_them_out():
+    """ep splits dp_shard: expert groups of ep consecutive ranks, expert-data groups ep apart; the batch and ZeRO's
+    dense shard group still hold every data rank (expert ranks see different samples)."""
+    dims = ParallelDims.for_world(8, ep=2)
+    assert (dims.dp_shard, dims.ep, dims.edp, dims.world_size) == (8, 2, 4, 8)
+    assert dims.derived("expert") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.derived("expert_shard") == dims.derived("expert_gradient") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dims.derived("shard") == dims.derived("batch") == dims.derived("gradient") == [list(range(8))]
+    assert ParallelDims.for_world(4, ep=4).derived("expert_shard") == [[0], [1], [2], [3]]
+    every = [sorted(r for g in dims.derived(name) for r in g) for name in DERIVED]
+    assert all(ranks == list(range(8)) for ranks in every)
+    assert [dims.rank_at(5, ep=e) for e in range(2)] == [4, 5]
+    assert [dims.rank_at(5, dp_shard=d) for d in range(8)] == list(range(8))
+    assert dims.rank_at(6, edp=0) == 0
+
+
+def test_expert_parallel_sizes_that_do_not_fit_are_refused_by_key():
+    with pytest.raises(ValueError, match="expert_parallel.autoep_size 3 must divide the 4 data-parallel ranks"):
+        ParallelDims.for_world(4, ep=3)
+    with pytest.raises(ValueError, match="expert_parallel.autoep_size 0 must divide"):
+        ParallelDims.for_world(4, ep=0)
+    with pytest.raises(ValueError, match="ep_size 4 must divide"):
+        ParallelDims.for_world(6, ep=4, ep_key="ep_size")  # a DeepSpeed MoE layer names its own argument
+    for kwargs in (dict(tp=2), dict(sp=2), dict(shard_group_size=2)):
+        with pytest.raises(ValueError, match="not available yet"):
+            ParallelDims.for_world(8, ep=2, **kwargs)
+    with pytest.raises(ValueError, match="must divide the sharded data-parallel size"):
+        ParallelDims(dp_shard=4, ep=3)

@@ -60,10 +60,22 @@ def test_removed_keys_zeroshard_keeps_are_honoured():
             parse_config({removed: True})
 
 
-def test_auto_ep_is_refused_not_replicated():
-    with pytest.raises(NotImplementedError, match="config key 'expert_parallel' enables a DeepSpeed feature"):
-        parse_config({"expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}})
-    parse_config({"expert_parallel": {"autoep_size": 2}})  # DeepSpeed's block is off unless enabled
+def test_auto_ep_block_parses_and_refuses_what_it_does_not_implement():
+    config = parse_config({"expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral"}})
+    assert config.expert_parallel.enabled and config.expert_parallel.autoep_size == 2
+    assert not parse_config({"expert_parallel": {"autoep_size": 2}}).expert_parallel.enabled  # off unless enabled
+    refusals = {
+        "preset_model": ("deepseek_v3", "expert_parallel.preset_model"),
+        "expert_tensor_parallel_size": (2, "expert_parallel.expert_tensor_parallel_size"),
+        "load_balance_coeff": (0.001, "expert_parallel.load_balance_coeff"),
+        "router_pattern": ("mlp.gate", "expert_parallel.router_pattern"),
+    }
+    for key, (value, named) in refusals.items():
+        with pytest.raises(NotImplementedError, match=named):
+            parse_config({"expert_parallel": {"enabled": True, key: value}})
+    for bad in (0, -2, "two", True, 2.5):
+        with pytest.raises((ValueError, TypeError), match="autoep_size"):
+            parse_config({"expert_parallel": {"enabled": True, "autoep_size": bad}})
     with pytest.raises(NotImplementedError, match="torch_autocast"):
         parse_config({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
 

@@ -76,6 +76,10 @@ def _other_value(field):
         return {"x": 1}
     if int in args:
         return 2
+    if float in args:
+        return 0.5
+    if str in args:
+        return "x"
     raise AssertionError(f"no other value for {field}")
 
 

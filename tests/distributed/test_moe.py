@@ -1,0 +1,390 @@
+"""Expert parallelism inside ZeRO (AutoEP: ``expert_parallel`` on Hugging Face models with fused experts), on 4 Gloo
+ranks against one process training the whole model on the same global batch: the same losses, gradients, aux
+losses, pre-clip norms and weights at EP=2 x DP=2 and EP=4, stages 0-3; the token all-to-all's bytes equal the
+formula from the one-process router's choices; expert reductions stay in the expert-data group and the expert state
+per rank is total / ep (parameters) and total / (ep x edp) (optimizer state, stages 1-2).
+
+One spawn runs every case (process start-up dominates these tiny models); each rank trains the reference itself."""
+
+import math
+
+import pytest
+import torch
+
+from zeroshard.testing import run_distributed
+
+WORLD, MICRO, SEQ, STEPS, LR, CLIP = 4, 2, 8, 5, 1e-2, 0.05
+FAMILIES = {  # E = 4 and 8, top-2, 2 layers, the load-balancing loss in the loss
+    "mixtral": dict(num_experts_per_tok=2, output_router_logits=True),
+    "qwen3_moe": dict(output_router_logits=True),
+}
+EXPERT_SIZES = (2, 4)  # EP=2 x DP=2, EP=4
+STAGES = (0, 1, 2, 3)
+INT64, FP32 = 8, 4
+
+
+def batches(skewed: bool = False, seed: int = 3) -> list[torch.Tensor]:
+    """Random tokens, or (``skewed``) one token repeated: every position of every sample then has the same hidden
+    state, so each layer's router sends all tokens of all ranks to the same top-2 experts and the others get none."""
+    g = torch.Generator().manual_seed(seed)
+    if skewed:
+        return [torch.full((WORLD * MICRO, SEQ), 7) for _ in range(STEPS)]
+    return [torch.randint(0, 64, (WORLD * MICRO, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def micro(ids: torch.Tensor, rank: int) -> torch.Tensor:
+    return ids[rank * MICRO : (rank + 1) * MICRO]
+
+
+def reference(family: str, skewed: bool = False) -> dict:
+    """One process, the whole global batch as the 4 ranks' micro-batches, each loss / 4 (DDP's mean)."""
+    from zeroshard.testing.hf import tiny_causal_lm
+
+    model = tiny_causal_lm(family, **FAMILIES[family])
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    routes: list[list[torch.Tensor]] = []  # step 0: per rank, per layer, the router's top_k_index
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, i, out: routes[-1].append(out[2].detach()))
+        for layer in model.model.layers
+    ]
+    out = {"losses": [], "aux": [], "norms": []}
+    for step, ids in enumerate(batches(skewed)):
+        optimizer.zero_grad()
+        losses, aux = [], []
+        for rank in range(WORLD):
+            routes.append([])
+            result = model(input_ids=micro(ids, rank), labels=micro(ids, rank))
+            (result.loss / WORLD).backward()
+            losses.append(result.loss.item())
+            aux.append(result.aux_loss.item())
+        if step == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            out["routes"] = routes[:WORLD]
+            for hook in hooks:
+                hook.remove()
+        out["norms"].append(torch.nn.utils.clip_grad_norm_(params, CLIP).item())
+        out["losses"].append(losses)
+        out["aux"].append(aux)
+        optimizer.step()
+    out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["config"] = model.config
+    return out
+
+
+def all_to_all_formula(routes: list[list[torch.Tensor]], experts: int, ep: int, rank: int, hidden: int) -> tuple:
+    """(bytes handed to the collectives, wire bytes) of one forward and backward of every MoE layer on ``rank``,
+    from the one-process router's choices: per layer the count exchange (E int64), the dispatch and the combine
+    forward, and both again backward; the wire carries the rows that leave this rank."""
+    group = range(rank // ep * ep, rank // ep * ep + ep)
+    local = experts // ep
+    nbytes = wire = 0.0
+    for layer in range(len(routes[rank])):
+        counts = {r: torch.bincount(routes[r][layer].reshape(-1), minlength=experts).view(ep, local) for r in group}
+        position = rank - group[0]
+        sent = counts[rank].sum(1)  # rows this rank sends to each rank of its expert group
+        received = torch.stack([counts[r][position].sum() for r in group])  # rows each sends to this rank
+        rows_out, rows_in = int(sent.sum()), int(received.sum())
+        others_out, others_in = rows_out - int(sent[position]), rows_in - int(received[position])
+        nbytes += experts * INT64 + 2 * (rows_out + rows_in) * hidden * FP32
+        wire += experts * INT64 * (ep - 1) / ep + 2 * (others_out + others_in) * hidden * FP32
+    return nbytes, wire
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run_case(family: str, ep: int, stage: int, ref: dict, skewed: bool = False) -> dict:
+    import zeroshard
+    from zeroshard import comm
+    from zeroshard.testing.hf import tiny_causal_lm
+    from zeroshard.zero import GatheredParameters
+
+    rank = comm.get_rank()
+    model = tiny_causal_lm(family, **FAMILIES[family])
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage},
+        "expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": family},
+    }
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    mesh = engine.mesh
+
+    def reference_piece(name: str, value: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        if value.shape == whole.shape:
+            return whole
+        local = value.shape[0]
+        return whole[mesh.expert.rank * local : (mesh.expert.rank + 1) * local]
+
+    result = {"loss": [], "aux": [], "norms": [], "grad": 0.0, "idle_experts": []}
+    for step, ids in enumerate(batches(skewed)):
+        engine.comm_ledger.reset()
+        output = engine(input_ids=micro(ids, rank), labels=micro(ids, rank))
+        engine.backward(output.loss)
+        result["loss"].append(abs(output.loss.item() - ref["losses"][step][rank]) / ref["losses"][step][rank])
+        result["aux"].append(abs(output.aux_loss.item() - ref["aux"][step][rank]) / ref["aux"][step][rank])
+        if step == 0:
+            result["ledger"] = engine.comm_ledger.summary()
+            for name, param in engine.module.named_parameters():
+                grad = engine.param_access.full_grad(param)
+                expected = reference_piece(name, grad, ref["grads"][name])
+                result["grad"] = max(result["grad"], relative(grad, expected))
+                if ".experts." in name:  # per local expert: (largest gradient here, in the reference)
+                    for mine, theirs in zip(grad, expected):
+                        result["idle_experts"].append((mine.abs().max().item(), theirs.abs().max().item()))
+        engine.step()
+        result["norms"].append(abs(engine.get_global_grad_norm() - ref["norms"][step]) / ref["norms"][step])
+    squares = torch.zeros(4, dtype=torch.float64)  # (dense diff, dense ref, expert diff, expert ref)
+    with GatheredParameters(list(engine.module.parameters())):
+        for name, param in engine.module.named_parameters():
+            value = param.detach().double()
+            expected = reference_piece(name, value, ref["weights"][name]).double()
+            row = 2 if value.shape != ref["weights"][name].shape else 0
+            squares[row] += (value - expected).pow(2).sum()
+            squares[row + 1] += expected.pow(2).sum()
+    comm.all_reduce(squares[2:], mesh.expert)  # every expert once: dense tensors are the same on every rank
+    result["weights"] = math.sqrt(squares[0] + squares[2]) / math.sqrt(squares[1] + squares[3])
+    result["state"] = engine.state_bytes()
+    result["mesh"] = (mesh.expert.size, mesh.expert_shard.size, mesh.shard.size)
+    engine.destroy()
+    return result
+
+
+def moe_worker(cases: list[tuple]) -> dict:
+    import zeroshard
+
+    references = {}
+    out = {}
+    for family, ep, stage, skewed in cases:
+        if (family, skewed) not in references:
+            references[(family, skewed)] = reference(family, skewed)
+        out[(family, ep, stage, skewed)] = run_case(family, ep, stage, references[(family, skewed)], skewed)
+    rank = zeroshard.comm.get_rank()
+    formulas = {}
+    for (family, skewed), ref in references.items():
+        config = ref["config"]
+        experts = getattr(config, "num_local_experts", None) or config.num_experts
+        for ep in EXPERT_SIZES:
+            formulas[(family, ep, skewed)] = all_to_all_formula(ref["routes"], experts, ep, rank, config.hidden_size)
+    counts = {}
+    for (family, _), ref in references.items():
+        names = ref["weights"]
+        counts[family] = (
+            sum(w.numel() for n, w in names.items() if ".experts." not in n),
+            sum(w.numel() for n, w in names.items() if ".experts." in n),
+        )
+    return {"cases": out, "formulas": formulas, "counts": counts}
+
+
+CASES = [(family, ep, stage, False) for family in FAMILIES for ep in EXPERT_SIZES for stage in STAGES]
+SKEWED = [("mixtral", 4, 0, True), ("mixtral", 4, 3, True)]
+
+
+@pytest.fixture(scope="module")
+def moe_runs():
+    return run_distributed(moe_worker, WORLD, CASES + SKEWED, timeout_s=1500)
+
+
+@pytest.mark.parametrize("family, ep, stage", [case[:3] for case in CASES])
+def test_expert_parallel_training_matches_one_process(moe_runs, family, ep, stage):
+    for per_rank in moe_runs:
+        run = per_rank["cases"][(family, ep, stage, False)]
+        assert run["mesh"] == (ep, WORLD // ep, WORLD)
+        assert run["loss"][0] <= 1e-6
+        assert max(run["aux"]) <= 1e-6
+        assert run["grad"] <= 1e-6
+        assert max(run["norms"]) <= 1e-6, "the pre-clip norm covers expert and dense gradients once"
+        assert run["weights"] <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_expert_without_tokens_on_every_rank_gets_a_zero_gradient(moe_runs, stage):
+    idle = 0
+    for per_rank in moe_runs:
+        run = per_rank["cases"][("mixtral", 4, stage, True)]
+        assert run["grad"] <= 1e-6 and run["weights"] <= 1e-5
+        for mine, reference_grad in run["idle_experts"]:
+            if reference_grad == 0.0:  # no token chose this expert on any rank
+                assert mine == 0.0
+                idle += 1
+    assert idle >= 2, "two of the four experts got no token (the premise of the test)"
+
+
+@pytest.mark.parametrize("family, ep", [(family, ep) for family in FAMILIES for ep in EXPERT_SIZES])
+def test_token_all_to_all_bytes_equal_the_routing_formula(moe_runs, family, ep):
+    for per_rank in moe_runs:
+        nbytes, wire = per_rank["formulas"][(family, ep, False)]
+        for stage in STAGES:
+            totals = per_rank["cases"][(family, ep, stage, False)]["ledger"][("all_to_all", "expert")]
+            assert totals.bytes == nbytes
+            assert totals.wire_bytes == pytest.approx(wire, rel=1e-12)
+
+
+def test_expert_reductions_and_state_stay_in_the_expert_data_group(moe_runs):
+    family, ep = "qwen3_moe", 2
+    edp = WORLD // ep
+    for per_rank in moe_runs:
+        dense, experts = per_rank["counts"][family]
+        for stage in (1, 2):
+            run = per_rank["cases"][(family, ep, stage, False)]
+            # one flat group of dense parameters (sharded over 4), one of this rank's experts (over its 2 peers)
+            dense_shard = -(-dense // WORLD)
+            expert_shard = -(-(experts // ep) // edp)
+            assert run["state"]["params"] == FP32 * (dense + experts // ep)
+            assert run["state"]["optimizer_state"] == 2 * FP32 * (dense_shard + expert_shard)
+            ledger = run["ledger"]
+            op = "reduce_scatter"
+            assert ledger[(op, "expert_shard")].bytes == FP32 * edp * expert_shard
+            assert ledger[(op, "shard")].bytes == FP32 * WORLD * dense_shard
+            assert {group for kind, group in ledger if kind == op} == {"shard", "expert_shard"}
+        ledger = per_rank["cases"][(family, ep, 0, False)]["ledger"]
+        assert ledger[("all_reduce", "expert_gradient")].bytes == FP32 * (experts // ep)
+
+
+def build_engine(family: str, ep: int, stage: int, accumulation: int = 1):
+    """An engine over this process's world; ``ep`` 1: expert parallelism off (every expert on every rank)."""
+    import zeroshard
+    from zeroshard.testing.hf import tiny_causal_lm
+
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage},
+        "expert_parallel": {"enabled": ep > 1, "autoep_size": ep},
+    }
+    engine, *_ = zeroshard.initialize(model=tiny_causal_lm(family, **FAMILIES[family]), config=config)
+    return engine
+
+
+def train_steps(engine, first: int, count: int) -> None:
+    """Optimizer steps ``first`` .. ``first + count - 1`` on the global batches; each rank takes its micro-batches
+    (one process takes all four, accumulating)."""
+    from zeroshard import comm
+
+    world, rank = comm.get_world_size(), comm.get_rank()
+    for ids in batches()[first : first + count]:
+        for part in range(rank, WORLD, world):
+            engine.backward(engine(input_ids=micro(ids, part), labels=micro(ids, part)).loss)
+            engine.step()
+
+
+def whole_weights(engine) -> dict:
+    return engine.consolidated_state_dict(rank0_only=False)
+
+
+def resume_worker(directory: str, stages: tuple, layouts: tuple) -> dict:
+    """Per stage: train 3 steps at EP=2 x DP=2 and save, then 2 more (the uninterrupted run); every layout in
+    ``layouts`` loads the save and trains the same 2 steps. Returns (weights right after the load vs at the save,
+    after the 2 steps vs the uninterrupted run) per (stage, layout)."""
+    from zeroshard import comm
+    from zeroshard.testing.parity import model_error
+
+    out = {}
+    for stage in stages:
+        path = f"{directory}/stage{stage}"
+        if comm.get_world_size() == WORLD:
+            engine = build_engine("qwen3_moe", 2, stage)
+            train_steps(engine, 0, 3)
+            engine.save_checkpoint(path, tag="t")
+            out[(stage, "saved")] = whole_weights(engine)
+            train_steps(engine, 3, 2)
+            out[(stage, "uninterrupted")] = whole_weights(engine)
+            engine.destroy()
+        for ep in layouts:
+            engine = build_engine("qwen3_moe", ep, stage, accumulation=WORLD // comm.get_world_size())
+            engine.load_checkpoint(path, tag="t")
+            loaded = whole_weights(engine)
+            train_steps(engine, 3, 2)
+            out[(stage, ep)] = (loaded, whole_weights(engine))
+            engine.destroy()
+    if comm.get_world_size() == WORLD:
+        for (stage, ep), value in list(out.items()):
+            if isinstance(value, tuple):
+                loaded, resumed = value
+                saved, uninterrupted = out[(stage, "saved")], out[(stage, "uninterrupted")]
+                exact = max((loaded[n] - saved[n]).abs().max().item() for n in saved)
+                out[(stage, ep)] = (exact, model_error(resumed, uninterrupted))
+    return out
+
+
+RESUME_STAGES = (1, 3)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("moe-checkpoints"))
+    four = run_distributed(resume_worker, WORLD, directory, RESUME_STAGES, (4, 2, 1), timeout_s=900)[0]
+    one = run_distributed(resume_worker, 1, directory, RESUME_STAGES, (1,), timeout_s=900)[0]
+    return four, one, directory
+
+
+@pytest.mark.parametrize("stage", RESUME_STAGES)
+def test_a_save_at_ep2_resumes_at_ep4_ep2_ep1_and_in_one_process(resumed, stage):
+    """Experts are saved whole (pieces per expert rank, like tensor-parallel splits), so any layout reads them."""
+    from zeroshard.testing.parity import model_error
+
+    four, one, _ = resumed
+    for ep in (4, 2, 1):
+        exact, drift = four[(stage, ep)]
+        assert exact == 0.0, f"EP={ep}: weights right after the load differ from the saved ones"
+        assert drift <= 1e-6, f"EP={ep}: 2 steps after the load drift {drift} from the uninterrupted run"
+    loaded, resumed_one = one[(stage, 1)]
+    assert max((loaded[n] - four[(stage, "saved")][n]).abs().max().item() for n in loaded) == 0.0
+    assert model_error(resumed_one, four[(stage, "uninterrupted")]) <= 1e-6
+
+
+def _swap_expert_files(body: dict) -> dict:
+    name = next(n for n, e in body["params"].items() if (e.get("split") or {}).get("axis") == "ep")
+    pieces = body["params"][name]["pieces"]
+    first, last = pieces[0][0], pieces[-1][0]
+    for piece in pieces:
+        piece[0] = last if piece[0] == first else first if piece[0] == last else piece[0]
+    return body
+
+
+def _expert_split(change):
+    def edit(body: dict) -> dict:
+        for entry in body["params"].values():
+            if (entry.get("split") or {}).get("axis") == "ep":
+                change(entry)
+        return body
+
+    return edit
+
+
+EXPERT_TAMPERING = {
+    "expert dim": (_expert_split(lambda e: e["split"].update(dim=1)), "experts are cut along dim 0 only"),
+    "expert fused": (_expert_split(lambda e: e["split"].update(fused=2)), "experts are cut along dim 0 only"),
+    "parts": (_expert_split(lambda e: e["split"].update(parts=4)), "the checkpoint was saved by 2 expert-parallel"),
+    "axis": (_expert_split(lambda e: e["split"].update(axis="tp")), "saved without tensor parallelism"),
+    "unknown axis": (_expert_split(lambda e: e["split"].update(axis="pp")), "axis is one of"),
+    "size": (lambda body: {**body, "expert_parallel_size": 1}, "saved without expert parallelism"),
+    "size type": (lambda body: {**body, "expert_parallel_size": "2"}, "expert_parallel_size"),
+    "pieces swapped": (_swap_expert_files, "pieces moved between ranks"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPERT_TAMPERING))
+def test_edited_expert_records_are_refused_even_resealed(resumed, case):
+    """A manifest edited and given a fresh checksum still describes experts the run could have written, or is
+    refused naming the field, before anything is read."""
+    import json
+    import os
+
+    from zeroshard.checkpoint.manifest import seal, validate
+    from zeroshard.checkpoint.safetensors_io import CheckpointError
+
+    path = os.path.join(resumed[2], "stage1", "t", "manifest.json")
+    with open(path) as f:
+        data = json.load(f)
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    validate(seal(json.loads(json.dumps(body))), path)  # the original is valid
+    change, message = EXPERT_TAMPERING[case]
+    with pytest.raises(CheckpointError, match=message):
+        validate(seal(change(json.loads(json.dumps(body)))), path)
