@@ -149,6 +149,9 @@ def run_case(family: str, ep: int, stage: int, ref: dict, skewed: bool = False) 
     comm.all_reduce(squares[2:], mesh.expert)  # every expert once: dense tensors are the same on every rank
     result["weights"] = math.sqrt(squares[0] + squares[2]) / math.sqrt(squares[1] + squares[3])
     result["state"] = engine.state_bytes()
+    result["state"]["master"] -= engine.stack.optimizer_state.master_bytes_shared_with_params()  # fp32: master = params
+    estimate = zeroshard.estimate(lambda: tiny_causal_lm(family, **FAMILIES[family]), config, WORLD, runtime_bytes=0)
+    result["estimate"] = {c: sum(estimate.bytes[c].values()) for c in estimate.bytes}
     result["mesh"] = (mesh.expert.size, mesh.expert_shard.size, mesh.shard.size)
     engine.destroy()
     return result
@@ -222,6 +225,16 @@ def test_token_all_to_all_bytes_equal_the_routing_formula(moe_runs, family, ep):
             totals = per_rank["cases"][(family, ep, stage, False)]["ledger"][("all_to_all", "expert")]
             assert totals.bytes == nbytes
             assert totals.wire_bytes == pytest.approx(wire, rel=1e-12)
+
+
+@pytest.mark.parametrize("family, ep, stage", [case[:3] for case in CASES])
+def test_the_estimate_counts_expert_state_per_rank_as_the_run_holds_it(moe_runs, family, ep, stage):
+    for per_rank in moe_runs:
+        run = per_rank["cases"][(family, ep, stage, False)]
+        held, predicted = run["state"], run["estimate"]
+        assert predicted["parameters"] == held["params"]
+        assert predicted["gradients"] == held["grad_shard"]
+        assert predicted["optimizer_state"] == held["master"] + held["optimizer_state"]
 
 
 def test_expert_reductions_and_state_stay_in_the_expert_data_group(moe_runs):
@@ -388,3 +401,36 @@ def test_edited_expert_records_are_refused_even_resealed(resumed, case):
     change, message = EXPERT_TAMPERING[case]
     with pytest.raises(CheckpointError, match=message):
         validate(seal(change(json.loads(json.dumps(body)))), path)
+
+
+def transformers_split_worker(path: str) -> str:
+    """A model whose experts transformers split itself (``DistributedConfig(ep_size=2)``: DTensor experts, its own
+    token exchange) handed to initialize, with and without zeroshard's expert_parallel block."""
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    import zeroshard
+
+    messages = []
+    for block in ({}, {"expert_parallel": {"enabled": True, "autoep_size": 2}}):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, distributed_config=DistributedConfig(ep_size=2, tp_size=2, tp_plan={})
+        )
+        config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+        try:
+            zeroshard.initialize(model=model, config={**config, **block})
+        except NotImplementedError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_experts_transformers_already_split_are_refused_by_name_never_split_twice(tmp_path):
+    from zeroshard.testing.hf import tiny_causal_lm
+
+    tiny_causal_lm("mixtral", **FAMILIES["mixtral"]).save_pretrained(tmp_path)
+    for messages in run_distributed(transformers_split_worker, 2, str(tmp_path)):
+        assert len(messages) == 2
+        assert all(
+            "model.layers.0.mlp.experts is already split over an expert-parallel group by transformers" in m
+            for m in messages
+        )

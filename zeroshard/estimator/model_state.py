@@ -13,13 +13,18 @@ from .result import MemoryEstimate
 class ModelState:
     """The engine's flat-group plan for one rank, on a meta model."""
 
-    def __init__(self, model: nn.Module, cfg, policy, offload, shard_count: int):
+    def __init__(
+        self, model: nn.Module, cfg, policy, offload, shard_count: int, tensor_splits=None, expert_parallel: int = 1
+    ):
         from ..zero.planning import plan_model
 
         z = cfg.zero_optimization
         self.cfg, self.policy, self.offload = cfg, policy, offload
         groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-        planned = plan_model(model, groups, z, shard_count)  # the engine's own planning
+        # the engine's own planning (``tensor_splits``: this rank's experts, sharded over the ranks holding them)
+        planned = plan_model(
+            model, groups, z, shard_count, tensor_splits=tensor_splits or {}, expert_parallel=expert_parallel
+        )
         self.stage, self.shard_count = planned.stage, planned.shard_count
         self.plans, self.frozen_plans = planned.trainable, planned.frozen
         self.layouts, self.frozen_layouts = planned.layouts[: len(self.plans)], planned.layouts[len(self.plans) :]

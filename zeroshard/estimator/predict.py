@@ -11,7 +11,8 @@ Per rank, in bytes and by location (``device``: the accelerator, or the compute 
 ``host``: offloaded to CPU memory; ``nvme``):
 
 - ``parameters``: the compute-precision parameters a rank holds between steps (whole below stage 3, its shard
-  under stage 3), plus parameters outside any flat group;
+  under stage 3), plus parameters outside any flat group; with ``expert_parallel`` a rank's experts are
+  ``1 / autoep_size`` of each experts tensor, sharded over the ``world / autoep_size`` ranks holding the same ones;
 - ``gradients``: the reduced gradient shard (fp32 below stage 3, the compute dtype under it);
 - ``optimizer_state``: fp32 master weights (unless they are the fp32 parameters themselves) and the optimizer's
   per-element state (counted by stepping the configured optimizer once on one element);
@@ -84,7 +85,16 @@ def estimate(
         params=sum(p.numel() for p in model.parameters()),
         bytes={c: dict.fromkeys(LOCATIONS, 0) for c in CATEGORIES},
     )
-    plan = ModelState(model, cfg, policy, offload, shard_count=hpz if z.stage >= 1 else 1)
+    experts, pieces = _split_experts(model, parsed, world_size)
+    plan = ModelState(
+        model,
+        cfg,
+        policy,
+        offload,
+        shard_count=hpz if z.stage >= 1 else 1,
+        tensor_splits=pieces,
+        expert_parallel=experts,
+    )
     plan.count_model_state(result)
     plan.count_buffers(result, gloo=cpu_only())
     plan.count_compression(result)
@@ -104,6 +114,24 @@ def estimate(
     result.bytes["runtime"]["device"] = sum(runtime_baseline()) if runtime_bytes is None else runtime_bytes
     result.bytes["allocator"]["device"] = allocator_retention(largest_transient)
     return result
+
+
+def _split_experts(model: nn.Module, parsed, world_size: int) -> tuple[int, dict]:
+    """``expert_parallel``: keep one rank's experts of the meta model, as ``initialize`` does (every rank holds as
+    many), and return the expert-parallel size with those pieces (1 and none when off)."""
+    from .. import comm
+    from ..moe import shard_experts
+
+    settings = parsed.expert_parallel
+    if not settings.enabled or settings.autoep_size == 1:
+        return 1, {}
+    dims = comm.ParallelDims.for_world(
+        world_size, shard_group_size=parsed.zero_optimization.shard_group_size, ep=settings.autoep_size
+    )
+    # an expert group of ep ranks with this process first: only its size is read (the meta model never runs)
+    me = comm.get_rank()
+    group = comm.Group("expert", (me, *[r for r in range(me + dims.ep) if r != me][: dims.ep - 1]), None)
+    return dims.ep, shard_experts(model, group, settings.preset_model)
 
 
 def _meta_model(model_or_factory) -> nn.Module:

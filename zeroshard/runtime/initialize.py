@@ -15,17 +15,16 @@ from ..checkpoint.resume import agree_on_resume_point
 from ..checkpoint.weights import open_source
 from ..config import AutoContext, Resolution, model_hidden_size, parse_config, resolve_config
 from ..log import log_as_launched, log_rank0, logger
-from ..moe import find_fused_experts, shard_experts
 from ..offload import OffloadPlan
 from ..optim import build_schedule
 from ..precision import PrecisionPolicy
-from ..tensor_parallel import check_forward, layer_specs_from, shard_for_training, sharded_group, tensor_splits
 from ..zero import Placement, ZeroOptimizer, ZeroStack, build_zero_stack
 from ..zero.materialize import Materializer, has_meta_parameters, pending_seed, release_pending
 from ..zero.planning import is_packed
 from . import activation_checkpointing
 from .engine import ZeroshardEngine
 from .optimizer_recipe import OptimizerArg, elementwise_only, optimizer_recipe
+from .parallelize import parallelize, refuse_unsplit_experts, tensor_parallel_size
 from .sampler import ResumableDistributedSampler
 
 
@@ -75,30 +74,6 @@ def _move_module(module: torch.nn.Module, device: torch.device, dtype: torch.dty
                 tensor.data = tensor.data.to(device=device, dtype=dtype if cast else None)
 
 
-def _broadcast_module(module: torch.nn.Module, group: comm.Group, skip: frozenset = frozenset()) -> None:
-    """Start every rank of ``group`` from its first rank's weights, as DDP and DeepSpeed do (``skip``: tensors
-    this group does not share)."""
-    with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            if tensor.is_meta or tensor in skip:
-                continue  # built under zero.Init: materialized identically on every rank from one seed
-            comm.broadcast(tensor.data, src=group.ranks[0], group=group)
-
-
-def _tensor_parallel_size(model: torch.nn.Module, settings) -> int:
-    """``tensor_parallel.autotp_size``, or the size of the group the model was already split over
-    (``tp_model_init``); the two must agree when both are given."""
-    already = sharded_group(model)
-    if already is None:
-        return settings.autotp_size
-    if "autotp_size" in settings.model_fields_set and settings.autotp_size != already.size:
-        raise ValueError(
-            f"the model was split over {already.size} tensor-parallel ranks (tp_model_init) but the config's "
-            f"tensor_parallel.autotp_size is {settings.autotp_size}; make them agree"
-        )
-    return already.size
-
-
 def _sequence_parallel(mpu: Any, parsed) -> tuple[int, Optional[comm.Group]]:
     """The sequence-parallel degree and, when ``mpu`` (``register_with_transformers``'s groups, or any object with
     DeepSpeed's sequence-parallel getters) brings one, its group. Other mpu shapes (Megatron's model parallelism) are
@@ -122,64 +97,6 @@ def _sequence_parallel(mpu: Any, parsed) -> tuple[int, Optional[comm.Group]]:
     if not isinstance(group, comm.Group):
         group = comm.group_of(mpu.get_sequence_parallel_group(), "sequence", comm.DEFAULT_CONTEXT.child())
     return size, group
-
-
-def _apply_tensor_parallel(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> dict:
-    """Every rank starts from rank 0's weights; under tensor parallelism each then keeps its pieces. Returns the split
-    parameters with how each is cut ({} without tensor parallelism)."""
-    if mesh.tensor.size > 1:
-        return _split_over_tensor_group(model, cfg, mesh, materialize)
-    _broadcast_module(model, mesh.world)
-    return {}
-
-
-def _split_over_tensor_group(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> dict:
-    """Tensor parallelism: every rank starts from the same weights, then keeps its pieces (a model ``tp_model_init``
-    split already keeps its own: its replicated weights are shared over the world, its pieces over the
-    gradient group). Returns the split parameters, each with how it is cut (recorded here, once)."""
-    if materialize is not None:
-        raise NotImplementedError(
-            "a model built under zeroshard.zero.Init with tensor_parallel.autotp_size > 1: build it normally (its "
-            "layers are split before ZeRO shards them), or use ZeRO without tensor parallelism"
-        )
-    already = sharded_group(model) is not None
-    if not already:
-        _broadcast_module(model, mesh.world)
-        settings = cfg.tensor_parallel
-        shard_for_training(model, mesh.tensor, layer_specs_from(settings), settings.partition_config.use_default_specs)
-        check_forward(model, mesh.tensor, mesh.sequence)
-    splits = tensor_splits(model)
-    pieces = {p: splits[name] for name, p in model.named_parameters() if name in splits}
-    if already:
-        _broadcast_module(model, mesh.tensor, skip=frozenset(pieces))
-        _broadcast_module(model, mesh.gradient)
-    log_rank0(
-        f"tensor parallelism: {len(pieces)} parameters split over {mesh.tensor.size} ranks, ZeRO over "
-        f"{mesh.gradient.size} data-parallel rank(s)"
-    )
-    return pieces
-
-
-def _apply_expert_parallel(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> dict:
-    """AutoEP (``expert_parallel``): after every rank started from the same weights, each keeps its expert group
-    position's experts. Returns them, each with how the whole tensor is cut ({} when off)."""
-    settings = cfg.expert_parallel
-    if not settings.enabled:
-        return {}
-    if materialize is not None:
-        raise NotImplementedError(
-            "a model built under zeroshard.zero.Init with expert_parallel enabled: build it normally (its experts are "
-            "split before ZeRO shards them)"
-        )
-    if mesh.expert.size == 1:  # every expert local (DeepSpeed's autoep_size 1): the model stays as it is
-        find_fused_experts(model, settings.preset_model)
-        return {}
-    pieces = shard_experts(model, mesh.expert, settings.preset_model)
-    log_rank0(
-        f"expert parallelism: {len(pieces)} expert tensors split over {mesh.expert.size} ranks, sharded over "
-        f"{mesh.expert_shard.size} rank(s) holding the same experts"
-    )
-    return pieces
 
 
 def _materializer(model: torch.nn.Module, pretrained: Any, world: comm.Group, device) -> Optional[Materializer]:
@@ -274,7 +191,7 @@ def _resolve(
     """The rank mesh (the engine's process groups, counting in a comm context of its own, shared with a
     sequence-parallel group built before it) and the config with every ``"auto"`` filled in for it."""
     parsed = parse_config(source)
-    tp_size = _tensor_parallel_size(model, parsed.tensor_parallel)
+    tp_size = tensor_parallel_size(model, parsed.tensor_parallel)
     sp_size, sequence = _sequence_parallel(mpu, parsed)
     ep_size = parsed.expert_parallel.autoep_size if parsed.expert_parallel.enabled else 1
     dims = comm.ParallelDims.for_world(
@@ -369,18 +286,6 @@ def _auto_resume(engine: ZeroshardEngine) -> None:
     log_rank0(f"auto_resume: resumed from {path} at step {engine.global_steps} ({point.why})")
 
 
-def _refuse_expert_parameters(model: torch.nn.Module) -> None:
-    """DeepSpeed's expert-parameter protocol tags each rank's own experts ``allreduce = False`` (they differ across
-    ranks). Without expert parallelism they would be averaged with other ranks' different experts, silently."""
-    tagged = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
-    if tagged:
-        raise NotImplementedError(
-            f"{len(tagged)} parameters are tagged allreduce=False (DeepSpeed's expert parameters: {tagged[:3]}...): "
-            "zeroshard has no expert parallelism yet and would average them with other ranks' experts; train the "
-            "MoE model with every expert on every rank (no expert groups, no allreduce tags)"
-        )
-
-
 def initialize(
     args: Any = None,
     model: Optional[torch.nn.Module] = None,
@@ -412,7 +317,7 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize needs model=")
-    _refuse_expert_parameters(model)
+    refuse_unsplit_experts(model)
     log_as_launched()
     source = _config_source(args, config if config is not None else config_params)
     _join_process_group(dist_init_required)
@@ -423,8 +328,7 @@ def initialize(
     placement = _placement(cfg)
     materialize = _materializer(model, pretrained, mesh.world, placement.device)
     _move_module(model, placement.device, placement.policy.compute)
-    pieces = _apply_tensor_parallel(model, cfg, mesh, materialize)
-    pieces.update(_apply_expert_parallel(model, cfg, mesh, materialize))
+    pieces = parallelize(model, cfg, mesh, materialize)
     if optimizer is not None or cfg.optimizer is not None:
         param_groups, make_optimizer = optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
         if pieces:

@@ -234,7 +234,7 @@ def plan_model(
     units = [u.params for u in unit_plans]
     trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent, tensor_splits)
     frozen = plan_frozen_groups(units, persistent, tensor_splits) if stage.partition_params else []
-    if shard_count % expert_parallel:
+    if stage.partition_optimizer and shard_count % expert_parallel:
         raise ValueError(f"expert parallelism over {expert_parallel} ranks must divide the {shard_count} shard ranks")
     count = shard_count if stage.partition_optimizer else 1
     experts = shard_count // expert_parallel if stage.partition_optimizer else 1
