@@ -7,6 +7,7 @@ per rank is total / ep (parameters) and total / (ep x edp) (optimizer state, sta
 One spawn runs every case (process start-up dominates these tiny models); each rank trains the reference itself."""
 
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -36,11 +37,11 @@ def micro(ids: torch.Tensor, rank: int) -> torch.Tensor:
     return ids[rank * MICRO : (rank + 1) * MICRO]
 
 
-def reference(family: str, skewed: bool = False) -> dict:
+def reference(family: str, skewed: bool = False, overrides: Optional[dict] = None) -> dict:
     """One process, the whole global batch as the 4 ranks' micro-batches, each loss / 4 (DDP's mean)."""
     from zeroshard.testing.hf import tiny_causal_lm
 
-    model = tiny_causal_lm(family, **FAMILIES[family])
+    model = tiny_causal_lm(family, **(FAMILIES[family] if overrides is None else overrides))
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     routes: list[list[torch.Tensor]] = []  # step 0: per rank, per layer, the router's top_k_index
@@ -57,7 +58,7 @@ def reference(family: str, skewed: bool = False) -> dict:
             result = model(input_ids=micro(ids, rank), labels=micro(ids, rank))
             (result.loss / WORLD).backward()
             losses.append(result.loss.item())
-            aux.append(result.aux_loss.item())
+            aux.append(result.aux_loss.item() if result.aux_loss is not None else None)
         if step == 0:
             out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
             out["routes"] = routes[:WORLD]
@@ -434,3 +435,205 @@ def test_experts_transformers_already_split_are_refused_by_name_never_split_twic
             "model.layers.0.mlp.experts is already split over an expert-parallel group by transformers" in m
             for m in messages
         )
+
+
+# -- route 2: DeepSpeed's expert-parameter protocol, as ArcticTraining drives it ------------------------------------
+ARCTIC = dict(num_experts_per_tok=2)  # Qwen3-MoE, 8 experts, top-2; the client's block has no HF router to record
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """The client's own uneven all-to-all (ArcticTraining's ``AlltoAllV``), on the torch group deepspeed gave it."""
+
+    @staticmethod
+    def forward(ctx, x, group, received, sent):
+        import torch.distributed as dist
+
+        ctx.group, ctx.received, ctx.sent = group, received, sent
+        out = x.new_empty((sum(received), x.shape[1]))
+        dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        out = grad.new_empty((sum(ctx.sent), grad.shape[1]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
+        return out, None, None, None
+
+
+class ArcticStyleMoE(torch.nn.Module):
+    """A client MoE block in ArcticTraining's unified layout: ``router_gate [E, H]``, this rank's experts stacked as
+    ``expert_gate_up [L, H, 2I]`` (gate and up interleaved on the last dim) and ``expert_down [L, I, H]``; routing as
+    Qwen3-MoE's (softmax, top-k); tokens exchanged with torch's all_to_all_single on the group
+    ``deepspeed.utils.groups`` returns."""
+
+    def __init__(self, block, ep_size: int, ep_rank: int, ep_group):
+        super().__init__()
+        experts, total = block.experts, block.experts.gate_up_proj.shape[0]
+        local = total // ep_size
+        self.ep_size, self.ep_group, self.local, self.total = ep_size, ep_group, local, total
+        self.top_k, self.norm = block.gate.top_k, block.gate.norm_topk_prob
+        self.act = experts.act_fn
+        mine = slice(ep_rank * local, (ep_rank + 1) * local)
+        gate, up = experts.gate_up_proj.detach()[mine].chunk(2, dim=1)  # [L, I, H] each
+        self.router_gate = torch.nn.Parameter(block.gate.weight.detach().clone())
+        self.expert_gate_up = torch.nn.Parameter(
+            torch.stack((gate.transpose(1, 2), up.transpose(1, 2)), dim=-1).flatten(-2).contiguous()
+        )
+        self.expert_down = torch.nn.Parameter(experts.down_proj.detach()[mine].transpose(1, 2).contiguous())
+
+    def forward(self, hidden):
+        import torch.distributed as dist
+
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        probs = torch.softmax(torch.nn.functional.linear(x, self.router_gate).float(), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.total)
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts, group=self.ep_group)
+        received_counts = received_counts.view(self.ep_size, self.local)
+        sent = counts.view(self.ep_size, self.local).sum(1).tolist()
+        received = received_counts.sum(1).tolist()
+        rows = _AllToAllRows.apply(x[order // self.top_k], self.ep_group, received, sent)
+        expert_of_row = torch.arange(self.local).repeat(self.ep_size).repeat_interleave(received_counts.reshape(-1))
+        regroup = torch.argsort(expert_of_row, stable=True)
+        outputs = []
+        for e, chunk in enumerate(rows[regroup].split(received_counts.sum(0).tolist())):
+            h = chunk @ self.expert_gate_up[e]
+            outputs.append((self.act(h[:, 0::2]) * h[:, 1::2]) @ self.expert_down[e])
+        back = torch.empty_like(rows).index_copy(0, regroup, torch.cat(outputs))
+        returned = _AllToAllRows.apply(back, self.ep_group, sent, received)
+        out = x.new_zeros(x.shape).index_add(0, order // self.top_k, returned * weights.reshape(-1)[order, None])
+        return out.reshape(shape)
+
+
+def arctic_worker(stages: tuple) -> dict:
+    """ArcticTraining's sequence, in compat mode: expert groups before the engine, the client's blocks over the
+    groups' torch handles, tags by ``identify_expert_params``' rule, optimizer groups split by
+    ``split_params_into_different_moe_groups_for_optimizer``, then ``deepspeed.initialize``."""
+    import zeroshard
+
+    zeroshard.install_as_deepspeed()
+    import deepspeed
+    from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.utils import groups
+
+    from zeroshard import comm
+    from zeroshard.testing.hf import tiny_causal_lm
+
+    rank, ep = comm.get_rank(), 2
+    ref = reference("qwen3_moe", overrides=ARCTIC)
+    groups._create_expert_data_and_model_parallel(ep, mpu=None, use_data_before_expert_parallel_=False)
+    name = f"ep_size_{ep}"
+    ep_rank, ep_group = groups._get_expert_parallel_rank(name), groups._get_expert_parallel_group(name)
+    out = {
+        "groups": (
+            groups._get_expert_parallel_group_ranks(name),
+            groups._get_expert_data_parallel_group_ranks(name),
+            groups._get_expert_parallel_world_size(name),
+            groups._get_expert_data_parallel_world_size(name),
+            groups._get_expert_broadcast_src_rank(name),
+            groups._get_max_expert_size_name(),
+        )
+    }
+    for stage in stages:
+        model = tiny_causal_lm("qwen3_moe", **ARCTIC)
+        for layer in model.model.layers:
+            layer.mlp = ArcticStyleMoE(layer.mlp, ep, ep_rank, ep_group)
+            for param in (layer.mlp.expert_gate_up, layer.mlp.expert_down):
+                param.allreduce = False
+                param.group_name = name
+        params = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "params"}
+        )
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": CLIP,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": stage},
+        }
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+        losses, norms = [], []
+        for step, ids in enumerate(batches()):
+            loss = engine(input_ids=micro(ids, rank), labels=micro(ids, rank)).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(abs(loss.item() - ref["losses"][step][rank]) / ref["losses"][step][rank])
+            norms.append(abs(engine.get_global_grad_norm() - ref["norms"][step]) / ref["norms"][step])
+        error = _arctic_weight_error(engine, ref["weights"], ep, ep_rank)
+        out[stage] = {
+            "losses": losses,
+            "norms": norms,
+            "weights": error,
+            "moe_groups": [g.get("moe", False) for g in params],
+            "tagged": sum(is_moe_param(p) for p in model.parameters()),
+            "mesh": (engine.mesh.expert.size, engine.mesh.expert_shard.size),
+        }
+        engine.destroy()
+    return out
+
+
+def _arctic_weight_error(engine, expected: dict, ep: int, ep_rank: int) -> float:
+    """The client's layout mapped back to Hugging Face names, against the one-process weights (all experts)."""
+    from zeroshard import comm
+    from zeroshard.zero import GatheredParameters
+
+    squares = torch.zeros(4, dtype=torch.float64)
+    with GatheredParameters(list(engine.module.parameters())):
+        for name, param in engine.module.named_parameters():
+            value = param.detach().double()
+            if name.endswith("router_gate"):
+                squares[0] += (value - expected[name.replace("router_gate", "gate.weight")]).pow(2).sum()
+                squares[1] += expected[name.replace("router_gate", "gate.weight")].double().pow(2).sum()
+                continue
+            if ".mlp." not in name:
+                squares[0] += (value - expected[name]).pow(2).sum()
+                squares[1] += expected[name].double().pow(2).sum()
+                continue
+            prefix = name.rsplit(".", 1)[0]
+            local = value.shape[0]
+            mine = slice(ep_rank * local, (ep_rank + 1) * local)
+            if name.endswith("expert_gate_up"):
+                whole = expected[f"{prefix}.experts.gate_up_proj"][mine].double()
+                gate, up = whole.chunk(2, dim=1)
+                ref = torch.stack((gate.transpose(1, 2), up.transpose(1, 2)), dim=-1).flatten(-2)
+            else:
+                ref = expected[f"{prefix}.experts.down_proj"][mine].double().transpose(1, 2)
+            squares[2] += (value - ref).pow(2).sum()
+            squares[3] += ref.pow(2).sum()
+    comm.all_reduce(squares[2:], engine.mesh.expert)
+    return math.sqrt(squares[0] + squares[2]) / math.sqrt(squares[1] + squares[3])
+
+
+ARCTIC_STAGES = (2, 3)  # ArcticTraining runs ZeRO-2; stage 3 shards the same tagged tensors
+
+
+@pytest.fixture(scope="module")
+def arctic_runs():
+    return run_distributed(arctic_worker, WORLD, ARCTIC_STAGES, timeout_s=900)
+
+
+def test_deepspeed_expert_groups_are_laid_out_as_deepspeed_lays_them(arctic_runs):
+    for rank, per_rank in enumerate(arctic_runs):
+        expert, expert_data, ep, edp, src, largest = per_rank["groups"]
+        assert expert == [rank // 2 * 2, rank // 2 * 2 + 1] and expert_data == [rank % 2, rank % 2 + 2]
+        assert (ep, edp, src, largest) == (2, 2, rank % 2, "ep_size_2")
+
+
+@pytest.mark.parametrize("stage", ARCTIC_STAGES)
+def test_arctic_training_style_expert_parameters_train_as_one_process(arctic_runs, stage):
+    """Route 2: the client splits its experts and exchanges its tokens; zeroshard shards and reduces the tagged
+    tensors over the ranks holding the same experts and averages over the whole data-parallel group."""
+    for per_rank in arctic_runs:
+        run = per_rank[stage]
+        assert run["tagged"] == 4 and run["moe_groups"] == [False, True]
+        assert run["mesh"] == (2, 2)
+        assert run["losses"][0] <= 1e-6
+        assert max(run["norms"]) <= 1e-6
+        assert run["weights"] <= 1e-5

@@ -24,7 +24,7 @@ from ..zero.planning import is_packed
 from . import activation_checkpointing
 from .engine import ZeroshardEngine
 from .optimizer_recipe import OptimizerArg, elementwise_only, optimizer_recipe
-from .parallelize import parallelize, refuse_unsplit_experts, tensor_parallel_size
+from .parallelize import expert_parallel_size, parallelize, refuse_experts_split_by_transformers, tensor_parallel_size
 from .sampler import ResumableDistributedSampler
 
 
@@ -193,7 +193,7 @@ def _resolve(
     parsed = parse_config(source)
     tp_size = tensor_parallel_size(model, parsed.tensor_parallel)
     sp_size, sequence = _sequence_parallel(mpu, parsed)
-    ep_size = parsed.expert_parallel.autoep_size if parsed.expert_parallel.enabled else 1
+    ep_size = expert_parallel_size(model, parsed.expert_parallel)
     dims = comm.ParallelDims.for_world(
         comm.get_world_size(),
         tp=tp_size,
@@ -317,7 +317,7 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize needs model=")
-    refuse_unsplit_experts(model)
+    refuse_experts_split_by_transformers(model)
     log_as_launched()
     source = _config_source(args, config if config is not None else config_params)
     _join_process_group(dist_init_required)

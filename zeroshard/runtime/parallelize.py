@@ -4,20 +4,85 @@ experts. What each returns is the split parameters with how each is cut; ZeRO's 
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from .. import comm
 from ..log import log_rank0
 from ..moe import find_fused_experts, shard_experts
+from ..partition import TensorSplit
 from ..tensor_parallel import check_forward, layer_specs_from, shard_for_training, sharded_group, tensor_splits
 
 
 def parallelize(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> dict:
     """Tensor parallelism, then expert parallelism (each off unless the mesh has its dimension); returns every split
-    parameter with how the whole tensor is cut."""
-    pieces = _apply_tensor_parallel(model, cfg, mesh, materialize)
-    pieces.update(_apply_expert_parallel(model, cfg, mesh, materialize))
-    return pieces
+    parameter with how the whole tensor is cut. Experts the client split itself (DeepSpeed's expert-parameter
+    protocol) start from the first rank holding the same ones, everything else from rank 0."""
+    tagged = tagged_experts(model)
+    pieces = _apply_tensor_parallel(model, cfg, mesh, materialize, skip=frozenset(tagged))
+    if not tagged:
+        pieces.update(_apply_expert_parallel(model, cfg, mesh, materialize))
+        return pieces
+    if materialize is not None:
+        raise NotImplementedError(
+            "a model built under zeroshard.zero.Init with expert parameters (allreduce=False): build it normally"
+        )
+    with torch.no_grad():
+        for param in tagged:
+            comm.broadcast(param.data, src=mesh.expert_gradient.ranks[0], group=mesh.expert_gradient)
+    log_rank0(
+        f"expert parallelism: {len(tagged)} expert tensors tagged allreduce=False ({next(iter(tagged.values()))}), "
+        f"split over {mesh.expert.size} ranks, sharded over {mesh.expert_shard.size} rank(s) holding the same experts"
+    )
+    return {**pieces, **{param: TensorSplit(0, mesh.expert.size, axis="ep") for param in tagged}}
+
+
+def tagged_experts(model: torch.nn.Module) -> dict:
+    """DeepSpeed's expert-parameter protocol: each rank's own experts tagged ``allreduce = False`` with
+    ``group_name = "ep_size_<N>"`` (ArcticTraining tags its fused expert tensors so). Returns them with their group
+    name. A tagged tensor must stack this rank's experts along dim 0 (``[local_experts, ...]``: ArcticTraining's and
+    transformers' fused layout), so a checkpoint can describe the experts whole; anything else is refused by name."""
+    tagged = {}
+    for name, param in model.named_parameters():
+        if not hasattr(param, "allreduce") or param.allreduce:
+            continue
+        group = getattr(param, "group_name", None)
+        if not isinstance(group, str) or not re.fullmatch(r"ep_size_[1-9][0-9]*", group):
+            raise NotImplementedError(
+                f"parameter '{name}' is tagged allreduce=False (an expert parameter) with group_name {group!r}; "
+                "DeepSpeed's protocol names the expert group 'ep_size_<N>'"
+            )
+        if param.dim() < 3:
+            raise NotImplementedError(
+                f"parameter '{name}' ({list(param.shape)}) is tagged allreduce=False but is not a stack of experts "
+                "[local_experts, ...]: one tensor per expert (a ModuleList of experts, DeepSpeed's MoE layer) is not "
+                "implemented by zeroshard; stack the experts (fused, as ArcticTraining and transformers 5 do)"
+            )
+        tagged[param] = group
+    if len(set(tagged.values())) > 1:
+        raise NotImplementedError(
+            f"expert parameters of several expert-parallel sizes ({sorted(set(tagged.values()))}): one expert group "
+            "size per model is implemented"
+        )
+    return tagged
+
+
+def expert_parallel_size(model: torch.nn.Module, settings) -> int:
+    """The expert-parallel size: the tagged experts' group (DeepSpeed's protocol), or ``expert_parallel.autoep_size``
+    when enabled; both given must agree (1: off)."""
+    tagged = set(tagged_experts(model).values())
+    configured = settings.autoep_size if settings.enabled else None
+    if not tagged:
+        return configured or 1
+    size = int(next(iter(tagged)).removeprefix("ep_size_"))
+    if configured is not None:
+        raise ValueError(
+            f"the model's expert parameters are tagged for expert groups of {size} ranks (allreduce=False, "
+            f"group_name ep_size_{size}) and the config enables expert_parallel (autoep_size {configured}): the "
+            "experts are split already; remove the expert_parallel block"
+        )
+    return size
 
 
 def broadcast_module(module: torch.nn.Module, group: comm.Group, skip: frozenset = frozenset()) -> None:
@@ -44,12 +109,13 @@ def tensor_parallel_size(model: torch.nn.Module, settings) -> int:
     return already.size
 
 
-def _apply_tensor_parallel(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> dict:
-    """Every rank starts from rank 0's weights; under tensor parallelism each then keeps its pieces. Returns the split
-    parameters with how each is cut ({} without tensor parallelism)."""
+def _apply_tensor_parallel(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize, skip: frozenset) -> dict:
+    """Every rank starts from rank 0's weights (``skip``: tensors the ranks do not share); under tensor parallelism
+    each then keeps its pieces. Returns the split parameters with how each is cut ({} without tensor
+    parallelism)."""
     if mesh.tensor.size > 1:
         return _split_over_tensor_group(model, cfg, mesh, materialize)
-    broadcast_module(model, mesh.world)
+    broadcast_module(model, mesh.world, skip)
     return {}
 
 
@@ -102,19 +168,10 @@ def _apply_expert_parallel(model: torch.nn.Module, cfg, mesh: comm.Mesh, materia
     return pieces
 
 
-def refuse_unsplit_experts(model: torch.nn.Module) -> None:
-    """Expert layouts zeroshard does not train, refused by name before anything happens: DeepSpeed's
-    expert-parameter protocol tags each rank's own experts ``allreduce = False`` (they differ across ranks; averaged
-    with other ranks' experts they would be wrong without a word), and experts transformers already split over its
-    own expert-parallel group (``DistributedConfig(enable_expert_parallel=True)``: splitting them again would
-    double-shard them)."""
-    tagged = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
-    if tagged:
-        raise NotImplementedError(
-            f"{len(tagged)} parameters are tagged allreduce=False (DeepSpeed's expert parameters: {tagged[:3]}...): "
-            "zeroshard does not take expert groups built outside the engine yet and would average them with other "
-            "ranks' experts; use the expert_parallel config block on a model with fused experts instead"
-        )
+def refuse_experts_split_by_transformers(model: torch.nn.Module) -> None:
+    """Experts transformers already split over its own expert-parallel group (``DistributedConfig(ep_size=...)``:
+    DTensor experts, its own token exchange) are refused by name before anything happens: splitting them again
+    would double-shard them."""
     split = [path for path, m in model.named_modules() if getattr(m, "_is_expert_parallel", False)]
     if split:
         raise NotImplementedError(

@@ -50,10 +50,6 @@ NOT_BUILT = [
     "deepspeed.moe.layer.MoE",
     "deepspeed.runtime.engine.MoE",
     "deepspeed.module_inject.layers.GatherReplacedLayerParams",
-    "deepspeed.utils.groups._create_expert_and_data_parallel",
-    "deepspeed.utils.groups._create_expert_data_and_model_parallel",
-    "deepspeed.utils.groups._get_expert_parallel_group",
-    "deepspeed.utils.groups._get_expert_parallel_rank",
 ]
 
 
