@@ -96,7 +96,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run_case(family: str, ep: int, stage: int, ref: dict, skewed: bool = False) -> dict:
+def run_case(family: str, ep: int, stage: int, ref: dict, skewed: bool = False, compat: bool = False) -> dict:
+    """One engine trained 5 steps; ``compat``: built through ``deepspeed.initialize`` (zeroshard serving
+    ``import deepspeed``), as a DeepSpeed script with DeepSpeed's AutoEP block would build it."""
     import zeroshard
     from zeroshard import comm
     from zeroshard.testing.hf import tiny_causal_lm
@@ -112,7 +114,13 @@ def run_case(family: str, ep: int, stage: int, ref: dict, skewed: bool = False) 
         "zero_optimization": {"stage": stage},
         "expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": family},
     }
-    engine, *_ = zeroshard.initialize(model=model, config=config)
+    if compat:
+        zeroshard.install_as_deepspeed()
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+    else:
+        engine, *_ = zeroshard.initialize(model=model, config=config)
     mesh = engine.mesh
 
     def reference_piece(name: str, value: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -163,10 +171,12 @@ def moe_worker(cases: list[tuple]) -> dict:
 
     references = {}
     out = {}
-    for family, ep, stage, skewed in cases:
+    for family, ep, stage, variant in cases:
+        skewed = variant == "skewed"
         if (family, skewed) not in references:
             references[(family, skewed)] = reference(family, skewed)
-        out[(family, ep, stage, skewed)] = run_case(family, ep, stage, references[(family, skewed)], skewed)
+        ref = references[(family, skewed)]
+        out[(family, ep, stage, variant)] = run_case(family, ep, stage, ref, skewed, compat=variant == "compat")
     rank = zeroshard.comm.get_rank()
     formulas = {}
     for (family, skewed), ref in references.items():
@@ -184,19 +194,20 @@ def moe_worker(cases: list[tuple]) -> dict:
     return {"cases": out, "formulas": formulas, "counts": counts}
 
 
-CASES = [(family, ep, stage, False) for family in FAMILIES for ep in EXPERT_SIZES for stage in STAGES]
-SKEWED = [("mixtral", 4, 0, True), ("mixtral", 4, 3, True)]
+CASES = [(family, ep, stage, "") for family in FAMILIES for ep in EXPERT_SIZES for stage in STAGES]
+SKEWED = [("mixtral", 4, 0, "skewed"), ("mixtral", 4, 3, "skewed")]
+COMPAT = [("mixtral", 2, 2, "compat")]
 
 
 @pytest.fixture(scope="module")
 def moe_runs():
-    return run_distributed(moe_worker, WORLD, CASES + SKEWED, timeout_s=1500)
+    return run_distributed(moe_worker, WORLD, CASES + SKEWED + COMPAT, timeout_s=1500)
 
 
 @pytest.mark.parametrize("family, ep, stage", [case[:3] for case in CASES])
 def test_expert_parallel_training_matches_one_process(moe_runs, family, ep, stage):
     for per_rank in moe_runs:
-        run = per_rank["cases"][(family, ep, stage, False)]
+        run = per_rank["cases"][(family, ep, stage, "")]
         assert run["mesh"] == (ep, WORLD // ep, WORLD)
         assert run["loss"][0] <= 1e-6
         assert max(run["aux"]) <= 1e-6
@@ -209,7 +220,7 @@ def test_expert_parallel_training_matches_one_process(moe_runs, family, ep, stag
 def test_an_expert_without_tokens_on_every_rank_gets_a_zero_gradient(moe_runs, stage):
     idle = 0
     for per_rank in moe_runs:
-        run = per_rank["cases"][("mixtral", 4, stage, True)]
+        run = per_rank["cases"][("mixtral", 4, stage, "skewed")]
         assert run["grad"] <= 1e-6 and run["weights"] <= 1e-5
         for mine, reference_grad in run["idle_experts"]:
             if reference_grad == 0.0:  # no token chose this expert on any rank
@@ -223,7 +234,7 @@ def test_token_all_to_all_bytes_equal_the_routing_formula(moe_runs, family, ep):
     for per_rank in moe_runs:
         nbytes, wire = per_rank["formulas"][(family, ep, False)]
         for stage in STAGES:
-            totals = per_rank["cases"][(family, ep, stage, False)]["ledger"][("all_to_all", "expert")]
+            totals = per_rank["cases"][(family, ep, stage, "")]["ledger"][("all_to_all", "expert")]
             assert totals.bytes == nbytes
             assert totals.wire_bytes == pytest.approx(wire, rel=1e-12)
 
@@ -231,7 +242,7 @@ def test_token_all_to_all_bytes_equal_the_routing_formula(moe_runs, family, ep):
 @pytest.mark.parametrize("family, ep, stage", [case[:3] for case in CASES])
 def test_the_estimate_counts_expert_state_per_rank_as_the_run_holds_it(moe_runs, family, ep, stage):
     for per_rank in moe_runs:
-        run = per_rank["cases"][(family, ep, stage, False)]
+        run = per_rank["cases"][(family, ep, stage, "")]
         held, predicted = run["state"], run["estimate"]
         assert predicted["parameters"] == held["params"]
         assert predicted["gradients"] == held["grad_shard"]
@@ -244,7 +255,7 @@ def test_expert_reductions_and_state_stay_in_the_expert_data_group(moe_runs):
     for per_rank in moe_runs:
         dense, experts = per_rank["counts"][family]
         for stage in (1, 2):
-            run = per_rank["cases"][(family, ep, stage, False)]
+            run = per_rank["cases"][(family, ep, stage, "")]
             # one flat group of dense parameters (sharded over 4), one of this rank's experts (over its 2 peers)
             dense_shard = -(-dense // WORLD)
             expert_shard = -(-(experts // ep) // edp)
@@ -255,7 +266,7 @@ def test_expert_reductions_and_state_stay_in_the_expert_data_group(moe_runs):
             assert ledger[(op, "expert_shard")].bytes == FP32 * edp * expert_shard
             assert ledger[(op, "shard")].bytes == FP32 * WORLD * dense_shard
             assert {group for kind, group in ledger if kind == op} == {"shard", "expert_shard"}
-        ledger = per_rank["cases"][(family, ep, 0, False)]["ledger"]
+        ledger = per_rank["cases"][(family, ep, 0, "")]["ledger"]
         assert ledger[("all_reduce", "expert_gradient")].bytes == FP32 * (experts // ep)
 
 
@@ -637,3 +648,12 @@ def test_arctic_training_style_expert_parameters_train_as_one_process(arctic_run
         assert run["losses"][0] <= 1e-6
         assert max(run["norms"]) <= 1e-6
         assert run["weights"] <= 1e-5
+
+
+def test_autoep_through_deepspeed_initialize_trains_as_one_process(moe_runs):
+    """Route 3 in compat mode: DeepSpeed's expert_parallel block handed to ``deepspeed.initialize``."""
+    for per_rank in moe_runs:
+        run = per_rank["cases"][("mixtral", 2, 2, "compat")]
+        assert run["mesh"] == (2, 2, WORLD)
+        assert run["loss"][0] <= 1e-6 and max(run["aux"]) <= 1e-6 and run["grad"] <= 1e-6
+        assert max(run["norms"]) <= 1e-6 and run["weights"] <= 1e-5
