@@ -7,6 +7,7 @@ per rank is total / ep (parameters) and total / (ep x edp) (optimizer state, sta
 One spawn runs every case (process start-up dominates these tiny models); each rank trains the reference itself."""
 
 import math
+import os
 from typing import Optional
 
 import pytest
@@ -657,3 +658,167 @@ def test_autoep_through_deepspeed_initialize_trains_as_one_process(moe_runs):
         assert run["mesh"] == (2, 2, WORLD)
         assert run["loss"][0] <= 1e-6 and max(run["aux"]) <= 1e-6 and run["grad"] <= 1e-6
         assert max(run["norms"]) <= 1e-6 and run["weights"] <= 1e-5
+
+
+# -- route 1: DeepSpeed's MoE layer, capacity-gated, experts over ep_size ranks ---------------------------------------
+ROUTE1_CASES = ("top2_cf1_drop", "top1_residual")  # the issue's case (k=2, capacity 1.0, dropping) and Residual MoE
+ROUTE1_STAGES = (0, 1, 2, 3)
+
+
+class MoENet(torch.nn.Module):
+    """DeepSpeed's layer as a model: the loss of ``tests/fixtures/deepspeed_moe/shapes.py`` on one micro-batch."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.moe = layer
+
+    def forward(self, x, target):
+        out, l_aux, _ = self.moe(x)
+        return (out - target).pow(2).mean() + 0.1 * l_aux  # shapes.loss
+
+
+def _moe_shapes():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "fixtures" / "deepspeed_moe" / "shapes.py"
+    spec = importlib.util.spec_from_file_location("tests_moe_shapes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["tests_moe_shapes"] = module
+    return module, path.parent / "expected.safetensors"
+
+
+def route1_worker(stages: tuple) -> dict:
+    """Per case and stage: the layer at ep_size 2 on 4 ranks (EP=2 x DP=2), built as a DeepSpeed script builds it
+    (``deepspeed.moe.layer.MoE`` then ``deepspeed.initialize``), each rank one micro-batch of the fixture: its
+    step-0 output, ``l_aux`` and ``exp_counts`` against DeepSpeed's on that micro-batch, every gradient against the
+    mean of DeepSpeed's four (experts by global index), then 3 AdamW steps against one process accumulating the
+    four micro-batches through the same layer at ep_size 1."""
+    import zeroshard
+
+    zeroshard.install_as_deepspeed()
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+    from safetensors.torch import load_file
+
+    from zeroshard import comm
+    from zeroshard.testing.parity import model_error
+
+    shapes, expected_path = _moe_shapes()
+    expected = load_file(str(expected_path))
+    x, target = expected["x"], expected["target"]
+    rank = comm.get_rank()
+    out = {}
+    for case in ROUTE1_CASES:
+        state = {k.removeprefix(f"{case}.weight."): v for k, v in expected.items() if k.startswith(f"{case}.weight.")}
+        reference = MoENet(shapes.build(MoE, case))  # one process, every expert
+        reference.moe.load_state_dict(state)
+        optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
+        for _ in range(3):
+            optimizer.zero_grad()
+            for b in range(WORLD):
+                (reference(x[b], target[b]) / WORLD).backward()
+            optimizer.step()
+        for stage in stages:
+            model = MoENet(shapes.build(MoE, case, ep_size=2))
+            ep_rank = rank % 2
+            model.moe.load_state_dict(shapes.local(state, 2, ep_rank))
+            config = {
+                "train_micro_batch_size_per_gpu": 1,
+                "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+                "gradient_clipping": 0.0,
+                "zero_optimization": {"stage": stage},
+            }
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            result = {"mesh": (engine.mesh.expert.size, engine.mesh.expert_shard.size)}
+            layer_out, l_aux, counts = engine.module.moe(x[rank])
+            result["out"] = relative(layer_out.detach(), expected[f"{case}.{rank}.out"])
+            result["l_aux"] = abs(l_aux.item() - expected[f"{case}.{rank}.l_aux"].item())
+            result["counts"] = counts.tolist() == expected[f"{case}.{rank}.counts"].tolist()
+            engine.backward(engine(x[rank], target[rank]))
+            worst = 0.0
+            for name, param in engine.module.named_parameters():
+                grad = engine.param_access.full_grad(param)
+                key = name.removeprefix("moe.")
+                global_key = shapes_global_name(key, ep_rank, shapes.EXPERTS // 2)
+                mean = sum(expected[f"{case}.{b}.grad.{global_key}"] for b in range(WORLD)) / WORLD
+                worst = max(worst, relative(grad, mean))
+            result["grad"] = worst
+            engine.step()
+            for _ in range(2):
+                engine.backward(engine(x[rank], target[rank]))
+                engine.step()
+            if stage == 0:  # not built yet: refused by name, nothing written
+                import tempfile
+
+                directory = tempfile.mkdtemp()
+                refused = []
+                for call, args in ((engine.save_checkpoint, (directory,)), (engine.consolidated_state_dict, ())):
+                    try:
+                        call(*args)
+                    except NotImplementedError as err:
+                        refused.append(str(err))
+                result["refused"] = (refused, os.listdir(directory))
+            whole = {n.removeprefix("moe."): v for n, v in _route1_weights(engine, ep_rank).items()}
+            result["weights"] = model_error(
+                whole, {n.removeprefix("moe."): p.detach() for n, p in reference.named_parameters()}
+            )
+            out[(case, stage)] = result
+            engine.destroy()
+    return out
+
+
+def shapes_global_name(name: str, ep_rank: int, local: int) -> str:
+    """A local expert's parameter name under its global index (rank r's copy i is expert r * L + i)."""
+    marker = "deepspeed_experts."
+    if marker not in name:
+        return name
+    head, tail = name.split(marker)
+    index, rest = tail.split(".", 1)
+    return f"{head}{marker}{ep_rank * local + int(index)}.{rest}"
+
+
+def _route1_weights(engine, ep_rank: int) -> dict:
+    """Every parameter under its one-process name: dense ones as they are, experts gathered from both expert ranks."""
+    from zeroshard import comm
+    from zeroshard.zero import GatheredParameters
+
+    out = {}
+    with GatheredParameters(list(engine.module.parameters())):
+        for name, param in engine.module.named_parameters():
+            value = param.detach().clone()
+            if "deepspeed_experts." not in name:
+                out[name] = value
+                continue
+            pieces = value.new_empty((engine.mesh.expert.size, *value.shape))
+            comm.all_gather(pieces, value.contiguous(), engine.mesh.expert)
+            for r in range(engine.mesh.expert.size):
+                out[shapes_global_name(name, r, len(engine.module.moe.deepspeed_moe.experts.deepspeed_experts))] = (
+                    pieces[r]
+                )
+    return out
+
+
+@pytest.fixture(scope="module")
+def route1_runs():
+    return run_distributed(route1_worker, WORLD, ROUTE1_STAGES, timeout_s=900)
+
+
+@pytest.mark.parametrize("case", ROUTE1_CASES)
+@pytest.mark.parametrize("stage", ROUTE1_STAGES)
+def test_deepspeeds_moe_layer_over_two_expert_ranks_matches_deepspeed_in_one_process(route1_runs, case, stage):
+    """Route 1: ``deepspeed.moe.layer.MoE(ep_size=2)`` under ``deepspeed.initialize`` on 4 ranks computes what
+    DeepSpeed 0.19.8's own layer computes in one process on each micro-batch (capacity drops included), and trains
+    as one process accumulating the four."""
+    for per_rank in route1_runs:
+        run = per_rank[(case, stage)]
+        assert run["mesh"] == (2, 2)
+        assert run["out"] <= 1e-6 and run["l_aux"] <= 1e-6 and run["counts"]
+        assert run["grad"] <= 1e-6
+        assert run["weights"] <= 1e-5
+        if stage == 0:
+            (save, consolidate), written = run["refused"]
+            assert "save_checkpoint with DeepSpeed MoE layers split over expert ranks" in save and written == []
+            assert "one expert of a DeepSpeed MoE layer split over expert ranks" in consolidate

@@ -94,6 +94,16 @@ def save(
     if not isinstance(tag, str) or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' and no leading '.')")
     plain_name(tag, "checkpoint tag", save_dir)
+    listed = [
+        s.name for f in [*state.flat_groups, *state.frozen_groups] for s in f.layout.slots if s.split and s.split.listed
+    ]
+    if listed:  # every rank has the same model: all refuse, before anything is created
+        raise NotImplementedError(
+            f"save_checkpoint with DeepSpeed MoE layers split over expert ranks ({listed[0]}, ...: one tensor per "
+            "expert) is not implemented yet: the checkpoint would need each expert under its global index; save "
+            "weights with ep_size 1, or use stacked experts (the expert_parallel block, or fused tensors tagged "
+            "allreduce=False), which checkpoints describe whole"
+        )
     client, client_tensors = split_client_state(client_state)
     world, rank = state.mesh.world, comm.get_rank()
     tag = ranks_agree(save_dir, tag, world, state.config.checkpoint.tag_validation.lower())

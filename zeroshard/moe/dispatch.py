@@ -10,6 +10,7 @@ in the group both are local.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -42,9 +43,12 @@ class ExpertDispatch:
         self.num_experts = num_experts
         self.local_experts = num_experts // group.size
 
-    def send(self, hidden: torch.Tensor, top_k_index: torch.Tensor) -> tuple[torch.Tensor, list[int], Dispatched]:
-        """The rows this rank's experts compute (expert-major), the rows per local expert, and the routing state."""
-        route = TokenRoute.of(top_k_index, self.num_experts)
+    def send(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, kept: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, list[int], Dispatched]:
+        """The rows this rank's experts compute (expert-major), the rows per local expert, and the routing state;
+        ``kept`` (capacity gating): only those choices are sent."""
+        route = TokenRoute.of(top_k_index, self.num_experts, kept)
         received_counts = torch.empty_like(route.counts)
         if self.group.size > 1:
             all_to_all(received_counts, route.counts, self.group)  # the count exchange: E integers per rank

@@ -119,13 +119,3 @@ def shard_experts(model: torch.nn.Module, group: comm.Group, preset: Optional[st
         setattr(model.get_submodule(parent_path), name, parallel)
         pieces.update({getattr(parallel, n): split for n, split in parallel.splits().items()})
     return pieces
-
-
-def expert_splits(model: torch.nn.Module) -> dict[str, TensorSplit]:
-    """How each expert parameter of a model split by :func:`shard_experts` is cut, by parameter name."""
-    return {
-        f"{path}.{name}" if path else name: split
-        for path, module in model.named_modules()
-        if isinstance(module, ExpertParallelExperts)
-        for name, split in module.splits().items()
-    }

@@ -4,13 +4,14 @@ A router picks ``k`` experts per token (``top_k_index``, ``[T, k]``). With ``E``
 order (rank ``r`` holds experts ``r * E / P`` up to ``(r + 1) * E / P``), every (token, choice) pair is one *row*
 sent to the rank holding its expert. :class:`TokenRoute` sorts the rows by expert (a stable sort, so each expert
 sees its tokens in token order, as a one-process layer loops over them), which makes the rows for each rank
-contiguous: the per-rank counts are the all-to-all's splits. No token is dropped (dropless routing); an expert no
-row goes to is normal.
+contiguous: the per-rank counts are the all-to-all's splits. No token is dropped (dropless routing) unless the
+gate says so (capacity gating: the choices not ``kept`` stay home); an expert no row goes to is normal.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -25,7 +26,8 @@ class TokenRoute:
     top_k: int
 
     @classmethod
-    def of(cls, top_k_index: torch.Tensor, num_experts: int) -> "TokenRoute":
+    def of(cls, top_k_index: torch.Tensor, num_experts: int, kept: Optional[torch.Tensor] = None) -> "TokenRoute":
+        """The route of ``top_k_index``; ``kept`` (``[T, k]`` bool, capacity gating): only those choices travel."""
         if top_k_index.dim() != 2:
             raise ValueError(f"top_k_index must be [tokens, k], got shape {list(top_k_index.shape)}")
         flat = top_k_index.reshape(-1)
@@ -33,8 +35,10 @@ class TokenRoute:
             raise ValueError(
                 f"expert indices must lie in [0, {num_experts}), got [{int(flat.min())}, {int(flat.max())}]"
             )
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts)
+        if kept is not None:  # dropped choices sort last, past every expert, and are left out
+            flat = torch.where(kept.reshape(-1), flat, torch.full_like(flat, num_experts))
+        counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+        order = torch.argsort(flat, stable=True)[: int(counts.sum())]
         return cls(order=order, counts=counts, top_k=top_k_index.shape[1])
 
     @property

@@ -30,6 +30,10 @@ class TensorSplit:
     fused: int = 1  # projections packed side by side along ``dim``, each cut separately
     transposed: bool = False  # the piece is stored transposed (2-D tensors only)
     axis: str = "tp"  # the mesh dimension whose ranks hold the pieces: tensor (tp) or expert (ep) parallelism
+    # one tensor per expert (a ModuleList of experts, DeepSpeed's MoE layer): rank r's copy i is expert r * L + i, a
+    # separate tensor, not a slice of a stack (planning treats it as a piece of its axis; checkpoints cannot describe
+    # it whole yet)
+    listed: bool = False
 
     def __post_init__(self):
         if self.parts < 1 or self.fused < 1 or self.dim < 0 or self.axis not in AXES:

@@ -17,9 +17,7 @@ from ..accelerator import get_accelerator
 from ..checkpoint.view import TrainingCounters
 from ..config import Resolution
 from ..log import log_rank0, logger
-from ..moe import expert_splits
 from ..precision import PrecisionPolicy
-from ..tensor_parallel import tensor_splits
 from ..zero import ZeroStack
 from .activation_checkpointing import CheckpointingOptions
 from .activation_checkpointing import in_effect as checkpointing_in_effect
@@ -52,6 +50,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         training_dataloader: Any = None,
         *,
         activation_checkpointing: Optional[CheckpointingOptions] = None,
+        tensor_splits: dict,
     ):
         super().__init__()
         self.module = module
@@ -64,9 +63,9 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         self._config_dict = resolution.config.model_dump(by_alias=True, mode="json")
         self.batch = resolution.batch
         self.mesh = mesh
-        # how tensor and expert parallelism cut each split parameter, by name (read once: the splits happened before
-        # the engine)
-        self.tensor_splits = {**tensor_splits(module), **expert_splits(module)}
+        # how tensor and expert parallelism cut each split parameter, by name (decided once, before the engine, by
+        # what placed them: ``initialize``'s parallelize)
+        self.tensor_splits = tensor_splits
         self.policy = policy
         self.device = device
         self.training_dataloader = training_dataloader

@@ -360,6 +360,7 @@ def initialize(
         placement.device,
         dataloader,
         activation_checkpointing=_checkpointing_options(cfg),
+        tensor_splits={name: pieces[p] for name, p in model.named_parameters() if p in pieces},
     )
     _auto_resume(engine)
     mesh.context.ledger.reset()  # the engine counts training traffic, not the initial weights or a resume

@@ -10,7 +10,7 @@ import torch
 
 from .. import comm
 from ..log import log_rank0
-from ..moe import find_fused_experts, shard_experts
+from ..moe import find_fused_experts, moe_layers, shard_experts
 from ..partition import TensorSplit
 from ..tensor_parallel import check_forward, layer_specs_from, shard_for_training, sharded_group, tensor_splits
 
@@ -19,9 +19,15 @@ def parallelize(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> di
     """Tensor parallelism, then expert parallelism (each off unless the mesh has its dimension); returns every split
     parameter with how the whole tensor is cut. Experts the client split itself (DeepSpeed's expert-parameter
     protocol) start from the first rank holding the same ones, everything else from rank 0."""
-    tagged = tagged_experts(model)
-    pieces = _apply_tensor_parallel(model, cfg, mesh, materialize, skip=frozenset(tagged))
-    if not tagged:
+    ep = mesh.expert.size
+    layers = moe_layers(model)
+    own = {param: TensorSplit(0, ep, axis="ep") for param in tagged_experts(model)}
+    if ep > 1:  # DeepSpeed's MoE layers: one tensor per local expert
+        own.update(
+            {p: TensorSplit(0, ep, axis="ep", listed=True) for layer in layers for p in layer.experts.parameters()}
+        )
+    pieces = _apply_tensor_parallel(model, cfg, mesh, materialize, skip=frozenset(own))
+    if not own:
         pieces.update(_apply_expert_parallel(model, cfg, mesh, materialize))
         return pieces
     if materialize is not None:
@@ -29,13 +35,15 @@ def parallelize(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> di
             "a model built under zeroshard.zero.Init with expert parameters (allreduce=False): build it normally"
         )
     with torch.no_grad():
-        for param in tagged:
+        for param in own:
             comm.broadcast(param.data, src=mesh.expert_gradient.ranks[0], group=mesh.expert_gradient)
+    for layer in layers:
+        layer.use_expert_group(mesh.expert)
     log_rank0(
-        f"expert parallelism: {len(tagged)} expert tensors tagged allreduce=False ({next(iter(tagged.values()))}), "
-        f"split over {mesh.expert.size} ranks, sharded over {mesh.expert_shard.size} rank(s) holding the same experts"
+        f"expert parallelism: {len(own)} expert tensors (tagged allreduce=False, group_name ep_size_{ep}) split over "
+        f"{ep} ranks, sharded over {mesh.expert_shard.size} rank(s) holding the same experts"
     )
-    return {**pieces, **{param: TensorSplit(0, mesh.expert.size, axis="ep") for param in tagged}}
+    return {**pieces, **own}
 
 
 def tagged_experts(model: torch.nn.Module) -> dict:
@@ -44,8 +52,9 @@ def tagged_experts(model: torch.nn.Module) -> dict:
     name. A tagged tensor must stack this rank's experts along dim 0 (``[local_experts, ...]``: ArcticTraining's and
     transformers' fused layout), so a checkpoint can describe the experts whole; anything else is refused by name."""
     tagged = {}
+    layered = {p for layer in moe_layers(model) for p in layer.experts.parameters()}  # DeepSpeed's layers: apart
     for name, param in model.named_parameters():
-        if not hasattr(param, "allreduce") or param.allreduce:
+        if not hasattr(param, "allreduce") or param.allreduce or param in layered:
             continue
         group = getattr(param, "group_name", None)
         if not isinstance(group, str) or not re.fullmatch(r"ep_size_[1-9][0-9]*", group):
@@ -71,7 +80,12 @@ def tagged_experts(model: torch.nn.Module) -> dict:
 def expert_parallel_size(model: torch.nn.Module, settings) -> int:
     """The expert-parallel size: the tagged experts' group (DeepSpeed's protocol), or ``expert_parallel.autoep_size``
     when enabled; both given must agree (1: off)."""
-    tagged = set(tagged_experts(model).values())
+    tagged = set(tagged_experts(model).values()) | {f"ep_size_{layer.ep_size}" for layer in moe_layers(model)}
+    if len(tagged) > 1:
+        raise NotImplementedError(
+            f"expert parameters of several expert-parallel sizes ({sorted(tagged)}): one expert group size per model "
+            "is implemented"
+        )
     configured = settings.autoep_size if settings.enabled else None
     if not tagged:
         return configured or 1

@@ -100,6 +100,11 @@ def consolidated_state_dict(
     def whole(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
         split = next((splits[n] for n in names[id(param)] if n in splits), None)
         value = param.detach()
+        if split is not None and split.listed:
+            raise NotImplementedError(
+                f"consolidated weights of '{names[id(param)][0]}', one expert of a DeepSpeed MoE layer split over "
+                "expert ranks: naming each expert by its global index is not implemented yet"
+            )
         group = (split_groups or {}).get(split.axis) if split is not None else None
         if group is not None and group.size > 1:
             pieces = value.new_empty((group.size, *value.shape))

@@ -47,8 +47,6 @@ NOT_BUILT = [
     "deepspeed.ops.op_builder.GDSBuilder",
     "deepspeed.DeepSpeedTransformerLayer",
     "deepspeed.DeepSpeedTransformerConfig",
-    "deepspeed.moe.layer.MoE",
-    "deepspeed.runtime.engine.MoE",
     "deepspeed.module_inject.layers.GatherReplacedLayerParams",
 ]
 

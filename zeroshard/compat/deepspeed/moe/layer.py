@@ -1,8 +1,6 @@
-"""``deepspeed.moe.layer``: DeepSpeed's ``MoE`` layer. zeroshard has no expert layers yet: importing works,
-constructing one is refused by name (a model whose experts are plain modules trains with them replicated)."""
+"""``deepspeed.moe.layer``: DeepSpeed's ``MoE`` layer is zeroshard's (``zeroshard.moe.layer.MoE``: the same
+constructor, forward, parameter names and expert-parameter tags)."""
 
-from .._not_built import not_built
-
-MoE = not_built("deepspeed.moe.layer.MoE", "expert parallelism is not implemented yet; experts would be replicated")
+from zeroshard.moe import MoE
 
 __all__ = ["MoE"]

@@ -9,6 +9,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from zeroshard.moe import MoE
+
 DEFAULT_MAX_GROUP_SIZE = 178956971  # DeepSpeed's default elements per expert optimizer group
 
 
@@ -18,8 +20,9 @@ def is_moe_param(param: torch.Tensor) -> bool:
 
 
 def has_moe_layers(module: torch.nn.Module) -> tuple[bool, int]:
-    """DeepSpeed's ``MoE`` layers are not built here (``deepspeed.moe.layer.MoE`` is refused): (False, 0)."""
-    return False, 0
+    """Whether ``module`` holds DeepSpeed's ``MoE`` layer, and the first one's expert count."""
+    first = next((m for m in module.modules() if isinstance(m, MoE)), None)
+    return (True, first.num_experts) if first is not None else (False, 0)
 
 
 def split_params_into_shared_and_expert_params(params: list) -> tuple[list, list]:
