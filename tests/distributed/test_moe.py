@@ -7,7 +7,6 @@ per rank is total / ep (parameters) and total / (ep x edp) (optimizer state, sta
 One spawn runs every case (process start-up dominates these tiny models); each rank trains the reference itself."""
 
 import math
-import os
 from typing import Optional
 
 import pytest
@@ -750,18 +749,7 @@ def route1_worker(stages: tuple) -> dict:
             for _ in range(2):
                 engine.backward(engine(x[rank], target[rank]))
                 engine.step()
-            if stage == 0:  # not built yet: refused by name, nothing written
-                import tempfile
-
-                directory = tempfile.mkdtemp()
-                refused = []
-                for call, args in ((engine.save_checkpoint, (directory,)), (engine.consolidated_state_dict, ())):
-                    try:
-                        call(*args)
-                    except NotImplementedError as err:
-                        refused.append(str(err))
-                result["refused"] = (refused, os.listdir(directory))
-            whole = {n.removeprefix("moe."): v for n, v in _route1_weights(engine, ep_rank).items()}
+            whole = {n.removeprefix("moe."): v for n, v in engine.consolidated_state_dict(rank0_only=False).items()}
             result["weights"] = model_error(
                 whole, {n.removeprefix("moe."): p.detach() for n, p in reference.named_parameters()}
             )
@@ -780,27 +768,6 @@ def shapes_global_name(name: str, ep_rank: int, local: int) -> str:
     return f"{head}{marker}{ep_rank * local + int(index)}.{rest}"
 
 
-def _route1_weights(engine, ep_rank: int) -> dict:
-    """Every parameter under its one-process name: dense ones as they are, experts gathered from both expert ranks."""
-    from zeroshard import comm
-    from zeroshard.zero import GatheredParameters
-
-    out = {}
-    with GatheredParameters(list(engine.module.parameters())):
-        for name, param in engine.module.named_parameters():
-            value = param.detach().clone()
-            if "deepspeed_experts." not in name:
-                out[name] = value
-                continue
-            pieces = value.new_empty((engine.mesh.expert.size, *value.shape))
-            comm.all_gather(pieces, value.contiguous(), engine.mesh.expert)
-            for r in range(engine.mesh.expert.size):
-                out[shapes_global_name(name, r, len(engine.module.moe.deepspeed_moe.experts.deepspeed_experts))] = (
-                    pieces[r]
-                )
-    return out
-
-
 @pytest.fixture(scope="module")
 def route1_runs():
     return run_distributed(route1_worker, WORLD, ROUTE1_STAGES, timeout_s=900)
@@ -817,8 +784,73 @@ def test_deepspeeds_moe_layer_over_two_expert_ranks_matches_deepspeed_in_one_pro
         assert run["mesh"] == (2, 2)
         assert run["out"] <= 1e-6 and run["l_aux"] <= 1e-6 and run["counts"]
         assert run["grad"] <= 1e-6
-        assert run["weights"] <= 1e-5
-        if stage == 0:
-            (save, consolidate), written = run["refused"]
-            assert "save_checkpoint with DeepSpeed MoE layers split over expert ranks" in save and written == []
-            assert "one expert of a DeepSpeed MoE layer split over expert ranks" in consolidate
+        assert run["weights"] <= 1e-5  # the consolidated weights name every expert by its global index
+
+
+def route1_resume_worker(directory: str, stage: int) -> dict:
+    """DeepSpeed's layer saved at ep_size 2 on 4 ranks after 2 steps, then 2 more (the uninterrupted run); loaded at
+    ep_size 4, at ep_size 1 (every expert on every rank) and, on one rank, in one process accumulating the four
+    micro-batches: each expert is saved whole under its global index, so every layout reads it."""
+    import zeroshard
+
+    zeroshard.install_as_deepspeed()
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+    from safetensors.torch import load_file
+
+    from zeroshard import comm
+
+    shapes, expected_path = _moe_shapes()
+    expected = load_file(str(expected_path))
+    x, target = expected["x"], expected["target"]
+    case, world, rank = "top2_cf1_drop", comm.get_world_size(), comm.get_rank()
+    state = {k.removeprefix(f"{case}.weight."): v for k, v in expected.items() if k.startswith(f"{case}.weight.")}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": WORLD // world,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage},
+    }
+
+    def engine_at(ep: int):
+        model = MoENet(shapes.build(MoE, case, ep_size=ep))
+        model.moe.load_state_dict(shapes.local(state, ep, rank % ep))
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+    def train(engine, steps: int) -> None:
+        for _ in range(steps):
+            for b in range(rank, WORLD, world):
+                engine.backward(engine(x[b], target[b]))
+                engine.step()
+
+    out = {}
+    if world == WORLD:
+        engine = engine_at(2)
+        train(engine, 2)
+        engine.save_checkpoint(directory, tag="t")
+        out["saved"] = engine.consolidated_state_dict(rank0_only=False)
+        train(engine, 2)
+        out["uninterrupted"] = engine.consolidated_state_dict(rank0_only=False)
+        engine.destroy()
+    for ep in (4, 1) if world == WORLD else (1,):
+        engine = engine_at(ep)
+        engine.load_checkpoint(directory, tag="t")
+        loaded = engine.consolidated_state_dict(rank0_only=False)
+        train(engine, 2)
+        out[ep] = (loaded, engine.consolidated_state_dict(rank0_only=False))
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeeds_moe_layer_resumes_at_any_expert_parallel_size(tmp_path, stage):
+    from zeroshard.testing.parity import model_error
+
+    four = run_distributed(route1_resume_worker, WORLD, str(tmp_path), stage, timeout_s=900)[0]
+    one = run_distributed(route1_resume_worker, 1, str(tmp_path), stage, timeout_s=900)[0]
+    saved, uninterrupted = four["saved"], four["uninterrupted"]
+    assert sum("deepspeed_experts." in n for n in saved) == 4 * 4  # 4 experts x (2 weights, 2 biases), global names
+    for loaded, resumed in (four[4], four[1], one[1]):
+        assert set(loaded) == set(saved)
+        assert max((loaded[n] - saved[n]).abs().max().item() for n in saved) == 0.0
+        assert model_error(resumed, uninterrupted) <= 1e-6

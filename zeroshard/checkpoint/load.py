@@ -116,11 +116,14 @@ def load(
 def _check_params(state: TrainingState, manifest: dict, strict: bool) -> tuple[list[str], list[str]]:
     """Shapes must match (whole parameters: tensor-parallel pieces at any degree); with ``strict`` the names too.
     Returns (missing from the checkpoint, not in the model)."""
-    splits = state.tensor_splits
+    splits, experts = state.tensor_splits, state.expert_names
     mine = {  # tied aliases appear once
         n: splits[n].full_shape(tuple(p.shape)) if n in splits else tuple(p.shape)
         for n, p in state.module.named_parameters()
+        if n not in experts
     }
+    for n, p in state.module.named_parameters():  # every expert of every expert rank, by its global name
+        mine.update({name: tuple(p.shape) for name in experts.get(n, ())})
     saved = {n: tuple(e["shape"]) for n, e in manifest["params"].items()}
     saved.update({n: tuple(e["shape"]) for n, e in manifest["module_tensors"].items()})
     mine.update({n.removeprefix("module."): tuple(t.shape) for n, t in outside_tensors(state).items()})
@@ -230,8 +233,14 @@ class _PieceReader:
     def __init__(self, sources: Sources, state: TrainingState):
         self.sources, self.splits = sources, state.tensor_splits
         self.piece_index = {"tp": state.mesh.tensor.rank, "ep": state.mesh.expert.rank}  # this rank's, per axis
+        rank = state.mesh.expert.rank
+        self.global_names = {local: names[rank] for local, names in state.expert_names.items()}
         self._cached: tuple[Optional[tuple[str, str]], Optional[torch.Tensor]] = (None, None)
         self._parsed: dict[str, tuple] = {}  # name -> (pieces, their dtype, saved split): read once per parameter
+
+    def saved_name(self, name: str) -> str:
+        """The name a parameter is saved under: its own, or for one of a layer's experts, its global one."""
+        return self.global_names.get(name, name)
 
     def _entry(self, name: str) -> tuple:
         if name not in self._parsed:
@@ -240,9 +249,12 @@ class _PieceReader:
             self._parsed[name] = (pieces, piece_dtype(self.sources.manifest, name, pieces[0].key), saved_split(entry))
         return self._parsed[name]
 
-    def __call__(self, name: str, prefix: str, start: int, stop: int, out: torch.Tensor) -> None:
+    def __call__(self, local: str, prefix: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Of the parameter this model names ``local`` (saved as ``saved_name(local)``)."""
+        name = self.saved_name(local)
+        mine = None if local in self.global_names else self.splits.get(local)  # one expert: whole, as saved
         pieces, dtype, saved = self._entry(name)
-        entry, mine = self.sources.manifest["params"][name], self.splits.get(name)
+        entry = self.sources.manifest["params"][name]
         if saved == mine:  # both whole, or cut alike over as many ranks: this rank's piece is saved as it is
             shift = (
                 0 if mine is None else self.piece_index[mine.axis] * (torch.Size(entry["shape"]).numel() // mine.parts)
@@ -260,7 +272,7 @@ def _load_flat(zero, index: int, flat, manifest: dict, read: _PieceReader, with_
     """Replace one flat group's master shard (and optimizer state) with the saved values; a parameter the
     checkpoint lacks (load_module_strict=False) keeps its current master weights and zero optimizer state."""
     saved = manifest["params"]
-    present = sum(slot.name in saved for slot in flat.layout.slots)
+    present = sum(read.saved_name(slot.name) in saved for slot in flat.layout.slots)
     keys = ["master"]
     if with_optimizer:
         group = zero.flat_param_group(index)  # a parameter group's flat groups share one update rule and its keys
@@ -273,7 +285,7 @@ def _load_flat(zero, index: int, flat, manifest: dict, read: _PieceReader, with_
     if present < len(flat.layout.slots):
         targets["master"].copy_(zero.read_flat(index)["master"])
     for seg in flat.layout.segments(flat.shard_rank):
-        if seg.slot.name not in saved:
+        if read.saved_name(seg.slot.name) not in saved:
             continue
         start = seg.flat_start - seg.slot.offset
         for key in keys:
@@ -299,7 +311,7 @@ def _load_frozen(flat, manifest: dict, read: _PieceReader) -> None:
     saved = manifest["params"]
     target = flat.shard_values().clone()
     for seg in flat.layout.segments(flat.shard_rank):
-        if seg.slot.name in saved:
+        if read.saved_name(seg.slot.name) in saved:
             start = seg.flat_start - seg.slot.offset
             read(
                 seg.slot.name, "master", start, start + seg.numel, target[seg.shard_start : seg.shard_start + seg.numel]

@@ -94,16 +94,6 @@ def save(
     if not isinstance(tag, str) or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be a plain name (no '/' and no leading '.')")
     plain_name(tag, "checkpoint tag", save_dir)
-    listed = [
-        s.name for f in [*state.flat_groups, *state.frozen_groups] for s in f.layout.slots if s.split and s.split.listed
-    ]
-    if listed:  # every rank has the same model: all refuse, before anything is created
-        raise NotImplementedError(
-            f"save_checkpoint with DeepSpeed MoE layers split over expert ranks ({listed[0]}, ...: one tensor per "
-            "expert) is not implemented yet: the checkpoint would need each expert under its global index; save "
-            "weights with ep_size 1, or use stacked experts (the expert_parallel block, or fused tensors tagged "
-            "allreduce=False), which checkpoints describe whole"
-        )
     client, client_tensors = split_client_state(client_state)
     world, rank = state.mesh.world, comm.get_rank()
     tag = ranks_agree(save_dir, tag, world, state.config.checkpoint.tag_validation.lower())
@@ -219,7 +209,7 @@ def _sharded_entries(state: TrainingState, flats: list, frozen: list) -> tuple[d
     optimizer state keys and scalars. Frozen flat groups (stage 3) are saved like master shards, as ``ff<j>``. A
     tensor-parallel parameter (or a tensor of experts) is described whole: its ``split``, and pieces covering every
     tensor-parallel (expert-parallel) rank's piece in rank order."""
-    zero, dims = state.optimizer, state.mesh.dims
+    zero, dims, experts = state.optimizer, state.mesh.dims, state.expert_names
     params: dict[str, dict] = {}
     flat_groups = []
     keyed = [(f"fg{k}", flat) for k, flat in enumerate(flats)]
@@ -228,10 +218,17 @@ def _sharded_entries(state: TrainingState, flats: list, frozen: list) -> tuple[d
         axis = flat.layout.split_axis
         for piece in range(getattr(dims, axis) if axis else 1):
             for name, plist in pieces_for(flat.layout, key, _writer_files(flat, dims, piece)).items():
+                if name in experts:  # one expert of a layer, whole, under its global index on that expert rank
+                    params[experts[name][piece]] = {"pieces": [p.to_json() for p in plist]}
+                    continue
                 shift = piece * numels[name]
                 shifted = [dataclasses.replace(p, param_offset=p.param_offset + shift) for p in plist]
                 params.setdefault(name, {"pieces": []})["pieces"] += [p.to_json() for p in shifted]
         for slot, param in zip(flat.layout.slots, flat.params):
+            if slot.name in experts:
+                for name in experts[slot.name]:
+                    params[name].update(shape=list(slot.shape), dtype=str(param.dtype).removeprefix("torch."))
+                continue
             split = slot.split
             shape = split.full_shape(tuple(slot.shape)) if split is not None else tuple(slot.shape)
             params[slot.name].update(shape=list(shape), dtype=str(param.dtype).removeprefix("torch."))

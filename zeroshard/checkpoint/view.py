@@ -76,3 +76,6 @@ class TrainingState:
     # how the model's parameters are cut over N tensor-parallel ranks (its own placement at that degree): a
     # checkpoint's split records must agree; None where the engine cannot say
     splits_at: Optional[Callable[[int], dict[str, TensorSplit]]] = None
+    # one tensor per expert (DeepSpeed's MoE layer) split over ``mesh.expert``: local name -> its name under the global
+    # expert index on each expert rank (rank r's copy i is expert r * L + i); checkpoints hold every expert by it
+    expert_names: dict[str, tuple[str, ...]] = field(default_factory=dict)

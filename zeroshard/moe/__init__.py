@@ -11,7 +11,7 @@ from .experts import (
     shard_experts,
 )
 from .gating import Gated, capacity, top1, top2
-from .layer import MoE, MOELayer, moe_layers
+from .layer import MoE, MOELayer, expert_names, moe_layers
 from .routing import TokenRoute, regroup_by_expert
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "PRESETS",
     "Gated",
     "capacity",
+    "expert_names",
     "moe_layers",
     "top1",
     "top2",

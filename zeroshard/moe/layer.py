@@ -192,3 +192,21 @@ class MoE(torch.nn.Module):
 def moe_layers(model: torch.nn.Module) -> list[MOELayer]:
     """The DeepSpeed-style MoE layers of ``model``, in module order."""
     return [m for m in model.modules() if isinstance(m, MOELayer)]
+
+
+def expert_names(model: torch.nn.Module, ep_size: int) -> dict[str, tuple[str, ...]]:
+    """Each local expert parameter of the model's MoE layers (by name) -> its name under the global expert index on
+    each of ``ep_size`` expert ranks (rank ``r``'s copy ``i`` is expert ``r * L + i``): how a checkpoint and the
+    consolidated weights name every expert. {} with ``ep_size`` 1, where the local names are the global ones."""
+    if ep_size == 1:
+        return {}
+    names = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, Experts):
+            continue
+        prefix = f"{path}.deepspeed_experts" if path else "deepspeed_experts"
+        local = module.num_local_experts
+        for i, expert in enumerate(module.deepspeed_experts):
+            for rest, _ in expert.named_parameters():
+                names[f"{prefix}.{i}.{rest}"] = tuple(f"{prefix}.{r * local + i}.{rest}" for r in range(ep_size))
+    return names

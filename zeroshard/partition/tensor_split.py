@@ -31,8 +31,8 @@ class TensorSplit:
     transposed: bool = False  # the piece is stored transposed (2-D tensors only)
     axis: str = "tp"  # the mesh dimension whose ranks hold the pieces: tensor (tp) or expert (ep) parallelism
     # one tensor per expert (a ModuleList of experts, DeepSpeed's MoE layer): rank r's copy i is expert r * L + i, a
-    # separate tensor, not a slice of a stack (planning treats it as a piece of its axis; checkpoints cannot describe
-    # it whole yet)
+    # separate tensor, not a slice of a stack (planning treats it as a piece of its axis; checkpoints and
+    # consolidation name each copy by its global expert index instead of joining pieces)
     listed: bool = False
 
     def __post_init__(self):

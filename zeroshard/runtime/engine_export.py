@@ -16,6 +16,7 @@ from ..checkpoint.load import load as load_training_state
 from ..checkpoint.save import save as save_training_state
 from ..checkpoint.view import TrainingState
 from ..log import log_rank0
+from ..moe import expert_names
 from ..tensor_parallel import layer_specs_from, splits_at
 from ..zero import consolidated_state_dict
 
@@ -47,6 +48,7 @@ class CheckpointAndExport:
             rank0_only=rank0_only,
             split_groups={"tp": self.mesh.tensor, "ep": self.mesh.expert},
             splits=self.tensor_splits,
+            expert_names=expert_names(self.module, self.mesh.expert.size),
         )
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
@@ -159,6 +161,7 @@ class CheckpointAndExport:
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
             fp16=self.fp16_enabled(),
             tensor_splits=self.tensor_splits,
+            expert_names=expert_names(self.module, self.mesh.expert.size),
             splits_at=functools.partial(
                 splits_at,
                 self.module,

@@ -86,41 +86,41 @@ def consolidated_state_dict(
     rank0_only: bool = True,
     split_groups: Optional[Mapping[str, comm.Group]] = None,
     splits: Optional[dict[str, TensorSplit]] = None,
+    expert_names: Optional[Mapping[str, tuple[str, ...]]] = None,
 ) -> dict:
     """The module's full state dict on CPU, gathering one flat group at a time (never the whole model). Under
     tensor or expert parallelism the pieces of each split parameter (``splits``, by name) are gathered over the
-    group of their axis (``split_groups``: ``tp`` -> the tensor group, ``ep`` -> the expert group) and joined; every
-    rank of the world must call it."""
+    group of their axis (``split_groups``: ``tp`` -> the tensor group, ``ep`` -> the expert group) and joined; one
+    tensor per expert (DeepSpeed's MoE layer) comes out under each expert rank's global name (``expert_names``).
+    Every rank of the world must call it."""
     keep = not rank0_only or comm.get_rank() == 0
-    splits = splits or {}
+    splits, expert_names = splits or {}, expert_names or {}
     names: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
 
-    def whole(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    def whole(param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
         split = next((splits[n] for n in names[id(param)] if n in splits), None)
         value = param.detach()
-        if split is not None and split.listed:
-            raise NotImplementedError(
-                f"consolidated weights of '{names[id(param)][0]}', one expert of a DeepSpeed MoE layer split over "
-                "expert ranks: naming each expert by its global index is not implemented yet"
-            )
         group = (split_groups or {}).get(split.axis) if split is not None else None
         if group is not None and group.size > 1:
             pieces = value.new_empty((group.size, *value.shape))
             comm.all_gather(pieces, value.contiguous(), group)
+            if split.listed:  # each expert rank's copy is another expert
+                globals_ = expert_names[names[id(param)][0]]
+                return {globals_[r]: pieces[r].to("cpu", copy=True) for r in range(group.size)} if keep else {}
             value = split.join(list(pieces))
-        return value.to("cpu", copy=True) if keep else None
+        if not keep:
+            return {}
+        value = value.to("cpu", copy=True)
+        return {name: value for name in names[id(param)]}
 
     result: dict[str, torch.Tensor] = {}
     handled: set[int] = set()
 
     def add(param: torch.nn.Parameter) -> None:
         handled.add(id(param))
-        value = whole(param)
-        if keep:
-            for name in names[id(param)]:
-                result[name] = value
+        result.update(whole(param))
 
     for flat in flats:
         with GatheredParameters(flat.params):
