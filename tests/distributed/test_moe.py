@@ -33,11 +33,13 @@ def batches(skewed: bool = False, seed: int = 3) -> list[torch.Tensor]:
     return [torch.randint(0, 64, (WORLD * MICRO, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def micro(ids: torch.Tensor, rank: int) -> torch.Tensor:
-    return ids[rank * MICRO : (rank + 1) * MICRO]
+def micro(ids: torch.Tensor, rank: int, uneven: bool = False) -> torch.Tensor:
+    """Rank ``rank``'s samples of a global batch; ``uneven``: 1 or 2 of them (odd ranks 2), so the ranks of an
+    expert group send different token counts."""
+    return ids[rank * MICRO : rank * MICRO + (1 + rank % 2 if uneven else MICRO)]
 
 
-def reference(family: str, skewed: bool = False, overrides: Optional[dict] = None) -> dict:
+def reference(family: str, variant: str = "", overrides: Optional[dict] = None) -> dict:
     """One process, the whole global batch as the 4 ranks' micro-batches, each loss / 4 (DDP's mean)."""
     from zeroshard.testing.hf import tiny_causal_lm
 
@@ -50,12 +52,14 @@ def reference(family: str, skewed: bool = False, overrides: Optional[dict] = Non
         for layer in model.model.layers
     ]
     out = {"losses": [], "aux": [], "norms": []}
-    for step, ids in enumerate(batches(skewed)):
+    uneven = variant == "uneven"
+    for step, ids in enumerate(batches(variant == "skewed")):
         optimizer.zero_grad()
         losses, aux = [], []
         for rank in range(WORLD):
             routes.append([])
-            result = model(input_ids=micro(ids, rank), labels=micro(ids, rank))
+            part = micro(ids, rank, uneven)
+            result = model(input_ids=part, labels=part)
             (result.loss / WORLD).backward()
             losses.append(result.loss.item())
             aux.append(result.aux_loss.item() if result.aux_loss is not None else None)
@@ -96,9 +100,10 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run_case(family: str, ep: int, stage: int, ref: dict, skewed: bool = False, compat: bool = False) -> dict:
-    """One engine trained 5 steps; ``compat``: built through ``deepspeed.initialize`` (zeroshard serving
-    ``import deepspeed``), as a DeepSpeed script with DeepSpeed's AutoEP block would build it."""
+def run_case(family: str, ep: int, stage: int, ref: dict, variant: str = "") -> dict:
+    """One engine trained 5 steps. ``variant``: "" plain; "skewed" every token routed alike; "uneven" ranks with 1
+    or 2 samples; "compat" built through ``deepspeed.initialize`` (zeroshard serving ``import deepspeed``), as a
+    DeepSpeed script with DeepSpeed's AutoEP block would build it."""
     import zeroshard
     from zeroshard import comm
     from zeroshard.testing.hf import tiny_causal_lm
@@ -114,7 +119,7 @@ def run_case(family: str, ep: int, stage: int, ref: dict, skewed: bool = False, 
         "zero_optimization": {"stage": stage},
         "expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": family},
     }
-    if compat:
+    if variant == "compat":
         zeroshard.install_as_deepspeed()
         import deepspeed
 
@@ -130,9 +135,10 @@ def run_case(family: str, ep: int, stage: int, ref: dict, skewed: bool = False, 
         return whole[mesh.expert.rank * local : (mesh.expert.rank + 1) * local]
 
     result = {"loss": [], "aux": [], "norms": [], "grad": 0.0, "idle_experts": []}
-    for step, ids in enumerate(batches(skewed)):
+    for step, ids in enumerate(batches(variant == "skewed")):
         engine.comm_ledger.reset()
-        output = engine(input_ids=micro(ids, rank), labels=micro(ids, rank))
+        part = micro(ids, rank, variant == "uneven")
+        output = engine(input_ids=part, labels=part)
         engine.backward(output.loss)
         result["loss"].append(abs(output.loss.item() - ref["losses"][step][rank]) / ref["losses"][step][rank])
         result["aux"].append(abs(output.aux_loss.item() - ref["aux"][step][rank]) / ref["aux"][step][rank])
@@ -172,18 +178,17 @@ def moe_worker(cases: list[tuple]) -> dict:
     references = {}
     out = {}
     for family, ep, stage, variant in cases:
-        skewed = variant == "skewed"
-        if (family, skewed) not in references:
-            references[(family, skewed)] = reference(family, skewed)
-        ref = references[(family, skewed)]
-        out[(family, ep, stage, variant)] = run_case(family, ep, stage, ref, skewed, compat=variant == "compat")
+        data = "" if variant == "compat" else variant  # compat trains on the plain batches
+        if (family, data) not in references:
+            references[(family, data)] = reference(family, data)
+        out[(family, ep, stage, variant)] = run_case(family, ep, stage, references[(family, data)], variant)
     rank = zeroshard.comm.get_rank()
     formulas = {}
-    for (family, skewed), ref in references.items():
+    for (family, data), ref in references.items():
         config = ref["config"]
         experts = getattr(config, "num_local_experts", None) or config.num_experts
         for ep in EXPERT_SIZES:
-            formulas[(family, ep, skewed)] = all_to_all_formula(ref["routes"], experts, ep, rank, config.hidden_size)
+            formulas[(family, ep, data)] = all_to_all_formula(ref["routes"], experts, ep, rank, config.hidden_size)
     counts = {}
     for (family, _), ref in references.items():
         names = ref["weights"]
@@ -197,11 +202,12 @@ def moe_worker(cases: list[tuple]) -> dict:
 CASES = [(family, ep, stage, "") for family in FAMILIES for ep in EXPERT_SIZES for stage in STAGES]
 SKEWED = [("mixtral", 4, 0, "skewed"), ("mixtral", 4, 3, "skewed")]
 COMPAT = [("mixtral", 2, 2, "compat")]
+UNEVEN = [("qwen3_moe", 2, 0, "uneven"), ("qwen3_moe", 2, 3, "uneven")]
 
 
 @pytest.fixture(scope="module")
 def moe_runs():
-    return run_distributed(moe_worker, WORLD, CASES + SKEWED + COMPAT, timeout_s=1500)
+    return run_distributed(moe_worker, WORLD, CASES + SKEWED + COMPAT + UNEVEN, timeout_s=1500)
 
 
 @pytest.mark.parametrize("family, ep, stage", [case[:3] for case in CASES])
@@ -232,7 +238,7 @@ def test_an_expert_without_tokens_on_every_rank_gets_a_zero_gradient(moe_runs, s
 @pytest.mark.parametrize("family, ep", [(family, ep) for family in FAMILIES for ep in EXPERT_SIZES])
 def test_token_all_to_all_bytes_equal_the_routing_formula(moe_runs, family, ep):
     for per_rank in moe_runs:
-        nbytes, wire = per_rank["formulas"][(family, ep, False)]
+        nbytes, wire = per_rank["formulas"][(family, ep, "")]
         for stage in STAGES:
             totals = per_rank["cases"][(family, ep, stage, "")]["ledger"][("all_to_all", "expert")]
             assert totals.bytes == nbytes
@@ -854,3 +860,13 @@ def test_deepspeeds_moe_layer_resumes_at_any_expert_parallel_size(tmp_path, stag
         assert set(loaded) == set(saved)
         assert max((loaded[n] - saved[n]).abs().max().item() for n in saved) == 0.0
         assert model_error(resumed, uninterrupted) <= 1e-6
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ranks_of_an_expert_group_may_send_different_token_counts(moe_runs, stage):
+    """No group needs equal batches: the counts go first, so ranks with 1 and 2 samples (8 and 16 tokens) in one
+    expert group exchange what they have, and training matches one process on the same uneven global batch."""
+    for per_rank in moe_runs:
+        run = per_rank["cases"][("qwen3_moe", 2, stage, "uneven")]
+        assert run["loss"][0] <= 1e-6 and run["grad"] <= 1e-6
+        assert max(run["norms"]) <= 1e-6 and run["weights"] <= 1e-5

@@ -53,7 +53,7 @@ def test_tags_that_are_not_stacks_or_mix_sizes_are_refused():
     tag(block.gate_up)
     tag(block.down, group="ep_size_4")
     with pytest.raises(NotImplementedError, match="several expert-parallel sizes"):
-        tagged_experts(block)
+        expert_parallel_size(block, settings({}))
 
 
 def test_tags_and_the_autoep_block_together_are_refused():
