@@ -870,3 +870,70 @@ def test_ranks_of_an_expert_group_may_send_different_token_counts(moe_runs, stag
         run = per_rank["cases"][("qwen3_moe", 2, stage, "uneven")]
         assert run["loss"][0] <= 1e-6 and run["grad"] <= 1e-6
         assert max(run["norms"]) <= 1e-6 and run["weights"] <= 1e-5
+
+
+def arctic_resume_worker(directory: str) -> dict:
+    """Route 2's checkpoints: an ArcticTraining-style client at EP=2 x DP=2 (ZeRO-2) saves after 2 steps and trains 2
+    more; the same client rebuilt at EP=4 (groups ``ep_size_4``, 2 local experts per rank) and at EP=2 loads the
+    save and trains the same 2 steps. The tagged stacks are saved whole (dim-0 pieces per expert rank)."""
+    import zeroshard
+
+    zeroshard.install_as_deepspeed()
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.utils import groups
+
+    from zeroshard import comm
+    from zeroshard.testing.hf import tiny_causal_lm
+
+    rank = comm.get_rank()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 2},
+    }
+
+    def client(ep: int):
+        groups._create_expert_data_and_model_parallel(ep, mpu=None)
+        name = f"ep_size_{ep}"
+        ep_rank, ep_group = groups._get_expert_parallel_rank(name), groups._get_expert_parallel_group(name)
+        model = tiny_causal_lm("qwen3_moe", **ARCTIC)
+        for layer in model.model.layers:
+            layer.mlp = ArcticStyleMoE(layer.mlp, ep, ep_rank, ep_group)
+            for param in (layer.mlp.expert_gate_up, layer.mlp.expert_down):
+                param.allreduce, param.group_name = False, name
+        params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
+        return deepspeed.initialize(model=model, model_parameters=params, config=config)[0]
+
+    def train(engine, first: int) -> None:
+        for ids in batches()[first : first + 2]:
+            engine.backward(engine(input_ids=micro(ids, rank), labels=micro(ids, rank)).loss)
+            engine.step()
+
+    engine = client(2)
+    train(engine, 0)
+    engine.save_checkpoint(directory, tag="t")
+    out = {"saved": engine.consolidated_state_dict(rank0_only=False)}
+    train(engine, 2)
+    out["uninterrupted"] = engine.consolidated_state_dict(rank0_only=False)
+    engine.destroy()
+    for ep in (4, 2):
+        engine = client(ep)
+        engine.load_checkpoint(directory, tag="t")
+        loaded = engine.consolidated_state_dict(rank0_only=False)
+        train(engine, 2)
+        out[ep] = (loaded, engine.consolidated_state_dict(rank0_only=False))
+        engine.destroy()
+    return out
+
+
+def test_arctic_training_style_checkpoints_resume_at_another_expert_parallel_size(tmp_path):
+    from zeroshard.testing.parity import model_error
+
+    out = run_distributed(arctic_resume_worker, WORLD, str(tmp_path), timeout_s=900)[0]
+    saved, uninterrupted = out["saved"], out["uninterrupted"]
+    assert saved["model.layers.0.mlp.expert_gate_up"].shape[0] == 8  # every expert, joined from the expert ranks
+    for ep in (4, 2):
+        loaded, resumed = out[ep]
+        assert max((loaded[n] - saved[n]).abs().max().item() for n in saved) == 0.0, f"EP={ep}"
+        assert model_error(resumed, uninterrupted) <= 1e-6, f"EP={ep}"
