@@ -530,6 +530,19 @@ class ArcticStyleMoE(torch.nn.Module):
         return out.reshape(shape)
 
 
+def arctic_client(ep: int, ep_rank: int, ep_group) -> torch.nn.Module:
+    """Qwen3-MoE with every MoE block remapped to the client's layout, its experts tagged as ArcticTraining's
+    ``identify_expert_params`` tags them."""
+    from zeroshard.testing.hf import tiny_causal_lm
+
+    model = tiny_causal_lm("qwen3_moe", **ARCTIC)
+    for layer in model.model.layers:
+        layer.mlp = ArcticStyleMoE(layer.mlp, ep, ep_rank, ep_group)
+        for param in (layer.mlp.expert_gate_up, layer.mlp.expert_down):
+            param.allreduce, param.group_name = False, f"ep_size_{ep}"
+    return model
+
+
 def arctic_worker(stages: tuple) -> dict:
     """ArcticTraining's sequence, in compat mode: expert groups before the engine, the client's blocks over the
     groups' torch handles, tags by ``identify_expert_params``' rule, optimizer groups split by
@@ -542,7 +555,6 @@ def arctic_worker(stages: tuple) -> dict:
     from deepspeed.utils import groups
 
     from zeroshard import comm
-    from zeroshard.testing.hf import tiny_causal_lm
 
     rank, ep = comm.get_rank(), 2
     ref = reference("qwen3_moe", overrides=ARCTIC)
@@ -560,12 +572,7 @@ def arctic_worker(stages: tuple) -> dict:
         )
     }
     for stage in stages:
-        model = tiny_causal_lm("qwen3_moe", **ARCTIC)
-        for layer in model.model.layers:
-            layer.mlp = ArcticStyleMoE(layer.mlp, ep, ep_rank, ep_group)
-            for param in (layer.mlp.expert_gate_up, layer.mlp.expert_down):
-                param.allreduce = False
-                param.group_name = name
+        model = arctic_client(ep, ep_rank, ep_group)
         params = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "params"}
         )
@@ -575,6 +582,8 @@ def arctic_worker(stages: tuple) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
             "zero_optimization": {"stage": stage},
         }
+        # the client's modules hold its torch group (not copyable): the estimate builds one from a factory
+        estimate = zeroshard.estimate(lambda: arctic_client(ep, ep_rank, ep_group), config, WORLD, runtime_bytes=0)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         losses, norms = [], []
         for step, ids in enumerate(batches()):
@@ -591,9 +600,24 @@ def arctic_worker(stages: tuple) -> dict:
             "moe_groups": [g.get("moe", False) for g in params],
             "tagged": sum(is_moe_param(p) for p in model.parameters()),
             "mesh": (engine.mesh.expert.size, engine.mesh.expert_shard.size),
+            "state": _held(engine),
+            "estimate": {c: sum(estimate.bytes[c].values()) for c in estimate.bytes},
         }
         engine.destroy()
     return out
+
+
+def _held(engine) -> dict:
+    held = engine.state_bytes()
+    held["master"] -= engine.stack.optimizer_state.master_bytes_shared_with_params()  # fp32: master = params
+    return held
+
+
+def assert_estimate_matches(run: dict) -> None:
+    held, predicted = run["state"], run["estimate"]
+    assert predicted["parameters"] == held["params"]
+    assert predicted["gradients"] == held["grad_shard"]
+    assert predicted["optimizer_state"] == held["master"] + held["optimizer_state"]
 
 
 def _arctic_weight_error(engine, expected: dict, ep: int, ep_rank: int) -> float:
@@ -654,6 +678,7 @@ def test_arctic_training_style_expert_parameters_train_as_one_process(arctic_run
         assert run["losses"][0] <= 1e-6
         assert max(run["norms"]) <= 1e-6
         assert run["weights"] <= 1e-5
+        assert_estimate_matches(run)  # zeroshard estimate splits the tagged experts as initialize does
 
 
 def test_autoep_through_deepspeed_initialize_trains_as_one_process(moe_runs):
@@ -736,8 +761,12 @@ def route1_worker(stages: tuple) -> dict:
                 "gradient_clipping": 0.0,
                 "zero_optimization": {"stage": stage},
             }
+            estimate = zeroshard.estimate(model, config, WORLD, runtime_bytes=0)
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-            result = {"mesh": (engine.mesh.expert.size, engine.mesh.expert_shard.size)}
+            result = {
+                "mesh": (engine.mesh.expert.size, engine.mesh.expert_shard.size),
+                "estimate": {c: sum(estimate.bytes[c].values()) for c in estimate.bytes},
+            }
             layer_out, l_aux, counts = engine.module.moe(x[rank])
             result["out"] = relative(layer_out.detach(), expected[f"{case}.{rank}.out"])
             result["l_aux"] = abs(l_aux.item() - expected[f"{case}.{rank}.l_aux"].item())
@@ -755,6 +784,7 @@ def route1_worker(stages: tuple) -> dict:
             for _ in range(2):
                 engine.backward(engine(x[rank], target[rank]))
                 engine.step()
+            result["state"] = _held(engine)
             whole = {n.removeprefix("moe."): v for n, v in engine.consolidated_state_dict(rank0_only=False).items()}
             result["weights"] = model_error(
                 whole, {n.removeprefix("moe."): p.detach() for n, p in reference.named_parameters()}
@@ -791,6 +821,7 @@ def test_deepspeeds_moe_layer_over_two_expert_ranks_matches_deepspeed_in_one_pro
         assert run["out"] <= 1e-6 and run["l_aux"] <= 1e-6 and run["counts"]
         assert run["grad"] <= 1e-6
         assert run["weights"] <= 1e-5  # the consolidated weights name every expert by its global index
+        assert_estimate_matches(run)  # zeroshard estimate counts the layer's copies as experts
 
 
 def route1_resume_worker(directory: str, stage: int) -> dict:
@@ -884,7 +915,6 @@ def arctic_resume_worker(directory: str) -> dict:
     from deepspeed.utils import groups
 
     from zeroshard import comm
-    from zeroshard.testing.hf import tiny_causal_lm
 
     rank = comm.get_rank()
     config = {
@@ -897,11 +927,7 @@ def arctic_resume_worker(directory: str) -> dict:
         groups._create_expert_data_and_model_parallel(ep, mpu=None)
         name = f"ep_size_{ep}"
         ep_rank, ep_group = groups._get_expert_parallel_rank(name), groups._get_expert_parallel_group(name)
-        model = tiny_causal_lm("qwen3_moe", **ARCTIC)
-        for layer in model.model.layers:
-            layer.mlp = ArcticStyleMoE(layer.mlp, ep, ep_rank, ep_group)
-            for param in (layer.mlp.expert_gate_up, layer.mlp.expert_down):
-                param.allreduce, param.group_name = False, name
+        model = arctic_client(ep, ep_rank, ep_group)
         params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
         return deepspeed.initialize(model=model, model_parameters=params, config=config)[0]
 

@@ -344,3 +344,12 @@ def test_frozen_weights_kept_as_int8_are_estimated_at_their_size():
     frozen = sum(p.numel() for p in frozen_gpt().blocks.parameters())
     saved = estimate() - estimate(zero_quantized_nontrainable_weights=True)
     assert saved == pytest.approx(frozen / 2 * (4 - 1 - 4 / 256), rel=0.02)
+
+
+def test_a_model_that_cannot_be_copied_is_named_with_the_factory_way_out():
+    import threading
+
+    model = torch.nn.Linear(4, 4)
+    model.lock = threading.Lock()  # as a module holding a process group: deepcopy refuses it
+    with pytest.raises(TypeError, match="pass a zero-argument callable"):
+        zeroshard.estimate(model, {"train_micro_batch_size_per_gpu": 1}, 1, runtime_bytes=0)

@@ -117,12 +117,18 @@ def estimate(
 
 
 def _split_experts(model: nn.Module, parsed, world_size: int) -> tuple[int, dict]:
-    """``expert_parallel``: keep one rank's experts of the meta model, as ``initialize`` does (every rank holds as
-    many), and return the expert-parallel size with those pieces (1 and none when off)."""
+    """The expert-parallel size and this rank's expert pieces, as ``initialize`` finds them: experts the model
+    declares (tagged ``allreduce = False``, DeepSpeed's MoE layers: already this rank's), or, with the
+    ``expert_parallel`` block, one rank's experts kept of the meta model (every rank holds as many); 1 and none when
+    off."""
     from .. import comm
-    from ..moe import shard_experts
+    from ..moe import declared_expert_parallel, declared_expert_pieces, shard_experts
 
     settings = parsed.expert_parallel
+    declared = declared_expert_parallel(model)  # experts the client split itself (DeepSpeed's protocol)
+    if declared is not None:
+        comm.ParallelDims.for_world(world_size, shard_group_size=parsed.zero_optimization.shard_group_size, ep=declared)
+        return declared, declared_expert_pieces(model, declared)
     if not settings.enabled or settings.autoep_size == 1:
         return 1, {}
     dims = comm.ParallelDims.for_world(
@@ -138,8 +144,19 @@ def _meta_model(model_or_factory) -> nn.Module:
     if isinstance(model_or_factory, nn.Module):
         import copy
 
-        with torch.device("meta"):
-            return copy.deepcopy(model_or_factory).to("meta")
+        try:
+            with torch.device("meta"):
+                copied = copy.deepcopy(model_or_factory).to("meta")
+        except (TypeError, RuntimeError) as err:  # e.g. a module holding a process group
+            raise TypeError(
+                f"zeroshard estimate: the model cannot be copied to plan it ({err}); pass a zero-argument callable "
+                "that builds it instead (it is called on the meta device)"
+            ) from err
+        for original, copy_ in zip(model_or_factory.parameters(), copied.parameters()):
+            for tag in ("allreduce", "group_name"):  # DeepSpeed's expert tags: deepcopy leaves them behind
+                if hasattr(original, tag):
+                    setattr(copy_, tag, getattr(original, tag))
+        return copied
     with torch.device("meta"):
         model = model_or_factory()
     if not isinstance(model, nn.Module):

@@ -13,6 +13,7 @@ from .experts import (
 from .gating import Gated, capacity, top1, top2
 from .layer import MoE, MOELayer, expert_names, moe_layers
 from .routing import TokenRoute, regroup_by_expert
+from .tags import declared_expert_parallel, declared_expert_pieces, tagged_experts
 
 __all__ = [
     "MOELayer",
@@ -20,6 +21,8 @@ __all__ = [
     "PRESETS",
     "Gated",
     "capacity",
+    "declared_expert_parallel",
+    "declared_expert_pieces",
     "expert_names",
     "moe_layers",
     "top1",
@@ -32,4 +35,5 @@ __all__ = [
     "is_fused_experts",
     "regroup_by_expert",
     "shard_experts",
+    "tagged_experts",
 ]

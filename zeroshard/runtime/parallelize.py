@@ -4,14 +4,11 @@ experts. What each returns is the split parameters with how each is cut; ZeRO's 
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from .. import comm
 from ..log import log_rank0
-from ..moe import find_fused_experts, moe_layers, shard_experts
-from ..partition import TensorSplit
+from ..moe import declared_expert_parallel, declared_expert_pieces, find_fused_experts, moe_layers, shard_experts
 from ..tensor_parallel import check_forward, layer_specs_from, shard_for_training, sharded_group, tensor_splits
 
 
@@ -20,12 +17,7 @@ def parallelize(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> di
     parameter with how the whole tensor is cut. Experts the client split itself (DeepSpeed's expert-parameter
     protocol) start from the first rank holding the same ones, everything else from rank 0."""
     ep = mesh.expert.size
-    layers = moe_layers(model)
-    own = {param: TensorSplit(0, ep, axis="ep") for param in tagged_experts(model)}
-    if ep > 1:  # DeepSpeed's MoE layers: one tensor per local expert
-        own.update(
-            {p: TensorSplit(0, ep, axis="ep", listed=True) for layer in layers for p in layer.experts.parameters()}
-        )
+    own = declared_expert_pieces(model, ep)
     pieces = _apply_tensor_parallel(model, cfg, mesh, materialize, skip=frozenset(own))
     if not own:
         pieces.update(_apply_expert_parallel(model, cfg, mesh, materialize))
@@ -37,7 +29,7 @@ def parallelize(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> di
     with torch.no_grad():
         for param in own:
             comm.broadcast(param.data, src=mesh.expert_gradient.ranks[0], group=mesh.expert_gradient)
-    for layer in layers:
+    for layer in moe_layers(model):
         layer.use_expert_group(mesh.expert)
     log_rank0(
         f"expert parallelism: {len(own)} expert tensors (tagged allreduce=False, group_name ep_size_{ep}) split over "
@@ -46,45 +38,13 @@ def parallelize(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> di
     return {**pieces, **own}
 
 
-def tagged_experts(model: torch.nn.Module) -> dict:
-    """DeepSpeed's expert-parameter protocol: each rank's own experts tagged ``allreduce = False`` with
-    ``group_name = "ep_size_<N>"`` (ArcticTraining tags its fused expert tensors so). Returns them with their group
-    name. A tagged tensor must stack this rank's experts along dim 0 (``[local_experts, ...]``: ArcticTraining's and
-    transformers' fused layout), so a checkpoint can describe the experts whole; anything else is refused by name."""
-    tagged = {}
-    layered = {p for layer in moe_layers(model) for p in layer.experts.parameters()}  # DeepSpeed's layers: apart
-    for name, param in model.named_parameters():
-        if not hasattr(param, "allreduce") or param.allreduce or param in layered:
-            continue
-        group = getattr(param, "group_name", None)
-        if not isinstance(group, str) or not re.fullmatch(r"ep_size_[1-9][0-9]*", group):
-            raise NotImplementedError(
-                f"parameter '{name}' is tagged allreduce=False (an expert parameter) with group_name {group!r}; "
-                "DeepSpeed's protocol names the expert group 'ep_size_<N>'"
-            )
-        if param.dim() < 3:
-            raise NotImplementedError(
-                f"parameter '{name}' ({list(param.shape)}) is tagged allreduce=False but is not a stack of experts "
-                "[local_experts, ...]: one tensor per expert is taken through deepspeed.moe.layer.MoE only (it names "
-                "each copy's global expert); stack the experts (fused, as ArcticTraining and transformers 5 do)"
-            )
-        tagged[param] = group
-    return tagged
-
-
 def expert_parallel_size(model: torch.nn.Module, settings) -> int:
     """The expert-parallel size: the tagged experts' group (DeepSpeed's protocol), or ``expert_parallel.autoep_size``
     when enabled; both given must agree (1: off)."""
-    tagged = set(tagged_experts(model).values()) | {f"ep_size_{layer.ep_size}" for layer in moe_layers(model)}
-    if len(tagged) > 1:
-        raise NotImplementedError(
-            f"expert parameters of several expert-parallel sizes ({sorted(tagged)}): one expert group size per model "
-            "is implemented"
-        )
+    size = declared_expert_parallel(model)
     configured = settings.autoep_size if settings.enabled else None
-    if not tagged:
+    if size is None:
         return configured or 1
-    size = int(next(iter(tagged)).removeprefix("ep_size_"))
     if configured is not None:
         raise ValueError(
             f"the model's expert parameters are tagged for expert groups of {size} ranks (allreduce=False, "

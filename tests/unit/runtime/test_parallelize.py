@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from zeroshard.config import parse_config
-from zeroshard.runtime.parallelize import expert_parallel_size, refuse_experts_split_by_transformers, tagged_experts
+from zeroshard.moe import tagged_experts
+from zeroshard.runtime.parallelize import expert_parallel_size, refuse_experts_split_by_transformers
 
 
 class Block(torch.nn.Module):
