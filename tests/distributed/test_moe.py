@@ -869,8 +869,16 @@ def route1_resume_worker(directory: str, stage: int) -> dict:
         train(engine, 2)
         out["uninterrupted"] = engine.consolidated_state_dict(rank0_only=False)
         engine.destroy()
-    for ep in (4, 1) if world == WORLD else (1,):
-        engine = engine_at(ep)
+    out.update(load_and_continue(engine_at, train, directory, (4, 1) if world == WORLD else (1,)))
+    return out
+
+
+def load_and_continue(build, train, directory: str, layouts: tuple) -> dict:
+    """Per expert-parallel size in ``layouts``: an engine ``build(ep)`` loads the save, and (its whole weights right
+    after the load, after 2 more steps of ``train(engine, 2)``)."""
+    out = {}
+    for ep in layouts:
+        engine = build(ep)
         engine.load_checkpoint(directory, tag="t")
         loaded = engine.consolidated_state_dict(rank0_only=False)
         train(engine, 2)
@@ -943,13 +951,7 @@ def arctic_resume_worker(directory: str) -> dict:
     train(engine, 2)
     out["uninterrupted"] = engine.consolidated_state_dict(rank0_only=False)
     engine.destroy()
-    for ep in (4, 2):
-        engine = client(ep)
-        engine.load_checkpoint(directory, tag="t")
-        loaded = engine.consolidated_state_dict(rank0_only=False)
-        train(engine, 2)
-        out[ep] = (loaded, engine.consolidated_state_dict(rank0_only=False))
-        engine.destroy()
+    out.update(load_and_continue(client, train, directory, (4, 2)))
     return out
 
 
