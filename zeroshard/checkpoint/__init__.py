@@ -8,6 +8,7 @@ from .consolidate import (
     read_client_state,
 )
 from .deepspeed_import import convert_deepspeed_checkpoint, read_deepspeed_file
+from .deepspeed_universal import export_universal_checkpoint, read_universal_checkpoint
 from .safetensors_io import CheckpointError, Reader
 
 __all__ = [
@@ -16,8 +17,10 @@ __all__ = [
     "Reader",
     "convert_deepspeed_checkpoint",
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "export_universal_checkpoint",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
     "read_client_state",
     "read_deepspeed_file",
+    "read_universal_checkpoint",
 ]

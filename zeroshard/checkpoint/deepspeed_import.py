@@ -115,6 +115,7 @@ class DeepSpeedCheckpoint:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     client_state: dict = field(default_factory=dict)
+    scalars: Optional[list[dict]] = None  # per parameter group, the manifest's scalar records (else the step)
 
 
 def is_deepspeed_checkpoint(directory: str) -> bool:
@@ -163,7 +164,8 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
         check_partitions(path, groups, inner, world)
     else:
         check_stage3_pieces(path, groups, inner, base, world, update_rule)
-    masters, moments = {}, {key: {} for key in _STATE_KEYS}
+    masters: dict = {}
+    moments: dict = {key: {} for key in _STATE_KEYS}
     unpack = _unpack_flat if stage < 3 else _unpack_per_param
     for g, params in enumerate(groups):
         for key, flats in _group_pieces(ranks, g).items():
@@ -287,13 +289,22 @@ def _unpack_per_param(path: str, g: int, params: list, flats: list, inner0: dict
 
 def convert_deepspeed_checkpoint(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> str:
     """``zeroshard convert --from-deepspeed``: write DeepSpeed's checkpoint ``ds_dir`` (tag ``tag`` or its
-    ``latest``) as a zeroshard checkpoint under ``out_dir`` (same tag; ``latest`` set). Returns its directory."""
-    source = read_deepspeed_checkpoint(ds_dir, tag)
+    ``latest``; a universal folder, or ``latest_universal`` where there is no ``latest``) as a zeroshard checkpoint
+    under ``out_dir`` (same tag; ``latest`` set). Returns its directory."""
+    from .deepspeed_universal import is_universal_checkpoint, read_universal_checkpoint, universal_tag
+
+    named = tag if tag is not None else _latest(ds_dir)
+    if named is None and universal_tag(ds_dir, None) is not None:
+        source = read_universal_checkpoint(ds_dir)
+    elif named is not None and is_universal_checkpoint(os.path.join(ds_dir, plain_name(named, "tag", ds_dir))):
+        source = read_universal_checkpoint(ds_dir, named)
+    else:
+        source = read_deepspeed_checkpoint(ds_dir, tag)
     tag = os.path.basename(source.path)
     final, tmp = os.path.join(out_dir, tag), os.path.join(out_dir, f".{tag}.tmp")
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists; convert into another directory (nothing was replaced)")
-    client, client_tensors = _plain_client_state(source.client_state)
+    client, client_tensors = plain_client_state(source.client_state)
     os.makedirs(out_dir, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -306,7 +317,9 @@ def convert_deepspeed_checkpoint(ds_dir: str, out_dir: str, tag: Optional[str] =
     return final
 
 
-def _plain_client_state(state: dict) -> tuple[dict, dict]:
+def plain_client_state(state: dict) -> tuple[dict, dict]:
+    """DeepSpeed's client state split as a zeroshard manifest holds it; what is not plain data is warned about and
+    left out."""
     kept, dropped = {}, []
     for key, value in state.items():
         try:
@@ -320,6 +333,18 @@ def _plain_client_state(state: dict) -> tuple[dict, dict]:
 
 
 def _write(source: DeepSpeedCheckpoint, tmp: str, tag: str, client: dict, client_tensors: dict) -> None:
+    tensors, params = imported_tensors(source, client_tensors)
+    file = rank_file(0)
+    written = write(os.path.join(tmp, file), iter(tensors), [(n, t.dtype, tuple(t.shape)) for n, t in tensors])
+    files = {file: {"size": os.path.getsize(os.path.join(tmp, file)), "header_crc": written.header_crc,
+                    "crc": written.crcs}}  # fmt: skip
+    manifest = imported_manifest(source, tag, client, client_tensors, params, files)
+    atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(seal(manifest)))
+
+
+def imported_tensors(source: DeepSpeedCheckpoint, client_tensors: dict) -> tuple[list, dict]:
+    """The import's tensors as rank 0's file holds them (one flat group per parameter group: masters and each
+    optimizer state), and the manifest's ``params`` entries that point into them."""
     tensors: list[tuple[str, torch.Tensor]] = []
     params: dict[str, dict] = {}
     file = rank_file(0)
@@ -330,13 +355,26 @@ def _write(source: DeepSpeedCheckpoint, tmp: str, tag: str, client: dict, client
             params[name] = {"pieces": [[file, f"fg{g}", offset, 0, numel]], "shape": list(shape), "dtype": "float32"}
             offset += numel
         tensors.append((f"master.fg{g}", torch.cat([source.masters[n].reshape(-1) for n, _ in group])))
-        for key in _STATE_KEYS:
+        for key in _group_keys(source, group):
             tensors.append((f"optim.{key}.fg{g}", torch.cat([source.states[key][n].reshape(-1) for n, _ in group])))
     tensors += [(f"module.{n}", t.contiguous()) for n, t in source.buffers.items()]
     tensors += [(n, t.contiguous()) for n, t in client_tensors.items()]
-    written = write(os.path.join(tmp, file), iter(tensors), [(n, t.dtype, tuple(t.shape)) for n, t in tensors])
+    return tensors, params
+
+
+def _group_keys(source: DeepSpeedCheckpoint, group: list) -> list[str]:
+    return [key for key, values in source.states.items() if group and group[0][0] in values]
+
+
+def imported_manifest(
+    source: DeepSpeedCheckpoint, tag: str, client: dict, client_tensors: dict, params: dict, files: dict
+) -> dict:
+    """The zeroshard manifest of an imported checkpoint (unsealed), its tensors as :func:`imported_tensors`
+    lays them out in ``files``."""
+    file = rank_file(0)
     entry = lambda n, t, key: {"file": file, "key": key, "shape": list(t.shape), "dtype": str(t.dtype)[6:]}  # noqa: E731
-    manifest = {
+    step = lambda value: {"step": {"value": value, "tensor": True, "dtype": "float32"}}  # noqa: E731
+    return {
         "format": FORMAT,
         "tag": tag,
         "world_size": source.world_size,
@@ -351,21 +389,15 @@ def _write(source: DeepSpeedCheckpoint, tmp: str, tag: str, client: dict, client
             "flat_groups": [
                 {
                     "group": g,
-                    "state_keys": list(_STATE_KEYS),
-                    "scalars": {"step": {"value": step, "tensor": True, "dtype": "float32"}},
+                    "state_keys": _group_keys(source, group),
+                    "scalars": source.scalars[g] if source.scalars is not None else step(source.steps[g]),
                 }
-                for g, step in enumerate(source.steps)
+                for g, group in enumerate(source.groups)
             ],
         },
         "params": params,
         "module_tensors": {n: entry(n, t, f"module.{n}") for n, t in source.buffers.items()},
-        "files": {
-            file: {
-                "size": os.path.getsize(os.path.join(tmp, file)),
-                "header_crc": written.header_crc,
-                "crc": written.crcs,
-            }
-        },
+        "files": files,
         "python_rng": {},
         "aliases": {a: t for a, t in source.aliases.items() if t in params},
         "config": json_ready(source.config, "the DeepSpeed checkpoint's ds_config"),
@@ -373,7 +405,6 @@ def _write(source: DeepSpeedCheckpoint, tmp: str, tag: str, client: dict, client
         "client_tensors": {n: entry(n, t, n) for n, t in client_tensors.items()},
         "imported_from": {"deepspeed": source.path, "world_size": source.world_size, "stage": source.stage},
     }
-    atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(seal(manifest)))
 
 
 __all__ = [

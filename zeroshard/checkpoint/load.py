@@ -17,6 +17,7 @@ from ..log import log_rank0
 from .agreement import agree_on_load
 from .client_state import read_client_tensors, restore_client_state
 from .deepspeed_import import is_deepspeed_checkpoint
+from .deepspeed_universal import LATEST_UNIVERSAL, is_universal_checkpoint, universal_sources, universal_tag
 from .manifest import Piece, piece_dtype, rank_file, saved_split
 from .reading import Sources, assemble, read_manifest, read_parameter, resolve_tag
 from .safetensors_io import DTYPES, CheckpointError
@@ -47,27 +48,44 @@ def load(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    universal: bool = False,
 ) -> Restored:
-    """Every rank calls it. Returns what it restored (``path`` None when there is nothing to load)."""
-    tag = resolve_tag(load_dir, tag)
+    """Every rank calls it. Returns what it restored (``path`` None when there is nothing to load). With
+    ``universal`` (the config's ``checkpoint.load_universal``) the tag defaults to the one ``latest_universal``
+    names, and that may be a zeroshard checkpoint or a DeepSpeed universal folder (read in memory, checked whole
+    before anything is restored)."""
+    tag = universal_tag(load_dir, tag) if universal else resolve_tag(load_dir, tag)
     if tag is None:
+        if universal:
+            raise CheckpointError(
+                f"{load_dir}: no '{LATEST_UNIVERSAL}' file (checkpoint.load_universal is set): pass the tag, or save "
+                "with load_universal set (zeroshard then writes it beside 'latest'), or write a universal folder with "
+                "DeepSpeed's ds_to_universal / `zeroshard convert CK OUT --to deepspeed-universal`"
+            )
         warnings.warn(f"no checkpoint to load in {load_dir} (no 'latest' file); starting from scratch", stacklevel=3)
         return Restored(None, None, [])
     path = os.path.join(load_dir, tag)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if not os.path.exists(os.path.join(path, "manifest.json")) and is_deepspeed_checkpoint(path):
+    if universal and is_universal_checkpoint(path):
+        try:  # every rank reads the folder: a rank that cannot must not strand the others
+            manifest, sources = universal_sources(load_dir, tag)
+        except CheckpointError as err:
+            agree_on_load(state.mesh.world, err, path)
+        agree_on_load(state.mesh.world, None, path)
+    elif not os.path.exists(os.path.join(path, "manifest.json")) and is_deepspeed_checkpoint(path):
         raise CheckpointError(
             f"{path} is a DeepSpeed checkpoint: import it first with `zeroshard convert --from-deepspeed {load_dir} "
             "OUT_DIR`, then load OUT_DIR (weights, fp32 masters, Adam moments, steps, scheduler and client state come "
             "over; any world size and stage can load it)"
         )
-    manifest = read_manifest(path)
+    else:
+        manifest = read_manifest(path)
+        sources = Sources(path, manifest)
     missing, unexpected = _check_params(state, manifest, load_module_strict)
     _check_split_records(state, manifest, path)
     if state.optimizer is not None and load_optimizer_states and not load_module_only:
         _check_optimizer(state.optimizer, manifest, path)
-    sources = Sources(path, manifest)
     zero = state.optimizer
     error: Optional[CheckpointError] = None
     report: list[str] = []

@@ -86,6 +86,23 @@ class Sources:
             reader.close()
 
 
+class MemorySources:
+    """A checkpoint built in memory (a DeepSpeed universal folder read for ``load_checkpoint``): the reads of
+    :class:`Sources`, served from ``tensors`` (key -> tensor) that were checked when they were read."""
+
+    def __init__(self, path: str, manifest: dict, tensors: dict[str, torch.Tensor]):
+        self.path, self.manifest, self._tensors = path, manifest, tensors
+
+    def read(self, file: str, key: str, dtype: str, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        return self._tensors[key].reshape(-1)[start:stop].to(getattr(torch, dtype))
+
+    def read_whole(self, name: str, entry: dict) -> torch.Tensor:
+        return self._tensors[entry["key"]].view(entry["shape"])
+
+    def close(self) -> None:
+        self._tensors = {}
+
+
 def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
     """The tag to load: ``tag``, else the one ``latest`` names (a plain name inside ``load_dir``)."""
     if tag is not None:

@@ -366,7 +366,9 @@ class AioConfig(Section):
 
 class CheckpointConfig(Section):
     tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail", "IGNORE", "WARN", "FAIL"] = "Warn"
-    load_universal: bool = refused(False, "zeroshard checkpoints reshard natively; universal ones do not load")
+    # load_checkpoint's tag defaults to 'latest_universal' (also written by save_checkpoint), which may name a
+    # DeepSpeed universal folder (zeroshard.checkpoint.deepspeed_universal) or a zeroshard checkpoint
+    load_universal: bool = False
     use_node_local_storage: bool = refused(False, "not implemented")
     parallel_write: dict[str, Any] = refused({}, "every rank always writes its own file in parallel")
     # zeroshard's own: resuming as the default path (elastic restarts pick up the newest checkpoint)

@@ -174,12 +174,16 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 
 
 def convert_main(argv: Sequence[str]) -> int:
-    """``zeroshard convert CKPT_DIR OUT [--tag T] [--max_shard_size 5GB] [--no_progress]``, or
-    ``zeroshard convert --from-deepspeed DS_DIR OUT_DIR [--tag T]``."""
+    """``zeroshard convert CKPT_DIR OUT [--tag T] [--max_shard_size 5GB] [--no_progress]``,
+    ``zeroshard convert --from-deepspeed DS_DIR OUT_DIR [--tag T]`` (a ZeRO or universal checkpoint of DeepSpeed's), or
+    ``zeroshard convert CKPT_DIR OUT_DIR --to deepspeed-universal [--tag T]``."""
     parser = argparse.ArgumentParser(
         prog="zeroshard convert",
         description="Write a checkpoint's fp32 weights as safetensors (streaming); with --from-deepspeed, import a "
-        "DeepSpeed checkpoint as a zeroshard checkpoint (optimizer state included) to resume from.",
+        "DeepSpeed checkpoint (ZeRO rank files or a universal folder) as a zeroshard checkpoint (optimizer state "
+        "included) to resume from; with --to deepspeed-universal, write a zeroshard checkpoint as a DeepSpeed "
+        "universal folder (OUT_DIR/<tag>_universal and OUT_DIR/latest_universal) that DeepSpeed resumes with "
+        '"checkpoint": {"load_universal": true}.',
     )
     parser.add_argument("checkpoint_dir")
     parser.add_argument(
@@ -196,12 +200,29 @@ def convert_main(argv: Sequence[str]) -> int:
         action="store_true",
         help="CHECKPOINT_DIR holds DeepSpeed's files (read without running any pickled code)",
     )
+    parser.add_argument(
+        "--to",
+        choices=["safetensors", "deepspeed-universal"],
+        default="safetensors",
+        help="what to write from a zeroshard checkpoint: its fp32 weights (default), or the whole training state as "
+        "a DeepSpeed universal checkpoint",
+    )
     args = parser.parse_args(argv)
-    from ..checkpoint import CheckpointError, convert_deepspeed_checkpoint, convert_zero_checkpoint_to_fp32_state_dict
+    if args.from_deepspeed and args.to != "safetensors":
+        parser.error("--from-deepspeed writes a zeroshard checkpoint; --to applies to zeroshard checkpoints")
+    from ..checkpoint import (
+        CheckpointError,
+        convert_deepspeed_checkpoint,
+        convert_zero_checkpoint_to_fp32_state_dict,
+        export_universal_checkpoint,
+    )
 
     try:
         if args.from_deepspeed:
             print(convert_deepspeed_checkpoint(args.checkpoint_dir, args.output, tag=args.tag))
+            return 0
+        if args.to == "deepspeed-universal":
+            print(export_universal_checkpoint(args.checkpoint_dir, args.output, tag=args.tag))
             return 0
         files = convert_zero_checkpoint_to_fp32_state_dict(
             args.checkpoint_dir,

@@ -141,6 +141,7 @@ class CheckpointAndExport:
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            universal=self.settings.checkpoint.load_universal,
         )
         return restored.path, restored.client_state
 

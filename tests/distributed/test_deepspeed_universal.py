@@ -1,0 +1,245 @@
+"""DeepSpeed's universal checkpoints, both ways. In: folders DeepSpeed 0.19.8's ``ds_to_universal`` wrote (stages
+1-3, fp32 and bf16, its default optimizer FusedAdam) resume through ``deepspeed.initialize`` in compat mode with
+``"checkpoint": {"load_universal": true}``, the client's path: fp32 masters and Adam moments bitwise equal to the
+folder's files, and 2 more steps equal DeepSpeed's own 2 more steps after its universal load, at world 1 and 2
+(fp32 1e-6, bf16 1e-3 relative); at world 4 and at stages 0-3 the state loads bitwise. Out: a zeroshard checkpoint
+written with ``zeroshard convert --to deepspeed-universal`` comes back exactly, for Adam and for optimizers whose
+state is not Adam's."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroshard.testing import run_distributed
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_checkpoints"
+CASES = [f"fused_adamw_stage{stage}_{dtype}" for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+
+
+def _fixture_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ds_fixture_shapes", FIXTURES / "shapes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _universal_config(case: str, stage: int | None = None) -> dict:
+    config = json.loads((FIXTURES / case / "expected.json").read_text())["config"]
+    if stage is not None:
+        config["zero_optimization"]["stage"] = stage
+    return {**config, "checkpoint": {"load_universal": True}}
+
+
+def resume_universal(case: str, stage: int | None = None, steps: int = 2) -> dict:
+    """``import deepspeed`` (zeroshard), the config DeepSpeed ran plus load_universal, ``load_checkpoint(dir)``:
+    what loaded (fp32, exp_avg, exp_avg_sq per parameter), then ``steps`` more steps on this rank's batches."""
+    import deepspeed
+
+    shapes = _fixture_module()
+    rank = deepspeed.comm.get_rank()
+    torch.manual_seed(1)  # weights that differ from the checkpoint's until it loads
+    engine, *_ = deepspeed.initialize(model=shapes.Tiny(), config=_universal_config(case, stage))
+    path, client = engine.load_checkpoint(str(FIXTURES / case / "ckpt"))
+    access = engine.param_access
+    loaded = {
+        name: [access.full_fp32_param(p).clone()]
+        + [access.full_optimizer_state(p, key).clone() for key in ("exp_avg", "exp_avg_sq")]
+        for name, p in engine.module.named_parameters()
+    }
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    losses = []
+    for x, y in shapes.batches(rank, 2 + steps)[2:]:
+        loss = engine(x.to(dtype), y.to(dtype))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    out = {"path": path, "client": client, "loaded": loaded, "losses": losses, "steps": engine.global_steps}
+    engine.destroy()
+    return out
+
+
+def world_worker(world: int) -> dict:
+    import zeroshard
+
+    zeroshard.install_as_deepspeed()
+    if world == 4:  # no DeepSpeed reference at 4 ranks: the state must load exactly, at every stage
+        cases = ("fused_adamw_stage3_fp32", "fused_adamw_stage1_bf16")
+        return {f"{case}@{stage}": resume_universal(case, stage, steps=0) for case in cases for stage in (0, 1, 2, 3)}
+    out = {case: resume_universal(case) for case in CASES}
+    if world == 2:
+        out.update({f"fused_adamw_stage2_fp32@{s}": resume_universal("fused_adamw_stage2_fp32", s, 0) for s in (0, 3)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    return {world: run_distributed(world_worker, world, world) for world in (1, 2, 4)}
+
+
+def _folder_tensors(case: str) -> dict:
+    """The universal folder's own files, read with zeroshard's restricted reader (what must load bitwise)."""
+    from zeroshard.checkpoint import read_deepspeed_file
+
+    zero = FIXTURES / case / "ckpt" / "global_step2_universal" / "zero"
+    out = {}
+    for folder in zero.iterdir():
+        if folder.is_dir():
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                data = read_deepspeed_file(str(folder / f"{key}.pt"))
+                out[(folder.name, key)] = (data["param"] if isinstance(data, dict) else data).float()
+    return out
+
+
+def _loaded_bitwise(got: dict, case: str) -> None:
+    files = _folder_tensors(case)
+    for name, values in got["loaded"].items():
+        for key, value in zip(("fp32", "exp_avg", "exp_avg_sq"), values):
+            assert torch.equal(value.reshape(-1), files[(name, key)].reshape(-1)), (case, name, key)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("case", CASES)
+def test_a_universal_folder_resumes_as_deepspeed_resumes_it(runs, case, world):
+    record = json.loads((FIXTURES / case / "universal.json").read_text())
+    facts = json.loads((FIXTURES / case / "expected.json").read_text())
+    tolerance = 1e-3 if case.endswith("bf16") else 1e-6
+    for rank, out in enumerate(runs[world]):
+        got = out[case]
+        assert got["path"].endswith("global_step2_universal")
+        _loaded_bitwise(got, case)
+        assert got["client"] == facts["client_state"] and got["steps"] == record["global_steps_after"]
+        want = record["losses"][str(world)][rank]
+        for loss, expected in zip(got["losses"], want, strict=True):
+            assert abs(loss - expected) <= tolerance * abs(expected), (case, world, got["losses"], want)
+
+
+def test_a_universal_folder_loads_exactly_at_any_stage_and_world_size(runs):
+    for out in runs[2]:
+        for stage in (0, 3):
+            _loaded_bitwise(out[f"fused_adamw_stage2_fp32@{stage}"], "fused_adamw_stage2_fp32")
+    for out in runs[4]:
+        for case in ("fused_adamw_stage3_fp32", "fused_adamw_stage1_bf16"):
+            for stage in (0, 1, 2, 3):
+                _loaded_bitwise(out[f"{case}@{stage}"], case)
+
+
+# -- out: zeroshard -> universal ------------------------------------------------------------------------------
+OPTIMIZERS = {  # each optimizer's own state keys must come back, not Adam's
+    "AdamW": {"lr": 1e-2, "weight_decay": 0.01},
+    "Muon": {"lr": 1e-2, "momentum": 0.9},
+    "Lion": {"lr": 1e-3, "weight_decay": 0.01},
+    "Adagrad": {"lr": 1e-2},
+    "SGD": {"lr": 1e-2, "momentum": 0.9},
+    "Lamb": {"lr": 1e-2},
+    "OneBitAdam": {"lr": 1e-2, "freeze_step": 1},
+}
+
+
+def _config(optimizer: str, stage: int) -> dict:
+    shapes = _fixture_module()
+    config = shapes.config(stage, "fp32", torch_adam=False)  # DeepSpeed's default optimizer path for AdamW
+    config["optimizer"] = {"type": optimizer, "params": OPTIMIZERS[optimizer]}
+    return config
+
+
+def export_worker(base: str) -> dict:
+    """Per optimizer: train 2 steps, save, export to a universal folder, resume it (load_universal) at another
+    stage, save again; both checkpoints are compared on disk. Also the losses of 2 more steps (AdamW)."""
+    import zeroshard
+    from zeroshard.checkpoint import export_universal_checkpoint
+
+    shapes = _fixture_module()
+    rank = zeroshard.comm.get_rank()
+    losses = {}
+    for optimizer in OPTIMIZERS:
+        torch.manual_seed(0)
+        engine, *_ = zeroshard.initialize(model=shapes.Tiny(), config=_config(optimizer, 2))
+        data = shapes.batches(rank, 4)
+        for x, y in data[:2]:
+            engine.backward(engine(x, y))
+            engine.step()
+        engine.save_checkpoint(f"{base}/{optimizer}/native", client_state={"epoch": 3})
+        losses[optimizer] = []
+        for x, y in data[2:]:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses[optimizer].append(loss.item())
+        engine.destroy()
+        if rank == 0:
+            export_universal_checkpoint(f"{base}/{optimizer}/native", f"{base}/{optimizer}/universal")
+        torch.distributed.barrier()
+        torch.manual_seed(1)
+        config = {**_config(optimizer, 3), "checkpoint": {"load_universal": True}}
+        engine, *_ = zeroshard.initialize(model=shapes.Tiny(), config=config)
+        _, client = engine.load_checkpoint(f"{base}/{optimizer}/universal")
+        assert client == {"epoch": 3}, client
+        engine.save_checkpoint(f"{base}/{optimizer}/again", tag="global_step2")
+        engine.destroy()
+    return losses
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("exported")
+    return {"base": base, "losses": run_distributed(export_worker, 2, str(base))}
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_zeroshard_to_universal_to_zeroshard_is_exact_for_every_optimizer(exported, optimizer):
+    from zeroshard.checkpoint.reading import Sources, read_manifest, read_parameter
+
+    first, second = (read_manifest(str(exported["base"] / optimizer / k / "global_step2")) for k in ("native", "again"))
+    assert second["optimizer"]["type"] == first["optimizer"]["type"]
+    assert first["optimizer"]["type"] == {"Muon": "MuonWithAuxAdam"}.get(optimizer, optimizer)
+    assert second["optimizer"]["param_groups"] == first["optimizer"]["param_groups"]
+    a = Sources(str(exported["base"] / optimizer / "native" / "global_step2"), first)
+    b = Sources(str(exported["base"] / optimizer / "again" / "global_step2"), second)
+    universal = exported["base"] / optimizer / "universal"
+    assert (universal / "latest_universal").read_text() == "global_step2_universal"
+    for name in first["params"]:
+        (keys, scalars), (again, again_scalars) = (_optimizer_state_of(m, name) for m in (first, second))
+        assert keys == again and keys and scalars == again_scalars, (name, keys, again, scalars, again_scalars)
+        for prefix in ["master", *(f"optim.{k}" for k in keys)]:
+            assert torch.equal(read_parameter(a, name, prefix), read_parameter(b, name, prefix)), (name, prefix)
+        files = {p.name for p in (universal / "global_step2_universal" / "zero" / name).iterdir()}
+        assert files == {"fp32.pt", *(f"{k}.pt" for k in keys), *(["step.pt"] if "step" in scalars else [])}
+
+
+def _optimizer_state_of(manifest: dict, name: str) -> tuple[list[str], dict]:
+    """The state keys and scalars of the flat group that holds parameter ``name``."""
+    flat = manifest["optimizer"]["flat_groups"][int(manifest["params"][name]["pieces"][0][1][2:])]
+    return flat["state_keys"], flat["scalars"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_resumes_an_exported_folder(exported, tmp_path, stage):
+    """Real DeepSpeed (from ZEROSHARD_TEST_DEEPSPEED, a directory put on PYTHONPATH; never this environment)
+    resumes the AdamW export (saved at stage 2) at 2 ranks, stage 2 and 3, with its default optimizer
+    (FusedAdam); its 2 more steps equal zeroshard's."""
+    import os
+    import subprocess
+    import sys
+
+    where = os.environ.get("ZEROSHARD_TEST_DEEPSPEED")
+    if not where:
+        pytest.skip(
+            "set ZEROSHARD_TEST_DEEPSPEED to a directory holding DeepSpeed (pip install --target DIR deepspeed)"
+        )
+    script = Path(__file__).parent / "scripts" / "deepspeed_resume_universal.py"
+    out = tmp_path / "ds.json"
+    env = {**os.environ, "PYTHONPATH": where, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    universal = str(exported["base"] / "AdamW" / "universal")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+               universal, json.dumps(_config("AdamW", stage)), "2", str(out)]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads(out.read_text())
+    assert theirs["global_steps"] == 4 and theirs["client"]["epoch"] == 3
+    for rank, ours in enumerate(exported["losses"]):
+        for mine, deepspeeds in zip(ours["AdamW"], theirs["losses"][rank], strict=True):
+            assert abs(mine - deepspeeds) <= 1e-6 * abs(deepspeeds), (ours["AdamW"], theirs["losses"][rank])

@@ -1,0 +1,408 @@
+"""DeepSpeed's universal checkpoint (the folder ``ds_to_universal`` writes, ``load_universal`` reads), in both
+directions: read into the import's :class:`~.deepspeed_import.DeepSpeedCheckpoint` (then resumed by
+``load_checkpoint`` or written as a zeroshard checkpoint like any DeepSpeed import), and written from a zeroshard
+checkpoint so that DeepSpeed resumes it (``zeroshard convert CK OUT --to deepspeed-universal``).
+
+The layout, under ``<dir>/<tag>`` (``<dir>/latest_universal`` names the tag):
+
+- ``mp_rank_00_model_states.pt`` (and under stage 3 ``zero_pp_rank_0_mp_rank_00_model_states.pt``): the engine's
+  model states: parameter names and shapes per optimizer group, buffers, counters, scheduler, config, client state.
+- ``zero/optimizer_state.pt``: the optimizer's hyperparameters (``param_groups``) and its ZeRO records.
+- ``zero/<parameter>/fp32.pt`` and one ``<key>.pt`` per optimizer state tensor (``exp_avg``, ``exp_avg_sq`` for
+  Adam; ``momentum_buffer``, ``sum``, ... for others): ``{"param": tensor, "cat_dim": 0}``, or a bare flat tensor
+  (what the converter writes under stage 3); ``step.pt``: the step count (stages 1-2).
+
+Every file is read with the restricted reader of ``--from-deepspeed`` (no code runs), and every parameter folder
+must lie inside ``zero/``; a tensor-parallel, pipeline or AutoEP universal folder (merge records zeroshard does not
+apply) is refused by name. DeepSpeed's own loader takes whatever ``<key>.pt`` files a folder holds, so a folder
+written here carries each optimizer's own state keys; what the universal format has no place for (the update rule,
+scalar state besides the step, the zeroshard hyperparameters as they were) rides in ``optimizer_state.pt`` under
+``zeroshard`` (DeepSpeed ignores the key), so zeroshard -> universal -> zeroshard is exact for every optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+from typing import Any, Optional
+
+import torch
+
+from .client_state import read_client_tensors, restore_client_state
+from .commit import atomic_write_text
+from .deepspeed_fields import MAX_COUNTER, _dense, model_states
+from .deepspeed_import import (
+    _ENGINE_KEYS,
+    DeepSpeedCheckpoint,
+    _hyperparameters,
+    _update_rule,
+    imported_manifest,
+    imported_tensors,
+    plain_client_state,
+    read_deepspeed_file,
+)
+from .manifest import plain_name
+from .reading import MemorySources, Sources, read_manifest, read_parameter, resolve_tag
+from .safetensors_io import CheckpointError
+
+LATEST_UNIVERSAL = "latest_universal"
+MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+DEEPSPEED_LAYOUT = "0.19.8"  # the DeepSpeed whose universal layout is written (its loader checks the version)
+OWN_RECORD = "zeroshard"  # in optimizer_state.pt: what the universal format has no place for
+_STATE_FILE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.pt")
+# records of a tensor-parallel merge (Megatron's vocabulary padding, fused sub-parameters) and of AutoEP experts
+_MERGE_RECORDS = ("vocab_tensor", "param_n_sub_params", "sub_param_shape", "ep_is_expert_param")
+
+
+def universal_tag(ds_dir: str, tag: Optional[str]) -> Optional[str]:
+    """``tag``, else the one ``latest_universal`` names (a plain name inside ``ds_dir``); None without either."""
+    if tag is not None:
+        return plain_name(tag, "checkpoint tag", ds_dir)
+    latest = os.path.join(ds_dir, LATEST_UNIVERSAL)
+    if not os.path.isfile(latest):
+        return None
+    try:
+        with open(latest) as f:
+            return plain_name(f.read().strip(), f"tag in '{LATEST_UNIVERSAL}'", latest)
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{latest}: cannot read it ({err})") from None
+
+
+def is_universal_checkpoint(path: str) -> bool:
+    """Whether ``path`` (a tag folder) holds a DeepSpeed universal checkpoint rather than a zeroshard manifest."""
+    return os.path.isfile(os.path.join(path, "zero", "optimizer_state.pt")) and not os.path.exists(
+        os.path.join(path, "manifest.json")
+    )
+
+
+def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpeedCheckpoint:
+    """The universal folder ``ds_dir/tag`` (default: the tag ``latest_universal`` names), read and checked whole:
+    per parameter its fp32 master and optimizer state, in parameter groups."""
+    tag = universal_tag(ds_dir, tag)
+    if tag is None:
+        raise CheckpointError(
+            f"{ds_dir}: no '{LATEST_UNIVERSAL}' file; pass the universal folder's tag (e.g. global_step100_universal)"
+        )
+    path = os.path.join(ds_dir, tag)
+    zero = os.path.join(path, "zero")
+    if not os.path.isdir(zero):
+        raise CheckpointError(f"{path}: not a DeepSpeed universal checkpoint (no zero/ folder of parameters)")
+    if any(os.path.exists(os.path.join(path, f"mp_rank_{m:02d}_model_states.pt")) for m in (1,)) or any(
+        re.fullmatch(r"(zero_pp_rank_\d+_)?mp_rank_\d\d_\d{3}_model_states\.pt|layer_.*_model_states\.pt", f)
+        for f in os.listdir(path)
+    ):
+        raise CheckpointError(
+            f"{path}: a tensor-, pipeline- or expert-parallel universal checkpoint (mp_rank_01 / layer files): its "
+            "merge records (vocabulary padding, fused sub-parameters) are not applied here; nothing imported"
+        )
+    model_file = next((os.path.join(path, f) for f in MODEL_STATES if os.path.isfile(os.path.join(path, f))), None)
+    if model_file is None:
+        raise CheckpointError(f"{path}: no model states ({' or '.join(MODEL_STATES)})")
+    model = read_deepspeed_file(model_file)
+    if isinstance(model, dict) and (model.get("frozen_param_shapes") or model.get("frozen_param_fragments")):
+        raise CheckpointError(f"{model_file}: frozen parameters in a DeepSpeed checkpoint are not importable yet")
+    states = model_states(model_file, model)
+    optim_file = os.path.join(zero, "optimizer_state.pt")
+    optim = read_deepspeed_file(optim_file)
+    groups_hyper = optim.get("param_groups") if isinstance(optim, dict) else None
+    if not isinstance(groups_hyper, (list, tuple)) or len(groups_hyper) != len(states.groups):
+        raise CheckpointError(
+            f"{optim_file}: field 'param_groups' is {type(groups_hyper).__name__}; expected {len(states.groups)} "
+            "parameter group(s), as the model states list"
+        )
+    if any(not isinstance(g, dict) for g in groups_hyper):
+        raise CheckpointError(f"{optim_file}: field 'param_groups' holds a non-dict; expected hyperparameter dicts")
+    stage = optim.get("zero_stage", 1)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 1 <= stage <= 3:
+        raise CheckpointError(f"{optim_file}: field 'zero_stage' is {stage!r}; expected 1, 2 or 3")
+    own = _own_record(optim_file, optim.get(OWN_RECORD), len(states.groups))
+    rule = own["type"] if own else _update_rule(path, states.config, list(groups_hyper))
+    masters: dict[str, torch.Tensor] = {}
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    steps = []
+    for g, params in enumerate(states.groups):
+        keys, step = None, None
+        for name, shape in params:
+            folder = _parameter_folder(zero, name)
+            found = _state_files(folder)
+            if "fp32" not in found:
+                raise CheckpointError(f"{folder}: no fp32.pt (the parameter's fp32 master); nothing imported")
+            mine = sorted(set(found) - {"fp32", "step"})
+            if keys is None:
+                keys = mine
+                _check_keys(folder, rule, keys, own is not None)
+            elif mine != keys:
+                raise CheckpointError(
+                    f"{folder}: optimizer state {mine}, but the other parameters of group {g} hold {keys}: a "
+                    "missing or foreign file; nothing imported"
+                )
+            masters[name] = _tensor(found["fp32"], shape, "fp32")
+            for key in keys:
+                moments.setdefault(key, {})[name] = _tensor(found[key], shape, key)
+            if "step" in found:
+                value = _step_value(found["step"], read_deepspeed_file(found["step"]))
+                if step is not None and value != step:
+                    raise CheckpointError(f"{found['step']}: step {value}, other parameters of group {g} say {step}")
+                step = value
+        steps.append(step if step is not None or own else _stage3_step(optim_file, optim, g))
+    if own:
+        hyper, steps = own["param_groups"], [None] * len(steps)
+    else:
+        hyper = [_hyperparameters(path, g, dict(group), rule) for g, group in enumerate(groups_hyper)]
+    return DeepSpeedCheckpoint(
+        path=path,
+        stage=stage,
+        world_size=states.world,
+        groups=states.groups,
+        hyper=hyper,
+        update_rule=rule,
+        steps=steps,
+        masters=masters,
+        states=moments,
+        counters=states.counters,
+        config=states.config,
+        lr_scheduler=states.lr_scheduler,
+        buffers=states.buffers,
+        aliases=states.aliases,
+        client_state={k: v for k, v in model.items() if k not in _ENGINE_KEYS and k != "universal_checkpoint_info"},
+        scalars=own["scalars"] if own else None,
+    )
+
+
+def _own_record(path: str, record: Any, groups: int) -> Optional[dict]:
+    if record is None:
+        return None
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("type"), (str, type(None)))
+        or not isinstance(record.get("param_groups"), list)
+        or not isinstance(record.get("scalars"), list)
+        or len(record["param_groups"]) != groups
+        or len(record["scalars"]) != groups
+        or any(not isinstance(s, dict) for s in record["scalars"] + record["param_groups"])
+    ):
+        raise CheckpointError(f"{path}: field '{OWN_RECORD}' is not the record zeroshard writes; nothing imported")
+    return record
+
+
+def _parameter_folder(zero: str, name: str) -> str:
+    """``zero/<name>``, which must be a folder directly inside ``zero/`` (no separators, no '..', no link out)."""
+    plain_name(name, "parameter name", zero)
+    folder = os.path.join(zero, name)
+    if os.path.dirname(os.path.realpath(folder)) != os.path.realpath(zero):
+        raise CheckpointError(f"{folder} links to {os.path.realpath(folder)}, outside the checkpoint's zero/ folder")
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder}: missing; the model states list parameter {name!r}")
+    return folder
+
+
+def _state_files(folder: str) -> dict[str, str]:
+    out = {}
+    for entry in sorted(os.listdir(folder)):
+        match = _STATE_FILE.fullmatch(entry)
+        if match is None:
+            continue
+        location = os.path.join(folder, entry)
+        if os.path.dirname(os.path.realpath(location)) != os.path.realpath(folder) or not os.path.isfile(location):
+            raise CheckpointError(f"{location} links outside its parameter folder (or is not a file): refused")
+        out[match.group(1)] = location
+    return out
+
+
+def _check_keys(folder: str, rule: Optional[str], keys: list[str], own: bool) -> None:
+    if rule in ("Adam", "AdamW") and not own:
+        missing = [k for k in ("exp_avg", "exp_avg_sq") if k not in keys]
+        extra = [k for k in keys if k not in ("exp_avg", "exp_avg_sq")]
+        if missing or extra:
+            raise CheckpointError(
+                f"{folder}: the checkpoint ran Adam, whose state is exp_avg.pt and exp_avg_sq.pt; "
+                + (f"missing {missing}" if missing else f"unexpected {extra} (amsgrad's max_exp_avg_sq?)")
+                + "; nothing imported"
+            )
+    elif not keys and rule is None and not own:
+        raise CheckpointError(f"{folder}: no optimizer state files besides fp32.pt and step.pt")
+
+
+def _tensor(path: str, shape: tuple[int, ...], key: str) -> torch.Tensor:
+    data = read_deepspeed_file(path)
+    if isinstance(data, dict):
+        marked = [k for k in _MERGE_RECORDS if data.get(k)]
+        if marked:
+            raise CheckpointError(f"{path}: records {marked} of a tensor-parallel / expert merge: not importable")
+        if data.get("cat_dim", 0) not in (0, 1):
+            raise CheckpointError(f"{path}: field 'cat_dim' is {data.get('cat_dim')!r}; expected 0 or 1")
+        data = data.get("param")
+    if not _dense(data) or not data.is_floating_point():
+        shown = f"{type(data).__name__}" + (f" {data.dtype}" if torch.is_tensor(data) else "")
+        raise CheckpointError(f"{path}: holds {shown}; expected a dense floating-point tensor ('param')")
+    if data.numel() != math.prod(shape) or (data.dim() > 1 and tuple(data.shape) != tuple(shape)):
+        raise CheckpointError(
+            f"{path}: a tensor of shape {list(data.shape)}, but the model states give the parameter shape "
+            f"{list(shape)}: a file of another model; nothing imported"
+        )
+    values = data.float().reshape(shape).clone()
+    if not bool(torch.isfinite(values).all()):
+        raise CheckpointError(f"{path}: holds NaN or inf")
+    if key == "exp_avg_sq" and bool((values < 0).any()):
+        raise CheckpointError(f"{path}: negative values; Adam's second moment is a mean of squares (an edited file?)")
+    return values
+
+
+def _step_value(path: str, value: Any) -> float:
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_COUNTER:
+        raise CheckpointError(f"{path}: holds {value!r}; expected a step count (a non-negative whole number)")
+    if value != int(value):
+        raise CheckpointError(f"{path}: holds {value!r}; expected a whole step count")
+    return float(value)
+
+
+def _stage3_step(path: str, optim: dict, g: int) -> float:
+    """Stage 3's converter writes no step.pt: DeepSpeed takes the step from rank 0's optimizer state, group 0."""
+    inner = optim.get("optimizer_state_dict")
+    state = inner.get("state") if isinstance(inner, dict) else None
+    record = state.get(g, state.get(0)) if isinstance(state, dict) else None
+    if not isinstance(record, dict) or "step" not in record:
+        raise CheckpointError(f"{path}: no step.pt in the parameter folders and no 'optimizer_state_dict.state' step")
+    return _step_value(path, record["step"])
+
+
+def universal_sources(ds_dir: str, tag: str) -> tuple[dict, MemorySources]:
+    """The universal folder ``ds_dir/tag`` as ``load_checkpoint`` reads a checkpoint: a manifest (as the import
+    writes one) and its tensors, held in memory."""
+    source = read_universal_checkpoint(ds_dir, tag)
+    client, client_tensors = plain_client_state(source.client_state)
+    tensors, params = imported_tensors(source, client_tensors)
+    manifest = imported_manifest(source, tag, client, client_tensors, params, files={})
+    return manifest, MemorySources(source.path, manifest, dict(tensors))
+
+
+# -- writing ---------------------------------------------------------------------------------------------
+
+
+def export_universal_checkpoint(ckpt_dir: str, out_dir: str, tag: Optional[str] = None) -> str:
+    """``zeroshard convert CK OUT --to deepspeed-universal``: the zeroshard checkpoint ``ckpt_dir`` (tag ``tag``
+    or its ``latest``; weights joined whole whatever the tensor- or expert-parallel degree) as a universal folder
+    ``OUT/<tag>_universal`` with ``OUT/latest_universal``, which DeepSpeed resumes with ``"checkpoint":
+    {"load_universal": true}`` at any world size and ZeRO stage. Written into a hidden folder and renamed; an
+    existing folder is never replaced. Returns its path."""
+    tag = resolve_tag(ckpt_dir, tag)
+    if tag is None:
+        raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass the checkpoint's tag with --tag")
+    path = os.path.join(ckpt_dir, tag)
+    manifest = read_manifest(path)
+    out_tag = f"{tag}_universal"
+    final, tmp = os.path.join(out_dir, out_tag), os.path.join(out_dir, f".{out_tag}.tmp")
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} exists; export into another directory (nothing was replaced)")
+    os.makedirs(out_dir, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "zero"))
+    sources = Sources(path, manifest)
+    try:
+        _write_universal(sources, manifest, tmp)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        sources.close()
+    atomic_write_text(os.path.join(out_dir, LATEST_UNIVERSAL), out_tag)
+    return final
+
+
+def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
+    optimizer = manifest["optimizer"]
+    flat_groups = optimizer["flat_groups"]
+    groups: list[dict[str, list[int]]] = [{} for _ in optimizer["param_groups"]] or [{}]
+    module: dict[str, torch.Tensor] = {}
+    for name, entry in manifest["params"].items():
+        master = read_parameter(sources, name, "master")
+        module[name] = master.to(getattr(torch, entry.get("dtype", "float32")))
+        index = _flat_index(entry)
+        folder = os.path.join(tmp, "zero", plain_name(name, "parameter name", tmp))
+        os.makedirs(folder)
+        _save(os.path.join(folder, "fp32.pt"), {"param": master.float(), "cat_dim": 0})
+        if index is None or index >= len(flat_groups):
+            continue  # frozen: its weights only, as DeepSpeed writes parameters without optimizer state
+        flat = flat_groups[index]
+        groups[flat["group"]][name] = list(entry["shape"])
+        for key in flat["state_keys"]:
+            _save(os.path.join(folder, f"{key}.pt"), {"param": read_parameter(sources, name, f"optim.{key}"),
+                                                        "cat_dim": 0})  # fmt: skip
+        step = flat["scalars"].get("step")
+        if step is not None:
+            _save(os.path.join(folder, "step.pt"), _scalar_value(step))
+    for name, entry in manifest["module_tensors"].items():
+        module[name] = sources.read_whole(name, entry).clone()
+    scalars = [{} for _ in groups]
+    for flat in flat_groups:
+        scalars[flat["group"]].update(flat["scalars"])
+    hyper = optimizer["param_groups"]
+    stage3_state = {g: {"step": _scalar_value(s["step"])} for g, s in enumerate(scalars) if "step" in s}
+    _save(
+        os.path.join(tmp, "zero", "optimizer_state.pt"),
+        {
+            "zero_stage": int(manifest["stage"]) or 1,
+            "ds_version": DEEPSPEED_LAYOUT,
+            "dynamic_loss_scale": False,
+            "overflow": False,
+            "param_groups": [{**_deepspeed_hyper(h), "params": list(range(len(g)))} for h, g in zip(hyper, groups)],
+            "optimizer_state_dict": {"state": stage3_state, "param_groups": [_deepspeed_hyper(h) for h in hyper]},
+            OWN_RECORD: {"type": optimizer.get("type"), "param_groups": hyper, "scalars": scalars},
+        },
+    )
+    counters = manifest["counters"]
+    client = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest)) or {}
+    model_states = {
+        "module": module,
+        "buffer_names": list(manifest["module_tensors"]),
+        "param_shapes": [dict(g) for g in groups if g],
+        "frozen_param_shapes": None,
+        "shared_params": dict(manifest.get("aliases", {})),
+        "lr_scheduler": manifest.get("lr_scheduler"),
+        "global_steps": counters["global_steps"],
+        "global_samples": counters["global_samples"],
+        "skipped_steps": counters["skipped_steps"],
+        "dp_world_size": manifest["world_size"],
+        "mp_world_size": 1,
+        "ds_config": manifest.get("config"),
+        "ds_version": DEEPSPEED_LAYOUT,
+        **{k: v for k, v in client.items() if k not in _ENGINE_KEYS},
+    }
+    for file in MODEL_STATES:  # DeepSpeed reads the first below stage 3, the second under stage 3
+        _save(os.path.join(tmp, file), model_states)
+
+
+def _flat_index(entry: dict) -> Optional[int]:
+    match = re.fullmatch(r"fg(\d+)", entry["pieces"][0][1])
+    return int(match.group(1)) if match else None
+
+
+def _scalar_value(entry: dict) -> Any:
+    if entry.get("tensor"):
+        return torch.tensor(entry["value"], dtype=getattr(torch, entry.get("dtype", "float32")))
+    return entry["value"]
+
+
+def _deepspeed_hyper(hyper: dict) -> dict:
+    """The hyperparameters as DeepSpeed's optimizers hold them (betas a tuple); zeroshard's own flag for Adam's
+    update rule stays in the ``zeroshard`` record (DeepSpeed's Adams take it from their config)."""
+    return {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in hyper.items()
+            if k != "decoupled_weight_decay"}  # fmt: skip
+
+
+def _save(path: str, value: Any) -> None:
+    torch.save(value, path)
+
+
+__all__ = [
+    "LATEST_UNIVERSAL",
+    "export_universal_checkpoint",
+    "is_universal_checkpoint",
+    "read_universal_checkpoint",
+    "universal_tag",
+]
