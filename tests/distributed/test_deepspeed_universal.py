@@ -62,6 +62,34 @@ def resume_universal(case: str, stage: int | None = None, steps: int = 2) -> dic
     return out
 
 
+def refused_load() -> str:
+    """A universal folder whose last parameter's file is bad: the load is refused by name and the engine keeps
+    every weight and counter it had (the folder is read and checked whole before anything is restored)."""
+    import shutil
+    import tempfile
+
+    import deepspeed
+
+    shapes = _fixture_module()
+    case = "fused_adamw_stage2_fp32"
+    with tempfile.TemporaryDirectory() as directory:
+        shutil.copytree(FIXTURES / case / "ckpt" / "global_step2_universal", f"{directory}/global_step2_universal")
+        Path(directory, "latest_universal").write_text("global_step2_universal")
+        torch.save({"param": -torch.ones(3)}, f"{directory}/global_step2_universal/zero/down.bias/exp_avg_sq.pt")
+        engine, *_ = deepspeed.initialize(model=shapes.Tiny(), config=_universal_config(case))
+        before = {n: engine.param_access.full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+        try:
+            engine.load_checkpoint(directory)
+            message = "loaded"
+        except Exception as error:  # noqa: BLE001 - the message is what the test checks
+            message = f"{type(error).__name__}: {error}"
+        for name, p in engine.module.named_parameters():
+            assert torch.equal(engine.param_access.full_fp32_param(p), before[name]), name
+        assert engine.global_steps == 0
+        engine.destroy()
+    return message
+
+
 def world_worker(world: int) -> dict:
     import zeroshard
 
@@ -70,6 +98,8 @@ def world_worker(world: int) -> dict:
         cases = ("fused_adamw_stage3_fp32", "fused_adamw_stage1_bf16")
         return {f"{case}@{stage}": resume_universal(case, stage, steps=0) for case in cases for stage in (0, 1, 2, 3)}
     out = {case: resume_universal(case) for case in CASES}
+    if world == 1:
+        out["refused"] = refused_load()
     if world == 2:
         out.update({f"fused_adamw_stage2_fp32@{s}": resume_universal("fused_adamw_stage2_fp32", s, 0) for s in (0, 3)})
     return out
@@ -115,6 +145,11 @@ def test_a_universal_folder_resumes_as_deepspeed_resumes_it(runs, case, world):
         want = record["losses"][str(world)][rank]
         for loss, expected in zip(got["losses"], want, strict=True):
             assert abs(loss - expected) <= tolerance * abs(expected), (case, world, got["losses"], want)
+
+
+def test_a_refused_universal_load_changes_nothing(runs):
+    message = runs[1][0]["refused"]
+    assert message.startswith("CheckpointError") and "down.bias/exp_avg_sq.pt: negative values" in message
 
 
 def test_a_universal_folder_loads_exactly_at_any_stage_and_world_size(runs):

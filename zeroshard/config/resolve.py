@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .elasticity import batch_of, micro_batch_for
+from .elasticity import ElasticityIncompatibleWorldSize, elastic_batch
 from .schema import ConfigError, ZeroshardConfig
 
 # "auto" keys filled from attributes of the caller's ``args`` (HF TrainingArguments names first).
@@ -250,15 +250,20 @@ def _elastic_triad(block, data: dict, world_size: int, derived: list) -> None:
             f"elasticity is enabled and the config also sets {given}; elasticity chooses the batch: remove them, or "
             'set "elasticity": {"ignore_non_elastic_batch_info": true} to let elasticity override them'
         )
-    batch = batch_of(block)
-    micro, accumulation = micro_batch_for(batch, world_size, block.micro_batch_sizes)
-    data["train_batch_size"], data["train_micro_batch_size_per_gpu"] = batch.train_batch_size, micro
+    try:
+        batch, sizes, micro = elastic_batch(block.model_dump(), world_size)
+    except ElasticityIncompatibleWorldSize as err:
+        raise ConfigError(
+            f"elasticity: {err} (from min_gpus, max_gpus and num_gpus_per_node): start a valid number of ranks or "
+            "change the elasticity block"
+        ) from None
+    accumulation = batch // (micro * world_size)
+    data["train_batch_size"], data["train_micro_batch_size_per_gpu"] = batch, micro
     data["gradient_accumulation_steps"] = accumulation
-    sizes = list(batch.valid_world_sizes)
     shown = f"{sizes[:12]}{' ...' if len(sizes) > 12 else ''}"
     source = f"elasticity: valid on world sizes {shown}, here {world_size}"
     derived += [
-        ("train_batch_size", batch.train_batch_size, source),
+        ("train_batch_size", batch, source),
         ("train_micro_batch_size_per_gpu", micro, source),
         ("gradient_accumulation_steps", accumulation, source),
     ]

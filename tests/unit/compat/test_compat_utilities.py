@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard.compat.deepspeed import elasticity, git_version_info
+from zeroshard.compat.deepspeed import git_version_info
 from zeroshard.compat.deepspeed.monitor.monitor import MonitorMaster
 from zeroshard.compat.deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
 from zeroshard.compat.deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
@@ -98,26 +98,6 @@ def test_the_checkpoint_engine_saves_atomically_and_never_unpickles_code(tmp_pat
     with pytest.raises(CheckpointError, match=r"refused to unpickle class (posix|os)\.system"):
         engine.load(str(tmp_path / "evil.pt"))
     assert not (tmp_path / "ran").exists() and not (tmp_path / "pwned").exists()
-
-
-def test_compute_elastic_config_as_ms_swift_calls_it(monkeypatch):
-    block = {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [2, 4], "min_gpus": 1, "max_gpus": 8}
-    batch, valid = elasticity.compute_elastic_config({"elasticity": block}, git_version_info.version)
-    assert batch <= 64 and valid and all(batch % (g * 2) == 0 or batch % (g * 4) == 0 for g in valid)
-    batch2, valid2, micro = elasticity.compute_elastic_config({"elasticity": block}, "0.18.9", world_size=valid[-1])
-    assert (batch2, valid2) == (batch, valid) and micro in (2, 4) and batch % (micro * valid[-1]) == 0
-    monkeypatch.setenv("WORLD_SIZE", str(valid[0]))
-    assert len(elasticity.compute_elastic_config({"elasticity": block}, "0.19.8", return_microbatch=True)) == 3
-    with pytest.raises(elasticity.ElasticityIncompatibleWorldSize, match="World size \\(7\\) is not valid"):
-        elasticity.compute_elastic_config({"elasticity": block}, "0.19.8", world_size=7)
-    with pytest.raises(elasticity.ElasticityConfigError, match="missing"):
-        elasticity.compute_elastic_config({}, "0.19.8")
-    with pytest.raises(elasticity.ElasticityConfigError, match="disabled"):
-        elasticity.compute_elastic_config({"elasticity": {**block, "enabled": False}}, "0.19.8")
-    with pytest.raises(elasticity.ElasticityConfigError, match="micro_batch_sizes"):
-        elasticity.compute_elastic_config({"elasticity": {**block, "micro_batch_sizes": [0]}}, "0.19.8")
-    with pytest.raises(ValueError, match="dictionary"):
-        elasticity.compute_elastic_config("ds.json", "0.19.8")
 
 
 def test_git_version_info_answers_what_clients_read():

@@ -1,0 +1,173 @@
+"""Universal folders edited as a careless or hostile user would: each is a ``CheckpointError`` naming the file, no
+code in a pickle runs, nothing is written, and a folder that points outside the checkpoint is refused.
+
+The edits start from the folder DeepSpeed 0.19.8's ``ds_to_universal`` wrote (``tests/fixtures/deepspeed_checkpoints/
+fused_adamw_stage2_fp32/ckpt/global_step2_universal``), its DeepSpeed records re-saved as plain values, so no test
+unpickles anything unrestricted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroshard.checkpoint import convert_deepspeed_checkpoint, export_universal_checkpoint, read_deepspeed_file
+from zeroshard.checkpoint.safetensors_io import CheckpointError
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_checkpoints"
+TAG = "global_step2_universal"
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if k not in ("loss_scaler", "param_slice_mappings")}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(value)
+    return value
+
+
+def _folder(tmp_path: Path, case: str = "fused_adamw_stage2_fp32") -> Path:
+    ds = tmp_path / "ds"
+    shutil.copytree(FIXTURES / case / "ckpt" / TAG, ds / TAG)
+    (ds / "latest_universal").write_text(TAG)
+    for file in (ds / TAG).rglob("*.pt"):
+        torch.save(_plain(read_deepspeed_file(str(file))), file)
+    return ds
+
+
+def _convert(ds: Path, tmp_path: Path) -> str:
+    return convert_deepspeed_checkpoint(str(ds), str(tmp_path / "out"))
+
+
+def _edit(file: Path, change) -> None:
+    data = read_deepspeed_file(str(file))
+    data = change(data) or data
+    torch.save(data, file)
+
+
+class RunsCode:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _memo_graph():
+    node: list = []
+    for _ in range(60):
+        node = [node, node]
+    return node
+
+
+def test_the_plain_copy_converts_and_resumes_the_same_values(tmp_path):
+    from zeroshard.checkpoint.reading import Sources, read_manifest, read_parameter
+
+    ds = _folder(tmp_path)
+    out = _convert(ds, tmp_path)
+    assert out.endswith(TAG)
+    manifest = read_manifest(out)
+    assert manifest["optimizer"]["type"] == "AdamW" and manifest["counters"]["global_steps"] == 2
+    want = read_deepspeed_file(str(ds / TAG / "zero" / "up.weight" / "exp_avg_sq.pt"))["param"]
+    assert torch.equal(read_parameter(Sources(out, manifest), "up.weight", "optim.exp_avg_sq"), want)
+
+
+def test_a_pickle_that_runs_code_is_refused_and_does_not_run(tmp_path):
+    ds = _folder(tmp_path)
+    marker = tmp_path / "ran"
+    torch.save({"param": RunsCode(str(marker))}, ds / TAG / "zero" / "up.weight" / "fp32.pt")
+    with pytest.raises(CheckpointError, match=r"up.weight/fp32.pt: refused to unpickle"):
+        _convert(ds, tmp_path)
+    assert not marker.exists() and not (tmp_path / "out" / TAG).exists()
+
+
+EDITS = [  # (label, file under the tag folder, edit, what the message says)
+    ("shape-of-another-model", "zero/up.weight/fp32.pt",
+     lambda d: {**d, "param": torch.zeros(5, 6)}, "model states give the parameter shape [10, 6]"),
+    ("nan-master", "zero/down.bias/fp32.pt", lambda d: {**d, "param": torch.full((3,), float("nan"))}, "NaN"),
+    ("negative-second-moment", "zero/norm.weight/exp_avg_sq.pt",
+     lambda d: {**d, "param": -torch.ones(10)}, "negative values"),
+    ("integer-master", "zero/up.bias/fp32.pt", lambda d: {**d, "param": torch.ones(10, dtype=torch.int64)},
+     "dense floating-point tensor"),
+    ("vocab-padding-record", "zero/up.weight/fp32.pt", lambda d: {**d, "vocab_tensor": True}, "'vocab_tensor'"),
+    ("step-negative", "zero/up.weight/step.pt", lambda d: -1, "a step count"),
+    ("step-text", "zero/up.weight/step.pt", lambda d: "2", "a step count"),
+    ("steps-disagree", "zero/down.bias/step.pt", lambda d: 7, "other parameters of group 0 say"),
+    ("memo-bomb", "zero/optimizer_state.pt", lambda d: {**d, "bomb": _memo_graph()}, "expands"),
+    ("groups-missing", "zero/optimizer_state.pt", lambda d: {k: v for k, v in d.items() if k != "param_groups"},
+     "field 'param_groups'"),
+    ("stage-9", "zero/optimizer_state.pt", lambda d: {**d, "zero_stage": 9}, "field 'zero_stage' is 9"),
+    ("own-record-forged", "zero/optimizer_state.pt", lambda d: {**d, "zeroshard": {"type": "AdamW"}},
+     "field 'zeroshard'"),
+    ("parameter-outside", "mp_rank_00_model_states.pt",
+     lambda d: d["param_shapes"][0].__setitem__("../../etc", torch.Size([3])), "not a plain name"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("label,name,change,said", EDITS, ids=[e[0] for e in EDITS])
+def test_an_edited_universal_folder_is_a_named_error_and_nothing_is_written(tmp_path, label, name, change, said):
+    ds = _folder(tmp_path)
+    _edit(ds / TAG / name, change)
+    started = time.monotonic()
+    with pytest.raises(CheckpointError) as caught:
+        _convert(ds, tmp_path)
+    assert said in str(caught.value) and TAG in str(caught.value), str(caught.value)
+    assert not (tmp_path / "out" / TAG).exists()
+    assert time.monotonic() - started < 120  # a bound, not a timing: an unbounded walk of 2**60 never returns
+
+
+def test_missing_or_foreign_state_files_are_named(tmp_path):
+    ds = _folder(tmp_path)
+    (ds / TAG / "zero" / "up.weight" / "exp_avg.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"up.weight: the checkpoint ran Adam.*missing \['exp_avg'\]"):
+        _convert(ds, tmp_path)
+    ds = _folder(tmp_path / "again")
+    shutil.copy(ds / TAG / "zero" / "down.bias" / "exp_avg.pt", ds / TAG / "zero" / "down.bias" / "momentum.pt")
+    with pytest.raises(CheckpointError, match=r"down.bias: optimizer state \['exp_avg', 'exp_avg_sq', 'momentum'\]"):
+        _convert(ds, tmp_path)
+    ds = _folder(tmp_path / "third")
+    shutil.rmtree(ds / TAG / "zero" / "norm.bias")
+    with pytest.raises(CheckpointError, match=r"zero/norm.bias: missing"):
+        _convert(ds, tmp_path)
+
+
+def test_folders_and_files_that_link_outside_are_refused(tmp_path):
+    ds = _folder(tmp_path)
+    outside = tmp_path / "elsewhere"
+    shutil.move(ds / TAG / "zero" / "up.bias", outside)
+    os.symlink(outside, ds / TAG / "zero" / "up.bias")
+    with pytest.raises(CheckpointError, match=r"zero/up.bias links to .*outside the checkpoint's zero/ folder"):
+        _convert(ds, tmp_path)
+    ds = _folder(tmp_path / "again")
+    target = ds / TAG / "zero" / "up.weight" / "fp32.pt"
+    shutil.move(target, tmp_path / "fp32.pt")
+    os.symlink(tmp_path / "fp32.pt", target)
+    with pytest.raises(CheckpointError, match=r"fp32.pt links outside its parameter folder"):
+        _convert(ds, tmp_path)
+    (ds / "latest_universal").write_text("../ds")
+    with pytest.raises(CheckpointError, match=r"tag in 'latest_universal' '../ds' is not a plain name"):
+        _convert(ds, tmp_path)
+
+
+def test_tensor_parallel_universal_folders_are_refused_by_name(tmp_path):
+    ds = _folder(tmp_path)
+    shutil.copy(ds / TAG / "mp_rank_00_model_states.pt", ds / TAG / "mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointError, match=r"a tensor-, pipeline- or expert-parallel universal checkpoint"):
+        _convert(ds, tmp_path)
+
+
+def test_an_export_never_replaces_a_folder(tmp_path):
+    ds = _folder(tmp_path)
+    native = Path(_convert(ds, tmp_path)).parent
+    first = export_universal_checkpoint(str(native), str(tmp_path / "exported"))
+    assert first.endswith(f"{TAG}_universal")
+    with pytest.raises(CheckpointError, match="exists; export into another directory"):
+        export_universal_checkpoint(str(native), str(tmp_path / "exported"))
+    assert not [p for p in (tmp_path / "exported").iterdir() if p.name.startswith(".")]
