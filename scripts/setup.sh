@@ -14,3 +14,10 @@ if [[ "${1:-}" == "--latest" ]]; then
 else
     python3 -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
 fi
+# ms-swift's elastic restart is tested with its own source (tests/distributed/scripts/compat/ms_swift_elastic.py
+# compiles four functions from the installed file); its dependencies (modelscope, ...) are not needed for them
+if [[ "${1:-}" == "--latest" ]]; then
+    python3 -m pip install -q --disable-pip-version-check --no-deps -U ms-swift
+else
+    python3 -m pip install -q --disable-pip-version-check --no-deps "ms-swift==4.6.0"
+fi

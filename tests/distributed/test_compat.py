@@ -3,6 +3,7 @@
 
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -73,6 +74,10 @@ def launches(tmp_path_factory):
         "bert": [[SCRIPTS / "bert_mlm_style.py", *bert], [SCRIPTS / "bert_mlm_style.py", *bert, "--resume"]],
         **{mode: [[SCRIPTS / "accelerate_train.py", mode, base / mode]] for mode in ("ddp", "ds2", "ds3")},
         "pretrained": [[SCRIPTS / "hf_zero3_from_pretrained.py", base / "pretrained"]],
+        "swift": [
+            [SCRIPTS / "ms_swift_elastic.py", base / "swift"],
+            ["--num_gpus", 1, SCRIPTS / "ms_swift_elastic.py", base / "swift", "--resume"],
+        ],
         "cifar": [["torchrun", SCRIPTS / "cifar_style.py", *cifar]],
         "ulysses": [[SCRIPTS / "hf_ulysses.py", base / "llama", base / "ulysses"]],
         "ulysses-reference": [
@@ -119,6 +124,21 @@ def test_hf_trainer_trains_saves_and_resumes(launches, stage):
     assert resumed["losses"] == first["losses"]  # steps 3-4 after resuming from checkpoint-2 match the full run
     again = load_file(directory / "final-resumed" / "model.safetensors")
     assert all(torch.equal(again[k], saved[k]) for k in saved)
+
+
+def test_ms_swift_elastic_restart_from_2_ranks_to_1_through_latest_universal(launches):
+    """ms-swift's own prepare_deepspeed_elastic_config (its elastic callback's setup) on an HF Trainer run with its
+    documented elastic config: 2 ranks train micro-batch 4 x 1 accumulation step and save checkpoint-2 (zeroshard
+    writes latest_universal, as load_universal asks); restarted on 1 rank it keeps the global batch (4 x 2), loads
+    checkpoint-2 through latest_universal with the weights exactly as saved, not a fresh model, and finishes."""
+    first, resumed = (result(out) for out in launches["swift"])
+    assert first["world"] == 2 and first["elastic"] == {"micro": 4, "accumulation": 1, "load_universal": True}
+    assert resumed["world"] == 1 and resumed["elastic"] == {"micro": 4, "accumulation": 2, "load_universal": True}
+    assert first["universal_tag"] == resumed["universal_tag"] == "global_step2"
+    assert resumed["resumed"] == {"max_difference": 0.0, "compared": 28}
+    assert resumed["global_step"] == resumed["engine_steps"] == 4 and len(resumed["losses"]) == 4
+    assert resumed["losses"][:2] == first["losses"][:2]  # the history of steps 1-2 came back with the checkpoint
+    assert all(math.isfinite(loss) for loss in resumed["losses"])
 
 
 @pytest.mark.skipif(not HAS_BITSANDBYTES, reason="bitsandbytes is not installed (pip install bitsandbytes)")

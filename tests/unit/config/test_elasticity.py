@@ -14,7 +14,7 @@ def test_one_global_batch_for_every_world_size_in_range():
     assert compute_elastic_config(v1, "0.19.8", world_size=1) == (16, [1, 2], 4)
     assert (
         compute_elastic_config({"elasticity": {**BLOCK, "version": 0.1, "prefer_larger_batch": False}}, "0.19.8")[0]
-        == 12  # candidates 12 (4 x 3), 16 (lcm 4 x 4), 12 (2 x 6): the smallest valid on both
+        == 12  # candidates 12 (2 x 6) and 16 (4 x 4), both valid on [1, 2]: the smaller
     )
     many = {
         "elasticity": {**BLOCK, "version": 0.1, "max_train_batch_size": 840, "micro_batch_sizes": [1], "max_gpus": 8}
