@@ -87,7 +87,15 @@ def refused_load() -> str:
             assert torch.equal(engine.param_access.full_fp32_param(p), before[name]), name
         assert engine.global_steps == 0
         engine.destroy()
-    return message
+    plain = {k: v for k, v in _universal_config(case).items() if k != "checkpoint"}
+    engine, *_ = deepspeed.initialize(model=shapes.Tiny(), config=plain)
+    try:
+        engine.load_checkpoint(str(FIXTURES / case / "ckpt"), tag="global_step2_universal")
+        without = "loaded"
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        without = f"{type(error).__name__}: {error}"
+    engine.destroy()
+    return message, without
 
 
 def world_worker(world: int) -> dict:
@@ -148,8 +156,9 @@ def test_a_universal_folder_resumes_as_deepspeed_resumes_it(runs, case, world):
 
 
 def test_a_refused_universal_load_changes_nothing(runs):
-    message = runs[1][0]["refused"]
+    message, without = runs[1][0]["refused"]
     assert message.startswith("CheckpointError") and "down.bias/exp_avg_sq.pt: negative values" in message
+    assert 'is a DeepSpeed universal checkpoint: set "checkpoint": {"load_universal": true}' in without, without
 
 
 def test_a_universal_folder_loads_exactly_at_any_stage_and_world_size(runs):
@@ -215,13 +224,54 @@ def export_worker(base: str) -> dict:
         assert client == {"epoch": 3}, client
         engine.save_checkpoint(f"{base}/{optimizer}/again", tag="global_step2")
         engine.destroy()
-    return losses
+    return {**losses, "frozen": frozen_round_trip(base)}
+
+
+def frozen_round_trip(base: str) -> bool:
+    """A fine-tune's frozen parameters (here the LayerNorm) travel with the export and come back exactly."""
+    import zeroshard
+    from zeroshard.checkpoint import export_universal_checkpoint
+
+    shapes = _fixture_module()
+
+    def model():
+        tiny = shapes.Tiny()
+        tiny.norm.requires_grad_(False)
+        with torch.no_grad():
+            tiny.norm.weight.add_(torch.randn(10))  # of this run's seed, so a value not restored shows
+        return tiny
+
+    torch.manual_seed(0)
+    engine, *_ = zeroshard.initialize(model=model(), config=_config("AdamW", 2))
+    for x, y in shapes.batches(zeroshard.comm.get_rank(), 2):
+        engine.backward(engine(x, y))
+        engine.step()
+    engine.save_checkpoint(f"{base}/frozen/native")
+    saved = {n: engine.param_access.full_fp32_param(p).clone() if p.requires_grad else p.detach().clone()
+             for n, p in engine.module.named_parameters()}  # fmt: skip
+    engine.destroy()
+    if zeroshard.comm.get_rank() == 0:
+        export_universal_checkpoint(f"{base}/frozen/native", f"{base}/frozen/universal")
+    torch.distributed.barrier()
+    torch.manual_seed(1)
+    engine, *_ = zeroshard.initialize(
+        model=model(), config={**_config("AdamW", 1), "checkpoint": {"load_universal": True}}
+    )
+    engine.load_checkpoint(f"{base}/frozen/universal")
+    loaded = {n: engine.param_access.full_fp32_param(p) if p.requires_grad else p.detach()
+              for n, p in engine.module.named_parameters()}  # fmt: skip
+    engine.destroy()
+    return all(torch.equal(loaded[n], saved[n]) for n in saved)
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("exported")
     return {"base": base, "losses": run_distributed(export_worker, 2, str(base))}
+
+
+def test_frozen_parameters_travel_through_the_universal_format(exported):
+    assert all(out["frozen"] for out in exported["losses"])
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))

@@ -52,6 +52,11 @@ MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_s
 DEEPSPEED_LAYOUT = "0.19.8"  # the DeepSpeed whose universal layout is written (its loader checks the version)
 OWN_RECORD = "zeroshard"  # in optimizer_state.pt: what the universal format has no place for
 _STATE_FILE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.pt")
+# model states of a tensor-parallel rank above 0, of a pipeline stage, or of an expert layer
+_PARALLEL_FILE = re.compile(
+    r"(zero_pp_rank_\d+_)?mp_rank_(0[1-9]|[1-9]\d)\w*_model_states\.pt"
+    r"|mp_rank_\d\d_\d{3}_model_states\.pt|layer_\w*_model_states\.pt"
+)
 # records of a tensor-parallel merge (Megatron's vocabulary padding, fused sub-parameters) and of AutoEP experts
 _MERGE_RECORDS = ("vocab_tensor", "param_n_sub_params", "sub_param_shape", "ep_is_expert_param")
 
@@ -89,10 +94,7 @@ def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     zero = os.path.join(path, "zero")
     if not os.path.isdir(zero):
         raise CheckpointError(f"{path}: not a DeepSpeed universal checkpoint (no zero/ folder of parameters)")
-    if any(os.path.exists(os.path.join(path, f"mp_rank_{m:02d}_model_states.pt")) for m in (1,)) or any(
-        re.fullmatch(r"(zero_pp_rank_\d+_)?mp_rank_\d\d_\d{3}_model_states\.pt|layer_.*_model_states\.pt", f)
-        for f in os.listdir(path)
-    ):
+    if any(_PARALLEL_FILE.fullmatch(f) for f in os.listdir(path)):
         raise CheckpointError(
             f"{path}: a tensor-, pipeline- or expert-parallel universal checkpoint (mp_rank_01 / layer files): its "
             "merge records (vocabulary padding, fused sub-parameters) are not applied here; nothing imported"
@@ -101,8 +103,6 @@ def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     if model_file is None:
         raise CheckpointError(f"{path}: no model states ({' or '.join(MODEL_STATES)})")
     model = read_deepspeed_file(model_file)
-    if isinstance(model, dict) and (model.get("frozen_param_shapes") or model.get("frozen_param_fragments")):
-        raise CheckpointError(f"{model_file}: frozen parameters in a DeepSpeed checkpoint are not importable yet")
     states = model_states(model_file, model)
     optim_file = os.path.join(zero, "optimizer_state.pt")
     optim = read_deepspeed_file(optim_file)
@@ -164,11 +164,40 @@ def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
         counters=states.counters,
         config=states.config,
         lr_scheduler=states.lr_scheduler,
-        buffers=states.buffers,
+        buffers={**states.buffers, **_frozen_parameters(model_file, model, zero, states)},
         aliases=states.aliases,
         client_state={k: v for k, v in model.items() if k not in _ENGINE_KEYS and k != "universal_checkpoint_info"},
         scalars=own["scalars"] if own else None,
     )
+
+
+def _frozen_parameters(path: str, model: dict, zero: str, states) -> dict[str, torch.Tensor]:
+    """Parameters without optimizer state (a fine-tune's frozen base): named by ``frozen_param_shapes`` or present in
+    the module's weights beside the trained ones. Their values come from ``zero/<name>/fp32.pt`` where the converter
+    wrote one, else from the module's weights; they load like buffers (whole, into the model)."""
+    trained = {name for group in states.groups for name, _ in group}
+    shapes = model.get("frozen_param_shapes") or {}
+    module = model.get("module") or {}
+    if not isinstance(shapes, dict):
+        raise CheckpointError(f"{path}: field 'frozen_param_shapes' is {type(shapes).__name__}; expected a dict")
+    names = [n for n in [*shapes, *module] if n not in trained and n not in states.buffers]
+    out = {}
+    for name in dict.fromkeys(names):
+        value = module.get(name)
+        shape = tuple(shapes[name]) if name in shapes else tuple(getattr(value, "shape", ()))
+        folder = os.path.join(zero, plain_name(name, "parameter name", zero))
+        if os.path.isdir(folder) and "fp32" in _state_files(folder):
+            out[name] = _tensor(_state_files(folder)["fp32"], shape, "fp32")
+        elif _dense(value) and value.is_floating_point() and tuple(value.shape) == shape and value.numel():
+            if not bool(torch.isfinite(value).all()):
+                raise CheckpointError(f"{path}: field 'module[{name!r}]' holds NaN or inf")
+            out[name] = value.float()
+        else:
+            raise CheckpointError(
+                f"{path}: frozen parameter {name!r} has neither zero/{name}/fp32.pt nor whole weights in 'module' "
+                f"(found {type(value).__name__}); nothing imported"
+            )
+    return out
 
 
 def _own_record(path: str, record: Any, groups: int) -> Optional[dict]:
@@ -361,7 +390,8 @@ def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
         "module": module,
         "buffer_names": list(manifest["module_tensors"]),
         "param_shapes": [dict(g) for g in groups if g],
-        "frozen_param_shapes": None,
+        "frozen_param_shapes": {n: list(e["shape"]) for n, e in manifest["params"].items() if _frozen(e, flat_groups)}
+        or None,
         "shared_params": dict(manifest.get("aliases", {})),
         "lr_scheduler": manifest.get("lr_scheduler"),
         "global_steps": counters["global_steps"],
@@ -375,6 +405,11 @@ def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
     }
     for file in MODEL_STATES:  # DeepSpeed reads the first below stage 3, the second under stage 3
         _save(os.path.join(tmp, file), model_states)
+
+
+def _frozen(entry: dict, flat_groups: list) -> bool:
+    index = _flat_index(entry)
+    return index is None or index >= len(flat_groups)
 
 
 def _flat_index(entry: dict) -> Optional[int]:

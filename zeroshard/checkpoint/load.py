@@ -67,6 +67,11 @@ def load(
     path = os.path.join(load_dir, tag)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if not universal and is_universal_checkpoint(path):
+        raise CheckpointError(
+            f'{path} is a DeepSpeed universal checkpoint: set "checkpoint": {{"load_universal": true}} to resume '
+            f"it directly, or import it once with `zeroshard convert --from-deepspeed {load_dir} OUT_DIR --tag {tag}`"
+        )
     if universal and is_universal_checkpoint(path):
         try:  # every rank reads the folder: a rank that cannot must not strand the others
             manifest, sources = universal_sources(load_dir, tag)

@@ -106,6 +106,12 @@ EDITS = [  # (label, file under the tag folder, edit, what the message says)
     ("stage-9", "zero/optimizer_state.pt", lambda d: {**d, "zero_stage": 9}, "field 'zero_stage' is 9"),
     ("own-record-forged", "zero/optimizer_state.pt", lambda d: {**d, "zeroshard": {"type": "AdamW"}},
      "field 'zeroshard'"),
+    ("frozen-nan", "mp_rank_00_model_states.pt",
+     lambda d: d["module"].__setitem__("extra.weight", torch.full((2,), float("nan"))), "'module['extra.weight']'"),
+    ("frozen-placeholder", "mp_rank_00_model_states.pt",
+     lambda d: d["module"].__setitem__("extra.weight", torch.empty(0)), "neither zero/extra.weight/fp32.pt"),
+    ("frozen-shapes-list", "mp_rank_00_model_states.pt", lambda d: d.__setitem__("frozen_param_shapes", ["x"]),
+     "field 'frozen_param_shapes'"),
     ("parameter-outside", "mp_rank_00_model_states.pt",
      lambda d: d["param_shapes"][0].__setitem__("../../etc", torch.Size([3])), "not a plain name"),
 ]  # fmt: skip
