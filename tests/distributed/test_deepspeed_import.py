@@ -11,18 +11,14 @@ import pytest
 import torch
 
 from zeroshard.testing import run_distributed
+from zeroshard.testing.fixtures import module_from_file
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_checkpoints"
 
 
 def _fixture_module():
     """The fixtures' model, data and config (``shapes.py`` beside the script that wrote them)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ds_fixture_shapes", FIXTURES / "shapes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_from_file(FIXTURES / "shapes.py", "ds_fixture_shapes")
 
 
 def resume(directory: str, case: str, stage: int) -> dict:

@@ -2,7 +2,6 @@
 launcher, match Lightning's DDP strategy with accumulation and clipping that triggers, resume from a checkpoint
 directory, convert it for `load_from_checkpoint`; Fabric trains, saves and loads."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from zeroshard.testing.fixtures import module_from_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "distributed" / "scripts" / "lightning"
@@ -117,10 +118,7 @@ def test_resume_from_checkpoint_directory_continues_exactly(runs):
 
 
 def _script_module():
-    spec = importlib.util.spec_from_file_location("lightning_train_script", SCRIPTS / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_from_file(SCRIPTS / "train.py", "lightning_train_script")
 
 
 def test_convert_then_load_from_checkpoint(runs, tmp_path):

@@ -708,16 +708,12 @@ class MoENet(torch.nn.Module):
 
 
 def _moe_shapes():
-    import importlib.util
-    import sys
     from pathlib import Path
 
+    from zeroshard.testing.fixtures import module_from_file
+
     path = Path(__file__).resolve().parent.parent / "fixtures" / "deepspeed_moe" / "shapes.py"
-    spec = importlib.util.spec_from_file_location("tests_moe_shapes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.modules["tests_moe_shapes"] = module
-    return module, path.parent / "expected.safetensors"
+    return module_from_file(path, "tests_moe_shapes", register=True), path.parent / "expected.safetensors"
 
 
 def route1_worker(stages: tuple) -> dict:

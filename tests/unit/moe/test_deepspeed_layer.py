@@ -2,7 +2,6 @@
 the same outputs, ``l_aux``, ``exp_counts`` and gradients per micro-batch, capacity drops included, in one process.
 The expert-parallel cases are in tests/distributed/test_moe.py."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,18 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from zeroshard.moe import MoE, top1, top2
+from zeroshard.testing.fixtures import module_from_file
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_moe"
 
 
-def fixture_shapes():
-    spec = importlib.util.spec_from_file_location("ds_moe_shapes", FIXTURES / "shapes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SHAPES = fixture_shapes()
+SHAPES = module_from_file(FIXTURES / "shapes.py", "ds_moe_shapes")
 EXPECTED = load_file(str(FIXTURES / "expected.safetensors"))
 
 
