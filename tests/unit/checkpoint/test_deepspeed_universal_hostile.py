@@ -177,3 +177,20 @@ def test_an_export_never_replaces_a_folder(tmp_path):
     with pytest.raises(CheckpointError, match="exists; export into another directory"):
         export_universal_checkpoint(str(native), str(tmp_path / "exported"))
     assert not [p for p in (tmp_path / "exported").iterdir() if p.name.startswith(".")]
+
+
+def test_the_cli_both_ways_and_its_refusals(tmp_path):
+    """``zeroshard convert --from-deepspeed`` on a universal tag, then ``--to deepspeed-universal`` back: the same
+    fp32 masters; a wrong combination of flags and a missing checkpoint end with exit code 2 and a message."""
+    from zeroshard.launcher.cli import main
+
+    ds = _folder(tmp_path)
+    assert main(["convert", "--from-deepspeed", str(ds), str(tmp_path / "zs"), "--tag", TAG]) == 0
+    assert main(["convert", str(tmp_path / "zs"), str(tmp_path / "back"), "--to", "deepspeed-universal"]) == 0
+    again = tmp_path / "back" / f"{TAG}_universal" / "zero" / "up.weight" / "fp32.pt"
+    original = ds / TAG / "zero" / "up.weight" / "fp32.pt"
+    assert torch.equal(read_deepspeed_file(str(again))["param"], read_deepspeed_file(str(original))["param"])
+    assert (tmp_path / "back" / "latest_universal").read_text() == f"{TAG}_universal"
+    with pytest.raises(SystemExit):
+        main(["convert", "--from-deepspeed", str(ds), str(tmp_path / "x"), "--to", "deepspeed-universal"])
+    assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "y"), "--to", "deepspeed-universal"]) == 2
