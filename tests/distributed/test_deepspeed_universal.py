@@ -193,11 +193,25 @@ def _config(optimizer: str, stage: int) -> dict:
     return config
 
 
+def resume_exported(base: str, make_model, config: dict):
+    """Rank 0 exports ``base/native`` to ``base/universal``; every rank then builds ``make_model()`` (other initial
+    weights: seed 1) with ``config`` and load_universal, and loads the export. Returns (engine, client state)."""
+    import zeroshard
+    from zeroshard.checkpoint import export_universal_checkpoint
+
+    if zeroshard.comm.get_rank() == 0:
+        export_universal_checkpoint(f"{base}/native", f"{base}/universal")
+    torch.distributed.barrier()
+    torch.manual_seed(1)
+    engine, *_ = zeroshard.initialize(model=make_model(), config={**config, "checkpoint": {"load_universal": True}})
+    _, client = engine.load_checkpoint(f"{base}/universal")
+    return engine, client
+
+
 def export_worker(base: str) -> dict:
     """Per optimizer: train 2 steps, save, export to a universal folder, resume it (load_universal) at another
     stage, save again; both checkpoints are compared on disk. Also the losses of 2 more steps (AdamW)."""
     import zeroshard
-    from zeroshard.checkpoint import export_universal_checkpoint
 
     shapes = _fixture_module()
     rank = zeroshard.comm.get_rank()
@@ -217,13 +231,7 @@ def export_worker(base: str) -> dict:
             engine.step()
             losses[optimizer].append(loss.item())
         engine.destroy()
-        if rank == 0:
-            export_universal_checkpoint(f"{base}/{optimizer}/native", f"{base}/{optimizer}/universal")
-        torch.distributed.barrier()
-        torch.manual_seed(1)
-        config = {**_config(optimizer, 3), "checkpoint": {"load_universal": True}}
-        engine, *_ = zeroshard.initialize(model=shapes.Tiny(), config=config)
-        _, client = engine.load_checkpoint(f"{base}/{optimizer}/universal")
+        engine, client = resume_exported(f"{base}/{optimizer}", shapes.Tiny, _config(optimizer, 3))
         assert client == {"epoch": 3}, client
         engine.save_checkpoint(f"{base}/{optimizer}/again", tag="global_step2")
         engine.destroy()
@@ -233,7 +241,6 @@ def export_worker(base: str) -> dict:
 def frozen_round_trip(base: str) -> bool:
     """A fine-tune's frozen parameters (here the LayerNorm) travel with the export and come back exactly."""
     import zeroshard
-    from zeroshard.checkpoint import export_universal_checkpoint
 
     shapes = _fixture_module()
 
@@ -253,14 +260,7 @@ def frozen_round_trip(base: str) -> bool:
     saved = {n: engine.param_access.full_fp32_param(p).clone() if p.requires_grad else p.detach().clone()
              for n, p in engine.module.named_parameters()}  # fmt: skip
     engine.destroy()
-    if zeroshard.comm.get_rank() == 0:
-        export_universal_checkpoint(f"{base}/frozen/native", f"{base}/frozen/universal")
-    torch.distributed.barrier()
-    torch.manual_seed(1)
-    engine, *_ = zeroshard.initialize(
-        model=model(), config={**_config("AdamW", 1), "checkpoint": {"load_universal": True}}
-    )
-    engine.load_checkpoint(f"{base}/frozen/universal")
+    engine, _ = resume_exported(f"{base}/frozen", model, _config("AdamW", 1))
     loaded = {n: engine.param_access.full_fp32_param(p) if p.requires_grad else p.detach()
               for n, p in engine.module.named_parameters()}  # fmt: skip
     engine.destroy()
@@ -289,6 +289,8 @@ def test_zeroshard_to_universal_to_zeroshard_is_exact_for_every_optimizer(export
     b = Sources(str(exported["base"] / optimizer / "again" / "global_step2"), second)
     universal = exported["base"] / optimizer / "universal"
     assert (universal / "latest_universal").read_text() == "global_step2_universal"
+    # saved with load_universal set: 'latest_universal' names the zeroshard checkpoint itself
+    assert (exported["base"] / optimizer / "again" / "latest_universal").read_text() == "global_step2"
     for name in first["params"]:
         (keys, scalars), (again, again_scalars) = (_optimizer_state_of(m, name) for m in (first, second))
         assert keys == again and keys and scalars == again_scalars, (name, keys, again, scalars, again_scalars)
@@ -337,13 +339,12 @@ def tensor_parallel_worker(base: str) -> dict:
     """A universal folder loads at tensor-parallel degree 2: a Llama trained at TP=1 x DP=2, exported, resumed at
     TP=2 with load_universal; the consolidated weights and Adam moments equal the ones saved."""
     import zeroshard
-    from zeroshard.checkpoint import export_universal_checkpoint
     from zeroshard.testing.hf import tiny_causal_lm
 
     def config(tp: int) -> dict:
         return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1},
-                "tensor_parallel": {"autotp_size": tp}, "checkpoint": {"load_universal": tp == 2}}  # fmt: skip
+                "tensor_parallel": {"autotp_size": tp}}  # fmt: skip
 
     torch.manual_seed(0)
     engine, *_ = zeroshard.initialize(model=tiny_causal_lm("llama"), config=config(1))
@@ -356,12 +357,7 @@ def tensor_parallel_worker(base: str) -> dict:
                  engine.param_access.full_optimizer_state(p, "exp_avg").clone())
              for n, p in engine.module.named_parameters()}  # fmt: skip
     engine.destroy()
-    if zeroshard.comm.get_rank() == 0:
-        export_universal_checkpoint(f"{base}/native", f"{base}/universal")
-    torch.distributed.barrier()
-    torch.manual_seed(1)
-    engine, *_ = zeroshard.initialize(model=tiny_causal_lm("llama"), config=config(2))
-    engine.load_checkpoint(f"{base}/universal")
+    engine, _ = resume_exported(base, lambda: tiny_causal_lm("llama"), config(2))
     whole = engine.consolidated_state_dict(rank0_only=False)
     splits, rank = engine.tensor_splits, engine.mesh.tensor.rank
     out = {"tp": engine.autotp_size(), "splits": len(splits),

@@ -19,18 +19,10 @@ import torch
 from zeroshard.checkpoint import convert_deepspeed_checkpoint, export_universal_checkpoint, read_deepspeed_file
 from zeroshard.checkpoint.safetensors_io import CheckpointError
 
+from .test_deepspeed_import_hostile import _plain  # DeepSpeed's records as plain values
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_checkpoints"
 TAG = "global_step2_universal"
-
-
-def _plain(value):
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items() if k not in ("loss_scaler", "param_slice_mappings")}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, int) and not isinstance(value, bool):
-        return int(value)
-    return value
 
 
 def _folder(tmp_path: Path, case: str = "fused_adamw_stage2_fp32") -> Path:

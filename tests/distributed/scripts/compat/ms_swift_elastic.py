@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from hf_trainer import Tokens  # beside this script: the same tiny token dataset
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -78,18 +79,6 @@ def ds_config() -> dict:
         "elasticity": {"ignore_non_elastic_batch_info": True, "enabled": True, "max_train_batch_size": 8,
                        "micro_batch_sizes": [4, 2], "min_gpus": 1, "max_gpus": 4, "min_time": 20, "version": 0.1},
     }  # fmt: skip
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int = 64, length: int = 16, vocab: int = 96):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (n, length), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class ResumedState(TrainerCallback):
