@@ -40,7 +40,9 @@ from .deepspeed_import import (
     _update_rule,
     imported_manifest,
     imported_tensors,
+    is_deepspeed_checkpoint,
     plain_client_state,
+    read_deepspeed_checkpoint,
     read_deepspeed_file,
 )
 from .manifest import plain_name
@@ -302,7 +304,10 @@ def _stage3_step(path: str, optim: dict, g: int) -> float:
 def universal_sources(ds_dir: str, tag: str) -> tuple[dict, MemorySources]:
     """The universal folder ``ds_dir/tag`` as ``load_checkpoint`` reads a checkpoint: a manifest (as the import
     writes one) and its tensors, held in memory."""
-    source = read_universal_checkpoint(ds_dir, tag)
+    return _in_memory(read_universal_checkpoint(ds_dir, tag), tag)
+
+
+def _in_memory(source: DeepSpeedCheckpoint, tag: str) -> tuple[dict, MemorySources]:
     client, client_tensors = plain_client_state(source.client_state)
     tensors, params = imported_tensors(source, client_tensors)
     manifest = imported_manifest(source, tag, client, client_tensors, params, files={})
@@ -316,31 +321,46 @@ def export_universal_checkpoint(ckpt_dir: str, out_dir: str, tag: Optional[str] 
     """``zeroshard convert CK OUT --to deepspeed-universal``: the zeroshard checkpoint ``ckpt_dir`` (tag ``tag``
     or its ``latest``; weights joined whole whatever the tensor- or expert-parallel degree) as a universal folder
     ``OUT/<tag>_universal`` with ``OUT/latest_universal``, which DeepSpeed resumes with ``"checkpoint":
-    {"load_universal": true}`` at any world size and ZeRO stage. Written into a hidden folder and renamed; an
-    existing folder is never replaced. Returns its path."""
+    {"load_universal": true}`` at any world size and ZeRO stage. Returns its path."""
     tag = resolve_tag(ckpt_dir, tag)
     if tag is None:
         raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass the checkpoint's tag with --tag")
-    path = os.path.join(ckpt_dir, tag)
-    manifest = read_manifest(path)
-    out_tag = f"{tag}_universal"
-    final, tmp = os.path.join(out_dir, out_tag), os.path.join(out_dir, f".{out_tag}.tmp")
-    if os.path.exists(final):
-        raise CheckpointError(f"{final} exists; export into another directory (nothing was replaced)")
-    os.makedirs(out_dir, exist_ok=True)
+    return write_universal_folder(os.path.join(ckpt_dir, tag), os.path.join(out_dir, f"{tag}_universal"))
+
+
+def write_universal_folder(input_folder: str, output_folder: str) -> str:
+    """DeepSpeed's ``ds_to_universal`` contract: the checkpoint in the tag folder ``input_folder`` (zeroshard's, or
+    DeepSpeed's ZeRO rank files) written as the universal folder ``output_folder``, with ``latest_universal`` beside
+    it naming it. Written into a hidden folder and renamed; an existing folder is never replaced."""
+    input_folder, output_folder = os.path.normpath(input_folder), os.path.normpath(output_folder)
+    out_dir, out_tag = os.path.split(output_folder)
+    plain_name(out_tag, "output folder name", out_dir or ".")
+    if os.path.exists(output_folder):
+        raise CheckpointError(f"{output_folder} exists; export into another directory (nothing was replaced)")
+    if os.path.isfile(os.path.join(input_folder, "manifest.json")):
+        manifest = read_manifest(input_folder)
+        sources: Any = Sources(input_folder, manifest)
+    elif is_deepspeed_checkpoint(input_folder):
+        parent, tag = os.path.split(input_folder)
+        manifest, sources = _in_memory(read_deepspeed_checkpoint(parent, tag), tag)
+    else:
+        raise CheckpointError(
+            f"{input_folder}: neither a zeroshard checkpoint (manifest.json) nor DeepSpeed's ZeRO rank files"
+        )
+    tmp = os.path.join(out_dir, f".{out_tag}.tmp")
+    os.makedirs(out_dir or ".", exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(os.path.join(tmp, "zero"))
-    sources = Sources(path, manifest)
     try:
         _write_universal(sources, manifest, tmp)
-        os.rename(tmp, final)
+        os.rename(tmp, output_folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         sources.close()
     atomic_write_text(os.path.join(out_dir, LATEST_UNIVERSAL), out_tag)
-    return final
+    return output_folder
 
 
 def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
@@ -440,4 +460,5 @@ __all__ = [
     "is_universal_checkpoint",
     "read_universal_checkpoint",
     "universal_tag",
+    "write_universal_folder",
 ]

@@ -70,6 +70,11 @@ class _Loader(importlib.abc.Loader):
         # alias and zeroshard's module are one object, and zeroshard's module keeps its own __spec__
         sys.modules[module.__name__] = importlib.import_module(_target_name(module.__name__))
 
+    def get_code(self, fullname):
+        """``python -m deepspeed.x`` (runpy): zeroshard's module's code, run as ``__main__``."""
+        target = importlib.util.find_spec(_target_name(fullname))
+        return target.loader.get_code(target.name)
+
 
 class _AdaptingLoader(importlib.abc.Loader):
     """Runs a third-party module's own loader, then a zeroshard adapter on the loaded module."""
@@ -90,9 +95,12 @@ class _Finder(importlib.abc.MetaPathFinder):
         if fullname == accelerate_cpu.MODULE and accelerate_cpu.applies():
             return self._adapted(fullname, path, target, accelerate_cpu.adapt)
         name = _target_name(fullname)
-        if name is None or importlib.util.find_spec(name) is None:
+        target = importlib.util.find_spec(name) if name is not None else None
+        if target is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
+        return importlib.machinery.ModuleSpec(
+            fullname, _Loader(), is_package=target.submodule_search_locations is not None
+        )
 
     def _adapted(self, fullname, path, target, adapt):
         for finder in sys.meta_path:

@@ -186,3 +186,32 @@ def test_the_cli_both_ways_and_its_refusals(tmp_path):
     with pytest.raises(SystemExit):
         main(["convert", "--from-deepspeed", str(ds), str(tmp_path / "x"), "--to", "deepspeed-universal"])
     assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "y"), "--to", "deepspeed-universal"]) == 2
+
+
+@pytest.mark.parametrize("case", ["fused_adamw_stage2_fp32", "fused_adamw_stage3_bf16"])
+def test_ds_to_universal_as_open_instruct_runs_it(tmp_path, case):
+    """``python -m deepspeed.checkpoint.ds_to_universal --input_folder <ckpt>/<tag> --output_folder
+    <ckpt>/ds_universal_<tag> --inject_missing_state`` in compat mode (open-instruct's call, as written) on DeepSpeed's
+    ZeRO rank files: every fp32 master and Adam moment equals what DeepSpeed's own ds_to_universal wrote for the same
+    checkpoint, and latest_universal names the new folder."""
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / case / "ckpt" / "global_step2", ckpt / "global_step2")
+    env = {**os.environ, "ZEROSHARD_AS_DEEPSPEED": "1"}
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", ckpt / "global_step2",
+               "--output_folder", ckpt / "ds_universal_global_step2", "--inject_missing_state"]  # fmt: skip
+    done = subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (ckpt / "latest_universal").read_text() == "ds_universal_global_step2"
+    theirs = FIXTURES / case / "ckpt" / TAG / "zero"
+    for folder in theirs.iterdir():
+        if folder.is_dir():
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                want = read_deepspeed_file(str(folder / f"{key}.pt"))
+                got = read_deepspeed_file(str(ckpt / "ds_universal_global_step2" / "zero" / folder.name / f"{key}.pt"))
+                want = want["param"] if isinstance(want, dict) else want
+                assert torch.equal(got["param"].reshape(-1), want.float().reshape(-1)), (folder.name, key)
+    again = subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "exists; export into another directory" in again.stderr

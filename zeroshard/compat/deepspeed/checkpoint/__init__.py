@@ -1,5 +1,5 @@
 """``deepspeed.checkpoint``."""
 
-from . import utils
+from . import ds_to_universal, utils
 
-__all__ = ["utils"]
+__all__ = ["ds_to_universal", "utils"]
