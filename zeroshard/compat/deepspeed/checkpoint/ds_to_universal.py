@@ -1,9 +1,9 @@
 """``python -m deepspeed.checkpoint.ds_to_universal`` (open-instruct runs it before a ``load_universal`` resume;
 OpenRLHF ships a script around it): DeepSpeed's arguments, served by
 :func:`zeroshard.checkpoint.deepspeed_universal.write_universal_folder`. The input may be a zeroshard checkpoint
-or DeepSpeed's ZeRO rank files; the output folder and ``latest_universal`` beside it are what DeepSpeed writes. The worker counts and ``--no_strict`` /
-``--inject_missing_state`` are accepted and need nothing here (no worker pool; a plain model needs no Megatron
-metadata)."""
+or DeepSpeed's ZeRO rank files; the output folder and ``latest_universal`` beside it are what DeepSpeed writes.
+The worker counts and ``--no_strict`` / ``--inject_missing_state`` are accepted and need nothing here (no worker
+pool; a plain model needs no Megatron metadata)."""
 
 from __future__ import annotations
 
