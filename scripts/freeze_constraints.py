@@ -1,5 +1,5 @@
-"""Writes ``constraints.txt``: the exact versions of zeroshard's test environment (the ``test`` extra and everything
-it pulls in, torch included), read from the packages installed now. Run it after the suite passed with them:
+"""Writes ``constraints.txt``: the exact versions of zeroshard's test environment (the ``test`` and ``docs`` extras and
+everything they pull in, torch included), read from the packages installed now. Run it after the suite passed with them:
 
     python3 scripts/freeze_constraints.py > constraints.txt
 
@@ -39,7 +39,7 @@ def _closure(root: str, extras: set[str]) -> dict[str, str]:
 
 
 def main() -> None:
-    pins = _closure("zeroshard", {"test"})
+    pins = _closure("zeroshard", {"test", "docs"})
     pins.pop("zeroshard", None)
     sys.stdout.write("# written by scripts/freeze_constraints.py from the environment the whole suite passed in\n")
     for name in sorted(pins):

@@ -10,9 +10,9 @@ if [[ "${1:-}" == "--latest" ]]; then
     constraints="$(mktemp)"
     trap 'rm -f "$constraints"' EXIT
     echo "torch==2.13.0" > "$constraints"
-    python3 -m pip install -q --disable-pip-version-check -U --upgrade-strategy eager -c "$constraints" -e ".[test]"
+    python3 -m pip install -q --disable-pip-version-check -U --upgrade-strategy eager -c "$constraints" -e ".[test,docs]"
 else
-    python3 -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
+    python3 -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test,docs]"
 fi
 # ms-swift's elastic restart is tested with its own source (tests/distributed/scripts/compat/ms_swift_elastic.py
 # compiles four functions from the installed file); its dependencies (modelscope, ...) are not needed for them

@@ -15,6 +15,7 @@ while [[ $# -gt 0 ]]; do
 done
 bash scripts/setup.sh "${setup[@]}"
 python3 -m ruff check zeroshard tests benchmarks examples
+bash scripts/docs.sh  # the documentation site, warnings as errors
 if [[ $quick == 1 ]]; then
     exec python3 -m pytest -q --durations=25 tests/unit tests/distributed/test_smoke.py "$@"
 fi

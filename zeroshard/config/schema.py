@@ -738,7 +738,9 @@ class ZeroshardConfig(Section):
     )
     disable_python_gc: Union[bool, int] = refused(False, "Python's garbage collector is left as the program set it")
     graph_harvesting: bool = refused(False, "DeepSpeed 0.19 removed graph harvesting")
-    use_data_before_expert_parallelism: bool = refused(False, "expert parallelism is not implemented yet")
+    use_data_before_expert_parallelism: bool = refused(
+        False, "expert-data groups are laid out as DeepSpeed's default (ranks ep apart); the other layout is not built"
+    )
     vocabulary_size: Optional[int] = refused(None, "DeepSpeed only warns with it about tensor-core alignment")
     # DeepSpeed's logger level (DEBUG, INFO, ...): sets the level of the 'zeroshard' logger at initialize
     log_level: Optional[Literal["debug", "info", "warning", "error", "critical"]] = None
