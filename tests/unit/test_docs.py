@@ -1,5 +1,5 @@
 """The documentation cannot rot: the generated reference pages equal what the code generates now (every config key
-with a meaning), and every Python block of the home page and the tutorials runs, except blocks marked
+with a meaning), and every Python block of the README, the home page and the tutorials runs, except blocks marked
 ``<!-- illustrative -->`` on the line before them (fragments, or what needs several processes or a GPU).
 
 A page's runnable blocks run in order in one fresh process (later blocks use what earlier ones defined), in a
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "tutorials").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "tutorials").glob("*.md"))]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
@@ -51,7 +51,7 @@ def test_every_config_key_has_a_meaning_and_a_status():
 
 def test_every_page_is_in_the_navigation():
     nav = (ROOT / "mkdocs.yml").read_text()
-    for page in PAGES[1:]:
+    for page in PAGES[2:]:
         assert f"tutorials/{page.name}" in nav, page.name
 
 
