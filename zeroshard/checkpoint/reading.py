@@ -1,7 +1,7 @@
 """Reading a checkpoint directory: which tag, a validated manifest, and verified reads of saved tensors.
 
 Shared by ``load_checkpoint``, consolidation (``zeroshard convert``) and ``init_inference``, so each of them
-trusts exactly the same things: see ``manifest.validate`` and the README's checkpoint guarantees.
+trusts exactly the same things: see ``manifest.validate`` and the checkpoint guarantees (docs/tutorials/checkpoints.md).
 """
 
 from __future__ import annotations

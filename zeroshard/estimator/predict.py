@@ -66,7 +66,7 @@ def estimate(
         raise NotImplementedError(
             "zeroshard estimate with tensor_parallel.autotp_size > 1: the estimator plans data parallelism only; "
             "model state per rank is (replicated + split / autotp_size) elements, /dp where ZeRO shards them "
-            "(README, Tensor-parallel training)"
+            "(docs/tutorials/tensor-parallel.md)"
         )
     hpz = parsed.zero_optimization.shard_group_size or world_size
     resolution = resolve_config(
