@@ -8,8 +8,9 @@ from .consolidate import (
     read_client_state,
 )
 from .deepspeed_import import convert_deepspeed_checkpoint, read_deepspeed_file
-from .deepspeed_universal import export_universal_checkpoint, read_universal_checkpoint
+from .deepspeed_universal import read_universal_checkpoint
 from .safetensors_io import CheckpointError, Reader
+from .universal_export import export_universal_checkpoint
 
 __all__ = [
     "CheckpointError",

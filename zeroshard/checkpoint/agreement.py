@@ -34,9 +34,7 @@ def ranks_agree(save_dir: str, tag: str, world: comm.Group, tag_validation: str)
         listing = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
         message = f"save_checkpoint: the ranks pass different tags ({listing})"
         if tag_validation == "fail":
-            raise RankDisagreementError(
-                message + '; pass one tag on every rank (checkpoint.tag_validation is "Fail")'
-            )
+            raise RankDisagreementError(message + '; pass one tag on every rank (checkpoint.tag_validation is "Fail")')
         warnings.warn(message + f"; the checkpoint is saved as rank 0's tag {tags[0]!r}", stacklevel=4)
     if len(set(paths)) > 1:
         listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))

@@ -1,7 +1,6 @@
-"""DeepSpeed's universal checkpoint (the folder ``ds_to_universal`` writes, ``load_universal`` reads), in both
-directions: read into the import's :class:`~.deepspeed_import.DeepSpeedCheckpoint` (then resumed by
-``load_checkpoint`` or written as a zeroshard checkpoint like any DeepSpeed import), and written from a zeroshard
-checkpoint so that DeepSpeed resumes it (``zeroshard convert CK OUT --to deepspeed-universal``).
+"""Reading DeepSpeed's universal checkpoint (the folder ``ds_to_universal`` writes, ``load_universal`` reads) into the
+import's :class:`~.deepspeed_import.DeepSpeedCheckpoint`, then resumed by ``load_checkpoint`` (from memory) or
+written as a zeroshard checkpoint like any DeepSpeed import. Writing one is :mod:`.universal_export`.
 
 The layout, under ``<dir>/<tag>`` (``<dir>/latest_universal`` names the tag):
 
@@ -14,10 +13,8 @@ The layout, under ``<dir>/<tag>`` (``<dir>/latest_universal`` names the tag):
 
 Every file is read with the restricted reader of ``--from-deepspeed`` (no code runs), and every parameter folder
 must lie inside ``zero/``; a tensor-parallel, pipeline or AutoEP universal folder (merge records zeroshard does not
-apply) is refused by name. DeepSpeed's own loader takes whatever ``<key>.pt`` files a folder holds, so a folder
-written here carries each optimizer's own state keys; what the universal format has no place for (the update rule,
-scalar state besides the step, the zeroshard hyperparameters as they were) rides in ``optimizer_state.pt`` under
-``zeroshard`` (DeepSpeed ignores the key), so zeroshard -> universal -> zeroshard is exact for every optimizer.
+apply) is refused by name. A folder zeroshard wrote carries, in ``optimizer_state.pt`` under ``zeroshard``, what the
+universal format has no place for (:mod:`.universal_export`); read back, it makes the round trip exact.
 """
 
 from __future__ import annotations
@@ -25,13 +22,10 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 from typing import Any, Optional
 
 import torch
 
-from .client_state import read_client_tensors, restore_client_state
-from .commit import atomic_write_text
 from .deepspeed_fields import MAX_COUNTER, _dense, model_states
 from .deepspeed_import import (
     _ENGINE_KEYS,
@@ -40,18 +34,15 @@ from .deepspeed_import import (
     _update_rule,
     imported_manifest,
     imported_tensors,
-    is_deepspeed_checkpoint,
     plain_client_state,
-    read_deepspeed_checkpoint,
     read_deepspeed_file,
 )
 from .manifest import plain_name
-from .reading import MemorySources, Sources, read_manifest, read_parameter, resolve_tag
+from .reading import MemorySources
 from .safetensors_io import CheckpointError
 
 LATEST_UNIVERSAL = "latest_universal"
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-DEEPSPEED_LAYOUT = "0.19.8"  # the DeepSpeed whose universal layout is written (its loader checks the version)
 OWN_RECORD = "zeroshard"  # in optimizer_state.pt: what the universal format has no place for
 _STATE_FILE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.pt")
 # model states of a tensor-parallel rank above 0, of a pipeline stage, or of an expert layer
@@ -107,47 +98,14 @@ def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     model = read_deepspeed_file(model_file)
     states = model_states(model_file, model)
     optim_file = os.path.join(zero, "optimizer_state.pt")
-    optim = read_deepspeed_file(optim_file)
-    groups_hyper = optim.get("param_groups") if isinstance(optim, dict) else None
-    if not isinstance(groups_hyper, (list, tuple)) or len(groups_hyper) != len(states.groups):
-        raise CheckpointError(
-            f"{optim_file}: field 'param_groups' is {type(groups_hyper).__name__}; expected {len(states.groups)} "
-            "parameter group(s), as the model states list"
-        )
-    if any(not isinstance(g, dict) for g in groups_hyper):
-        raise CheckpointError(f"{optim_file}: field 'param_groups' holds a non-dict; expected hyperparameter dicts")
-    stage = optim.get("zero_stage", 1)
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 1 <= stage <= 3:
-        raise CheckpointError(f"{optim_file}: field 'zero_stage' is {stage!r}; expected 1, 2 or 3")
+    optim, groups_hyper, stage = _optimizer_state(optim_file, len(states.groups))
     own = _own_record(optim_file, optim.get(OWN_RECORD), len(states.groups))
-    rule = own["type"] if own else _update_rule(path, states.config, list(groups_hyper))
+    rule = own["type"] if own else _update_rule(path, states.config, groups_hyper)
     masters: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {}
     steps = []
     for g, params in enumerate(states.groups):
-        keys, step = None, None
-        for name, shape in params:
-            folder = _parameter_folder(zero, name)
-            found = _state_files(folder)
-            if "fp32" not in found:
-                raise CheckpointError(f"{folder}: no fp32.pt (the parameter's fp32 master); nothing imported")
-            mine = sorted(set(found) - {"fp32", "step"})
-            if keys is None:
-                keys = mine
-                _check_keys(folder, rule, keys, own is not None)
-            elif mine != keys:
-                raise CheckpointError(
-                    f"{folder}: optimizer state {mine}, but the other parameters of group {g} hold {keys}: a "
-                    "missing or foreign file; nothing imported"
-                )
-            masters[name] = _tensor(found["fp32"], shape, "fp32")
-            for key in keys:
-                moments.setdefault(key, {})[name] = _tensor(found[key], shape, key)
-            if "step" in found:
-                value = _step_value(found["step"], read_deepspeed_file(found["step"]))
-                if step is not None and value != step:
-                    raise CheckpointError(f"{found['step']}: step {value}, other parameters of group {g} say {step}")
-                step = value
+        step = _read_group(zero, g, params, rule, own is not None, masters, moments)
         steps.append(step if step is not None or own else _stage3_step(optim_file, optim, g))
     if own:
         hyper, steps = own["param_groups"], [None] * len(steps)
@@ -171,6 +129,53 @@ def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
         client_state={k: v for k, v in model.items() if k not in _ENGINE_KEYS and k != "universal_checkpoint_info"},
         scalars=own["scalars"] if own else None,
     )
+
+
+def _optimizer_state(path: str, groups: int) -> tuple[dict, list, int]:
+    """``zero/optimizer_state.pt``: the whole record, its hyperparameters per group and the ZeRO stage, checked."""
+    optim = read_deepspeed_file(path)
+    groups_hyper = optim.get("param_groups") if isinstance(optim, dict) else None
+    if not isinstance(groups_hyper, (list, tuple)) or len(groups_hyper) != groups:
+        raise CheckpointError(
+            f"{path}: field 'param_groups' is {type(groups_hyper).__name__}; expected {groups} parameter group(s), as "
+            "the model states list"
+        )
+    if any(not isinstance(g, dict) for g in groups_hyper):
+        raise CheckpointError(f"{path}: field 'param_groups' holds a non-dict; expected hyperparameter dicts")
+    stage = optim.get("zero_stage", 1)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 1 <= stage <= 3:
+        raise CheckpointError(f"{path}: field 'zero_stage' is {stage!r}; expected 1, 2 or 3")
+    return optim, list(groups_hyper), stage
+
+
+def _read_group(zero: str, g: int, params: list, rule: Optional[str], own: bool, masters: dict, moments: dict):
+    """Parameter group ``g``'s folders into ``masters`` and ``moments`` (state key -> name -> tensor): the same state
+    keys in every folder, each tensor of its parameter's shape. Returns the group's step from ``step.pt`` (every
+    folder must agree), or None where the converter wrote none (stage 3)."""
+    keys, step = None, None
+    for name, shape in params:
+        folder = _parameter_folder(zero, name)
+        found = _state_files(folder)
+        if "fp32" not in found:
+            raise CheckpointError(f"{folder}: no fp32.pt (the parameter's fp32 master); nothing imported")
+        mine = sorted(set(found) - {"fp32", "step"})
+        if keys is None:
+            keys = mine
+            _check_keys(folder, rule, keys, own)
+        elif mine != keys:
+            raise CheckpointError(
+                f"{folder}: optimizer state {mine}, but the other parameters of group {g} hold {keys}: a missing or "
+                "foreign file; nothing imported"
+            )
+        masters[name] = _tensor(found["fp32"], shape, "fp32")
+        for key in keys:
+            moments.setdefault(key, {})[name] = _tensor(found[key], shape, key)
+        if "step" in found:
+            value = _step_value(found["step"], read_deepspeed_file(found["step"]))
+            if step is not None and value != step:
+                raise CheckpointError(f"{found['step']}: step {value}, other parameters of group {g} say {step}")
+            step = value
+    return step
 
 
 def _frozen_parameters(path: str, model: dict, zero: str, states) -> dict[str, torch.Tensor]:
@@ -304,161 +309,22 @@ def _stage3_step(path: str, optim: dict, g: int) -> float:
 def universal_sources(ds_dir: str, tag: str) -> tuple[dict, MemorySources]:
     """The universal folder ``ds_dir/tag`` as ``load_checkpoint`` reads a checkpoint: a manifest (as the import
     writes one) and its tensors, held in memory."""
-    return _in_memory(read_universal_checkpoint(ds_dir, tag), tag)
+    return in_memory(read_universal_checkpoint(ds_dir, tag), tag)
 
 
-def _in_memory(source: DeepSpeedCheckpoint, tag: str) -> tuple[dict, MemorySources]:
+def in_memory(source: DeepSpeedCheckpoint, tag: str) -> tuple[dict, MemorySources]:
+    """An imported checkpoint as ``load`` reads one: its manifest and its tensors, served from memory."""
     client, client_tensors = plain_client_state(source.client_state)
     tensors, params = imported_tensors(source, client_tensors)
     manifest = imported_manifest(source, tag, client, client_tensors, params, files={})
     return manifest, MemorySources(source.path, manifest, dict(tensors))
 
 
-# -- writing ---------------------------------------------------------------------------------------------
-
-
-def export_universal_checkpoint(ckpt_dir: str, out_dir: str, tag: Optional[str] = None) -> str:
-    """``zeroshard convert CK OUT --to deepspeed-universal``: the zeroshard checkpoint ``ckpt_dir`` (tag ``tag``
-    or its ``latest``; weights joined whole whatever the tensor- or expert-parallel degree) as a universal folder
-    ``OUT/<tag>_universal`` with ``OUT/latest_universal``, which DeepSpeed resumes with ``"checkpoint":
-    {"load_universal": true}`` at any world size and ZeRO stage. Returns its path."""
-    tag = resolve_tag(ckpt_dir, tag)
-    if tag is None:
-        raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass the checkpoint's tag with --tag")
-    return write_universal_folder(os.path.join(ckpt_dir, tag), os.path.join(out_dir, f"{tag}_universal"))
-
-
-def write_universal_folder(input_folder: str, output_folder: str) -> str:
-    """DeepSpeed's ``ds_to_universal`` contract: the checkpoint in the tag folder ``input_folder`` (zeroshard's, or
-    DeepSpeed's ZeRO rank files) written as the universal folder ``output_folder``, with ``latest_universal`` beside
-    it naming it. Written into a hidden folder and renamed; an existing folder is never replaced."""
-    input_folder, output_folder = os.path.normpath(input_folder), os.path.normpath(output_folder)
-    out_dir, out_tag = os.path.split(output_folder)
-    plain_name(out_tag, "output folder name", out_dir or ".")
-    if os.path.exists(output_folder):
-        raise CheckpointError(f"{output_folder} exists; export into another directory (nothing was replaced)")
-    if os.path.isfile(os.path.join(input_folder, "manifest.json")):
-        manifest = read_manifest(input_folder)
-        sources: Any = Sources(input_folder, manifest)
-    elif is_deepspeed_checkpoint(input_folder):
-        parent, tag = os.path.split(input_folder)
-        manifest, sources = _in_memory(read_deepspeed_checkpoint(parent, tag), tag)
-    else:
-        raise CheckpointError(
-            f"{input_folder}: neither a zeroshard checkpoint (manifest.json) nor DeepSpeed's ZeRO rank files"
-        )
-    tmp = os.path.join(out_dir, f".{out_tag}.tmp")
-    os.makedirs(out_dir or ".", exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(os.path.join(tmp, "zero"))
-    try:
-        _write_universal(sources, manifest, tmp)
-        os.rename(tmp, output_folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        sources.close()
-    atomic_write_text(os.path.join(out_dir, LATEST_UNIVERSAL), out_tag)
-    return output_folder
-
-
-def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
-    optimizer = manifest["optimizer"]
-    flat_groups = optimizer["flat_groups"]
-    groups: list[dict[str, list[int]]] = [{} for _ in optimizer["param_groups"]] or [{}]
-    module: dict[str, torch.Tensor] = {}
-    for name, entry in manifest["params"].items():
-        master = read_parameter(sources, name, "master")
-        module[name] = master.to(getattr(torch, entry.get("dtype", "float32")))
-        index = _flat_index(entry)
-        folder = os.path.join(tmp, "zero", plain_name(name, "parameter name", tmp))
-        os.makedirs(folder)
-        _save(os.path.join(folder, "fp32.pt"), {"param": master.float(), "cat_dim": 0})
-        if index is None or index >= len(flat_groups):
-            continue  # frozen: its weights only, as DeepSpeed writes parameters without optimizer state
-        flat = flat_groups[index]
-        groups[flat["group"]][name] = list(entry["shape"])
-        for key in flat["state_keys"]:
-            _save(os.path.join(folder, f"{key}.pt"), {"param": read_parameter(sources, name, f"optim.{key}"),
-                                                        "cat_dim": 0})  # fmt: skip
-        step = flat["scalars"].get("step")
-        if step is not None:
-            _save(os.path.join(folder, "step.pt"), _scalar_value(step))
-    for name, entry in manifest["module_tensors"].items():
-        module[name] = sources.read_whole(name, entry).clone()
-    scalars = [{} for _ in groups]
-    for flat in flat_groups:
-        scalars[flat["group"]].update(flat["scalars"])
-    hyper = optimizer["param_groups"]
-    stage3_state = {g: {"step": _scalar_value(s["step"])} for g, s in enumerate(scalars) if "step" in s}
-    _save(
-        os.path.join(tmp, "zero", "optimizer_state.pt"),
-        {
-            "zero_stage": int(manifest["stage"]) or 1,
-            "ds_version": DEEPSPEED_LAYOUT,
-            "dynamic_loss_scale": False,
-            "overflow": False,
-            "param_groups": [{**_deepspeed_hyper(h), "params": list(range(len(g)))} for h, g in zip(hyper, groups)],
-            "optimizer_state_dict": {"state": stage3_state, "param_groups": [_deepspeed_hyper(h) for h in hyper]},
-            OWN_RECORD: {"type": optimizer.get("type"), "param_groups": hyper, "scalars": scalars},
-        },
-    )
-    counters = manifest["counters"]
-    client = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest)) or {}
-    model_states = {
-        "module": module,
-        "buffer_names": list(manifest["module_tensors"]),
-        "param_shapes": [dict(g) for g in groups if g],
-        "frozen_param_shapes": {n: list(e["shape"]) for n, e in manifest["params"].items() if _frozen(e, flat_groups)}
-        or None,
-        "shared_params": dict(manifest.get("aliases", {})),
-        "lr_scheduler": manifest.get("lr_scheduler"),
-        "global_steps": counters["global_steps"],
-        "global_samples": counters["global_samples"],
-        "skipped_steps": counters["skipped_steps"],
-        "dp_world_size": manifest["world_size"],
-        "mp_world_size": 1,
-        "ds_config": manifest.get("config"),
-        "ds_version": DEEPSPEED_LAYOUT,
-        **{k: v for k, v in client.items() if k not in _ENGINE_KEYS},
-    }
-    for file in MODEL_STATES:  # DeepSpeed reads the first below stage 3, the second under stage 3
-        _save(os.path.join(tmp, file), model_states)
-
-
-def _frozen(entry: dict, flat_groups: list) -> bool:
-    index = _flat_index(entry)
-    return index is None or index >= len(flat_groups)
-
-
-def _flat_index(entry: dict) -> Optional[int]:
-    match = re.fullmatch(r"fg(\d+)", entry["pieces"][0][1])
-    return int(match.group(1)) if match else None
-
-
-def _scalar_value(entry: dict) -> Any:
-    if entry.get("tensor"):
-        return torch.tensor(entry["value"], dtype=getattr(torch, entry.get("dtype", "float32")))
-    return entry["value"]
-
-
-def _deepspeed_hyper(hyper: dict) -> dict:
-    """The hyperparameters as DeepSpeed's optimizers hold them (betas a tuple); zeroshard's own flag for Adam's
-    update rule stays in the ``zeroshard`` record (DeepSpeed's Adams take it from their config)."""
-    return {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in hyper.items()
-            if k != "decoupled_weight_decay"}  # fmt: skip
-
-
-def _save(path: str, value: Any) -> None:
-    torch.save(value, path)
-
-
 __all__ = [
     "LATEST_UNIVERSAL",
-    "export_universal_checkpoint",
+    "in_memory",
     "is_universal_checkpoint",
     "read_universal_checkpoint",
+    "universal_sources",
     "universal_tag",
-    "write_universal_folder",
 ]

@@ -1,6 +1,6 @@
 """``python -m deepspeed.checkpoint.ds_to_universal`` (open-instruct runs it before a ``load_universal`` resume;
 OpenRLHF ships a script around it): DeepSpeed's arguments, served by
-:func:`zeroshard.checkpoint.deepspeed_universal.write_universal_folder`. The input may be a zeroshard checkpoint
+:func:`zeroshard.checkpoint.universal_export.write_universal_folder`. The input may be a zeroshard checkpoint
 or DeepSpeed's ZeRO rank files; the output folder and ``latest_universal`` beside it are what DeepSpeed writes.
 The worker counts and ``--no_strict`` / ``--inject_missing_state`` are accepted and need nothing here (no worker
 pool; a plain model needs no Megatron metadata)."""
@@ -12,7 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from zeroshard.checkpoint import CheckpointError
-from zeroshard.checkpoint.deepspeed_universal import write_universal_folder
+from zeroshard.checkpoint.universal_export import write_universal_folder
 
 
 def parse_arguments(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -1,0 +1,169 @@
+"""Writing a DeepSpeed universal checkpoint (the folder DeepSpeed resumes with ``"checkpoint": {"load_universal":
+true}``) from a zeroshard checkpoint or DeepSpeed's ZeRO rank files: ``zeroshard convert CK OUT --to
+deepspeed-universal`` and ``python -m deepspeed.checkpoint.ds_to_universal`` in compat mode. The layout is the one
+:mod:`.deepspeed_universal` reads.
+
+DeepSpeed's own loader takes whatever ``<key>.pt`` files a parameter folder holds, so a folder written here carries
+each optimizer's own state keys (not Adam's only); what the universal format has no place for (the update rule,
+scalar state besides the step, zeroshard's hyperparameters as they were) rides in ``optimizer_state.pt`` under
+``zeroshard`` (DeepSpeed ignores the key), so zeroshard -> universal -> zeroshard is exact for every optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Any, Optional
+
+import torch
+
+from .client_state import read_client_tensors, restore_client_state
+from .commit import atomic_write_text
+from .deepspeed_import import _ENGINE_KEYS, is_deepspeed_checkpoint, read_deepspeed_checkpoint
+from .deepspeed_universal import LATEST_UNIVERSAL, MODEL_STATES, OWN_RECORD, in_memory
+from .manifest import plain_name
+from .reading import Sources, read_manifest, read_parameter, resolve_tag
+from .safetensors_io import CheckpointError
+
+DEEPSPEED_LAYOUT = "0.19.8"  # the DeepSpeed whose universal layout is written (its loader checks the version)
+
+
+def export_universal_checkpoint(ckpt_dir: str, out_dir: str, tag: Optional[str] = None) -> str:
+    """``zeroshard convert CK OUT --to deepspeed-universal``: the zeroshard checkpoint ``ckpt_dir`` (tag ``tag``
+    or its ``latest``; weights joined whole whatever the tensor- or expert-parallel degree) as a universal folder
+    ``OUT/<tag>_universal`` with ``OUT/latest_universal``, which DeepSpeed resumes with ``"checkpoint":
+    {"load_universal": true}`` at any world size and ZeRO stage. Returns its path."""
+    tag = resolve_tag(ckpt_dir, tag)
+    if tag is None:
+        raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass the checkpoint's tag with --tag")
+    return write_universal_folder(os.path.join(ckpt_dir, tag), os.path.join(out_dir, f"{tag}_universal"))
+
+
+def write_universal_folder(input_folder: str, output_folder: str) -> str:
+    """DeepSpeed's ``ds_to_universal`` contract: the checkpoint in the tag folder ``input_folder`` (zeroshard's, or
+    DeepSpeed's ZeRO rank files) written as the universal folder ``output_folder``, with ``latest_universal`` beside
+    it naming it. Written into a hidden folder and renamed; an existing folder is never replaced."""
+    input_folder, output_folder = os.path.normpath(input_folder), os.path.normpath(output_folder)
+    out_dir, out_tag = os.path.split(output_folder)
+    plain_name(out_tag, "output folder name", out_dir or ".")
+    if os.path.exists(output_folder):
+        raise CheckpointError(f"{output_folder} exists; export into another directory (nothing was replaced)")
+    if os.path.isfile(os.path.join(input_folder, "manifest.json")):
+        manifest = read_manifest(input_folder)
+        sources: Any = Sources(input_folder, manifest)
+    elif is_deepspeed_checkpoint(input_folder):
+        parent, tag = os.path.split(input_folder)
+        manifest, sources = in_memory(read_deepspeed_checkpoint(parent, tag), tag)
+    else:
+        raise CheckpointError(
+            f"{input_folder}: neither a zeroshard checkpoint (manifest.json) nor DeepSpeed's ZeRO rank files"
+        )
+    tmp = os.path.join(out_dir, f".{out_tag}.tmp")
+    os.makedirs(out_dir or ".", exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "zero"))
+    try:
+        _write_universal(sources, manifest, tmp)
+        os.rename(tmp, output_folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        sources.close()
+    atomic_write_text(os.path.join(out_dir, LATEST_UNIVERSAL), out_tag)
+    return output_folder
+
+
+def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
+    optimizer = manifest["optimizer"]
+    flat_groups = optimizer["flat_groups"]
+    groups: list[dict[str, list[int]]] = [{} for _ in optimizer["param_groups"]] or [{}]
+    module: dict[str, torch.Tensor] = {}
+    for name, entry in manifest["params"].items():
+        master = read_parameter(sources, name, "master")
+        module[name] = master.to(getattr(torch, entry.get("dtype", "float32")))
+        index = _flat_index(entry)
+        folder = os.path.join(tmp, "zero", plain_name(name, "parameter name", tmp))
+        os.makedirs(folder)
+        _save(os.path.join(folder, "fp32.pt"), {"param": master.float(), "cat_dim": 0})
+        if index is None or index >= len(flat_groups):
+            continue  # frozen: its weights only, as DeepSpeed writes parameters without optimizer state
+        flat = flat_groups[index]
+        groups[flat["group"]][name] = list(entry["shape"])
+        for key in flat["state_keys"]:
+            _save(os.path.join(folder, f"{key}.pt"), {"param": read_parameter(sources, name, f"optim.{key}"),
+                                                        "cat_dim": 0})  # fmt: skip
+        step = flat["scalars"].get("step")
+        if step is not None:
+            _save(os.path.join(folder, "step.pt"), _scalar_value(step))
+    for name, entry in manifest["module_tensors"].items():
+        module[name] = sources.read_whole(name, entry).clone()
+    scalars = [{} for _ in groups]
+    for flat in flat_groups:
+        scalars[flat["group"]].update(flat["scalars"])
+    hyper = optimizer["param_groups"]
+    stage3_state = {g: {"step": _scalar_value(s["step"])} for g, s in enumerate(scalars) if "step" in s}
+    _save(
+        os.path.join(tmp, "zero", "optimizer_state.pt"),
+        {
+            "zero_stage": int(manifest["stage"]) or 1,
+            "ds_version": DEEPSPEED_LAYOUT,
+            "dynamic_loss_scale": False,
+            "overflow": False,
+            "param_groups": [{**_deepspeed_hyper(h), "params": list(range(len(g)))} for h, g in zip(hyper, groups)],
+            "optimizer_state_dict": {"state": stage3_state, "param_groups": [_deepspeed_hyper(h) for h in hyper]},
+            OWN_RECORD: {"type": optimizer.get("type"), "param_groups": hyper, "scalars": scalars},
+        },
+    )
+    counters = manifest["counters"]
+    client = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest)) or {}
+    model_states = {
+        "module": module,
+        "buffer_names": list(manifest["module_tensors"]),
+        "param_shapes": [dict(g) for g in groups if g],
+        "frozen_param_shapes": {n: list(e["shape"]) for n, e in manifest["params"].items() if _frozen(e, flat_groups)}
+        or None,
+        "shared_params": dict(manifest.get("aliases", {})),
+        "lr_scheduler": manifest.get("lr_scheduler"),
+        "global_steps": counters["global_steps"],
+        "global_samples": counters["global_samples"],
+        "skipped_steps": counters["skipped_steps"],
+        "dp_world_size": manifest["world_size"],
+        "mp_world_size": 1,
+        "ds_config": manifest.get("config"),
+        "ds_version": DEEPSPEED_LAYOUT,
+        **{k: v for k, v in client.items() if k not in _ENGINE_KEYS},
+    }
+    for file in MODEL_STATES:  # DeepSpeed reads the first below stage 3, the second under stage 3
+        _save(os.path.join(tmp, file), model_states)
+
+
+def _frozen(entry: dict, flat_groups: list) -> bool:
+    index = _flat_index(entry)
+    return index is None or index >= len(flat_groups)
+
+
+def _flat_index(entry: dict) -> Optional[int]:
+    match = re.fullmatch(r"fg(\d+)", entry["pieces"][0][1])
+    return int(match.group(1)) if match else None
+
+
+def _scalar_value(entry: dict) -> Any:
+    if entry.get("tensor"):
+        return torch.tensor(entry["value"], dtype=getattr(torch, entry.get("dtype", "float32")))
+    return entry["value"]
+
+
+def _deepspeed_hyper(hyper: dict) -> dict:
+    """The hyperparameters as DeepSpeed's optimizers hold them (betas a tuple); zeroshard's own flag for Adam's
+    update rule stays in the ``zeroshard`` record (DeepSpeed's Adams take it from their config)."""
+    return {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in hyper.items()
+            if k != "decoupled_weight_decay"}  # fmt: skip
+
+
+def _save(path: str, value: Any) -> None:
+    torch.save(value, path)
+
+
+__all__ = ["export_universal_checkpoint", "write_universal_folder"]
