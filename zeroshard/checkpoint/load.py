@@ -54,39 +54,11 @@ def load(
     ``universal`` (the config's ``checkpoint.load_universal``) the tag defaults to the one ``latest_universal``
     names, and that may be a zeroshard checkpoint or a DeepSpeed universal folder (read in memory, checked whole
     before anything is restored)."""
-    tag = universal_tag(load_dir, tag) if universal else resolve_tag(load_dir, tag)
-    if tag is None:
-        if universal:
-            raise CheckpointError(
-                f"{load_dir}: no '{LATEST_UNIVERSAL}' file (checkpoint.load_universal is set): pass the tag, or save "
-                "with load_universal set (zeroshard then writes it beside 'latest'), or write a universal folder with "
-                "DeepSpeed's ds_to_universal / `zeroshard convert CK OUT --to deepspeed-universal`"
-            )
+    opened = _open(state, load_dir, tag, universal)
+    if opened is None:
         warnings.warn(f"no checkpoint to load in {load_dir} (no 'latest' file); starting from scratch", stacklevel=3)
         return Restored(None, None, [])
-    path = os.path.join(load_dir, tag)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if not universal and is_universal_checkpoint(path):
-        raise CheckpointError(
-            f'{path} is a DeepSpeed universal checkpoint: set "checkpoint": {{"load_universal": true}} to resume '
-            f"it directly, or import it once with `zeroshard convert --from-deepspeed {load_dir} OUT_DIR --tag {tag}`"
-        )
-    if universal and is_universal_checkpoint(path):
-        try:  # every rank reads the folder: a rank that cannot must not strand the others
-            manifest, sources = universal_sources(load_dir, tag)
-        except CheckpointError as err:
-            agree_on_load(state.mesh.world, err, path)
-        agree_on_load(state.mesh.world, None, path)
-    elif not os.path.exists(os.path.join(path, "manifest.json")) and is_deepspeed_checkpoint(path):
-        raise CheckpointError(
-            f"{path} is a DeepSpeed checkpoint: import it first with `zeroshard convert --from-deepspeed {load_dir} "
-            "OUT_DIR`, then load OUT_DIR (weights, fp32 masters, Adam moments, steps, scheduler and client state come "
-            "over; any world size and stage can load it)"
-        )
-    else:
-        manifest = read_manifest(path)
-        sources = Sources(path, manifest)
+    path, manifest, sources = opened
     missing, unexpected = _check_params(state, manifest, load_module_strict)
     _check_split_records(state, manifest, path)
     if state.optimizer is not None and load_optimizer_states and not load_module_only:
@@ -134,6 +106,44 @@ def load(
                 "from the loaded exp_avg with zero errors, as DeepSpeed does on every load)"
             )
     return Restored(path, None if load_module_only else client_state, report)
+
+
+def _open(state: TrainingState, load_dir: str, tag: Optional[str], universal: bool) -> Optional[tuple]:
+    """(path, manifest, sources) of the checkpoint to load, or None when ``load_dir`` names none; DeepSpeed's files
+    are refused with the way to load them."""
+    tag = universal_tag(load_dir, tag) if universal else resolve_tag(load_dir, tag)
+    if tag is None:
+        if universal:
+            raise CheckpointError(
+                f"{load_dir}: no '{LATEST_UNIVERSAL}' file (checkpoint.load_universal is set): pass the tag, or save "
+                "with load_universal set (zeroshard then writes it beside 'latest'), or write a universal folder with "
+                "DeepSpeed's ds_to_universal / `zeroshard convert CK OUT --to deepspeed-universal`"
+            )
+        return None
+    path = os.path.join(load_dir, tag)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if is_universal_checkpoint(path):
+        if not universal:
+            raise CheckpointError(
+                f'{path} is a DeepSpeed universal checkpoint: set "checkpoint": {{"load_universal": true}} to resume '
+                f"it directly, or import it once with `zeroshard convert --from-deepspeed {load_dir} OUT_DIR --tag "
+                f"{tag}`"
+            )
+        try:  # every rank reads the folder: a rank that cannot must not strand the others
+            manifest, sources = universal_sources(load_dir, tag)
+        except CheckpointError as err:
+            agree_on_load(state.mesh.world, err, path)
+        agree_on_load(state.mesh.world, None, path)
+        return path, manifest, sources
+    if not os.path.exists(os.path.join(path, "manifest.json")) and is_deepspeed_checkpoint(path):
+        raise CheckpointError(
+            f"{path} is a DeepSpeed checkpoint: import it first with `zeroshard convert --from-deepspeed {load_dir} "
+            "OUT_DIR`, then load OUT_DIR (weights, fp32 masters, Adam moments, steps, scheduler and client state come "
+            "over; any world size and stage can load it)"
+        )
+    manifest = read_manifest(path)
+    return path, manifest, Sources(path, manifest)
 
 
 def _check_params(state: TrainingState, manifest: dict, strict: bool) -> tuple[list[str], list[str]]:
