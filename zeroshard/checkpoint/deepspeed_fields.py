@@ -199,16 +199,20 @@ def _state_tensor(path: str, field: str, value: Any, numel: int, key: str) -> No
 def _step(path: str, base_key: str, g: int, state: dict, group: dict) -> Optional[float]:
     for field, value in ((f"{base_key}.state[{g}]['step']", state.get("step")),
                          (f"{base_key}.param_groups[{g}]['step']", group.get("step"))):  # fmt: skip
-        if value is None:
-            continue
-        if torch.is_tensor(value) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_COUNTER:
-            raise _fail(path, field, value, "a step count (a non-negative number)")
-        if value != int(value):
-            raise _fail(path, field, value, "a whole step count")
-        return float(value)
+        if value is not None:
+            return step_count(path, field, value)
     return None
+
+
+def step_count(path: str, field: str, value: Any) -> float:
+    """A step count as DeepSpeed saves one (an int, a float or a one-element tensor), checked."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_COUNTER:
+        raise _fail(path, field, value, "a step count (a non-negative number)")
+    if value != int(value):
+        raise _fail(path, field, value, "a whole step count")
+    return float(value)
 
 
 def agreed_stage(path: str, ranks: list[RankRecord]) -> int:
@@ -259,4 +263,4 @@ def _plain_equal(a: Any, b: Any) -> bool:
 
 
 __all__ = ["ModelStates", "RankRecord", "agreed_stage", "agreed_step", "check_same_hyperparameters", "model_states",
-           "rank_record"]  # fmt: skip
+           "rank_record", "step_count"]  # fmt: skip

@@ -51,6 +51,7 @@ from .deepspeed_fields import (
 )
 from .deepspeed_ranks import check_partitions, check_stage3_pieces
 from .manifest import FORMAT, plain_name, rank_file, seal
+from .reading import resolve_tag
 from .restricted_pickle import read_restricted_pickle
 from .safetensors_io import CheckpointError, write
 
@@ -291,10 +292,10 @@ def convert_deepspeed_checkpoint(ds_dir: str, out_dir: str, tag: Optional[str] =
     """``zeroshard convert --from-deepspeed``: write DeepSpeed's checkpoint ``ds_dir`` (tag ``tag`` or its
     ``latest``; a universal folder, or ``latest_universal`` where there is no ``latest``) as a zeroshard checkpoint
     under ``out_dir`` (same tag; ``latest`` set). Returns its directory."""
-    from .deepspeed_universal import is_universal_checkpoint, read_universal_checkpoint, universal_tag
+    from .deepspeed_universal import LATEST_UNIVERSAL, is_universal_checkpoint, read_universal_checkpoint
 
     named = tag if tag is not None else _latest(ds_dir)
-    if named is None and universal_tag(ds_dir, None) is not None:
+    if named is None and resolve_tag(ds_dir, None, LATEST_UNIVERSAL) is not None:
         source = read_universal_checkpoint(ds_dir)
     elif named is not None and is_universal_checkpoint(os.path.join(ds_dir, plain_name(named, "tag", ds_dir))):
         source = read_universal_checkpoint(ds_dir, named)

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from .deepspeed_fields import MAX_COUNTER, _dense, model_states
+from .deepspeed_fields import _dense, model_states, step_count
 from .deepspeed_import import (
     _ENGINE_KEYS,
     DeepSpeedCheckpoint,
@@ -38,7 +38,7 @@ from .deepspeed_import import (
     read_deepspeed_file,
 )
 from .manifest import plain_name
-from .reading import MemorySources
+from .reading import MemorySources, resolve_tag
 from .safetensors_io import CheckpointError
 
 LATEST_UNIVERSAL = "latest_universal"
@@ -54,20 +54,6 @@ _PARALLEL_FILE = re.compile(
 _MERGE_RECORDS = ("vocab_tensor", "param_n_sub_params", "sub_param_shape", "ep_is_expert_param")
 
 
-def universal_tag(ds_dir: str, tag: Optional[str]) -> Optional[str]:
-    """``tag``, else the one ``latest_universal`` names (a plain name inside ``ds_dir``); None without either."""
-    if tag is not None:
-        return plain_name(tag, "checkpoint tag", ds_dir)
-    latest = os.path.join(ds_dir, LATEST_UNIVERSAL)
-    if not os.path.isfile(latest):
-        return None
-    try:
-        with open(latest) as f:
-            return plain_name(f.read().strip(), f"tag in '{LATEST_UNIVERSAL}'", latest)
-    except (OSError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{latest}: cannot read it ({err})") from None
-
-
 def is_universal_checkpoint(path: str) -> bool:
     """Whether ``path`` (a tag folder) holds a DeepSpeed universal checkpoint rather than a zeroshard manifest."""
     return os.path.isfile(os.path.join(path, "zero", "optimizer_state.pt")) and not os.path.exists(
@@ -78,7 +64,7 @@ def is_universal_checkpoint(path: str) -> bool:
 def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpeedCheckpoint:
     """The universal folder ``ds_dir/tag`` (default: the tag ``latest_universal`` names), read and checked whole:
     per parameter its fp32 master and optimizer state, in parameter groups."""
-    tag = universal_tag(ds_dir, tag)
+    tag = resolve_tag(ds_dir, tag, LATEST_UNIVERSAL)
     if tag is None:
         raise CheckpointError(
             f"{ds_dir}: no '{LATEST_UNIVERSAL}' file; pass the universal folder's tag (e.g. global_step100_universal)"
@@ -171,7 +157,7 @@ def _read_group(zero: str, g: int, params: list, rule: Optional[str], own: bool,
         for key in keys:
             moments.setdefault(key, {})[name] = _tensor(found[key], shape, key)
         if "step" in found:
-            value = _step_value(found["step"], read_deepspeed_file(found["step"]))
+            value = step_count(found["step"], "step", read_deepspeed_file(found["step"]))
             if step is not None and value != step:
                 raise CheckpointError(f"{found['step']}: step {value}, other parameters of group {g} say {step}")
             step = value
@@ -286,16 +272,6 @@ def _tensor(path: str, shape: tuple[int, ...], key: str) -> torch.Tensor:
     return values
 
 
-def _step_value(path: str, value: Any) -> float:
-    if torch.is_tensor(value) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_COUNTER:
-        raise CheckpointError(f"{path}: holds {value!r}; expected a step count (a non-negative whole number)")
-    if value != int(value):
-        raise CheckpointError(f"{path}: holds {value!r}; expected a whole step count")
-    return float(value)
-
-
 def _stage3_step(path: str, optim: dict, g: int) -> float:
     """Stage 3's converter writes no step.pt: DeepSpeed takes the step from rank 0's optimizer state, group 0."""
     inner = optim.get("optimizer_state_dict")
@@ -303,7 +279,7 @@ def _stage3_step(path: str, optim: dict, g: int) -> float:
     record = state.get(g, state.get(0)) if isinstance(state, dict) else None
     if not isinstance(record, dict) or "step" not in record:
         raise CheckpointError(f"{path}: no step.pt in the parameter folders and no 'optimizer_state_dict.state' step")
-    return _step_value(path, record["step"])
+    return step_count(path, "optimizer_state_dict.state.step", record["step"])
 
 
 def universal_sources(ds_dir: str, tag: str) -> tuple[dict, MemorySources]:
@@ -326,5 +302,4 @@ __all__ = [
     "is_universal_checkpoint",
     "read_universal_checkpoint",
     "universal_sources",
-    "universal_tag",
 ]

@@ -17,9 +17,9 @@ from ..log import log_rank0
 from .agreement import agree_on_load
 from .client_state import read_client_tensors, restore_client_state
 from .deepspeed_import import is_deepspeed_checkpoint
-from .deepspeed_universal import LATEST_UNIVERSAL, is_universal_checkpoint, universal_sources, universal_tag
+from .deepspeed_universal import LATEST_UNIVERSAL, is_universal_checkpoint, universal_sources
 from .manifest import Piece, piece_dtype, rank_file, saved_split
-from .reading import Sources, assemble, read_manifest, read_parameter, resolve_tag
+from .reading import Sources, assemble, read_manifest, read_parameter, resolve_tag, scalar_value
 from .safetensors_io import DTYPES, CheckpointError
 from .save import COMPRESSION, outside_tensors
 from .view import TrainingState
@@ -32,12 +32,6 @@ class Restored(NamedTuple):
     path: Optional[str]
     client_state: Optional[dict]
     restored: list[str]
-
-
-def _unscalar(entry: dict, device) -> Any:
-    if entry["tensor"]:
-        return torch.tensor(entry["value"], dtype=getattr(torch, entry["dtype"]), device=device)
-    return entry["value"]
 
 
 def load(
@@ -111,7 +105,7 @@ def load(
 def _open(state: TrainingState, load_dir: str, tag: Optional[str], universal: bool) -> Optional[tuple]:
     """(path, manifest, sources) of the checkpoint to load, or None when ``load_dir`` names none; DeepSpeed's files
     are refused with the way to load them."""
-    tag = universal_tag(load_dir, tag) if universal else resolve_tag(load_dir, tag)
+    tag = resolve_tag(load_dir, tag, LATEST_UNIVERSAL if universal else "latest")
     if tag is None:
         if universal:
             raise CheckpointError(
@@ -334,7 +328,7 @@ def _load_flat(zero, index: int, flat, manifest: dict, read: _PieceReader, with_
         group_index = zero.flat_param_group(index)
         for saved in manifest["optimizer"]["flat_groups"]:
             if saved["group"] == group_index:
-                scalars = {k: _unscalar(v, device) for k, v in saved["scalars"].items()}
+                scalars = {k: scalar_value(v, device) for k, v in saved["scalars"].items()}
     zero.write_flat(index, {key.removeprefix("optim."): value for key, value in targets.items()}, scalars)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -103,15 +103,26 @@ class MemorySources:
         self._tensors = {}
 
 
-def resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
-    """The tag to load: ``tag``, else the one ``latest`` names (a plain name inside ``load_dir``)."""
+def scalar_value(entry: dict, device: Any = None) -> Any:
+    """A saved scalar record (``save._scalar``: an optimizer's ``step``, ...) as the value it stands for."""
+    if entry["tensor"]:
+        return torch.tensor(entry["value"], dtype=getattr(torch, entry["dtype"]), device=device)
+    return entry["value"]
+
+
+def resolve_tag(load_dir: str, tag: Optional[str], pointer: str = "latest") -> Optional[str]:
+    """The tag to load: ``tag``, else the one the file ``pointer`` names (``latest``, or DeepSpeed's
+    ``latest_universal``): a plain name inside ``load_dir``. None without either."""
     if tag is not None:
         return plain_name(tag, "checkpoint tag", load_dir)
-    latest = os.path.join(load_dir, "latest")
+    latest = os.path.join(load_dir, pointer)
     if not os.path.isfile(latest):
         return None
-    with open(latest) as f:
-        tag = plain_name(f.read().strip(), "tag in 'latest'", latest)
+    try:
+        with open(latest) as f:
+            tag = plain_name(f.read().strip(), f"tag in '{pointer}'", latest)
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{latest}: cannot read it ({err})") from None
     if tag.startswith(".") and tag.endswith(".tmp") and not os.path.isdir(os.path.join(load_dir, tag)):
         return tag[1:-4]  # a re-save of this tag ended between its rename and rewriting 'latest' (see _commit)
     return tag

@@ -23,7 +23,7 @@ from .commit import atomic_write_text
 from .deepspeed_import import _ENGINE_KEYS, is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from .deepspeed_universal import LATEST_UNIVERSAL, MODEL_STATES, OWN_RECORD, in_memory
 from .manifest import plain_name
-from .reading import Sources, read_manifest, read_parameter, resolve_tag
+from .reading import Sources, read_manifest, read_parameter, resolve_tag, scalar_value
 from .safetensors_io import CheckpointError
 
 DEEPSPEED_LAYOUT = "0.19.8"  # the DeepSpeed whose universal layout is written (its loader checks the version)
@@ -80,32 +80,33 @@ def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
     flat_groups = optimizer["flat_groups"]
     groups: list[dict[str, list[int]]] = [{} for _ in optimizer["param_groups"]] or [{}]
     module: dict[str, torch.Tensor] = {}
+    frozen: dict[str, list[int]] = {}
     for name, entry in manifest["params"].items():
         master = read_parameter(sources, name, "master")
         module[name] = master.to(getattr(torch, entry.get("dtype", "float32")))
         index = _flat_index(entry)
         folder = os.path.join(tmp, "zero", plain_name(name, "parameter name", tmp))
         os.makedirs(folder)
-        _save(os.path.join(folder, "fp32.pt"), {"param": master.float(), "cat_dim": 0})
+        torch.save({"param": master.float(), "cat_dim": 0}, os.path.join(folder, "fp32.pt"))
         if index is None or index >= len(flat_groups):
-            continue  # frozen: its weights only, as DeepSpeed writes parameters without optimizer state
+            frozen[name] = list(entry["shape"])  # its weights only, as DeepSpeed writes parameters without state
+            continue
         flat = flat_groups[index]
         groups[flat["group"]][name] = list(entry["shape"])
         for key in flat["state_keys"]:
-            _save(os.path.join(folder, f"{key}.pt"), {"param": read_parameter(sources, name, f"optim.{key}"),
-                                                        "cat_dim": 0})  # fmt: skip
+            state = read_parameter(sources, name, f"optim.{key}")
+            torch.save({"param": state, "cat_dim": 0}, os.path.join(folder, f"{key}.pt"))
         step = flat["scalars"].get("step")
         if step is not None:
-            _save(os.path.join(folder, "step.pt"), _scalar_value(step))
+            torch.save(scalar_value(step), os.path.join(folder, "step.pt"))
     for name, entry in manifest["module_tensors"].items():
         module[name] = sources.read_whole(name, entry).clone()
     scalars = [{} for _ in groups]
     for flat in flat_groups:
         scalars[flat["group"]].update(flat["scalars"])
     hyper = optimizer["param_groups"]
-    stage3_state = {g: {"step": _scalar_value(s["step"])} for g, s in enumerate(scalars) if "step" in s}
-    _save(
-        os.path.join(tmp, "zero", "optimizer_state.pt"),
+    stage3_state = {g: {"step": scalar_value(s["step"])} for g, s in enumerate(scalars) if "step" in s}
+    torch.save(
         {
             "zero_stage": int(manifest["stage"]) or 1,
             "ds_version": DEEPSPEED_LAYOUT,
@@ -115,6 +116,7 @@ def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
             "optimizer_state_dict": {"state": stage3_state, "param_groups": [_deepspeed_hyper(h) for h in hyper]},
             OWN_RECORD: {"type": optimizer.get("type"), "param_groups": hyper, "scalars": scalars},
         },
+        os.path.join(tmp, "zero", "optimizer_state.pt"),
     )
     counters = manifest["counters"]
     client = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest)) or {}
@@ -122,8 +124,7 @@ def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
         "module": module,
         "buffer_names": list(manifest["module_tensors"]),
         "param_shapes": [dict(g) for g in groups if g],
-        "frozen_param_shapes": {n: list(e["shape"]) for n, e in manifest["params"].items() if _frozen(e, flat_groups)}
-        or None,
+        "frozen_param_shapes": frozen or None,
         "shared_params": dict(manifest.get("aliases", {})),
         "lr_scheduler": manifest.get("lr_scheduler"),
         "global_steps": counters["global_steps"],
@@ -136,12 +137,7 @@ def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
         **{k: v for k, v in client.items() if k not in _ENGINE_KEYS},
     }
     for file in MODEL_STATES:  # DeepSpeed reads the first below stage 3, the second under stage 3
-        _save(os.path.join(tmp, file), model_states)
-
-
-def _frozen(entry: dict, flat_groups: list) -> bool:
-    index = _flat_index(entry)
-    return index is None or index >= len(flat_groups)
+        torch.save(model_states, os.path.join(tmp, file))
 
 
 def _flat_index(entry: dict) -> Optional[int]:
@@ -149,21 +145,11 @@ def _flat_index(entry: dict) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
-def _scalar_value(entry: dict) -> Any:
-    if entry.get("tensor"):
-        return torch.tensor(entry["value"], dtype=getattr(torch, entry.get("dtype", "float32")))
-    return entry["value"]
-
-
 def _deepspeed_hyper(hyper: dict) -> dict:
     """The hyperparameters as DeepSpeed's optimizers hold them (betas a tuple); zeroshard's own flag for Adam's
     update rule stays in the ``zeroshard`` record (DeepSpeed's Adams take it from their config)."""
     return {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in hyper.items()
             if k != "decoupled_weight_decay"}  # fmt: skip
-
-
-def _save(path: str, value: Any) -> None:
-    torch.save(value, path)
 
 
 __all__ = ["export_universal_checkpoint", "write_universal_folder"]
