@@ -58,16 +58,81 @@ def _run(engine, losses, gas: int = 1, fault=None, at: int = FAULT_AT, wrap=None
     return 0, ""
 
 
-def _train(engine, case, steps: int, fault=None, at: int = FAULT_AT) -> tuple[int, str]:
-    """The tiny GPT on ``steps`` optimizer steps of the parity batches (each rank its rows)."""
+def _train(engine, case, steps: int, fault=None, at: int = FAULT_AT, scale: float = 1.0) -> tuple[int, str]:
+    """The tiny GPT on ``steps`` optimizer steps of the parity batches (each rank its rows), the loss times
+    ``scale``."""
     from zeroshard import comm
     from zeroshard.testing.parity import make_batches
 
     rank, world = comm.get_rank(), comm.get_world_size()
     rows = slice(rank * case.micro_batch, (rank + 1) * case.micro_batch)
     batches = make_batches(steps * case.gas, case.micro_batch * world, seed=engine.global_steps + 1)
-    losses = [lambda x=x, y=y: engine(x[rows], y[rows]) for x, y in batches]
+    losses = [lambda x=x, y=y: engine(x[rows], y[rows]) * scale for x, y in batches]
     return _run(engine, losses, case.gas, fault, at)
+
+
+def _gradient_sizes(case, scale: float) -> tuple[float, float]:
+    """The largest and the median nonzero |gradient| of one process's first backward at ``scale``."""
+    from zeroshard.testing.parity import make_batches, make_model
+
+    model = make_model()
+    x, y = make_batches(1, case.micro_batch, seed=1)[0]
+    (model(x, y) * scale).backward()
+    grads = torch.cat([p.grad.reshape(-1).abs() for p in model.parameters() if p.grad is not None])
+    return grads.max().item(), grads[grads > 0].median().item()
+
+
+def _expert_bucket(engine) -> int:
+    """The first flat group of experts."""
+    return next(k for k, b in enumerate(engine.stack.reducer.buckets) if b.layout.split_axis == "ep")
+
+
+class ExpertNet(torch.nn.Module):
+    """DeepSpeed's MoE layer (4 experts of a small MLP, top-1) as a model with its loss."""
+
+    def __init__(self, ep_size: int):
+        from zeroshard.moe import MoE
+
+        super().__init__()
+        torch.manual_seed(0)
+        expert = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        self.moe = MoE(8, expert, num_experts=4, ep_size=ep_size, k=1, use_rts=False)
+
+    def forward(self, x, target):
+        out, l_aux, _ = self.moe(x)
+        return (out - target).pow(2).mean() + 0.1 * l_aux
+
+
+def _experts(stage: int, ep: int, steps: int, layer: bool, fault: bool) -> tuple[int, str]:
+    """Expert parallelism over ``ep`` ranks: DeepSpeed's MoE layer (``layer``) or AutoEP on a tiny Mixtral; with
+    ``fault`` rank 0's first flat group of experts is dropped at step ``FAULT_AT``."""
+    import zeroshard
+    from zeroshard.testing import faults
+
+    drop = (lambda e: faults.drop_reduced_bucket(e, _expert_bucket(e))) if fault else None
+    if not layer:
+        from zeroshard.testing.hf import tiny_causal_lm
+
+        config = _hf_config(stage, expert_parallel={"enabled": True, "autoep_size": ep, "preset_model": "mixtral"})
+        engine, *_ = zeroshard.initialize(model=tiny_causal_lm("mixtral"), config=config)
+        result = _hf_train(engine, steps, fault=drop)
+    else:
+        engine, *_ = zeroshard.initialize(model=ExpertNet(ep), config=_hf_config(stage))
+        g = torch.Generator().manual_seed(7 + engine.mesh.gradient.rank)
+        data = [(torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)) for _ in range(steps)]
+        result = _run(engine, [lambda x=x, t=t: engine(x, t) for x, t in data], fault=drop)
+    engine.destroy()
+    return result
+
+
+def _expert_cases(ep: int) -> dict:
+    out = {}
+    for layer in (True, False):
+        for stage in (0, 1, 2, 3):
+            out[("ep", ep, layer, stage, "clean")] = _experts(stage, ep, 6, layer, False)
+        for stage in (1, 3):
+            out[("ep", ep, layer, stage, "dropped")] = _experts(stage, ep, FAULT_AT + 1, layer, True)
+    return out
 
 
 def two_rank_worker() -> dict:
@@ -105,6 +170,17 @@ def two_rank_worker() -> dict:
     written = _train(engine, case, 2, lambda e: e.param_access.set_full_grad(param, torch.ones_like(param)), at=2)
     out["param_access"] = (written, _train(engine, case, 2))
     engine.destroy()
+    # gradients at the ends of the float range: ~1e19 (a diverging run) and subnormal (~1e-41 in fp32)
+    for dtype, scale in (("fp32", 1e20), ("bf16", 1e20), ("fp32", 1e-40), ("bf16", 1e-37)):
+        config, case = _config(2, dtype)
+        for label, fault in (("clean", None), ("dropped", lambda e: faults.drop_reduced_bucket(e, 1))):
+            engine, *_ = zeroshard.initialize(model=make_model(), config=config)
+            out[("scale", dtype, scale, label)] = _train(
+                engine, case, 6 if fault is None else FAULT_AT + 1, fault, scale=scale
+            )
+            engine.destroy()
+        out[("scale", dtype, scale, "sizes")] = _gradient_sizes(case, scale)
+    out.update(_expert_cases(2))  # EP=2 on 2 ranks: each expert held by one rank
     return out
 
 
@@ -196,6 +272,7 @@ def four_rank_worker() -> dict:
         engine, *_ = zeroshard.initialize(model=make_model(), config=config)
         out[("hybrid", label)] = _train(engine, case, 12 if fault is None else FAULT_AT + 1, fault)
         engine.destroy()
+    out.update(_expert_cases(2))  # EP=2 x DP=2: experts summed over {0, 2} and {1, 3}, divided by 4
     # SP=2 x DP=2: the reduction averages over all 4 ranks; a gradient left scaled by the sequence degree
     mpu = register_with_transformers(_llama(), "sdpa", 2, micro_batch_size=1)
     rank = zeroshard.comm.get_rank()
@@ -247,3 +324,49 @@ def test_sequence_parallel_gradient_left_scaled_is_caught(four_ranks):
         assert out[("sp", "clean")] == (0, "")
         step, message = out[("sp", "scaled")]
         assert step == FAULT_AT and "ranks [0, 1, 2, 3]" in message, message
+
+
+# -- expert parallelism and the ends of the float range -------------------------------------------------------------
+@pytest.mark.parametrize("layer", [True, False], ids=["moe_layer", "autoep"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_flat_groups_are_checked_over_the_ranks_holding_the_same_experts(two_ranks, four_ranks, world, layer):
+    """No false alarm at stages 0-3 (the expected side sums only the ranks holding the same experts, divided by the
+    whole data-parallel size), and an expert bucket dropped on rank 0 is caught at its step on every rank."""
+    runs = two_ranks if world == 2 else four_ranks
+    for rank, out in enumerate(runs):
+        for stage in (0, 1, 2, 3):
+            assert out[("ep", 2, layer, stage, "clean")] == (0, ""), (stage, out[("ep", 2, layer, stage, "clean")])
+        for stage in (1, 3):
+            step, message = out[("ep", 2, layer, stage, "dropped")]
+            assert step == FAULT_AT, (stage, message)
+            if rank % 2 == 1:  # holds the other experts: its own checked out, it stops with rank 0
+                assert "in another data-parallel group" in message, message
+                continue
+            holders = [0] if world == 2 else [0, 2]
+            assert f"averaged over 'expert_gradient' ranks {holders} (the ranks holding its experts" in message, message
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_dropped_bucket_is_caught_when_gradients_reach_1e19(two_ranks, dtype):
+    """Loss x 1e20: gradients near 1e19, whose squares overflow float32; the check must not go blind."""
+    for out in two_ranks:
+        largest, _ = out[("scale", dtype, 1e20, "sizes")]
+        assert largest > 1e19
+        assert out[("scale", dtype, 1e20, "clean")] == (0, ""), out[("scale", dtype, 1e20, "clean")]
+        step, message = out[("scale", dtype, 1e20, "dropped")]
+        assert step == FAULT_AT and "flat group 1" in message, message
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_subnormal_gradients_raise_no_false_alarm(two_ranks, dtype):
+    """Loss x 1e-40 (fp32) / 1e-37 (bf16): gradients below the smallest normal number, where rounding is absolute;
+    no alarm, and (fp32, where they keep a few digits) a dropped bucket is still caught."""
+    scale = 1e-40 if dtype == "fp32" else 1e-37
+    smallest_normal = torch.finfo(torch.float32).tiny
+    for out in two_ranks:
+        _, median = out[("scale", dtype, scale, "sizes")]
+        assert median < smallest_normal
+        assert out[("scale", dtype, scale, "clean")] == (0, ""), out[("scale", dtype, scale, "clean")]
+        if dtype == "fp32":
+            step, message = out[("scale", dtype, scale, "dropped")]
+            assert step == FAULT_AT and "flat group 1" in message, message

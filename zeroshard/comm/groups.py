@@ -18,6 +18,9 @@ class Group:
     ranks: tuple[int, ...]
     handle: Any  # the torch ProcessGroup; None means the default (world) group
     context: CommContext = field(default=DEFAULT_CONTEXT, compare=False, repr=False)  # where its collectives count
+    # the world cut into groups like this one (the mesh's groups of the same dimensions, this one among them); a
+    # group made alone is its own partition
+    partition: tuple[tuple[int, ...], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -27,6 +30,20 @@ class Group:
     def rank(self) -> int:
         """This process's index inside the group."""
         return self.ranks.index(get_rank())
+
+    def counterpart(self, rank: int) -> int:
+        """The member of this group standing where global rank ``rank`` stands in its own group of the partition:
+        the rank whose coordinates along the dimensions this group spans are ``rank``'s, and whose others are this
+        process's (e.g. in the gradient group under tensor parallelism, ``rank``'s peer holding this process's
+        tensor-parallel pieces)."""
+        if rank in self.ranks:
+            return rank
+        own = next((part for part in self.partition if rank in part), None)
+        if own is None or len(own) != self.size:
+            raise ValueError(
+                f"rank {rank} is in no group of the {self.name} group's partition (its ranks: {list(self.ranks)})"
+            )
+        return self.ranks[own.index(rank)]
 
 
 def group_of(handle: Any, name: str, context: CommContext = DEFAULT_CONTEXT) -> Group:

@@ -240,7 +240,7 @@ def build_groups(dims: ParallelDims, names: tuple[str, ...], context: CommContex
         if key not in handles:
             handles[key] = {part: dist.new_group(list(part)) if 1 < len(part) < world_size else None for part in key}
         part = next(p for p in key if rank in p)
-        groups[name] = Group(name, part, handles[key][part], context)
+        groups[name] = Group(name, part, handles[key][part], context, partition=key)
     return groups
 
 

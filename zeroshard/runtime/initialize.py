@@ -223,15 +223,19 @@ def _resolve(
     return mesh, resolution
 
 
-def _finish_parameters(model, materialize, placement: Placement, stack: ZeroStack) -> None:
-    """Parameters outside the flat groups get data (zero.Init), and under stage 3 every parameter answers
-    DeepSpeed's ``ds_*`` attributes, resident and frozen ones too."""
+def _finish_parameters(model, materialize, placement: Placement, stack: ZeroStack, mesh, pieces: dict) -> None:
+    """Parameters outside the flat groups get data (zero.Init); the engine adopts every parameter with the ranks
+    holding the same value of it (all of them, or under tensor / expert parallelism those holding the same piece), so
+    ``GatheredParameters`` finds its flat group and its copies; under stage 3 every parameter answers DeepSpeed's
+    ``ds_*`` attributes, resident and frozen ones too."""
     if materialize is not None:
         _finish_materialization(model, materialize, placement.device, placement.policy.compute)
     release_pending(model.parameters())  # also those a gather materialized before initialize (HF's loading)
-    if stack.stage3 is not None:
-        for param in model.parameters():
-            stack.records.adopt(param)
+    holders = {"tp": mesh.gradient, "ep": mesh.expert_gradient}
+    for param in model.parameters():
+        split = pieces.get(param)
+        group = holders[split.axis] if split is not None else mesh.world
+        stack.records.adopt(param, whole=stack.stage3 is None, holders=group)
 
 
 def _build_scheduler(lr_scheduler: Any, cfg, zero: Optional[ZeroOptimizer]):
@@ -347,7 +351,7 @@ def initialize(
         )
     else:
         stack = ZeroStack.without_optimizer(placement.device)
-    _finish_parameters(model, materialize, placement, stack)
+    _finish_parameters(model, materialize, placement, stack, mesh, pieces)
     scheduler = _build_scheduler(lr_scheduler, cfg, stack.optimizer)
     dataloader = _build_dataloader(training_data, resolution, mesh, collate_fn)
     engine = ZeroshardEngine(

@@ -171,6 +171,7 @@ def _gradient_check(buckets, names: dict, mesh: comm.Mesh, config) -> Optional[G
         interval=settings.interval,
         projections=settings.projections,
         seed=settings.seed,
+        expert_group=mesh.expert_gradient if mesh.expert.size > 1 else None,
     )
 
 

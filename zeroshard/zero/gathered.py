@@ -10,7 +10,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..partition import TensorSplit
 from .flat_group import FlatGroup, ParamState
-from .materialize import creation_order, materialize_pending
+from .materialize import creation_order, materialize_pending, world_group
 from .sharded_param import records_of
 
 
@@ -64,20 +64,39 @@ class GatheredParameters:
                 flat.free()
 
     def _keep_modifications(self) -> None:
-        world = comm.Group("world", tuple(range(comm.get_world_size())), None)
+        """Every parameter takes the modifier's value among the ranks holding the same value of it (the world for a
+        replicated parameter; under tensor or expert parallelism the ranks holding the same piece, from the modifier's
+        counterpart among them: never another piece), then each flat group's master weights take the result."""
+        world = world_group()
         with torch.no_grad():
+            buckets: dict[tuple, list[torch.nn.Parameter]] = {}  # (holders, dtype) -> parameters, in a shared order
+            for param in self.params:
+                records = records_of(param)
+                holders = (records.holders(param) if records is not None else None) or world
+                buckets.setdefault((holders.name, holders.ranks, param.dtype), [holders]).append(param)
+            for holders, *params in buckets.values():
+                _broadcast_values(params, holders.counterpart(self.modifier_rank), holders)
             for flat, keeper in zip(self._flats, self._keepers):
-                comm.broadcast(flat.buffer, src=self.modifier_rank, group=world)
                 lo, hi = flat.layout.shard_range(flat.shard_rank)
                 if keeper is not None:
                     keeper.overwrite(flat, flat.buffer[lo:hi])
                 else:  # parameters without gradients: the compute-precision shard is all there is
                     flat.write_shard(0, flat.buffer[lo:hi].clone())
                     flat.finish_publish()
-            owned = {id(p) for f in self._flats for p in f.params}
-            for param in self.params:  # parameters outside any flat group (e.g. frozen ones)
-                if id(param) not in owned:
-                    comm.broadcast(param.data, src=self.modifier_rank, group=world)
+
+
+def _broadcast_values(params: list[torch.nn.Parameter], src: int, group: comm.Group) -> None:
+    """Copy the values of ``params`` (one dtype) from global rank ``src`` to every rank of ``group``, in one
+    message."""
+    if group.size == 1:
+        return
+    values = [p.data for p in params]
+    packed = torch.cat([v.reshape(-1) for v in values]) if len(values) > 1 else values[0].reshape(-1).clone()
+    comm.broadcast(packed, src=src, group=group)
+    offset = 0
+    for value in values:
+        value.copy_(packed[offset : offset + value.numel()].view_as(value))
+        offset += value.numel()
 
 
 def consolidated_state_dict(

@@ -5,21 +5,28 @@ Note [gradient check]. Reduction is linear. Let ``r`` be a random vector, the sa
 step, the flat group and the parameter), ``g_j`` the gradient rank ``j``'s backward produced for a flat group
 (summed over the step's micro-batches), and ``G`` the reduced gradient the optimizer is about to apply (each rank
 holds its shard). Then ``<G, r> = sum_j <g_j, r> / N`` over the ``N`` ranks of the data-parallel group, whatever the
-bucketing, sharding, hybrid groups or accumulation. Each rank projects every gradient on ``r`` as autograd hands it
-over (before staging) and its shard of ``G`` at the step; one all-reduce of a few numbers per flat group over the
-data-parallel group gives both sides on every rank. A dropped bucket, a wrong divisor (2.9x too low a norm, SP
-gradients left scaled by the sequence degree), a reduction over the wrong group, a gradient counted twice: each
-moves ``<G, r>`` by about its own size, and every rank raises the same :class:`GradientCheckError`, naming the step,
-the flat group (its parameters) and the process groups.
+bucketing, sharding, hybrid groups or accumulation. A flat group of experts sums over the ``n`` ranks holding the
+same experts only (the expert-data-parallel group; the other ranks of the data-parallel group hold other experts)
+and is still divided by ``N``: ``<G, r> = sum_{j in expert group} <g_j, r> / N``. Each rank projects every gradient
+on ``r`` as autograd hands it over (before staging) and its shard of ``G`` at the step; one all-reduce of a few
+numbers per flat group over the group that summed it gives both sides on every rank. A dropped bucket, a wrong
+divisor (2.9x too low a norm, SP gradients left scaled by the sequence degree), a reduction over the wrong group, a
+gradient counted twice: each moves ``<G, r>`` by about its own size, and every rank raises the same
+:class:`GradientCheckError`, naming the step, the flat group (its parameters) and the process groups.
 
-Tolerance. Both sides differ by rounding only. The reduction rounds each element's sum of ``N`` values once per
+Tolerance. Both sides differ by rounding only. The reduction rounds each element's sum of ``n`` values once per
 addition in the reduce dtype (unit roundoff ``u``: 2^-24 in fp32, 2^-8 in bf16, 2^-11 in fp16; the larger of the
 reduce and gradient dtypes'), and the step's ``R`` reductions accumulate. These errors are independent across
 elements, so their projection on a Gaussian ``r`` is close to Gaussian, with standard deviation at most
-``sigma = u sqrt((N + 1) R) sqrt(N S) / N``, ``S = sum_j sum_i r_i^2 g_ji^2`` (``sqrt(N S)`` bounds
-``|| r * sum_j |g_j| ||``). The dot products themselves round in fp32, pairwise within blocks: at most
-``2 u32 log2(block) A / N``, ``A = sum_j sum_i |r_i g_ji|``. The check allows ``8 sigma + 4 u32 log2(block) A / N``:
-a false alarm is an 8-sigma event. A fault's signal is the projection of what was lost, about ``||lost||``, against
+``sigma = u sqrt((n + 1) R) sqrt(n S) / N``, ``S = sum_j sum_i r_i^2 g_ji^2`` (``sqrt(n S)`` bounds
+``|| r * sum_j |g_j| ||``). Below the dtype's smallest normal number rounding is absolute, not relative: each of an
+element's ``(n + 1) R / N + 2`` roundings (sums, the division, the accumulation) is off by at most ``t / 2``, ``t``
+the dtype's smallest subnormal; independent across elements again, they add a standard deviation of at most
+``sigma_t = t sqrt((n + 1) R / N + 2) sqrt(sum_i r_i^2)``. The projections are computed in float64 (the squares of
+gradients near 1e19 overflow float32, and products of subnormal gradients lose their digits there), rounding
+pairwise within blocks: at most ``2 u64 log2(block) A / N``, ``A = sum_j sum_i |r_i g_ji|``. The check allows
+``8 (sigma + sigma_t) + 4 u64 log2(block) A / N``: a false alarm is an 8-sigma event, at any gradient scale a float
+can hold. A fault's signal is the projection of what was lost, about ``||lost||``, against
 ``sigma ~ u ||G||``; several projections (``projections``, default 2) make a miss need every one of them to land
 near zero (bf16, a dropped bucket: about 2% per projection).
 
@@ -40,6 +47,8 @@ from .. import comm
 BLOCK = 1 << 20  # elements of a parameter whose projection rows are drawn together (memory: projections x 4 MiB)
 SIGMAS = 8.0
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+SMALLEST_SUBNORMAL = {torch.float32: 2.0**-149, torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24}
+FLOAT64_ROUNDOFF = 2.0**-53
 _MIX = 1_000_003  # mixes (seed, step, flat group, parameter, block) into one generator seed
 
 
@@ -59,9 +68,16 @@ class GradientCheck:
         interval: int = 1,
         projections: int = 2,
         seed: int = 0,
+        expert_group: Optional[comm.Group] = None,
     ):
         self.buckets = buckets  # GradBucket, one per flat group
         self.group = group  # the data-parallel group the reduction averages over
+        # per flat group, the ranks whose gradients it sums: the data-parallel group, or for experts the ranks
+        # holding the same experts (``expert_group``)
+        self.expert_group = expert_group
+        self.summed_over = [
+            expert_group if expert_group is not None and b.layout.split_axis == "ep" else group for b in buckets
+        ]
         self.world = world  # every rank: a failure in one data-parallel group (tensor parallelism) stops them all
         self.names = names  # per flat group, its parameters' names (for the error)
         self.interval, self.projections, self.seed = interval, projections, seed
@@ -69,7 +85,8 @@ class GradientCheck:
         self.reductions = 0  # reductions in the current step (micro-batches under stages 2-3)
         self.forgotten = False  # a caller wrote gradients this step: nothing to compare
         self.largest_ratio = 0.0  # the largest difference seen, in tolerances (a margin to monitor: below 1 passes)
-        self._sums: Optional[torch.Tensor] = None  # per flat group: <g, r>, sum r^2 g^2, sum |r g| per projection
+        # per flat group and projection: <g, r>, sum r^2 g^2, sum |r g|, sum r^2 (float64)
+        self._sums: Optional[torch.Tensor] = None
 
     @property
     def active(self) -> bool:
@@ -84,7 +101,8 @@ class GradientCheck:
         if not self.active:
             return
         if self._sums is None:
-            self._sums = torch.zeros(len(self.buckets), 3, self.projections, device=self.buckets[index].flat.device)
+            device = self.buckets[index].flat.device
+            self._sums = torch.zeros(len(self.buckets), 4, self.projections, dtype=torch.float64, device=device)
         values = grad.detach().reshape(-1)
         self._sums[index] += self._project(index, position, 0, values, values.numel())
 
@@ -110,18 +128,29 @@ class GradientCheck:
         if not self.buckets:  # nothing trained (every rank alike): nothing reduced
             return
         device = self.buckets[0].flat.device
-        sums = self._sums if self._sums is not None else torch.zeros(len(self.buckets), 3, self.projections)
+        count = len(self.buckets)
+        sums = self._sums
+        if sums is None:
+            sums = torch.zeros(count, 4, self.projections, dtype=torch.float64, device=device)
         # the same rows as observed (this step's seed); stacked on the device: no host round trip per flat group
-        reduced_side = torch.stack([self._reduced_projection(k) for k in range(len(self.buckets))]).to(device)
-        packed = torch.cat([sums.to(device), reduced_side.unsqueeze(1)], dim=1)  # [K, 4, m]
-        packed = torch.cat([packed.reshape(-1), torch.tensor([float(self.forgotten)], device=device)])
-        comm.all_reduce(packed, self.group)
+        reduced_side = torch.stack([self._reduced_projection(k) for k in range(count)]).to(device)
+        packed = torch.cat([sums.to(device), reduced_side.unsqueeze(1)], dim=1)  # [K, 5, m]
+        forgotten = torch.tensor([float(self.forgotten)], dtype=torch.float64, device=device)
+        summed = torch.empty_like(packed)
+        # one all-reduce per group that sums flat groups, the data-parallel group first (every rank in the same order)
+        groups = [g for g in (self.group, self.expert_group) if any(s is g for s in self.summed_over)]
+        for group in groups:
+            rows = [k for k in range(count) if self.summed_over[k] is group]
+            message = torch.cat([packed[rows].reshape(-1), forgotten])
+            comm.all_reduce(message, group)
+            summed[rows] = message[:-1].reshape(len(rows), *packed.shape[1:])
+            forgotten = message[-1:].clone()
         failure = None
-        if packed[-1].item() == 0:  # else a rank's caller wrote gradients (param_access): not backward's to compare
-            per_flat = packed[:-1].reshape(len(self.buckets), 4, self.projections).double().cpu()
+        if forgotten.item() == 0:  # else a rank's caller wrote gradients (param_access): not backward's to compare
+            per_flat = summed.cpu()
             for k, bucket in enumerate(self.buckets):
                 failure = failure or self._compare(step, k, bucket, per_flat[k], max(self.reductions, 1))
-        if self.world.size > self.group.size:  # other data-parallel groups checked other pieces: agree on a verdict
+        if self.world.size > min(g.size for g in groups):  # other groups checked other pieces: agree on a verdict
             verdict = torch.tensor([1.0 if failure else 0.0], device=device)
             comm.all_reduce(verdict, self.world, op="max")
             if verdict.item() and failure is None:
@@ -144,49 +173,57 @@ class GradientCheck:
         return torch.randn(self.projections, numel, generator=generator, device=device)
 
     def _project(self, index: int, position: int, start: int, values: torch.Tensor, numel: int) -> torch.Tensor:
-        """[3, m]: <v, r>, sum r^2 v^2, sum |r v| for ``values`` lying at ``start`` of parameter ``position`` (of
-        ``numel`` elements: a block's rows are drawn whole, so both sides draw the same numbers)."""
+        """[4, m], float64: <v, r>, sum r^2 v^2, sum |r v|, sum r^2 for ``values`` lying at ``start`` of parameter
+        ``position`` (of ``numel`` elements: a block's rows are drawn whole, so both sides draw the same numbers)."""
         device = self.buckets[index].flat.device
-        values = values.to(device, torch.float32)
-        out = torch.zeros(3, self.projections, device=device)
+        values = values.to(device, torch.float64)
+        out = torch.zeros(4, self.projections, dtype=torch.float64, device=device)
         stop = start + values.numel()
         for block in range(start // BLOCK, -(-stop // BLOCK)):
             lo, hi = max(start, block * BLOCK), min(stop, (block + 1) * BLOCK)
             length = min(BLOCK, numel - block * BLOCK)
             rows = self._rows(index, position, block, length, device)[:, lo - block * BLOCK : hi - block * BLOCK]
+            rows = rows.double()
             part = rows * values[lo - start : hi - start]
             out[0] += part.sum(dim=1)
             out[1] += part.pow(2).sum(dim=1)
             out[2] += part.abs().sum(dim=1)
+            out[3] += rows.pow(2).sum(dim=1)
         return out
 
     def _reduced_projection(self, index: int) -> torch.Tensor:
         """[m]: <G, r> over this rank's shard of flat group ``index``, divided by the ranks holding each copy."""
         bucket = self.buckets[index]
         flat, layout = bucket.flat, bucket.layout
-        out = torch.zeros(self.projections, device=flat.device)
+        summed_over = self.summed_over[index]
+        out = torch.zeros(self.projections, dtype=torch.float64, device=flat.device)
         if bucket.holds_whole:  # stage 0: every rank holds the whole reduced gradient
             for position, slot in enumerate(layout.slots):
                 out += self._project(index, position, 0, bucket.grad[slot.offset : slot.end], slot.numel)[0]
-            return out / self.group.size
+            return out / summed_over.size
         positions = {slot.name: position for position, slot in enumerate(layout.slots)}
         for segment in layout.segments(flat.shard_rank):
             values = bucket.grad[segment.shard_start : segment.shard_start + segment.numel]
             start = segment.flat_start - segment.slot.offset
             out += self._project(index, positions[segment.slot.name], start, values, segment.slot.numel)[0]
-        copies = self.group.size // flat.shard_group.size  # hybrid sharding: each shard is held once per replica
+        copies = summed_over.size // flat.shard_group.size  # hybrid sharding: each shard is held once per replica
         return out / copies
 
     def _compare(self, step: int, k: int, bucket, sums: torch.Tensor, reductions: int) -> Optional[str]:
         """The failure message for flat group ``k``, or None when both sides agree within the tolerance."""
-        produced, squares, absolute, reduced = sums[0], sums[1], sums[2], sums[3]
+        produced, squares, absolute, rows, reduced = sums
         if not (torch.isfinite(sums).all()):
             return None  # an fp16 overflow: the optimizer skips this step
-        n = self.group.size
-        unit = max(UNIT_ROUNDOFF.get(bucket.reduce_dtype, 2.0**-24), UNIT_ROUNDOFF.get(bucket.grad.dtype, 2.0**-24))
-        sigma = unit * math.sqrt((n + 1) * reductions) * torch.sqrt(n * squares) / n
-        tolerance = SIGMAS * sigma + 4 * UNIT_ROUNDOFF[torch.float32] * math.log2(BLOCK) * absolute / n
-        expected = produced / n
+        n, divisor = self.summed_over[k].size, self.group.size
+        dtypes = (bucket.reduce_dtype, bucket.grad.dtype)
+        unit = max(UNIT_ROUNDOFF.get(d, 2.0**-24) for d in dtypes)
+        subnormal = max(SMALLEST_SUBNORMAL.get(d, 2.0**-149) for d in dtypes)
+        sigma = unit * math.sqrt((n + 1) * reductions) * torch.sqrt(n * squares) / divisor
+        # rows: the n ranks' sum r^2, each over the elements it observed
+        sigma_subnormal = subnormal * math.sqrt((n + 1) * reductions / divisor + 2) * torch.sqrt(rows / n)
+        dot_rounding = 4 * FLOAT64_ROUNDOFF * math.log2(BLOCK) * absolute / divisor
+        tolerance = SIGMAS * (sigma + sigma_subnormal) + dot_rounding
+        expected = produced / divisor
         difference = (reduced - expected).abs()
         ratio = torch.where(tolerance > 0, difference / tolerance.clamp(min=1e-300), difference * math.inf)
         self.largest_ratio = max(self.largest_ratio, float(ratio.nan_to_num(0.0).max()))
@@ -194,13 +231,17 @@ class GradientCheck:
             return None
         worst = int(torch.argmax(difference - tolerance))
         names = self.names[k]
-        shard = bucket.group
+        shard, summed_over = bucket.group, self.summed_over[k]
+        experts = (
+            "" if summed_over is self.group else " (the ranks holding its experts; divided by the data-parallel size)"
+        )
         return (
             f"rank {comm.get_rank()}: gradient check failed at optimizer step {step} for flat group {k} "
             f"({names[0]} .. {names[-1]}, {len(names)} parameters, {bucket.layout.numel} elements), reduced over "
-            f"process group '{shard.name}' ranks {list(shard.ranks)} and averaged over '{self.group.name}' ranks "
-            f"{list(self.group.ranks)}: the reduced gradient projects to {float(reduced[worst]):.6g}, the ranks' "
-            f"gradients to {float(produced[worst]):.6g} / {n} = {float(expected[worst]):.6g} (difference "
+            f"process group '{shard.name}' ranks {list(shard.ranks)} and averaged over '{summed_over.name}' ranks "
+            f"{list(summed_over.ranks)}{experts}: the reduced "
+            f"gradient projects to {float(reduced[worst]):.6g}, the ranks' "
+            f"gradients to {float(produced[worst]):.6g} / {divisor} = {float(expected[worst]):.6g} (difference "
             f"{float(difference[worst]):.3g}, tolerance {float(tolerance[worst]):.3g}): the reduction lost, scaled "
             "or mixed gradients (a dropped bucket, a wrong divisor, the wrong process group)"
         )

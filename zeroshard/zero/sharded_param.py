@@ -72,11 +72,18 @@ _GLOBAL_SHAPE = {
 }
 
 
-class ZeroParameter(torch.nn.Parameter):
-    """The class of a parameter zeroshard manages under stage 3 (see the module docstring). Never instantiated
+class AdoptedParameter(torch.nn.Parameter):
+    """The class of a parameter an owner adopted while it keeps its data (ZeRO stages 0-2): it finds its owner's
+    records through its class and nothing else changes (no ``__torch_function__`` of its own, so torch keeps its
+    fast path, and no DeepSpeed ``ds_*`` attributes, which clients read as "ZeRO-3"). Never instantiated
     directly: :meth:`ParamRecords.adopt` gives a parameter its records' subclass."""
 
     _records: "ParamRecords"  # set on each records object's subclass
+
+
+class ZeroParameter(AdoptedParameter):
+    """The class of a parameter zeroshard manages under stage 3 (see the module docstring). Never instantiated
+    directly: :meth:`ParamRecords.adopt` gives a parameter its records' subclass."""
 
     # DeepSpeed's per-parameter attributes, read by clients (Lightning's model summary, HF's parameter counts):
     # computed from the records on each access, nothing is stored on the parameter.
@@ -178,8 +185,9 @@ class ParamRecords:
     ``no_data`` maps ``id(param)`` to (name, full shape, hint) while the parameter has no data (sharded, or
     built under zero.Init and not materialized yet); it is keyed by id, read on every torch call on the
     parameter, and each entry is dropped when its parameter is collected. The flat group holding a parameter,
-    the object keeping its master weights (``keeper``: ``overwrite(flat, values)``) and its zero.Init recipe
-    are kept in weak, identity-keyed maps, each written by the object it names when that object is built."""
+    the object keeping its master weights (``keeper``: ``overwrite(flat, values)``), its zero.Init recipe and the
+    ranks holding the same value of it (``holders``) are kept in weak, identity-keyed maps, each written by the
+    object it names when that object is built (the holders by the engine that adopts the parameter)."""
 
     def __init__(self):
         self.no_data: dict[int, tuple[str, torch.Size, str]] = {}
@@ -187,32 +195,45 @@ class ParamRecords:
         self._flats = WeakIdKeyDictionary()  # param -> its flat group
         self._keepers = WeakIdKeyDictionary()  # flat group -> the object keeping its master weights
         self._pending = WeakIdKeyDictionary()  # param -> InitRecipe
-        self.param_class = type(
-            "ZeroParameter", (ZeroParameter,), {"_records": self, "__module__": ZeroParameter.__module__}
-        )
-        self._subclasses: dict[type, type] = {}  # a parameter subclass -> its class under these records
+        self._holders = WeakIdKeyDictionary()  # param -> the group of ranks holding the same value of it
+        module = ZeroParameter.__module__
+        self.param_class = type("ZeroParameter", (ZeroParameter,), {"_records": self, "__module__": module})
+        self.whole_class = type("AdoptedParameter", (AdoptedParameter,), {"_records": self, "__module__": module})
+        self._subclasses: dict[tuple[type, type], type] = {}  # (base, a parameter subclass) -> its class here
 
     # -- adoption and data presence ------------------------------------------------------------
-    def adopt(self, param: torch.nn.Parameter) -> None:
-        """Give a parameter this records' class (identity and autograd state are unchanged). A parameter another
-        records object adopted (zero.Init's) moves here once it has data. Idempotent."""
-        if isinstance(param, self.param_class):
+    def adopt(self, param: torch.nn.Parameter, *, whole: bool = False, holders=None) -> None:
+        """Give a parameter this records' class (identity and autograd state are unchanged): ``param_class``, which
+        guards data access and answers DeepSpeed's ``ds_*`` attributes (stage 3, zero.Init), or with ``whole``
+        ``whole_class``, which only links the parameter to these records (stages 0-2). A parameter another records
+        object adopted (zero.Init's) moves here once it has data. ``holders``: the ranks holding the same value of
+        it (a ``comm.Group``; ``GatheredParameters`` broadcasts a modifier's values among them). Idempotent."""
+        if holders is not None:
+            self._holders[param] = holders
+        cls = self._class_for(type(param), self.whole_class if whole else self.param_class)
+        if type(param) is cls:
             return
         if isinstance(param, ZeroParameter) and param._records.no_data.get(id(param)) is not None:
             raise AssertionError("a parameter without data cannot change owner")
-        param.__class__ = self._class_for(type(param))
+        param.__class__ = cls
 
-    def _class_for(self, cls: type) -> type:
-        """This records' class for a parameter of class ``cls``: ``param_class`` for a plain parameter (or one
-        another records object adopted); for a parameter subclass (bitsandbytes' ``Params4bit``) a class deriving
-        from both, so ``isinstance`` checks against the original class still hold."""
-        if cls is torch.nn.Parameter or issubclass(cls, ZeroParameter):
-            return self.param_class
-        if cls not in self._subclasses:
-            self._subclasses[cls] = type(
-                f"Zero{cls.__name__}", (self.param_class, cls), {"__module__": ZeroParameter.__module__}
-            )
-        return self._subclasses[cls]
+    def _class_for(self, cls: type, base: type) -> type:
+        """This records' class deriving from ``base`` for a parameter of class ``cls``: ``base`` itself for a plain
+        parameter (or one some records object adopted); for a parameter subclass (bitsandbytes' ``Params4bit``) a
+        class deriving from both, so ``isinstance`` checks against the original class still hold."""
+        original = next(c for c in cls.__mro__ if not issubclass(c, AdoptedParameter))  # before any adoption
+        if original is torch.nn.Parameter:
+            return base
+        if (base, original) not in self._subclasses:
+            prefix = "Zero" if base is self.param_class else "Adopted"
+            name = f"{prefix}{original.__name__}"
+            self._subclasses[(base, original)] = type(name, (base, original), {"__module__": base.__module__})
+        return self._subclasses[(base, original)]
+
+    def holders(self, param: torch.nn.Parameter):
+        """The group of ranks holding the same value of ``param`` (a ``comm.Group``), or None when its owner did not
+        say (zero.Init before ``initialize``: every rank holds the whole model)."""
+        return self._holders.get(param)
 
     def bind(self, param: torch.nn.Parameter, data: torch.Tensor) -> None:
         """Point the parameter at gathered data."""
@@ -311,7 +332,7 @@ class ParamRecords:
 
 def records_of(param: torch.nn.Parameter) -> Optional[ParamRecords]:
     """The records of the owner that adopted ``param``, if any."""
-    return param._records if isinstance(param, ZeroParameter) else None
+    return param._records if isinstance(param, AdoptedParameter) else None
 
 
 class Availability(Enum):

@@ -97,7 +97,7 @@ class ZeroStack:
         stage3: Optional[Stage3Runtime] = None,
         shard_homes: Optional[ShardHomes] = None,
     ):
-        self.records = records  # what is known of each (stage-3) parameter
+        self.records = records  # what is known of each parameter
         self.buffers = buffers  # gathered units and gradient staging, reused step after step
         self.flat_groups = flat_groups  # trainable, in reduction order (the optimizer state steps them)
         self.frozen_groups = frozen_groups  # stage 3: sharded parameters without gradients (never stepped)

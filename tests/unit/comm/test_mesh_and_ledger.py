@@ -118,3 +118,20 @@ def test_expert_parallel_sizes_that_do_not_fit_are_refused_by_key():
             ParallelDims.for_world(8, ep=2, **kwargs)
     with pytest.raises(ValueError, match="must divide the sharded data-parallel size"):
         ParallelDims(dp_shard=4, ep=3)
+
+
+def test_a_groups_counterpart_of_a_rank_shares_its_coordinates_along_the_group():
+    """TP=2 x DP=2: the gradient groups are {0, 2} and {1, 3}; rank 0's counterpart in {1, 3} is rank 1 (its
+    tensor-parallel peer), rank 2's is 3. Rank 0 in its own group is itself; a group made alone knows no other."""
+    from zeroshard.comm import Group
+
+    dims = ParallelDims(dp_shard=2, tp=2)
+    partition = tuple(map(tuple, dims.derived("gradient")))
+    assert partition == ((0, 2), (1, 3))
+    odd = Group("gradient", (1, 3), None, partition=partition)
+    assert [odd.counterpart(r) for r in range(4)] == [1, 1, 3, 3]
+    experts = ParallelDims(dp_shard=4, ep=2)  # expert groups {0, 1} {2, 3}; expert-data groups {0, 2} {1, 3}
+    partition = tuple(map(tuple, experts.derived("expert_gradient")))
+    assert Group("expert_gradient", (1, 3), None, partition=partition).counterpart(2) == 3
+    with pytest.raises(ValueError, match="rank 0 is in no group of the gradient group's partition"):
+        Group("gradient", (1, 3), None).counterpart(0)
