@@ -7,14 +7,6 @@ unchanged. Values that may be ``"auto"`` stay ``"auto"`` here; :mod:`.resolve` r
 from __future__ import annotations
 
 import math
-import re
-
-try:  # the parser of Python's own re module (renamed in 3.11)
-    import re._constants as sre_constants
-    import re._parser as sre_parse
-except ImportError:  # Python 3.10
-    import sre_constants
-    import sre_parse
 import typing
 import warnings
 from enum import Enum
@@ -22,6 +14,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .patterns import check_pattern
 
 Auto = Literal["auto"]
 DTypeName = Literal["fp32", "fp16", "bf16"]
@@ -467,42 +461,6 @@ class CompileConfig(Section):
     deepcompile: bool = refused(False, "DeepCompile (compiler passes for ZeRO) is not implemented")
 
 
-MAX_PATTERN_LENGTH = 512
-
-
-def _backtracks_without_bound(parsed) -> bool:
-    """Whether a parsed regular expression repeats, without bound, something that can itself match in more than one
-    way (another unbounded repeat, or alternatives): the shapes whose failing match backtracks exponentially. Python's
-    ``re`` has no time limit, so patterns matched against every module name are refused by shape instead."""
-    for op, argument in parsed:
-        if op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT):
-            _, most, body = argument
-            if most == sre_constants.MAXREPEAT and _ambiguous(body):
-                return True
-        if any(_backtracks_without_bound(sub) for sub in _subpatterns(argument)):
-            return True
-    return False
-
-
-def _ambiguous(parsed) -> bool:
-    for op, argument in parsed:
-        if op is sre_constants.BRANCH or (
-            op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT) and argument[1] == sre_constants.MAXREPEAT
-        ):
-            return True
-        if any(_ambiguous(sub) for sub in _subpatterns(argument)):
-            return True
-    return False
-
-
-def _subpatterns(argument) -> list:
-    if isinstance(argument, sre_parse.SubPattern):
-        return [argument]
-    if isinstance(argument, (list, tuple)):
-        return [found for item in argument for found in _subpatterns(item)]
-    return []
-
-
 class TensorParallelLayerSpec(Section):
     """One ``tensor_parallel.partition_config.layer_specs`` entry (DeepSpeed's ``TPLayerSpec``): the modules whose
     name (or ``<name>.weight``) a pattern matches are split as ``partition_type`` (``skip``: replicated)."""
@@ -524,17 +482,7 @@ class TensorParallelLayerSpec(Section):
     @classmethod
     def _compiles(cls, patterns: list[str]) -> list[str]:
         for pattern in patterns:
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                raise ValueError(f"pattern {pattern!r} is not a regular expression: {err}") from None
-            if len(pattern) > MAX_PATTERN_LENGTH or _backtracks_without_bound(sre_parse.parse(pattern)):
-                raise ValueError(
-                    f"pattern {pattern!r} can take exponential time to match (a repeated group that holds another "
-                    f"unbounded repeat or an alternation, e.g. '(.*.*)*Z'; or longer than {MAX_PATTERN_LENGTH} "
-                    "characters); it is matched against every module name: write it without the nested repeat, e.g. "
-                    "r'.*\\.q_proj$'"
-                )
+            check_pattern(pattern)  # compiles, and cannot take long on a module name (zeroshard.config.patterns)
         return patterns
 
     @model_validator(mode="after")

@@ -20,6 +20,8 @@ from typing import Literal, Optional
 
 from torch import nn
 
+from ..config.patterns import MAX_WAYS, PatternCostError, match_ways
+
 Style = Literal["column", "row", "vocab_embedding", "vocab_head"]
 
 # Layer names of the supported architectures (GPT-2, Llama/Mistral/Qwen2, OPT) and common kin.
@@ -102,6 +104,13 @@ class LayerSpec:
     def matches(self, name: str, model_type: Optional[str]) -> bool:
         if self.model_types is not None and (model_type or "").lower() not in {t.lower() for t in self.model_types}:
             return False
+        for pattern in self.patterns:  # the config checked them at NAME_LENGTH; a longer name is checked here
+            if match_ways(pattern, len(name) + len(".weight")) > MAX_WAYS:
+                raise PatternCostError(
+                    f"tensor_parallel layer_specs pattern {pattern!r} could backtrack in more than {MAX_WAYS:.0e} "
+                    f"ways on module name {name[:60]!r}{'...' if len(name) > 60 else ''} ({len(name)} characters); "
+                    "use fewer unbounded repeats ('.*', '\\d+') in it"
+                )
         return any(re.match(p, name) or re.match(p, f"{name}.weight") for p in self.patterns)
 
 

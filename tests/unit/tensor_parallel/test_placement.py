@@ -219,7 +219,7 @@ def test_layer_spec_patterns_that_backtrack_without_bound_are_refused(pattern, r
     block = {"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": [pattern]}]}}
     config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": block}
     if refused:
-        with pytest.raises(ValueError, match="can take exponential time to match"):
+        with pytest.raises(ValueError, match="can take exponential time to match|characters long; at most 512"):
             parse_config(config)
     else:
         parse_config(config)
