@@ -86,7 +86,7 @@ def test_a_name_longer_than_the_checked_length_is_bounded_at_the_match():
     spec = LayerSpec((r".*.*.*Z",), "column")
     assert not spec.matches(NAME, None)
     long_name = "model." + "a" * 1000
-    with pytest.raises(PatternCostError, match=r"pattern '\.\*\.\*\.\*Z' could backtrack .* on module name 'model\.aaa"):
+    with pytest.raises(PatternCostError, match=r"could backtrack .* on module name 'model\.aaa"):
         spec.matches(long_name, None)
 
 
