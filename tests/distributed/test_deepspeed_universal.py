@@ -193,13 +193,14 @@ def _config(optimizer: str, stage: int) -> dict:
     return config
 
 
-def resume_exported(base: str, make_model, config: dict):
-    """Rank 0 exports ``base/native`` to ``base/universal``; every rank then builds ``make_model()`` (other initial
-    weights: seed 1) with ``config`` and load_universal, and loads the export. Returns (engine, client state)."""
+def resume_exported(base: str, make_model, config: dict, export: bool = True):
+    """Rank 0 exports ``base/native`` to ``base/universal`` (unless ``export`` is False: done before); every rank then
+    builds ``make_model()`` (other initial weights: seed 1) with ``config`` and load_universal, and loads the export.
+    Returns (engine, client state)."""
     import zeroshard
     from zeroshard.checkpoint import export_universal_checkpoint
 
-    if zeroshard.comm.get_rank() == 0:
+    if zeroshard.comm.get_rank() == 0 and export:
         export_universal_checkpoint(f"{base}/native", f"{base}/universal")
     torch.distributed.barrier()
     torch.manual_seed(1)
@@ -235,7 +236,34 @@ def export_worker(base: str) -> dict:
         assert client == {"epoch": 3}, client
         engine.save_checkpoint(f"{base}/{optimizer}/again", tag="global_step2")
         engine.destroy()
-    return {**losses, "frozen": frozen_round_trip(base)}
+    return {**losses, "frozen": frozen_round_trip(base), "stale": stale_latest_universal(base)}
+
+
+def stale_latest_universal(base: str) -> tuple:
+    """A save with load_universal writes latest_universal; a later plain save into the same folder keeps it current,
+    so a resume with load_universal takes the newest step (before: the older one, silently)."""
+    import zeroshard
+
+    shapes = _fixture_module()
+    data = shapes.batches(zeroshard.comm.get_rank(), 2)
+    universal = {**_config("AdamW", 2), "checkpoint": {"load_universal": True}}
+    engine, *_ = zeroshard.initialize(model=shapes.Tiny(), config=universal)
+    engine.backward(engine(*data[0]))
+    engine.step()
+    engine.save_checkpoint(f"{base}/stale")
+    engine.destroy()
+    engine, *_ = zeroshard.initialize(model=shapes.Tiny(), config=_config("AdamW", 2))
+    engine.load_checkpoint(f"{base}/stale")
+    engine.backward(engine(*data[1]))
+    engine.step()
+    engine.save_checkpoint(f"{base}/stale")  # a plain save: no load_universal in this run's config
+    engine.destroy()
+    named = open(f"{base}/stale/latest_universal").read()
+    engine, *_ = zeroshard.initialize(model=shapes.Tiny(), config=universal)
+    engine.load_checkpoint(f"{base}/stale")
+    steps = engine.global_steps
+    engine.destroy()
+    return named, steps
 
 
 def frozen_round_trip(base: str) -> bool:
@@ -260,11 +288,13 @@ def frozen_round_trip(base: str) -> bool:
     saved = {n: engine.param_access.full_fp32_param(p).clone() if p.requires_grad else p.detach().clone()
              for n, p in engine.module.named_parameters()}  # fmt: skip
     engine.destroy()
-    engine, _ = resume_exported(f"{base}/frozen", model, _config("AdamW", 1))
-    loaded = {n: engine.param_access.full_fp32_param(p) if p.requires_grad else p.detach()
-              for n, p in engine.module.named_parameters()}  # fmt: skip
-    engine.destroy()
-    return all(torch.equal(loaded[n], saved[n]) for n in saved)
+    same = []
+    for stage in (1, 3):  # stage 3 shards the frozen parameters: they load through its frozen flat groups
+        engine, _ = resume_exported(f"{base}/frozen", model, _config("AdamW", stage), export=stage == 1)
+        loaded = engine.consolidated_state_dict(rank0_only=False)
+        engine.destroy()
+        same.append(all(torch.equal(loaded[n], saved[n]) for n in saved))
+    return all(same)
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +305,10 @@ def exported(tmp_path_factory) -> dict:
 
 def test_frozen_parameters_travel_through_the_universal_format(exported):
     assert all(out["frozen"] for out in exported["losses"])
+
+
+def test_latest_universal_follows_every_save_once_it_exists(exported):
+    assert all(out["stale"] == ("global_step2", 2) for out in exported["losses"]), exported["losses"][0]["stale"]
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))

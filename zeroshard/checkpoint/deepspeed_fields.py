@@ -75,6 +75,8 @@ def model_states(path: str, model: Any) -> ModelStates:
         if name in module:
             if not isinstance(name, str) or not _dense(module[name]):
                 raise _fail(path, f"module[{name!r}] (a buffer)", module[name], "a dense tensor")
+            if module[name].is_floating_point() and bool(module[name].isnan().any()):
+                raise CheckpointError(f"{path}: field 'module[{name!r}]' (a buffer) holds NaN; nothing imported")
             buffers[name] = module[name].float() if module[name].is_floating_point() else module[name]
     counters = {key: _count(path, model, key, 0, MAX_COUNTER, 0) for key in ("global_steps", "global_samples",
                                                                                "skipped_steps")}  # fmt: skip

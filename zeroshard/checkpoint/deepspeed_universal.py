@@ -55,10 +55,23 @@ _MERGE_RECORDS = ("vocab_tensor", "param_n_sub_params", "sub_param_shape", "ep_i
 
 
 def is_universal_checkpoint(path: str) -> bool:
-    """Whether ``path`` (a tag folder) holds a DeepSpeed universal checkpoint rather than a zeroshard manifest."""
-    return os.path.isfile(os.path.join(path, "zero", "optimizer_state.pt")) and not os.path.exists(
-        os.path.join(path, "manifest.json")
-    )
+    """Whether ``path`` (a tag folder) holds a DeepSpeed universal checkpoint rather than a zeroshard manifest: its
+    ``zero/`` folder of parameter folders (refused by name when ``zero/optimizer_state.pt`` is missing, so a half
+    copied folder is not taken for DeepSpeed's rank files)."""
+    zero = os.path.join(path, "zero")
+    if os.path.exists(os.path.join(path, "manifest.json")) or not os.path.isdir(zero):
+        return False
+    if os.path.isfile(os.path.join(zero, "optimizer_state.pt")):
+        return True
+    with os.scandir(zero) as entries:
+        parameters = any(e.is_dir() and os.path.isfile(os.path.join(e.path, "fp32.pt")) for e in entries)
+    if parameters:
+        raise CheckpointError(
+            f"{path}: a DeepSpeed universal checkpoint without zero/optimizer_state.pt (the optimizer's "
+            "hyperparameters and ZeRO records ds_to_universal writes beside the parameter folders): an incomplete "
+            "copy or conversion; copy or convert it again. Nothing imported"
+        )
+    return False
 
 
 def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpeedCheckpoint:
@@ -73,6 +86,8 @@ def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     zero = os.path.join(path, "zero")
     if not os.path.isdir(zero):
         raise CheckpointError(f"{path}: not a DeepSpeed universal checkpoint (no zero/ folder of parameters)")
+    if not is_universal_checkpoint(path):  # names a folder of parameters without zero/optimizer_state.pt
+        raise CheckpointError(f"{path}: not a DeepSpeed universal checkpoint (no zero/optimizer_state.pt)")
     if any(_PARALLEL_FILE.fullmatch(f) for f in os.listdir(path)):
         raise CheckpointError(
             f"{path}: a tensor-, pipeline- or expert-parallel universal checkpoint (mp_rank_01 / layer files): its "
@@ -91,7 +106,8 @@ def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     moments: dict[str, dict[str, torch.Tensor]] = {}
     steps = []
     for g, params in enumerate(states.groups):
-        step = _read_group(zero, g, params, rule, own is not None, masters, moments)
+        expected = own["state_keys"][g] if own and "state_keys" in own else None
+        step = _read_group(zero, g, params, rule, own is not None, expected, masters, moments)
         steps.append(step if step is not None or own else _stage3_step(optim_file, optim, g))
     if own:
         hyper, steps = own["param_groups"], [None] * len(steps)
@@ -134,10 +150,20 @@ def _optimizer_state(path: str, groups: int) -> tuple[dict, list, int]:
     return optim, list(groups_hyper), stage
 
 
-def _read_group(zero: str, g: int, params: list, rule: Optional[str], own: bool, masters: dict, moments: dict):
+def _read_group(
+    zero: str,
+    g: int,
+    params: list,
+    rule: Optional[str],
+    own: bool,
+    expected: Optional[list],
+    masters: dict,
+    moments: dict,
+):
     """Parameter group ``g``'s folders into ``masters`` and ``moments`` (state key -> name -> tensor): the same state
-    keys in every folder, each tensor of its parameter's shape. Returns the group's step from ``step.pt`` (every
-    folder must agree), or None where the converter wrote none (stage 3)."""
+    keys in every folder (``expected``: the keys zeroshard's record lists for the group), each tensor of its
+    parameter's shape. Returns the group's step from ``step.pt`` (every folder must agree), or None where the
+    converter wrote none (stage 3)."""
     keys, step = None, None
     for name, shape in params:
         folder = _parameter_folder(zero, name)
@@ -147,7 +173,7 @@ def _read_group(zero: str, g: int, params: list, rule: Optional[str], own: bool,
         mine = sorted(set(found) - {"fp32", "step"})
         if keys is None:
             keys = mine
-            _check_keys(folder, rule, keys, own)
+            _check_keys(folder, rule, keys, own, expected)
         elif mine != keys:
             raise CheckpointError(
                 f"{folder}: optimizer state {mine}, but the other parameters of group {g} hold {keys}: a missing or "
@@ -166,24 +192,29 @@ def _read_group(zero: str, g: int, params: list, rule: Optional[str], own: bool,
 
 def _frozen_parameters(path: str, model: dict, zero: str, states) -> dict[str, torch.Tensor]:
     """Parameters without optimizer state (a fine-tune's frozen base): named by ``frozen_param_shapes`` or present in
-    the module's weights beside the trained ones. Their values come from ``zero/<name>/fp32.pt`` where the converter
-    wrote one, else from the module's weights; they load like buffers (whole, into the model)."""
+    the module's weights beside the trained ones. Each value comes from ``zero/<name>/fp32.pt`` where one exists (the
+    file wins, also over a tensor the model states list among the buffers, as an export of a zeroshard checkpoint
+    saved below stage 3 lists its frozen parameters), else from the module's weights; they load like buffers (whole,
+    into the model). A weight in the module must be finite even where the file wins."""
     trained = {name for group in states.groups for name, _ in group}
     shapes = model.get("frozen_param_shapes") or {}
     module = model.get("module") or {}
     if not isinstance(shapes, dict):
         raise CheckpointError(f"{path}: field 'frozen_param_shapes' is {type(shapes).__name__}; expected a dict")
-    names = [n for n in [*shapes, *module] if n not in trained and n not in states.buffers]
     out = {}
-    for name in dict.fromkeys(names):
+    for name in dict.fromkeys(n for n in [*shapes, *module] if n not in trained):
         value = module.get(name)
-        shape = tuple(shapes[name]) if name in shapes else tuple(getattr(value, "shape", ()))
         folder = os.path.join(zero, plain_name(name, "parameter name", zero))
-        if os.path.isdir(folder) and "fp32" in _state_files(folder):
+        from_file = os.path.isdir(folder) and "fp32" in _state_files(folder)
+        if name in states.buffers and not from_file:
+            continue  # a buffer: model_states read and checked it
+        weights = _dense(value) and value.is_floating_point() and value.numel() > 0
+        if weights and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"{path}: field 'module[{name!r}]' holds NaN or inf")
+        shape = tuple(shapes[name]) if name in shapes else tuple(getattr(value, "shape", ()))
+        if from_file:
             out[name] = _tensor(_state_files(folder)["fp32"], shape, "fp32")
-        elif _dense(value) and value.is_floating_point() and tuple(value.shape) == shape and value.numel():
-            if not bool(torch.isfinite(value).all()):
-                raise CheckpointError(f"{path}: field 'module[{name!r}]' holds NaN or inf")
+        elif weights and tuple(value.shape) == shape:
             out[name] = value.float()
         else:
             raise CheckpointError(
@@ -196,6 +227,7 @@ def _frozen_parameters(path: str, model: dict, zero: str, states) -> dict[str, t
 def _own_record(path: str, record: Any, groups: int) -> Optional[dict]:
     if record is None:
         return None
+    keys = record.get("state_keys", [[]] * groups) if isinstance(record, dict) else None
     if (
         not isinstance(record, dict)
         or not isinstance(record.get("type"), (str, type(None)))
@@ -204,6 +236,9 @@ def _own_record(path: str, record: Any, groups: int) -> Optional[dict]:
         or len(record["param_groups"]) != groups
         or len(record["scalars"]) != groups
         or any(not isinstance(s, dict) for s in record["scalars"] + record["param_groups"])
+        or not isinstance(keys, list)
+        or len(keys) != groups
+        or any(not isinstance(k, list) or not all(isinstance(x, str) for x in k) for k in keys)
     ):
         raise CheckpointError(f"{path}: field '{OWN_RECORD}' is not the record zeroshard writes; nothing imported")
     return record
@@ -233,8 +268,20 @@ def _state_files(folder: str) -> dict[str, str]:
     return out
 
 
-def _check_keys(folder: str, rule: Optional[str], keys: list[str], own: bool) -> None:
-    if rule in ("Adam", "AdamW") and not own:
+def _check_keys(folder: str, rule: Optional[str], keys: list[str], own: bool, expected: Optional[list]) -> None:
+    """The state files of a group's first folder are those its optimizer keeps: the ones zeroshard's record lists
+    (``expected``), else Adam's two for an Adam checkpoint (a folder written before zeroshard recorded them too)."""
+    if expected is not None:
+        if keys != sorted(expected):
+            missing = sorted(set(expected) - set(keys))
+            raise CheckpointError(
+                f"{folder}: optimizer state files {keys}, but the checkpoint's '{OWN_RECORD}' record lists "
+                f"{sorted(expected)}: "
+                + (f"missing {[k + '.pt' for k in missing]}" if missing else "foreign files")
+                + "; nothing imported"
+            )
+        return
+    if rule in ("Adam", "AdamW"):
         missing = [k for k in ("exp_avg", "exp_avg_sq") if k not in keys]
         extra = [k for k in keys if k not in ("exp_avg", "exp_avg_sq")]
         if missing or extra:

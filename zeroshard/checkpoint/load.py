@@ -68,10 +68,14 @@ def load(
                 _load_flat(zero, k, flat, manifest, read, load_optimizer_states and not load_module_only)
             for flat in state.frozen_groups:
                 _load_frozen(flat, manifest, read)
+            in_flats = {id(p) for f in [*state.flat_groups, *state.frozen_groups] for p in f.params}
             for name, entry in manifest["module_tensors"].items():
                 target = _module_tensor(state.module, name) if name not in unexpected else None
-                if target is not None:
+                if target is not None and id(target) not in in_flats:  # a flat group's parameter was loaded above
                     target.copy_(sources.read_whole(name, entry))
+            for name, param in state.module.named_parameters():  # outside the flat groups here, saved in one there
+                if id(param) not in in_flats and read.saved_name(name) in manifest["params"]:
+                    read(name, "master", 0, param.numel(), param.data.view(-1))
             client_state = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest))
             if not load_module_only:
                 report = _load_training_state(state, manifest, sources, load_optimizer_states, load_lr_scheduler_states)
@@ -276,10 +280,27 @@ class _PieceReader:
             self._parsed[name] = (pieces, piece_dtype(self.sources.manifest, name, pieces[0].key), saved_split(entry))
         return self._parsed[name]
 
+    def saved(self, local: str) -> bool:
+        """Whether the checkpoint holds the values of the parameter this model names ``local``: as a parameter (a flat
+        group's, with its pieces), or whole among the module's tensors (a frozen parameter saved below stage 3)."""
+        name = self.saved_name(local)
+        return name in self.sources.manifest["params"] or name in self.sources.manifest["module_tensors"]
+
     def __call__(self, local: str, prefix: str, start: int, stop: int, out: torch.Tensor) -> None:
-        """Of the parameter this model names ``local`` (saved as ``saved_name(local)``)."""
+        """Of the parameter this model names ``local`` (saved as ``saved_name(local)``); a parameter saved whole among
+        the module's tensors has its values as ``master`` and no optimizer state."""
         name = self.saved_name(local)
         mine = None if local in self.global_names else self.splits.get(local)  # one expert: whole, as saved
+        if name not in self.sources.manifest["params"]:
+            if prefix != "master":  # frozen when saved: its optimizer state starts at zero, as for a new parameter
+                out.zero_()
+                return
+            if self._cached[0] != (name, prefix):
+                whole = self.sources.read_whole(name, self.sources.manifest["module_tensors"][name]).float()
+                piece = mine.piece(whole, self.piece_index[mine.axis]) if mine is not None else whole
+                self._cached = ((name, prefix), piece.reshape(-1).clone())
+            out.copy_(self._cached[1][start:stop])
+            return
         pieces, dtype, saved = self._entry(name)
         entry = self.sources.manifest["params"][name]
         if saved == mine:  # both whole, or cut alike over as many ranks: this rank's piece is saved as it is
@@ -298,8 +319,7 @@ class _PieceReader:
 def _load_flat(zero, index: int, flat, manifest: dict, read: _PieceReader, with_optimizer: bool) -> None:
     """Replace one flat group's master shard (and optimizer state) with the saved values; a parameter the
     checkpoint lacks (load_module_strict=False) keeps its current master weights and zero optimizer state."""
-    saved = manifest["params"]
-    present = sum(read.saved_name(slot.name) in saved for slot in flat.layout.slots)
+    present = sum(read.saved(slot.name) for slot in flat.layout.slots)
     keys = ["master"]
     if with_optimizer:
         group = zero.flat_param_group(index)  # a parameter group's flat groups share one update rule and its keys
@@ -312,7 +332,7 @@ def _load_flat(zero, index: int, flat, manifest: dict, read: _PieceReader, with_
     if present < len(flat.layout.slots):
         targets["master"].copy_(zero.read_flat(index)["master"])
     for seg in flat.layout.segments(flat.shard_rank):
-        if read.saved_name(seg.slot.name) not in saved:
+        if not read.saved(seg.slot.name):
             continue
         start = seg.flat_start - seg.slot.offset
         for key in keys:
@@ -335,10 +355,9 @@ def _load_flat(zero, index: int, flat, manifest: dict, read: _PieceReader, with_
 def _load_frozen(flat, manifest: dict, read: _PieceReader) -> None:
     """Replace a frozen flat group's shard with the saved values; a parameter the checkpoint lacks (saved with
     exclude_frozen_parameters, or load_module_strict=False) keeps its current values."""
-    saved = manifest["params"]
     target = flat.shard_values().clone()
     for seg in flat.layout.segments(flat.shard_rank):
-        if read.saved_name(seg.slot.name) in saved:
+        if read.saved(seg.slot.name):
             start = seg.flat_start - seg.slot.offset
             read(
                 seg.slot.name, "master", start, start + seg.numel, target[seg.shard_start : seg.shard_start + seg.numel]

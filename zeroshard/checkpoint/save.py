@@ -133,10 +133,12 @@ def save(
     agree_on_write(world, error, save_dir, tmp)
     if rank == 0:
         commit(save_dir, tag, save_latest, keep_replaced)
-        if save_latest and state.config.checkpoint.load_universal:
+        universal = os.path.join(save_dir, "latest_universal")
+        if save_latest and (state.config.checkpoint.load_universal or os.path.lexists(universal)):
             # a zeroshard checkpoint resumes at any world size, stage and layout: it is what DeepSpeed's
-            # load_universal asks 'latest_universal' to name (ms-swift's elastic restarts look for the file)
-            atomic_write_text(os.path.join(save_dir, "latest_universal"), tag)
+            # load_universal asks 'latest_universal' to name (ms-swift's elastic restarts look for the file); once
+            # the file exists it follows every save, so a resume with load_universal never takes an older step
+            atomic_write_text(universal, tag)
     comm.barrier(world)
     return final
 

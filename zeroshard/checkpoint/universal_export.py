@@ -21,7 +21,7 @@ import torch
 from .client_state import read_client_tensors, restore_client_state
 from .commit import atomic_write_text
 from .deepspeed_import import _ENGINE_KEYS, is_deepspeed_checkpoint, read_deepspeed_checkpoint
-from .deepspeed_universal import LATEST_UNIVERSAL, MODEL_STATES, OWN_RECORD, in_memory
+from .deepspeed_universal import LATEST_UNIVERSAL, MODEL_STATES, OWN_RECORD, in_memory, is_universal_checkpoint
 from .manifest import plain_name
 from .reading import Sources, read_manifest, read_parameter, resolve_tag, scalar_value
 from .safetensors_io import CheckpointError
@@ -49,6 +49,12 @@ def write_universal_folder(input_folder: str, output_folder: str) -> str:
     plain_name(out_tag, "output folder name", out_dir or ".")
     if os.path.exists(output_folder):
         raise CheckpointError(f"{output_folder} exists; export into another directory (nothing was replaced)")
+    if is_universal_checkpoint(input_folder):
+        raise CheckpointError(
+            f'{input_folder} is already a universal checkpoint: resume it with "checkpoint": '
+            '{"load_universal": true}, or import it with `zeroshard convert --from-deepspeed DIR OUT --tag TAG`; '
+            "nothing written"
+        )
     if os.path.isfile(os.path.join(input_folder, "manifest.json")):
         manifest = read_manifest(input_folder)
         sources: Any = Sources(input_folder, manifest)
@@ -60,18 +66,24 @@ def write_universal_folder(input_folder: str, output_folder: str) -> str:
             f"{input_folder}: neither a zeroshard checkpoint (manifest.json) nor DeepSpeed's ZeRO rank files"
         )
     tmp = os.path.join(out_dir, f".{out_tag}.tmp")
-    os.makedirs(out_dir or ".", exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(os.path.join(tmp, "zero"))
     try:
-        _write_universal(sources, manifest, tmp)
-        os.rename(tmp, output_folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        sources.close()
-    atomic_write_text(os.path.join(out_dir, LATEST_UNIVERSAL), out_tag)
+        try:
+            os.makedirs(out_dir or ".", exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "zero"))
+            _write_universal(sources, manifest, tmp)
+            os.rename(tmp, output_folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            sources.close()
+        atomic_write_text(os.path.join(out_dir, LATEST_UNIVERSAL), out_tag)
+    except OSError as err:
+        raise CheckpointError(
+            f"cannot write the universal folder {output_folder}: {err.strerror or err} ({err.filename or out_dir}); "
+            "choose a writable output folder (nothing was replaced)"
+        ) from err
     return output_folder
 
 
@@ -102,8 +114,10 @@ def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
     for name, entry in manifest["module_tensors"].items():
         module[name] = sources.read_whole(name, entry).clone()
     scalars = [{} for _ in groups]
+    state_keys: list[set] = [set() for _ in groups]  # the reader refuses a folder missing any of them
     for flat in flat_groups:
         scalars[flat["group"]].update(flat["scalars"])
+        state_keys[flat["group"]].update(flat["state_keys"])
     hyper = optimizer["param_groups"]
     stage3_state = {g: {"step": scalar_value(s["step"])} for g, s in enumerate(scalars) if "step" in s}
     torch.save(
@@ -114,7 +128,12 @@ def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
             "overflow": False,
             "param_groups": [{**_deepspeed_hyper(h), "params": list(range(len(g)))} for h, g in zip(hyper, groups)],
             "optimizer_state_dict": {"state": stage3_state, "param_groups": [_deepspeed_hyper(h) for h in hyper]},
-            OWN_RECORD: {"type": optimizer.get("type"), "param_groups": hyper, "scalars": scalars},
+            OWN_RECORD: {
+                "type": optimizer.get("type"),
+                "param_groups": hyper,
+                "scalars": scalars,
+                "state_keys": [sorted(keys) for keys in state_keys],
+            },
         },
         os.path.join(tmp, "zero", "optimizer_state.pt"),
     )

@@ -215,3 +215,101 @@ def test_ds_to_universal_as_open_instruct_runs_it(tmp_path, case):
                 assert torch.equal(got["param"].reshape(-1), want.float().reshape(-1)), (folder.name, key)
     again = subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "exists; export into another directory" in again.stderr
+
+
+# -- issue 52: what the docs promise of universal folders --------------------------------------------------------------
+def _exported(tmp_path: Path) -> Path:
+    """A universal folder zeroshard wrote (its ``zeroshard`` record in optimizer_state.pt), from the DeepSpeed
+    fixture imported once: ``<dir>/<TAG>_universal``."""
+    native = Path(_convert(_folder(tmp_path), tmp_path)).parent
+    return Path(export_universal_checkpoint(str(native), str(tmp_path / "exported")))
+
+
+@pytest.mark.parametrize("removed", [("exp_avg", "exp_avg_sq"), ("exp_avg_sq",)], ids=["both", "second-moment"])
+def test_a_zeroshard_folder_missing_its_adam_state_is_refused(tmp_path, removed):
+    """Every parameter's exp_avg.pt / exp_avg_sq.pt deleted: refused by name (not fresh Adam state, nor a KeyError
+    at the first step), as a DeepSpeed-written folder in the same state is."""
+    folder = _exported(tmp_path)
+    for key in removed:
+        for file in (folder / "zero").glob(f"*/{key}.pt"):
+            file.unlink()
+    with pytest.raises(CheckpointError, match=r"the checkpoint's 'zeroshard' record lists \['exp_avg', 'exp_avg_sq'\]"):
+        convert_deepspeed_checkpoint(str(folder.parent), str(tmp_path / "back"), tag=folder.name)
+    record = folder / "zero" / "optimizer_state.pt"  # a folder written before the record listed its keys
+    _edit(record, lambda d: d["zeroshard"].__delitem__("state_keys"))
+    with pytest.raises(CheckpointError, match=r"the checkpoint ran Adam, whose state is exp_avg.pt and exp_avg_sq.pt"):
+        convert_deepspeed_checkpoint(str(folder.parent), str(tmp_path / "back"), tag=folder.name)
+    assert not (tmp_path / "back").exists()
+
+
+def _with_frozen(folder: Path, module_value: torch.Tensor, file_value, as_buffer: bool = False) -> None:
+    """A frozen parameter 'extra.weight' (2 values) in the model states' module, with ``file_value`` as its
+    zero/extra.weight/fp32.pt (None: no file); listed in frozen_param_shapes, or (``as_buffer``) among the buffers as
+    an export of a checkpoint saved below stage 3 lists it."""
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+
+        def change(d):
+            d["module"]["extra.weight"] = module_value
+            if as_buffer:
+                d["buffer_names"] = [*d["buffer_names"], "extra.weight"]
+            else:
+                d["frozen_param_shapes"] = {"extra.weight": torch.Size([2])}
+
+        _edit(folder / name, change)
+    if file_value is not None:
+        (folder / "zero" / "extra.weight").mkdir()
+        torch.save({"param": file_value, "cat_dim": 0}, folder / "zero" / "extra.weight" / "fp32.pt")
+
+
+@pytest.mark.parametrize("as_buffer", [False, True], ids=["frozen_param_shapes", "buffer_names"])
+def test_a_frozen_parameters_file_wins_over_the_module_and_both_must_be_finite(tmp_path, as_buffer):
+    from zeroshard.checkpoint.reading import Sources, read_manifest
+
+    folder = _exported(tmp_path)
+    _with_frozen(folder, torch.tensor([1.0, 2.0]), torch.tensor([7.0, 8.0]), as_buffer)
+    out = convert_deepspeed_checkpoint(str(folder.parent), str(tmp_path / "back"), tag=folder.name)
+    manifest = read_manifest(out)
+    got = Sources(out, manifest).read_whole("extra.weight", manifest["module_tensors"]["extra.weight"])
+    assert torch.equal(got, torch.tensor([7.0, 8.0]))  # the file, as the reader's docstring says
+    folder = _exported(tmp_path / "nan")
+    _with_frozen(folder, torch.tensor([1.0, float("nan")]), torch.tensor([7.0, 8.0]), as_buffer)
+    with pytest.raises(CheckpointError, match=r"field 'module\['extra.weight'\]' .*holds NaN"):
+        convert_deepspeed_checkpoint(str(folder.parent), str(tmp_path / "nan" / "back"), tag=folder.name)
+
+
+def test_a_buffer_holding_nan_is_refused(tmp_path):
+    folder = _exported(tmp_path)
+    _with_frozen(folder, torch.tensor([float("nan"), 1.0]), None, as_buffer=True)
+    with pytest.raises(CheckpointError, match=r"field 'module\['extra.weight'\]' \(a buffer\) holds NaN"):
+        convert_deepspeed_checkpoint(str(folder.parent), str(tmp_path / "back"), tag=folder.name)
+    assert not (tmp_path / "back").exists()
+
+
+def test_a_universal_folder_without_its_optimizer_state_is_named_everywhere(tmp_path):
+    """Not taken for DeepSpeed's rank files (whose import then failed on it): load, convert --from-deepspeed and
+    the universal reader all name the missing file."""
+    from zeroshard.checkpoint.deepspeed_universal import is_universal_checkpoint, read_universal_checkpoint
+
+    ds = _folder(tmp_path)
+    (ds / TAG / "zero" / "optimizer_state.pt").unlink()
+    said = "a DeepSpeed universal checkpoint without zero/optimizer_state.pt"
+    with pytest.raises(CheckpointError, match=said):
+        is_universal_checkpoint(str(ds / TAG))
+    with pytest.raises(CheckpointError, match=said):
+        _convert(ds, tmp_path)
+    with pytest.raises(CheckpointError, match=said):
+        read_universal_checkpoint(str(ds), TAG)
+    assert not (tmp_path / "out").exists()
+
+
+def test_ds_to_universal_refuses_a_universal_input_and_an_unwritable_output(tmp_path):
+    from zeroshard.checkpoint.universal_export import write_universal_folder
+
+    ds = _folder(tmp_path)
+    with pytest.raises(CheckpointError, match=r"is already a universal checkpoint: resume it with"):
+        write_universal_folder(str(ds / TAG), str(tmp_path / "again" / "out"))
+    native = Path(_convert(ds, tmp_path))
+    with pytest.raises(CheckpointError, match=r"cannot write the universal folder /proc/zeroshard-test/out"):
+        write_universal_folder(str(native), "/proc/zeroshard-test/out")
+    with pytest.raises(CheckpointError, match=r"cannot write the universal folder"):
+        write_universal_folder(str(native), "/proc/out")
