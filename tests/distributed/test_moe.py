@@ -961,3 +961,59 @@ def test_arctic_training_style_checkpoints_resume_at_another_expert_parallel_siz
         loaded, resumed = out[ep]
         assert max((loaded[n] - saved[n]).abs().max().item() for n in saved) == 0.0, f"EP={ep}"
         assert model_error(resumed, uninterrupted) <= 1e-6, f"EP={ep}"
+
+
+def _frozen_experts_engine(ep: int, stage: int):
+    """DeepSpeed's layer (4 experts) with its experts frozen, as a fine-tune of a MoE base trains the gate only; the
+    default stage3_param_persistence_threshold (these experts are far below it)."""
+    import zeroshard
+    from zeroshard.moe import MoE
+
+    shapes, _ = _moe_shapes()
+    torch.manual_seed(0)
+    model = MoENet(MoE(shapes.HIDDEN, shapes.expert(), num_experts=shapes.EXPERTS, ep_size=ep, k=1, use_rts=False))
+    for name, param in model.named_parameters():
+        param.requires_grad_(".experts." not in name)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+              "zero_optimization": {"stage": stage}}  # fmt: skip
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    return engine
+
+
+def frozen_experts_worker(directory: str) -> dict:
+    """Frozen experts saved with every expert on each rank (ep_size 1) load at ep_size 2 at stages 1 and 3 (before:
+    AttributeError 'ModuleList has no attribute 2'); saved at stage 3 and ep_size 2 (before: refused, telling the
+    stage-3 run to use stage 3) they load at ep_size 1; below stage 3 at ep_size 2 the refusal names the stage."""
+    from zeroshard.zero import GatheredParameters
+
+    out = {}
+    for ep, stage in ((1, 1), (2, 3)):
+        engine = _frozen_experts_engine(ep, stage)
+        experts = [p for n, p in engine.module.named_parameters() if ".experts." in n]
+        with GatheredParameters(experts, modifier_rank=0):
+            for i, param in enumerate(experts):
+                param.data.fill_(float(i + 4 * engine.mesh.expert.rank))  # every global expert its own value
+        saved = engine.consolidated_state_dict(rank0_only=False)
+        engine.save_checkpoint(f"{directory}/ep{ep}-stage{stage}")
+        engine.destroy()
+        for load_ep, load_stage in ((2, 1), (2, 3)) if ep == 1 else ((1, 1),):
+            engine = _frozen_experts_engine(load_ep, load_stage)
+            engine.load_checkpoint(f"{directory}/ep{ep}-stage{stage}")
+            loaded = engine.consolidated_state_dict(rank0_only=False)
+            out[(ep, stage, load_ep, load_stage)] = sorted(n for n in saved if not torch.equal(loaded[n], saved[n]))
+            engine.destroy()
+    engine = _frozen_experts_engine(2, 1)
+    try:
+        engine.save_checkpoint(f"{directory}/refused")
+    except NotImplementedError as err:
+        out["refused"] = str(err)
+    engine.destroy()
+    return out
+
+
+def test_frozen_experts_save_and_load_across_expert_parallel_sizes(tmp_path):
+    runs = run_distributed(frozen_experts_worker, 2, str(tmp_path))
+    for out in runs:
+        for key in ((1, 1, 2, 1), (1, 1, 2, 3), (2, 3, 1, 1)):
+            assert out[key] == [], (key, out[key])
+        assert "save_checkpoint at ZeRO stage 1: frozen tensor- or expert-parallel parameters" in out["refused"]

@@ -69,12 +69,15 @@ def load(
             for flat in state.frozen_groups:
                 _load_frozen(flat, manifest, read)
             in_flats = {id(p) for f in [*state.flat_groups, *state.frozen_groups] for p in f.params}
-            for name, entry in manifest["module_tensors"].items():
-                target = _module_tensor(state.module, name) if name not in unexpected else None
-                if target is not None and id(target) not in in_flats:  # a flat group's parameter was loaded above
-                    target.copy_(sources.read_whole(name, entry))
-            for name, param in state.module.named_parameters():  # outside the flat groups here, saved in one there
-                if id(param) not in in_flats and read.saved_name(name) in manifest["params"]:
+            parameters = {read.saved_name(n) for n, _ in state.module.named_parameters()}
+            experts = {name for names in state.expert_names.values() for name in names}  # every expert rank's
+            for name, entry in manifest["module_tensors"].items():  # buffers; parameters are read below
+                if name not in unexpected and name not in parameters and name not in experts:
+                    target = _module_tensor(state.module, name)
+                    if target is not None:
+                        target.copy_(sources.read_whole(name, entry))
+            for name, param in state.module.named_parameters():  # outside the flat groups here (frozen below stage 3)
+                if id(param) not in in_flats and read.saved(name):
                     read(name, "master", 0, param.numel(), param.data.view(-1))
             client_state = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest))
             if not load_module_only:

@@ -113,10 +113,9 @@ def save(
     pieces_outside = sorted(set(state.tensor_splits) & {name.removeprefix("module.") for name in outside})
     if pieces_outside:  # every rank has the same model: all refuse, before anything is written
         raise NotImplementedError(
-            f"save_checkpoint: frozen tensor- or expert-parallel parameters outside ZeRO's flat groups "
-            f"({pieces_outside[:4]}) "
-            "are not saved yet; use ZeRO stage 3 (it shards frozen parameters too) or "
-            "exclude_frozen_parameters=True"
+            f"save_checkpoint at ZeRO stage {state.config.zero_optimization.stage}: frozen tensor- or expert-parallel "
+            f"parameters outside ZeRO's flat groups ({pieces_outside[:4]}) are not saved yet; use ZeRO stage 3 (it "
+            "shards frozen pieces with their gather units) or exclude_frozen_parameters=True"
         )
     try:
         _write_rank_files(state, tmp, frozen, [*outside.items(), *client_tensors.items()] if rank == 0 else [])

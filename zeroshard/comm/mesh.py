@@ -132,15 +132,17 @@ class ParallelDims:
                 f"shard group size {shard} (zero_hpz_partition_size / mics_shard_size) must be a multiple of "
                 f"sequence_parallel_size {sp}: ZeRO shards over whole sequence-parallel groups"
             )
-        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or (shard // sp) % ep:
+        valid_ep = not isinstance(ep, bool) and isinstance(ep, int) and ep >= 1
+        if valid_ep and ep > 1 and (tp > 1 or sp > 1 or shard != data_and_sequence):  # the real reason comes first
+            raise ValueError(
+                f"{ep_key} {ep} with tensor parallelism (tensor_parallel.autotp_size {tp}), sequence parallelism "
+                f"(sequence_parallel_size {sp}) or hybrid sharding (zero_hpz_partition_size / mics_shard_size) is not "
+                "available yet: drop one of them"
+            )
+        if not valid_ep or (shard // sp) % ep:
             raise ValueError(
                 f"{ep_key} {ep} must divide the {shard // sp} data-parallel ranks of a shard group: expert groups "
                 f"are made of data-parallel ranks (launch a multiple of {ep} processes)"
-            )
-        if ep > 1 and (tp > 1 or sp > 1 or shard != data_and_sequence):
-            raise ValueError(
-                f"{ep_key} {ep} with tensor parallelism, sequence parallelism or hybrid sharding "
-                "(zero_hpz_partition_size / mics_shard_size) is not available yet"
             )
         return cls(dp_replicate=data_and_sequence // shard, dp_shard=shard // sp, sp=sp, tp=tp, ep=ep)
 

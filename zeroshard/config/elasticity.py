@@ -59,6 +59,11 @@ class ElasticBlock:
 
     @classmethod
     def from_dict(cls, block: dict) -> "ElasticBlock":
+        if not isinstance(block, dict):
+            raise ElasticityConfigError(
+                f"the 'elasticity' block must be a dict of its keys (enabled, max_train_batch_size, "
+                f"micro_batch_sizes, ...), got {type(block).__name__}: {block!r:.80}"
+            )
         if not block.get("enabled", False):
             raise ElasticityConfigError(
                 "Elasticity is disabled, please enable it ('enabled':true) if running an elastic training job."
@@ -78,6 +83,18 @@ class ElasticBlock:
         if not all(m > 0 for m in micro):
             raise ElasticityConfigError(f"Elasticity expected micro_batch_sizes to only contain positive integers, "
                                         f"instead contains: {micro}")  # fmt: skip
+        if not micro:
+            raise ElasticityConfigError("elasticity.micro_batch_sizes is empty: list the micro-batch sizes allowed")
+        _number(block, "max_train_batch_size", integer=False)
+        for key in ("min_gpus", "max_gpus", "num_gpus_per_node", "model_parallel_size"):
+            _number(block, key, integer=True)
+        if isinstance(block.get("version"), str):  # DeepSpeed read it with float(): "0.2" works there too
+            try:
+                float(block["version"])
+            except ValueError:
+                raise ElasticityConfigError(f"elasticity.version {block['version']!r:.40} is not a number") from None
+        else:
+            _number(block, "version", integer=False)
         out = cls(
             block["max_train_batch_size"],
             micro,
@@ -104,6 +121,19 @@ class ElasticBlock:
         if block.get("min_time", 0) < 0:
             raise ElasticityConfigError(f"Elasticity min time needs to be >= 0: given {block['min_time']}")
         return out
+
+
+def _number(block: dict, key: str, integer: bool) -> None:
+    """``block[key]``, when present, is a finite number (an int where ``integer``): DeepSpeed crashed on a string
+    or NaN further down."""
+    if key not in block:
+        return
+    value = block[key]
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        raise ElasticityConfigError(
+            f"elasticity.{key} must be {'an integer' if integer else 'a finite number'}, got {value!r:.40}"
+        )
 
 
 def valid_world_sizes(batch: int, micro_batch_sizes: list, min_gpus: int, max_gpus: int) -> list[int]:
@@ -138,7 +168,8 @@ def _best_batch(micro: list, limit: int, min_gpus: int, max_gpus: int, prefer_la
     if not all(m <= limit for m in micro):
         raise ConfigError(f"All micro batches must be less than or equal to max_acceptable_batch_size: {limit}")
     best, best_valid, most = int(min(micro)), None, 0
-    for batch in _candidates([*micro, math.lcm(*micro)], limit):
+    lcm = math.lcm(*micro)  # above the limit it is no candidate (DeepSpeed's PR 8237: 0.18 returned it, over the max)
+    for batch in _candidates([*micro, *([lcm] if lcm <= limit else [])], limit):
         valid = valid_world_sizes(batch, micro, min_gpus, max_gpus)
         tie = len(valid) == most and (batch > best if prefer_larger else batch < best)
         if len(valid) > most or tie:
@@ -199,6 +230,11 @@ def compute_elastic_config(
     if "elasticity" not in ds_config:
         raise ElasticityConfigError(
             "'elasticity' is missing from config json, please add it if running an elastic training job."
+        )
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 0:
+        raise ElasticityConfigError(
+            f"compute_elastic_config: world_size must be a non-negative int (0: the set of valid world sizes), got "
+            f"{world_size!r:.40}"
         )
     block = ElasticBlock.from_dict(ds_config["elasticity"])
     version = float(block.version)

@@ -99,7 +99,8 @@ def load_json_or_dict(source: Union[dict, str, os.PathLike]) -> dict:
         if not path.is_file():
             raise ConfigError(f"config file '{path}' does not exist")
         try:
-            source = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
+            source = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys, parse_int=_parse_int)
+            _refuse_long_integers(source, path)
         except json.JSONDecodeError as err:
             raise ConfigError(f"config file '{path}' is not valid JSON: {err}") from None
         except RecursionError:
@@ -109,6 +110,33 @@ def load_json_or_dict(source: Union[dict, str, os.PathLike]) -> dict:
     if not isinstance(source, dict):
         raise TypeError(f"config must be a dict or a path to a JSON file, got {type(source).__name__}")
     return dict(source)
+
+
+MAX_INTEGER_DIGITS = 30  # far beyond any count or size a config holds; Python refuses over 4300 with no key named
+
+
+class _LongInteger(str):
+    """An integer literal of more than MAX_INTEGER_DIGITS digits, kept as text until its key is known."""
+
+
+def _parse_int(text: str):
+    return _LongInteger(text) if len(text.lstrip("-")) > MAX_INTEGER_DIGITS else int(text)
+
+
+def _refuse_long_integers(source: Any, path: Path) -> None:
+    pending = [(source, "")]
+    while pending:
+        node, where = pending.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            at = f"{where}.{key}" if where else str(key)
+            if isinstance(value, _LongInteger):
+                raise ConfigError(
+                    f"config file '{path}': key '{at}' holds an integer of {len(value.lstrip('-'))} digits "
+                    f"({value[:12]}...); no config value needs more than {MAX_INTEGER_DIGITS}"
+                )
+            if isinstance(value, (dict, list)):
+                pending.append((value, at))
 
 
 MAX_DEPTH = 32  # DeepSpeed's deepest block is 4 levels down; free-form blocks (optimizer.params) add a few
@@ -228,6 +256,15 @@ def format_validation_error(
         values[path] = e.get("input")
     lines = list(unknown)
     for path, reasons in messages.items():
-        where = f"config key '{path}' = {values[path]!r}" if path else "config"
+        where = f"config key '{path}' = {_shown(values[path])}" if path else "config"
         lines.append(f"{where}: {' or '.join(dict.fromkeys(reasons))}")
     return f"invalid {what}:\n  " + "\n  ".join(lines)
+
+
+def _shown(value: Any) -> str:
+    """A value for an error message: its repr, at most 120 characters (an integer of thousands of digits has no repr
+    Python will write)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value).bit_length() > 100:
+        return f"<an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits>"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -230,7 +230,13 @@ def plan_model(
         leaf = z.leaf_module
         leaves = leaf_module_paths(model, leaf.classes, [*leaf.names, *leaf_paths], leaf.name_suffixes)
         unit_plans = plan_units(model, classes, z.gather_unit_min_params, tuple(leaves))
-        persistent = frozenset(p for p in model.parameters() if p.numel() < z.param_persistence_threshold)
+        # a frozen piece of a split parameter (a fine-tune's tensor-parallel or expert base) is sharded however small:
+        # kept whole outside the flat groups it could not be saved and resumed at another degree
+        persistent = frozenset(
+            p
+            for p in model.parameters()
+            if p.numel() < z.param_persistence_threshold and (p.requires_grad or p not in tensor_splits)
+        )
     units = [u.params for u in unit_plans]
     trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent, tensor_splits)
     frozen = plan_frozen_groups(units, persistent, tensor_splits) if stage.partition_params else []

@@ -135,3 +135,12 @@ def test_a_groups_counterpart_of_a_rank_shares_its_coordinates_along_the_group()
     assert Group("expert_gradient", (1, 3), None, partition=partition).counterpart(2) == 3
     with pytest.raises(ValueError, match="rank 0 is in no group of the gradient group's partition"):
         Group("gradient", (1, 3), None).counterpart(0)
+
+
+@pytest.mark.parametrize("tp,sp", [(2, 1), (1, 2)])
+def test_experts_with_tensor_or_sequence_parallelism_name_the_real_reason_on_two_ranks(tp, sp):
+    """On 2 ranks TP=2 (or SP=2) leaves one data rank: the refusal names the unsupported composition, not the rank
+    count (launching more processes would not help)."""
+    with pytest.raises(ValueError, match="is not available yet: drop one of them") as caught:
+        ParallelDims.for_world(2, tp=tp, sp=sp, ep=2)
+    assert "launch a multiple" not in str(caught.value)

@@ -71,3 +71,39 @@ def test_ms_swift_calls_it_with_its_keywords(monkeypatch):
     with pytest.raises(elasticity.ElasticityConfigError, match="Elasticity V 0.2 needs WORLD_SIZE"):
         monkeypatch.delenv("WORLD_SIZE", raising=False)
         elasticity.compute_elastic_config(ds_config={"elasticity": block}, target_deepspeed_version=version)
+
+
+BLOCK = {"enabled": True, "max_train_batch_size": 16, "micro_batch_sizes": [2, 4], "min_gpus": 1, "max_gpus": 4}
+
+
+@pytest.mark.parametrize(
+    "change,said",
+    [
+        (lambda b: [b], "the 'elasticity' block must be a dict"),
+        (lambda b: {**b, "micro_batch_sizes": []}, "micro_batch_sizes is empty"),
+        (lambda b: {**b, "max_train_batch_size": float("nan")}, "max_train_batch_size must be a finite number"),
+        (lambda b: {**b, "max_train_batch_size": "16"}, "max_train_batch_size must be a finite number"),
+        (lambda b: {**b, "max_gpus": "4"}, "max_gpus must be an integer"),
+        (lambda b: {**b, "version": "new"}, "version 'new' is not a number"),
+    ],
+    ids=["list-block", "no-micro-batches", "nan-max", "string-max", "string-gpus", "text-version"],
+)
+def test_the_public_function_names_malformed_blocks(change, said):
+    """DeepSpeed 0.18 crashed on these (ValueError from min(), TypeError, AttributeError); the config's schema
+    refused them already, the public function now does too."""
+    with pytest.raises(elasticity.ElasticityConfigError, match=said):
+        elasticity.compute_elastic_config({"elasticity": change(BLOCK)}, "0.19.8", world_size=2)
+
+
+@pytest.mark.parametrize("world_size", [-3, 2.0, True, "2"])
+def test_a_world_size_that_is_not_a_count_is_refused(world_size):
+    with pytest.raises(elasticity.ElasticityConfigError, match="world_size must be a non-negative int"):
+        elasticity.compute_elastic_config({"elasticity": BLOCK}, "0.19.8", world_size=world_size)
+
+
+def test_the_batch_stays_within_max_train_batch_size():
+    """DeepSpeed's PR 8237 (after 0.18): the micro-batches' least common multiple (120 for [8, 10, 12]) is no
+    candidate above max_train_batch_size 100; 0.18 returned it."""
+    block = {**BLOCK, "max_train_batch_size": 100, "micro_batch_sizes": [8, 10, 12], "max_gpus": 1500, "version": 0.1}
+    batch, valid = elasticity.compute_elastic_config({"elasticity": block}, "0.19.8")
+    assert batch == 96 and batch <= 100 and valid == [1, 2, 3, 4, 6, 8, 12]
