@@ -7,11 +7,13 @@ an optimizer's groups. Parameter names and defaults are DeepSpeed's, so configs 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
 
 Curve = Callable[[int], float]
+WARMUP_TYPES = ("log", "linear")
 
 
 def _warmup_fraction(step: int, warmup_steps: int, warmup_type: str) -> float:
@@ -26,10 +28,10 @@ def _warmup_fraction(step: int, warmup_steps: int, warmup_type: str) -> float:
 
 
 def _check_warmup(warmup_num_steps: Any, warmup_type: str) -> None:
-    if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
         raise ValueError(f"scheduler.params.warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
-    if warmup_type not in ("log", "linear"):
-        raise ValueError(f"scheduler.params.warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+    if warmup_type not in WARMUP_TYPES:
+        raise AssertionError(f"warmup_type {warmup_type!r} reached a curve unresolved (resolve_params replaces it)")
 
 
 def warmup_lr(
@@ -74,17 +76,26 @@ def warmup_cosine_lr(
     warmup_type: str = "log",
 ) -> Curve:
     _check_warmup(warmup_num_steps, warmup_type)
+    return lambda step: (
+        base_lr
+        * warmup_cosine_ratio(step, total_num_steps, warmup_min_ratio, warmup_num_steps, cos_min_ratio, warmup_type)
+    )
+
+
+def warmup_cosine_ratio(
+    step: int,
+    total_num_steps: int,
+    warmup_min_ratio: float = 0.0,
+    warmup_num_steps: int = 1000,
+    cos_min_ratio: float = 0.0001,
+    warmup_type: str = "log",
+) -> float:
+    """WarmupCosineLR's factor of each group's base lr after ``step`` steps (DeepSpeed's ``get_lr_ratio``)."""
     warm = max(2, warmup_num_steps)
-
-    def curve(step: int) -> float:
-        if step < warm:
-            ratio = warmup_min_ratio + (1 - warmup_min_ratio) * _warmup_fraction(step, warm, warmup_type)
-        else:
-            progress = min(1.0, (step - warm + 1) / max(1, total_num_steps - warm))
-            ratio = max(0.0, cos_min_ratio + (1 - cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
-        return base_lr * ratio
-
-    return curve
+    if step < warm:
+        return warmup_min_ratio + (1 - warmup_min_ratio) * _warmup_fraction(step, warm, warmup_type)
+    progress = min(1.0, (step - warm + 1) / max(1, total_num_steps - warm))
+    return max(0.0, cos_min_ratio + (1 - cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
 
 
 def lr_range_test(
@@ -199,13 +210,15 @@ class ScheduleRunner:
         self,
         optimizer: torch.optim.Optimizer,
         curves: list[Curve],
-        momentum: Optional[Curve] = None,
-        initial_beta1: Optional[float] = None,
+        momentum: Optional[list[Curve]] = None,
+        initial_beta1: Optional[list[float]] = None,
+        params: Optional[list[dict[str, Any]]] = None,
     ):
         self.optimizer = optimizer
         self.curves = curves
-        self.momentum = momentum
-        self.initial_beta1 = initial_beta1
+        self.momentum = momentum  # per parameter group: beta1 by step (OneCycle)
+        self.initial_beta1 = initial_beta1  # per parameter group: beta1 before the first step
+        self.params = params or [{} for _ in curves]  # per parameter group: the parameters as resolved
         self.last_batch_iteration = -1
         self._apply(-1)  # the lr before the first step(), as DeepSpeed sets it at construction
 
@@ -214,7 +227,7 @@ class ScheduleRunner:
         if step < 0 and momentum is not None and self.initial_beta1 is not None:
             # DeepSpeed's OneCycle starts the optimizer at cycle_min_mom, while its get_mom() already answers the
             # first step's value (cycle_max_mom): both kept
-            momentum = [(self.initial_beta1, beta2) for _, beta2 in momentum]
+            momentum = [(beta1, beta2) for beta1, (_, beta2) in zip(self.initial_beta1, momentum)]
         for i, (group, curve) in enumerate(zip(self.optimizer.param_groups, self.curves)):
             if torch.is_tensor(group["lr"]):  # a caller's tensor lr (for compiled steps) keeps its identity
                 group["lr"].fill_(curve(step))
@@ -229,8 +242,7 @@ class ScheduleRunner:
         ``None`` for a schedule that does not cycle momentum."""
         if self.momentum is None:
             return None
-        beta1 = self.momentum(self.last_batch_iteration)
-        return [(beta1, 0.99) for _ in self.optimizer.param_groups]
+        return [(curve(self.last_batch_iteration), 0.99) for curve in self.momentum]
 
     def step(self, last_batch_iteration: Optional[int] = None) -> None:
         self.last_batch_iteration = (
@@ -253,15 +265,95 @@ class ScheduleRunner:
 
 
 def build_schedule(name: str, params: dict[str, Any], optimizer: torch.optim.Optimizer) -> ScheduleRunner:
+    """The schedule ``name`` (``scheduler.type``) with ``params`` (``scheduler.params``) over ``optimizer``."""
+    return ScheduleRunner(optimizer, *schedule_parts(name, params, optimizer))
+
+
+# parameters DeepSpeed takes per parameter group (a list of one value per group) as well as for all of them
+PER_GROUP = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr"),
+    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr"),
+    "WarmupCosineLR": (),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr", "cycle_min_mom", "cycle_max_mom"),
+    "LRRangeTest": ("lr_range_test_min_lr",),
+}
+LEARNING_RATES = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "lr_range_test_min_lr")
+
+
+def schedule_parts(name: str, params: dict[str, Any], optimizer: torch.optim.Optimizer) -> tuple:
+    """(curves, momentum curves, initial beta1s, resolved parameters), one of each per parameter group: what a
+    :class:`ScheduleRunner` is built from."""
     if name not in SCHEDULES:
         raise ValueError(f"config key 'scheduler.type' = {name!r}: expected one of {sorted(SCHEDULES)}")
     params = dict(params)
     params.pop("last_batch_iteration", None)
+    resolved = resolve_params(name, params, len(optimizer.param_groups))
     factory = SCHEDULES[name]
     try:
-        curves = [factory(float(group["lr"]), **params) for group in optimizer.param_groups]
-        momentum = one_cycle_momentum(**params) if name == "OneCycle" and "betas" in optimizer.defaults else None
+        curves = [factory(float(g["lr"]), **p) for g, p in zip(optimizer.param_groups, resolved)]
     except TypeError as err:
         raise ValueError(f"scheduler '{name}' rejected scheduler.params {params}: {err}") from None
-    initial = params.get("cycle_min_mom", 0.8) if momentum is not None else None
-    return ScheduleRunner(optimizer, curves, momentum, initial)
+    if name != "OneCycle" or "betas" not in optimizer.defaults:
+        return curves, None, None, resolved
+    momentum = [one_cycle_momentum(**p) for p in resolved]
+    if any(curve is None for curve in momentum):  # cycle_momentum: false
+        return curves, None, None, resolved
+    return curves, momentum, [p.get("cycle_min_mom", 0.8) for p in resolved], resolved
+
+
+def resolve_params(name: str, params: dict[str, Any], groups: int) -> list[dict[str, Any]]:
+    """``params`` for each of ``groups`` parameter groups, checked as DeepSpeed checks them (a ``ValueError`` naming
+    the parameter): a per-group list has one value per group; step sizes are positive (OneCycle's second half may be
+    0); learning rates are finite and not negative, and OneCycle's cycle does not go down; an unknown ``warmup_type``
+    is the log curve, with a warning, as in DeepSpeed."""
+    for key, value in params.items():
+        if isinstance(value, (list, tuple)) and key not in PER_GROUP[name]:
+            raise ValueError(f"scheduler.params.{key} = {value!r}: {name} takes one value for every parameter group")
+        if isinstance(value, (list, tuple)) and len(value) != groups:
+            raise ValueError(f"scheduler.params.{key}: expected {groups} value(s), one per parameter group, got "
+                             f"{len(value)}")  # fmt: skip
+    per_group = [{k: (v[i] if isinstance(v, (list, tuple)) else v) for k, v in params.items()} for i in range(groups)]
+    for group in per_group:
+        for key in LEARNING_RATES:
+            value = group.get(key)
+            if value is not None and (not _is_number(value) or not math.isfinite(value) or value < 0):
+                raise ValueError(f"scheduler.params.{key} must be a finite learning rate >= 0, got {value!r}")
+        _check_steps(name, group)
+        if "warmup_type" in group and group["warmup_type"] not in WARMUP_TYPES:
+            warnings.warn(
+                f"scheduler.params.warmup_type {group['warmup_type']!r} is not 'log' or 'linear': the log warmup is "
+                "used (as DeepSpeed does)",
+                UserWarning,
+                stacklevel=4,
+            )
+            group["warmup_type"] = "log"
+    return per_group
+
+
+def _check_steps(name: str, group: dict[str, Any]) -> None:
+    if name == "LRRangeTest":
+        size = group.get("lr_range_test_step_size", 2000)
+        if not _is_integer(size) or size <= 0:
+            raise ValueError(f"scheduler.params.lr_range_test_step_size must be a positive integer, got {size!r}")
+    if name == "OneCycle":
+        for key in ("cycle_min_lr", "cycle_max_lr"):
+            if key not in group:
+                raise ValueError(f"scheduler '{name}' needs scheduler.params.{key}")
+        first, second = group.get("cycle_first_step_size", 2000), group.get("cycle_second_step_size")
+        if not _is_number(first) or first <= 0:
+            raise ValueError(f"scheduler.params.cycle_first_step_size must be positive, got {first!r}")
+        if second is not None and (not _is_number(second) or second < 0):
+            raise ValueError(f"scheduler.params.cycle_second_step_size must be non-negative, got {second!r}")
+        if group["cycle_min_lr"] > group["cycle_max_lr"]:
+            raise ValueError(
+                f"scheduler.params.cycle_min_lr {group['cycle_min_lr']} is above cycle_max_lr {group['cycle_max_lr']}: "
+                "the cycle rises from cycle_min_lr to cycle_max_lr and back"
+            )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -124,3 +124,67 @@ def test_a_tensor_lr_keeps_its_identity():
     sched.step(1)
     assert o.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(0.1 * math.log(2) / math.log(10))
     assert sched.get_last_lr() == [pytest.approx(lr.item())]
+
+
+def two_groups():
+    return torch.optim.Adam(
+        [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.1}, {"params": [torch.nn.Parameter(torch.zeros(1))],
+                                                                        "lr": 0.2}],
+        betas=(0.9, 0.99),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,params,said",
+    [
+        ("LRRangeTest", {"lr_range_test_step_size": 0}, "lr_range_test_step_size must be a positive integer"),
+        ("LRRangeTest", {"lr_range_test_step_size": -5}, "lr_range_test_step_size must be a positive integer"),
+        ("OneCycle", {"cycle_min_lr": 1e-3, "cycle_max_lr": 0.1, "cycle_first_step_size": 0},
+         "cycle_first_step_size must be positive"),
+        ("OneCycle", {"cycle_min_lr": 1e-3, "cycle_max_lr": 0.1, "cycle_first_step_size": -1},
+         "cycle_first_step_size must be positive"),
+        ("OneCycle", {"cycle_min_lr": 1e-3, "cycle_max_lr": 0.1, "cycle_second_step_size": -1},
+         "cycle_second_step_size must be non-negative"),
+        ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1e-3}, "cycle_min_lr 0.1 is above cycle_max_lr 0.001"),
+        ("WarmupLR", {"warmup_max_lr": -0.01}, "warmup_max_lr must be a finite learning rate >= 0"),
+        ("WarmupDecayLR", {"total_num_steps": 10, "warmup_min_lr": float("nan")}, "warmup_min_lr must be a finite"),
+        ("LRRangeTest", {"lr_range_test_min_lr": -1.0}, "lr_range_test_min_lr must be a finite learning rate"),
+        ("OneCycle", {"cycle_min_lr": [1e-3, 2e-3, 3e-3], "cycle_max_lr": 0.1}, "expected 2 value\\(s\\), one per"),
+        ("WarmupCosineLR", {"total_num_steps": 10, "cos_min_ratio": [0.1, 0.2]}, "takes one value for every"),
+    ],
+)  # fmt: skip
+def test_schedule_parameters_are_checked_as_deepspeed_checks_them(name, params, said):
+    """DeepSpeed (its tests/unit/runtime/test_lr_schedulers.py) raises a ValueError naming the parameter where these
+    divided by zero or were silently accepted; a negative or NaN learning rate and a cycle that goes down are refused
+    as a negative optimizer lr is."""
+    with pytest.raises(ValueError, match=said):
+        build_schedule(name, params, two_groups())
+
+
+def test_one_cycle_takes_a_learning_rate_and_a_momentum_per_group():
+    optimizer = two_groups()
+    sched = build_schedule(
+        "OneCycle",
+        {"cycle_min_lr": [0.001, 0.002], "cycle_max_lr": [0.01, 0.02], "cycle_min_mom": [0.8, 0.85],
+         "cycle_max_mom": [0.9, 0.95], "cycle_first_step_size": 5, "cycle_second_step_size": 5},
+        optimizer,
+    )  # fmt: skip
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.001, 0.002])
+    assert [g["betas"][0] for g in optimizer.param_groups] == pytest.approx([0.8, 0.85])
+    sched.step(4)  # the peak: each group its own maximum lr and minimum momentum
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.01, 0.02])
+    assert [g["betas"][0] for g in optimizer.param_groups] == pytest.approx([0.8, 0.85])
+    sched.step(9)
+    assert [g["betas"][0] for g in optimizer.param_groups] == pytest.approx([0.9, 0.95])
+
+
+def test_an_unknown_warmup_type_is_the_log_warmup_with_a_warning():
+    with pytest.warns(UserWarning, match="warmup_type 'cosine' is not 'log' or 'linear': the log warmup is used"):
+        odd = lrs("WarmupCosineLR", {"total_num_steps": 100, "warmup_num_steps": 10, "warmup_type": "cosine"}, 15)
+    assert odd == lrs("WarmupCosineLR", {"total_num_steps": 100, "warmup_num_steps": 10}, 15)
+
+
+def test_a_zero_second_half_cycle_is_allowed():
+    curve = lrs("OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.1, "cycle_first_step_size": 100,
+                             "cycle_second_step_size": 0}, 3)  # fmt: skip
+    assert curve[0] == pytest.approx(0.001) and curve[3] > 0.001

@@ -1,10 +1,16 @@
 """``deepspeed.runtime.lr_schedules``: the schedules by DeepSpeed's names, built by zeroshard's schedule runner.
 
-``WarmupLR(optimizer, **params)`` and the others take the parameters of the config's ``scheduler.params``."""
+``WarmupLR(optimizer, **params)`` and the others take the parameters of the config's ``scheduler.params`` and answer
+the attributes DeepSpeed's schedule objects expose (``min_lrs``, ``max_lrs``, ``warmup_num_steps``, ``step_ratio``,
+``get_lr_ratio()``, ...), read from zeroshard's resolved parameters."""
 
 from __future__ import annotations
 
-from zeroshard.optim.schedules import SCHEDULES, ScheduleRunner, build_schedule
+import inspect
+
+import torch
+
+from zeroshard.optim.schedules import SCHEDULES, ScheduleRunner, schedule_parts, warmup_cosine_ratio
 
 VALID_LR_SCHEDULES = sorted(SCHEDULES)
 LR_SCHEDULE = "lr_schedule"
@@ -34,23 +40,149 @@ WARMUP_MIN_RATIO, COS_MIN_RATIO = "warmup_min_ratio", "cos_min_ratio"
 TOTAL_NUM_STEPS = "total_num_steps"
 
 
-def _schedule(name: str):
-    def build(optimizer, **params) -> ScheduleRunner:
-        return build_schedule(name, params, optimizer)
+def get_torch_optimizer(optimizer):
+    """The ``torch.optim.Optimizer`` a schedule drives: ``optimizer``, or the one a wrapper holds."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        return optimizer.optimizer
+    raise TypeError(f"{type(optimizer).__name__} is not a subclass of torch.optim.Optimizer")
 
-    build.__name__ = build.__qualname__ = name
-    build.__doc__ = f"The ``{name}`` schedule over ``optimizer`` (keyword arguments as in ``scheduler.params``)."
-    return build
+
+class _Schedule(ScheduleRunner):
+    """One of DeepSpeed's schedule classes: zeroshard's runner built from the same keyword arguments (those of
+    ``scheduler.params``), with the attributes DeepSpeed's schedules expose, read from the resolved parameters."""
+
+    NAME = ""
+
+    def __init__(self, optimizer, last_batch_iteration: int = -1, **params):
+        optimizer = get_torch_optimizer(optimizer)
+        self.org_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        super().__init__(optimizer, *schedule_parts(self.NAME, params, optimizer))
+        self.last_batch_iteration = last_batch_iteration  # DeepSpeed sets lrs at construction only from -1
+
+    def _setting(self, key: str) -> list:
+        """``key`` per parameter group, its default where not given."""
+        default = inspect.signature(SCHEDULES[self.NAME]).parameters.get(key)
+        fallback = default.default if default is not None else None
+        return [group.get(key, fallback) for group in self.params]
 
 
-WarmupLR = _schedule(WARMUP_LR)
-WarmupDecayLR = _schedule(WARMUP_DECAY_LR)
-WarmupCosineLR = _schedule(WARMUP_COSINE_LR)
-OneCycle = _schedule(ONE_CYCLE)
-LRRangeTest = _schedule(LR_RANGE_TEST)
+class WarmupLR(_Schedule):
+    """``deepspeed.runtime.lr_schedules.WarmupLR``."""
+
+    NAME = WARMUP_LR
+
+    @property
+    def min_lrs(self) -> list:
+        return self._setting(WARMUP_MIN_LR)
+
+    @property
+    def max_lrs(self) -> list:
+        return [base if top is None else top for base, top in zip(self.org_lrs, self._setting(WARMUP_MAX_LR))]
+
+    @property
+    def warmup_num_steps(self) -> int:
+        return max(2, self._setting(WARMUP_NUM_STEPS)[0])
+
+    @property
+    def warmup_type(self) -> str:
+        return self._setting(WARMUP_TYPE)[0]
+
+
+class WarmupDecayLR(WarmupLR):
+    """``deepspeed.runtime.lr_schedules.WarmupDecayLR``."""
+
+    NAME = WARMUP_DECAY_LR
+
+    @property
+    def total_num_steps(self) -> int:
+        return self._setting(TOTAL_NUM_STEPS)[0]
+
+
+class WarmupCosineLR(_Schedule):
+    """``deepspeed.runtime.lr_schedules.WarmupCosineLR``."""
+
+    NAME = WARMUP_COSINE_LR
+
+    @property
+    def warmup_num_steps(self) -> int:
+        return max(2, self._setting(WARMUP_NUM_STEPS)[0])
+
+    @property
+    def total_num_steps(self) -> int:
+        return self._setting(TOTAL_NUM_STEPS)[0]
+
+    @property
+    def warmup_type(self) -> str:
+        return self._setting(WARMUP_TYPE)[0]
+
+    def get_lr_ratio(self) -> float:
+        """The factor of each group's base lr at the last step."""
+        keys = inspect.signature(warmup_cosine_ratio).parameters
+        return warmup_cosine_ratio(self.last_batch_iteration, **{k: v for k, v in self.params[0].items() if k in keys})
+
+
+class OneCycle(_Schedule):
+    """``deepspeed.runtime.lr_schedules.OneCycle``."""
+
+    NAME = ONE_CYCLE
+
+    @property
+    def min_lrs(self) -> list:
+        return self._setting(CYCLE_MIN_LR)
+
+    @property
+    def max_lrs(self) -> list:
+        return self._setting(CYCLE_MAX_LR)
+
+    @property
+    def total_size(self) -> float:
+        first = float(self._setting(CYCLE_FIRST_STEP_SIZE)[0])
+        second = self._setting(CYCLE_SECOND_STEP_SIZE)[0]
+        return first + (first if second is None else float(second))
+
+    @property
+    def step_ratio(self) -> float:
+        return float(self._setting(CYCLE_FIRST_STEP_SIZE)[0]) / self.total_size
+
+    @property
+    def min_moms(self) -> list:
+        return [(m, 0.99) for m in self._momentum(CYCLE_MIN_MOM, 0.8)]
+
+    @property
+    def max_moms(self) -> list:
+        return [(m, 0.99) for m in self._momentum(CYCLE_MAX_MOM, 0.9)]
+
+    def _momentum(self, key: str, default: float) -> list:
+        return [group.get(key, default) for group in self.params]
+
+
+class LRRangeTest(_Schedule):
+    """``deepspeed.runtime.lr_schedules.LRRangeTest``."""
+
+    NAME = LR_RANGE_TEST
+
+    @property
+    def min_lr(self) -> list:
+        return self._setting(LR_RANGE_TEST_MIN_LR)
+
+    @property
+    def step_size(self) -> int:
+        return self._setting(LR_RANGE_TEST_STEP_SIZE)[0]
+
+    @property
+    def step_rate(self) -> float:
+        return self._setting(LR_RANGE_TEST_STEP_RATE)[0]
+
+    @property
+    def staircase(self) -> bool:
+        return self._setting(LR_RANGE_TEST_STAIRCASE)[0]
+
 
 __all__ = [
     "LRRangeTest",
+    "get_torch_optimizer",
     "OneCycle",
     "VALID_LR_SCHEDULES",
     "WarmupCosineLR",
