@@ -494,13 +494,18 @@ def moe_worker() -> dict:
         ("default", 3, None, False),
         ("config", 3, {"classes": ["MixtralSparseMoeBlock"]}, False),
         ("marked", 3, None, True),
+        ("container", 3, {"names": ["model.layers"]}, False),  # a ModuleList: gathered when a layer in it runs
+        ("granular", 3, 300, False),  # stage3_module_granularity_threshold: the attention blocks as leaves
+        ("coarse", 3, 10**7, False),  # ... the whole model, one unit
     ):
         model = tiny_causal_lm("mixtral")
         if mark:
             deepspeed.utils.set_z3_leaf_modules(model, [MixtralSparseMoeBlock])
         zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
-        if leaf:
+        if isinstance(leaf, dict):
             zero["leaf_module"] = leaf
+        elif leaf:
+            zero["stage3_module_granularity_threshold"] = leaf
         config = {
             "train_micro_batch_size_per_gpu": 2,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -521,7 +526,13 @@ def moe_worker() -> dict:
             engine.empty_partition_cache()
             mine = ids[2 * rank : 2 * rank + 2]
             runs["cache"] = (idle, engine.stack.buffers.idle_bytes, engine(input_ids=mine, labels=mine).loss.item())
-        runs[name] = {"losses": losses, "weights": engine.consolidated_state_dict(rank0_only=False), "units": units}
+        flagged = sorted(n for n, m in model.named_modules() if deepspeed.utils.z3_leaf_module(m))
+        runs[name] = {
+            "losses": losses,
+            "weights": engine.consolidated_state_dict(rank0_only=False),
+            "units": units,
+            "flagged": flagged,
+        }
         engine.destroy()
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     config["zero_optimization"] = {"stage": 3}
@@ -536,7 +547,7 @@ def moe_worker() -> dict:
 def test_moe_with_idle_experts_matches_stage_0_with_default_units_and_leaf_modules():
     runs = run_distributed(moe_worker, 2, timeout_s=300)[0]
     reference = runs["stage0"]
-    for name in ("default", "config", "marked"):
+    for name in ("default", "config", "marked", "container", "granular", "coarse"):
         assert runs[name]["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
         assert model_error(runs[name]["weights"], reference["weights"]) <= 1e-5, name
     assert "model.layers.0" in runs["default"]["units"]  # the decoder layers, by default
@@ -549,3 +560,9 @@ def test_moe_with_idle_experts_matches_stage_0_with_default_units_and_leaf_modul
     for name in ("config", "marked"):  # each MoE block is a unit of its own, nothing chosen inside it
         assert {"model.layers.0.mlp", "model.layers.1.mlp"} <= set(runs[name]["units"])
         assert not any(u.startswith("model.layers.0.mlp.") for u in runs[name]["units"])
+    # DeepSpeed's leaf_module may name a container, and its granularity threshold chooses leaves; both are flagged
+    # on the modules as DeepSpeed flags them (z3_leaf_module)
+    assert runs["container"]["units"] == ["model.layers"] and runs["container"]["flagged"] == ["model.layers"]
+    attention = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert set(attention) <= set(runs["granular"]["units"]) and runs["granular"]["flagged"] == attention
+    assert runs["coarse"]["units"] == [] and runs["coarse"]["flagged"] == [""]  # the root unit holds everything

@@ -204,9 +204,8 @@ class ZeroConfig(Section):
         alias="stage3_max_reuse_distance",
     )
     gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
-    module_granularity_threshold: int = refused(
-        0, "use gather_unit_min_params or gather_unit_classes", ge=0, alias="stage3_module_granularity_threshold"
-    )
+    # stage 3: modules whose parameters per layer are at most this many are gathered as one unit (DeepSpeed's rule)
+    module_granularity_threshold: int = Field(0, ge=0, alias="stage3_module_granularity_threshold")
     use_all_reduce_for_fetch_params: bool = refused(
         False, "parameters are gathered with all-gather", alias="stage3_use_all_reduce_for_fetch_params"
     )

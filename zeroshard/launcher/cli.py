@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from ..arguments import bounded
 from ..log import LEVEL_VARIABLE, log_to_stdout
-from .hostfile import parse_hostfile, select_resources
+from .hostfile import check_resource_flags, parse_hostfile, select_resources
 from .multinode import LAUNCHERS, Job, agent_command, exported_environment, read_env_files, wait_for_master
 
 DEFAULT_MASTER_PORT = 29500
@@ -258,6 +258,10 @@ def main(argv: Optional[Sequence[str]] = None, export_prefixes: Sequence[str] = 
 
         return report_main(argv[1:])
     args = build_parser().parse_args(argv)
+    try:
+        check_resource_flags(args.include, args.exclude, args.num_nodes, args.num_gpus)
+    except ValueError as err:
+        raise SystemExit(f"zeroshard: {err}") from None
     if args.no_ssh or args.node_rank is not None:
         return run_node(args)
     if args.hostfile is not None:

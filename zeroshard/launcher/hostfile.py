@@ -72,6 +72,34 @@ def parse_filter(spec: str, hosts: Resources, flag: str) -> Resources:
     return chosen
 
 
+def check_resource_flags(
+    include: Optional[str], exclude: Optional[str], num_nodes: Optional[int], num_gpus: Optional[int]
+) -> None:
+    """DeepSpeed's rule, with or without a hostfile: ``--include`` / ``--exclude`` choose hosts and slots, so neither
+    goes with the other or with ``--num_nodes`` / ``--num_gpus`` (a ``ValueError`` naming the flags)."""
+    for flag, spec in (("--include", include), ("--exclude", exclude)):
+        if spec is not None and not spec.strip():
+            raise ValueError(f"{flag} is empty: name hosts (and slots), e.g. 'worker-0:0,1@worker-1', or drop it")
+    if include and exclude:
+        raise ValueError("--include and --exclude cannot be used together")
+    if (include or exclude) and (num_nodes is not None or num_gpus is not None):
+        raise ValueError("--include/--exclude choose the hosts and slots; drop --num_nodes/--num_gpus")
+
+
+def filter_resources(hosts: Resources, include: Optional[str] = None, exclude: Optional[str] = None) -> Resources:
+    """``hosts`` after ``--include`` (only what it names, slots in order) or ``--exclude`` (all but what it names;
+    a host left without slots is dropped, so the answer may be empty)."""
+    check_resource_flags(include, exclude, None, None)
+    if include:
+        chosen = parse_filter(include, hosts, "--include")
+        return {host: sorted(chosen[host]) for host in hosts if host in chosen}
+    if not exclude:
+        return {host: list(slots) for host, slots in hosts.items()}
+    dropped = parse_filter(exclude, hosts, "--exclude")
+    kept = {host: [s for s in slots if s not in dropped.get(host, [])] for host, slots in hosts.items()}
+    return {host: slots for host, slots in kept.items() if slots}
+
+
 def select_resources(
     hosts: Resources,
     include: Optional[str] = None,
@@ -82,20 +110,9 @@ def select_resources(
     """The hosts and slots the job runs on, in hostfile order (DeepSpeed's rules: ``--include`` keeps only what
     it names, ``--exclude`` drops what it names; otherwise the first ``--num_nodes`` hosts and the first
     ``--num_gpus`` slots of each)."""
-    for flag, spec in (("--include", include), ("--exclude", exclude)):
-        if spec is not None and not spec.strip():
-            raise ValueError(f"{flag} is empty: name hosts (and slots), e.g. 'worker-0:0,1@worker-1', or drop it")
-    if include and exclude:
-        raise ValueError("--include and --exclude cannot be used together")
-    if (include or exclude) and (num_nodes is not None or num_gpus is not None):
-        raise ValueError("--include/--exclude choose the hosts and slots; drop --num_nodes/--num_gpus")
-    if include:
-        chosen = parse_filter(include, hosts, "--include")
-        return {host: sorted(chosen[host]) for host in hosts if host in chosen}
-    if exclude:
-        dropped = parse_filter(exclude, hosts, "--exclude")
-        kept = {host: [s for s in slots if s not in dropped.get(host, [])] for host, slots in hosts.items()}
-        kept = {host: slots for host, slots in kept.items() if slots}
+    check_resource_flags(include, exclude, num_nodes, num_gpus)
+    if include or exclude:
+        kept = filter_resources(hosts, include, exclude)
         if not kept:
             raise ValueError(f"--exclude '{exclude}' leaves no slot to run on")
         return kept

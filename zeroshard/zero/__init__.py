@@ -10,7 +10,7 @@ from .materialize import reset_parameters
 from .optimizer import ZeroOptimizer
 from .optimizer_state import DeviceState, HostState, NvmeState, OptimizerState, build_optimizer_state
 from .param_access import ParamAccess
-from .planning import StagePolicy
+from .planning import StagePolicy, leaf_paths_of
 from .reducer import GradBucket, GradientReducer, GradState
 from .sharded_param import ParamRecords, ShardedParameterError
 from .stack import NonFiniteGradientError, ZeroStack
@@ -34,6 +34,7 @@ __all__ = [
     "ReusableBuffers",
     "ShardedParameterError",
     "StagePolicy",
+    "leaf_paths_of",
     "ZeroOptimizer",
     "ZeroStack",
     "build_optimizer_state",

@@ -17,7 +17,7 @@ from ..partition import FlatLayout, assign_buckets, flat_layout
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .sharded_param import ParamRecords
-from .stage3.units import UnitPlan, leaf_module_paths, plan_units
+from .stage3.units import UnitPlan, granularity_leaf_paths, leaf_module_paths, plan_units
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,16 @@ class ModelPlan:
         return [*self.trainable, *self.frozen]
 
 
+def leaf_paths_of(model: torch.nn.Module, zero_config, extra: tuple[str, ...] = ()) -> list[str]:
+    """Stage 3's leaf modules (each one gather unit): the ``leaf_module`` block's and ``extra`` paths, then those
+    ``stage3_module_granularity_threshold`` chooses."""
+    leaf = zero_config.leaf_module
+    leaves = leaf_module_paths(model, leaf.classes, [*leaf.names, *extra], leaf.name_suffixes)
+    return leaves + [
+        p for p in granularity_leaf_paths(model, zero_config.module_granularity_threshold) if p not in leaves
+    ]
+
+
 def plan_model(
     model: torch.nn.Module,
     param_groups: list[dict],
@@ -227,9 +237,7 @@ def plan_model(
     unit_plans, persistent = [], frozenset()
     if stage.partition_params:
         classes = frozenset(z.gather_unit_classes) | gather_unit_classes
-        leaf = z.leaf_module
-        leaves = leaf_module_paths(model, leaf.classes, [*leaf.names, *leaf_paths], leaf.name_suffixes)
-        unit_plans = plan_units(model, classes, z.gather_unit_min_params, tuple(leaves))
+        unit_plans = plan_units(model, classes, z.gather_unit_min_params, tuple(leaf_paths_of(model, z, leaf_paths)))
         # a frozen piece of a split parameter (a fine-tune's tensor-parallel or expert base) is sharded however small:
         # kept whole outside the flat groups it could not be saved and resumed at another degree
         persistent = frozenset(

@@ -76,3 +76,45 @@ def test_absurd_slot_counts_and_empty_filters_are_named():
         with pytest.raises(ValueError, match=f"--{flag} is empty"):
             select_resources(hosts, **{flag: " "})
     assert parse_hostfile("node_1.cluster-a slots=1") == {"node_1.cluster-a": [0]}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "--num_nodes 1 -i localhost foo.py",
+        "--num_nodes 1 --num_gpus 1 -i localhost foo.py",
+        "--num_gpus 1 -i localhost foo.py",
+        "--num_nodes 1 -e localhost foo.py",
+        "--num_gpus 1 -e localhost foo.py",
+    ],
+)
+def test_include_or_exclude_with_counts_is_refused_without_a_hostfile_too(argv, tmp_path, monkeypatch):
+    """DeepSpeed's rule (its launcher test_num_plus_parser): the zeroshard CLI stops with the flags named, the compat
+    runner raises DeepSpeed's ValueError; neither starts the script (it would create a marker file)."""
+    from zeroshard.compat.deepspeed.launcher import runner
+    from zeroshard.launcher.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "foo.py").write_text("open('ran', 'w').close()\n")
+    with pytest.raises(SystemExit, match="--include/--exclude choose the hosts and slots; drop --num_nodes/--num_gpus"):
+        main(argv.split())
+    with pytest.raises(ValueError, match="drop --num_nodes/--num_gpus"):
+        runner.main(argv.split())
+    assert not (tmp_path / "ran").exists()
+
+
+def test_deepspeeds_resource_filter_and_hostfile_reader():
+    from zeroshard.compat.deepspeed.launcher import runner
+
+    hosts = {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]}
+    assert runner.parse_resource_filter(hosts, exclude_str="worker-0:0,1@worker-1:3") == {
+        "worker-0": [2, 3],
+        "worker-1": [0, 1, 2],
+    }
+    assert runner.parse_resource_filter({"worker-0": [0, 1]}, exclude_str="worker-0") == {}  # empty, not an error
+    assert runner._parse_hostfile(["worker-1 slots=2", "# a comment", "", "localhost slots=1"]) == {
+        "worker-1": 2,
+        "localhost": 1,
+    }
+    with pytest.raises(ValueError, match="listed twice"):
+        runner._parse_hostfile(["worker-1 slots=2", "worker-1 slots=1"])

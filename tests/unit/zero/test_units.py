@@ -1,4 +1,5 @@
 import pytest
+import torch
 import torch.nn as nn
 
 from zeroshard.testing.models import GPT, GPTConfig
@@ -125,5 +126,57 @@ def test_leaf_modules_are_units_with_nothing_chosen_inside():
     assert "blocks.0.fc" in names  # outside the leaf, the unit classes still apply
     with pytest.raises(ValueError, match=r"leaf modules \['MoEBlock', 'nowhere', '.nothing'\] match no module"):
         leaf_module_paths(model, classes=["MoEBlock"], names=["nowhere"], name_suffixes=[".nothing"])
-    with pytest.raises(ValueError, match=r"leaf modules \['blocks'\] are containers"):
-        leaf_module_paths(model, names=["blocks"])
+    assert leaf_module_paths(model, names=["blocks"]) == ["blocks"]  # a container: gathered when a block runs
+    holder = nn.Module()
+    holder.weights = nn.ParameterList([nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match=r"leaf modules \['weights'\] are containers with no module inside that runs"):
+        leaf_module_paths(holder, names=["weights"])
+
+
+def test_a_container_leaf_is_gathered_by_the_modules_inside_it_that_run():
+    from zeroshard.zero.stage3 import plan_units
+    from zeroshard.zero.stage3.units import trigger_modules
+
+    model = GPT(CFG)
+    assert trigger_modules(model.blocks) == list(model.blocks)
+    assert trigger_modules(model.blocks[0]) == [model.blocks[0]]
+    units = plan_units(model, frozenset({"Block"}), None, ("blocks",))
+    assert [u.name for u in units] == ["", "blocks"]  # one unit: every block's parameters
+    assert len(units[1].params) == sum(1 for _ in model.blocks.parameters())
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.gate, self.up, self.down = (nn.Linear(width, width, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.gate(x)) * self.up(x))
+
+
+class FineGrained(nn.Module):
+    """DeepSpeed's test model for stage3_module_granularity_threshold, small: two wide layers, then 4 small MLPs."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide1, self.wide2 = nn.Linear(8, 64), nn.Linear(64, 8)
+        self.mlps = nn.ModuleList([MLPBlock(8) for _ in range(4)])
+
+    def forward(self, x):
+        x = self.wide2(self.wide1(x))
+        for mlp in self.mlps:
+            x = mlp(x)
+        return x
+
+
+def test_the_granularity_threshold_chooses_leaves_as_deepspeed_does():
+    """Granularity: parameters per layer of a subtree (an MLP block: 3 x 64 / (3 + 1) = 48; the model: 1864 / 19 =
+    98, its 16 MLP layers, 2 wide ones and itself); the outermost modules at or under the threshold become leaves,
+    containers never; 0 chooses none."""
+    from zeroshard.zero.stage3.units import granularity_leaf_paths
+
+    model = FineGrained()
+    assert granularity_leaf_paths(model, 0) == [] and granularity_leaf_paths(model, 47) == []
+    assert granularity_leaf_paths(model, 48) == [f"mlps.{i}" for i in range(4)]
+    assert granularity_leaf_paths(model, 97) == [f"mlps.{i}" for i in range(4)]
+    assert granularity_leaf_paths(model, 98) == [""]  # the root: the whole model one unit

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 from ..buffers import ReusableBuffers
 from ..flat_group import FlatGroup, ParamState
 from ..reducer import GradBucket
+from .units import trigger_modules
 
 
 class SavedView(NamedTuple):
@@ -44,6 +45,7 @@ class GatherUnit:
     def __init__(self, name: str, module: torch.nn.Module, buckets: list[GradBucket], frozen: Sequence[FlatGroup] = ()):
         self.name = name or "<root>"
         self.module = module
+        self.triggers = trigger_modules(module)  # the module, or for a container the modules inside it that run
         self.buckets = buckets
         self.frozen = list(frozen)
         self.flats = [bucket.flat for bucket in buckets] + self.frozen
@@ -96,16 +98,19 @@ class Stage3Runtime:
             root.register_forward_hook(self._root_post_forward, always_call=True),
         ]
         for unit in units:
-            self._handles.append(
-                unit.module.register_forward_pre_hook(
-                    lambda module, args, kwargs, unit=unit: self._pre_forward(unit, args, kwargs), with_kwargs=True
+            for trigger in unit.triggers:
+                self._handles.append(
+                    trigger.register_forward_pre_hook(
+                        lambda module, args, kwargs, unit=unit: self._pre_forward(unit, module, args, kwargs),
+                        with_kwargs=True,
+                    )
                 )
-            )
-            self._handles.append(
-                unit.module.register_forward_hook(
-                    lambda module, args, output, unit=unit: self._post_forward(unit, output), always_call=True
+                self._handles.append(
+                    trigger.register_forward_hook(
+                        lambda module, args, output, unit=unit: self._post_forward(unit, module, output),
+                        always_call=True,
+                    )
                 )
-            )
 
     # -- gathering and freeing, with the live-parameter count ------------------------------
     def _gather(self, unit: GatherUnit, async_op: bool) -> None:
@@ -161,9 +166,9 @@ class Stage3Runtime:
             self.release_all()  # no backward follows
         return output
 
-    def _pre_forward(self, unit: GatherUnit, args, kwargs) -> None:
+    def _pre_forward(self, unit: GatherUnit, module: torch.nn.Module, args, kwargs) -> None:
         if self._saving is None and torch._C._current_graph_task_id() == -1:
-            self._save_views_by_position(unit.module)  # the model's forward did not enter through its root
+            self._save_views_by_position(module)  # the model's forward did not enter through its root
         if unit.frozen and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             self._watch_inputs(unit, (args, kwargs))
         self._recording.append(unit)
@@ -172,8 +177,8 @@ class Stage3Runtime:
         if self.order[:position] == self._recording:
             self._prefetch(self.order[position:])
 
-    def _post_forward(self, unit: GatherUnit, output) -> Any:
-        if self._saving is not None and self._saving_owner is unit.module:
+    def _post_forward(self, unit: GatherUnit, module: torch.nn.Module, output) -> Any:
+        if self._saving is not None and self._saving_owner is module:
             self._saving.__exit__(None, None, None)
             self._saving = None
         if torch._C._current_graph_task_id() != -1:

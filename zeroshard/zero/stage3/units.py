@@ -24,6 +24,51 @@ def runs(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
+def trigger_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules whose forward gathers a unit: the unit's module when it runs; for a container (a ``ModuleList``
+    made a leaf, as DeepSpeed's ``leaf_module`` allows) the outermost modules inside it that run, each of which
+    gathers the whole container's parameters when the data calls it."""
+    if runs(module):
+        return [module]
+    return [found for child in module.children() for found in trigger_modules(child)]
+
+
+def granularity_leaf_paths(root: nn.Module, threshold: int) -> list[str]:
+    """DeepSpeed's ``stage3_module_granularity_threshold``: a module's granularity is the parameters of its subtree
+    per module in it (its layers: modules without children that hold parameters, and the modules between them and
+    it, containers excepted); the outermost modules whose granularity is at most ``threshold`` become leaf modules,
+    each gathered as one unit (many small modules behind one gather). Containers and modules of more than 1e9
+    parameters never do; 0 (the default) chooses none."""
+    if threshold <= 0:
+        return []
+    granularity: dict[str, int] = {}
+
+    def visit(module: nn.Module, path: str) -> tuple[int, int]:
+        if next(module.parameters(), None) is None:
+            return 0, 0
+        params = sum(p.numel() for p in module.parameters(recurse=False))
+        if next(module.children(), None) is None:
+            return 1, params
+        layers = 0
+        for name, child in module.named_children():
+            child_layers, child_params = visit(child, f"{path}.{name}" if path else name)
+            layers, params = layers + child_layers, params + child_params
+        if not runs(module):
+            return layers, params
+        layers += 1
+        if params <= 1_000_000_000:
+            granularity[path] = params // layers
+        return layers, params
+
+    visit(root, "")
+    chosen: list[str] = []
+    for path, _ in root.named_modules():  # pre-order: an outer module is chosen before what it holds
+        inside = any(path == leaf or path.startswith(leaf + ".") or leaf == "" for leaf in chosen)
+        if not inside and path in granularity and granularity[path] <= threshold:
+            chosen.append(path)
+    return chosen
+
+
 def repeated_block_classes(root: nn.Module) -> frozenset[str]:
     """The classes of the model's repeated blocks: modules that hold modules of their own, run, and appear at least
     twice in one ``ModuleList`` or ``Sequential`` (HF's ``GPT2Block``, ``LlamaDecoderLayer``, our ``Block``).
@@ -78,7 +123,9 @@ def leaf_module_paths(root: nn.Module, classes=(), names=(), name_suffixes=()) -
     whose experts run in an order that changes with the data): modules whose class name or qualified class name
     is in ``classes``, whose path is in ``names``, or whose path ends with one of ``name_suffixes``. An entry that
     matches nothing is an error naming it (a misspelt class would silently change nothing). The root itself may be
-    a leaf (path ``""``, as DeepSpeed's tests flag whole models): then the model is one unit, gathered whole."""
+    a leaf (path ``""``, as DeepSpeed's tests flag whole models): then the model is one unit, gathered whole. A
+    container (``ModuleList``) may be a leaf: its parameters are one unit, gathered when any module inside it runs
+    (:func:`trigger_modules`)."""
     modules = dict(root.named_modules())
 
     def of_class(name: str) -> list[str]:
@@ -95,9 +142,12 @@ def leaf_module_paths(root: nn.Module, classes=(), names=(), name_suffixes=()) -
     if missing:
         raise ValueError(f"leaf modules {missing} match no module of {type(root).__name__}")
     matched = {path for paths in hits.values() for path in paths}
-    containers = sorted(p for p in matched if not runs(modules[p]))
-    if containers:
-        raise ValueError(f"leaf modules {containers} are containers, which are never called; name what they hold")
+    idle = sorted(p for p in matched if not trigger_modules(modules[p]))
+    if idle:
+        raise ValueError(
+            f"leaf modules {idle} are containers with no module inside that runs (a ParameterList?): their "
+            "parameters could never be gathered before use; name the module that uses them"
+        )
     return [path for path in modules if path in matched]
 
 

@@ -10,10 +10,11 @@ import torch
 
 from zeroshard import initialize as _initialize
 from zeroshard.runtime import ZeroshardEngine
+from zeroshard.zero import leaf_paths_of
 
 from ..moe import layer as _moe_layer
 from ..utils import live_engines
-from ..utils.leaf_modules import get_z3_leaf_modules
+from ..utils.leaf_modules import get_z3_leaf_modules, set_z3_leaf_module
 
 DeepSpeedEngine = ZeroshardEngine
 MoE = _moe_layer.MoE  # DeepSpeed's engine module imports the layer; clients test isinstance(module, MoE)
@@ -66,6 +67,11 @@ def initialize(
         mpu=mpu,
     )
     live_engines.track(built[0])
+    zero = built[0].settings.zero_optimization
+    if zero.stage == 3 and isinstance(model, torch.nn.Module):  # DeepSpeed flags the leaves its config chose
+        modules = dict(model.named_modules())
+        for path in leaf_paths_of(model, zero):
+            set_z3_leaf_module(modules[path], True)
     return built
 
 
