@@ -148,7 +148,38 @@ def worker(directory: str) -> dict:
                 "grad_errors": grad_errors,
             }
             engine.destroy()
+            if stage > 0:  # the optimizer state in host memory (DeepSpeed trains Muon so at stages 1-3)
+                reference, grad_errors = Reference(), []
+                zero = {**config(stage)["zero_optimization"], "offload_optimizer": {"device": "cpu"}}
+                zero["reduce_scatter"] = False  # DeepSpeed requires it with Muon and offload at stages 1-2
+                cfg = {**config(stage), "zero_optimization": zero, "train_micro_batch_size_per_gpu": 2}
+                engine, *_ = zeroshard.initialize(model=model(), config=cfg)
+                train(engine, rank, world, range(3), reference, grad_errors)
+                out[f"offload{stage}"] = {
+                    "state": engine.consolidated_state_dict(rank0_only=False),
+                    "reference": {k: v.clone() for k, v in reference.net.state_dict().items()},
+                    "where": engine.state_bytes_by_location()["host"]["master"] > 0,
+                }
+                engine.destroy()
+    if world == 2:
+        out["refused"] = _muon_offload_refusals(directory)
     return out
+
+
+def _muon_offload_refusals(directory: str) -> list[str]:
+    import zeroshard
+
+    refused = []
+    for zero in (
+        {"stage": 1, "offload_optimizer": {"device": "cpu"}},  # reduce_scatter true (the default): DeepSpeed refuses
+        {"stage": 2, "reduce_scatter": False, "offload_optimizer": {"device": "nvme", "nvme_path": directory}},
+        {"stage": 2, "reduce_scatter": False, "offload_optimizer": {"device": "cpu"}, "sub_group_size": 64},
+    ):
+        try:
+            zeroshard.initialize(model=model(), config={**config(1), "zero_optimization": zero})
+        except (ValueError, NotImplementedError) as err:
+            refused.append(f"{type(err).__name__}: {err}")
+    return refused
 
 
 def resume(engine, directory: str, stage: int, rank: int, world: int) -> dict:
@@ -211,3 +242,23 @@ def test_muon_extra_traffic_is_one_all_gather_of_its_flat_groups(runs, stage):
 def test_muon_checkpoints_resume_exactly(runs, stage):
     for out in runs[2]:
         assert out[stage]["resumed"]["max_diff"] == 0.0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_muon_with_the_optimizer_state_in_host_memory_matches_one_process(runs, stage):
+    """DeepSpeed trains Muon with offload_optimizer at stages 1-3 (its test_muon.py TestMuonConfigs): here too, each
+    flat group's update gathered whole on the compute device, the masters and momentum in host memory."""
+    from zeroshard.testing.parity import model_error
+
+    for out in runs[2]:
+        got = out[f"offload{stage}"]
+        assert got["where"] and model_error(got["state"], got["reference"]) <= 1e-5
+
+
+def test_muon_offload_refusals_name_the_cause(runs):
+    reduce_scatter, nvme, small = runs[2][0]["refused"]
+    assert "Muon with reduce scatter does not support optimizer offload" in reduce_scatter, reduce_scatter
+    assert reduce_scatter.startswith(("ValueError", "ConfigError")), reduce_scatter
+    for message in (nvme, small):
+        assert "NotImplementedError" in message and "device 'cpu', not 'nvme'" in message
+        assert "sub_group_size" in message

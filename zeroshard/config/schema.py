@@ -186,6 +186,11 @@ class ZeroConfig(Section):
     offload_param: Optional[OffloadParamConfig] = None
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     sub_group_size: Union[int, Auto] = Field(1_000_000_000)
+    save_muon_momentum_buffer_in_memory: bool = satisfied(
+        False,
+        "Muon's momentum lives with the rest of the optimizer state, on the device or with offload_optimizer 'cpu' in "
+        "host memory (Muon with NVMe offload is refused)",
+    )
     prefetch_bucket_size: Union[int, Auto] = Field(50_000_000, alias="stage3_prefetch_bucket_size")
     # zeroshard's: gather units prefetched ahead at most (within prefetch_bucket_size elements); one hides the
     # next unit's gather behind this one's compute, more only holds memory (docs/benchmarks.md "Stage-3 prefetch")
@@ -796,4 +801,18 @@ class ZeroshardConfig(Section):
     def _one_precision(self):
         if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        return self
+
+    @model_validator(mode="after")
+    def _muon_offload(self):
+        """DeepSpeed's rule at stages 1-2 (its ValueError, its words): Muon with the optimizer offloaded needs
+        ``reduce_scatter: false``."""
+        z = self.zero_optimization
+        offloaded = z.offload_optimizer is not None and z.offload_optimizer.device is not OffloadDevice.none
+        muon = self.optimizer is not None and self.optimizer.type.lower() == "muon"
+        if muon and offloaded and z.stage in (1, 2) and z.reduce_scatter:
+            raise ValueError(
+                "Muon with reduce scatter does not support optimizer offload because offload retains only partition "
+                "slices; disable reduce scatter (zero_optimization.reduce_scatter: false) or optimizer offload"
+            )
         return self

@@ -125,8 +125,10 @@ def build_optimizer(
     elif key == "muon":
         if sharded_norms is None:
             raise NotImplementedError(
-                "optimizer.type 'Muon' with the optimizer state offloaded (offload_optimizer): Muon needs whole "
-                "matrices on the device; drop offload_optimizer"
+                "optimizer.type 'Muon' with this offload_optimizer: Muon orthogonalizes whole matrices, gathered from "
+                "each flat group's shards, so the optimizer state must be in host memory (device 'cpu', not 'nvme') "
+                "with each flat group's shard in one sub-group (zero_optimization.sub_group_size at least "
+                "reduce_bucket_size / ranks; its default 1e9 is)"
             )
         for split in ("muon_lr", "adam_lr"):  # applied per half by muon_param_groups
             params.pop(split, None)

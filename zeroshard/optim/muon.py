@@ -194,9 +194,9 @@ class MuonWithAuxAdam(Optimizer):
             lo, hi = max(offset, start), min(offset + numel, start + p.numel())
             if lo >= hi:
                 continue  # no piece of this matrix on this rank
-            matrix = whole[offset : offset + numel].view(shape[0], -1)
+            matrix = whole[offset : offset + numel].view(shape[0], -1)  # on the compute device (offloaded: p is not)
             direction = orthogonalize(matrix).reshape(-1)[lo - offset : hi - offset]
-            p[lo - start : hi - start].add_(direction, alpha=-group["lr"] * lr_scale(shape))
+            p[lo - start : hi - start].add_(direction.to(p.device), alpha=-group["lr"] * lr_scale(shape))
 
 
 __all__ = ["MuonWithAuxAdam", "gram_newton_schulz", "muon_param_groups", "newton_schulz", "uses_muon"]

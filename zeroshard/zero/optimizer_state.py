@@ -73,6 +73,52 @@ class OptimizerState:
     def _sharded_norms(self) -> Optional[ShardedNorms]:
         return None
 
+    def _layout(self) -> ShardedNorms:
+        """Which range of which master shard belongs to which parameter (Lamb's per-parameter trust ratios), and each
+        flat group's values made whole (Muon's matrices; gathered on the compute device, where the collectives
+        run). Valid when every sub-group is a whole shard."""
+        segments: dict[int, list[tuple[int, int, int]]] = {}
+        slot_id = 0
+        for sub in self.subgroups:
+            flat = self.flats[sub.flat_index]
+            segments[id(sub.param)] = [
+                (slot_id + flat.layout.slots.index(seg.slot), seg.shard_start, seg.numel)
+                for seg in flat.layout.segments(flat.shard_rank)
+            ]
+            slot_id += len(flat.layout.slots)
+        partitioned = [flat.shard_group for flat in self.flats if flat.partitioned]
+        shard_group = partitioned[0] if partitioned else None
+        split = torch.tensor([flat.layout.split_axis == "tp" for flat in self.flats for _ in flat.layout.slots])
+        pieces = self.tensor if self.tensor is not None and self.tensor.size > 1 and bool(split.any()) else None
+
+        def reduce(squares: torch.Tensor) -> None:
+            """Per-parameter sums of squares ([rows, slots]) made whole: over the shard group, then the pieces of
+            tensor-parallel parameters over the tensor group (the replicated ones are whole on every rank there)."""
+            if shard_group is not None:
+                comm.all_reduce(squares, shard_group)
+            if pieces is not None:
+                mask = split.to(squares.device)
+                summed = squares[:, mask].contiguous()
+                comm.all_reduce(summed, pieces)
+                squares[:, mask] = summed
+
+        flat_of = {id(sub.param): self.flats[sub.flat_index] for sub in self.subgroups}
+        matrices = {
+            key: [(slot.offset, slot.numel, tuple(slot.shape)) for slot in flat.layout.slots]
+            for key, flat in flat_of.items()
+        }
+        starts = {key: flat.layout.shard_range(flat.shard_rank)[0] for key, flat in flat_of.items()}
+        whole = shard_group is None and self.flats and self.flats[0].shard_group.size > 1  # stage 0, several ranks
+        return ShardedNorms(
+            segments,
+            slot_id,
+            reduce,
+            matrices,
+            starts,
+            lambda t, v: flat_of[id(t)].whole_of(v.to(flat_of[id(t)].device)),
+            compressed=comm.OneBitAllReduce(self.flats[0].shard_group) if whole else None,
+        )
+
     def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
         """Apply the gradient shards, one per flat group, times ``coef`` (unscaling and clipping), and publish
         the update."""
@@ -179,48 +225,7 @@ class DeviceState(OptimizerState):
         return shard is not None and shard.data_ptr() == sub.param.data_ptr()
 
     def _sharded_norms(self) -> ShardedNorms:
-        """Which range of which master shard belongs to which parameter, for Lamb's per-parameter trust ratios."""
-        segments: dict[int, list[tuple[int, int, int]]] = {}
-        slot_id = 0
-        for sub in self.subgroups:
-            flat = self.flats[sub.flat_index]
-            segments[id(sub.param)] = [
-                (slot_id + flat.layout.slots.index(seg.slot), seg.shard_start, seg.numel)
-                for seg in flat.layout.segments(flat.shard_rank)
-            ]
-            slot_id += len(flat.layout.slots)
-        partitioned = [flat.shard_group for flat in self.flats if flat.partitioned]
-        shard_group = partitioned[0] if partitioned else None
-        split = torch.tensor([flat.layout.split_axis == "tp" for flat in self.flats for _ in flat.layout.slots])
-        pieces = self.tensor if self.tensor is not None and self.tensor.size > 1 and bool(split.any()) else None
-
-        def reduce(squares: torch.Tensor) -> None:
-            """Per-parameter sums of squares ([rows, slots]) made whole: over the shard group, then the pieces of
-            tensor-parallel parameters over the tensor group (the replicated ones are whole on every rank there)."""
-            if shard_group is not None:
-                comm.all_reduce(squares, shard_group)
-            if pieces is not None:
-                mask = split.to(squares.device)
-                summed = squares[:, mask].contiguous()
-                comm.all_reduce(summed, pieces)
-                squares[:, mask] = summed
-
-        flat_of = {id(sub.param): self.flats[sub.flat_index] for sub in self.subgroups}
-        matrices = {
-            key: [(slot.offset, slot.numel, tuple(slot.shape)) for slot in flat.layout.slots]
-            for key, flat in flat_of.items()
-        }
-        starts = {key: flat.layout.shard_range(flat.shard_rank)[0] for key, flat in flat_of.items()}
-        whole = shard_group is None and self.flats and self.flats[0].shard_group.size > 1  # stage 0, several ranks
-        return ShardedNorms(
-            segments,
-            slot_id,
-            reduce,
-            matrices,
-            starts,
-            lambda t, v: flat_of[id(t)].whole_of(v),
-            compressed=comm.OneBitAllReduce(self.flats[0].shard_group) if whole else None,
-        )
+        return self._layout()
 
     def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
         """One fused optimizer call over every master shard when the gradients are in the master dtype; one per
@@ -278,6 +283,12 @@ class HostState(OptimizerState):
     def _ordered(self) -> list[SubGroup]:
         return self.subgroups
 
+    def _sharded_norms(self) -> Optional[ShardedNorms]:
+        """The layout, when each flat group's shard is one sub-group (Muon's matrices need the whole shard at once;
+        sub_group_size is 1e9 by default)."""
+        return self._layout() if all(sub.start == 0 and sub.stop == self.flats[sub.flat_index].layout.shard_numel
+                                     for sub in self.subgroups) else None  # fmt: skip
+
     def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
         """One sub-group at a time on the CPU; each update's copy to the compute parameters is issued
         (non-blocking) before the next sub-group is stepped."""
@@ -315,6 +326,9 @@ class NvmeState(HostState):
 
     def _ordered(self):
         return self.swapper.steps(self.optimizer, self.subgroups)
+
+    def _sharded_norms(self) -> Optional[ShardedNorms]:
+        return None  # the master tensors exist only while a sub-group is staged
 
     def _master_values(self, sub: SubGroup) -> torch.Tensor:
         return self.swapper.read(sub, [MASTER])[MASTER]
