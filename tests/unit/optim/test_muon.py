@@ -73,7 +73,7 @@ def test_config_refusals_are_named():
         build_optimizer("Muon", {"per_head_muon": True}, one_matrix(), zero_stage=0, allow_untested=False)
     with pytest.raises(ValueError, match="ns_method 'cubic': expected one of \\['gram', 'standard'\\]"):
         MuonWithAuxAdam(one_matrix(), ns_method="cubic")
-    with pytest.raises(NotImplementedError, match="'Muon' with the optimizer state offloaded"):
+    with pytest.raises(NotImplementedError, match="'Muon' with this offload_optimizer: Muon orthogonalizes whole"):
         build_optimizer("Muon", {"ns_method": "standard"}, one_matrix(), zero_stage=2, allow_untested=False)
     from zeroshard.optim import ShardedNorms
 
