@@ -22,10 +22,11 @@ elements, so their projection on a Gaussian ``r`` is close to Gaussian, with sta
 ``|| r * sum_j |g_j| ||``). Below the dtype's smallest normal number rounding is absolute, not relative: each of an
 element's ``(n + 1) R / N + 2`` roundings (sums, the division, the accumulation) is off by at most ``t / 2``, ``t``
 the dtype's smallest subnormal; independent across elements again, they add a standard deviation of at most
-``sigma_t = t sqrt((n + 1) R / N + 2) sqrt(sum_i r_i^2)``. The projections are computed in float64 (the squares of
-gradients near 1e19 overflow float32, and products of subnormal gradients lose their digits there), rounding
-pairwise within blocks: at most ``2 u64 log2(block) A / N``, ``A = sum_j sum_i |r_i g_ji|``. The check allows
-``8 (sigma + sigma_t) + 4 u64 log2(block) A / N``: a false alarm is an 8-sigma event, at any gradient scale a float
+``sigma_t = t sqrt((n + 1) R / N + 2) sqrt(sum_i r_i^2)``. The projections scale each block by a power of two (exact)
+to a largest magnitude near 1 before its float32 dot products and sum the blocks in float64 (unscaled, the squares of
+gradients near 1e19 overflow float32, and products of subnormal gradients lose their digits), rounding pairwise
+within blocks: at most ``2 u32 log2(block) A / N``, ``A = sum_j sum_i |r_i g_ji|``. The check allows
+``8 (sigma + sigma_t) + 4 u32 log2(block) A / N``: a false alarm is an 8-sigma event, at any gradient scale a float
 can hold. A fault's signal is the projection of what was lost, about ``||lost||``, against
 ``sigma ~ u ||G||``; several projections (``projections``, default 2) make a miss need every one of them to land
 near zero (bf16, a dropped bucket: about 2% per projection).
@@ -48,7 +49,6 @@ BLOCK = 1 << 20  # elements of a parameter whose projection rows are drawn toget
 SIGMAS = 8.0
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 SMALLEST_SUBNORMAL = {torch.float32: 2.0**-149, torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24}
-FLOAT64_ROUNDOFF = 2.0**-53
 _MIX = 1_000_003  # mixes (seed, step, flat group, parameter, block) into one generator seed
 
 
@@ -174,21 +174,26 @@ class GradientCheck:
 
     def _project(self, index: int, position: int, start: int, values: torch.Tensor, numel: int) -> torch.Tensor:
         """[4, m], float64: <v, r>, sum r^2 v^2, sum |r v|, sum r^2 for ``values`` lying at ``start`` of parameter
-        ``position`` (of ``numel`` elements: a block's rows are drawn whole, so both sides draw the same numbers)."""
+        ``position`` (of ``numel`` elements: a block's rows are drawn whole, so both sides draw the same numbers).
+        Each block is scaled by a power of two (exact) to a largest magnitude in [0.5, 1) before its float32 dot
+        products, which then neither overflow (gradients near 1e19) nor lose their digits (subnormal gradients); the
+        sums are scaled back in float64."""
         device = self.buckets[index].flat.device
-        values = values.to(device, torch.float64)
+        values = values.to(device, torch.float32)
         out = torch.zeros(4, self.projections, dtype=torch.float64, device=device)
         stop = start + values.numel()
         for block in range(start // BLOCK, -(-stop // BLOCK)):
             lo, hi = max(start, block * BLOCK), min(stop, (block + 1) * BLOCK)
             length = min(BLOCK, numel - block * BLOCK)
             rows = self._rows(index, position, block, length, device)[:, lo - block * BLOCK : hi - block * BLOCK]
-            rows = rows.double()
-            part = rows * values[lo - start : hi - start]
-            out[0] += part.sum(dim=1)
-            out[1] += part.pow(2).sum(dim=1)
-            out[2] += part.abs().sum(dim=1)
-            out[3] += rows.pow(2).sum(dim=1)
+            part = values[lo - start : hi - start]
+            exponent = torch.frexp(part.abs().amax()).exponent  # 0 for a block of zeros
+            part = rows * torch.ldexp(part, -exponent)
+            scale = torch.ldexp(torch.ones((), dtype=torch.float64, device=device), exponent)
+            out[0] += part.sum(dim=1).double() * scale
+            out[1] += part.pow(2).sum(dim=1).double() * scale.square()
+            out[2] += part.abs().sum(dim=1).double() * scale
+            out[3] += rows.pow(2).sum(dim=1).double()
         return out
 
     def _reduced_projection(self, index: int) -> torch.Tensor:
@@ -221,7 +226,7 @@ class GradientCheck:
         sigma = unit * math.sqrt((n + 1) * reductions) * torch.sqrt(n * squares) / divisor
         # rows: the n ranks' sum r^2, each over the elements it observed
         sigma_subnormal = subnormal * math.sqrt((n + 1) * reductions / divisor + 2) * torch.sqrt(rows / n)
-        dot_rounding = 4 * FLOAT64_ROUNDOFF * math.log2(BLOCK) * absolute / divisor
+        dot_rounding = 4 * UNIT_ROUNDOFF[torch.float32] * math.log2(BLOCK) * absolute / divisor
         tolerance = SIGMAS * (sigma + sigma_subnormal) + dot_rounding
         expected = produced / divisor
         difference = (reduced - expected).abs()
