@@ -6,6 +6,7 @@ an optimizer's groups. Parameter names and defaults are DeepSpeed's, so configs 
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from typing import Any, Callable, Optional
@@ -313,7 +314,11 @@ def resolve_params(name: str, params: dict[str, Any], groups: int) -> list[dict[
             raise ValueError(f"scheduler.params.{key}: expected {groups} value(s), one per parameter group, got "
                              f"{len(value)}")  # fmt: skip
     per_group = [{k: (v[i] if isinstance(v, (list, tuple)) else v) for k, v in params.items()} for i in range(groups)]
+    numeric = _numeric_parameters(name)
     for group in per_group:
+        for key, value in group.items():
+            if key in numeric and value is not None and (not _is_number(value) or not math.isfinite(value)):
+                raise ValueError(f"scheduler.params.{key} must be a finite number, got {value!r:.40}")
         for key in LEARNING_RATES:
             value = group.get(key)
             if value is not None and (not _is_number(value) or not math.isfinite(value) or value < 0):
@@ -328,6 +333,20 @@ def resolve_params(name: str, params: dict[str, Any], groups: int) -> list[dict[
             )
             group["warmup_type"] = "log"
     return per_group
+
+
+def _numeric_parameters(name: str) -> set[str]:
+    """The parameters of schedule ``name`` that are numbers: all but the warmup type and the switches (OneCycle's
+    momentum parameters included)."""
+    factories = [SCHEDULES[name], *([one_cycle_momentum] if name == "OneCycle" else [])]
+    return {
+        key
+        for factory in factories
+        for key, parameter in inspect.signature(factory).parameters.items()
+        if key != "base_lr"
+        and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+        and not isinstance(parameter.default, (str, bool))
+    }
 
 
 def _check_steps(name: str, group: dict[str, Any]) -> None:

@@ -25,6 +25,14 @@ class GatheredParameters:
     """
 
     def __init__(self, params, modifier_rank: Optional[int] = None, enabled: bool = True):
+        world = comm.get_world_size()
+        if modifier_rank is not None and (
+            isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int) or not 0 <= modifier_rank < world
+        ):
+            raise ValueError(
+                f"GatheredParameters(modifier_rank={modifier_rank!r}): the rank whose values are kept must be an int "
+                f"in 0..{world - 1} (this world has {world} rank(s)), or None to discard changes"
+            )
         if isinstance(params, torch.Tensor):
             params = [params]
         params = list(params) if enabled else []

@@ -165,3 +165,15 @@ def test_stage3_prefetch_depth_defaults_to_one_unit_and_takes_zero():
     assert parse_config({"train_batch_size": 2}).zero_optimization.prefetch_depth == 1
     zero = {"stage": 3, "stage3_prefetch_depth": 0}
     assert parse_config({"train_batch_size": 2, "zero_optimization": zero}).zero_optimization.prefetch_depth == 0
+
+
+def test_an_integer_of_thousands_of_digits_names_the_file_and_key(tmp_path):
+    """Python refuses to read integers of over 4300 digits with a ValueError naming neither: the file and the key."""
+    from zeroshard.config import parse_config
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": ' + "9" * 5000 + "}}")
+    with pytest.raises(ValueError, match=r"ds.json': key 'zero_optimization.stage' holds an integer of 5000 digits"):
+        parse_config(str(path))
+    with pytest.raises(ValueError, match=r"'train_batch_size' = <an integer of about 5001 digits>"):
+        parse_config({"train_batch_size": 10**5000})  # the same number given as a dict: its repr is never written

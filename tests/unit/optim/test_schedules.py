@@ -188,3 +188,21 @@ def test_a_zero_second_half_cycle_is_allowed():
     curve = lrs("OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.1, "cycle_first_step_size": 100,
                              "cycle_second_step_size": 0}, 3)  # fmt: skip
     assert curve[0] == pytest.approx(0.001) and curve[3] > 0.001
+
+
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("OneCycle", {"cycle_min_lr": 1e-3, "cycle_max_lr": 0.1, "cycle_min_mom": ["a", 0.8]}),
+        ("OneCycle", {"cycle_min_lr": 1e-3, "cycle_max_lr": 0.1, "decay_lr_rate": float("nan")}),
+        ("OneCycle", {"cycle_min_lr": 1e-3, "cycle_max_lr": 0.1, "cycle_second_stair_count": "2"}),
+        ("WarmupDecayLR", {"total_num_steps": "100"}),
+        ("LRRangeTest", {"lr_range_test_step_rate": float("inf")}),
+        ("WarmupCosineLR", {"total_num_steps": 100, "cos_min_ratio": True}),
+    ],
+)
+def test_a_schedule_parameter_that_is_not_a_finite_number_is_named(name, params):
+    """Strings, NaN, infinity and switches where DeepSpeed's schedules compute with numbers: named when the schedule
+    is built, not a TypeError at some later step."""
+    with pytest.raises(ValueError, match=r"scheduler.params.\w+ must be a finite"):
+        build_schedule(name, params, two_groups())
