@@ -257,9 +257,8 @@ def main(argv: Optional[Sequence[str]] = None, export_prefixes: Sequence[str] = 
         from ..env_report import main as report_main
 
         return report_main(argv[1:])
-    args = build_parser().parse_args(argv)
     try:
-        check_resource_flags(args.include, args.exclude, args.num_nodes, args.num_gpus)
+        args = launch_arguments(argv)
     except ValueError as err:
         raise SystemExit(f"zeroshard: {err}") from None
     if args.no_ssh or args.node_rank is not None:
@@ -267,6 +266,17 @@ def main(argv: Optional[Sequence[str]] = None, export_prefixes: Sequence[str] = 
     if args.hostfile is not None:
         return run_hostfile(args, tuple(export_prefixes))
     return run_processes([torchrun_command(args)], _agent_env(args))
+
+
+SUBCOMMANDS = ("convert", "estimate", "report")  # the first word that makes the command something else than a launch
+
+
+def launch_arguments(argv: Sequence[str]) -> argparse.Namespace:
+    """A launch's arguments; flags that cannot go together (DeepSpeed's rule: ``-i`` / ``-e`` with ``--num_nodes`` /
+    ``--num_gpus``) are a ``ValueError`` naming them."""
+    args = build_parser().parse_args(argv)
+    check_resource_flags(args.include, args.exclude, args.num_nodes, args.num_gpus)
+    return args
 
 
 def _agent_env(args: argparse.Namespace) -> dict[str, str]:

@@ -299,29 +299,33 @@ def schedule_parts(name: str, params: dict[str, Any], optimizer: torch.optim.Opt
     momentum = [one_cycle_momentum(**p) for p in resolved]
     if any(curve is None for curve in momentum):  # cycle_momentum: false
         return curves, None, None, resolved
-    return curves, momentum, [p.get("cycle_min_mom", 0.8) for p in resolved], resolved
+    return curves, momentum, [p["cycle_min_mom"] for p in resolved], resolved
 
 
 def resolve_params(name: str, params: dict[str, Any], groups: int) -> list[dict[str, Any]]:
-    """``params`` for each of ``groups`` parameter groups, checked as DeepSpeed checks them (a ``ValueError`` naming
-    the parameter): a per-group list has one value per group; step sizes are positive (OneCycle's second half may be
-    0); learning rates are finite and not negative, and OneCycle's cycle does not go down; an unknown ``warmup_type``
-    is the log curve, with a warning, as in DeepSpeed."""
+    """``params`` for each of ``groups`` parameter groups, defaults filled in, checked as DeepSpeed checks them (a
+    ``ValueError`` naming the parameter): numbers are finite numbers; a per-group list has one value per group; step
+    sizes are positive (OneCycle's second half may be 0); learning rates are not negative, and OneCycle's cycle does
+    not go down; an unknown ``warmup_type`` is the log curve, with a warning, as in DeepSpeed."""
     for key, value in params.items():
         if isinstance(value, (list, tuple)) and key not in PER_GROUP[name]:
             raise ValueError(f"scheduler.params.{key} = {value!r}: {name} takes one value for every parameter group")
         if isinstance(value, (list, tuple)) and len(value) != groups:
             raise ValueError(f"scheduler.params.{key}: expected {groups} value(s), one per parameter group, got "
                              f"{len(value)}")  # fmt: skip
-    per_group = [{k: (v[i] if isinstance(v, (list, tuple)) else v) for k, v in params.items()} for i in range(groups)]
-    numeric = _numeric_parameters(name)
+    known = _parameters(name)
+    defaults = {key: p.default for key, p in known.items() if p.default is not inspect.Parameter.empty}
+    per_group = [
+        {**defaults, **{k: (v[i] if isinstance(v, (list, tuple)) else v) for k, v in params.items()}}
+        for i in range(groups)
+    ]
     for group in per_group:
         for key, value in group.items():
-            if key in numeric and value is not None and (not _is_number(value) or not math.isfinite(value)):
+            if key not in known or key in _NOT_NUMBERS or value is None:
+                continue  # an unknown key is the schedule's to refuse, by name
+            if not _is_number(value) or not math.isfinite(value):
                 raise ValueError(f"scheduler.params.{key} must be a finite number, got {value!r:.40}")
-        for key in LEARNING_RATES:
-            value = group.get(key)
-            if value is not None and (not _is_number(value) or not math.isfinite(value) or value < 0):
+            if key in LEARNING_RATES and value < 0:
                 raise ValueError(f"scheduler.params.{key} must be a finite learning rate >= 0, got {value!r}")
         _check_steps(name, group)
         if "warmup_type" in group and group["warmup_type"] not in WARMUP_TYPES:
@@ -335,33 +339,33 @@ def resolve_params(name: str, params: dict[str, Any], groups: int) -> list[dict[
     return per_group
 
 
-def _numeric_parameters(name: str) -> set[str]:
-    """The parameters of schedule ``name`` that are numbers: all but the warmup type and the switches (OneCycle's
-    momentum parameters included)."""
+_NOT_NUMBERS = ("warmup_type", "lr_range_test_staircase", "cycle_momentum")
+
+
+def _parameters(name: str) -> dict[str, inspect.Parameter]:
+    """Schedule ``name``'s parameters by name (OneCycle's momentum parameters included)."""
     factories = [SCHEDULES[name], *([one_cycle_momentum] if name == "OneCycle" else [])]
     return {
-        key
+        key: parameter
         for factory in factories
         for key, parameter in inspect.signature(factory).parameters.items()
-        if key != "base_lr"
-        and parameter.kind is not inspect.Parameter.VAR_KEYWORD
-        and not isinstance(parameter.default, (str, bool))
+        if key != "base_lr" and parameter.kind is not inspect.Parameter.VAR_KEYWORD
     }
 
 
 def _check_steps(name: str, group: dict[str, Any]) -> None:
     if name == "LRRangeTest":
-        size = group.get("lr_range_test_step_size", 2000)
+        size = group["lr_range_test_step_size"]
         if not _is_integer(size) or size <= 0:
             raise ValueError(f"scheduler.params.lr_range_test_step_size must be a positive integer, got {size!r}")
     if name == "OneCycle":
         for key in ("cycle_min_lr", "cycle_max_lr"):
             if key not in group:
                 raise ValueError(f"scheduler '{name}' needs scheduler.params.{key}")
-        first, second = group.get("cycle_first_step_size", 2000), group.get("cycle_second_step_size")
-        if not _is_number(first) or first <= 0:
+        first, second = group["cycle_first_step_size"], group["cycle_second_step_size"]
+        if first <= 0:
             raise ValueError(f"scheduler.params.cycle_first_step_size must be positive, got {first!r}")
-        if second is not None and (not _is_number(second) or second < 0):
+        if second is not None and second < 0:
             raise ValueError(f"scheduler.params.cycle_second_step_size must be non-negative, got {second!r}")
         if group["cycle_min_lr"] > group["cycle_max_lr"]:
             raise ValueError(

@@ -71,12 +71,9 @@ class OptimizerState:
         raise NotImplementedError
 
     def _sharded_norms(self) -> Optional[ShardedNorms]:
-        return None
-
-    def _layout(self) -> ShardedNorms:
         """Which range of which master shard belongs to which parameter (Lamb's per-parameter trust ratios), and each
         flat group's values made whole (Muon's matrices; gathered on the compute device, where the collectives
-        run). Valid when every sub-group is a whole shard."""
+        run). Valid while every sub-group is a whole shard; homes that cut shards answer None."""
         segments: dict[int, list[tuple[int, int, int]]] = {}
         slot_id = 0
         for sub in self.subgroups:
@@ -224,9 +221,6 @@ class DeviceState(OptimizerState):
         shard = self.flats[sub.flat_index].shard
         return shard is not None and shard.data_ptr() == sub.param.data_ptr()
 
-    def _sharded_norms(self) -> ShardedNorms:
-        return self._layout()
-
     def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
         """One fused optimizer call over every master shard when the gradients are in the master dtype; one per
         flat group when they need a conversion, bounding the transient copies (and the optimizer's own
@@ -284,10 +278,9 @@ class HostState(OptimizerState):
         return self.subgroups
 
     def _sharded_norms(self) -> Optional[ShardedNorms]:
-        """The layout, when each flat group's shard is one sub-group (Muon's matrices need the whole shard at once;
-        sub_group_size is 1e9 by default)."""
-        return self._layout() if all(sub.start == 0 and sub.stop == self.flats[sub.flat_index].layout.shard_numel
-                                     for sub in self.subgroups) else None  # fmt: skip
+        """The layout while each flat group's shard is one sub-group (sub_group_size is 1e9 by default)."""
+        whole = all(len(subs) == 1 for subs in self._subgroups_of)
+        return super()._sharded_norms() if whole else None
 
     def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
         """One sub-group at a time on the CPU; each update's copy to the compute parameters is issued

@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from zeroshard.launcher.cli import build_parser
+from zeroshard.launcher.cli import SUBCOMMANDS, launch_arguments
 from zeroshard.launcher.cli import main as _launch
-from zeroshard.launcher.hostfile import check_resource_flags, filter_resources, parse_hostfile
+from zeroshard.launcher.hostfile import filter_resources, parse_hostfile
 
 DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"  # file of KEY=VALUE lines exported to every rank
 # prefixes of the launching environment's variables exported to every node of a multi-node launch (zeroshard
@@ -31,9 +31,8 @@ def main(args: Optional[Sequence[str]] = None) -> None:
     code, as DeepSpeed's runner does. Flags that cannot go together (``-i`` / ``-e`` with ``--num_nodes`` /
     ``--num_gpus``) raise DeepSpeed's ``ValueError`` before anything starts."""
     argv = list(sys.argv[1:] if args is None else args)
-    if argv[:1] not in (["convert"], ["estimate"], ["report"]):
-        parsed = build_parser().parse_args(argv)
-        check_resource_flags(parsed.include, parsed.exclude, parsed.num_nodes, parsed.num_gpus)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        launch_arguments(argv)  # raises before anything starts
     code = _launch(argv, export_prefixes=tuple(EXPORT_ENVS))
     if code:
         sys.exit(code)

@@ -6,8 +6,6 @@ the attributes DeepSpeed's schedule objects expose (``min_lrs``, ``max_lrs``, ``
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from zeroshard.optim.schedules import SCHEDULES, ScheduleRunner, schedule_parts, warmup_cosine_ratio
@@ -62,13 +60,21 @@ class _Schedule(ScheduleRunner):
         self.last_batch_iteration = last_batch_iteration  # DeepSpeed sets lrs at construction only from -1
 
     def _setting(self, key: str) -> list:
-        """``key`` per parameter group, its default where not given."""
-        default = inspect.signature(SCHEDULES[self.NAME]).parameters.get(key)
-        fallback = default.default if default is not None else None
-        return [group.get(key, fallback) for group in self.params]
+        """``key`` per parameter group (the resolved parameters hold every default)."""
+        return [group[key] for group in self.params]
 
 
-class WarmupLR(_Schedule):
+class _Warmup(_Schedule):
+    @property
+    def warmup_num_steps(self) -> int:
+        return max(2, self._setting(WARMUP_NUM_STEPS)[0])
+
+    @property
+    def warmup_type(self) -> str:
+        return self._setting(WARMUP_TYPE)[0]
+
+
+class WarmupLR(_Warmup):
     """``deepspeed.runtime.lr_schedules.WarmupLR``."""
 
     NAME = WARMUP_LR
@@ -81,14 +87,6 @@ class WarmupLR(_Schedule):
     def max_lrs(self) -> list:
         return [base if top is None else top for base, top in zip(self.org_lrs, self._setting(WARMUP_MAX_LR))]
 
-    @property
-    def warmup_num_steps(self) -> int:
-        return max(2, self._setting(WARMUP_NUM_STEPS)[0])
-
-    @property
-    def warmup_type(self) -> str:
-        return self._setting(WARMUP_TYPE)[0]
-
 
 class WarmupDecayLR(WarmupLR):
     """``deepspeed.runtime.lr_schedules.WarmupDecayLR``."""
@@ -100,27 +98,18 @@ class WarmupDecayLR(WarmupLR):
         return self._setting(TOTAL_NUM_STEPS)[0]
 
 
-class WarmupCosineLR(_Schedule):
+class WarmupCosineLR(_Warmup):
     """``deepspeed.runtime.lr_schedules.WarmupCosineLR``."""
 
     NAME = WARMUP_COSINE_LR
 
     @property
-    def warmup_num_steps(self) -> int:
-        return max(2, self._setting(WARMUP_NUM_STEPS)[0])
-
-    @property
     def total_num_steps(self) -> int:
         return self._setting(TOTAL_NUM_STEPS)[0]
 
-    @property
-    def warmup_type(self) -> str:
-        return self._setting(WARMUP_TYPE)[0]
-
     def get_lr_ratio(self) -> float:
         """The factor of each group's base lr at the last step."""
-        keys = inspect.signature(warmup_cosine_ratio).parameters
-        return warmup_cosine_ratio(self.last_batch_iteration, **{k: v for k, v in self.params[0].items() if k in keys})
+        return warmup_cosine_ratio(self.last_batch_iteration, **self.params[0])
 
 
 class OneCycle(_Schedule):
@@ -138,9 +127,8 @@ class OneCycle(_Schedule):
 
     @property
     def total_size(self) -> float:
-        first = float(self._setting(CYCLE_FIRST_STEP_SIZE)[0])
-        second = self._setting(CYCLE_SECOND_STEP_SIZE)[0]
-        return first + (first if second is None else float(second))
+        first, second = self._setting(CYCLE_FIRST_STEP_SIZE)[0], self._setting(CYCLE_SECOND_STEP_SIZE)[0]
+        return float(first) + float(first if second is None else second)
 
     @property
     def step_ratio(self) -> float:
@@ -148,14 +136,11 @@ class OneCycle(_Schedule):
 
     @property
     def min_moms(self) -> list:
-        return [(m, 0.99) for m in self._momentum(CYCLE_MIN_MOM, 0.8)]
+        return [(m, 0.99) for m in self._setting(CYCLE_MIN_MOM)]
 
     @property
     def max_moms(self) -> list:
-        return [(m, 0.99) for m in self._momentum(CYCLE_MAX_MOM, 0.9)]
-
-    def _momentum(self, key: str, default: float) -> list:
-        return [group.get(key, default) for group in self.params]
+        return [(m, 0.99) for m in self._setting(CYCLE_MAX_MOM)]
 
 
 class LRRangeTest(_Schedule):
