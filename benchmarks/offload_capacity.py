@@ -1,139 +1,191 @@
-"""How large a GPT can 2 ranks train on this machine, without offload, with CPU offload and with NVMe
-offload; step time and memory per rank for each.
+"""How many bytes of RAM and disk each parameter costs under ZeRO-3 with NVMe (and CPU) offload, measured as a
+user starts the run: ``zeroshard --num_gpus 2 <this file> --worker ...``, with no environment variable set here
+(the ranks inherit this process's environment minus any ``MALLOC_*`` tuning).
 
-    python benchmarks/offload_capacity.py [--layers 4 16] [--width 1024] [--nvme_path /tmp]
+    python benchmarks/offload_capacity.py [--layers 4 16] [--width 1024] [--knobs large defaults] [--nvme_path /tmp]
+    python benchmarks/offload_capacity.py --check 300 --width 1024 --modes nvme --steps 2   # one size, measured
 
-Every mode runs ZeRO stage 3 (the most memory-frugal placement) with the model built under
-``zero.Init`` (no rank ever holds the whole model), fp32, one micro-batch of 1 x 64 tokens:
-- none: parameters, gradients, master weights and Adam state in memory (16 bytes/parameter over N);
-- cpu: ``offload_optimizer`` + ``offload_param`` to CPU. On a machine without a GPU "device" and
-  "host" memory are the same RAM, so this mode shows the cost of the copies, not a capacity gain;
-- nvme: ``offload_optimizer`` + ``offload_param`` to NVMe: only gradient shards, staging buffers and
-  the gathered unit stay in RAM.
-For each mode the peak resident memory is measured at two model sizes; the slope (bytes of RAM per
-parameter) and the disk's free space give the largest model that fits, which is reported as a
-projection (a measured run at that size takes too long on 2 cores to repeat here). Both sizes should
-have more blocks than the reductions and prefetches in flight (about 4), or the slope also counts
-those bounded transients.
+Every run is ZeRO stage 3 with the model built under ``zero.Init`` (no rank ever holds the whole model), fp32,
+AdamW, one micro-batch of 1 x 64 tokens, gradient clipping 1.0 (DeepSpeed's HF default). Modes:
 
-The ranks run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (set here unless already set): glibc then
-returns every freed block over 1 MiB to the OS at once instead of keeping it in its heap, which
-lowers peak RSS a lot for the alternating gather/free pattern of stage 3 (and costs some speed).
+- none: everything in RAM (16 bytes per parameter over the ranks);
+- cpu: ``offload_optimizer`` + ``offload_param`` to ``cpu`` (on a machine without a GPU "device" and "host" are the
+  same RAM: this shows the cost of the copies, not a capacity gain);
+- nvme: ``offload_optimizer`` + ``offload_param`` to ``nvme``.
+
+Knob sets (``--knobs``): ``large``, what a model far above 1e9 parameters is run with (3 blocks of live parameters,
+prefetch of 1 block, reuse distance 0, ``sub_group_size`` of 1 block, ``max_in_cpu`` 0); ``defaults``, DeepSpeed's
+documented defaults (1e9 for ``sub_group_size``, live parameters, reuse distance and ``max_in_cpu``).
+
+Per run the ranks report the peak RSS of ``initialize`` and of the steps separately (VmHWM, reset between them
+through ``/proc/self/clear_refs``), the step time, and the disk bytes read and written per step (the offload
+ledger). The slope between two sizes, summed over both ranks, is the RAM cost per parameter.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # before any rank starts (they inherit it)
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
 
-from zeroshard.accelerator import host_peak_rss
-from zeroshard.testing import run_distributed
 from zeroshard.testing.models import GPT, GPTConfig
 
 RAM_BUDGET = 22 * 2**30  # of the 24 GiB: leave room for the OS and the launcher
 SEQ = 64
+VOCAB = 8192
 
 
-def config(mode: str, nvme_path: str, block_numel: int) -> dict:
-    zero = {
-        "stage": 3,
-        "stage3_param_persistence_threshold": 0,
-        "gather_unit_classes": ["Block"],
-        "sub_group_size": 50_000_000,
-        "stage3_prefetch_bucket_size": block_numel,  # prefetch one block ahead
-        "stage3_max_live_parameters": 3 * block_numel,
-    }
+def config(mode: str, knobs: str, nvme_path: str, block_numel: int) -> dict:
+    zero: dict = {"stage": 3, "stage3_param_persistence_threshold": 0, "gather_unit_classes": ["Block"]}
+    if knobs == "large":
+        zero.update(
+            stage3_prefetch_bucket_size=block_numel,
+            stage3_max_live_parameters=3 * block_numel,
+            stage3_max_reuse_distance=0,
+            sub_group_size=block_numel,
+        )
     if mode in ("cpu", "nvme"):
         extra = {"nvme_path": nvme_path} if mode == "nvme" else {}
         zero["offload_optimizer"] = {"device": mode, **extra}
-        zero["offload_param"] = {"device": mode, "max_in_cpu": 0, **extra}
+        zero["offload_param"] = {"device": mode, **extra, **({"max_in_cpu": 0} if knobs == "large" else {})}
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": zero,
         "steps_per_print": 1_000_000,
     }
 
 
-def worker(cfg: GPTConfig, mode: str, nvme_path: str, steps: int) -> dict:
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def worker(args) -> None:
+    """One rank, started by the zeroshard launcher."""
     import zeroshard
     from zeroshard import comm
+    from zeroshard.accelerator import host_peak_rss
 
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=args.layers, n_head=16, n_embd=args.width)
     with zeroshard.zero.Init():
         model = GPT(cfg)
     block_numel = sum(p.numel() for p in model.blocks[0].parameters())
-    engine, *_ = zeroshard.initialize(model=model, config=config(mode, nvme_path, block_numel))
-    x = torch.randint(0, cfg.vocab_size, (1, SEQ))
-    times = []
-    for _ in range(steps):
+    engine, *_ = zeroshard.initialize(model=model, config=config(args.mode, args.knobs, args.nvme_path, block_numel))
+    init_peak = host_peak_rss()
+    _reset_peak()
+    x = torch.randint(0, cfg.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    times, disk = [], []
+    for _ in range(args.steps):
         comm.barrier(engine.mesh.world)
+        before = engine.disk_io()
         started = time.perf_counter()
         engine.backward(engine(x, x))
         engine.step()
         times.append(time.perf_counter() - started)
-    where = engine.zero.state_bytes_by_location()
-    return {
+        after = engine.disk_io()
+        disk.append({k: after[k] - before[k] for k in after})
+    where = engine.state_bytes_by_location()
+    result = {
         "params": sum(p.numel() for p in model.parameters()),
         "step_s": min(times[1:] or times),
-        "peak_rss": host_peak_rss(),
+        "init_peak_rss": init_peak,
+        "step_peak_rss": host_peak_rss(),
         "ram_state": sum(where["device"].values()) + sum(where["host"].values()),
         "nvme_state": sum(where["nvme"].values()),
+        "disk_per_step": disk[-1],
     }
+    with open(os.path.join(args.out, f"rank{comm.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def launch(mode: str, knobs: str, layers: int, width: int, steps: int, nvme_path: str) -> dict:
+    """Both ranks' results, started as a user starts them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            sys.executable, "-m", "zeroshard", "--num_gpus", "2", os.path.abspath(__file__), "--worker",
+            "--mode", mode, "--knobs", knobs, "--layers", str(layers), "--width", str(width),
+            "--steps", str(steps), "--nvme_path", nvme_path, "--out", out,
+        ]  # fmt: skip
+        subprocess.run(command, env=env, check=True)
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    result = dict(ranks[0])
+    for key in ("init_peak_rss", "step_peak_rss", "ram_state", "nvme_state"):
+        result[key] = sum(r[key] for r in ranks)  # both ranks
+    result["peak_rss"] = max(result["init_peak_rss"], result["step_peak_rss"])
+    result["disk_per_step"] = {k: sum(r["disk_per_step"][k] for r in ranks) for k in ranks[0]["disk_per_step"]}
+    result["step_s"] = max(r["step_s"] for r in ranks)
+    return result
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, nargs=2, default=[6, 14])
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--modes", nargs="+", default=["none", "cpu", "nvme"])
+    parser.add_argument("--knobs", nargs="+", default=["large"], choices=["large", "defaults"])
     parser.add_argument("--nvme_path", default="/tmp")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--check", type=int, metavar="LAYERS", help="only run this size (e.g. one past a projection)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        args.layers = args.layers[0]
+        return worker(args)
     free_disk = shutil.disk_usage(args.nvme_path).free
     print(
-        f"2 ranks, stage 3, fp32, width {args.width}, {os.cpu_count()} cores; RAM budget {RAM_BUDGET / 2**30:.0f} GiB, "
-        f"free disk at {args.nvme_path}: {free_disk / 2**30:.0f} GiB\n"
+        f"2 ranks (zeroshard --num_gpus 2), stage 3, fp32, width {args.width}, {os.cpu_count()} cores; RAM budget "
+        f"{RAM_BUDGET / 2**30:.0f} GiB, free disk at {args.nvme_path}: {free_disk / 2**30:.0f} GiB\n"
     )
-    print("| mode | parameters | step s | peak RSS / rank GiB | model state in RAM / rank GiB | on disk / rank GiB |")
-    print("|---|---|---|---|---|---|")
-    projections = []
-    for mode in args.modes:
-        points = []
-        for layers in [args.check] if args.check else args.layers:
-            cfg = GPTConfig(vocab_size=8192, block_size=SEQ, n_layer=layers, n_head=16, n_embd=args.width)
-            r = run_distributed(worker, 2, cfg, mode, args.nvme_path, args.steps, timeout_s=3600)[0]
-            points.append(r)
-            print(
-                f"| {mode} | {r['params'] / 1e6:.0f}M | {r['step_s']:.2f} | {r['peak_rss'] / 2**30:.2f} | "
-                f"{r['ram_state'] / 2**30:.2f} | {r['nvme_state'] / 2**30:.2f} |"
-            )
-        if args.check:
-            continue
-        small, large = points
-        ram_per_param = 2 * (large["peak_rss"] - small["peak_rss"]) / (large["params"] - small["params"])
-        base = 2 * small["peak_rss"] - ram_per_param * small["params"]
-        fit_ram = (RAM_BUDGET - base) / ram_per_param
-        disk_per_param = 2 * large["nvme_state"] / large["params"]
-        fit = min(fit_ram, free_disk / disk_per_param) if disk_per_param else fit_ram
-        time_per_param = large["step_s"] / large["params"]
-        projections.append((mode, ram_per_param, disk_per_param, fit, fit * time_per_param))
-    if not projections:
-        return
     print(
-        "\n| mode | RAM bytes / parameter (both ranks) | disk bytes / parameter | largest model (projected) "
-        "| step s at that size (projected, linear) |"
+        "| mode | knobs | parameters | step s | peak RSS, both ranks GiB (init / steps) | model state in RAM GiB "
+        "| on disk GiB | disk read + written per step GB |"
     )
-    print("|---|---|---|---|---|")
-    for mode, ram, disk, fit, step in projections:
-        print(f"| {mode} | {ram:.1f} | {disk:.1f} | {fit / 1e9:.2f}B | {step:.0f} |")
+    print("|---|---|---|---|---|---|---|---|")
+    slopes = []
+    for knobs in args.knobs:
+        for mode in args.modes:
+            points = []
+            for layers in [args.check] if args.check else args.layers:
+                r = launch(mode, knobs, layers, args.width, args.steps, args.nvme_path)
+                points.append(r)
+                disk = r["disk_per_step"]
+                print(
+                    f"| {mode} | {knobs} | {r['params'] / 1e6:.0f}M | {r['step_s']:.2f} | "
+                    f"{r['init_peak_rss'] / 2**30:.2f} / {r['step_peak_rss'] / 2**30:.2f} | "
+                    f"{r['ram_state'] / 2**30:.2f} | {r['nvme_state'] / 2**30:.2f} | "
+                    f"{disk['read'] / 1e9:.2f} + {disk['written'] / 1e9:.2f} |",
+                    flush=True,
+                )
+            if len(points) == 2:
+                small, large = points
+                span = large["params"] - small["params"]
+                ram = (large["peak_rss"] - small["peak_rss"]) / span
+                disk = large["nvme_state"] / large["params"]
+                io = sum(large["disk_per_step"].values()) / large["params"]
+                fit_ram = (RAM_BUDGET - (small["peak_rss"] - ram * small["params"])) / max(ram, 1e-9)
+                fit = min(fit_ram, free_disk / disk) if disk else fit_ram
+                slopes.append((mode, knobs, ram, disk, io, fit))
+    if slopes:
+        print(
+            "\n| mode | knobs | RAM bytes / parameter (both ranks) | disk bytes / parameter | disk bytes moved / "
+            "parameter / step | largest model (projected) |"
+        )
+        print("|---|---|---|---|---|---|")
+        for mode, knobs, ram, disk, io, fit in slopes:
+            print(f"| {mode} | {knobs} | {ram:.2f} | {disk:.1f} | {io:.1f} | {fit / 1e9:.2f}B |")
 
 
 if __name__ == "__main__":

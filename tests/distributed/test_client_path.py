@@ -74,9 +74,7 @@ def _alst_tutorial(tiny_llama) -> dict:
     )
 
     model = tiny_llama
-    model, _, _, _ = deepspeed.initialize(
-        config=config_dict, model=model, model_parameters=model.parameters(), mpu=mpu
-    )
+    model, _, _, _ = deepspeed.initialize(config=config_dict, model=model, model_parameters=model.parameters(), mpu=mpu)
 
     sp_group = groups._get_sequence_parallel_group()
     sp_world_size = groups._get_sequence_parallel_world_size()

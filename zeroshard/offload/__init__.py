@@ -1,11 +1,12 @@
 """Offload (ZeRO-Offload / ZeRO-Infinity): optimizer state and stage-3 parameter shards in host memory
 or in swap files on NVMe, moved with asynchronous positioned I/O from Python threads."""
 
-from .aio import OffloadIOError, SwapFile
+from .aio import IOStats, OffloadIOError, SwapFile
 from .optimizer_swap import MASTER, NvmeOptimizerSwapper, SubGroup, elementwise_keys
 from .plan import OffloadDevice, OffloadPlan, ShardHome, ShardHomes, optimizer_swapper, shard_homes
 
 __all__ = [
+    "IOStats",
     "MASTER",
     "NvmeOptimizerSwapper",
     "OffloadIOError",

@@ -15,8 +15,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -65,21 +66,42 @@ class AioSettings:
         )
 
 
+@dataclass
+class IOStats:
+    """What one swap file moved, and how long the training thread waited for it (the *exposed* wait: a transfer
+    that finished while the thread computed costs nothing here)."""
+
+    read: int = 0
+    written: int = 0
+    wait_s: float = 0.0
+    read_s: float = 0.0  # seconds the I/O threads spent in reads (summed over threads)
+    write_s: float = 0.0
+
+    def add(self, other: "IOStats") -> "IOStats":
+        return IOStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
 class IOPending:
     """A submitted read or write; ``wait`` returns when every block is done or raises ``OffloadIOError``."""
 
-    def __init__(self, futures: list[Future]):
+    def __init__(self, futures: list[Future], stats: IOStats):
         self._futures = futures
+        self._stats = stats
 
     @classmethod
     def all_of(cls, pendings: list["IOPending"]) -> "IOPending":
-        """One handle for several submissions."""
-        return cls([f for p in pendings for f in p._futures])
+        """One handle for several submissions (of one file)."""
+        return cls([f for p in pendings for f in p._futures], pendings[0]._stats if pendings else IOStats())
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 
     def wait(self) -> None:
+        if not self.done():
+            started = time.perf_counter()
+            for future in self._futures:
+                future.exception()
+            self._stats.wait_s += time.perf_counter() - started
         errors = [f.exception() for f in self._futures]
         self._futures = []
         for error in errors:
@@ -112,6 +134,7 @@ class SwapFile:
             self.direct = False
         os.unlink(self.path)
         self.size = 0
+        self.stats = IOStats()
         self._pool = ThreadPoolExecutor(settings.threads, thread_name_prefix="zeroshard-aio")
         if self.direct and not self._direct_works():
             plain = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR)  # same (unlinked) file, without O_DIRECT
@@ -156,6 +179,16 @@ class SwapFile:
     def _run(self, write: bool, view: memoryview, offset: int) -> None:
         """One system call per ``queue_depth`` blocks; short transfers are continued."""
         op = "write" if write else "read"
+        started = time.perf_counter()
+        try:
+            self._transfer(write, view, offset, op)
+        finally:
+            if write:
+                self.stats.write_s += time.perf_counter() - started
+            else:
+                self.stats.read_s += time.perf_counter() - started
+
+    def _transfer(self, write: bool, view: memoryview, offset: int, op: str) -> None:
         block = self.settings.block_size
         depth = 1 if self.settings.single_submit else self.settings.queue_depth
         done = 0
@@ -182,9 +215,13 @@ class SwapFile:
             raise AssertionError(f"transfer [{offset}, {offset + len(view)}) outside the reserved {self.size} bytes")
         parts = self.settings.threads
         step = align_up(-(-len(view) // parts))
-        return IOPending(
-            [self._pool.submit(self._run, write, view[lo : lo + step], offset + lo) for lo in range(0, len(view), step)]
-        )
+        if write:
+            self.stats.written += len(view)
+        else:
+            self.stats.read += len(view)
+        run = self._run
+        futures = [self._pool.submit(run, write, view[lo : lo + step], offset + lo) for lo in range(0, len(view), step)]
+        return IOPending(futures, self.stats)
 
     def close(self) -> None:
         if getattr(self, "fd", -1) >= 0:

@@ -2,7 +2,9 @@
 live in one swap file; only ``buffer_count`` sub-groups are in host memory at any time.
 
 The step streams through the sub-groups: while the optimizer updates one, the next ones are read
-ahead and the previous ones written behind (``steps``). The optimizer itself is an ordinary
+ahead and the previous ones written behind (``steps``). Each sub-group's reduced gradient can wait in the file too
+(``write_grad`` during backward, written behind; read with its sub-group in the step): see
+:class:`~zeroshard.zero.grad_home.SpilledGrad`. The optimizer itself is an ordinary
 ``torch.optim`` optimizer over one placeholder tensor per sub-group; before its sub-group is stepped
 the placeholder's data and its state tensors are pointed at the staging buffer, and afterwards
 pointed away again, so no optimizer tensor outlives its turn in memory.
@@ -19,6 +21,7 @@ import torch
 from .aio import IOPending, SwapFile, align_up, aligned_empty
 
 MASTER = "master"  # the key of the fp32 master weights beside the optimizer's state keys
+GRAD = "grad"  # the key of a sub-group's fp32 gradient, when it waits in the file for the step
 _SWAPPED_OUT = torch.empty(0)  # what a swapped-out sub-group's tensors point at
 
 
@@ -69,6 +72,8 @@ class NvmeOptimizerSwapper:
         self.regions: dict[tuple[int, str], int] = {}  # (id(param), key) -> file offset
         self.state_keys: dict[int, list[str]] = {}  # id(param) -> its swapped optimizer state keys
         self.slots = [_Slot() for _ in range(buffer_count)]
+        self._spill_turn = 0  # the slot the next gradient write stages through
+        self._stepping: Optional[tuple[SubGroup, _Slot]] = None  # the sub-group ``steps`` has yielded, and its slot
 
     # -- staging buffers and file regions -------------------------------------------------------
     def _view(self, slot: _Slot, key: str, numel: int) -> torch.Tensor:
@@ -81,15 +86,24 @@ class NvmeOptimizerSwapper:
         for key in keys:
             region = (id(sub.param), key)
             if region not in self.regions:
-                self.regions[region] = self.file.reserve(sub.numel * 4)
-                if key != MASTER:
-                    self.state_keys.setdefault(id(sub.param), []).append(key)
+                self.reserve(sub, key)
             buffer = slot.buffers[key][: align_up(sub.numel * 4)]
             pendings.append(self.file.submit(write, buffer, self.regions[region]))
         return pendings
 
+    def reserve(self, sub: SubGroup, key: str) -> None:
+        """Claim the sub-group's region for ``key`` in the file now (a full disk fails here, not mid-step)."""
+        self.regions[(id(sub.param), key)] = self.file.reserve(sub.numel * 4)
+        if key not in (MASTER, GRAD):
+            self.state_keys.setdefault(id(sub.param), []).append(key)
+
     def _keys(self, sub: SubGroup) -> list[str]:
         return [MASTER, *self.state_keys.get(id(sub.param), [])]
+
+    def finish_writes(self) -> None:
+        """Wait for every write behind (so a read of any region sees it)."""
+        for slot in self.slots:
+            slot.finish_writes()
 
     def bytes_on_disk(self) -> int:
         return self.file.size
@@ -98,10 +112,10 @@ class NvmeOptimizerSwapper:
         return sum(b.numel() for slot in self.slots for b in slot.buffers.values())
 
     # -- moving one sub-group in and out ----------------------------------------------------------
-    def _read(self, sub: SubGroup, slot: _Slot) -> None:
+    def _read(self, sub: SubGroup, slot: _Slot, with_grad: bool) -> None:
         slot.finish_writes()
         self.synchronize()
-        keys = self._keys(sub)
+        keys = self._keys(sub) + ([GRAD] if with_grad else [])
         for key in keys:
             self._view(slot, key, sub.numel)
         pendings = self._io(False, sub, slot, keys)
@@ -111,6 +125,7 @@ class NvmeOptimizerSwapper:
         slot.reading.wait()
         slot.reading = None
         sub.param.data = self._view(slot, MASTER, sub.numel)
+        self._stepping = (sub, slot)
         state = optimizer.state.get(sub.param)
         if state:
             for key in self._keys(sub)[1:]:
@@ -126,10 +141,22 @@ class NvmeOptimizerSwapper:
             state[key] = _SWAPPED_OUT
         slot.writing = self._io(True, sub, slot, [MASTER, *keys])
         sub.param.data = _SWAPPED_OUT
+        self._stepping = None
 
-    def steps(self, optimizer: torch.optim.Optimizer, subs: list[SubGroup]) -> Iterator[SubGroup]:
-        """Yield each sub-group with its master weights and ``optimizer``'s state for it in memory, reading ahead
-        up to ``buffer_count - 1`` sub-groups and writing each back as soon as it has been stepped."""
+    def staged_grad(self, sub: SubGroup) -> torch.Tensor:
+        """The gradient ``steps(..., with_grad=True)`` read with the sub-group it has just yielded (scratch: the
+        step may scale it in place)."""
+        if self._stepping is None or self._stepping[0] is not sub:
+            raise AssertionError("staged_grad is valid for the sub-group steps() has yielded")
+        return self._view(self._stepping[1], GRAD, sub.numel)
+
+    def steps(
+        self, optimizer: torch.optim.Optimizer, subs: list[SubGroup], with_grad: bool = False
+    ) -> Iterator[SubGroup]:
+        """Yield each sub-group with its master weights and ``optimizer``'s state for it in memory (and, ``with_grad``,
+        its gradient: :meth:`staged_grad`), reading ahead up to ``buffer_count - 1`` sub-groups and writing each
+        back as soon as it has been stepped."""
+        self.finish_writes()  # gradients written behind during backward land before any region is read
         ahead = max(1, len(self.slots) - 1)
         free = deque(self.slots)
         queued: deque[tuple[SubGroup, _Slot]] = deque()
@@ -138,7 +165,7 @@ class NvmeOptimizerSwapper:
             for sub in subs:
                 while issued < len(subs) and len(queued) < ahead and free:
                     slot = free.popleft()
-                    self._read(subs[issued], slot)
+                    self._read(subs[issued], slot, with_grad)
                     queued.append((subs[issued], slot))
                     issued += 1
                 current, slot = queued.popleft()
@@ -167,6 +194,24 @@ class NvmeOptimizerSwapper:
         for pending in self._io(False, sub, slot, keys):
             pending.wait()
         return {key: self._view(slot, key, sub.numel).clone() for key in keys}
+
+    def write_grad(self, sub: SubGroup, values: torch.Tensor) -> None:
+        """Write the sub-group's gradient behind: staged in the slots in turn, so at most ``buffer_count`` writes
+        are in flight and the caller's ``values`` are free to reuse at once."""
+        slot = self.slots[self._spill_turn]
+        self._spill_turn = (self._spill_turn + 1) % len(self.slots)
+        slot.finish_writes()
+        self._view(slot, GRAD, sub.numel).copy_(values)
+        slot.writing.extend(self._io(True, sub, slot, [GRAD]))
+
+    def read_grad(self, sub: SubGroup, out: torch.Tensor) -> None:
+        """Read the sub-group's gradient into ``out`` (synchronously: an accumulation's next micro-batch)."""
+        self.finish_writes()
+        slot = self.slots[0]
+        self._view(slot, GRAD, sub.numel)
+        for pending in self._io(False, sub, slot, [GRAD]):
+            pending.wait()
+        out.copy_(self._view(slot, GRAD, sub.numel))
 
     def write(self, sub: SubGroup, tensors: dict[str, torch.Tensor]) -> None:
         """Replace the sub-group's master weights and/or elementwise state (synchronously)."""

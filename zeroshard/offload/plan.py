@@ -125,6 +125,9 @@ class ShardHomes:
             self.pool = BufferPool(plan.param_buffer_count, self._buffer_bytes, plan.pin_memory)
         return NvmeShard(shard, self.file, self.pool)
 
+    def swap_files(self) -> list[SwapFile]:
+        return [self.file] if self.file is not None else []
+
     def bytes_held(self) -> dict[str, dict[str, int]]:
         """The shared staging buffers (each home counts its own shard)."""
         return {"params": {"host": self.pool.bytes_in_memory if self.pool is not None else 0}}

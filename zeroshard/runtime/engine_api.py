@@ -180,3 +180,10 @@ class DeepSpeedAccessors:
     def state_bytes_by_location(self) -> dict[str, dict[str, int]]:
         """The same, split by where it lives: ``device``, ``host`` (offloaded) and ``nvme`` (swap files)."""
         return self.stack.state_bytes_by_location()
+
+    def disk_io(self) -> dict[str, float]:
+        """What this rank's offload swap files moved since ``initialize``: bytes ``read`` and ``written``;
+        ``wait_s``, the seconds training waited for them (transfers that finished behind computation cost none);
+        ``read_s`` / ``write_s``, the seconds the I/O threads spent transferring (bytes over them: the bandwidth
+        the disk gave this run)."""
+        return self.stack.disk_io()

@@ -44,6 +44,7 @@ class Reporting:
         self._window_start = time.perf_counter()
         self._window_tokens = 0
         self._memory_reported = False
+        self._disk_seen = stack.disk_io()  # the swap files' counters at the last report
         # model-state bytes are sampled (a walk over every owner) only while a report is to come: until the
         # first steps_per_print line prints the table, or throughout with memory_breakdown: true
         self.sampling_memory = bool(settings.steps_per_print) or settings.memory_breakdown
@@ -143,6 +144,7 @@ class Reporting:
             log_rank0("time (s) " + " ".join(f"{k} {v:.3f}" for k, v in sorted(self.timers.items())))
         if self.settings.comms_logger.enabled:
             log_rank0(ledger.format())
+        self._report_disk()
         compressed = {op: t for (op, _), t in ledger.totals.items() if op.endswith("_1bit")}
         if compressed:  # a 1-bit optimizer past its warm-up: what the compressed collectives sent so far
             log_rank0(
@@ -158,6 +160,25 @@ class Reporting:
         self.timers.clear()
         self._window_tokens = 0
         self._window_start = time.perf_counter()
+
+    def _report_disk(self) -> None:
+        """Offload to NVMe: what the swap files moved per step since the last report, at what bandwidth, and how
+        long training waited for it (rank 0's files)."""
+        now = self.stack.disk_io()
+        last, self._disk_seen = self._disk_seen, now
+        moved = {k: now[k] - last.get(k, 0) for k in now}
+        if not (moved["read"] or moved["written"]):
+            return
+        steps = self.settings.steps_per_print
+
+        def rate(nbytes, seconds):
+            return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds else "-"
+
+        log_rank0(
+            f"offload disk (rank 0): {moved['read'] / steps / 1e9:.3f} GB read + {moved['written'] / steps / 1e9:.3f} "
+            f"GB written per step, at {rate(moved['read'], moved['read_s'])} / "
+            f"{rate(moved['written'], moved['write_s'])}; training waited {moved['wait_s'] / steps:.3f} s per step"
+        )
 
     def close(self) -> None:
         self.monitors.close()

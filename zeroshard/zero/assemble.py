@@ -24,7 +24,7 @@ from .buffers import ReusableBuffers
 from .exchange import exchange_for
 from .flat_group import FlatGroup
 from .gradient_check import GradientCheck
-from .optimizer_state import MakeOptimizer, build_optimizer_state
+from .optimizer_state import MakeOptimizer, OptimizerState, build_optimizer_state
 from .planning import ModelPlan, QuantizedComm, StagePolicy, build_flat_groups, plan_model
 from .reducer import GradBucket, GradientReducer
 from .sharded_param import ParamRecords
@@ -108,7 +108,7 @@ def build_zero_stack(
         tensor=mesh.tensor,
     )
     codec = QuantizedComm.from_config(z).gradient_codec
-    buckets = _gradient_buckets(flats, mesh, placement, state.device, stage, buffers, codec)
+    buckets = _gradient_buckets(flats, mesh, placement, state, stage, buffers, codec)
     stage3 = _stage3_runtime(model, plan, buckets, frozen, buffers, z, placement.offload) if plan.units else None
     reducer = _reducer(model, buckets, mesh, stage, config, stage3)
     return ZeroStack(
@@ -202,12 +202,12 @@ def _gradient_buckets(
     flats: list[FlatGroup],
     mesh: comm.Mesh,
     placement: Placement,
-    grad_device: torch.device,
+    state: OptimizerState,
     stage: StagePolicy,
     buffers: ReusableBuffers,
     codec: Optional[Codec] = None,
 ) -> list[GradBucket]:
-    """One bucket per flat group; its gradient shard lives where the optimizer state steps it; ``codec``
+    """One bucket per flat group; its gradient shard waits where the optimizer state says (``grad_home``); ``codec``
     (``zero_quantized_gradients``) quantizes its reduce-scatter."""
     # hybrid sharding: the shard groups' results are summed across replica groups (stage 0 reduced over all)
     one = comm.Group("replica", (comm.get_rank(),), None, mesh.context)
@@ -218,12 +218,10 @@ def _gradient_buckets(
         GradBucket(
             flat=flat,
             reduce_dtype=policy.reduce,
-            grad_dtype=policy.grad,
+            home=state.grad_home(index, policy.grad, pin, buffers),
             replica_group=replica,
-            grad_device=grad_device,
             buffers=buffers,
-            pin_memory=pin,
             codec=codec,
         )
-        for flat in flats
+        for index, flat in enumerate(flats)
     ]

@@ -26,6 +26,7 @@ import torch
 
 from .. import comm
 from .flat_group import FlatGroup
+from .grad_home import GradHome, ResidentGrad
 from .onebit_momentum import OneBitMomentum
 from .reducer import GradientReducer, Reduction
 
@@ -52,7 +53,7 @@ class ExactExchange:
         """Whether this step's gradients are each rank's own (the norm is then averaged over the ranks)."""
         return self.reducer.reduction is Reduction.LOCAL
 
-    def transform(self, grads: list[torch.Tensor], coef: float, read_exp_avg: ReadExpAvg) -> tuple[list, float]:
+    def transform(self, grads: list[GradHome], coef: float, read_exp_avg: ReadExpAvg) -> tuple[list[GradHome], float]:
         """The gradients (times ``coef``) the optimizer state steps with, after the norm and clipping."""
         return grads, coef
 
@@ -121,7 +122,8 @@ class MomentumExchange(_Compressed):
         for index, grad in enumerate(grads):
             beta1 = self.optimizer.param_groups[self.group_of_flat[index]]["betas"][0]
             exp_avg = read_exp_avg(index) if self.momentum.needs_exp_avg(index) else None
-            shards.append(self.momentum.exchange(index, grad, coef, beta1, exp_avg))
+            shard = self.momentum.exchange(index, grad.read(), coef, beta1, exp_avg)
+            shards.append(ResidentGrad.holding(shard, "device"))
         return shards, 1.0
 
     def reset(self) -> None:

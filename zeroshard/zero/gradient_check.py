@@ -202,13 +202,14 @@ class GradientCheck:
         flat, layout = bucket.flat, bucket.layout
         summed_over = self.summed_over[index]
         out = torch.zeros(self.projections, dtype=torch.float64, device=flat.device)
+        grad = bucket.grad  # read once (a copy where the gradient waits on disk)
         if bucket.holds_whole:  # stage 0: every rank holds the whole reduced gradient
             for position, slot in enumerate(layout.slots):
-                out += self._project(index, position, 0, bucket.grad[slot.offset : slot.end], slot.numel)[0]
+                out += self._project(index, position, 0, grad[slot.offset : slot.end], slot.numel)[0]
             return out / summed_over.size
         positions = {slot.name: position for position, slot in enumerate(layout.slots)}
         for segment in layout.segments(flat.shard_rank):
-            values = bucket.grad[segment.shard_start : segment.shard_start + segment.numel]
+            values = grad[segment.shard_start : segment.shard_start + segment.numel]
             start = segment.flat_start - segment.slot.offset
             out += self._project(index, positions[segment.slot.name], start, values, segment.slot.numel)[0]
         copies = summed_over.size // flat.shard_group.size  # hybrid sharding: each shard is held once per replica
@@ -220,7 +221,7 @@ class GradientCheck:
         if not (torch.isfinite(sums).all()):
             return None  # an fp16 overflow: the optimizer skips this step
         n, divisor = self.summed_over[k].size, self.group.size
-        dtypes = (bucket.reduce_dtype, bucket.grad.dtype)
+        dtypes = (bucket.reduce_dtype, bucket.home.dtype)
         unit = max(UNIT_ROUNDOFF.get(d, 2.0**-24) for d in dtypes)
         subnormal = max(SMALLEST_SUBNORMAL.get(d, 2.0**-149) for d in dtypes)
         sigma = unit * math.sqrt((n + 1) * reductions) * torch.sqrt(n * squares) / divisor

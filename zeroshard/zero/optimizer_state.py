@@ -24,7 +24,9 @@ import torch
 from .. import comm
 from ..offload import MASTER, OffloadPlan, SubGroup, elementwise_keys, optimizer_swapper
 from ..optim import ShardedNorms
+from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
+from .grad_home import GradHome, ResidentGrad, SpilledGrad
 
 MakeOptimizer = Callable[[list[dict], Optional[ShardedNorms]], torch.optim.Optimizer]
 
@@ -116,7 +118,13 @@ class OptimizerState:
             compressed=comm.OneBitAllReduce(self.flats[0].shard_group) if whole else None,
         )
 
-    def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
+    def grad_home(self, index: int, dtype: torch.dtype, pin: bool, buffers: ReusableBuffers) -> GradHome:
+        """Where flat group ``index``'s reduced gradient shard waits for the step: beside this state's master weights
+        (``dtype``: the policy's gradient dtype; ``buffers``: the engine's reusable ones, for transient work)."""
+        numel = self.flats[index].layout.shard_numel
+        return ResidentGrad(numel, dtype, self.device, pin, self.location)
+
+    def step(self, grads: list[GradHome], coef: float = 1.0) -> None:
         """Apply the gradient shards, one per flat group, times ``coef`` (unscaling and clipping), and publish
         the update."""
         raise NotImplementedError
@@ -189,6 +197,10 @@ class OptimizerState:
         if part:
             self.optimizer.state[sub.param] = {**part, **{k: _copy(v) for k, v in scalars.items()}}
 
+    def swap_files(self) -> list:
+        """The swap files this home reads and writes (their ``stats`` count the bytes)."""
+        return []
+
     # -- memory -----------------------------------------------------------------------------------
     def bytes_held(self) -> dict[str, dict[str, int]]:
         """Bytes of master weights and optimizer state per location."""
@@ -229,7 +241,7 @@ class DeviceState(OptimizerState):
         same_dtype = all(grad.dtype == self.master_dtype for grad in grads)
         for batch in [self.subgroups] if same_dtype else [[sub] for sub in self.subgroups]:
             for sub in batch:
-                sub.param.grad = self._master_grad(grads[sub.flat_index], coef)
+                sub.param.grad = self._master_grad(grads[sub.flat_index].read(), coef)
             self.optimizer.step()
             for sub in batch:
                 sub.param.grad = None
@@ -274,19 +286,22 @@ class HostState(OptimizerState):
         master.copy_(flat.shard_values())
         return [SubGroup(index, start, stop, master[start:stop]) for start, stop in self._ranges(numel)]
 
-    def _ordered(self) -> list[SubGroup]:
+    def _ordered(self, grads: list[GradHome]) -> list[SubGroup]:
         return self.subgroups
+
+    def _grad_of(self, sub: SubGroup, home: GradHome) -> torch.Tensor:
+        return home.read()[sub.start : sub.stop]
 
     def _sharded_norms(self) -> Optional[ShardedNorms]:
         """The layout while each flat group's shard is one sub-group (sub_group_size is 1e9 by default)."""
         whole = all(len(subs) == 1 for subs in self._subgroups_of)
         return super()._sharded_norms() if whole else None
 
-    def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
+    def step(self, grads: list[GradHome], coef: float = 1.0) -> None:
         """One sub-group at a time on the CPU; each update's copy to the compute parameters is issued
         (non-blocking) before the next sub-group is stepped."""
-        for sub in self._ordered():
-            sub.param.grad = self._master_grad(grads[sub.flat_index][sub.start : sub.stop], coef)
+        for sub in self._ordered(grads):
+            sub.param.grad = self._master_grad(self._grad_of(sub, grads[sub.flat_index]), coef)
             self.optimizer.step()
             sub.param.grad = None
             self._write_back(sub, sub.param.detach())
@@ -317,8 +332,22 @@ class NvmeState(HostState):
             subs.append(sub)
         return subs
 
-    def _ordered(self):
-        return self.swapper.steps(self.optimizer, self.subgroups)
+    def grad_home(self, index: int, dtype: torch.dtype, pin: bool, buffers: ReusableBuffers) -> GradHome:
+        """The swap file, beside the master weights (:class:`~.grad_home.SpilledGrad`); in memory for an optimizer
+        that exchanges its own gradients (1-bit: each rank keeps its whole gradient between steps)."""
+        if getattr(self.optimizer, "gradient_exchange", "exact") != "exact":
+            return super().grad_home(index, dtype, pin, buffers)
+        return SpilledGrad(self._subgroups_of[index], self.swapper, buffers, dtype)
+
+    def _ordered(self, grads: list[GradHome]):
+        spilled = any(isinstance(home, SpilledGrad) for home in grads)
+        return self.swapper.steps(self.optimizer, self.subgroups, with_grad=spilled)
+
+    def _grad_of(self, sub: SubGroup, home: GradHome) -> torch.Tensor:
+        if not isinstance(home, SpilledGrad):
+            return super()._grad_of(sub, home)
+        staged = self.swapper.staged_grad(sub)
+        return staged.zero_() if home.empty else staged  # read with the sub-group; zero when nothing was written
 
     def _sharded_norms(self) -> Optional[ShardedNorms]:
         return None  # the master tensors exist only while a sub-group is staged
@@ -336,6 +365,9 @@ class NvmeState(HostState):
         self.swapper.write(sub, part)
         if len(part) > 1:
             self.optimizer.state[sub.param] = {k: _copy(v) for k, v in scalars.items()}
+
+    def swap_files(self) -> list:
+        return [self.swapper.file]
 
     def bytes_held(self) -> dict[str, dict[str, int]]:
         held = super().bytes_held()

@@ -102,15 +102,22 @@ class ParamAccess:
         fragment = self._required(param)
         if self.check is not None:
             self.check.forget()
-        self._local_grad_view(fragment).copy_(_checked(value, fragment.numel, "this rank's fragment"))
+        self._write_local_grad(fragment, _checked(value, fragment.numel, "this rank's fragment"))
 
     def _local_grad_view(self, fragment: _Fragment) -> torch.Tensor:
+        bucket = self.buckets[id(fragment.flat)]
+        return bucket.grad[self._local_grad_start(fragment) :][: fragment.numel]
+
+    def _local_grad_start(self, fragment: _Fragment) -> int:
+        """Where this rank's fragment starts in the bucket's gradient home (which holds the whole bucket at stage 0,
+        or under a 1-bit optimizer's own phase)."""
         bucket, flat = self.buckets[id(fragment.flat)], fragment.flat
-        grad = bucket.grad
-        if bucket.holds_whole:  # stage 0, or this rank's own whole gradient (1-bit phase): its shard's range
-            lo, hi = flat.layout.shard_range(flat.shard_rank)
-            grad = grad[lo:hi]
-        return fragment.of_shard(grad)
+        lo = flat.layout.shard_range(flat.shard_rank)[0] if bucket.holds_whole else 0
+        return lo + fragment.shard_start
+
+    def _write_local_grad(self, fragment: _Fragment, values: torch.Tensor) -> None:
+        home = self.buckets[id(fragment.flat)].home
+        home.write(self._local_grad_start(fragment), values.to(home.dtype).reshape(-1))
 
     def local_optimizer_state(self, param: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:
         fragment = self._fragment(param)
@@ -154,9 +161,9 @@ class ParamAccess:
         whole = self._whole_value(fragment, value)
         if bucket.holds_whole:
             slot = next(s for s, p in zip(flat.layout.slots, flat.params) if p is param)
-            bucket.grad[slot.offset : slot.end].copy_(whole)
+            bucket.home.write(slot.offset, whole.to(bucket.home.dtype).reshape(-1))
             return
-        self._local_grad_view(fragment).copy_(whole[fragment.param_start : fragment.param_start + fragment.numel])
+        self._write_local_grad(fragment, whole[fragment.param_start : fragment.param_start + fragment.numel])
 
     def full_optimizer_state(self, param: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:
         fragment = self._fragment(param)

@@ -9,9 +9,9 @@ A :class:`GradBucket` owns the gradient side of one flat group on one rank:
   their bucket is next are kept as autograd made them (``parked``): a bucket whose first gradients come long
   before its last (stage 3's root unit: the final norm's at the start of backward, the embedding's at the
   end) would otherwise hold a whole staging buffer through backward for a few elements.
-- ``grad`` (fp32, this rank's shard): reduced gradients, accumulated across micro-batches, on the
-  device or (offloaded optimizer) in host memory, where the optimizer state steps them. Under the ``LOCAL``
-  reduction it holds this rank's own gradient of the whole bucket instead (see :class:`Reduction`).
+- ``home`` (fp32, this rank's shard): reduced gradients, accumulated across micro-batches, where the optimizer
+  state steps them (:mod:`.grad_home`: on the device, in host memory, or in the NVMe swap file). Under the
+  ``LOCAL`` reduction it holds this rank's own gradient of the whole bucket instead (see :class:`Reduction`).
 
 A :class:`GradientReducer` owns the buckets, the post-accumulate-grad hooks, and the schedule: which
 bucket reduces when, in one rank-independent order, with a bounded number in flight; and the :class:`Reduction`
@@ -31,6 +31,7 @@ from .. import comm
 from ..comm.compression import Codec
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
+from .grad_home import GradHome
 from .gradient_check import GradientCheck
 
 MAX_IN_FLIGHT = 1  # overlapped reductions pending at once (each holds one bucket's staging and scratch buffers)
@@ -61,11 +62,9 @@ class GradBucket:
         *,
         flat: FlatGroup,
         reduce_dtype: torch.dtype,
-        grad_dtype: torch.dtype,
+        home: GradHome,
         replica_group: comm.Group,
-        grad_device: torch.device,
         buffers: ReusableBuffers,
-        pin_memory: bool = False,
         codec: Optional[Codec] = None,
     ):
         self.flat = flat
@@ -75,8 +74,7 @@ class GradBucket:
         self.layout = flat.layout
         self.reduce_dtype = reduce_dtype
         self.replica_group = replica_group
-        self.pin_memory = pin_memory
-        self.grad = torch.zeros(flat.layout.shard_numel, dtype=grad_dtype, device=grad_device, pin_memory=pin_memory)
+        self.home = home
         self.state = GradState.EMPTY
         self._staging: Optional[torch.Tensor] = None
         self._parked: dict[int, torch.Tensor] = {}  # position -> gradient that arrived before the staging buffer
@@ -155,14 +153,20 @@ class GradBucket:
             self._pending = comm.all_reduce(self._staging, self.group, async_op=async_op)
         self.state = GradState.REDUCING
 
-    def finish_reduce(self, post_scale: float) -> None:
-        """Wait for the reduction and accumulate this rank's part into the fp32 gradient shard."""
+    @property
+    def grad(self) -> torch.Tensor:
+        """The gradient shard as a tensor where it is resident (the tensor itself), else a copy read back."""
+        return self.home.read()
+
+    def finish_reduce(self, post_scale: float, final: bool) -> None:
+        """Wait for the reduction and accumulate this rank's part into the fp32 gradient shard (``final``: the
+        step's last contribution)."""
         if self.state is not GradState.REDUCING:
             raise AssertionError(f"finish_reduce in state {self.state}")
         self._pending.wait()
         # hybrid sharding: the shard group reduced one replica's gradients; add the other replicas'
         comm.all_reduce(self._reduced, self.replica_group)
-        self.grad.add_(self._reduced.to(self.grad.device), alpha=post_scale)
+        self.home.accumulate(self._reduced, post_scale, final)
         self.buffers.release(self._staging)
         if self._scratch is not None:
             self.buffers.release(self._scratch)
@@ -175,14 +179,15 @@ class GradBucket:
     def holds_whole(self) -> bool:
         """Whether ``grad`` covers the whole padded flat group (stage 0, or this rank's own gradient under ``LOCAL``)
         rather than this rank's shard."""
-        return self.grad.numel() == self.layout.padded_numel
+        return self.home.numel == self.layout.padded_numel
 
     def hold_whole(self, whole: bool) -> None:
-        """Size ``grad`` for this rank's shard of the reduced gradient, or (``whole``) its own unreduced gradient of
-        the whole bucket; called between steps, when ``grad`` holds nothing."""
+        """Size the home for this rank's shard of the reduced gradient, or (``whole``) its own unreduced gradient of
+        the whole bucket; called between steps, when it holds nothing (a resident home: 1-bit optimizers keep
+        their gradients in memory)."""
         numel = self.layout.padded_numel if whole else self.layout.shard_numel
-        if self.grad.numel() != numel:
-            self.grad = torch.zeros(numel, dtype=self.grad.dtype, device=self.grad.device, pin_memory=self.pin_memory)
+        if self.home.numel != numel:
+            self.home.resize(numel)
 
     def staging_bytes(self) -> int:
         return _nbytes(self._staging) + _nbytes(self._scratch) + sum(_nbytes(g) for g in self._parked.values())
@@ -220,6 +225,7 @@ class GradientReducer:
         self._owner = {param: (k, pos) for k, b in enumerate(buckets) for pos, param in enumerate(b.flat.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._owner]
         self._reducing = False
+        self._boundary = False
         self._next_launch = 0
         self._outer_task: Optional[int] = None  # autograd graph task of the engine's backward call
         self._root_hook = None  # the hook on the loss that notes that task, removed at the end of backward
@@ -239,13 +245,14 @@ class GradientReducer:
             bucket.hold_whole(reduction is Reduction.LOCAL)
 
     @property
-    def grads(self) -> list[torch.Tensor]:
-        """The reduced gradient shards, one per flat group."""
-        return [bucket.grad for bucket in self.buckets]
+    def grads(self) -> list[GradHome]:
+        """Where the reduced gradient shards wait for the step, one per flat group."""
+        return [bucket.home for bucket in self.buckets]
 
     def begin_backward(self, boundary: bool, root: torch.Tensor) -> None:
         """Called before ``root.backward()``; ``root`` tells which autograd graph task is the outer backward."""
         self._reducing = boundary or self.reduce_every_micro_step
+        self._boundary = boundary
         if self._reducing and self.check is not None:
             self.check.note_reduction()
         self._next_launch = 0
@@ -306,7 +313,7 @@ class GradientReducer:
 
     def _finish_oldest(self) -> None:
         summed_over = 1 if self.reduction is Reduction.LOCAL else self.world.size
-        self._in_flight.popleft().finish_reduce(self.predivide / summed_over)
+        self._in_flight.popleft().finish_reduce(self.predivide / summed_over, final=self._boundary)
 
     def end_backward(self) -> None:
         if self._root_hook is not None:
@@ -352,15 +359,16 @@ class GradientReducer:
         if self.check is not None:
             self.check.reset()
         for bucket in self.buckets:
-            bucket.grad.zero_()
+            bucket.home.clear()
             for param in bucket.flat.params:
                 param.grad = None
 
-    def bytes_held(self, grad_location: str) -> dict[str, dict[str, int]]:
-        return {
-            "grad_shard": {grad_location: sum(_nbytes(b.grad) for b in self.buckets)},
-            "staging": {"device": sum(b.staging_bytes() for b in self.buckets)},
-        }
+    def bytes_held(self) -> dict[str, dict[str, int]]:
+        grad_shard: dict[str, int] = {}
+        for bucket in self.buckets:
+            for where, nbytes in bucket.home.bytes().items():
+                grad_shard[where] = grad_shard.get(where, 0) + nbytes
+        return {"grad_shard": grad_shard, "staging": {"device": sum(b.staging_bytes() for b in self.buckets)}}
 
     def destroy(self) -> None:
         """Finish the reductions still in flight and remove the gradient hooks."""

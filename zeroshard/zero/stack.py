@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
 import torch
 
 from .. import comm
-from ..offload import ShardHomes
+from ..offload import IOStats, ShardHomes
 from ..optim import update_rule
 from ..precision import LossScaler
 from .buffers import ReusableBuffers
 from .exchange import ExactExchange
 from .flat_group import FlatGroup
+from .grad_home import GradHome
 from .optimizer import ZeroOptimizer
 from .optimizer_state import OptimizerState
 from .param_access import ParamAccess
@@ -166,7 +167,7 @@ class ZeroStack:
         """Unscale, clip and apply the reduced gradients; False when an fp16 overflow skipped the step."""
         self.reducer.verify_gradients(self.steps_taken + 1)
         scale = self.loss_scaler.scale
-        grads = self.reducer.grads  # 16-bit shards (stage 3) reach the master dtype one flat group at a time
+        grads = self.reducer.grads  # where each shard waits: in memory, or on disk (NVMe optimizer offload)
         norm = math.sqrt(self._grad_norm_squared(grads).item()) / scale
         overflow = self.overflow = not math.isfinite(norm)
         self.global_grad_norm = math.inf if overflow else norm  # NaN gradients report inf too, as DeepSpeed's
@@ -196,12 +197,13 @@ class ZeroStack:
         self.exchange.choose_reduction(self.steps_taken)
         return True
 
-    def _grad_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def _grad_norm_squared(self, grads: list[GradHome]) -> torch.Tensor:
         """The squared global norm: over the data-parallel shards, then the split flat groups' pieces summed over
-        their axis's group (tensor or expert parallelism), the replicated ones counted once."""
+        their axis's group (tensor or expert parallelism), the replicated ones counted once. Each shard's norm is
+        its home's (a spilled shard's was taken as its last contribution arrived)."""
         if not grads:
             return torch.zeros((), dtype=torch.float32)
-        per_flat = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2)
+        per_flat = torch.stack([home.norm() for home in grads]).pow(2)
         squared = per_flat.new_zeros(len(self._norm_axes)).index_add_(0, self._norm_rows.to(per_flat.device), per_flat)
         if self.exchange.averages_itself():
             # each rank holds its own gradient: every rank takes the mean of their squared norms, so overflow
@@ -337,7 +339,7 @@ class ZeroStack:
         from the owners' tensors (and swap-file regions)."""
         totals = {where: dict.fromkeys(ROLES, 0) for where in ("device", "host", "nvme")}
         parts = [flat.bytes_held() for flat in self.all_flat_groups]
-        parts.append(self.reducer.bytes_held(self.optimizer_state.location))
+        parts.append(self.reducer.bytes_held())
         parts.append(self.optimizer_state.bytes_held())
         parts.append({"compression_error": {"device": self.exchange.nbytes()}})
         if self.shard_homes is not None:
@@ -348,6 +350,13 @@ class ZeroStack:
                     totals[where][role] += nbytes
         totals["device"]["idle_buffers"] += self.buffers.idle_bytes  # reusable, not in use between steps
         return totals
+
+    def disk_io(self) -> dict[str, float]:
+        """Bytes the swap files (optimizer state, stage-3 parameter shards) read and wrote, and the seconds waited."""
+        total = IOStats()
+        for file in self.optimizer_state.swap_files() + (self.shard_homes.swap_files() if self.shard_homes else []):
+            total = total.add(file.stats)
+        return asdict(total)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds per role, wherever it lives."""
@@ -399,3 +408,6 @@ class NoOptimizerStack:
 
     def state_bytes(self) -> dict[str, int]:
         return dict.fromkeys(ROLES, 0)
+
+    def disk_io(self) -> dict[str, float]:
+        return asdict(IOStats())

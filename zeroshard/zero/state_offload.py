@@ -78,7 +78,7 @@ class StateOffload:
                 yield flat.shard
                 yield flat.buffer
         elif kind is StateKind.lp_grads:
-            yield from (bucket.grad for bucket in self.buckets)
+            yield from (bucket.home.resident() for bucket in self.buckets)  # None for a shard on disk
 
     def offload(self, include: Optional[Iterable], pin_memory: bool, non_blocking: bool) -> None:
         if isinstance(include, (str, StateKind)) or getattr(include, "value", None) is not None:

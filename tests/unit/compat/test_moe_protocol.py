@@ -17,9 +17,7 @@ def expert(shape=(2, 3, 4), group="ep_size_2"):
 
 def test_expert_parameters_move_to_their_own_groups_as_deepspeed_moves_them():
     dense, a, b = torch.nn.Parameter(torch.zeros(3)), expert(), expert(group="ep_size_4")
-    out = utils.split_params_into_different_moe_groups_for_optimizer(
-        {"params": [dense, a, b], "name": "p", "lr": 0.1}
-    )
+    out = utils.split_params_into_different_moe_groups_for_optimizer({"params": [dense, a, b], "name": "p", "lr": 0.1})
     assert [g["params"] for g in out] == [[dense], [a], [b]]
     assert [(g["name"], g.get("moe", False), g["lr"]) for g in out] == [
         ("p", False, 0.1),

@@ -156,7 +156,13 @@ def test_keys_deepspeed_0_19_reads_do_what_it_documents():
 
 def test_a_key_and_its_alias_together_keep_the_other_keys_of_the_block():
     zero = parse_config(
-        {"zero_optimization": {"stage": 3, "prefetch_bucket_size": 7, "stage3_prefetch_bucket_size": 7,
-                               "stage3_max_live_parameters": 5}}  # fmt: skip
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "prefetch_bucket_size": 7,
+                "stage3_prefetch_bucket_size": 7,
+                "stage3_max_live_parameters": 5,
+            }
+        }  # fmt: skip
     ).zero_optimization
     assert (zero.prefetch_bucket_size, zero.max_live_parameters) == (7, 5)

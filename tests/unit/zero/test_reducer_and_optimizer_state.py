@@ -16,6 +16,7 @@ from zeroshard.zero import (
     ReusableBuffers,
     build_optimizer_state,
 )
+from zeroshard.zero.grad_home import ResidentGrad
 
 ONE = comm.Group("world", (0,), None)
 CPU = torch.device("cpu")
@@ -34,6 +35,10 @@ def _flat(params):
     )
 
 
+def _home(flat):
+    return ResidentGrad(flat.layout.shard_numel, torch.float32, CPU, pin=False, location="device")
+
+
 def _params():
     torch.manual_seed(0)
     return [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(5))]
@@ -42,12 +47,12 @@ def _params():
 @pytest.mark.parametrize("next_to_reduce", [True, False], ids=["staged", "parked"])
 def test_bucket_adds_repeated_contributions_and_zeroes_unused_slots(next_to_reduce):
     params = _params()
+    flat = _flat(params)
     bucket = GradBucket(
-        flat=_flat(params),
+        flat=flat,
         reduce_dtype=torch.float32,
-        grad_dtype=torch.float32,
+        home=_home(flat),
         replica_group=ONE,
-        grad_device=CPU,
         buffers=ReusableBuffers(CPU),
     )
     first = torch.ones(3, 2)
@@ -55,7 +60,7 @@ def test_bucket_adds_repeated_contributions_and_zeroes_unused_slots(next_to_redu
     assert not bucket.complete  # parameter 1 has brought nothing yet
     bucket.stage_grad(0, 2 * first, next_to_reduce)  # a reentrant recomputation's second contribution adds
     bucket.launch_reduce(predivide=1.0, async_op=False)
-    bucket.finish_reduce(post_scale=0.5)
+    bucket.finish_reduce(post_scale=0.5, final=True)
     assert torch.equal(bucket.grad[:6], torch.full((6,), 1.5)) and torch.equal(bucket.grad[6:], torch.zeros(5))
     assert bucket.expected == [2, None]  # learned: parameter 0 brings two contributions per backward
     assert torch.equal(first, torch.ones(3, 2))  # a parked gradient is never added to in place
@@ -64,12 +69,12 @@ def test_bucket_adds_repeated_contributions_and_zeroes_unused_slots(next_to_redu
 def test_a_parked_bucket_draws_its_staging_buffer_at_launch():
     params = _params()
     buffers = ReusableBuffers(CPU)
+    flat = _flat(params)
     bucket = GradBucket(
-        flat=_flat(params),
+        flat=flat,
         reduce_dtype=torch.float32,
-        grad_dtype=torch.float32,
+        home=_home(flat),
         replica_group=ONE,
-        grad_device=CPU,
         buffers=buffers,
     )
     grad0, grad1 = torch.ones(3, 2), torch.full((5,), 3.0)
@@ -81,7 +86,7 @@ def test_a_parked_bucket_draws_its_staging_buffer_at_launch():
     buffers.release(idle)
     bucket.launch_reduce(predivide=1.0, async_op=False)
     assert buffers.idle_bytes == 0  # the launch reused the freed buffer
-    bucket.finish_reduce(post_scale=1.0)
+    bucket.finish_reduce(post_scale=1.0, final=True)
     assert torch.equal(bucket.grad, torch.cat([grad0.reshape(-1), grad1]))
     assert bucket.staging_bytes() == 0
 
@@ -92,9 +97,8 @@ def test_reducer_hooks_collect_autograd_gradients():
     bucket = GradBucket(
         flat=flat,
         reduce_dtype=torch.float32,
-        grad_dtype=torch.float32,
+        home=_home(flat),
         replica_group=ONE,
-        grad_device=CPU,
         buffers=ReusableBuffers(CPU),
     )
     reducer = GradientReducer(
@@ -125,14 +129,14 @@ def test_device_state_steps_the_shard_in_place_and_host_state_in_sub_groups():
     flat = _flat(params)
     device = DeviceState([flat], [0], [{"params": params}], _adamw, torch.float32)
     assert device.subgroups[0].param.data_ptr() == flat.shard.data_ptr()  # fp32: the master is the shard
-    device.step([g.clone() for g in grads])
+    device.step([ResidentGrad.holding(g.clone(), "device") for g in grads])
     assert torch.allclose(flat.shard, reference.detach())
 
     params = _params()
     flat = _flat(params)
     host = HostState([flat], [0], [{"params": params}], _adamw, torch.float32, sub_group_size=4, pin_memory=False)
     assert [(s.start, s.stop) for s in host.subgroups] == [(0, 4), (4, 8), (8, 11)]
-    host.step([g.clone() for g in grads])
+    host.step([ResidentGrad.holding(g.clone(), "host") for g in grads])
     assert torch.allclose(flat.shard, reference.detach()) and torch.allclose(params[1], reference[6:])
     saved = host.read_flat(0)
     assert sorted(saved) == ["exp_avg", "exp_avg_sq", "master"] and torch.allclose(saved["master"], reference)
@@ -164,7 +168,7 @@ def test_device_state_steps_16_bit_gradients_one_flat_group_at_a_time():
 
     state = DeviceState(flats, [0, 0], [{"params": [p for g in groups for p in g]}], _adamw, torch.float32)
     kept = [grad.clone() for grad in grads]
-    state.step(grads, coef=0.5)
+    state.step([ResidentGrad.holding(g, "device") for g in grads], coef=0.5)
     for flat, master, sub in zip(flats, masters, state.subgroups):
         assert torch.equal(sub.param, master.detach()) and torch.equal(flat.shard, master.detach().bfloat16())
     assert all(torch.equal(a, b) for a, b in zip(grads, kept))  # the 16-bit shards are not scaled in place

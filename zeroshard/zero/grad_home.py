@@ -1,0 +1,185 @@
+"""Where one flat group's reduced gradient shard waits between backward and the optimizer step.
+
+- :class:`ResidentGrad`: an fp32 (or compute-dtype) tensor on the compute device, or in host memory when the
+  optimizer state is offloaded to the CPU, where the optimizer state steps it.
+- :class:`SpilledGrad` (``offload_optimizer.device: nvme``): in the optimizer's swap file, one region per sub-group
+  beside its master weights and moments. Each reduction's result is accumulated in a transient buffer drawn from the
+  engine's reusable buffers, written behind (:meth:`NvmeOptimizerSwapper.write_grad`) and the buffer given back, so
+  host memory holds one bucket's gradient at a time, never the model's; the step reads each sub-group's gradient
+  together with its state.
+
+Why the gradient waits on disk rather than being consumed by an early optimizer step: the clip coefficient and the
+fp16 overflow verdict are known only after the last gradient, and the step must equal the one that waits for them
+bit for bit. Stepping early and rolling back needs the old state *and* the gradient kept until the verdict (more
+bytes than this), and speculating on the coefficient is wrong whenever clipping clips -- at DeepSpeed's default of
+1.0, most early steps. The cost is 4 bytes per parameter written during backward (overlapped with it) and read in
+the step, beside the 24 the step moves anyway (``docs/tutorials/offload.md``).
+
+Both homes do the same arithmetic in the same order (``zero_``, ``add_(reduced, alpha)``, then the step's
+``mul_(coef)`` on a range), so a spilled gradient yields the same bits as a resident one; the squared norm is taken
+of the same values, once, when the last contribution of a step arrived.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+from ..offload import NvmeOptimizerSwapper, SubGroup
+from .buffers import ReusableBuffers
+
+
+def shard_norm(values: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of one gradient shard in fp32 (a 0-d tensor), computed one way for every home."""
+    return torch._foreach_norm([values], 2, dtype=torch.float32)[0]
+
+
+class GradHome(Protocol):
+    numel: int
+    dtype: torch.dtype
+
+    def accumulate(self, reduced: torch.Tensor, alpha: float, final: bool) -> None: ...  # += alpha * reduced
+
+    def norm(self) -> torch.Tensor: ...  # of the accumulated gradient, fp32, 0-d
+
+    def read(self) -> torch.Tensor: ...  # the whole shard (the tensor itself where it is resident)
+
+    def write(self, start: int, values: torch.Tensor) -> None: ...  # overwrite part of it
+
+    def clear(self) -> None: ...
+
+    def resident(self) -> Optional[torch.Tensor]: ...  # the tensor itself, or None where it is not in memory
+
+    def bytes(self) -> dict[str, int]: ...  # by location
+
+
+class ResidentGrad:
+    """The gradient shard as one tensor; ``location`` names where it lives for the byte counts."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool, location: str):
+        self.dtype, self.device, self.pin, self.location = dtype, device, pin, location
+        self.tensor = self._zeros(numel)
+
+    @classmethod
+    def holding(cls, tensor: torch.Tensor, location: str) -> "ResidentGrad":
+        """A home around an existing tensor (a gradient an exchange transformed)."""
+        home = cls.__new__(cls)
+        home.dtype, home.device, home.pin, home.location, home.tensor = (
+            tensor.dtype, tensor.device, False, location, tensor,
+        )  # fmt: skip
+        return home
+
+    def _zeros(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=self.dtype, device=self.device, pin_memory=self.pin)
+
+    @property
+    def numel(self) -> int:
+        return self.tensor.numel()
+
+    def resize(self, numel: int) -> None:
+        """Hold ``numel`` elements (a 1-bit optimizer's own whole gradient); only between steps, when empty."""
+        if numel != self.tensor.numel():
+            self.tensor = self._zeros(numel)
+
+    def accumulate(self, reduced: torch.Tensor, alpha: float, final: bool) -> None:
+        self.tensor.add_(reduced.to(self.tensor.device), alpha=alpha)
+
+    def norm(self) -> torch.Tensor:
+        return shard_norm(self.tensor)
+
+    def read(self) -> torch.Tensor:
+        return self.tensor
+
+    def write(self, start: int, values: torch.Tensor) -> None:
+        self.tensor[start : start + values.numel()].copy_(values)
+
+    def clear(self) -> None:
+        self.tensor.zero_()
+
+    def resident(self) -> Optional[torch.Tensor]:
+        return self.tensor
+
+    def bytes(self) -> dict[str, int]:
+        return {self.location: self.tensor.numel() * self.tensor.element_size()}
+
+
+class SpilledGrad:
+    """The gradient shard of one flat group in the optimizer swap file, cut like its optimizer sub-groups."""
+
+    def __init__(
+        self,
+        subs: list[SubGroup],
+        swapper: NvmeOptimizerSwapper,
+        buffers: ReusableBuffers,
+        dtype: torch.dtype,
+    ):
+        # ``dtype``: what the resident shard would be (accumulated in it, bit for bit; kept as fp32 in the file)
+        self.subs, self.swapper, self.buffers, self.dtype = subs, swapper, buffers, dtype
+        self.device = buffers.device
+        self.numel = subs[-1].stop if subs else 0
+        self.empty = True  # nothing written since the last step: the first contribution starts from zero
+        self._norm: Optional[torch.Tensor] = None
+        for sub in subs:
+            swapper.reserve(sub, "grad")
+
+    def _load(self, into: torch.Tensor) -> None:
+        for sub in self.subs:
+            self.swapper.read_grad(sub, into[sub.start : sub.stop])
+
+    def _store(self, values: torch.Tensor) -> None:
+        for sub in self.subs:
+            self.swapper.write_grad(sub, values[sub.start : sub.stop])
+        self.empty = False
+
+    def accumulate(self, reduced: torch.Tensor, alpha: float, final: bool) -> None:
+        """``final``: the step's last contribution (its norm is taken now, of the values written)."""
+        work = self.buffers.acquire(self.numel, self.dtype)
+        try:
+            if self.empty:
+                work.zero_()
+            else:
+                self._load(work)
+            work.add_(reduced.to(work.device), alpha=alpha)
+            self._norm = shard_norm(work) if final else None
+            self._store(work)
+        finally:
+            self.buffers.release(work)
+
+    def norm(self) -> torch.Tensor:
+        if self.empty:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        if self._norm is None:  # written, but not by a final contribution (a set_full_grad, an interrupted step)
+            self._norm = shard_norm(self.read())
+        return self._norm
+
+    def read(self) -> torch.Tensor:
+        """A copy of the whole shard, read back from the file (for the rare readers: safe_get_full_grad, the
+        gradient check, the first non-finite element's name)."""
+        values = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        if self.empty:
+            return values.zero_()
+        self._load(values)
+        return values
+
+    def write(self, start: int, values: torch.Tensor) -> None:
+        whole = self.read()
+        whole[start : start + values.numel()].copy_(values)
+        self._norm = None
+        self._store(whole)
+
+    def clear(self) -> None:
+        self.empty, self._norm = True, None
+
+    def resident(self) -> Optional[torch.Tensor]:
+        return None
+
+    def resize(self, numel: int) -> None:
+        if numel != self.numel:
+            raise NotImplementedError(
+                "a 1-bit optimizer keeps each rank's whole gradient between steps, which offload_optimizer 'nvme' "
+                "does not spill; offload the optimizer to 'cpu' instead"
+            )
+
+    def bytes(self) -> dict[str, int]:
+        return {"nvme": self.numel * 4}
