@@ -77,10 +77,13 @@ def worker(args) -> None:
     from zeroshard.accelerator import host_peak_rss
 
     cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=args.layers, n_head=16, n_embd=args.width)
-    with zeroshard.zero.Init():
+    block_numel = 12 * args.width**2 + 10 * args.width  # attention and MLP weights, their biases, two LayerNorms
+    ds_config = config(args.mode, args.knobs, args.nvme_path, block_numel)
+    remote = {"nvme": "nvme", "cpu": "cpu"}.get(args.mode)
+    with zeroshard.zero.Init(remote_device=remote, config_dict_or_path=ds_config):  # as DeepSpeed's Megatron example
         model = GPT(cfg)
-    block_numel = sum(p.numel() for p in model.blocks[0].parameters())
-    engine, *_ = zeroshard.initialize(model=model, config=config(args.mode, args.knobs, args.nvme_path, block_numel))
+    assert block_numel == sum(p.numel() for p in model.blocks[0].parameters())
+    engine, *_ = zeroshard.initialize(model=model, config=ds_config)
     init_peak = host_peak_rss()
     _reset_peak()
     x = torch.randint(0, cfg.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
@@ -142,7 +145,7 @@ def main():
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        args.layers = args.layers[0]
+        args.layers, args.knobs = args.layers[0], args.knobs[0]
         return worker(args)
     free_disk = shutil.disk_usage(args.nvme_path).free
     print(

@@ -143,6 +143,27 @@ def release_host_memory() -> None:
 
 _malloc_trim = None
 
+HEAP_MMAP_THRESHOLD = 1 << 20  # host blocks from this size are mapped apart from the heap and unmapped when freed
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
+
+
+def bound_host_heap() -> bool:
+    """Make glibc map every host block of ``HEAP_MMAP_THRESHOLD`` bytes or more on its own and unmap it when freed,
+    as ``MALLOC_MMAP_THRESHOLD_=1048576`` would; True when it took effect. NVMe offload calls it: there the model
+    lives on disk, and what remains in RAM is transient -- gathered units, gradients, activations -- whose freed
+    blocks glibc would otherwise keep in its heap (its threshold rises to each freed block's size, up to 32 MiB),
+    so that the resident set grew with the model (10.4 bytes per parameter over 2 ranks between a 59M and a 210M
+    GPT, against 0.6 with this; ``docs/benchmarks.md``). A threshold the user set in the environment is kept;
+    nothing happens off glibc."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    # the trim threshold too: glibc doubled it with each raise of the mmap threshold before this call
+    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, 2 * HEAP_MMAP_THRESHOLD))
+
 
 def get_accelerator() -> Accelerator:
     """CUDA when a GPU is visible, unless ZEROSHARD_ACCELERATOR=cpu forces the CPU path."""

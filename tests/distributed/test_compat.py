@@ -196,6 +196,9 @@ def test_hf_zero3_from_pretrained_loads_every_weight(launches):
     (out,) = launches["pretrained"]
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
     assert "differing: []" in out.stdout and "compared 28 tensors" in out.stdout
+    # each rank held its half of the loaded weights until initialize (the whole model before issue 53)
+    held = [(int(a), int(b)) for a, b in re.findall(r"holds (\d+) of (\d+) bytes", out.stdout)]
+    assert len(held) == 2 and all(mine <= whole // 2 + 64 for mine, whole in held), held
 
 
 def live_engine_worker(checkpoint_dir: str) -> dict:

@@ -128,9 +128,16 @@ def swap_hygiene_worker(swap_dir):
     engine, *_ = zeroshard.initialize(model=make_model(), config=case.config())
     listed = os.listdir(swap_dir)
     x = torch.randint(0, 64, (2, 8))
-    for _ in range(2):
+    moved = []  # bytes the swap files read and wrote in each step
+    for _ in range(3):
+        before = engine.disk_io()
         engine.backward(engine(x, x))
         engine.step()
+        after = engine.disk_io()
+        moved.append((after["read"] - before["read"], after["written"] - before["written"]))
+    stack = engine.stack
+    state = sum(align_up(sub.numel * 4) for sub in stack.optimizer_state.subgroups)  # one key of every sub-group
+    shards = [align_up(flat.layout.shard_numel * 4) for flat in stack.flat_groups]  # units', then the root's
     # a modification through GatheredParameters reaches the NVMe-resident parameter shard and master weights
     weight = engine.module.blocks[1].fc.weight
     with zeroshard.zero.GatheredParameters([weight], modifier_rank=0):
@@ -140,17 +147,25 @@ def swap_hygiene_worker(swap_dir):
     masters = engine.stack.read_flat(flat)["master"]
     comm.barrier(engine.mesh.world)
     params = engine.consolidated_state_dict(rank0_only=False)
-    return listed, engine.stack.optimizer_state.swapper.bytes_on_disk(), params, masters
+    return listed, engine.stack.optimizer_state.swapper.bytes_on_disk(), params, masters, (moved, state, shards)
 
 
 def test_swap_files_leave_nothing_behind(tmp_path):
     results = run_distributed(swap_hygiene_worker, 2, str(tmp_path))
-    for listed, on_disk, params, _ in results:
+    for *_, (moved, state, shards) in results:
+        # the disk ledger, exactly: the step reads master, exp_avg, exp_avg_sq and the gradient of every sub-group
+        # and writes the first three back, backward wrote the gradient; each unit's parameter shard is read for
+        # its forward and again for its backward, the root unit's once (gathered throughout), and all are written
+        # after the step. The first step has no moments to read yet.
+        params_read = 2 * sum(shards[:-1]) + shards[-1]
+        assert moved[0] == (2 * state + params_read, 4 * state + sum(shards))
+        assert moved[1] == moved[2] == (4 * state + params_read, 4 * state + sum(shards))
+    for listed, on_disk, params, *_ in results:
         assert listed == [] and on_disk > 0
         assert all(torch.isfinite(v).all() for v in params.values())
         assert (params["blocks.1.fc.weight"] == 0.5).all()
     # the ranks' master shards on NVMe together hold the whole modified weight
-    assert sum(int((masters == 0.5).sum()) for *_, masters in results) == params["blocks.1.fc.weight"].numel()
+    assert sum(int((r[3] == 0.5).sum()) for r in results) == params["blocks.1.fc.weight"].numel()
     assert os.listdir(tmp_path) == []
 
 

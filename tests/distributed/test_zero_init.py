@@ -86,15 +86,24 @@ def init_semantics_worker() -> dict:
         with torch.no_grad():
             model.layers[1].weight.copy_(torch.arange(9.0).view(3, 3) * (rank + 1))
     expected["layers.1.weight"] = torch.arange(9.0).view(3, 3)
+    # no rank keeps a gathered value after the context: a written one as its slice, the others as they were
+    put_back = [p.is_meta for p in model.parameters()]
+    loaded = {n: k for n, k in _kinds(model).items() if k != kinds[n]}
+    loaded_piece = _pending(model.layers[1].weight).initial.piece.numel()
     with GatheredParameters(list(model.parameters())):
         got = {n: p.detach().clone() for n, p in model.named_parameters()}
     mismatched = [n for n in expected if not torch.equal(got[n], expected[n])]
+    assert _kinds(model) == {**kinds, **loaded} and all(p.is_meta for p in model.parameters())
 
-    # param_init_fn runs after construction, as a parent's self.apply(init) would have
+    # param_init_fn runs after construction, as a parent's self.apply(init) would have, but not on a loaded value
     with Init(param_init_fn=lambda m: nn.init.ones_(m.weight) if isinstance(m, nn.Linear) else None):
-        initialized = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+        initialized = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.LayerNorm(3))
+    with GatheredParameters([initialized[1].weight], modifier_rank=0):
+        with torch.no_grad():
+            initialized[1].weight.fill_(2.0)
     with GatheredParameters(list(initialized.parameters())):
         assert torch.equal(initialized[0].weight.detach(), torch.ones(3, 3))
+        assert torch.equal(initialized[1].weight.detach(), torch.full((3, 3), 2.0))
 
     # dtype from the config's half precision, as DeepSpeed; an explicit dtype wins
     dtypes = []
@@ -117,7 +126,16 @@ def init_semantics_worker() -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"kinds": kinds, "pieces": pieces, "mismatched": mismatched, "dtypes": dtypes, "losses": losses}
+    return {
+        "kinds": kinds,
+        "pieces": pieces,
+        "mismatched": mismatched,
+        "dtypes": dtypes,
+        "losses": losses,
+        "put_back": put_back,
+        "loaded": loaded,
+        "loaded_piece": loaded_piece,
+    }
 
 
 def test_init_keeps_what_init_wrote_in_the_config_dtype_with_rank0_values():
@@ -130,8 +148,11 @@ def test_init_keeps_what_init_wrote_in_the_config_dtype_with_rank0_values():
         assert {kinds[n] for n in ("lin.weight", "lin.bias", "layers.2.weight", "norm.weight")} == {"Replayed"}
         assert result["dtypes"] == [{"torch.bfloat16"}, {"torch.float16"}, {"torch.float32"}]
         assert all(torch.isfinite(torch.tensor(result["losses"])))
-    # each rank keeps half of a sharded value: 15 elements -> 8 + 7
+        # after a gather before initialize nothing stays whole; the written weight is kept as each rank's slice
+        assert all(result["put_back"]) and result["loaded"] == {"layers.1.weight": "Loaded"}
+    # each rank keeps half of a sharded value: 15 elements -> 8 + 7; a loaded one too: 9 -> 5 + 4
     assert [r["pieces"]["noise"] for r in per_rank] == [8, 7]
+    assert [r["loaded_piece"] for r in per_rank] == [5, 4]
     assert per_rank[0]["losses"] == per_rank[1]["losses"]
 
 

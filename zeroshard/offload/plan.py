@@ -86,6 +86,11 @@ class OffloadPlan:
     def offloads_optimizer(self) -> bool:
         return self.optimizer_device is not OffloadDevice.NONE
 
+    @property
+    def on_nvme(self) -> bool:
+        """Whether any state lives in swap files (then host memory holds only transient and bounded buffers)."""
+        return OffloadDevice.NVME in (self.optimizer_device, self.param_device)
+
     def swap_file(self, directory: str, kind: str) -> SwapFile:
         return SwapFile(directory, f"zeroshard-{kind}-rank{self.rank}-pid{os.getpid()}.swap", self.aio)
 

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .. import comm
-from ..accelerator import get_accelerator
+from ..accelerator import bound_host_heap, get_accelerator
 from ..checkpoint.resume import agree_on_resume_point
 from ..checkpoint.weights import open_source
 from ..config import AutoContext, Resolution, model_hidden_size, parse_config, resolve_config
@@ -166,6 +166,8 @@ def _placement(cfg) -> Placement:
     if not accel.supports_dtype(policy.compute):
         raise ValueError(f"{policy.compute} is not supported on this {accel.name} device; disable bf16/fp16")
     offload = OffloadPlan.from_config(cfg.zero_optimization, cfg.aio, comm.get_rank(), accel.can_pin_memory)
+    if offload.on_nvme:
+        bound_host_heap()  # before the model is materialized: nothing model-sized stays in glibc's heap
     return Placement(policy, accel.device(comm.backend.local_rank()), offload)
 
 

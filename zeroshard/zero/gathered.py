@@ -10,7 +10,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..partition import TensorSplit
 from .flat_group import FlatGroup, ParamState
-from .materialize import creation_order, materialize_pending, world_group
+from .materialize import creation_order, materialize_pending, put_back, world_group
 from .sharded_param import records_of
 
 
@@ -44,9 +44,11 @@ class GatheredParameters:
         self._flats: list[FlatGroup] = []
         self._keepers: list = []  # per flat group: the object keeping its master weights (overwrite(flat, values))
         self._was_sharded: list[bool] = []
+        self._taken: list = []
 
     def __enter__(self):
-        materialize_pending(self.params, get_accelerator().device(comm.backend.local_rank()))
+        # before initialize: zero.Init parameters get data for the context, and go back without it at exit
+        self._taken = materialize_pending(self.params, get_accelerator().device(comm.backend.local_rank()))
         owners = {}
         for param in self.params:
             records = records_of(param)
@@ -65,11 +67,13 @@ class GatheredParameters:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.modifier_rank is not None and exc[0] is None:
+        modified = self.modifier_rank is not None and exc[0] is None
+        if modified:
             self._keep_modifications()
         for flat, was_sharded in zip(self._flats, self._was_sharded):
             if was_sharded and not flat.resident:
                 flat.free()
+        put_back(self._taken, self.params if modified else ())  # a written value: each rank keeps its slice
 
     def _keep_modifications(self) -> None:
         """Every parameter takes the modifier's value among the ranks holding the same value of it (the world for a

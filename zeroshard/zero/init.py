@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from .. import comm
-from ..accelerator import release_host_memory
+from ..accelerator import bound_host_heap, release_host_memory
 from ..config import parse_config
 from .materialize import (
     Constant,
@@ -101,10 +101,11 @@ class Init:
                 "zero.Init(module=...) (partitioning an existing model): pass the model "
                 "to zeroshard.initialize with stage 3 instead"
             )
-        if remote_device not in (None, "cpu", "none"):
-            raise NotImplementedError(f"zero.Init(remote_device={remote_device!r}): parameter offload is not available")
+        if remote_device not in (None, "cpu", "none", "nvme"):
+            raise ValueError(f"zero.Init(remote_device={remote_device!r}): expected None, 'none', 'cpu' or 'nvme'")
         source = config_dict_or_path if config_dict_or_path is not None else config
         config_dtype = None
+        param_device = None  # the config's offload_param.device
         if source is not None:
             parsed = parse_config(source)
             if parsed.zero_optimization.stage != 3:
@@ -114,6 +115,16 @@ class Init:
                 )
             # as DeepSpeed: the parameters are created in the config's half precision
             config_dtype = torch.bfloat16 if parsed.bf16.enabled else torch.float16 if parsed.fp16.enabled else None
+            offload = parsed.zero_optimization.offload_param
+            param_device = offload.device.value if offload is not None else None
+        if remote_device == "nvme" and param_device != "nvme":
+            raise ValueError(
+                "zero.Init(remote_device='nvme') needs config_dict_or_path with zero_optimization.offload_param "
+                "{'device': 'nvme', 'nvme_path': ...} (as DeepSpeed does): initialize puts the shards there"
+            )
+        # Nothing is held before initialize whatever remote_device says (values are put away, not placed); NVMe
+        # offload bounds the host heap from here, before construction grows it (see bound_host_heap)
+        self.bounds_heap = remote_device == "nvme" or param_device == "nvme"
         self.enabled = enabled
         self.dtype = dtype or config_dtype
         self.param_init_fn = param_init_fn
@@ -178,6 +189,8 @@ class Init:
 
     def __enter__(self) -> "Init":
         if self.enabled:
+            if self.bounds_heap:
+                bound_host_heap()
             comm.init_distributed()  # as DeepSpeed's: a plain process (a notebook) gets a one-process group
             self._world = world_group()
             self._registration = contextlib.ExitStack()

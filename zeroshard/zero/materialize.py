@@ -9,6 +9,7 @@ normally built model the same values."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
@@ -44,6 +45,24 @@ class Sharded:
 
     piece: torch.Tensor
     world_size: int
+
+
+@dataclass(frozen=True)
+class Loaded(Sharded):
+    """A value written before ``initialize`` (Hugging Face's ``from_pretrained`` under ZeRO-3 writes each module
+    inside ``GatheredParameters(modifier_rank=0)``), kept as each rank's slice: it is final, so no initialization
+    function runs on it when it is materialized."""
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A parameter :func:`materialize_pending` gave data to, and what it had before: :func:`put_back` returns it to
+    its owner's records with no data, so nothing model-sized stays on a rank until ``initialize``."""
+
+    param: nn.Parameter
+    records: Any  # the zero.Init context's ParamRecords
+    recipe: InitRecipe
+    guard: Optional[str]  # the name it was guarded under once construction was over, if it was
 
 
 @contextlib.contextmanager
@@ -133,7 +152,8 @@ def _materialize_module(
     for param, recipe in waiting:
         _give_data(param, initial_data(param, recipe.initial, world))
     replayed = next((r.initial for _, r in waiting if isinstance(r.initial, Replayed)), None)
-    with torch.no_grad(), others_kept(module, params):
+    initialized = [p for p, r in waiting if not isinstance(r.initial, Loaded)]  # a loaded value is kept as it is
+    with torch.no_grad(), others_kept(module, initialized):
         if replayed is not None:
             with generator_at(replayed.generator_state, replayed.device):
                 module.reset_parameters()
@@ -228,20 +248,46 @@ def pending_seed(module: nn.Module) -> Optional[int]:
     return next((pending.seed for p in module.parameters() if (pending := pending_recipe(p)) is not None), None)
 
 
-def materialize_pending(params: Iterable[nn.Parameter], device: torch.device) -> list[nn.Parameter]:
+def materialize_pending(params: Iterable[nn.Parameter], device: torch.device) -> list[Taken]:
     """Give parameters built under zero.Init that have no data yet their initial values now, before
     ``initialize`` (for writes such as a pretrained-weight load; a collective, like the gather it serves). Returns
-    the ones materialized."""
-    done = []
+    every parameter that got data (a module materializes together), for :func:`put_back`."""
+    taken: list[Taken] = []
     for param in params:
         pending = pending_recipe(param)
         module = pending.module() if pending is not None else None
         if module is None or not param.is_meta:
             continue
-        ordinal = min(rec.ordinal for p in module.parameters(recurse=False) if (rec := pending_recipe(p)) is not None)
+        waiting = [(p, rec) for p in module.parameters(recurse=False) if p.is_meta and (rec := pending_recipe(p))]
+        for p, rec in waiting:
+            records = records_of(p)
+            guard = records.no_data.get(id(p))
+            taken.append(Taken(p, records, rec, guard[0] if guard is not None else None))
+        ordinal = min(rec.ordinal for _, rec in waiting)
         _materialize_module(module, f"#{ordinal}", pending.seed, pending.param_init_fn, world_group(), device)
-        done.append(param)
-    return done
+    return [t for t in taken if not t.param.is_meta]
+
+
+def put_back(taken: list[Taken], modified: Iterable[nn.Parameter]) -> None:
+    """Return parameters :func:`materialize_pending` materialized to their zero.Init owner with no data: with their
+    recipe as it was, or, those in ``modified`` (every rank holds the modifier's value of them now), with each rank's
+    slice of the value, :class:`Loaded`. ``initialize`` then materializes them one flat group at a time."""
+    world = world_group()
+    written = {id(p) for p in modified}
+    for item in taken:
+        param = item.param
+        initial = item.recipe.initial
+        if id(param) in written:
+            flat = param.detach().reshape(-1)
+            chunk = math.ceil(flat.numel() / world.size)
+            initial = Loaded(flat[world.rank * chunk : (world.rank + 1) * chunk].clone(), world.size)
+        meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        meta.__dict__.update(param.__dict__)  # swap_tensors swaps attributes too: keep the client's
+        torch.utils.swap_tensors(param, meta)
+        del meta
+        item.records.add_pending(param, dataclasses.replace(item.recipe, initial=initial))
+        if item.guard is not None:
+            item.records.guard_pending(param, item.guard)
 
 
 def world_group() -> comm.Group:

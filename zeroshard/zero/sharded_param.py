@@ -21,6 +21,9 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import comm
+from ..accelerator import get_accelerator
+
 
 class ShardedParameterError(RuntimeError):
     """A stage-3 parameter's data was read while it was sharded."""
@@ -62,6 +65,7 @@ _PASSTHROUGH = {
 # key names, as Hugging Face's loader asks before loading) holds no data to read either.
 _PENDING_PASSTHROUGH = {torch.Tensor.detach}
 _SET_DATA = torch.Tensor.data.__set__
+_DEVICE = torch.Tensor.device.__get__
 _GLOBAL_SHAPE = {
     torch.Tensor.shape.__get__,
     torch.Tensor.size,
@@ -128,6 +132,10 @@ class ZeroParameter(AdoptedParameter):
                 return args[0]  # module.cpu() / .to(device): where a shard lives is the engine's to decide
             if func == _SET_DATA and args[1] is args[0]:
                 return None  # what module._apply does with the answer above
+            if func == _DEVICE and hint is PENDING_HINT:
+                # the device it will have (DeepSpeed's partitioned parameters answer theirs): clients ask the model's
+                # device after from_pretrained (Hugging Face's kernelize), before any has data
+                return get_accelerator().device(comm.backend.local_rank())
             if func not in _PASSTHROUGH and not (hint is PENDING_HINT and func in _PENDING_PASSTHROUGH):
                 raise ShardedParameterError(
                     f"parameter '{name}' {tuple(shape)} {hint} ({getattr(func, '__name__', func)} was called on it)"

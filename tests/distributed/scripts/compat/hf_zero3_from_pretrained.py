@@ -18,10 +18,29 @@ CONFIG = {
 }
 
 
+def model_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def held_bytes(model) -> int:
+    """What this rank holds of the parameters: real ones whole, the rest as the slice zero.Init keeps (a probe of
+    zeroshard's records, outside DeepSpeed's API)."""
+    from zeroshard.zero.materialize import pending_recipe
+
+    held = 0
+    for param in model.parameters():
+        if not param.is_meta:
+            held += param.numel() * param.element_size()
+        elif (piece := getattr(pending_recipe(param).initial, "piece", None)) is not None:
+            held += piece.numel() * piece.element_size()
+    return held
+
+
 def main(pretrained: str) -> None:
     deepspeed.init_distributed()
     keep_alive = HfDeepSpeedConfig(CONFIG)  # tells transformers that ZeRO-3 is on: build under zero.Init
     model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32)
+    print(f"rank {deepspeed.comm.get_rank()} holds {held_bytes(model)} of {model_bytes(model)} bytes before initialize")
     engine, *_ = deepspeed.initialize(model=model, config=CONFIG)
     state = engine._zero3_consolidated_16bit_state_dict()
     if deepspeed.comm.get_rank() == 0:
