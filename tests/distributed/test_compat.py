@@ -71,8 +71,12 @@ def launches(tmp_path_factory):
         "autotp": [["--num_gpus", 4, SCRIPTS / "hf_autotp.py", base / "llama", base / "autotp"]],
         "hf2": [[SCRIPTS / "hf_trainer.py", base / "hf2", 2], [SCRIPTS / "hf_trainer.py", base / "hf2", 2, "--resume"]],
         "hf3": [[SCRIPTS / "hf_trainer.py", base / "hf3", 3], [SCRIPTS / "hf_trainer.py", base / "hf3", 3, "--resume"]],
+        "hf3nvme": [
+            [SCRIPTS / "hf_trainer.py", base / "hf3nvme", 3, "--nvme"],
+            [SCRIPTS / "hf_trainer.py", base / "hf3nvme", 3, "--nvme", "--resume"],
+        ],
         "bert": [[SCRIPTS / "bert_mlm_style.py", *bert], [SCRIPTS / "bert_mlm_style.py", *bert, "--resume"]],
-        **{mode: [[SCRIPTS / "accelerate_train.py", mode, base / mode]] for mode in ("ddp", "ds2", "ds3")},
+        **{mode: [[SCRIPTS / "accelerate_train.py", mode, base / mode]] for mode in ("ddp", "ds2", "ds3", "ds3nvme")},
         "pretrained": [[SCRIPTS / "hf_zero3_from_pretrained.py", base / "pretrained"]],
         "swift": [
             [SCRIPTS / "ms_swift_elastic.py", base / "swift"],
@@ -104,7 +108,7 @@ def launches(tmp_path_factory):
 
     with ThreadPoolExecutor(2) as pool:
         outs = dict(zip(chains, pool.map(run_chain, chains)))
-    outs["dirs"] = {name: base / name for name in ("hf2", "hf3", "pretrained", "autotp", "llama")}
+    outs["dirs"] = {name: base / name for name in ("hf2", "hf3", "hf3nvme", "pretrained", "autotp", "llama")}
     return outs
 
 
@@ -124,6 +128,19 @@ def test_hf_trainer_trains_saves_and_resumes(launches, stage):
     assert resumed["losses"] == first["losses"]  # steps 3-4 after resuming from checkpoint-2 match the full run
     again = load_file(directory / "final-resumed" / "model.safetensors")
     assert all(torch.equal(again[k], saved[k]) for k in saved)
+
+
+def test_hf_trainer_with_deepspeeds_zero_infinity_config_trains_as_without_offload(launches):
+    """DeepSpeed's documented ZeRO-Infinity config (parameters and optimizer state on NVMe, its aio block) through
+    the HF Trainer: the same losses and saved weights as the run without offload, bit for bit, and a resume from
+    checkpoint-2 continues them."""
+    first, resumed = (result(out) for out in launches["hf3nvme"])
+    reference = result(launches["hf3"][0])
+    assert first["losses"] == reference["losses"] and resumed["losses"] == reference["losses"]
+    directory, plain = launches["dirs"]["hf3nvme"], launches["dirs"]["hf3"]
+    saved, expected = (load_file(d / "final" / "model.safetensors") for d in (directory, plain))
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
+    assert os.listdir(directory / "nvme") == []  # swap files are unlinked as they are opened
 
 
 def test_ms_swift_elastic_restart_from_2_ranks_to_1_through_latest_universal(launches):
@@ -309,9 +326,12 @@ def test_bert_style_script_saves_and_resumes_with_client_state(launches):
 
 def test_accelerate_deepspeed_plugin_matches_accelerate_ddp(launches):
     """Accelerate's own loop (accumulate, clip, save_state/load_state, get_state_dict) with DeepSpeedPlugin on
-    zeroshard stages 2 and 3 against Accelerate's DDP path on the same data."""
-    runs = {mode: result(launches[mode][0]) for mode in ("ddp", "ds2", "ds3")}
+    zeroshard stages 2 and 3 (and 3 with parameters and optimizer on NVMe) against Accelerate's DDP path on the same
+    data."""
+    runs = {mode: result(launches[mode][0]) for mode in ("ddp", "ds2", "ds3", "ds3nvme")}
     assert runs["ddp"]["distributed_type"] == "DistributedType.MULTI_CPU"
+    # Accelerate's offload_{optimizer,param}_device: nvme with their *_nvme_path flags: ZeRO-Infinity, bit for bit
+    assert runs["ds3nvme"] == runs["ds3"]
     for mode in ("ds2", "ds3"):
         run = runs[mode]
         assert run["distributed_type"] == "DistributedType.DEEPSPEED" and run["processes"] == 2

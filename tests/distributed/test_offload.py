@@ -3,7 +3,9 @@ where it runs changes), model-state bytes by location against the analytic value
 memory for NVMe state, swap files left behind (none), and the errors for unusable NVMe paths."""
 
 import os
+import signal
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -111,7 +113,8 @@ def check_memory(variant, result, dtype):
 
 
 def swap_hygiene_worker(swap_dir):
-    """Swap files never show up in nvme_path (unlinked at once) and training works with a 1-buffer pipeline."""
+    """Swap files never show up in nvme_path (unlinked at once), training works with a 1-buffer pipeline, the disk
+    ledger is exact, and two engines on one nvme_path keep apart."""
     import zeroshard
     from zeroshard import comm
 
@@ -135,6 +138,7 @@ def swap_hygiene_worker(swap_dir):
         engine.step()
         after = engine.disk_io()
         moved.append((after["read"] - before["read"], after["written"] - before["written"]))
+    predicted = zeroshard.estimate(make_model, case.config(), world_size=2).disk_per_step
     stack = engine.stack
     state = sum(align_up(sub.numel * 4) for sub in stack.optimizer_state.subgroups)  # one key of every sub-group
     shards = [align_up(flat.layout.shard_numel * 4) for flat in stack.flat_groups]  # units', then the root's
@@ -147,12 +151,21 @@ def swap_hygiene_worker(swap_dir):
     masters = engine.stack.read_flat(flat)["master"]
     comm.barrier(engine.mesh.world)
     params = engine.consolidated_state_dict(rank0_only=False)
-    return listed, engine.stack.optimizer_state.swapper.bytes_on_disk(), params, masters, (moved, state, shards)
+    # a second run pointing at the same nvme_path (here: in the same process) has swap files of its own
+    other, *_ = zeroshard.initialize(model=make_model(seed=7), config=case.config())
+    other.backward(other(x, x))
+    other.step()
+    untouched = engine.consolidated_state_dict(rank0_only=False)
+    independent = all(torch.equal(untouched[k], v) for k, v in params.items())
+    result = listed, engine.stack.optimizer_state.swapper.bytes_on_disk(), params, masters, (moved, state, shards)
+    return (*result, independent, predicted)
 
 
 def test_swap_files_leave_nothing_behind(tmp_path):
     results = run_distributed(swap_hygiene_worker, 2, str(tmp_path))
-    for *_, (moved, state, shards) in results:
+    for *_, (moved, state, shards), independent, predicted in results:
+        assert independent  # another engine on the same nvme_path changed nothing of this one's state
+        assert (predicted["read"], predicted["written"]) == moved[1]  # zeroshard estimate's disk bytes per step
         # the disk ledger, exactly: the step reads master, exp_avg, exp_avg_sq and the gradient of every sub-group
         # and writes the first three back, backward wrote the gradient; each unit's parameter shard is read for
         # its forward and again for its backward, the root unit's once (gathered throughout), and all are written
@@ -265,3 +278,55 @@ def test_swap_io_failure_stops_training_and_keeps_the_checkpoint(tmp_path):
     for failure, restored in run_distributed(io_failure_worker, 2, str(tmp_path)):
         assert failure is not None and "swap file" in failure and "truncated" in failure
         assert restored
+
+
+KILLED_MID_WRITE = """
+import os, signal, sys, torch, zeroshard
+from zeroshard.testing.parity import ParityCase, make_model
+swap, checkpoint = sys.argv[1], sys.argv[2]
+nvme = {"device": "nvme", "nvme_path": swap}
+zero = (("sub_group_size", 700), ("offload_optimizer", nvme), ("offload_param", {**nvme, "max_in_cpu": 0}))
+case = ParityCase(stage=3, lr=1e-3, micro_batch=2, zero=(("stage3_param_persistence_threshold", 0),) + zero)
+engine, *_ = zeroshard.initialize(model=make_model(), config=case.config())
+x = torch.randint(0, 64, (2, 8))
+engine.backward(engine(x, x))
+engine.step()
+engine.save_checkpoint(checkpoint)
+torch.save(engine.consolidated_state_dict(rank0_only=False), os.path.join(checkpoint, "expected.pt"))
+swapper = engine.stack.optimizer_state.swapper
+write_grad = swapper.write_grad
+def write_then_die(sub, values):  # SIGKILL right after a gradient write was submitted behind
+    write_grad(sub, values)
+    os.kill(os.getpid(), signal.SIGKILL)
+swapper.write_grad = write_then_die
+engine.backward(engine(x, x))
+"""
+
+RELOAD = """
+import os, sys, torch, zeroshard
+from zeroshard.testing.parity import ParityCase, make_model
+checkpoint = sys.argv[1]
+case = ParityCase(stage=3, lr=1e-3, micro_batch=2, zero=(("stage3_param_persistence_threshold", 0),))
+engine, *_ = zeroshard.initialize(model=make_model(seed=3), config=case.config())
+engine.load_checkpoint(checkpoint)
+got = engine.consolidated_state_dict(rank0_only=False)
+expected = torch.load(os.path.join(checkpoint, "expected.pt"))
+print("EQUAL", all(torch.equal(got[k], v) for k, v in expected.items()))
+"""
+
+
+def test_sigkill_during_a_write_behind_leaves_nothing_and_the_checkpoint_loads(tmp_path):
+    """A rank killed while a gradient write is in flight: its swap files vanish with it (they were unlinked when
+    opened) and the last checkpoint loads into a fresh run, without offload, equal to what was saved."""
+    swap, checkpoint = tmp_path / "swap", tmp_path / "checkpoint"
+    swap.mkdir()
+    env = {**os.environ, "ZEROSHARD_ACCELERATOR": "cpu"}
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_WRITE, str(swap), str(checkpoint)], env=env, capture_output=True, timeout=300
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert os.listdir(swap) == []
+    reloaded = subprocess.run(
+        [sys.executable, "-c", RELOAD, str(checkpoint)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "EQUAL True" in reloaded.stdout, reloaded.stderr[-2000:]

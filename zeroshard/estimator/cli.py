@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from ..offload.aio import measure_bandwidth
 from .model_state import element_size
 from .predict import estimate
 from .result import CATEGORIES, LOCATIONS, MemoryEstimate
@@ -124,7 +125,18 @@ def extend(shallow: MemoryEstimate, deep: MemoryEstimate, traced: int, layers: i
         params=line(shallow.params, deep.params),
         bytes={c: {w: line(shallow.bytes[c][w], deep.bytes[c][w]) for w in LOCATIONS} for c in CATEGORIES},
         notes=deep.notes + [f"{layers} layers: extended linearly from {traced} and {2 * traced} layers"],
+        disk_per_step={k: line(shallow.disk_per_step[k], deep.disk_per_step[k]) for k in deep.disk_per_step},
     )
+
+
+def _nvme_path(config: dict) -> Optional[str]:
+    """The config's first NVMe offload directory, if it offloads to NVMe."""
+    zero = config.get("zero_optimization") or {}
+    for key in ("offload_optimizer", "offload_param"):
+        block = zero.get(key) or {}
+        if block.get("device") == "nvme" and block.get("nvme_path"):
+            return str(block["nvme_path"])
+    return None
 
 
 def _import(spec: str):
@@ -163,6 +175,12 @@ def build_parser():
     parser.add_argument("--micro_batch", type=bounded(1), help="overrides train_micro_batch_size_per_gpu")
     parser.add_argument("--seq_len", type=bounded(1), default=512)
     parser.add_argument("--budget", help="per-rank memory, e.g. 80GB: recommend the cheapest setting that fits")
+    parser.add_argument(
+        "--disk_probe_mib",
+        type=bounded(0),
+        default=256,
+        help="with NVMe offload: write and read this much at the config's nvme_path to measure its bandwidth (0: no)",
+    )
     return parser
 
 
@@ -211,6 +229,9 @@ def _run(args) -> int:
 
     micro = int(config.get("train_micro_batch_size_per_gpu", 1))
     base = predict(False, config, micro)
+    nvme_path = _nvme_path(config)
+    if nvme_path is not None and args.disk_probe_mib and any(base.disk_per_step.values()):
+        base.disk_bandwidth = measure_bandwidth(nvme_path, args.disk_probe_mib * 2**20)
     print(base.table())
     if not args.budget:
         return 0

@@ -28,7 +28,7 @@ class ModelState:
         self.stage, self.shard_count = planned.stage, planned.shard_count
         self.plans, self.frozen_plans = planned.trainable, planned.frozen
         self.layouts, self.frozen_layouts = planned.layouts[: len(self.plans)], planned.layouts[len(self.plans) :]
-        unit_of = {p: i for i, u in enumerate(planned.units) for p in u.params}
+        unit_of = self.unit_of = {p: i for i, u in enumerate(planned.units) for p in u.params}
         # gathered elements per unit (index 0: the root), trainable and frozen flat groups together
         self.unit_numel: dict[int, int] = {}
         for plan, layout in zip(self.plans + self.frozen_plans, self.layouts + self.frozen_layouts):
@@ -50,24 +50,80 @@ class ModelState:
         param_home = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.offload.param_device]
         fp32_aliased = self.policy.compute == torch.float32 and self.offload.optimizer_device == "none"
         b = out.bytes
+        in_cpu = 0  # offload_param nvme: shards are kept in host memory while they fit max_in_cpu (ShardHomes.place)
+        self.nvme_shards: list[tuple[int, bool]] = []  # the shards placed in the parameter swap file, root unit's?
+
+        def shard_home(numel: int, plan) -> str:
+            nonlocal in_cpu
+            if param_home == "nvme" and in_cpu + numel <= self.offload.max_in_cpu:
+                in_cpu += numel
+                return "host"
+            if param_home == "nvme":
+                self.nvme_shards.append((numel, self.unit_of[plan.params[0]] == 0))
+            return param_home
+
         for plan, layout in zip(self.plans, self.layouts):
             shard = layout.shard_numel
             if plan.resident:
                 b["parameters"]["device"] += layout.padded_numel * compute
             else:
-                b["parameters"][param_home] += shard * compute
+                b["parameters"][shard_home(shard, plan)] += shard * compute
             master_aliased = fp32_aliased and (plan.resident or self.offload.param_device == "none")
             if not master_aliased:
                 b["optimizer_state"][opt_home] += shard * 4
-            b["gradients"][opt_home] += shard * grad
+            b["gradients"][opt_home] += shard * (4 if opt_home == "nvme" else grad)  # fp32 in the swap file
             b["optimizer_state"][opt_home] += shard * 4 * self.state_tensors
         quantized = QuantizedComm.from_config(self.cfg.zero_optimization)
         for plan, layout in zip(self.frozen_plans, self.frozen_layouts):
             if quantized.keeps_int8(plan):  # zero_quantized_nontrainable_weights: int8 plus block scales
                 b["parameters"]["device"] += INT8.message_nbytes(layout.shard_numel)
             else:
-                b["parameters"][param_home] += layout.shard_numel * compute
+                b["parameters"][shard_home(layout.shard_numel, plan)] += layout.shard_numel * compute
         b["parameters"]["device"] += self.outside * compute
+        if in_cpu:
+            out.notes.append(
+                f"offload_param.max_in_cpu ({self.offload.max_in_cpu:.3g}) keeps {in_cpu * compute / 2**30:.2f} GiB "
+                "of parameter shards in host memory (0 puts every shard on NVMe)"
+            )
+
+    def count_offload(self, out: MemoryEstimate) -> None:
+        """NVMe offload: the host staging the swap files go through (bounded by the knobs, not the model), the
+        transient buffer a bucket's gradient is accumulated in before it is written behind, and the disk bytes one
+        optimizer step moves (``out.disk_per_step``; the engine's ``disk_io`` counts the same)."""
+        from ..offload.aio import align_up
+
+        offload, b = self.offload, out.bytes
+        compute, keys = element_size(self.policy.compute), 1 + self.state_tensors  # master and the moments
+        shards = [layout.shard_numel for layout in self.layouts]
+        read = written = 0
+        if offload.optimizer_device == "nvme" and shards:
+            sub = min(max(shards), offload.sub_group_size)
+            staging = offload.optimizer_buffer_count * (keys + 1) * align_up(sub * 4)  # + the gradient
+            b["optimizer_state"]["host"] += staging
+            b["communication_buffers"]["device"] += max(shards) * element_size(self.policy.grad)
+            regions = sum(align_up(min(offload.sub_group_size, n - start) * 4) for n in shards for start in range(
+                0, n, offload.sub_group_size))  # fmt: skip
+            read += (keys + 1) * regions  # master, moments and gradient
+            written += (keys + 1) * regions  # master and moments after the step, the gradient during backward
+            if offload.sub_group_size >= 1e8 and staging > 2**30:
+                out.notes.append(
+                    f"sub_group_size ({offload.sub_group_size:.3g}) sizes the NVMe optimizer staging: "
+                    f"{staging / 2**30:.2f} GiB of host memory ({offload.optimizer_buffer_count} buffers x "
+                    f"{keys + 1} tensors x {sub * 4 / 2**20:.0f} MiB); a smaller sub-group needs less"
+                )
+        if self.nvme_shards:
+            largest = max(n for n, _ in self.nvme_shards)
+            b["parameters"]["host"] += offload.param_buffer_count * min(offload.param_buffer_size, largest) * compute
+            # gathered for forward and again for backward; the root unit once (gathered throughout)
+            read += sum((1 if root else 2) * align_up(n * compute) for n, root in self.nvme_shards)
+            written += sum(align_up(n * compute) for n, _ in self.nvme_shards)  # the updated shards
+        out.disk_per_step = {"read": read, "written": written}
+        z = self.cfg.zero_optimization
+        if self.stage.partition_params and (offload.param_device != "none") and z.max_live_parameters >= 1e9:
+            out.notes.append(
+                "stage3_max_live_parameters / stage3_max_reuse_distance (1e9) let gathered units stay in memory "
+                "between their uses; a model above 1e9 parameters wants a few units' worth of each"
+            )
 
     def count_compression(self, out: MemoryEstimate) -> None:
         """A 1-bit optimizer's compression state after its warm-up (Note [1-bit reduction]): a worker and a

@@ -231,3 +231,20 @@ class SwapFile:
 
     def __del__(self):
         self.close()
+
+
+def measure_bandwidth(directory: str, nbytes: int, settings: AioSettings = AioSettings()) -> dict[str, float]:
+    """Write then read ``nbytes`` through a swap file in ``directory`` the way offload does (O_DIRECT where the
+    filesystem allows it, in one request split as ``settings`` say): bytes per second each way. The file is unlinked
+    at once, like every swap file."""
+    file = SwapFile(directory, f"zeroshard-probe-pid{os.getpid()}.swap", settings)
+    try:
+        buffer = aligned_empty(nbytes)
+        buffer.fill_(1)
+        offset = file.reserve(nbytes)
+        file.submit(True, buffer, offset).wait()
+        os.fsync(file.fd)
+        file.submit(False, buffer, offset).wait()
+        return {"read": file.stats.read / file.stats.read_s, "write": file.stats.written / file.stats.write_s}
+    finally:
+        file.close()

@@ -117,14 +117,17 @@ class Init:
             config_dtype = torch.bfloat16 if parsed.bf16.enabled else torch.float16 if parsed.fp16.enabled else None
             offload = parsed.zero_optimization.offload_param
             param_device = offload.device.value if offload is not None else None
-        if remote_device == "nvme" and param_device != "nvme":
+        # as DeepSpeed: the config's offload_param.device, when it has one, overrides remote_device
+        device = param_device if param_device is not None else remote_device
+        if device == "nvme" and param_device is None:
             raise ValueError(
                 "zero.Init(remote_device='nvme') needs config_dict_or_path with zero_optimization.offload_param "
-                "{'device': 'nvme', 'nvme_path': ...} (as DeepSpeed does): initialize puts the shards there"
+                "{'device': 'nvme', 'nvme_path': ...} (DeepSpeed asserts the same): initialize puts the shards there"
             )
-        # Nothing is held before initialize whatever remote_device says (values are put away, not placed); NVMe
-        # offload bounds the host heap from here, before construction grows it (see bound_host_heap)
-        self.bounds_heap = remote_device == "nvme" or param_device == "nvme"
+        # Nothing is held before initialize whatever the device (values are put away, not placed; initialize
+        # places each shard where the config says); NVMe bounds the host heap from here, before construction grows
+        # it (see bound_host_heap)
+        self.bounds_heap = device == "nvme"
         self.enabled = enabled
         self.dtype = dtype or config_dtype
         self.param_init_fn = param_init_fn

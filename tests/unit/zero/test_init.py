@@ -46,6 +46,7 @@ NVME_CONFIG = {
             {"remote_device": "nvme", "config_dict_or_path": {"zero_optimization": {"stage": 3}}},
             "needs config_dict_or_path",
         ),
+        ({"remote_device": 3}, "expected None"),
     ],
 )
 def test_init_remote_device_is_checked_as_deepspeed_does(kwargs, message):
@@ -59,3 +60,5 @@ def test_init_remote_device_nvme_with_the_config_bounds_the_heap():
     assert Init(remote_device="nvme", config_dict_or_path=NVME_CONFIG, pin_memory=True).bounds_heap
     assert Init(config_dict_or_path=NVME_CONFIG).bounds_heap
     assert not Init(remote_device="cpu").bounds_heap
+    cpu_config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    assert not Init(remote_device="nvme", config_dict_or_path=cpu_config).bounds_heap  # the config wins

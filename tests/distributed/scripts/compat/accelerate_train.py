@@ -1,7 +1,8 @@
 """An Accelerate training loop, run the same way with DeepSpeed (zeroshard, stages 2/3) and with Accelerate's own
-DDP path, to compare. `zeroshard --as_deepspeed --num_gpus 2 accelerate_train.py {ddp|ds2|ds3} OUT_DIR`."""
+DDP path, to compare. `zeroshard --as_deepspeed --num_gpus 2 accelerate_train.py {ddp|ds2|ds3|ds3nvme} OUT_DIR`."""
 
 import json
+import os
 import sys
 
 import torch
@@ -25,6 +26,19 @@ def full_loss(model, dataset) -> float:
 def main(mode: str, out_dir: str) -> None:
     if mode == "ddp":
         accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    elif mode == "ds3nvme":  # ZeRO-Infinity through Accelerate's flags (its config file's offload_*_device: nvme)
+        swap = os.path.join(out_dir, "nvme")
+        os.makedirs(swap, exist_ok=True)
+        plugin = DeepSpeedPlugin(
+            zero_stage=3,
+            gradient_accumulation_steps=2,
+            zero3_save_16bit_model=True,
+            offload_optimizer_device="nvme",
+            offload_param_device="nvme",
+            offload_optimizer_nvme_path=swap,
+            offload_param_nvme_path=swap,
+        )
+        accelerator = Accelerator(deepspeed_plugin=plugin)
     else:
         plugin = DeepSpeedPlugin(zero_stage=int(mode[-1]), gradient_accumulation_steps=2, zero3_save_16bit_model=True)
         accelerator = Accelerator(deepspeed_plugin=plugin)
