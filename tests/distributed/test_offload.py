@@ -2,6 +2,7 @@
 where it runs changes), model-state bytes by location against the analytic values, bounded host
 memory for NVMe state, swap files left behind (none), and the errors for unusable NVMe paths."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -19,10 +20,11 @@ SWAP = tempfile.gettempdir()  # swap files are unlinked as soon as they are open
 UNITS = (("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshold", 0))
 SUB_GROUP = 1000  # small, so every flat group is several sub-groups and the NVMe pipeline cycles its buffers
 NVME_BUFFERS = 2
+WHOLE = 10**9  # DeepSpeed's default sub_group_size: every shard one sub-group
 
 
-def offload(optimizer=None, param=None):
-    zero = [("sub_group_size", SUB_GROUP)]
+def offload(optimizer=None, param=None, sub_group=SUB_GROUP):
+    zero = [("sub_group_size", sub_group)]
     if optimizer == "cpu":
         zero.append(("offload_optimizer", {"device": "cpu", "pin_memory": True}))
     if optimizer == "nvme":
@@ -37,7 +39,15 @@ def offload(optimizer=None, param=None):
 VARIANTS = {
     1: [(None, None), ("cpu", None), ("nvme", None)],
     2: [(None, None), ("cpu", None), ("nvme", None)],
-    3: [(None, None), ("cpu", None), ("nvme", None), ("cpu", "cpu"), ("nvme", "nvme"), (None, "nvme")],
+    3: [
+        (None, None),
+        ("cpu", None),
+        ("nvme", None),
+        ("cpu", "cpu"),
+        ("nvme", "nvme"),
+        (None, "nvme"),
+        ("nvme", "nvme", WHOLE),  # one sub-group per shard: an fp32 shard is its own master on disk
+    ],
 }
 
 
@@ -87,7 +97,8 @@ def test_offload_matches_the_same_run_without_offload(stage, dtype, clip):
 
 def check_memory(variant, result, dtype):
     """Model-state bytes per location, from the tensors the engine holds, against the analytic split."""
-    optimizer, param = variant
+    optimizer, param, *sub_group = variant
+    shared = sub_group == [WHOLE] and param == "nvme" and dtype == "fp32"  # the shard is the master
     where = result["state_bytes_by_location"]
     shard = sum(numel for numel, resident in result["flat_numels"]) // 2  # elements this rank owns
     compute = 4 if dtype == "fp32" else 2
@@ -99,11 +110,13 @@ def check_memory(variant, result, dtype):
     if optimizer == "cpu":
         assert host["master"] == 4 * shard and host["optimizer_state"] == 8 * shard  # fp32 master, Adam m and v
     if optimizer == "nvme":
-        assert nvme["master"] == 4 * shard and nvme["optimizer_state"] == 8 * shard
+        assert nvme["master"] == (0 if shared else 4 * shard) and nvme["optimizer_state"] == 8 * shard
         assert host["grad_shard"] == 0 and nvme["grad_shard"] == 4 * shard  # waits on disk, in fp32
         # host copies of NVMe state: at most buffer_count staging buffers of one sub-group (master, m, v, gradient)
         assert host["master"] == 0
-        assert host["optimizer_state"] <= NVME_BUFFERS * 4 * align_up(SUB_GROUP * 4)
+        largest = max(n for n, _ in result["flat_numels"]) // 2
+        sub = min((sub_group or [SUB_GROUP])[0], largest)
+        assert host["optimizer_state"] <= NVME_BUFFERS * 4 * align_up(sub * 4)
     if param == "cpu":
         assert device["params"] == 0 and host["params"] == compute * shard  # only gathered units on device
     if param == "nvme":
@@ -151,21 +164,30 @@ def swap_hygiene_worker(swap_dir):
     masters = engine.stack.read_flat(flat)["master"]
     comm.barrier(engine.mesh.world)
     params = engine.consolidated_state_dict(rank0_only=False)
-    # a second run pointing at the same nvme_path (here: in the same process) has swap files of its own
-    other, *_ = zeroshard.initialize(model=make_model(seed=7), config=case.config())
-    other.backward(other(x, x))
-    other.step()
+    # a second run pointing at the same nvme_path (here: in the same process) has swap files of its own; its
+    # sub-groups are whole shards, so its fp32 shards are their own masters: its disk bytes as estimate predicts
+    whole = dataclasses.replace(case, zero=tuple(kv for kv in case.zero if kv[0] != "sub_group_size"))
+    other, *_ = zeroshard.initialize(model=make_model(seed=7), config=whole.config())
+    for _ in range(2):
+        before = other.disk_io()
+        other.backward(other(x, x))
+        other.step()
+    after = other.disk_io()
+    shared = (after["read"] - before["read"], after["written"] - before["written"])
+    shared_predicted = zeroshard.estimate(make_model, whole.config(), world_size=2).disk_per_step
     untouched = engine.consolidated_state_dict(rank0_only=False)
     independent = all(torch.equal(untouched[k], v) for k, v in params.items())
     result = listed, engine.stack.optimizer_state.swapper.bytes_on_disk(), params, masters, (moved, state, shards)
-    return (*result, independent, predicted)
+    return (*result, independent, predicted, (shared, shared_predicted))
 
 
 def test_swap_files_leave_nothing_behind(tmp_path):
     results = run_distributed(swap_hygiene_worker, 2, str(tmp_path))
-    for *_, (moved, state, shards), independent, predicted in results:
+    for *_, (moved, state, shards), independent, predicted, (shared, shared_predicted) in results:
         assert independent  # another engine on the same nvme_path changed nothing of this one's state
         assert (predicted["read"], predicted["written"]) == moved[1]  # zeroshard estimate's disk bytes per step
+        assert (shared_predicted["read"], shared_predicted["written"]) == shared
+        assert shared[1] < moved[1][1]  # the parameter shards were not written a second time
         # the disk ledger, exactly: the step reads master, exp_avg, exp_avg_sq and the gradient of every sub-group
         # and writes the first three back, backward wrote the gradient; each unit's parameter shard is read for
         # its forward and again for its backward, the root unit's once (gathered throughout), and all are written

@@ -51,15 +51,19 @@ class ModelState:
         fp32_aliased = self.policy.compute == torch.float32 and self.offload.optimizer_device == "none"
         b = out.bytes
         in_cpu = 0  # offload_param nvme: shards are kept in host memory while they fit max_in_cpu (ShardHomes.place)
-        self.nvme_shards: list[tuple[int, bool]] = []  # the shards placed in the parameter swap file, root unit's?
+        # the shards placed in the parameter swap file: (elements, the root unit's, the optimizer's master)
+        self.nvme_shards: list[tuple[int, bool, bool]] = []
 
-        def shard_home(numel: int, plan) -> str:
+        def shard_home(numel: int, plan, trainable: bool) -> str:
             nonlocal in_cpu
             if param_home == "nvme" and in_cpu + numel <= self.offload.max_in_cpu:
                 in_cpu += numel
                 return "host"
             if param_home == "nvme":
-                self.nvme_shards.append((numel, self.unit_of[plan.params[0]] == 0))
+                # NvmeState: an fp32 shard on NVMe that is one optimizer sub-group is its own master
+                master = trainable and opt_home == "nvme" and self.policy.compute == torch.float32
+                master = master and numel <= self.offload.sub_group_size
+                self.nvme_shards.append((numel, self.unit_of[plan.params[0]] == 0, master))
             return param_home
 
         for plan, layout in zip(self.plans, self.layouts):
@@ -67,8 +71,9 @@ class ModelState:
             if plan.resident:
                 b["parameters"]["device"] += layout.padded_numel * compute
             else:
-                b["parameters"][shard_home(shard, plan)] += shard * compute
+                b["parameters"][shard_home(shard, plan, True)] += shard * compute
             master_aliased = fp32_aliased and (plan.resident or self.offload.param_device == "none")
+            master_aliased |= not plan.resident and bool(self.nvme_shards) and self.nvme_shards[-1][2]
             if not master_aliased:
                 b["optimizer_state"][opt_home] += shard * 4
             b["gradients"][opt_home] += shard * (4 if opt_home == "nvme" else grad)  # fp32 in the swap file
@@ -78,7 +83,7 @@ class ModelState:
             if quantized.keeps_int8(plan):  # zero_quantized_nontrainable_weights: int8 plus block scales
                 b["parameters"]["device"] += INT8.message_nbytes(layout.shard_numel)
             else:
-                b["parameters"][shard_home(layout.shard_numel, plan)] += layout.shard_numel * compute
+                b["parameters"][shard_home(layout.shard_numel, plan, False)] += layout.shard_numel * compute
         b["parameters"]["device"] += self.outside * compute
         if in_cpu:
             out.notes.append(
@@ -112,11 +117,12 @@ class ModelState:
                     f"{keys + 1} tensors x {sub * 4 / 2**20:.0f} MiB); a smaller sub-group needs less"
                 )
         if self.nvme_shards:
-            largest = max(n for n, _ in self.nvme_shards)
+            largest = max(n for n, *_ in self.nvme_shards)
             b["parameters"]["host"] += offload.param_buffer_count * min(offload.param_buffer_size, largest) * compute
             # gathered for forward and again for backward; the root unit once (gathered throughout)
-            read += sum((1 if root else 2) * align_up(n * compute) for n, root in self.nvme_shards)
-            written += sum(align_up(n * compute) for n, _ in self.nvme_shards)  # the updated shards
+            read += sum((1 if root else 2) * align_up(n * compute) for n, root, _ in self.nvme_shards)
+            # the updated shards, but those the step wrote as the optimizer's master
+            written += sum(align_up(n * compute) for n, _, master in self.nvme_shards if not master)
         out.disk_per_step = {"read": read, "written": written}
         z = self.cfg.zero_optimization
         if self.stage.partition_params and (offload.param_device != "none") and z.max_live_parameters >= 1e9:

@@ -3,12 +3,14 @@ or in swap files on NVMe, moved with asynchronous positioned I/O from Python thr
 
 from .aio import IOStats, OffloadIOError, SwapFile
 from .optimizer_swap import MASTER, NvmeOptimizerSwapper, SubGroup, elementwise_keys
+from .param_store import NvmeShard
 from .plan import OffloadDevice, OffloadPlan, ShardHome, ShardHomes, optimizer_swapper, shard_homes
 
 __all__ = [
     "IOStats",
     "MASTER",
     "NvmeOptimizerSwapper",
+    "NvmeShard",
     "OffloadIOError",
     "OffloadDevice",
     "OffloadPlan",

@@ -69,7 +69,7 @@ class NvmeOptimizerSwapper:
         self.synchronize = synchronize  # device copies out of a staging buffer finish before it is refilled
         self.max_numel = max_numel
         self.pin = pin
-        self.regions: dict[tuple[int, str], int] = {}  # (id(param), key) -> file offset
+        self.regions: dict[tuple[int, str], tuple[SwapFile, int]] = {}  # (id(param), key) -> file and offset
         self.state_keys: dict[int, list[str]] = {}  # id(param) -> its swapped optimizer state keys
         self.slots = [_Slot() for _ in range(buffer_count)]
         self._spill_turn = 0  # the slot the next gradient write stages through
@@ -88,14 +88,20 @@ class NvmeOptimizerSwapper:
             if region not in self.regions:
                 self.reserve(sub, key)
             buffer = slot.buffers[key][: align_up(sub.numel * 4)]
-            pendings.append(self.file.submit(write, buffer, self.regions[region]))
+            file, offset = self.regions[region]
+            pendings.append(file.submit(write, buffer, offset))
         return pendings
 
     def reserve(self, sub: SubGroup, key: str) -> None:
         """Claim the sub-group's region for ``key`` in the file now (a full disk fails here, not mid-step)."""
-        self.regions[(id(sub.param), key)] = self.file.reserve(sub.numel * 4)
+        self.regions[(id(sub.param), key)] = (self.file, self.file.reserve(sub.numel * 4))
         if key not in (MASTER, GRAD):
             self.state_keys.setdefault(id(sub.param), []).append(key)
+
+    def share(self, sub: SubGroup, key: str, file: SwapFile, offset: int) -> None:
+        """Keep the sub-group's ``key`` in a region of another swap file (an fp32 parameter shard that is its own
+        master: the step's write of the master is the shard's update)."""
+        self.regions[(id(sub.param), key)] = (file, offset)
 
     def _keys(self, sub: SubGroup) -> list[str]:
         return [MASTER, *self.state_keys.get(id(sub.param), [])]

@@ -110,8 +110,16 @@ class NvmeShard:
         self.offset = file.reserve(self.nbytes)
         self._buffer: Optional[torch.Tensor] = None
         self._reading: Optional[IOPending] = None
+        self.is_master = False  # the optimizer's fp32 master lives in this region and writes it (share_as_master)
         self.write(0, values)
         self.flush()
+
+    def share_as_master(self) -> tuple[SwapFile, int]:
+        """From now on the optimizer keeps its fp32 master weights in this shard's region and writes the updated
+        values there itself (4 bytes per element less on disk, and per step): this home stops writing, and drops
+        a staged copy when told of an update, so the next ``get`` reads the new values."""
+        self.is_master = True
+        return self.file, self.offset
 
     def _io_view(self) -> torch.Tensor:
         return self._buffer[: align_up(self.nbytes)]
@@ -141,6 +149,12 @@ class NvmeShard:
 
     def write(self, start: int, values: torch.Tensor) -> None:
         """Overwrite part of the shard in the staging buffer (the whole shard is written between ``flush`` es)."""
+        if self.is_master:  # the optimizer wrote the region: a copy read ahead is stale
+            if self._reading is not None:
+                self._reading.wait()
+                self._reading = None
+            self.release()
+            return
         if self._buffer is None:
             self._buffer = self.pool.acquire()
         if self._reading is not None:  # a read-ahead still landing in this buffer
@@ -150,7 +164,7 @@ class NvmeShard:
 
     def flush(self) -> None:
         """Write the staged shard behind; the buffer returns to the pool once the write is done."""
-        if self._buffer is not None:
+        if self._buffer is not None and not self.is_master:
             self.pool.give_back(self._buffer, self.file.submit(True, self._io_view(), self.offset))
             self._buffer = None
 
