@@ -66,17 +66,21 @@ class ModelState:
                 self.nvme_shards.append((numel, self.unit_of[plan.params[0]] == 0, master))
             return param_home
 
+        self.spilled: list[bool] = []  # per trainable flat group: its gradient waits in the optimizer swap file
         for plan, layout in zip(self.plans, self.layouts):
             shard = layout.shard_numel
-            if plan.resident:
-                b["parameters"]["device"] += layout.padded_numel * compute
-            else:
-                b["parameters"][shard_home(shard, plan, True)] += shard * compute
+            home = "device" if plan.resident else shard_home(shard, plan, True)
+            b["parameters"][home] += (layout.padded_numel if plan.resident else shard) * compute
             master_aliased = fp32_aliased and (plan.resident or self.offload.param_device == "none")
-            master_aliased |= not plan.resident and bool(self.nvme_shards) and self.nvme_shards[-1][2]
+            master_aliased |= home == "nvme" and self.nvme_shards[-1][2]
             if not master_aliased:
                 b["optimizer_state"][opt_home] += shard * 4
-            b["gradients"][opt_home] += shard * (4 if opt_home == "nvme" else grad)  # fp32 in the swap file
+            # NvmeState.grad_home: the gradient goes where the parameter shard is (on disk in fp32), else host memory
+            self.spilled.append(opt_home == "nvme" and home == "nvme")
+            if self.spilled[-1]:
+                b["gradients"]["nvme"] += shard * 4
+            else:
+                b["gradients"]["host" if opt_home == "nvme" else opt_home] += shard * grad
             b["optimizer_state"][opt_home] += shard * 4 * self.state_tensors
         quantized = QuantizedComm.from_config(self.cfg.zero_optimization)
         for plan, layout in zip(self.frozen_plans, self.frozen_layouts):
@@ -101,20 +105,32 @@ class ModelState:
         compute, keys = element_size(self.policy.compute), 1 + self.state_tensors  # master and the moments
         shards = [layout.shard_numel for layout in self.layouts]
         read = written = 0
+
+        def regions(numels: list[int]) -> int:  # bytes of one key's regions over the sub-groups of these shards
+            step = offload.sub_group_size
+            return sum(align_up(min(step, n - start) * 4) for n in numels for start in range(0, n, step))
+
         if offload.optimizer_device == "nvme" and shards:
             sub = min(max(shards), offload.sub_group_size)
-            staging = offload.optimizer_buffer_count * (keys + 1) * align_up(sub * 4)  # + the gradient
+            spilled = [n for n, on_disk in zip(shards, self.spilled) if on_disk]
+            staging = offload.optimizer_buffer_count * (keys + bool(spilled)) * align_up(sub * 4)  # + the gradient
             b["optimizer_state"]["host"] += staging
-            b["communication_buffers"]["device"] += max(shards) * element_size(self.policy.grad)
-            regions = sum(align_up(min(offload.sub_group_size, n - start) * 4) for n in shards for start in range(
-                0, n, offload.sub_group_size))  # fmt: skip
-            read += (keys + 1) * regions  # master, moments and gradient
-            written += (keys + 1) * regions  # master and moments after the step, the gradient during backward
+            if spilled:  # the bucket's gradient accumulated before it is written behind
+                b["communication_buffers"]["device"] += max(spilled) * element_size(self.policy.grad)
+            # master and moments, read and written in the step; the spilled gradients written in backward, read back
+            read += keys * regions(shards) + regions(spilled)
+            written += keys * regions(shards) + regions(spilled)
             if offload.sub_group_size >= 1e8 and staging > 2**30:
                 out.notes.append(
                     f"sub_group_size ({offload.sub_group_size:.3g}) sizes the NVMe optimizer staging: "
                     f"{staging / 2**30:.2f} GiB of host memory ({offload.optimizer_buffer_count} buffers x "
-                    f"{keys + 1} tensors x {sub * 4 / 2**20:.0f} MiB); a smaller sub-group needs less"
+                    f"{keys + bool(spilled)} tensors x {sub * 4 / 2**20:.0f} MiB); a smaller sub-group needs less"
+                )
+            if len(spilled) < len(shards):
+                kept = sum(n for n, on_disk in zip(shards, self.spilled) if not on_disk)
+                out.notes.append(
+                    f"{kept * element_size(self.policy.grad) / 2**30:.2f} GiB of gradient shards wait in host memory "
+                    "beside parameter shards kept there (offload_param nvme with max_in_cpu 0 puts both on disk)"
                 )
         if self.nvme_shards:
             largest = max(n for n, *_ in self.nvme_shards)

@@ -157,11 +157,11 @@ class NvmeOptimizerSwapper:
         return self._view(self._stepping[1], GRAD, sub.numel)
 
     def steps(
-        self, optimizer: torch.optim.Optimizer, subs: list[SubGroup], with_grad: bool = False
+        self, optimizer: torch.optim.Optimizer, subs: list[SubGroup], with_grad: frozenset[int] = frozenset()
     ) -> Iterator[SubGroup]:
-        """Yield each sub-group with its master weights and ``optimizer``'s state for it in memory (and, ``with_grad``,
-        its gradient: :meth:`staged_grad`), reading ahead up to ``buffer_count - 1`` sub-groups and writing each
-        back as soon as it has been stepped."""
+        """Yield each sub-group with its master weights and ``optimizer``'s state for it in memory (and, for those
+        whose ``id(sub.param)`` is in ``with_grad``, its gradient: :meth:`staged_grad`), reading ahead up to
+        ``buffer_count - 1`` sub-groups and writing each back as soon as it has been stepped."""
         self.finish_writes()  # gradients written behind during backward land before any region is read
         ahead = max(1, len(self.slots) - 1)
         free = deque(self.slots)
@@ -171,7 +171,7 @@ class NvmeOptimizerSwapper:
             for sub in subs:
                 while issued < len(subs) and len(queued) < ahead and free:
                     slot = free.popleft()
-                    self._read(subs[issued], slot, with_grad)
+                    self._read(subs[issued], slot, id(subs[issued].param) in with_grad)
                     queued.append((subs[issued], slot))
                     issued += 1
                 current, slot = queued.popleft()

@@ -2,7 +2,8 @@
 
 - :class:`ResidentGrad`: an fp32 (or compute-dtype) tensor on the compute device, or in host memory when the
   optimizer state is offloaded to the CPU, where the optimizer state steps it.
-- :class:`SpilledGrad` (``offload_optimizer.device: nvme``): in the optimizer's swap file, one region per sub-group
+- :class:`SpilledGrad` (``offload_optimizer.device: nvme``, for a flat group whose parameter shard is on NVMe too):
+  in the optimizer's swap file, one region per sub-group
   beside its master weights and moments. Each reduction's result is accumulated in a transient buffer drawn from the
   engine's reusable buffers, written behind (:meth:`NvmeOptimizerSwapper.write_grad`) and the buffer given back, so
   host memory holds one bucket's gradient at a time, never the model's; the step reads each sub-group's gradient

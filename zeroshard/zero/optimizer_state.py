@@ -342,15 +342,19 @@ class NvmeState(HostState):
         return subs
 
     def grad_home(self, index: int, dtype: torch.dtype, pin: bool, buffers: ReusableBuffers) -> GradHome:
-        """The swap file, beside the master weights (:class:`~.grad_home.SpilledGrad`); in memory for an optimizer
-        that exchanges its own gradients (1-bit: each rank keeps its whole gradient between steps)."""
-        if getattr(self.optimizer, "gradient_exchange", "exact") != "exact":
+        """The gradient shard goes where the parameter shard is: in the swap file, beside the master weights
+        (:class:`~.grad_home.SpilledGrad`), when the parameter shard lives on NVMe (the run keeps the model out of
+        RAM: ``offload_param`` nvme beyond ``max_in_cpu``); in host memory otherwise, where the parameters already
+        take model-sized room and the step reads 4 bytes per parameter less. In memory also for an optimizer that
+        exchanges its own gradients (1-bit: each rank keeps its whole gradient between steps)."""
+        exact = getattr(self.optimizer, "gradient_exchange", "exact") == "exact"
+        if not exact or not isinstance(self.flats[index].home, NvmeShard):
             return super().grad_home(index, dtype, pin, buffers)
         return SpilledGrad(self._subgroups_of[index], self.swapper, buffers, dtype)
 
     def _ordered(self, grads: list[GradHome]):
-        spilled = any(isinstance(home, SpilledGrad) for home in grads)
-        return self.swapper.steps(self.optimizer, self.subgroups, with_grad=spilled)
+        on_disk = frozenset(id(sub.param) for sub in self.subgroups if isinstance(grads[sub.flat_index], SpilledGrad))
+        return self.swapper.steps(self.optimizer, self.subgroups, with_grad=on_disk)
 
     def _grad_of(self, sub: SubGroup, home: GradHome) -> torch.Tensor:
         if not isinstance(home, SpilledGrad):
