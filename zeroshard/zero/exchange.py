@@ -123,7 +123,7 @@ class MomentumExchange(_Compressed):
             beta1 = self.optimizer.param_groups[self.group_of_flat[index]]["betas"][0]
             exp_avg = read_exp_avg(index) if self.momentum.needs_exp_avg(index) else None
             shard = self.momentum.exchange(index, grad.read(), coef, beta1, exp_avg)
-            shards.append(ResidentGrad.holding(shard, "device"))
+            shards.append(ResidentGrad(shard, "device"))
         return shards, 1.0
 
     def reset(self) -> None:

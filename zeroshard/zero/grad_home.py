@@ -56,20 +56,16 @@ class GradHome(Protocol):
 
 
 class ResidentGrad:
-    """The gradient shard as one tensor; ``location`` names where it lives for the byte counts."""
+    """The gradient shard as one tensor (zeros, or one an exchange transformed); ``location`` names where it lives
+    for the byte counts."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool, location: str):
-        self.dtype, self.device, self.pin, self.location = dtype, device, pin, location
-        self.tensor = self._zeros(numel)
+    def __init__(self, tensor: torch.Tensor, location: str, pin: bool = False):
+        self.tensor, self.location, self.pin = tensor, location, pin
+        self.dtype, self.device = tensor.dtype, tensor.device
 
     @classmethod
-    def holding(cls, tensor: torch.Tensor, location: str) -> "ResidentGrad":
-        """A home around an existing tensor (a gradient an exchange transformed)."""
-        home = cls.__new__(cls)
-        home.dtype, home.device, home.pin, home.location, home.tensor = (
-            tensor.dtype, tensor.device, False, location, tensor,
-        )  # fmt: skip
-        return home
+    def zeros(cls, numel: int, dtype: torch.dtype, device: torch.device, pin: bool, location: str) -> "ResidentGrad":
+        return cls(torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin), location, pin)
 
     def _zeros(self, numel: int) -> torch.Tensor:
         return torch.zeros(numel, dtype=self.dtype, device=self.device, pin_memory=self.pin)

@@ -122,7 +122,7 @@ class OptimizerState:
         """Where flat group ``index``'s reduced gradient shard waits for the step: beside this state's master weights
         (``dtype``: the policy's gradient dtype; ``buffers``: the engine's reusable ones, for transient work)."""
         numel = self.flats[index].layout.shard_numel
-        return ResidentGrad(numel, dtype, self.device, pin, self.location)
+        return ResidentGrad.zeros(numel, dtype, self.device, pin, self.location)
 
     def step(self, grads: list[GradHome], coef: float = 1.0) -> None:
         """Apply the gradient shards, one per flat group, times ``coef`` (unscaling and clipping), and publish

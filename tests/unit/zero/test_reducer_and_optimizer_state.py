@@ -36,7 +36,7 @@ def _flat(params):
 
 
 def _home(flat):
-    return ResidentGrad(flat.layout.shard_numel, torch.float32, CPU, pin=False, location="device")
+    return ResidentGrad.zeros(flat.layout.shard_numel, torch.float32, CPU, pin=False, location="device")
 
 
 def _params():
@@ -129,14 +129,14 @@ def test_device_state_steps_the_shard_in_place_and_host_state_in_sub_groups():
     flat = _flat(params)
     device = DeviceState([flat], [0], [{"params": params}], _adamw, torch.float32)
     assert device.subgroups[0].param.data_ptr() == flat.shard.data_ptr()  # fp32: the master is the shard
-    device.step([ResidentGrad.holding(g.clone(), "device") for g in grads])
+    device.step([ResidentGrad(g.clone(), "device") for g in grads])
     assert torch.allclose(flat.shard, reference.detach())
 
     params = _params()
     flat = _flat(params)
     host = HostState([flat], [0], [{"params": params}], _adamw, torch.float32, sub_group_size=4, pin_memory=False)
     assert [(s.start, s.stop) for s in host.subgroups] == [(0, 4), (4, 8), (8, 11)]
-    host.step([ResidentGrad.holding(g.clone(), "host") for g in grads])
+    host.step([ResidentGrad(g.clone(), "host") for g in grads])
     assert torch.allclose(flat.shard, reference.detach()) and torch.allclose(params[1], reference[6:])
     saved = host.read_flat(0)
     assert sorted(saved) == ["exp_avg", "exp_avg_sq", "master"] and torch.allclose(saved["master"], reference)
@@ -168,7 +168,7 @@ def test_device_state_steps_16_bit_gradients_one_flat_group_at_a_time():
 
     state = DeviceState(flats, [0, 0], [{"params": [p for g in groups for p in g]}], _adamw, torch.float32)
     kept = [grad.clone() for grad in grads]
-    state.step([ResidentGrad.holding(g, "device") for g in grads], coef=0.5)
+    state.step([ResidentGrad(g, "device") for g in grads], coef=0.5)
     for flat, master, sub in zip(flats, masters, state.subgroups):
         assert torch.equal(sub.param, master.detach()) and torch.equal(flat.shard, master.detach().bfloat16())
     assert all(torch.equal(a, b) for a, b in zip(grads, kept))  # the 16-bit shards are not scaled in place
