@@ -132,14 +132,18 @@ def test_hf_trainer_trains_saves_and_resumes(launches, stage):
 
 def test_hf_trainer_with_deepspeeds_zero_infinity_config_trains_as_without_offload(launches):
     """DeepSpeed's documented ZeRO-Infinity config (parameters and optimizer state on NVMe, its aio block) through
-    the HF Trainer: the same losses and saved weights as the run without offload, bit for bit, and a resume from
-    checkpoint-2 continues them."""
+    the HF Trainer: the same losses as the run without offload, and a resume from checkpoint-2 continues them; the
+    saved weights within 1e-4. Not bit for bit: GPT-2's key bias has an exactly-zero gradient, whose rounding noise
+    Adam turns into updates of lr x noise / eps, and that noise differs between the two runs (3.7e-5 relative on
+    c_attn.bias, 2e-7 elsewhere; the same before issue 53; the native parity tests, which leave that bias out, are
+    bit-identical)."""
     first, resumed = (result(out) for out in launches["hf3nvme"])
     reference = result(launches["hf3"][0])
     assert first["losses"] == reference["losses"] and resumed["losses"] == reference["losses"]
     directory, plain = launches["dirs"]["hf3nvme"], launches["dirs"]["hf3"]
     saved, expected = (load_file(d / "final" / "model.safetensors") for d in (directory, plain))
-    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
+    assert saved.keys() == expected.keys()
+    assert max(((saved[k] - expected[k]).norm() / expected[k].norm()).item() for k in saved) <= 1e-4
     assert os.listdir(directory / "nvme") == []  # swap files are unlinked as they are opened
 
 
