@@ -150,7 +150,7 @@ class NvmeOptimizerSwapper:
         self._stepping = None
 
     def staged_grad(self, sub: SubGroup) -> torch.Tensor:
-        """The gradient ``steps(..., with_grad=True)`` read with the sub-group it has just yielded (scratch: the
+        """The gradient ``steps(..., with_grad=...)`` read with the sub-group it has just yielded (scratch: the
         step may scale it in place)."""
         if self._stepping is None or self._stepping[0] is not sub:
             raise AssertionError("staged_grad is valid for the sub-group steps() has yielded")
