@@ -4,6 +4,7 @@ and recommendation, and DeepSpeed's model-state estimators against DeepSpeed's p
 
 import json
 import math
+import os
 import re
 
 import pytest
@@ -353,3 +354,38 @@ def test_a_model_that_cannot_be_copied_is_named_with_the_factory_way_out():
     model.lock = threading.Lock()  # as a module holding a process group: deepcopy refuses it
     with pytest.raises(TypeError, match="pass a zero-argument callable"):
         zeroshard.estimate(model, {"train_micro_batch_size_per_gpu": 1}, 1, runtime_bytes=0)
+
+
+def nvme_config(path) -> dict:
+    nvme = {"device": "nvme", "nvme_path": str(path)}
+    zero = {"stage": 3, "offload_optimizer": nvme, "offload_param": {**nvme, "max_in_cpu": 0}}
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+
+
+def test_cli_with_nvme_offload_prints_the_disk_per_step_and_the_probed_bandwidth(tmp_path, capsys):
+    (tmp_path / "ds.json").write_text(json.dumps(nvme_config(tmp_path)))
+    args = ["--config", str(tmp_path / "ds.json"), "--factory", "tests.unit.test_estimator:tiny_gpt"]
+    assert main([*args, "--disk_probe_mib", "4"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"disk per optimizer step: [\d.]+ GB read \+ [\d.]+ GB written; the nvme_path measured", out)
+    assert os.listdir(tmp_path) == ["ds.json"]  # the probe's file was unlinked as it was opened
+    assert main([*args, "--disk_probe_mib", "0"]) == 0 and "measured" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, message", [("-1", "must be 0-16384"), ("99999", "must be 0-16384"), ("x", "integer")])
+def test_cli_refuses_a_bad_disk_probe_size(tmp_path, capsys, value, message):
+    (tmp_path / "ds.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(tmp_path / "ds.json"), "--factory", "m:build", "--disk_probe_mib", value])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_probe_on_an_unusable_nvme_path_is_one_line(tmp_path, capsys):
+    """The config's nvme_path vanished after it was written (a careless user): a named error, exit 2."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    (tmp_path / "ds.json").write_text(json.dumps(nvme_config(gone)))
+    gone.rmdir()
+    assert main(["--config", str(tmp_path / "ds.json"), "--factory", "tests.unit.test_estimator:tiny_gpt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zeroshard estimate: ") and "does not exist" in err and "Traceback" not in err

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..offload.aio import measure_bandwidth
+from ..offload.aio import OffloadIOError, measure_bandwidth
 from .model_state import element_size
 from .predict import estimate
 from .result import CATEGORIES, LOCATIONS, MemoryEstimate
@@ -177,7 +177,7 @@ def build_parser():
     parser.add_argument("--budget", help="per-rank memory, e.g. 80GB: recommend the cheapest setting that fits")
     parser.add_argument(
         "--disk_probe_mib",
-        type=bounded(0),
+        type=bounded(0, 16384),
         default=256,
         help="with NVMe offload: write and read this much at the config's nvme_path to measure its bandwidth (0: no)",
     )
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (OSError, ValueError, NotImplementedError) as err:
+    except (OSError, ValueError, NotImplementedError, OffloadIOError) as err:
         print(f"zeroshard estimate: {err}", file=sys.stderr)
         return 2
 

@@ -239,9 +239,9 @@ def measure_bandwidth(directory: str, nbytes: int, settings: AioSettings = AioSe
     at once, like every swap file."""
     file = SwapFile(directory, f"zeroshard-probe-pid{os.getpid()}.swap", settings)
     try:
+        offset = file.reserve(nbytes)  # a disk without room fails here, by name, before any memory is taken
         buffer = aligned_empty(nbytes)
         buffer.fill_(1)
-        offset = file.reserve(nbytes)
         file.submit(True, buffer, offset).wait()
         os.fsync(file.fd)
         file.submit(False, buffer, offset).wait()
