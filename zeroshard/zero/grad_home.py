@@ -67,9 +67,6 @@ class ResidentGrad:
     def zeros(cls, numel: int, dtype: torch.dtype, device: torch.device, pin: bool, location: str) -> "ResidentGrad":
         return cls(torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin), location, pin)
 
-    def _zeros(self, numel: int) -> torch.Tensor:
-        return torch.zeros(numel, dtype=self.dtype, device=self.device, pin_memory=self.pin)
-
     @property
     def numel(self) -> int:
         return self.tensor.numel()
@@ -77,7 +74,7 @@ class ResidentGrad:
     def resize(self, numel: int) -> None:
         """Hold ``numel`` elements (a 1-bit optimizer's own whole gradient); only between steps, when empty."""
         if numel != self.tensor.numel():
-            self.tensor = self._zeros(numel)
+            self.tensor = torch.zeros(numel, dtype=self.dtype, device=self.device, pin_memory=self.pin)
 
     def accumulate(self, reduced: torch.Tensor, alpha: float, final: bool) -> None:
         self.tensor.add_(reduced.to(self.tensor.device), alpha=alpha)
@@ -171,12 +168,6 @@ class SpilledGrad:
     def resident(self) -> Optional[torch.Tensor]:
         return None
 
-    def resize(self, numel: int) -> None:
-        if numel != self.numel:
-            raise NotImplementedError(
-                "a 1-bit optimizer keeps each rank's whole gradient between steps, which offload_optimizer 'nvme' "
-                "does not spill; offload the optimizer to 'cpu' instead"
-            )
 
     def bytes(self) -> dict[str, int]:
         return {"nvme": self.numel * 4}
