@@ -14,7 +14,15 @@ import torch
 
 from zeroshard.offload.aio import align_up
 from zeroshard.testing import run_distributed
-from zeroshard.testing.parity import ParityCase, engine_train_many, make_model, model_error, reference_train
+from zeroshard.testing.parity import (
+    ParityCase,
+    engine_train,
+    engine_train_many,
+    make_batches,
+    make_model,
+    model_error,
+    reference_train,
+)
 
 SWAP = tempfile.gettempdir()  # swap files are unlinked as soon as they are opened, so nothing accumulates
 UNITS = (("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshold", 0))
@@ -353,3 +361,54 @@ def test_sigkill_during_a_write_behind_leaves_nothing_and_the_checkpoint_loads(t
         [sys.executable, "-c", RELOAD, str(checkpoint)], env=env, capture_output=True, text=True, timeout=300
     )
     assert "EQUAL True" in reloaded.stdout, reloaded.stderr[-2000:]
+
+
+def step_behind_worker(scheduler):
+    """Stage 3 with the optimizer on NVMe: the step runs behind the next forward. Each step's last sub-group is held
+    (a step pre-hook, torch's own) until the next forward has entered the first block, which proves that forward
+    ran while the step did; the weights are returned for the bitwise comparison with the synchronous run."""
+    import threading
+
+    import zeroshard
+    from zeroshard import comm
+
+    zero = UNITS + (("sub_group_size", 700), ("offload_optimizer", {"device": "nvme", "nvme_path": SWAP}))
+    case = ParityCase(stage=3, lr=1e-3, gas=2, clip=0.05, steps=4, zero=zero, extra=scheduler)
+    engine, *_ = zeroshard.initialize(model=make_model(), config=case.config())
+    assert engine.stack.steps_behind
+    state = engine.stack.optimizer_state
+    first_block = threading.Event()
+    engine.module.blocks[0].register_forward_pre_hook(lambda *_: first_block.set())  # after the gather's own hook
+    held, stepped = [], [0]
+
+    def hold_the_last_sub_group(optimizer, args, kwargs):
+        stepped[0] += 1
+        if stepped[0] % len(state.subgroups) == 0 and stepped[0] < (case.steps - 1) * len(state.subgroups) + 1:
+            held.append(first_block.wait(60))  # False: the forward waited for the whole step
+
+    state.optimizer.register_step_pre_hook(hold_the_last_sub_group)
+    rank, world = comm.get_rank(), comm.get_world_size()
+    lrs = []
+    for x, y in make_batches(case.steps, world * case.micro_batch * case.gas):
+        for k in range(case.gas):
+            rows = slice((k * world + rank) * case.micro_batch, (k * world + rank + 1) * case.micro_batch)
+            engine.backward(engine(x[rows], y[rows]))
+            if k == case.gas - 1:
+                first_block.clear()  # set again by the next forward, while this step runs
+            engine.step()
+        lrs.append(engine.get_lr()[0])
+    params = {k: v.float() for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
+    synchronous = engine_train(dataclasses.replace(case, zero=UNITS))  # the same run, its step on this thread
+    return held, lrs, params, engine.disk_io()["behind_wait_s"], synchronous["params"]
+
+
+def test_the_step_behind_the_forward_is_the_synchronous_step():
+    """Exact: clipping that clips, 2 micro-batches, and a warm-up schedule that changes the learning rate right
+    after each ``engine.step()``, while that step is still running; and it overlaps: every step but the last is
+    held at its last sub-group until the next forward has gathered the first block."""
+    warmup = (("scheduler", {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 10}}),)
+    held, lrs, params, waited, expected = run_distributed(step_behind_worker, 2, warmup)[0]
+    assert held == [True, True, True] and len(set(lrs)) == len(lrs)  # the schedule moved at every step
+    assert waited >= 0
+    for name, value in expected.items():
+        assert torch.equal(params[name], value), name

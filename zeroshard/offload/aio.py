@@ -15,8 +15,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import astuple, dataclass
 
 import torch
@@ -81,6 +83,20 @@ class IOStats:
         return IOStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
+_waits = threading.local()  # per thread: whether its waits are hidden behind the training thread's work
+
+
+@contextmanager
+def hidden_waits():
+    """Waits on I/O in this block are not the training thread's (an optimizer step running behind the forward):
+    they are left out of ``IOStats.wait_s``."""
+    _waits.hidden = True
+    try:
+        yield
+    finally:
+        _waits.hidden = False
+
+
 class IOPending:
     """A submitted read or write; ``wait`` returns when every block is done or raises ``OffloadIOError``."""
 
@@ -101,7 +117,8 @@ class IOPending:
             started = time.perf_counter()
             for future in self._futures:
                 future.exception()
-            self._stats.wait_s += time.perf_counter() - started
+            if not getattr(_waits, "hidden", False):
+                self._stats.wait_s += time.perf_counter() - started
         errors = [f.exception() for f in self._futures]
         self._futures = []
         for error in errors:

@@ -115,7 +115,7 @@ class NvmeOptimizerSwapper:
         return self.file.size
 
     def bytes_in_memory(self) -> int:
-        return sum(b.numel() for slot in self.slots for b in slot.buffers.values())
+        return sum(b.numel() for slot in self.slots for b in list(slot.buffers.values()))  # a step may be adding
 
     # -- moving one sub-group in and out ----------------------------------------------------------
     def _read(self, sub: SubGroup, slot: _Slot, with_grad: bool) -> None:

@@ -11,6 +11,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
+from ..partition import round_up
 from .aio import AioSettings, SwapFile
 from .optimizer_swap import NvmeOptimizerSwapper
 from .param_store import BufferPool, HostShard, NvmeShard
@@ -40,6 +41,12 @@ class ShardHome(Protocol):
     def bytes(self) -> dict[str, int]: ...  # bytes held, by location
 
 
+# sub-groups start at multiples of this many elements: the CPU optimizer's vectorized kernels then see every element
+# in the lane it has when the whole shard is stepped at once, so an offloaded step is bit-identical to an in-memory
+# one (a boundary at 700 elements moved AdamW's result in the last bit; 696 and 704 did not)
+SUB_GROUP_ALIGN = 64
+
+
 @dataclass(frozen=True)
 class OffloadPlan:
     optimizer_device: OffloadDevice = OffloadDevice.NONE  # fp32 master weights, gradient shards, optimizer state
@@ -59,7 +66,7 @@ class OffloadPlan:
     def from_config(cls, zero_cfg, aio_cfg, rank: int, can_pin: bool) -> "OffloadPlan":
         opt, par = zero_cfg.offload_optimizer, zero_cfg.offload_param
         fields: dict = {
-            "sub_group_size": zero_cfg.sub_group_size,
+            "sub_group_size": round_up(zero_cfg.sub_group_size, SUB_GROUP_ALIGN),
             "aio": AioSettings.from_config(aio_cfg),
             "rank": rank,
         }

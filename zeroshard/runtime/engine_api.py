@@ -43,6 +43,7 @@ class DeepSpeedAccessors:
         (DeepSpeed's ``safe_get_full_fp32_param`` family; see :mod:`zeroshard.zero.param_access`)."""
         if self.stack.access is None:
             raise RuntimeError(f"engine.param_access {NO_OPTIMIZER}")
+        self.stack.settle()  # the gradients and master weights are a step's running behind until it is done
         return self.stack.access
 
     @property
@@ -185,5 +186,8 @@ class DeepSpeedAccessors:
         """What this rank's offload swap files moved since ``initialize``: bytes ``read`` and ``written``;
         ``wait_s``, the seconds training waited for them (transfers that finished behind computation cost none);
         ``read_s`` / ``write_s``, the seconds the I/O threads spent transferring (bytes over them: the bandwidth
-        the disk gave this run)."""
+        the disk gave this run); ``behind_wait_s``, the seconds training waited for optimizer steps running behind
+        the forward (``zeroshard.zero.step_behind``), whose own transfers are not in ``wait_s``. A step still running
+        is finished first, so the counts are whole steps'."""
+        self.stack.settle()
         return self.stack.disk_io()

@@ -177,7 +177,8 @@ class Reporting:
         log_rank0(
             f"offload disk (rank 0): {moved['read'] / steps / 1e9:.3f} GB read + {moved['written'] / steps / 1e9:.3f} "
             f"GB written per step, at {rate(moved['read'], moved['read_s'])} / "
-            f"{rate(moved['written'], moved['write_s'])}; training waited {moved['wait_s'] / steps:.3f} s per step"
+            f"{rate(moved['written'], moved['write_s'])}; training waited {moved['wait_s'] / steps:.3f} s per step "
+            f"for the disk, {moved['behind_wait_s'] / steps:.3f} s for the step running behind the forward"
         )
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from .planning import StagePolicy, leaf_paths_of
 from .reducer import GradBucket, GradientReducer, GradState
 from .sharded_param import ParamRecords, ShardedParameterError
 from .stack import NonFiniteGradientError, ZeroStack
+from .step_behind import StepBehindError
 
 __all__ = [
     "DeviceState",
@@ -34,6 +35,7 @@ __all__ = [
     "ReusableBuffers",
     "ShardedParameterError",
     "StagePolicy",
+    "StepBehindError",
     "leaf_paths_of",
     "ZeroOptimizer",
     "ZeroStack",

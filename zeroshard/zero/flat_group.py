@@ -16,6 +16,7 @@ optimizer state the optimizer state's (:mod:`zeroshard.zero.optimizer_state`).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from enum import Enum
 from typing import Callable, Optional
 
@@ -74,6 +75,7 @@ class FlatGroup:
         self.buffer: Optional[torch.Tensor] = None  # the gathered parameters (None while sharded)
         self._gather: Optional[comm.Pending] = None
         self.home: Optional[ShardHome] = None
+        self._update: Optional[Future] = None  # an optimizer step running behind is writing the shard (step_behind)
         self.shard: Optional[torch.Tensor]
         if resident:
             self.shard = full[lo:hi]
@@ -109,6 +111,7 @@ class FlatGroup:
             if not async_op:
                 self.wait_gathered()
             return
+        self.await_update()
         self.buffer = self.buffers.acquire(self.layout.padded_numel, self.dtype, owner=self)
         shard = self.shard
         if self.home is not None:
@@ -153,6 +156,7 @@ class FlatGroup:
     # -- this rank's shard ---------------------------------------------------------------------
     def shard_values(self) -> torch.Tensor:
         """This rank's shard in the compute dtype (a copy when it lives in an offload home)."""
+        self.await_update()
         if self.home is None:
             return self.shard
         values = self.home.get().to(self.device, copy=True)
@@ -183,6 +187,33 @@ class FlatGroup:
         if self.resident and self.partitioned:
             # in-place all-gather: the input is this rank's own chunk of the output
             comm.all_gather(self.buffer, self.shard, self.shard_group)
+        self.finish_update()
+
+    # -- an optimizer step running behind the forward (zeroshard.zero.step_behind) ------------------
+    def expect_update(self, update: Future) -> None:
+        """A step on another thread is about to write this shard: reads of it wait for ``update``."""
+        self._update = update
+
+    def finish_update(self, error: Optional[BaseException] = None) -> None:
+        """The step's thread is done with this shard (``error``: it failed before publishing it)."""
+        update = self._update
+        if update is not None and not update.done():
+            if error is None:
+                update.set_result(None)
+            else:
+                update.set_exception(error)
+
+    @property
+    def update_pending(self) -> bool:
+        """Whether a step on another thread has yet to publish this shard (a prefetch then leaves it be)."""
+        return self._update is not None and not self._update.done()
+
+    def await_update(self) -> None:
+        """Return once no step is writing this shard (raise the step's error if it failed)."""
+        update = self._update
+        if update is not None:
+            update.result()
+            self._update = None  # only once it is done: until then the step's thread resolves it through this field
 
     def bytes_held(self) -> dict[str, dict[str, int]]:
         """Bytes per role and where they live: ``device`` (the accelerator, or the compute side on a

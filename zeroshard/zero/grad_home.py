@@ -168,6 +168,5 @@ class SpilledGrad:
     def resident(self) -> Optional[torch.Tensor]:
         return None
 
-
     def bytes(self) -> dict[str, int]:
         return {"nvme": self.numel * 4}

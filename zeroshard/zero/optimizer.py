@@ -34,6 +34,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self):
+        self.stack.settle()  # a step running behind the forward writes it
         return self.optimizer.state
 
     def step(self, closure=None) -> bool:

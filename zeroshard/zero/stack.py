@@ -11,7 +11,10 @@ copies of offloaded states and the per-parameter access. The engine drives it: `
 
 The step's arithmetic: the global gradient norm (one all-reduce of partial squares: over the shard group, then the
 tensor-sharded flat groups' part over the tensor group), fp16 overflow and the loss scale, clipping in the same
-multiply as unscaling, the exchange's transform, then the optimizer state steps and publishes.
+multiply as unscaling, the exchange's transform, then the optimizer state steps and publishes. With an offloaded
+optimizer at stage 3 that last part runs behind the next forward (:mod:`.step_behind`): the verdict and the
+coefficient are this thread's, the update the worker's; the next backward, step, checkpoint and every other use of
+the state wait for it (:meth:`ZeroStack.settle`).
 
 An engine without an optimizer holds a stack with no flat groups (:meth:`ZeroStack.without_optimizer`), whose
 training calls say what is missing.
@@ -133,6 +136,12 @@ class ZeroStack:
         self.global_grad_norm: Optional[float] = None
         self.optimizer: Optional[ZeroOptimizer] = ZeroOptimizer(self)  # the clients' torch.optim view of it
         self.exchange.choose_reduction(self.steps_taken)
+        # the offloaded step runs behind the next forward where nothing in it is a collective (see step_behind)
+        self.steps_behind = stage3 is not None and type(exchange) is ExactExchange and optimizer_state.can_step_behind
+
+    def settle(self) -> None:
+        """Wait for an optimizer step running behind the forward (raising its error, if it failed)."""
+        self.optimizer_state.settle()
 
     @classmethod
     def without_optimizer(cls, device: torch.device) -> "NoOptimizerStack":
@@ -154,6 +163,7 @@ class ZeroStack:
 
     def begin_backward(self, boundary: bool, scaled_loss: torch.Tensor) -> None:
         """Before the user's backward: whether it ends an accumulation, and the loss autograd starts from."""
+        self.settle()  # the gradients it accumulates into are the previous step's until that step is done
         self.reducer.begin_backward(boundary, scaled_loss)
 
     def end_backward(self, graph_retained: bool = False) -> None:
@@ -165,6 +175,7 @@ class ZeroStack:
 
     def step(self) -> bool:
         """Unscale, clip and apply the reduced gradients; False when an fp16 overflow skipped the step."""
+        self.settle()
         self.reducer.verify_gradients(self.steps_taken + 1)
         scale = self.loss_scaler.scale
         grads = self.reducer.grads  # where each shard waits: in memory, or on disk (NVMe optimizer offload)
@@ -192,10 +203,23 @@ class ZeroStack:
         if clip > 0 and norm > clip:
             coef *= clip / (norm + 1e-6)
         grads, coef = self.exchange.transform(grads, coef, lambda index: self.read_flat(index).get("exp_avg"))
-        self.optimizer_state.step(grads, coef)
-        self.reducer.zero_grad()
+        if self.steps_behind:
+            label = f"optimizer step {self.steps_taken}"
+            self.optimizer_state.step_behind(grads, coef, self._forward_order(), self.reducer.zero_grad, label)
+        else:
+            self.optimizer_state.step(grads, coef)
+            self.reducer.zero_grad()
         self.exchange.choose_reduction(self.steps_taken)
         return True
+
+    def _forward_order(self) -> list[int]:
+        """The trainable flat groups in the order the forward gathers them (the root unit's, then the units' as
+        the last forward ran them), then any the forward did not reach."""
+        index = {id(flat): k for k, flat in enumerate(self.flat_groups)}
+        order: list[int] = []
+        for unit in [self.stage3.root_unit, *self.stage3.order]:
+            order.extend(k for b in unit.buckets if (k := index.get(id(b.flat))) is not None and k not in order)
+        return order + [k for k in range(len(self.flat_groups)) if k not in order]
 
     def _grad_norm_squared(self, grads: list[GradHome]) -> torch.Tensor:
         """The squared global norm: over the data-parallel shards, then the split flat groups' pieces summed over
@@ -235,6 +259,8 @@ class ZeroStack:
         return slot.name if slot is not None else "?"
 
     def zero_grad(self, module: Optional[torch.nn.Module] = None) -> None:
+        if self.optimizer_state.behind is not None and self.optimizer_state.behind.running:
+            return  # the step running behind clears the gradients once it has used them
         self.reducer.zero_grad()
 
     def learning_rates(self) -> list[float]:
@@ -245,7 +271,9 @@ class ZeroStack:
         return self.stage3.take_gather_seconds() if self.stage3 is not None else 0.0
 
     def destroy(self) -> None:
-        """Finish the reductions in flight and remove the gradient and stage-3 module hooks."""
+        """Finish the reductions in flight and a step running behind, and remove the gradient and stage-3 module
+        hooks."""
+        self.optimizer_state.close()
         self.reducer.destroy()
         if self.stage3 is not None:
             self.stage3.destroy()
@@ -352,11 +380,14 @@ class ZeroStack:
         return totals
 
     def disk_io(self) -> dict[str, float]:
-        """Bytes the swap files (optimizer state, stage-3 parameter shards) read and wrote, and the seconds waited."""
+        """Bytes the swap files (optimizer state, stage-3 parameter shards) read and wrote, the seconds the training
+        thread waited for them (``wait_s``) and for steps running behind the forward (``behind_wait_s``); counted so
+        far, a step still running included (:meth:`settle` first for a whole one)."""
         total = IOStats()
         for file in self.optimizer_state.swap_files() + (self.shard_homes.swap_files() if self.shard_homes else []):
             total = total.add(file.stats)
-        return asdict(total)
+        behind = self.optimizer_state.behind
+        return {**asdict(total), "behind_wait_s": behind.waited_s if behind is not None else 0.0}
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds per role, wherever it lives."""
@@ -410,4 +441,7 @@ class NoOptimizerStack:
         return dict.fromkeys(ROLES, 0)
 
     def disk_io(self) -> dict[str, float]:
-        return asdict(IOStats())
+        return {**asdict(IOStats()), "behind_wait_s": 0.0}
+
+    def settle(self) -> None:
+        pass

@@ -144,6 +144,9 @@ class Stage3Runtime:
             if issued + unit.numel > self.prefetch_numel or self.live_numel + unit.numel > self.max_live_numel:
                 beyond = index
                 break
+            if any(flat.update_pending for flat in unit.flats):
+                beyond = index  # the optimizer step running behind has yet to publish it: run this unit meanwhile
+                break
             self._gather(unit, async_op=True)
             issued += unit.numel
         for unit in [u for u in candidates[beyond:] if u.sharded][: self.fetch_ahead]:  # disk reads beyond

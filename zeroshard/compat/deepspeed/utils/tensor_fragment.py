@@ -24,9 +24,8 @@ def _access(param: torch.nn.Parameter) -> Optional[ParamAccess]:
         raise TypeError(f"expected a model parameter, got {type(param).__name__}")
     engines = alive()
     for engine in engines:
-        access = engine.stack.access
-        if access is not None and engine.records.flat_of(param) is not None:
-            return access
+        if engine.stack.access is not None and engine.records.flat_of(param) is not None:
+            return engine.param_access
     if any(any(p is param for p in engine.module.parameters()) for engine in engines):
         return None  # an engine's frozen parameter
     raise ValueError(
