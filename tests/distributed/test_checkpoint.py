@@ -93,6 +93,7 @@ ROUND_TRIP += [
     ParityCase(stage=2, gas=2, lr=1e-3, zero=CPU_OFFLOAD),
     ParityCase(stage=3, dtype="bf16", gas=2, lr=1e-3, zero=UNITS + NVME_OFFLOAD),
     ParityCase(stage=3, gas=2, lr=1e-3, zero=UNITS + NVME_OFFLOAD[:2]),  # fp32 shards that are their own masters
+    ParityCase(stage=3, gas=2, lr=1e-3, zero=UNITS + NVME_OFFLOAD[::2]),  # the step runs behind the next forward
 ]
 
 
