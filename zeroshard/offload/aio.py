@@ -152,6 +152,7 @@ class SwapFile:
         os.unlink(self.path)
         self.size = 0
         self.stats = IOStats()
+        self._writing: list[tuple[int, int, list[Future]]] = []  # writes in flight: [start, end) and their parts
         self._pool = ThreadPoolExecutor(settings.threads, thread_name_prefix="zeroshard-aio")
         if self.direct and not self._direct_works():
             plain = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR)  # same (unlinked) file, without O_DIRECT
@@ -236,9 +237,23 @@ class SwapFile:
             self.stats.written += len(view)
         else:
             self.stats.read += len(view)
+        if parts > 1:
+            self._order_after_writes(write, offset, offset + len(view))
         run = self._run
         futures = [self._pool.submit(run, write, view[lo : lo + step], offset + lo) for lo in range(0, len(view), step)]
+        if parts > 1 and write:
+            self._writing.append((offset, offset + len(view), futures))
         return IOPending(futures, self.stats)
+
+    def _order_after_writes(self, write: bool, start: int, end: int) -> None:
+        """With several I/O threads a later request's parts can start before an earlier one's finish: a read (or
+        write) of a region waits here for the writes in flight that overlap it, so it sees (or follows) them. One
+        thread runs requests in the order they were submitted, which orders them already."""
+        self._writing = [(lo, hi, fs) for lo, hi, fs in self._writing if not all(f.done() for f in fs)]
+        for lo, hi, futures in self._writing:
+            if lo < end and start < hi:
+                for future in futures:
+                    future.exception()  # wait; an error is raised by the request's own IOPending
 
     def close(self) -> None:
         if getattr(self, "fd", -1) >= 0:

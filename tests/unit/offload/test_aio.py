@@ -91,3 +91,22 @@ def test_truncated_file_is_detected(tmp_path):
     os.ftruncate(file.fd, 0)  # someone else shrank the file
     with pytest.raises(OffloadIOError, match="truncated"):
         file.submit(False, aligned_empty(8192), offset).wait()
+
+
+def test_with_several_threads_a_read_follows_the_write_in_flight_to_its_region(tmp_path):
+    """Split across 4 threads, a read submitted while a write of the same region is in flight could have parts run
+    before the write's: the read waits for the overlapping write at submission, and sees what it wrote."""
+    file = SwapFile(str(tmp_path), "t.swap", AioSettings(block_size=64 * 1024, queue_depth=2, threads=4))
+    nbytes = 16 * 1024 * 1024
+    offset = file.reserve(nbytes)
+    for round_ in range(4):
+        data = aligned_empty(nbytes)
+        data.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(round_)))
+        writing = file.submit(True, data, offset)
+        back = aligned_empty(nbytes)
+        reading = file.submit(False, back, offset)
+        assert writing.done()  # the read's submission waited for it
+        reading.wait()
+        writing.wait()
+        assert torch.equal(back, data)
+    file.close()

@@ -22,8 +22,9 @@ ONE = comm.Group("world", (0,), None)
 CPU = torch.device("cpu")
 
 
-def _flat(params):
-    layout = flat_layout([f"p{i}" for i in range(len(params))], [tuple(p.shape) for p in params], 1)
+def _flat(params, resident=True, prefix="p"):
+    """A flat group of ``params`` on this one process (``resident``: whole, as at stages 0-2; else sharded)."""
+    layout = flat_layout([f"{prefix}{i}" for i in range(len(params))], [tuple(p.shape) for p in params], 1)
     return FlatGroup(
         layout=layout,
         params=params,
@@ -32,6 +33,7 @@ def _flat(params):
         device=CPU,
         records=ParamRecords(),
         buffers=ReusableBuffers(CPU),
+        resident=resident,
     )
 
 

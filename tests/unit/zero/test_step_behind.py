@@ -8,35 +8,21 @@ import threading
 import pytest
 import torch
 
-from zeroshard import comm
-from zeroshard.partition import flat_layout
-from zeroshard.zero import FlatGroup, HostState, ParamRecords, ReusableBuffers
+from zeroshard.zero import HostState
 from zeroshard.zero.grad_home import ResidentGrad
 from zeroshard.zero.step_behind import StepBehindError, frozen_groups
 
-ONE = comm.Group("world", (0,), None)
-CPU = torch.device("cpu")
+from .test_reducer_and_optimizer_state import _flat
+
 HELD = 30.0  # seconds a held worker waits for the training thread before the test fails
 
 
 def _host_state(seed=0):
     torch.manual_seed(seed)
-    flats = []
-    for k in range(2):
-        params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(5))]
-        layout = flat_layout([f"f{k}p{i}" for i in range(2)], [tuple(p.shape) for p in params], 1)
-        flats.append(
-            FlatGroup(
-                layout=layout,
-                params=params,
-                compute_dtype=torch.float32,
-                shard_group=ONE,
-                device=CPU,
-                records=ParamRecords(),
-                buffers=ReusableBuffers(CPU),
-                resident=False,
-            )
-        )
+    flats = [
+        _flat([torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(5))], False, f"f{k}p")
+        for k in range(2)
+    ]
     groups = [{"params": [p for f in flats for p in f.params], "lr": 0.1, "weight_decay": 0.01}]
     state = HostState(
         flats, [0, 0], groups, lambda g, _: torch.optim.AdamW(g), torch.float32, sub_group_size=4, pin_memory=False
