@@ -285,6 +285,7 @@ class ZeroStack:
         """Move the states in ``include`` (DeepSpeed's ``OffloadStateTypeEnum`` values; all when None) to host
         memory, freeing the compute device (see :mod:`.state_offload`); the engine refuses to train until
         :meth:`reload_states`. Only ``device="cpu"``; ``"none"`` does nothing, as in DeepSpeed."""
+        self.settle()  # a step running behind writes these states
         device = getattr(device, "value", device)
         if device == "none":
             logging.getLogger("zeroshard").warning("offload_states(device='none'): nothing to do")
