@@ -24,7 +24,8 @@ from .buffers import ReusableBuffers
 from .exchange import exchange_for
 from .flat_group import FlatGroup
 from .gradient_check import GradientCheck
-from .optimizer_state import MakeOptimizer, OptimizerState, build_optimizer_state
+from .offloaded_state import build_optimizer_state
+from .optimizer_state import MakeOptimizer, OptimizerState
 from .planning import ModelPlan, QuantizedComm, StagePolicy, build_flat_groups, plan_model
 from .reducer import GradBucket, GradientReducer
 from .sharded_param import ParamRecords
