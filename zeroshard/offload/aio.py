@@ -238,14 +238,14 @@ class SwapFile:
         else:
             self.stats.read += len(view)
         if parts > 1:
-            self._order_after_writes(write, offset, offset + len(view))
+            self._order_after_writes(offset, offset + len(view))
         run = self._run
         futures = [self._pool.submit(run, write, view[lo : lo + step], offset + lo) for lo in range(0, len(view), step)]
         if parts > 1 and write:
             self._writing.append((offset, offset + len(view), futures))
         return IOPending(futures, self.stats)
 
-    def _order_after_writes(self, write: bool, start: int, end: int) -> None:
+    def _order_after_writes(self, start: int, end: int) -> None:
         """With several I/O threads a later request's parts can start before an earlier one's finish: a read (or
         write) of a region waits here for the writes in flight that overlap it, so it sees (or follows) them. One
         thread runs requests in the order they were submitted, which orders them already."""

@@ -205,7 +205,7 @@ class NvmeState(HostState):
             "nvme": sum(sub.numel * 4 for sub in self.subgroups if id(sub.param) not in self._master_is_shard)
         }
         held["optimizer_state"]["nvme"] = sum(
-            sub.numel * 4 * len(list(keys.get(id(sub.param), []))) for sub in self.subgroups
+            sub.numel * 4 * len(keys.get(id(sub.param), [])) for sub in self.subgroups
         )
         held["optimizer_state"]["host"] += self.swapper.bytes_in_memory()  # the staging buffers
         return held

@@ -69,6 +69,11 @@ class OptimizerState:
             self.behind.wait()
 
     @property
+    def stepping_behind(self) -> bool:
+        """Whether a step launched behind the forward has not been waited for yet."""
+        return self.behind is not None and self.behind.running
+
+    @property
     def can_step_behind(self) -> bool:
         """Whether :meth:`step_behind` may run (the host and NVMe states, unless a shard lives on NVMe)."""
         return False

@@ -259,7 +259,7 @@ class ZeroStack:
         return slot.name if slot is not None else "?"
 
     def zero_grad(self, module: Optional[torch.nn.Module] = None) -> None:
-        if self.optimizer_state.behind is not None and self.optimizer_state.behind.running:
+        if self.optimizer_state.stepping_behind:
             return  # the step running behind clears the gradients once it has used them
         self.reducer.zero_grad()
 

@@ -65,7 +65,6 @@ class StepBehind:
         self.rank = rank
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zeroshard-step")
         self._running: Optional[Future] = None
-        self._label = ""
         self.waited_s = 0.0  # how long the training thread waited for steps running behind (the exposed part)
 
     @property
@@ -78,7 +77,6 @@ class StepBehind:
         self.wait()
         for flat in flats:
             flat.expect_update(_Publish(self))
-        self._label = label
         self._running = self._worker.submit(self._run, label, work, flats)
 
     def _run(self, label: str, work: Callable[[], None], flats: list[FlatGroup]) -> None:
