@@ -153,6 +153,9 @@ class SwapFile:
         self.size = 0
         self.stats = IOStats()
         self._writing: list[tuple[int, int, list[Future]]] = []  # writes in flight: [start, end) and their parts
+        # the training thread and an optimizer step running behind it (zeroshard.zero.step_behind) both submit;
+        # the I/O threads add their seconds under a lock of their own
+        self._lock, self._seconds_lock = threading.Lock(), threading.Lock()
         self._pool = ThreadPoolExecutor(settings.threads, thread_name_prefix="zeroshard-aio")
         if self.direct and not self._direct_works():
             plain = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR)  # same (unlinked) file, without O_DIRECT
@@ -201,10 +204,11 @@ class SwapFile:
         try:
             self._transfer(write, view, offset, op)
         finally:
-            if write:
-                self.stats.write_s += time.perf_counter() - started
-            else:
-                self.stats.read_s += time.perf_counter() - started
+            with self._seconds_lock:
+                if write:
+                    self.stats.write_s += time.perf_counter() - started
+                else:
+                    self.stats.read_s += time.perf_counter() - started
 
     def _transfer(self, write: bool, view: memoryview, offset: int, op: str) -> None:
         block = self.settings.block_size
@@ -233,27 +237,32 @@ class SwapFile:
             raise AssertionError(f"transfer [{offset}, {offset + len(view)}) outside the reserved {self.size} bytes")
         parts = self.settings.threads
         step = align_up(-(-len(view) // parts))
-        if write:
-            self.stats.written += len(view)
-        else:
-            self.stats.read += len(view)
         if parts > 1:
             self._order_after_writes(offset, offset + len(view))
-        run = self._run
-        futures = [self._pool.submit(run, write, view[lo : lo + step], offset + lo) for lo in range(0, len(view), step)]
-        if parts > 1 and write:
-            self._writing.append((offset, offset + len(view), futures))
+        with self._lock:
+            if write:
+                self.stats.written += len(view)
+            else:
+                self.stats.read += len(view)
+            run = self._run
+            futures = [
+                self._pool.submit(run, write, view[lo : lo + step], offset + lo) for lo in range(0, len(view), step)
+            ]
+            if parts > 1 and write:
+                self._writing.append((offset, offset + len(view), futures))
         return IOPending(futures, self.stats)
 
     def _order_after_writes(self, start: int, end: int) -> None:
         """With several I/O threads a later request's parts can start before an earlier one's finish: a read (or
         write) of a region waits here for the writes in flight that overlap it, so it sees (or follows) them. One
-        thread runs requests in the order they were submitted, which orders them already."""
-        self._writing = [(lo, hi, fs) for lo, hi, fs in self._writing if not all(f.done() for f in fs)]
-        for lo, hi, futures in self._writing:
-            if lo < end and start < hi:
-                for future in futures:
-                    future.exception()  # wait; an error is raised by the request's own IOPending
+        thread runs requests in the order they were submitted, which orders them already (a request submitted after
+        another thread's, e.g. a gather's read after the step behind published its write, runs after it)."""
+        with self._lock:
+            self._writing = [(lo, hi, fs) for lo, hi, fs in self._writing if not all(f.done() for f in fs)]
+            overlapping = [fs for lo, hi, fs in self._writing if lo < end and start < hi]
+        for futures in overlapping:
+            for future in futures:
+                future.exception()  # wait; an error is raised by the request's own IOPending
 
     def close(self) -> None:
         if getattr(self, "fd", -1) >= 0:

@@ -157,11 +157,16 @@ class NvmeOptimizerSwapper:
         return self._view(self._stepping[1], GRAD, sub.numel)
 
     def steps(
-        self, optimizer: torch.optim.Optimizer, subs: list[SubGroup], with_grad: frozenset[int] = frozenset()
+        self,
+        optimizer: torch.optim.Optimizer,
+        subs: list[SubGroup],
+        with_grad: frozenset[int] = frozenset(),
+        written: Optional[Callable[[SubGroup], None]] = None,
     ) -> Iterator[SubGroup]:
         """Yield each sub-group with its master weights and ``optimizer``'s state for it in memory (and, for those
         whose ``id(sub.param)`` is in ``with_grad``, its gradient: :meth:`staged_grad`), reading ahead up to
-        ``buffer_count - 1`` sub-groups and writing each back as soon as it has been stepped."""
+        ``buffer_count - 1`` sub-groups and writing each back as soon as it has been stepped; ``written`` is called
+        with each sub-group once its writes are submitted (a later read of its regions, from any thread, sees them)."""
         self.finish_writes()  # gradients written behind during backward land before any region is read
         ahead = max(1, len(self.slots) - 1)
         free = deque(self.slots)
@@ -181,6 +186,8 @@ class NvmeOptimizerSwapper:
                 yield sub
                 self._unbind_and_write(optimizer, sub, slot)
                 free.append(slot)
+                if written is not None:
+                    written(sub)
         finally:
             for slot in self.slots:
                 if slot.reading is not None:

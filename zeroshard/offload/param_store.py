@@ -8,6 +8,7 @@ through one of ``buffer_count`` host buffers of ``buffer_size`` elements, read a
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Optional
 
@@ -76,7 +77,13 @@ class QuantizedShard:
 
 
 class BufferPool:
-    """``count`` aligned host buffers; a buffer handed back with a pending write is reused only after it."""
+    """``count`` aligned host buffers; a buffer handed back with a pending write is reused only after it.
+
+    Two threads draw from it: the training thread (gathers and their read-ahead) and an optimizer step running
+    behind the forward (:mod:`zeroshard.zero.step_behind`), which stages the updated shards it writes. A demand
+    waits while the other thread holds a buffer (it gives it back without waiting on this one: the read-ahead keeps
+    one buffer back, the step holds one shard's at a time); a thread that holds every buffer itself is a
+    ``buffer_count`` too small, an error."""
 
     def __init__(self, count: int, nbytes: int, pin: bool):
         self.count = count
@@ -85,21 +92,44 @@ class BufferPool:
         self._free: deque[tuple[torch.Tensor, Optional[IOPending]]] = deque(
             (aligned_empty(nbytes, pin), None) for _ in range(count)
         )
+        self._holder: dict[int, int] = {}  # data pointer of a buffer in use -> the thread that took it
+        self._changed = threading.Condition()
 
     def try_acquire(self) -> Optional[torch.Tensor]:
         """A buffer for reading ahead, keeping one back so a demand read never waits on a prefetch."""
-        return self.acquire() if len(self._free) > 1 else None
+        with self._changed:
+            if len(self._free) <= 1:
+                return None
+            buffer, pending = self._take()
+        return _after(buffer, pending)
 
     def acquire(self) -> torch.Tensor:
-        if not self._free:
-            raise AssertionError("every offload_param buffer is in use; raise offload_param.buffer_count")
+        me = threading.get_ident()
+        with self._changed:
+            while not self._free:
+                if list(self._holder.values()).count(me) == self.count:
+                    raise AssertionError("every offload_param buffer is in use; raise offload_param.buffer_count")
+                self._changed.wait()
+            buffer, pending = self._take()
+        return _after(buffer, pending)
+
+    def _take(self) -> tuple[torch.Tensor, Optional[IOPending]]:
         buffer, pending = self._free.popleft()
-        if pending is not None:
-            pending.wait()
-        return buffer
+        self._holder[buffer.data_ptr()] = threading.get_ident()
+        return buffer, pending
 
     def give_back(self, buffer: torch.Tensor, pending: Optional[IOPending] = None) -> None:
-        self._free.append((buffer, pending))
+        with self._changed:
+            self._holder.pop(buffer.data_ptr(), None)
+            self._free.append((buffer, pending))
+            self._changed.notify_all()
+
+
+def _after(buffer: torch.Tensor, pending: Optional[IOPending]) -> torch.Tensor:
+    """``buffer`` once the write out of it (if any) is done."""
+    if pending is not None:
+        pending.wait()
+    return buffer
 
 
 class NvmeShard:

@@ -128,8 +128,9 @@ class FlatGroup:
             self.wait_gathered()
 
     def fetch(self) -> None:
-        """Start bringing an offloaded shard towards the device ahead of its gather (NVMe read-ahead)."""
-        if self.home is not None and self.param_state is ParamState.SHARDED:
+        """Start bringing an offloaded shard towards the device ahead of its gather (NVMe read-ahead); not while a
+        step running behind has yet to write it (the read would see the old values)."""
+        if self.home is not None and self.param_state is ParamState.SHARDED and not self.update_pending:
             self.home.fetch()
 
     def wait_gathered(self) -> None:

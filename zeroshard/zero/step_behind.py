@@ -11,9 +11,11 @@ roll back), and the step reads the hyperparameters as they were when it started 
 learning-rate scheduler stepping right after ``engine.step()`` changes the next step, not this one.
 
 What may not run behind: a flat group whose publish is a collective (a resident group's all-gather; collectives
-are issued from the training thread only) is stepped before the rest start, synchronously; a shard kept on NVMe
-(its reads come from the parameter swap file, which the forward shares) keeps the whole step synchronous. Anything
-else that reads or writes the optimizer state (a checkpoint, a backward, the next step, ``GatheredParameters``)
+are issued from the training thread only) is stepped before the rest start, synchronously. Shards kept on NVMe run
+behind too: both threads stage them through the one buffer pool and submit to the one swap file, which runs requests
+in the order they were submitted, and a shard is published only once its write is (for an fp32 shard that is its
+own master, once the optimizer's write of the master is submitted: :meth:`NvmeOptimizerSwapper.steps`' ``written``).
+Anything else that reads or writes the optimizer state (a checkpoint, a backward, the next step, ``GatheredParameters``)
 first waits for the step (:meth:`StepBehind.wait`); a failure inside it is raised there, naming the rank and the
 step.
 """

@@ -105,3 +105,36 @@ def test_a_failed_step_behind_reaches_the_reader_naming_the_rank_and_the_step():
         state.settle()
     state.settle()  # raised once: the next use goes on
     state.close()
+
+
+def test_a_shard_that_is_its_own_master_is_published_once_its_write_is_submitted(tmp_path):
+    """Shards on NVMe, each one sub-group in fp32: the step's write of the master *is* the shard's update, so a
+    gather may read the region only after that write was submitted (the file runs requests in that order)."""
+    from zeroshard.offload import OffloadPlan, ShardHomes
+    from zeroshard.zero.offloaded_state import NvmeState
+
+    path = str(tmp_path)
+    plan = OffloadPlan("nvme", "nvme", optimizer_nvme_path=path, param_nvme_path=path, max_in_cpu=0)
+    homes = ShardHomes(plan, torch.float32, largest_shard=11)
+    torch.manual_seed(0)
+    flats = [
+        _flat([torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(5))], False, f"f{k}p")
+        for k in range(3)
+    ]
+    for flat in flats:  # placed as the engine places them
+        flat.home, flat.shard = homes.place(flat.shard), None
+    groups = [{"params": [p for f in flats for p in f.params], "lr": 0.1}]
+    make = lambda g, _: torch.optim.AdamW(g)  # noqa: E731
+    state = NvmeState(flats, [0, 0, 0], groups, make, torch.float32, offload=plan, synchronize=lambda: None)
+    region = homes.file.size // 3  # one aligned region per shard, each written once at placement
+    assert len(state.subgroups) == 3 and homes.file.stats.written == 3 * region
+    grads = [ResidentGrad(torch.randn(f.layout.shard_numel), "host") for f in flats]
+    released, written_at_publish = threading.Event(), {}
+    _hold_at(state, 2, released)  # the first flat group of the order, before anything is published
+    state.step_behind(grads, 1.0, order=[2, 0, 1], then=lambda: None, label="optimizer step 1")
+    for k, flat in enumerate(flats):  # the futures the step resolves as it publishes (callbacks on its thread)
+        flat._update.add_done_callback(lambda _, k=k: written_at_publish.setdefault(k, homes.file.stats.written))
+    released.set()
+    state.settle()
+    assert written_at_publish == {2: 4 * region, 0: 5 * region, 1: 6 * region}  # its own master's write included
+    state.close()
