@@ -1,6 +1,9 @@
-"""``zeroshard.estimate`` against real 2-rank training: the model-state bytes equal what the engine holds, and the
+"""``zeroshard.estimate`` against real 2-rank training: the model-state bytes and the reusable buffers (by size, at
+the busiest moment) equal what the engine holds, and the
 predicted peak is within 10% of the measured peak RSS (the bound ``benchmarks/memory_estimate.py`` checks at three
 sizes). One fresh pair of processes per configuration: a peak is a high-water mark."""
+
+import tempfile
 
 import pytest
 import torch
@@ -18,12 +21,24 @@ def build(recompute: bool) -> GPT:
     return recompute_blocks(model) if recompute else model
 
 
-def config(stage: int, offload: bool) -> dict:
+BLOCK = 12 * CFG.n_embd**2 + 10 * CFG.n_embd  # one block's parameters
+NVME = {"device": "nvme", "nvme_path": tempfile.gettempdir()}  # swap files are unlinked at once
+# what a model far above 1e9 parameters runs with: every shard on NVMe, a few blocks live, sub-groups of one block
+LARGE = {
+    "gather_unit_classes": ["Block"], "stage3_prefetch_bucket_size": BLOCK, "stage3_max_live_parameters": 3 * BLOCK,
+    "stage3_max_reuse_distance": 0, "sub_group_size": BLOCK,
+    "offload_optimizer": NVME, "offload_param": {**NVME, "max_in_cpu": 0},
+}  # fmt: skip
+
+
+def config(stage: int, offload: str) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 500_000}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
-    if offload:
+    if offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu"}
+    if offload == "nvme":
+        zero.update(LARGE)
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -31,7 +46,7 @@ def config(stage: int, offload: bool) -> dict:
     }
 
 
-def measure(stage: int, offload: bool, recompute: bool) -> dict:
+def measure(stage: int, offload: str, recompute: bool) -> dict:
     import zeroshard
     from zeroshard import comm
     from zeroshard.accelerator import host_peak_rss
@@ -44,16 +59,18 @@ def measure(stage: int, offload: bool, recompute: bool) -> dict:
         x = torch.randint(0, CFG.vocab_size, (MICRO, CFG.block_size + 1), generator=gen)
         engine.backward(engine(x[:, :-1], x[:, 1:]))
         engine.step()
+    pool = engine.stack.buffers.idle_bytes + engine.stack.buffers.in_use_bytes  # the busiest moment's buffers
     held = engine.state_bytes()  # after a step: the optimizer state exists
     held["master"] -= engine.stack.optimizer_state.master_bytes_shared_with_params()  # fp32: master = params
     predicted = {c: sum(est.bytes[c].values()) for c in est.bytes}
-    return {"predicted": predicted, "peak": est.peak, "held": held, "measured": host_peak_rss(), "table": est.table()}
+    result = {"predicted": predicted, "peak": est.peak, "held": held, "measured": host_peak_rss(), "pool": pool}
+    return {**result, "table": est.table()}
 
 
 @pytest.mark.parametrize(
     "stage,offload,recompute",
-    [(0, False, False), (2, True, True), (3, False, True)],
-    ids=["stage0", "stage2-offload-recompute", "stage3-recompute"],
+    [(0, "", False), (2, "cpu", True), (3, "", True), (3, "nvme", False)],
+    ids=["stage0", "stage2-offload-recompute", "stage3-recompute", "stage3-nvme-large-model-knobs"],
 )
 def test_prediction_matches_the_run(stage, offload, recompute):
     for rank in run_distributed(measure, 2, stage, offload, recompute, timeout_s=600):
@@ -61,5 +78,6 @@ def test_prediction_matches_the_run(stage, offload, recompute):
         assert predicted["parameters"] == held["params"]
         assert predicted["gradients"] == held["grad_shard"]
         assert predicted["optimizer_state"] == held["master"] + held["optimizer_state"]
+        assert predicted["gathered_units"] + predicted["communication_buffers"] == rank["pool"]
         error = rank["peak"] / rank["measured"] - 1
         assert abs(error) <= 0.10, f"{100 * error:+.1f}%: measured {rank['measured'] / 2**20:.0f} MiB\n{rank['table']}"

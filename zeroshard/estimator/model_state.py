@@ -4,6 +4,8 @@ shards, master weights and optimizer state, gathered units and communication buf
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn as nn
 
@@ -115,8 +117,8 @@ class ModelState:
             spilled = [n for n, on_disk in zip(shards, self.spilled) if on_disk]
             staging = offload.optimizer_buffer_count * (keys + bool(spilled)) * align_up(sub * 4)  # + the gradient
             b["optimizer_state"]["host"] += staging
-            if spilled:  # the bucket's gradient accumulated before it is written behind
-                b["communication_buffers"]["device"] += max(spilled) * element_size(self.policy.grad)
+            # the bucket's gradient accumulated before it is written behind: the pool keeps one per shard size
+            b["communication_buffers"]["device"] += sum(set(spilled)) * element_size(self.policy.grad)
             # master and moments, read and written in the step; the spilled gradients written in backward, read back
             read += keys * regions(shards) + regions(spilled)
             written += keys * regions(shards) + regions(spilled)
@@ -134,7 +136,8 @@ class ModelState:
                 )
         if self.nvme_shards:
             largest = max(n for n, *_ in self.nvme_shards)
-            b["parameters"]["host"] += offload.param_buffer_count * min(offload.param_buffer_size, largest) * compute
+            staged = align_up(min(offload.param_buffer_size, largest) * compute)  # O_DIRECT-aligned, as allocated
+            b["parameters"]["host"] += offload.param_buffer_count * staged
             # gathered for forward and again for backward; the root unit once (gathered throughout)
             read += sum((1 if root else 2) * align_up(n * compute) for n, root, _ in self.nvme_shards)
             # the updated shards, but those the step wrote as the optimizer's master
@@ -171,17 +174,20 @@ class ModelState:
             out.bytes["gradients"][home] += whole * element_size(self.policy.grad)
 
     def count_buffers(self, out: MemoryEstimate, gloo: bool) -> None:
-        """What ``ReusableBuffers`` holds at the busiest moment: gradient staging for the bucket being filled and
-        the one reduction in flight (``MAX_IN_FLIGHT``), the latter with Gloo's reduce-scatter scratch when it is
-        sharded; under stage 3 also the root unit, the running unit and the prefetched ones."""
+        """What ``ReusableBuffers`` holds at the busiest moment. It keeps buffers by size, so flat groups of each size
+        count apart: gradient staging for the bucket being filled and, with ``overlap_comm``, the reductions in
+        flight (``MAX_IN_FLIGHT``), each with Gloo's reduce-scatter scratch when it is sharded; under stage 3 also
+        the root unit, the running unit and the prefetched ones."""
         from ..zero.reducer import MAX_IN_FLIGHT
 
         compute, reduce = element_size(self.policy.compute), element_size(self.policy.reduce)
-        largest = max((layout.padded_numel for layout in self.layouts), default=0)
-        staging = (MAX_IN_FLIGHT + 1) * largest * reduce
-        scratch = 0
-        if gloo and self.shard_count > 1:  # the other ranks' chunks of this rank's part
-            scratch = MAX_IN_FLIGHT * largest // self.shard_count * (self.shard_count - 1) * reduce
+        in_flight = MAX_IN_FLIGHT if self.cfg.zero_optimization.overlap_comm else 0
+        staging = scratch = 0
+        for numel, count in Counter(layout.padded_numel for layout in self.layouts).items():
+            busy = min(count, in_flight + 1)
+            staging += busy * numel * reduce
+            if gloo and self.shard_count > 1:  # the other ranks' chunks of this rank's part
+                scratch += busy * (numel // self.shard_count) * (self.shard_count - 1) * reduce
         out.bytes["communication_buffers"]["device"] += staging + scratch
         if not self.stage.partition_params:
             return
