@@ -45,7 +45,16 @@ def reference(family: str, variant: str = "", overrides: Optional[dict] = None) 
 
     model = tiny_causal_lm(family, **(FAMILIES[family] if overrides is None else overrides))
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    if variant == "lamb":
+        from zeroshard.optim import Lamb
+
+        optimizer = Lamb(params, lr=LR, weight_decay=0.01)  # one process: each parameter's norms whole
+    elif variant == "muon":  # DeepSpeed's Muon (Gram Newton-Schulz: fp32 on the CPU) on whole matrices
+        from zeroshard.optim import MuonWithAuxAdam, muon_param_groups
+
+        optimizer = MuonWithAuxAdam(muon_param_groups(model.named_parameters(), [{"params": params}], {"lr": LR}))
+    else:
+        optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     routes: list[list[torch.Tensor]] = []  # step 0: per rank, per layer, the router's top_k_index
     hooks = [
         layer.mlp.gate.register_forward_hook(lambda m, i, out: routes[-1].append(out[2].detach()))
@@ -103,7 +112,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_case(family: str, ep: int, stage: int, ref: dict, variant: str = "") -> dict:
     """One engine trained 5 steps. ``variant``: "" plain; "skewed" every token routed alike; "uneven" ranks with 1
     or 2 samples; "compat" built through ``deepspeed.initialize`` (zeroshard serving ``import deepspeed``), as a
-    DeepSpeed script with DeepSpeed's AutoEP block would build it."""
+    DeepSpeed script with DeepSpeed's AutoEP block would build it; "lamb" Lamb, whose trust ratio reads each
+    experts tensor's whole norms (completed over the expert-parallel ranks); "muon" DeepSpeed's Muon, whose
+    Newton-Schulz step reads each experts tensor whole (joined from the expert-parallel ranks)."""
     import zeroshard
     from zeroshard import comm
     from zeroshard.testing.hf import tiny_causal_lm
@@ -119,6 +130,9 @@ def run_case(family: str, ep: int, stage: int, ref: dict, variant: str = "") -> 
         "zero_optimization": {"stage": stage},
         "expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": family},
     }
+    if variant in ("lamb", "muon"):
+        params = {"lr": LR, "weight_decay": 0.01} if variant == "lamb" else {"lr": LR}
+        config["optimizer"] = {"type": variant.capitalize(), "params": params}
     if variant == "compat":
         zeroshard.install_as_deepspeed()
         import deepspeed
@@ -203,11 +217,12 @@ CASES = [(family, ep, stage, "") for family in FAMILIES for ep in EXPERT_SIZES f
 SKEWED = [("mixtral", 4, 0, "skewed"), ("mixtral", 4, 3, "skewed")]
 COMPAT = [("mixtral", 2, 2, "compat")]
 UNEVEN = [("qwen3_moe", 2, 0, "uneven"), ("qwen3_moe", 2, 3, "uneven")]
+WHOLE = [("mixtral", 2, 1, "lamb"), ("qwen3_moe", 4, 3, "lamb"), ("mixtral", 2, 2, "muon"), ("qwen3_moe", 2, 3, "muon")]
 
 
 @pytest.fixture(scope="module")
 def moe_runs():
-    return run_distributed(moe_worker, WORLD, CASES + SKEWED + COMPAT + UNEVEN, timeout_s=1500)
+    return run_distributed(moe_worker, WORLD, CASES + SKEWED + COMPAT + UNEVEN + WHOLE, timeout_s=1500)
 
 
 @pytest.mark.parametrize("family, ep, stage", [case[:3] for case in CASES])
@@ -219,6 +234,17 @@ def test_expert_parallel_training_matches_one_process(moe_runs, family, ep, stag
         assert max(run["aux"]) <= 1e-6
         assert run["grad"] <= 1e-6
         assert max(run["norms"]) <= 1e-6, "the pre-clip norm covers expert and dense gradients once"
+        assert run["weights"] <= 1e-5
+
+
+@pytest.mark.parametrize("family, ep, stage, variant", WHOLE)
+def test_lamb_and_muon_under_expert_parallelism_match_one_process(moe_runs, family, ep, stage, variant):
+    """Before: refused (Lamb's trust ratio would have read this rank's experts of a fused tensor, Muon would have
+    orthogonalized them alone). The optimizer contract's layout completes each experts tensor's norms, or joins
+    the tensor, over the expert-parallel ranks: one process's step."""
+    for per_rank in moe_runs:
+        run = per_rank["cases"][(family, ep, stage, variant)]
+        assert run["loss"][0] <= 1e-6 and run["grad"] <= 1e-6
         assert run["weights"] <= 1e-5
 
 

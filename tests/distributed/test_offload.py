@@ -103,6 +103,20 @@ def test_offload_matches_the_same_run_without_offload(stage, dtype, clip):
         check_memory(variant, result, dtype)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lamb_with_the_optimizer_state_in_host_memory_is_lamb_on_the_device(stage):
+    """Before: refused. Each flat group's shard is one sub-group (sub_group_size's default), so the optimizer
+    contract's layout completes each parameter's norms as on the device: bit for bit (a sub-group that cuts a shard
+    is refused: test_unusable_offload_settings_...)."""
+    units = UNITS if stage == 3 else ()
+    runs = [ParityCase(stage, "fp32", 2, lr=1e-3, optimizer="Lamb", zero=units + offload(*variant, sub_group=WHOLE))
+            for variant in ((None, None), ("cpu", None))]  # fmt: skip
+    device, host = run_distributed(engine_train_many, 2, runs)[0]
+    assert host["state_bytes_by_location"]["host"]["optimizer_state"] > 0
+    for name, value in device["params"].items():
+        assert torch.equal(host["params"][name], value), name
+
+
 def check_memory(variant, result, dtype):
     """Model-state bytes per location, from the tensors the engine holds, against the analytic split."""
     optimizer, param, *sub_group = variant
@@ -230,7 +244,7 @@ BAD = [
     ({"offload_optimizer": {"device": "nvme", "nvme_path": "/proc"}}, "AdamW", "cannot create swap file"),
     ({"offload_optimizer": {"device": "nvme"}}, "AdamW", "nvme_path"),
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "AdamW", "set stage to 1, 2 or 3"),
-    ({"offload_optimizer": {"device": "cpu"}}, "Lamb", "Lamb"),
+    ({"offload_optimizer": {"device": "cpu"}, "sub_group_size": 16}, "Lamb", "sub_group_size"),
     ({"offload_optimizer": NVME}, "Adagrad", "creates its state when constructed"),
     ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "AdamW", "zero_optimization.offload_optimizer.ratio"),
     (

@@ -83,6 +83,11 @@ def layer_table(design: str) -> dict[str, set[str]]:
     return allowed
 
 
+def _top_level(root: Path, name: str) -> tuple[list[str], list[str]]:
+    """``from zeroshard import name``: a package or module of that name, or a name of the public API (``__init__``)."""
+    return ([name], []) if (root / name).is_dir() or (root / f"{name}.py").is_file() else (["__init__"], [name])
+
+
 def imports_by_package(root: Path) -> list[tuple[str, str, str, str, list[str]]]:
     """Every import of one zeroshard package from another: (importer, imported, file, module, names taken)."""
     found = []
@@ -96,9 +101,11 @@ def imports_by_package(root: Path) -> list[tuple[str, str, str, str, list[str]]]
                 base = package[: len(package) - (node.level - 1)]
                 module = base + (node.module.split(".") if node.module else [])
                 names = [a.name for a in node.names]
-                targets = [(module, names)] if module else [([n], []) for n in names]
+                targets = [(module, names)] if module else [_top_level(root, n) for n in names]
             elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == root.name:
-                targets = [(node.module.split(".")[1:], [a.name for a in node.names])]
+                module = node.module.split(".")[1:]  # `from zeroshard import comm` names the package itself
+                names = [a.name for a in node.names]
+                targets = [(module, names)] if module else [_top_level(root, n) for n in names]
             elif isinstance(node, ast.Import):
                 targets = [
                     (a.name.split(".")[1:] or ["runtime"], []) for a in node.names if a.name.split(".")[0] == root.name
@@ -150,14 +157,116 @@ def test_the_layer_check_finds_an_upward_and_a_private_import(tmp_path):
         "checkpoint": "from ..runtime.log import log_rank0\n",
         "inference": "from ..zero.init import _helper\n",
         "runtime": "from zeroshard.zero import ZeroStack\n",
+        "lightning": "def f():\n    from zeroshard import comm\n",  # the package by its absolute name, in a function
     }.items():
         (root / package).mkdir(parents=True)
         (root / package / "a.py").write_text(text)
-    allowed = {"checkpoint": set(), "inference": {"zero"}, "runtime": {"zero"}, "zero": set()}
+    (root / "comm").mkdir()
+    (root / "__init__.py").write_text("from .runtime.a import initialize\n")
+    (root / "compat.py").write_text("from zeroshard import initialize\n")  # the public API: allowed everywhere
+    allowed = {"checkpoint": set(), "inference": {"zero"}, "runtime": {"zero"}, "zero": set(), "lightning": set()}
+    allowed["compat"] = set()
     assert layer_violations(root, allowed) == [
         "checkpoint/a.py: 'checkpoint' imports 'runtime' (runtime.log), above it or not listed",
         "inference/a.py: imports the private name _helper of 'zero'",
+        "lightning/a.py: 'lightning' imports 'comm' (comm), above it or not listed",
     ]
+
+
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Which file imports which, function-local imports included (those under ``if TYPE_CHECKING`` aside); a name
+    taken from a package's ``__init__`` counts as an import of the file that defines it (followed through the
+    package's own re-exports)."""
+    files = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges = []
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(sub) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for sub in ast.walk(node)}  # fmt: skip
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                module = ".".join(base + (node.module.split(".") if node.module else []))
+                for alias in node.names:
+                    whole = f"{module}.{alias.name}"
+                    edges.append((name, whole if whole in files else module, None if whole in files else alias.name))
+            elif isinstance(node, ast.Import):
+                edges += [(name, alias.name, None) for alias in node.names]
+    exports = {(src, taken): dst for src, dst, taken in edges if taken and files.get(src, Path()).name == "__init__.py"}
+
+    def defined_in(module: str, taken) -> str:
+        for _ in range(10):
+            if (module, taken) not in exports:
+                break
+            module = exports[(module, taken)]
+        return module
+
+    graph: dict[str, set[str]] = {name: set() for name in files if files[name].name != "__init__.py"}
+    for src, dst, taken in edges:
+        dst = defined_in(dst, taken)
+        if src in graph and dst in graph and dst != src:
+            graph[src].add(dst)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one file (Tarjan's algorithm, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_two_files_import_each_other_even_inside_a_function():
+    assert import_cycles(module_graph(PACKAGE)) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_and_a_package(tmp_path):
+    root = tmp_path / "zeroshard"
+    (root / "optim").mkdir(parents=True)
+    (root / "optim" / "__init__.py").write_text("from .muon import Muon\n")
+    (root / "optim" / "muon.py").write_text("from .contract import Needs\nclass Muon: ...\n")
+    (root / "optim" / "contract.py").write_text(
+        "def adopt():\n    from zeroshard.optim import Muon\nclass Needs: ...\n"
+    )
+    (root / "optim" / "lion.py").write_text("from . import contract\n")
+    assert import_cycles(module_graph(root)) == [["zeroshard.optim.contract", "zeroshard.optim.muon"]]
 
 
 def test_importing_zeroshard_configures_no_logging():

@@ -7,7 +7,8 @@ from .consolidate import (
     load_state_dict_from_zero_checkpoint,
     read_client_state,
 )
-from .deepspeed_import import convert_deepspeed_checkpoint, read_deepspeed_file
+from .deepspeed_convert import convert_deepspeed_checkpoint
+from .deepspeed_record import read_deepspeed_file
 from .deepspeed_universal import read_universal_checkpoint
 from .safetensors_io import CheckpointError, Reader
 from .universal_export import export_universal_checkpoint

@@ -73,7 +73,7 @@ def model_states(path: str, model: Any) -> ModelStates:
     buffers = {}
     for name in _get(path, model, "buffer_names", "buffer_names", (list, tuple), "a list of names", ()):
         if name in module:
-            if not isinstance(name, str) or not _dense(module[name]):
+            if not isinstance(name, str) or not dense(module[name]):
                 raise _fail(path, f"module[{name!r}] (a buffer)", module[name], "a dense tensor")
             if module[name].is_floating_point() and bool(module[name].isnan().any()):
                 raise CheckpointError(f"{path}: field 'module[{name!r}]' (a buffer) holds NaN; nothing imported")
@@ -104,7 +104,7 @@ def _shape(path: str, field: str, name: Any, shape: Any) -> tuple[int, ...]:
     return dims
 
 
-def _dense(value: Any) -> bool:
+def dense(value: Any) -> bool:
     return torch.is_tensor(value) and value.layout == torch.strided and not value.is_meta
 
 
@@ -145,7 +145,7 @@ def rank_record(path: str, data: Any, groups: list) -> RankRecord:
     steps = []
     for g, master in enumerate(masters):
         field = f"{masters_key}[{g}]"
-        if not _dense(master) or not master.is_floating_point():
+        if not dense(master) or not master.is_floating_point():
             raise _fail(path, field, master, "a dense floating-point tensor (the fp32 master partition)")
         if not bool(torch.isfinite(master).all()):
             raise CheckpointError(f"{path}: field '{field}' holds NaN or inf master weights")
@@ -186,7 +186,7 @@ def _check_layout_records(path: str, inner: dict, groups: int) -> None:
 def _state_tensor(path: str, field: str, value: Any, numel: int, key: str) -> None:
     if value is None:
         raise CheckpointError(f"{path}: field '{field}' is missing: the optimizer has no '{key}' (not Adam?)")
-    if not _dense(value) or not value.is_floating_point() or value.numel() < numel:
+    if not dense(value) or not value.is_floating_point() or value.numel() < numel:
         raise _fail(path, field, value, f"a dense floating-point tensor of at least {numel} elements")
     head = value.reshape(-1)[:numel]
     if not bool(torch.isfinite(head).all()):

@@ -27,19 +27,13 @@ behind, and an existing checkpoint of that tag is never replaced. Not imported (
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import re
-import shutil
-import warnings
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from .client_state import json_ready, split_client_state
-from .commit import atomic_write_text, commit
 from .deepspeed_fields import STATE_KEYS as _STATE_KEYS
 from .deepspeed_fields import (
     RankRecord,
@@ -50,84 +44,21 @@ from .deepspeed_fields import (
     rank_record,
 )
 from .deepspeed_ranks import check_partitions, check_stage3_pieces
-from .manifest import FORMAT, plain_name, rank_file, seal
-from .reading import resolve_tag
-from .restricted_pickle import read_restricted_pickle
-from .safetensors_io import CheckpointError, write
-
-
-class LossScalerRecord:
-    """The attributes of DeepSpeed's ``LossScaler`` / ``DynamicLossScaler`` (``cur_scale``, ``dynamic``, ...)."""
-
-
-class FragmentAddress:
-    """DeepSpeed's ``fragment_address`` (``numel``, ``start``): where a parameter lies in a rank's partition."""
-
-
-class ZeroStage(int):
-    """DeepSpeed's ``ZeroStageEnum``: the stage number."""
-
-
-DEEPSPEED_CLASSES = [
-    (LossScalerRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-    (LossScalerRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-    (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
-    (ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-]
-
-# the model-states keys DeepSpeed writes itself; every other top-level key is the client's state
-_ENGINE_KEYS = {
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-    "checkpoint_parallel_dimensions", "autoep_layers", "compression_scheduler", "ds_autotp_meta",
-}  # fmt: skip
-# how torch ran the optimizer (kernels), not what it trains with: the importing run chooses its own
-_IMPLEMENTATION_KEYS = {"foreach", "fused", "capturable", "differentiable"}
-
-
-def read_deepspeed_file(path: str) -> Any:
-    """One of DeepSpeed's ``.pt`` files, unpickled with tensors, containers, plain values and DeepSpeed's checkpoint
-    classes (as stand-ins) only: anything else is a :class:`CheckpointError` naming it, and nothing of it runs."""
-    return read_restricted_pickle(
-        path,
-        "a DeepSpeed checkpoint holds tensors, containers, plain values and DeepSpeed's loss-scaler / fragment-address "
-        "/ ZeRO-stage records only",
-        DEEPSPEED_CLASSES,
-    )
-
-
-@dataclass
-class DeepSpeedCheckpoint:
-    """A DeepSpeed checkpoint read whole: per parameter its fp32 master and optimizer state, in parameter groups."""
-
-    path: str
-    stage: int
-    world_size: int
-    groups: list[list[tuple[str, tuple[int, ...]]]]  # per parameter group: (name, shape) in DeepSpeed's order
-    hyper: list[dict]  # per parameter group: its hyperparameters (lr, betas, ...), in zeroshard's vocabulary
-    update_rule: Optional[str]  # "AdamW" / "Adam" where the files say which; None for other optimizers
-    steps: list[Any]  # per parameter group: the optimizer's step count
-    masters: dict[str, torch.Tensor]
-    states: dict[str, dict[str, torch.Tensor]]  # state key -> name -> tensor
-    counters: dict[str, int]
-    config: dict
-    lr_scheduler: Optional[dict]
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    aliases: dict[str, str] = field(default_factory=dict)
-    client_state: dict = field(default_factory=dict)
-    scalars: Optional[list[dict]] = None  # per parameter group, the manifest's scalar records (else the step)
+from .deepspeed_record import ENGINE_KEYS, DeepSpeedCheckpoint, hyperparameters, read_deepspeed_file, update_rule
+from .manifest import plain_name
+from .safetensors_io import CheckpointError
 
 
 def is_deepspeed_checkpoint(directory: str) -> bool:
     """Whether ``directory`` (or its ``latest`` tag) holds DeepSpeed's files rather than a zeroshard manifest."""
-    for where in (directory, os.path.join(directory, _latest(directory) or "")):
+    for where in (directory, os.path.join(directory, latest_tag(directory) or "")):
         if glob.glob(os.path.join(where, "*mp_rank_00_model_states.pt")):
             return True
     return False
 
 
-def _latest(directory: str) -> Optional[str]:
+def latest_tag(directory: str) -> Optional[str]:
+    """The tag DeepSpeed's ``latest`` file names in ``directory``, or None."""
     try:
         with open(os.path.join(directory, "latest")) as f:
             return plain_name(f.read().strip(), "tag in 'latest'", directory)
@@ -136,7 +67,7 @@ def _latest(directory: str) -> Optional[str]:
 
 
 def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpeedCheckpoint:
-    tag = tag if tag is not None else _latest(ds_dir)
+    tag = tag if tag is not None else latest_tag(ds_dir)
     if tag is None:
         raise CheckpointError(f"{ds_dir}: no 'latest' file; pass the tag (the step directory's name) with --tag")
     path = os.path.join(ds_dir, plain_name(tag, "tag", ds_dir))
@@ -160,11 +91,11 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     stage = agreed_stage(path, ranks)
     check_same_hyperparameters(path, ranks)
     inner, base = [r.inner for r in ranks], [r.base for r in ranks]
-    update_rule = _update_rule(path, states.config, base[0]["param_groups"])
+    rule = update_rule(path, states.config, base[0]["param_groups"])
     if stage < 3:
         check_partitions(path, groups, inner, world)
     else:
-        check_stage3_pieces(path, groups, inner, base, world, update_rule)
+        check_stage3_pieces(path, groups, inner, base, world, rule)
     masters: dict = {}
     moments: dict = {key: {} for key in _STATE_KEYS}
     unpack = _unpack_flat if stage < 3 else _unpack_per_param
@@ -177,8 +108,8 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
         stage=stage,
         world_size=world,
         groups=groups,
-        hyper=[_hyperparameters(path, g, group, update_rule) for g, group in enumerate(base[0]["param_groups"])],
-        update_rule=update_rule,
+        hyper=[hyperparameters(path, g, group, rule) for g, group in enumerate(base[0]["param_groups"])],
+        update_rule=rule,
         steps=[agreed_step(path, ranks, g) for g in range(len(groups))],
         masters=masters,
         states=moments,
@@ -187,57 +118,8 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
         lr_scheduler=states.lr_scheduler,
         buffers=states.buffers,
         aliases=states.aliases,
-        client_state={k: v for k, v in model.items() if k not in _ENGINE_KEYS},
+        client_state={k: v for k, v in model.items() if k not in ENGINE_KEYS},
     )
-
-
-def _update_rule(path: str, config: dict, param_groups: list[dict]) -> Optional[str]:
-    """Adam's update rule as DeepSpeed ran it. With an ``optimizer`` block DeepSpeed decides as its engine does:
-    ``"AdamW"``, or ``"Adam"`` with ``adam_w_mode`` (default true, for FusedAdam, DeepSpeedCPUAdam and torch's
-    Adam alike), decays weights decoupled. A client's optimizer says so in its groups (torch's
-    ``decoupled_weight_decay``); DeepSpeed's own Adams (``bias_correction`` in their groups) default to AdamW."""
-    block = config.get("optimizer")
-    if isinstance(block, dict) and isinstance(block.get("type"), str):
-        name = block["type"].lower()
-        if name not in ("adam", "adamw"):
-            return None
-        params = block.get("params") if isinstance(block.get("params"), dict) else {}
-        adam_w_mode = params.get("adam_w_mode", True)
-        if not isinstance(adam_w_mode, bool):
-            raise CheckpointError(f"{path}: ds_config field 'optimizer.params.adam_w_mode' is {adam_w_mode!r}")
-        return "AdamW" if name == "adamw" or adam_w_mode else "Adam"
-    first = param_groups[0] if param_groups else {}
-    if isinstance(first.get("decoupled_weight_decay"), bool):
-        return "AdamW" if first["decoupled_weight_decay"] else "Adam"
-    if "bias_correction" in first:
-        warnings.warn(
-            f"{path}: a client optimizer of DeepSpeed's (FusedAdam / DeepSpeedCPUAdam) without an 'optimizer' config "
-            "block: imported as AdamW (their adam_w_mode default); pass the config's optimizer to resume as Adam",
-            stacklevel=4,
-        )
-        return "AdamW"
-    return None
-
-
-def _hyperparameters(path: str, g: int, group: dict, update_rule: Optional[str]) -> dict:
-    """One parameter group's hyperparameters as zeroshard's optimizer names them. DeepSpeed's Adams add
-    ``bias_correction`` (always on here: off is refused) and a group ``step`` (a counter, read by :func:`_step`);
-    Adam or AdamW becomes torch's ``decoupled_weight_decay``, the flag zeroshard's Adams hold."""
-    hyper = {k: v for k, v in group.items() if k != "params" and k not in _IMPLEMENTATION_KEYS}
-    if update_rule is None:
-        return hyper
-    if hyper.pop("bias_correction", True) is not True:
-        raise CheckpointError(
-            f"{path}: parameter group {g} ran Adam with bias_correction false, which zeroshard's Adam does not "
-            "implement (it always corrects the moments' bias)"
-        )
-    if hyper.get("amsgrad"):
-        raise CheckpointError(
-            f"{path}: parameter group {g} ran Adam with amsgrad; its max_exp_avg_sq state is not importable"
-        )
-    hyper.pop("step", None)
-    hyper["decoupled_weight_decay"] = update_rule == "AdamW"
-    return hyper
 
 
 def _optim_file(path: str, rank: int) -> tuple[str, Any]:
@@ -288,129 +170,4 @@ def _unpack_per_param(path: str, g: int, params: list, flats: list, inner0: dict
     return out
 
 
-def convert_deepspeed_checkpoint(ds_dir: str, out_dir: str, tag: Optional[str] = None) -> str:
-    """``zeroshard convert --from-deepspeed``: write DeepSpeed's checkpoint ``ds_dir`` (tag ``tag`` or its
-    ``latest``; a universal folder, or ``latest_universal`` where there is no ``latest``) as a zeroshard checkpoint
-    under ``out_dir`` (same tag; ``latest`` set). Returns its directory."""
-    from .deepspeed_universal import LATEST_UNIVERSAL, is_universal_checkpoint, read_universal_checkpoint
-
-    named = tag if tag is not None else _latest(ds_dir)
-    if named is None and resolve_tag(ds_dir, None, LATEST_UNIVERSAL) is not None:
-        source = read_universal_checkpoint(ds_dir)
-    elif named is not None and is_universal_checkpoint(os.path.join(ds_dir, plain_name(named, "tag", ds_dir))):
-        source = read_universal_checkpoint(ds_dir, named)
-    else:
-        source = read_deepspeed_checkpoint(ds_dir, tag)
-    tag = os.path.basename(source.path)
-    final, tmp = os.path.join(out_dir, tag), os.path.join(out_dir, f".{tag}.tmp")
-    if os.path.exists(final):
-        raise CheckpointError(f"{final} exists; convert into another directory (nothing was replaced)")
-    client, client_tensors = plain_client_state(source.client_state)
-    os.makedirs(out_dir, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        _write(source, tmp, tag, client, client_tensors)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit(out_dir, tag, save_latest=True, keep_replaced=False)
-    return final
-
-
-def plain_client_state(state: dict) -> tuple[dict, dict]:
-    """DeepSpeed's client state split as a zeroshard manifest holds it; what is not plain data is warned about and
-    left out."""
-    kept, dropped = {}, []
-    for key, value in state.items():
-        try:
-            split_client_state({key: value})
-            kept[key] = value
-        except TypeError:
-            dropped.append(key)
-    if dropped:
-        warnings.warn(f"client state {dropped} is not plain data (JSON and tensors): left out", stacklevel=3)
-    return split_client_state(kept)
-
-
-def _write(source: DeepSpeedCheckpoint, tmp: str, tag: str, client: dict, client_tensors: dict) -> None:
-    tensors, params = imported_tensors(source, client_tensors)
-    file = rank_file(0)
-    written = write(os.path.join(tmp, file), iter(tensors), [(n, t.dtype, tuple(t.shape)) for n, t in tensors])
-    files = {file: {"size": os.path.getsize(os.path.join(tmp, file)), "header_crc": written.header_crc,
-                    "crc": written.crcs}}  # fmt: skip
-    manifest = imported_manifest(source, tag, client, client_tensors, params, files)
-    atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(seal(manifest)))
-
-
-def imported_tensors(source: DeepSpeedCheckpoint, client_tensors: dict) -> tuple[list, dict]:
-    """The import's tensors as rank 0's file holds them (one flat group per parameter group: masters and each
-    optimizer state), and the manifest's ``params`` entries that point into them."""
-    tensors: list[tuple[str, torch.Tensor]] = []
-    params: dict[str, dict] = {}
-    file = rank_file(0)
-    for g, group in enumerate(source.groups):
-        offset = 0
-        for name, shape in group:
-            numel = math.prod(shape)
-            params[name] = {"pieces": [[file, f"fg{g}", offset, 0, numel]], "shape": list(shape), "dtype": "float32"}
-            offset += numel
-        tensors.append((f"master.fg{g}", torch.cat([source.masters[n].reshape(-1) for n, _ in group])))
-        for key in _group_keys(source, group):
-            tensors.append((f"optim.{key}.fg{g}", torch.cat([source.states[key][n].reshape(-1) for n, _ in group])))
-    tensors += [(f"module.{n}", t.contiguous()) for n, t in source.buffers.items()]
-    tensors += [(n, t.contiguous()) for n, t in client_tensors.items()]
-    return tensors, params
-
-
-def _group_keys(source: DeepSpeedCheckpoint, group: list) -> list[str]:
-    return [key for key, values in source.states.items() if group and group[0][0] in values]
-
-
-def imported_manifest(
-    source: DeepSpeedCheckpoint, tag: str, client: dict, client_tensors: dict, params: dict, files: dict
-) -> dict:
-    """The zeroshard manifest of an imported checkpoint (unsealed), its tensors as :func:`imported_tensors`
-    lays them out in ``files``."""
-    file = rank_file(0)
-    entry = lambda n, t, key: {"file": file, "key": key, "shape": list(t.shape), "dtype": str(t.dtype)[6:]}  # noqa: E731
-    step = lambda value: {"step": {"value": value, "tensor": True, "dtype": "float32"}}  # noqa: E731
-    return {
-        "format": FORMAT,
-        "tag": tag,
-        "world_size": source.world_size,
-        "stage": source.stage,
-        "shard_group_size": source.world_size,
-        "counters": {**source.counters, "micro_steps": source.counters["global_steps"]},
-        "loss_scaler": None,
-        "lr_scheduler": json_ready(source.lr_scheduler, "the DeepSpeed checkpoint's lr_scheduler"),
-        "optimizer": {
-            **({"type": source.update_rule} if source.update_rule else {}),
-            "param_groups": json_ready(source.hyper, "the DeepSpeed checkpoint's optimizer hyperparameters"),
-            "flat_groups": [
-                {
-                    "group": g,
-                    "state_keys": _group_keys(source, group),
-                    "scalars": source.scalars[g] if source.scalars is not None else step(source.steps[g]),
-                }
-                for g, group in enumerate(source.groups)
-            ],
-        },
-        "params": params,
-        "module_tensors": {n: entry(n, t, f"module.{n}") for n, t in source.buffers.items()},
-        "files": files,
-        "python_rng": {},
-        "aliases": {a: t for a, t in source.aliases.items() if t in params},
-        "config": json_ready(source.config, "the DeepSpeed checkpoint's ds_config"),
-        "client_state": client,
-        "client_tensors": {n: entry(n, t, n) for n, t in client_tensors.items()},
-        "imported_from": {"deepspeed": source.path, "world_size": source.world_size, "stage": source.stage},
-    }
-
-
-__all__ = [
-    "DeepSpeedCheckpoint",
-    "convert_deepspeed_checkpoint",
-    "is_deepspeed_checkpoint",
-    "read_deepspeed_file",
-]
+__all__ = ["is_deepspeed_checkpoint", "latest_tag", "read_deepspeed_checkpoint"]

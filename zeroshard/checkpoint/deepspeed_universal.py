@@ -1,5 +1,5 @@
 """Reading DeepSpeed's universal checkpoint (the folder ``ds_to_universal`` writes, ``load_universal`` reads) into the
-import's :class:`~.deepspeed_import.DeepSpeedCheckpoint`, then resumed by ``load_checkpoint`` (from memory) or
+import's :class:`~.deepspeed_record.DeepSpeedCheckpoint`, then resumed by ``load_checkpoint`` (from memory) or
 written as a zeroshard checkpoint like any DeepSpeed import. Writing one is :mod:`.universal_export`.
 
 The layout, under ``<dir>/<tag>`` (``<dir>/latest_universal`` names the tag):
@@ -26,16 +26,16 @@ from typing import Any, Optional
 
 import torch
 
-from .deepspeed_fields import _dense, model_states, step_count
-from .deepspeed_import import (
-    _ENGINE_KEYS,
+from .deepspeed_fields import dense, model_states, step_count
+from .deepspeed_record import (
+    ENGINE_KEYS,
     DeepSpeedCheckpoint,
-    _hyperparameters,
-    _update_rule,
+    hyperparameters,
     imported_manifest,
     imported_tensors,
     plain_client_state,
     read_deepspeed_file,
+    update_rule,
 )
 from .manifest import plain_name
 from .reading import MemorySources, resolve_tag
@@ -101,7 +101,7 @@ def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     optim_file = os.path.join(zero, "optimizer_state.pt")
     optim, groups_hyper, stage = _optimizer_state(optim_file, len(states.groups))
     own = _own_record(optim_file, optim.get(OWN_RECORD), len(states.groups))
-    rule = own["type"] if own else _update_rule(path, states.config, groups_hyper)
+    rule = own["type"] if own else update_rule(path, states.config, groups_hyper)
     masters: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {}
     steps = []
@@ -112,7 +112,7 @@ def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     if own:
         hyper, steps = own["param_groups"], [None] * len(steps)
     else:
-        hyper = [_hyperparameters(path, g, dict(group), rule) for g, group in enumerate(groups_hyper)]
+        hyper = [hyperparameters(path, g, dict(group), rule) for g, group in enumerate(groups_hyper)]
     return DeepSpeedCheckpoint(
         path=path,
         stage=stage,
@@ -128,7 +128,7 @@ def read_universal_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
         lr_scheduler=states.lr_scheduler,
         buffers={**states.buffers, **_frozen_parameters(model_file, model, zero, states)},
         aliases=states.aliases,
-        client_state={k: v for k, v in model.items() if k not in _ENGINE_KEYS and k != "universal_checkpoint_info"},
+        client_state={k: v for k, v in model.items() if k not in ENGINE_KEYS and k != "universal_checkpoint_info"},
         scalars=own["scalars"] if own else None,
     )
 
@@ -208,7 +208,7 @@ def _frozen_parameters(path: str, model: dict, zero: str, states) -> dict[str, t
         from_file = os.path.isdir(folder) and "fp32" in _state_files(folder)
         if name in states.buffers and not from_file:
             continue  # a buffer: model_states read and checked it
-        weights = _dense(value) and value.is_floating_point() and value.numel() > 0
+        weights = dense(value) and value.is_floating_point() and value.numel() > 0
         if weights and not bool(torch.isfinite(value).all()):
             raise CheckpointError(f"{path}: field 'module[{name!r}]' holds NaN or inf")
         shape = tuple(shapes[name]) if name in shapes else tuple(getattr(value, "shape", ()))
@@ -303,7 +303,7 @@ def _tensor(path: str, shape: tuple[int, ...], key: str) -> torch.Tensor:
         if data.get("cat_dim", 0) not in (0, 1):
             raise CheckpointError(f"{path}: field 'cat_dim' is {data.get('cat_dim')!r}; expected 0 or 1")
         data = data.get("param")
-    if not _dense(data) or not data.is_floating_point():
+    if not dense(data) or not data.is_floating_point():
         shown = f"{type(data).__name__}" + (f" {data.dtype}" if torch.is_tensor(data) else "")
         raise CheckpointError(f"{path}: holds {shown}; expected a dense floating-point tensor ('param')")
     if data.numel() != math.prod(shape) or (data.dim() > 1 and tuple(data.shape) != tuple(shape)):

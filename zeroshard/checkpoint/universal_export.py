@@ -20,7 +20,8 @@ import torch
 
 from .client_state import read_client_tensors, restore_client_state
 from .commit import atomic_write_text
-from .deepspeed_import import _ENGINE_KEYS, is_deepspeed_checkpoint, read_deepspeed_checkpoint
+from .deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+from .deepspeed_record import ENGINE_KEYS
 from .deepspeed_universal import LATEST_UNIVERSAL, MODEL_STATES, OWN_RECORD, in_memory, is_universal_checkpoint
 from .manifest import plain_name
 from .reading import Sources, read_manifest, read_parameter, resolve_tag, scalar_value
@@ -153,7 +154,7 @@ def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
         "mp_world_size": 1,
         "ds_config": manifest.get("config"),
         "ds_version": DEEPSPEED_LAYOUT,
-        **{k: v for k, v in client.items() if k not in _ENGINE_KEYS},
+        **{k: v for k, v in client.items() if k not in ENGINE_KEYS},
     }
     for file in MODEL_STATES:  # DeepSpeed reads the first below stage 3, the second under stage 3
         torch.save(model_states, os.path.join(tmp, file))

@@ -224,6 +224,12 @@ class Mesh:
         return self.batch.size
 
     @property
+    def pieces(self) -> dict[str, Group]:
+        """The group along each split axis (``TensorSplit.axis``): the ranks holding the other pieces of a tensor-
+        parallel matrix (``tp``) or the other experts of an expert-parallel tensor (``ep``)."""
+        return {"tp": self.tensor, "ep": self.expert}
+
+    @property
     def context(self) -> CommContext:
         """Where the mesh's collectives are counted (one context for all its groups)."""
         return self.world.context

@@ -140,44 +140,48 @@ def _from_args(ctx: AutoContext, key: str) -> tuple[bool, Any, str]:
     return False, None, ""
 
 
-def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
-    data = config.model_dump(by_alias=False)
-    derived: list[tuple[str, Any, str]] = []
+def _auto_value(key: str, ctx: AutoContext) -> tuple[bool, Any, str]:
+    """What resolves an ``"auto"`` at ``key``: (found, value, its source), from the args, the model's width,
+    DeepSpeed's defaults for auto, in that order."""
+    found, value, source = _from_args(ctx, key)
+    if not found and key in WIDTH_RULES and ctx.hidden_size:
+        found, value, source = True, WIDTH_RULES[key](ctx.hidden_size), f"model hidden size {ctx.hidden_size}"
+    if not found and key in DEEPSPEED_DEFAULT_FOR_AUTO:
+        found, value, source = True, _schema_default(key), "DeepSpeed's default for auto"
+    if not found and key == "scheduler.params.warmup_min_lr":
+        found, value, source = True, 0.0, "default for auto"
+    if not found and key == "optimizer.params.betas" and ctx.args is not None:
+        b1, b2 = getattr(ctx.args, "adam_beta1", None), getattr(ctx.args, "adam_beta2", None)
+        if b1 is not None and b2 is not None:
+            found, value, source = True, [b1, b2], "args.adam_beta1/adam_beta2"
+    return found, value, source
 
-    def resolve_auto(key: str, container: dict, leaf: str) -> None:
-        found, value, source = _from_args(ctx, key)
-        if not found and key in WIDTH_RULES and ctx.hidden_size:
-            found, value, source = True, WIDTH_RULES[key](ctx.hidden_size), f"model hidden size {ctx.hidden_size}"
-        if not found and key in DEEPSPEED_DEFAULT_FOR_AUTO:
-            found, value, source = True, _schema_default(key), "DeepSpeed's default for auto"
-        if not found and key == "scheduler.params.warmup_min_lr":
-            found, value, source = True, 0.0, "default for auto"
-        if not found and key == "optimizer.params.betas" and ctx.args is not None:
-            b1, b2 = getattr(ctx.args, "adam_beta1", None), getattr(ctx.args, "adam_beta2", None)
-            if b1 is not None and b2 is not None:
-                found, value, source = True, [b1, b2], "args.adam_beta1/adam_beta2"
+
+def _resolve_autos(node: dict, prefix: str, ctx: AutoContext, derived: list) -> None:
+    """Every ``"auto"`` under ``node`` replaced by its value (the batch triad's by None: inferred afterwards)."""
+    for leaf, value in list(node.items()):
+        key = f"{prefix}{leaf}"
+        if isinstance(value, dict):
+            _resolve_autos(value, key + ".", ctx, derived)
+        if value != "auto":
+            continue
+        found, value, source = _auto_value(key, ctx)
         if not found and (key.startswith("train_") or key == "gradient_accumulation_steps"):
-            container[leaf] = None  # the batch triad is inferred below from the other members
-            return
+            node[leaf] = None
+            continue
         if not found:
             raise ConfigError(
                 f"config key '{key}' is \"auto\" but nothing resolves it: pass it through args "
                 f"({', '.join('args.' + a for a in ARG_SOURCES.get(key, ())) or 'no args attribute applies'}) "
                 "or write a value in the config"
             )
-        container[leaf] = value
+        node[leaf] = value
         derived.append((key, value, source))
 
-    def walk(node: dict, prefix: str) -> None:
-        for leaf, value in list(node.items()):
-            key = f"{prefix}{leaf}"
-            if value == "auto":
-                resolve_auto(key, node, leaf)
-            elif isinstance(value, dict):
-                walk(value, key + ".")
 
-    walk(data, "")
-
+def _resolve_batch(config: ZeroshardConfig, data: dict, ctx: AutoContext, derived: list) -> BatchTriad:
+    """The batch triad from what the config, elasticity, the data loader and the world give (written into
+    ``data``)."""
     if config.elasticity.enabled:
         _elastic_triad(config.elasticity, data, ctx.world_size, derived)
     if (
@@ -205,7 +209,14 @@ def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
         if data[key] != value:
             derived.append((key, value, f"batch triad with world size {ctx.world_size}"))
         data[key] = value
+    return batch
 
+
+def resolve_config(config: ZeroshardConfig, ctx: AutoContext) -> Resolution:
+    data = config.model_dump(by_alias=False)
+    derived: list[tuple[str, Any, str]] = []
+    _resolve_autos(data, "", ctx, derived)
+    batch = _resolve_batch(config, data, ctx, derived)
     zero = data["zero_optimization"]
     if zero["overlap_comm"] is None:
         zero["overlap_comm"] = zero["stage"] == 3  # DeepSpeed's dynamic default

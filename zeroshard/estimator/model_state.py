@@ -205,13 +205,14 @@ class ModelState:
 
 
 def _optimizer_state_tensors(cfg, stage: int) -> int:
-    """How many per-element state tensors the configured optimizer keeps: stepped once on one element."""
+    """How many per-element state tensors the configured optimizer keeps: stepped once on a 1 x 1 matrix (one
+    element Muon's Newton-Schulz takes too)."""
     from ..optim import build_optimizer
 
     if cfg.optimizer is None:
         return 2  # a client optimizer: Adam's two, the common case
-    param = nn.Parameter(torch.zeros(1))
-    param.grad = torch.zeros(1)
+    param = nn.Parameter(torch.zeros(1, 1))
+    param.grad = torch.zeros(1, 1)
     optimizer = build_optimizer(
         cfg.optimizer.type, cfg.optimizer.params, [{"params": [param]}], zero_stage=stage, allow_untested=True
     )

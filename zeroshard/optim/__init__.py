@@ -1,26 +1,15 @@
 """Optimizers and learning-rate schedules by DeepSpeed name."""
 
-import torch
-
-from .factory import build_optimizer, check_client_optimizer, update_rule
-from .lamb import Lamb, ShardedNorms
+from .contract import LayoutAware, Needs, ShardLayout, needs_of
+from .factory import bind_layout, build_optimizer, check_client_optimizer, update_rule
+from .lamb import Lamb
 from .lion import Lion
 from .muon import MuonWithAuxAdam, muon_param_groups
 from .onebit import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
 from .schedules import SCHEDULES, ScheduleRunner, build_schedule
 
-# optimizers whose update of a parameter depends on the whole parameter (Lamb's trust ratio, Muon's Newton-Schulz
-# orthogonalization), not elementwise: a tensor-parallel rank holds only a piece of a split matrix
-WHOLE_PARAMETER_OPTIMIZERS = (
-    Lamb,
-    OneBitLamb,
-    MuonWithAuxAdam,
-    *((torch.optim.Muon,) if hasattr(torch.optim, "Muon") else ()),
-)
-
 __all__ = [
     "SCHEDULES",
-    "WHOLE_PARAMETER_OPTIMIZERS",
     "Lamb",
     "Lion",
     "MuonWithAuxAdam",
@@ -28,7 +17,11 @@ __all__ = [
     "OneBitLamb",
     "OneBitOptimizer",
     "ScheduleRunner",
-    "ShardedNorms",
+    "ShardLayout",
+    "LayoutAware",
+    "Needs",
+    "needs_of",
+    "bind_layout",
     "ZeroOneAdam",
     "build_optimizer",
     "update_rule",

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..ops.adagrad import CPUAdagrad
 from ..ops.adam import CPUAdam
 from . import hyperparams
-from .lamb import Lamb, ShardedNorms
+from .contract import LayoutAware, ShardLayout, needs_of
+from .lamb import Lamb
 from .lion import Lion
 from .muon import MuonWithAuxAdam
 from .onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
@@ -50,10 +52,12 @@ OPTIMIZER_KEYS.update(
 OPTIMIZER_KEYS["muon"] = {"lr", "momentum", "weight_decay", "muon_lr", "adam_lr", "ns_method", "betas", "eps"}
 NOT_IMPLEMENTED = {"muadam", "muadamw", "musgd", "cpuadam"}
 
-# Optimizers whose update is elementwise (or shard-aware, like our Lamb): exact on flat ZeRO shards.
+# Optimizers whose update is elementwise, or that declare what else they read (contract.Needs): exact on shards.
 SHARD_SAFE = (
-    torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, Lion, Lamb, OneBitAdam, MuonWithAuxAdam
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, Lion, Lamb, OneBitAdam, MuonWithAuxAdam,
+    *((torch.optim.Muon,) if hasattr(torch.optim, "Muon") else ()),
 )  # fmt: skip
+_TORCH_MUON_CLASSES = (torch.optim.Muon,) if hasattr(torch.optim, "Muon") else ()
 
 
 def _kernel_flags(cls, params: dict[str, Any]) -> dict[str, Any]:
@@ -66,6 +70,91 @@ def _kernel_flags(cls, params: dict[str, Any]) -> dict[str, Any]:
     return {"foreach": True} if "foreach" in accepted else {}
 
 
+Builder = Callable[[dict[str, Any], list[dict], "BuildContext"], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a builder may read besides its ``optimizer.params``: the name as written, the ZeRO stage, whether an
+    unverified optimizer is allowed, and the shards' layout (None in one process, or where the home cuts shards)."""
+
+    name: str
+    zero_stage: int
+    allow_untested: bool
+    layout: Optional[ShardLayout]
+
+
+def _construct(cls, params: dict[str, Any], groups: list[dict], context: BuildContext) -> torch.optim.Optimizer:
+    """``cls`` over ``groups``: the layout passed at construction when the class reads one, torch's fused (or
+    foreach) kernel preferred unless the config chose, betas as a tuple."""
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    if needs_of(cls).needs_layout:
+        params["layout"] = context.layout
+    try:
+        return cls(groups, **params, **_kernel_flags(cls, params))
+    except TypeError as err:
+        raise ValueError(f"optimizer '{context.name}' rejected optimizer.params {params}: {err}") from None
+
+
+def _adam(params: dict[str, Any], groups: list[dict], context: BuildContext) -> torch.optim.Optimizer:
+    adam_w_mode = params.pop("adam_w_mode", True)
+    if context.name.lower() == "adamw" and adam_w_mode is False:
+        raise ValueError("optimizer 'AdamW' with optimizer.params.adam_w_mode false is contradictory; use 'Adam'")
+    if params.pop("bias_correction", True) is not True:
+        raise NotImplementedError("optimizer.params.bias_correction false is not supported for Adam")
+    for ignored in ("torch_adam", "set_grad_none"):
+        params.pop(ignored, None)
+    return _construct(torch.optim.AdamW if adam_w_mode else torch.optim.Adam, params, groups, context)
+
+
+def _lamb(params: dict[str, Any], groups: list[dict], context: BuildContext) -> torch.optim.Optimizer:
+    params.pop("max_grad_norm", None)  # DeepSpeed's FusedLamb ignores it too: clipping is gradient_clipping
+    return _construct(Lamb, params, groups, context)
+
+
+def _muon(params: dict[str, Any], groups: list[dict], context: BuildContext) -> torch.optim.Optimizer:
+    for split in ("muon_lr", "adam_lr"):  # applied per half by muon_param_groups
+        params.pop(split, None)
+    params.setdefault("ns_method", "gram")  # DeepSpeed's default: Gram Newton-Schulz in fp16
+    return _construct(MuonWithAuxAdam, params, groups, context)
+
+
+def _plain(cls) -> Builder:
+    def build(params: dict[str, Any], groups: list[dict], context: BuildContext) -> torch.optim.Optimizer:
+        return _construct(cls, params, groups, context)
+
+    return build
+
+
+# DeepSpeed's optimizer names (lower case, as DeepSpeed matches them) -> builder; any other name is looked up in
+# torch.optim (:func:`_torch_optimizer`)
+BUILDERS: dict[str, Builder] = {
+    "adam": _adam,
+    "adamw": _adam,
+    "lamb": _lamb,
+    "lion": _plain(Lion),
+    "sgd": _plain(torch.optim.SGD),
+    "adagrad": _plain(torch.optim.Adagrad),
+    "muon": _muon,
+    **{name: _plain(cls) for name, cls in ONEBIT.items()},
+}
+
+
+def _torch_optimizer(params: dict[str, Any], groups: list[dict], context: BuildContext) -> torch.optim.Optimizer:
+    cls = getattr(torch.optim, context.name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(
+            f"config key 'optimizer.type' = {context.name!r}: no such optimizer in zeroshard or torch.optim"
+        )
+    if context.zero_stage > 0 and not context.allow_untested:
+        raise ValueError(
+            f"optimizer.type '{context.name}' is not verified with ZeRO sharding (its update may not be "
+            'elementwise); set "zero_allow_untested_optimizer": true to use it anyway'
+        )
+    return _construct(cls, params, groups, context)
+
+
 def build_optimizer(
     name: str,
     params: dict[str, Any],
@@ -73,87 +162,35 @@ def build_optimizer(
     *,
     zero_stage: int,
     allow_untested: bool,
-    sharded_norms: Optional[ShardedNorms] = None,
+    layout: Optional[ShardLayout] = None,
 ) -> torch.optim.Optimizer:
-    """The optimizer ``optimizer.type`` names over ``param_groups``; ``sharded_norms`` reaches Lamb (the ZeRO
-    shards' parameter ranges, for its per-parameter trust ratios)."""
+    """The optimizer ``optimizer.type`` names over ``param_groups``, its ``optimizer.params`` checked against the
+    keys DeepSpeed accepts for it; ``layout`` (the ZeRO shards') reaches the optimizers that read one."""
     key = name.lower()
-    params = dict(params)
     if key in NOT_IMPLEMENTED:
         raise NotImplementedError(
             f"optimizer.type '{name}' is not implemented in zeroshard; use Adam, AdamW, Lamb or Lion"
         )
-    if key in OPTIMIZER_KEYS:
-        unknown = sorted(set(params) - OPTIMIZER_KEYS[key])
-        if unknown:
-            raise ValueError(
-                f"unknown config key 'optimizer.params.{unknown[0]}' for optimizer '{name}'; "
-                f"accepted: {sorted(OPTIMIZER_KEYS[key])}"
-            )
-    params = hyperparams.check("optimizer.params.", params)
-    if key in ("adam", "adamw"):
-        adam_w_mode = params.pop("adam_w_mode", True)
-        if key == "adamw" and adam_w_mode is False:
-            raise ValueError("optimizer 'AdamW' with optimizer.params.adam_w_mode false is contradictory; use 'Adam'")
-        if params.pop("bias_correction", True) is not True:
-            raise NotImplementedError("optimizer.params.bias_correction false is not supported for Adam")
-        for ignored in ("torch_adam", "set_grad_none"):
-            params.pop(ignored, None)
-        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-        if "betas" in params:
-            params["betas"] = tuple(params["betas"])
-    elif key == "lamb":
-        params.pop("max_grad_norm", None)  # DeepSpeed's FusedLamb ignores it too: clipping is gradient_clipping
-        cls = Lamb
-        params["sharded_norms"] = sharded_norms
-    elif key in ONEBIT:
-        cls = ONEBIT[key]
-        if key != "onebitadam" and zero_stage > 0:
-            raise NotImplementedError(
-                f"optimizer.type '{name}' runs with zero_optimization.stage 0 only: "
-                + (
-                    "its local steps need every rank to hold the whole optimizer state"
-                    if key == "zerooneadam"
-                    else "its compressed momentum and trust ratios need every rank to hold whole parameters' momentum"
-                )
-                + "; use stage 0, or OneBitAdam, which runs with ZeRO stages 0-3"
-            )
-        if key in ("onebitlamb", "zerooneadam"):  # the shards' layout, and at stage 0 the compressed all-reduce
-            params["sharded_norms"] = sharded_norms
-        if "betas" in params:
-            params["betas"] = tuple(params["betas"])
-    elif key == "muon":
-        if sharded_norms is None:
-            raise NotImplementedError(
-                "optimizer.type 'Muon' with this offload_optimizer: Muon orthogonalizes whole matrices, gathered from "
-                "each flat group's shards, so the optimizer state must be in host memory (device 'cpu', not 'nvme') "
-                "with each flat group's shard in one sub-group (zero_optimization.sub_group_size at least "
-                "reduce_bucket_size / ranks; its default 1e9 is)"
-            )
-        for split in ("muon_lr", "adam_lr"):  # applied per half by muon_param_groups
-            params.pop(split, None)
-        params.setdefault("ns_method", "gram")  # DeepSpeed's default: Gram Newton-Schulz in fp16
-        params["sharded"] = sharded_norms
-        cls = MuonWithAuxAdam
-    elif key == "lion":
-        cls = Lion
-    elif key == "sgd":
-        cls = torch.optim.SGD
-    elif key == "adagrad":
-        cls = torch.optim.Adagrad
-    else:
-        cls = getattr(torch.optim, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise ValueError(f"config key 'optimizer.type' = {name!r}: no such optimizer in zeroshard or torch.optim")
-        if zero_stage > 0 and not allow_untested:
-            raise ValueError(
-                f"optimizer.type '{name}' is not verified with ZeRO sharding (its update may not be elementwise); "
-                'set "zero_allow_untested_optimizer": true to use it anyway'
-            )
-    try:
-        return cls(param_groups, **params, **_kernel_flags(cls, params))
-    except TypeError as err:
-        raise ValueError(f"optimizer '{name}' rejected optimizer.params {params}: {err}") from None
+    unknown = sorted(set(params) - OPTIMIZER_KEYS[key]) if key in OPTIMIZER_KEYS else []
+    if unknown:
+        raise ValueError(
+            f"unknown config key 'optimizer.params.{unknown[0]}' for optimizer '{name}'; "
+            f"accepted: {sorted(OPTIMIZER_KEYS[key])}"
+        )
+    checked = hyperparams.check("optimizer.params.", dict(params))
+    context = BuildContext(name, zero_stage, allow_untested, layout)
+    return BUILDERS.get(key, _torch_optimizer)(checked, param_groups, context)
+
+
+def bind_layout(optimizer: torch.optim.Optimizer, layout: Optional[ShardLayout]) -> torch.optim.Optimizer:
+    """The optimizer ZeRO steps over the shards ``layout`` describes, from one a client built: ``optimizer`` itself,
+    bound to the layout when it reads one (:class:`~.contract.LayoutAware`); torch's Muon, which steps whole 2-D
+    tensors only, as zeroshard's Muon over the same parameter groups (:meth:`MuonWithAuxAdam.adopting`)."""
+    if isinstance(optimizer, _TORCH_MUON_CLASSES):
+        return MuonWithAuxAdam.adopting(optimizer, layout)
+    if isinstance(optimizer, LayoutAware):
+        optimizer.bind_layout(layout)
+    return optimizer
 
 
 def check_client_optimizer(

@@ -1,44 +1,23 @@
 """LAMB (You et al. 2019) with per-parameter trust ratios that stay correct on ZeRO shards.
 
-Under ZeRO a tensor handed to the optimizer is a flat shard holding pieces of many parameters.
-The trust ratio needs each *original* parameter's norms, so the ZeRO layer passes a
-:class:`ShardedNorms` (``sharded_norms=``) describing which ranges of which tensor belong to which
-parameter, plus a function that sums partial squared norms across the shard group.
+Under ZeRO a tensor handed to the optimizer is a flat shard holding pieces of many parameters. The trust ratio
+needs each *original* parameter's norms: Lamb declares so (``zero_needs``) and reads the shards'
+:class:`~zeroshard.optim.contract.ShardLayout`, which says which ranges of which tensor belong to which parameter
+and completes the partial sums of squares over the ranks holding the rest of each parameter.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch.optim import Optimizer
 
-from ..comm import OneBitAllReduce
+from .contract import LayoutAware, Needs, ShardLayout
 
 
-@dataclass
-class ShardedNorms:
-    """Where the parameters lie in the master shards an optimizer gets: per-parameter norms for Lamb, whole matrices
-    for Muon (``zeroshard.optim.muon``)."""
-
-    segments: dict[int, list[tuple[int, int, int]]]  # id(tensor) -> [(global slot id, start, numel)]
-    slot_count: int
-    all_reduce: Callable[[torch.Tensor], None]
-    # id(tensor) -> every parameter of its flat group as (offset in the flat group, numel, shape)
-    matrices: dict[int, list[tuple[int, int, tuple[int, ...]]]] = field(default_factory=dict)
-    shard_start: dict[int, int] = field(default_factory=dict)  # id(tensor) -> its offset in the flat group
-    # (tensor, values of this rank's shard) -> the flat group's values from every rank (an all-gather when sharded)
-    whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda tensor, values: values
-    # stage 0 (every rank holds whole tensors): the 1-bit all-reduce over those ranks, for the 1-bit optimizers that
-    # average themselves (0/1 Adam, 1-bit LAMB); it owns their compression errors
-    compressed: Optional[OneBitAllReduce] = None
-
-
-class Lamb(Optimizer):
-    # its trust ratio reads each parameter's whole norms (over every sub-group of an offloaded shard): the ZeRO layer
-    # refuses homes that step a parameter in pieces
-    needs_whole_parameter_norms = True
+class Lamb(LayoutAware, Optimizer):
+    zero_needs = Needs(parameter_norms=True)
 
     def __init__(
         self,
@@ -50,7 +29,7 @@ class Lamb(Optimizer):
         bias_correction: bool = True,
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
-        sharded_norms: Optional[ShardedNorms] = None,
+        layout: Optional[ShardLayout] = None,
     ):
         super().__init__(
             params,
@@ -64,12 +43,12 @@ class Lamb(Optimizer):
                 min_coeff=min_coeff,
             ),
         )
-        self.sharded_norms = sharded_norms
+        self.layout = layout
 
     def _segments(self, p: torch.Tensor, fallback_id: int) -> list[tuple[int, int, int]]:
-        if self.sharded_norms is None:
+        if self.layout is None:
             return [(fallback_id, 0, p.numel())]
-        return self.sharded_norms.segments[id(p)]
+        return self.layout.segments(p)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -98,15 +77,15 @@ class Lamb(Optimizer):
                 segments = self._segments(p, slot_count)
                 slot_count += len(segments)
                 work.append((p, update, group, segments))
-        total = self.sharded_norms.slot_count if self.sharded_norms else slot_count
+        total = self.layout.slot_count if self.layout is not None else slot_count
         squares = torch.zeros(2, max(total, 1), dtype=torch.float32, device=work[0][0].device if work else "cpu")
         for p, update, _, segments in work:
             flat_p, flat_u = p.view(-1), update.view(-1)
             for slot, start, numel in segments:
                 squares[0, slot] += flat_p[start : start + numel].float().pow(2).sum()
                 squares[1, slot] += flat_u[start : start + numel].float().pow(2).sum()
-        if self.sharded_norms is not None:
-            self.sharded_norms.all_reduce(squares)
+        if self.layout is not None:
+            self.layout.complete_norms(squares)
         norms = squares.sqrt()
         for p, update, group, segments in work:
             flat_p, flat_u = p.view(-1), update.view(-1)

@@ -6,12 +6,17 @@ Muon keeps a momentum buffer per matrix (elementwise: ``buf = lerp(buf, g, 1 - m
 and steps ``p *= 1 - lr * wd; p -= lr * sqrt(max(1, rows / cols)) * NS(u)``. Everything but Newton-Schulz is
 elementwise; Newton-Schulz needs the whole matrix.
 
-Under ZeRO stages 1-3 each rank holds a contiguous shard of a flat group, and a matrix may straddle shards. The
-Muon half of the optimizer gets, per master shard, where every matrix of its flat group lies and how to gather the
-flat group (:class:`~zeroshard.optim.lamb.ShardedNorms`): it updates the momentum on its shard, all-gathers the
-Nesterov update ``u`` of the Muon flat groups (one all-gather of (P-1)/P x 4 bytes x Muon parameters per rank and
-step, the only extra traffic), runs Newton-Schulz on every matrix it holds a piece of, and steps its own piece.
-No rank needs another's momentum; the parameters' all-gather of stages 1-2 is unchanged.
+Under ZeRO stages 1-3 each rank holds a contiguous shard of a flat group, and a matrix may straddle shards; under
+tensor (or expert) parallelism the matrix is itself cut over the ranks of that axis. Muon declares that it needs
+whole matrices (``zero_needs``) and reads the shards' :class:`~zeroshard.optim.contract.ShardLayout`: it updates
+the momentum on its shard, has the layout make the Nesterov update ``u`` of each Muon flat group whole (one
+all-gather over the shard group, (P-1)/P x 4 bytes x Muon parameters per rank and step; under tensor parallelism
+one more over the tensor group, (T-1) x 4 bytes x the flat group), runs Newton-Schulz on every matrix it holds a
+piece of, and steps its own piece. No rank needs another's momentum; the parameters' all-gather is unchanged.
+
+``torch.optim.Muon`` given to ``zeroshard.initialize`` is stepped by this class over the same parameter groups
+(:meth:`MuonWithAuxAdam.adopting`): its ``nesterov``, ``ns_coefficients``, ``ns_steps``, ``eps`` and
+``adjust_lr_fn`` are honoured.
 
 Which parameters are Muon's (DeepSpeed's rule, :func:`muon_param_groups`): those with two or more dimensions whose
 name holds neither ``embed`` nor ``lm_head``; the rest (embeddings, the head, norms, biases) are AdamW's. Settings:
@@ -27,7 +32,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
-from .lamb import ShardedNorms
+from .contract import LayoutAware, Needs, ShardLayout
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -37,10 +42,12 @@ GRAM_RESTART = 2  # the Gram iteration re-forms X and its Gram matrix at this st
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
-def newton_schulz(update: torch.Tensor, steps: int = NS_STEPS, eps: float = NS_EPS) -> torch.Tensor:
+def newton_schulz(
+    update: torch.Tensor, steps: int = NS_STEPS, eps: float = NS_EPS, coefficients=NS_COEFFICIENTS
+) -> torch.Tensor:
     """The orthogonalized direction of a 2-D ``update``: the quintic Newton-Schulz iteration in bf16, on the wide
     orientation (``torch.optim.Muon``'s and Keller Jordan's)."""
-    a, b, c = NS_COEFFICIENTS
+    a, b, c = coefficients
     x = update.bfloat16()
     tall = update.size(0) > update.size(1)
     if tall:
@@ -53,7 +60,11 @@ def newton_schulz(update: torch.Tensor, steps: int = NS_STEPS, eps: float = NS_E
 
 
 def gram_newton_schulz(
-    update: torch.Tensor, steps: int = NS_STEPS, eps: float = NS_EPS, restart: int = GRAM_RESTART
+    update: torch.Tensor,
+    steps: int = NS_STEPS,
+    eps: float = NS_EPS,
+    coefficients=NS_COEFFICIENTS,
+    restart: int = GRAM_RESTART,
 ) -> torch.Tensor:
     """The same quintic iteration as :func:`newton_schulz`, in DeepSpeed's Gram form (its ``ns_method: "gram"``,
     the default): writing ``X_k = Q_k X_0``, each step is a polynomial in the small Gram matrix ``R = X X^T``
@@ -63,7 +74,7 @@ def gram_newton_schulz(
     ``R`` recomputed, which keeps half precision stable. Runs in fp16 on an accelerator and in fp32 on the CPU
     (where DeepSpeed's CPU accelerator reports no fp16 either), after normalizing in a dtype whose range the input
     fits; a square matrix gains nothing and takes the plain iteration."""
-    a, b, c = NS_COEFFICIENTS
+    a, b, c = coefficients
     x = update.float() if update.dtype == torch.float16 else update
     tall = x.size(0) > x.size(1)
     if tall:
@@ -91,8 +102,11 @@ def gram_newton_schulz(
 ORTHOGONALIZE = {"standard": newton_schulz, "gram": gram_newton_schulz}
 
 
-def lr_scale(shape: tuple[int, ...]) -> float:
-    """Muon's step-size factor for a ``shape`` matrix: sqrt(max(1, rows / cols))."""
+def lr_scale(shape: tuple[int, ...], adjust_lr_fn: Optional[str] = None) -> float:
+    """Muon's step-size factor for a ``shape`` matrix: sqrt(max(1, rows / cols)) (``"original"``, the default), or
+    0.2 sqrt(max(rows, cols)) (``"match_rms_adamw"``, Moonshot's; torch.optim.Muon's names)."""
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(shape[0], shape[1]))
     return math.sqrt(max(1.0, shape[0] / shape[1]))
 
 
@@ -124,9 +138,12 @@ def muon_param_groups(
     return out
 
 
-class MuonWithAuxAdam(Optimizer):
+class MuonWithAuxAdam(LayoutAware, Optimizer):
     """Muon on the groups with ``use_muon`` true, AdamW (torch's) on the others. A parameter of a Muon group is a
-    2-D matrix, or a ZeRO master shard that ``sharded`` describes (see the module docstring)."""
+    2-D matrix, or a ZeRO master shard that ``layout`` describes (see the module docstring). A Muon group may also
+    carry torch.optim.Muon's ``nesterov``, ``ns_coefficients``, ``ns_steps``, ``ns_eps`` and ``adjust_lr_fn``."""
+
+    zero_needs = Needs(whole_matrices=True)
 
     def __init__(
         self,
@@ -137,7 +154,7 @@ class MuonWithAuxAdam(Optimizer):
         betas=(0.9, 0.999),
         eps: float = 1e-8,
         ns_method: str = "gram",
-        sharded: Optional[ShardedNorms] = None,
+        layout: Optional[ShardLayout] = None,
     ):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
                         ns_method=ns_method, use_muon=True)  # fmt: skip
@@ -154,9 +171,18 @@ class MuonWithAuxAdam(Optimizer):
                     "('gram', DeepSpeed's default, or 'standard', torch.optim.Muon's iteration)"
                 )
             group["betas"] = tuple(group["betas"])
-        self.sharded = sharded
+        self.layout = layout
         self._adam = torch.optim.AdamW([g for g in self.param_groups if not g["use_muon"]] or [{"params": []}])
         self._adam.state = self.state  # one state dict: checkpoints and state_dict see both halves
+
+    @classmethod
+    def adopting(cls, muon: torch.optim.Optimizer, layout: Optional[ShardLayout]) -> MuonWithAuxAdam:
+        """This class stepping a ``torch.optim.Muon``'s parameter groups (the same dicts: a scheduler bound to
+        ``muon`` still sets their learning rates) with its settings: torch's Newton-Schulz (``ns_method``
+        ``"standard"``) with the group's coefficients, steps and ``eps``."""
+        for group in muon.param_groups:
+            group.update(use_muon=True, ns_method="standard", ns_eps=group["eps"])
+        return cls(muon.param_groups, layout=layout)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -180,23 +206,26 @@ class MuonWithAuxAdam(Optimizer):
             state["momentum_buffer"] = torch.zeros_like(p)
         buf = state["momentum_buffer"]
         buf.lerp_(p.grad, 1 - group["momentum"])
-        update = p.grad.lerp(buf, group["momentum"])
+        update = p.grad.lerp(buf, group["momentum"]) if group.get("nesterov", True) else buf
         p.mul_(1 - group["lr"] * group["weight_decay"])
-        orthogonalize = ORTHOGONALIZE[group["ns_method"]]
+
+        def direction(matrix: torch.Tensor) -> torch.Tensor:
+            orthogonalize = ORTHOGONALIZE[group["ns_method"]]
+            settings = (group.get("ns_steps", NS_STEPS), group.get("ns_eps", NS_EPS))
+            return orthogonalize(matrix.reshape(matrix.shape[0], -1), *settings,
+                                 tuple(group.get("ns_coefficients", NS_COEFFICIENTS))).view_as(matrix)  # fmt: skip
+
+        def alpha(shape: tuple[int, ...]) -> float:
+            return -group["lr"] * lr_scale(shape, group.get("adjust_lr_fn"))
+
         if p.dim() >= 2:
-            p.add_(orthogonalize(update.reshape(p.shape[0], -1)).view_as(p), alpha=-group["lr"] * lr_scale(p.shape))
+            p.add_(direction(update), alpha=alpha(p.shape))
             return
-        if self.sharded is None or id(p) not in self.sharded.matrices:
+        if self.layout is None:
             raise ValueError("Muon got a flat parameter without its ZeRO layout: build it through zeroshard.initialize")
-        whole = self.sharded.whole(p, update)  # the flat group's update, gathered from every rank
-        start = self.sharded.shard_start[id(p)]
-        for offset, numel, shape in self.sharded.matrices[id(p)]:
-            lo, hi = max(offset, start), min(offset + numel, start + p.numel())
-            if lo >= hi:
-                continue  # no piece of this matrix on this rank
-            matrix = whole[offset : offset + numel].view(shape[0], -1)  # on the compute device (offloaded: p is not)
-            direction = orthogonalize(matrix).reshape(-1)[lo - offset : hi - offset]
-            p[lo - start : hi - start].add_(direction.to(p.device), alpha=-group["lr"] * lr_scale(shape))
+        for matrix in self.layout.matrices(p, update):  # made whole from every rank (on the compute device)
+            local = matrix.local(direction(matrix.whole))
+            p[matrix.start : matrix.stop].add_(local.to(p.device), alpha=alpha(matrix.whole.shape))
 
 
 __all__ = ["MuonWithAuxAdam", "gram_newton_schulz", "muon_param_groups", "newton_schulz", "uses_muon"]

@@ -8,7 +8,8 @@ gradients, unreduced, and what DeepSpeed averages is averaged 1-bit compressed w
   (:mod:`zeroshard.zero.onebit_momentum`); the optimizer is handed the gradient that takes its momentum to the
   averaged one, and steps its shard with the variance frozen, communicating nothing itself;
 - 0/1 Adam and 1-bit LAMB, at stage 0 only: the optimizer averages itself (0/1 Adam the gradient or the
-  accumulated update, 1-bit LAMB the scaled momentum) through the ``OneBitAllReduce`` the ZeRO layer binds.
+  accumulated update, 1-bit LAMB the scaled momentum) through the ``OneBitAllReduce`` of the ZeRO layout they
+  are given (``ShardLayout.compressed``).
 
 The ZeRO layer asks ``needs_averaged_gradients()`` before every backward: True during warm-up (exact reduction).
 The compression errors are not optimizer state: they are per rank and world size, so a checkpoint does not keep
@@ -24,20 +25,19 @@ import torch
 from torch.optim import Optimizer
 
 from ..comm.backend import get_rank
-from ..comm.compressed import OneBitAllReduce
 from . import hyperparams
-from .lamb import ShardedNorms
+from .contract import LayoutAware, Needs, ShardLayout
 
 COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
 
 
-class OneBitOptimizer(Optimizer):
-    """What the 1-bit optimizers share: the warm-up question and the bound all-reduce."""
+class OneBitOptimizer(LayoutAware, Optimizer):
+    """What the 1-bit optimizers share: the warm-up question and the layout's compressed all-reduce."""
 
     # how the ZeRO layer exchanges gradients for it after the warm-up (zeroshard.zero.exchange): 1-bit Adam's
     # momentum averaged over the shard layout, so that it runs at stages 1-3 too ("momentum"); the others average
     # themselves, whole tensors at stage 0 ("optimizer_averaged")
-    gradient_exchange = "optimizer_averaged"
+    zero_needs = Needs(gradient_exchange="optimizer_averaged")
 
     def __init__(
         self,
@@ -47,7 +47,7 @@ class OneBitOptimizer(Optimizer):
         comm_backend_name: str,
         amsgrad: bool,
         schedule: dict,
-        compressed: Optional[OneBitAllReduce] = None,
+        layout: Optional[ShardLayout] = None,
     ):
         """``defaults`` (lr, betas, eps, weight_decay) and the subclass's ``schedule`` numbers are checked here
         (:mod:`zeroshard.optim.hyperparams`), for optimizers built by name and by a script alike; the checked
@@ -68,9 +68,13 @@ class OneBitOptimizer(Optimizer):
                 stacklevel=3,
             )
         super().__init__(params, defaults)
-        # stage 0: the compressed all-reduce this optimizer averages with (it owns the compression errors); None on
-        # one rank, and for 1-bit Adam, whose momentum the ZeRO layer exchanges
-        self.all_reduce = compressed
+        self.layout = layout
+
+    @property
+    def all_reduce(self):
+        """Stage 0: the compressed all-reduce this optimizer averages with (the layout's; it owns the compression
+        errors). None on one rank, and for 1-bit Adam, whose momentum the ZeRO layer exchanges."""
+        return self.layout.compressed if self.layout is not None else None
 
     def needs_averaged_gradients(self) -> bool:
         """Whether the next step takes exactly averaged gradients (else this rank's own, or 1-bit reduced ones)."""
@@ -111,7 +115,7 @@ class OneBitAdam(OneBitOptimizer):
     and the momentum averaged 1-bit compressed with error feedback (by the ZeRO layer, which hands this optimizer
     the gradient that leads its momentum to the averaged one)."""
 
-    gradient_exchange = "momentum"
+    zero_needs = Needs(gradient_exchange="momentum")
 
     def __init__(
         self,
@@ -168,7 +172,7 @@ class ZeroOneAdam(OneBitOptimizer):
         amsgrad: bool = False,
         cuda_aware: bool = False,
         comm_backend_name: str = "nccl",
-        sharded_norms: Optional[ShardedNorms] = None,
+        layout: Optional[ShardLayout] = None,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         schedule = dict(
@@ -177,8 +181,7 @@ class ZeroOneAdam(OneBitOptimizer):
             local_step_scaler=local_step_scaler,
             local_step_clipper=local_step_clipper,
         )
-        compressed = sharded_norms.compressed if sharded_norms is not None else None
-        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad, schedule, compressed)
+        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad, schedule, layout)
         self.var_freeze_step = self.schedule["var_freeze_step"]
         self.var_update_scaler = self.schedule["var_update_scaler"]
         self.local_step_scaler = self.schedule["local_step_scaler"]
@@ -258,7 +261,9 @@ class OneBitLamb(OneBitOptimizer):
     parameter's trust ratio (``coeff_beta``); then the variance frozen, the momentum averaged 1-bit compressed
     (each parameter's scaled to a common magnitude first), and the trust ratio the frozen one times a factor from
     a fresh variance estimate, clamped to [``factor_min``, ``factor_max``] and to ``factor_threshold`` change per
-    step. A flat tensor holds many parameters: ``sharded_norms`` says which ranges are which."""
+    step. A flat tensor holds many parameters: the ZeRO layout says which ranges are which."""
+
+    zero_needs = Needs(parameter_norms=True, gradient_exchange="optimizer_averaged")
 
     def __init__(
         self,
@@ -277,7 +282,7 @@ class OneBitLamb(OneBitOptimizer):
         factor_max: float = 4.0,
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
-        sharded_norms: Optional[ShardedNorms] = None,
+        layout: Optional[ShardLayout] = None,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         schedule = dict(
@@ -289,22 +294,20 @@ class OneBitLamb(OneBitOptimizer):
             factor_min=factor_min,
             factor_threshold=factor_threshold,
         )
-        compressed = sharded_norms.compressed if sharded_norms is not None else None
-        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad, schedule, compressed)
+        super().__init__(params, defaults, cuda_aware, comm_backend_name, amsgrad, schedule, layout)
         self.freeze_step = self.schedule["freeze_step"]
         self.max_coeff, self.min_coeff = self.schedule["max_coeff"], self.schedule["min_coeff"]
         self.coeff_beta = self.schedule["coeff_beta"]
         self.factor_max, self.factor_min = self.schedule["factor_max"], self.schedule["factor_min"]
         self.factor_threshold = self.schedule["factor_threshold"]
-        self.sharded_norms = sharded_norms
 
     def needs_averaged_gradients(self) -> bool:
         return self.steps_taken() < self.freeze_step
 
     def _segments(self, p: torch.Tensor) -> list[tuple[int, int, int]]:
-        if self.sharded_norms is None:
+        if self.layout is None:
             return [(0, 0, p.numel())]
-        return self.sharded_norms.segments[id(p)]
+        return self.layout.segments(p)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -18,7 +18,7 @@ from ..checkpoint.view import TrainingCounters
 from ..config import Resolution
 from ..log import log_rank0, logger
 from ..precision import PrecisionPolicy
-from ..zero import ZeroStack
+from ..zero import ZeroOptimizer, ZeroStack
 from .activation_checkpointing import CheckpointingOptions
 from .activation_checkpointing import in_effect as checkpointing_in_effect
 from .batch_check import check_same_batch
@@ -51,10 +51,12 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         *,
         activation_checkpointing: Optional[CheckpointingOptions] = None,
         tensor_splits: dict,
+        optimizer: Optional[ZeroOptimizer] = None,
     ):
         super().__init__()
         self.module = module
         self.stack = stack  # every object holding this rank's model state (zeroshard.zero.stack)
+        self._optimizer = optimizer  # the clients' torch.optim view of the stack (None without an optimizer)
         # the config's activation_checkpointing block, in effect while this engine's forward runs (None: what
         # zeroshard.runtime.activation_checkpointing.configure set)
         self.activation_checkpointing = activation_checkpointing

@@ -28,7 +28,7 @@ class DeepSpeedAccessors:
     @property
     def optimizer(self) -> Optional[ZeroOptimizer]:
         """The ZeRO optimizer (None for an engine built without one); ``zero`` is the same object."""
-        return self.stack.optimizer
+        return self._optimizer
 
     zero = optimizer
 

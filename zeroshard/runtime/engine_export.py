@@ -46,7 +46,7 @@ class CheckpointAndExport:
             self.module,
             self.stack.all_flat_groups,
             rank0_only=rank0_only,
-            split_groups={"tp": self.mesh.tensor, "ep": self.mesh.expert},
+            split_groups=self.mesh.pieces,
             splits=self.tensor_splits,
             expert_names=expert_names(self.module, self.mesh.expert.size),
         )
@@ -156,7 +156,7 @@ class CheckpointAndExport:
             counters=self.counters,
             flat_groups=self.stack.flat_groups,
             frozen_groups=self.stack.frozen_groups,
-            optimizer=self.stack if self.stack.optimizer is not None else None,  # its per-flat-group state
+            optimizer=self.stack if self.optimizer is not None else None,  # its per-flat-group state
             lr_scheduler=self.lr_scheduler,
             sampler=sampler if resumable else None,
             gradient_accumulation_steps=self.gradient_accumulation_steps(),

@@ -23,7 +23,7 @@ from ..zero.materialize import Materializer, has_meta_parameters, pending_seed, 
 from ..zero.planning import is_packed
 from . import activation_checkpointing
 from .engine import ZeroshardEngine
-from .optimizer_recipe import OptimizerArg, elementwise_only, optimizer_recipe
+from .optimizer_recipe import OptimizerArg, optimizer_recipe
 from .parallelize import expert_parallel_size, parallelize, refuse_experts_split_by_transformers, tensor_parallel_size
 from .sampler import ResumableDistributedSampler
 
@@ -292,6 +292,26 @@ def _auto_resume(engine: ZeroshardEngine) -> None:
     log_rank0(f"auto_resume: resumed from {path} at step {engine.global_steps} ({point.why})")
 
 
+def _build_stack(model, optimizer, model_parameters, cfg, *, mesh, placement, materialize, units, pieces):
+    """The ZeRO stack over the model's trainable parameters and the optimizer the client gave or the config names
+    (``units``: the extra gather-unit classes and leaf modules); a stack without one when neither does."""
+    if optimizer is None and cfg.optimizer is None:
+        return ZeroStack.without_optimizer(placement.device)
+    param_groups, make_optimizer = optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
+    return build_zero_stack(
+        model=model,
+        param_groups=param_groups,
+        make_optimizer=make_optimizer,
+        config=cfg,
+        mesh=mesh,
+        placement=placement,
+        materialize=materialize,
+        gather_unit_classes=units[0],
+        leaf_modules=units[1],
+        tensor_splits=pieces,
+    )
+
+
 def initialize(
     args: Any = None,
     model: Optional[torch.nn.Module] = None,
@@ -335,26 +355,20 @@ def initialize(
     materialize = _materializer(model, pretrained, mesh.world, placement.device)
     _move_module(model, placement.device, placement.policy.compute)
     pieces = parallelize(model, cfg, mesh, materialize)
-    if optimizer is not None or cfg.optimizer is not None:
-        param_groups, make_optimizer = optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
-        if pieces:
-            make_optimizer = elementwise_only(make_optimizer, model, pieces)
-        stack = build_zero_stack(
-            model=model,
-            param_groups=param_groups,
-            make_optimizer=make_optimizer,
-            config=cfg,
-            mesh=mesh,
-            placement=placement,
-            materialize=materialize,
-            gather_unit_classes=gather_unit_classes,
-            leaf_modules=leaf_modules,
-            tensor_splits=pieces,
-        )
-    else:
-        stack = ZeroStack.without_optimizer(placement.device)
+    stack = _build_stack(
+        model,
+        optimizer,
+        model_parameters,
+        cfg,
+        mesh=mesh,
+        placement=placement,
+        materialize=materialize,
+        units=(gather_unit_classes, leaf_modules),
+        pieces=pieces,
+    )
     _finish_parameters(model, materialize, placement, stack, mesh, pieces)
-    scheduler = _build_scheduler(lr_scheduler, cfg, stack.optimizer)
+    view = ZeroOptimizer(stack) if isinstance(stack, ZeroStack) else None  # the clients' torch.optim view of it
+    scheduler = _build_scheduler(lr_scheduler, cfg, view)
     dataloader = _build_dataloader(training_data, resolution, mesh, collate_fn)
     engine = ZeroshardEngine(
         model,
@@ -367,7 +381,8 @@ def initialize(
         dataloader,
         activation_checkpointing=_checkpointing_options(cfg),
         tensor_splits={name: pieces[p] for name, p in model.named_parameters() if p in pieces},
+        optimizer=view,
     )
     _auto_resume(engine)
     mesh.context.ledger.reset()  # the engine counts training traffic, not the initial weights or a resume
-    return engine, stack.optimizer, dataloader, scheduler
+    return engine, view, dataloader, scheduler

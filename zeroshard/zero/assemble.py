@@ -51,6 +51,14 @@ def _module_paths(model: torch.nn.Module, modules) -> tuple[str, ...]:
     return tuple(m if isinstance(m, str) else paths[id(m)] for m in modules)
 
 
+def _plan(model, param_groups, z, shard_group, gather_unit_classes, leaf_modules, tensor_splits, ep: int):
+    """The model's flat groups and gather units (:func:`.planning.plan_model`) from the config's and the caller's
+    unit classes and leaf modules."""
+    classes = frozenset(c if isinstance(c, str) else c.__name__ for c in gather_unit_classes or ())
+    leaves = _module_paths(model, leaf_modules)
+    return plan_model(model, param_groups, z, shard_group.size, classes, leaves, tensor_splits, ep)
+
+
 def build_zero_stack(
     *,
     model: torch.nn.Module,
@@ -71,13 +79,10 @@ def build_zero_stack(
     gradient group, on each rank's pieces; groups of experts shard and reduce over the ranks holding the same
     experts, divided by the whole data-parallel size as every gradient is."""
     z = config.zero_optimization
-    classes = frozenset(c if isinstance(c, str) else c.__name__ for c in gather_unit_classes or ())
-    # stage 0 reduces over the whole data-parallel group; sharded stages over the shard group inside it
     stage = StagePolicy.for_stage(z.stage)
+    # stage 0 reduces over the whole data-parallel group; sharded stages over the shard group inside it
     shard_group = mesh.shard if stage.partition_optimizer else mesh.gradient
-    expert_group = mesh.expert_shard if stage.partition_optimizer else mesh.expert_gradient
-    leaves = _module_paths(model, leaf_modules)
-    plan = plan_model(model, param_groups, z, shard_group.size, classes, leaves, tensor_splits, mesh.dims.ep)
+    plan = _plan(model, param_groups, z, shard_group, gather_unit_classes, leaf_modules, tensor_splits, mesh.dims.ep)
     if stage.partition_params:
         _log_units(plan)
     records = ParamRecords()
@@ -85,17 +90,17 @@ def build_zero_stack(
     largest = max((layout.shard_numel for layout in plan.layouts), default=1)
     homes = shard_homes(placement.offload, placement.policy.compute, largest)
     every = build_flat_groups(
-        plan.flat_groups,
-        plan.layouts,
-        shard_group,
-        placement.policy.compute,
-        placement.device,
-        records,
-        buffers,
-        homes.place if homes is not None else None,
-        materialize,
-        QuantizedComm.from_config(z),
-        expert_group,
+        plans=plan.flat_groups,
+        layouts=plan.layouts,
+        shard_group=shard_group,
+        compute_dtype=placement.policy.compute,
+        device=placement.device,
+        records=records,
+        buffers=buffers,
+        shard_home=homes.place if homes is not None else None,
+        materialize=materialize,
+        quantized=QuantizedComm.from_config(z),
+        expert_shard_group=mesh.expert_shard if stage.partition_optimizer else mesh.expert_gradient,
     )
     flats, frozen = every[: len(plan.trainable)], every[len(plan.trainable) :]
     state = build_optimizer_state(
@@ -106,7 +111,7 @@ def build_zero_stack(
         placement.policy.master,
         placement.offload,
         get_accelerator().synchronize,
-        tensor=mesh.tensor,
+        pieces=mesh.pieces,
     )
     codec = QuantizedComm.from_config(z).gradient_codec
     buckets = _gradient_buckets(flats, mesh, placement, state, stage, buffers, codec)

@@ -9,12 +9,13 @@ in ``docs/design.md``).
   averaged one.
 - :class:`OptimizerAveragedExchange`: 0/1 Adam and 1-bit LAMB, at stage 0 only. Exact while the optimizer asks for
   averaged gradients; otherwise each rank keeps its own and the optimizer averages what it needs through the
-  compressed all-reduce it was built with (``ShardedNorms.compressed``).
+  compressed all-reduce of the layout it was given (``ShardLayout.compressed``).
 
-The optimizer names its exchange (``gradient_exchange``: ``"exact"`` unless it says otherwise), so nothing in
-``zero/`` asks which optimizer family it holds. The exchange owns the reduction mode, the whole-gradient holding
-that comes with it, the group the norm of unreduced gradients is averaged over, the post-norm transform, the
-compression state (checkpointed per rank) and the step at which compression began.
+The optimizer declares its exchange (``zero_needs.gradient_exchange``, :mod:`zeroshard.optim.contract`: ``"exact"``
+unless it says otherwise), so nothing in ``zero/`` asks which optimizer family it holds. The exchange owns the
+reduction mode, the whole-gradient holding that comes with it, the group the norm of unreduced gradients is averaged
+over, the post-norm transform, the compression state (checkpointed per rank) and the step at which compression
+began.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import comm
+from ..optim.contract import needs_of
 from .flat_group import FlatGroup
 from .grad_home import GradHome, ResidentGrad
 from .onebit_momentum import OneBitMomentum
@@ -147,11 +149,6 @@ class OptimizerAveragedExchange(_Compressed):
     describe = "each rank's own gradients, the optimizer averaging 1-bit compressed"
 
     def __init__(self, optimizer, flats, reducer, group_of_flat):
-        if any(flat.partitioned for flat in flats):
-            raise NotImplementedError(
-                f"optimizer {type(optimizer).__name__} runs with zero_optimization.stage 0 only (it needs whole "
-                "tensors on every rank); use stage 0, or OneBitAdam, which runs with ZeRO stages 0-3"
-            )
         super().__init__(optimizer, flats, reducer, group_of_flat)
         if flats and flats[0].shard_group.size > 1 and optimizer.all_reduce is None:
             raise NotImplementedError(
@@ -166,8 +163,6 @@ EXCHANGES = {"exact": ExactExchange, "momentum": MomentumExchange, "optimizer_av
 def exchange_for(
     optimizer: torch.optim.Optimizer, flats: list[FlatGroup], reducer: GradientReducer, group_of_flat: list[int]
 ) -> ExactExchange:
-    """The exchange ``optimizer`` names (``gradient_exchange``; ``"exact"`` when it names none)."""
-    name = getattr(optimizer, "gradient_exchange", "exact")
-    if name not in EXCHANGES:
-        raise ValueError(f"optimizer {type(optimizer).__name__}: unknown gradient_exchange {name!r}")
-    return EXCHANGES[name](optimizer, flats, reducer, group_of_flat)
+    """The exchange ``optimizer`` declares (``zeroshard.optim.contract.needs_of``: ``"exact"`` unless it says
+    otherwise); the optimizer state refused the ones that cannot run here (e.g. stage 0 only) before."""
+    return EXCHANGES[needs_of(optimizer).gradient_exchange](optimizer, flats, reducer, group_of_flat)

@@ -13,13 +13,13 @@ included.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
 from .. import comm
 from ..offload import MASTER, NvmeShard, OffloadPlan, SubGroup, optimizer_swapper
-from ..optim import ShardedNorms
+from ..optim.contract import ShardLayout, needs_of
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .grad_home import GradHome, SpilledGrad
@@ -34,11 +34,6 @@ class HostState(OptimizerState):
         self.sub_group_size = sub_group_size
         self.pin_memory = pin_memory
         super().__init__(*args, **kwargs)
-        if getattr(self.optimizer, "needs_whole_parameter_norms", False):
-            raise ValueError(
-                "optimizer Lamb needs whole-parameter norms across sub-groups and cannot run with "
-                "zero_optimization.offload_optimizer; use Adam/AdamW, Adagrad, Lion or SGD, or remove the offload"
-            )
 
     @property
     def device(self) -> torch.device:
@@ -61,10 +56,10 @@ class HostState(OptimizerState):
     def _grad_of(self, sub: SubGroup, home: GradHome) -> torch.Tensor:
         return home.read()[sub.start : sub.stop]
 
-    def _sharded_norms(self) -> Optional[ShardedNorms]:
+    def _layout(self) -> Optional[ShardLayout]:
         """The layout while each flat group's shard is one sub-group (sub_group_size is 1e9 by default)."""
         whole = all(len(subs) == 1 for subs in self._subgroups_of)
-        return super()._sharded_norms() if whole else None
+        return super()._layout() if whole else None
 
     def step(
         self,
@@ -156,7 +151,7 @@ class NvmeState(HostState):
         RAM: ``offload_param`` nvme beyond ``max_in_cpu``); in host memory otherwise, where the parameters already
         take model-sized room and the step reads 4 bytes per parameter less. In memory also for an optimizer that
         exchanges its own gradients (1-bit: each rank keeps its whole gradient between steps)."""
-        exact = getattr(self.optimizer, "gradient_exchange", "exact") == "exact"
+        exact = needs_of(self.optimizer).gradient_exchange == "exact"
         if not exact or not isinstance(self.flats[index].home, NvmeShard):
             return super().grad_home(index, dtype, pin, buffers)
         return SpilledGrad(self._subgroups_of[index], self.swapper, buffers, dtype)
@@ -186,7 +181,7 @@ class NvmeState(HostState):
         staged = self.swapper.staged_grad(sub)
         return staged.zero_() if home.empty else staged  # read with the sub-group; zero when nothing was written
 
-    def _sharded_norms(self) -> Optional[ShardedNorms]:
+    def _layout(self) -> Optional[ShardLayout]:
         return None  # the master tensors exist only while a sub-group is staged
 
     def _master_values(self, sub: SubGroup) -> torch.Tensor:
@@ -229,19 +224,19 @@ def build_optimizer_state(
     master_dtype: torch.dtype,
     offload: OffloadPlan,
     synchronize: Callable[[], None],
-    tensor: Optional[comm.Group] = None,
+    pieces: Optional[Mapping[str, comm.Group]] = None,
 ) -> OptimizerState:
-    """The optimizer state in the home ``offload_optimizer`` names (``tensor``: the tensor-parallel group, over which
-    whole-parameter optimizers complete the norms of split parameters)."""
+    """The optimizer state in the home ``offload_optimizer`` names (``pieces``: the group along each split axis,
+    over which optimizers that read whole parameters complete them)."""
     args = (flats, group_of_flat, param_groups, make_optimizer)
     if offload.optimizer_device == "nvme":
-        return NvmeState(*args, master_dtype=master_dtype, offload=offload, synchronize=synchronize, tensor=tensor)
+        return NvmeState(*args, master_dtype=master_dtype, offload=offload, synchronize=synchronize, pieces=pieces)
     if offload.optimizer_device == "cpu":
         return HostState(
             *args,
             master_dtype=master_dtype,
             sub_group_size=offload.sub_group_size,
             pin_memory=offload.pin_memory,
-            tensor=tensor,
+            pieces=pieces,
         )
-    return DeviceState(*args, master_dtype=master_dtype, tensor=tensor)
+    return DeviceState(*args, master_dtype=master_dtype, pieces=pieces)

@@ -13,27 +13,30 @@ Gradients come in from the reducer (:mod:`zeroshard.zero.reducer`).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from .. import comm
 from ..offload import MASTER, SubGroup, elementwise_keys
-from ..optim import ShardedNorms
+from ..optim.contract import ShardLayout, needs_of, refusal
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .grad_home import GradHome, ResidentGrad
+from .shard_layout import FlatShardLayout
 from .step_behind import StepBehind
 
-MakeOptimizer = Callable[[list[dict], Optional[ShardedNorms]], torch.optim.Optimizer]
+MakeOptimizer = Callable[[list[dict], Optional[ShardLayout]], torch.optim.Optimizer]
 
 
 class OptimizerState:
     """What every home shares; subclasses place the master weights (``_subgroups``) and step them (``step``).
 
     ``group_of_flat[k]`` is the optimizer parameter group of flat group ``k``; ``param_groups`` the groups'
-    hyperparameters; ``make_optimizer(master_groups, sharded_norms)`` builds the torch optimizer over the
-    master tensors (``sharded_norms`` tells a Lamb which ranges belong to which parameter)."""
+    hyperparameters; ``make_optimizer(master_groups, layout)`` builds the torch optimizer over the master
+    tensors (``layout``: where each parameter lies in them, :mod:`.shard_layout`; ``pieces``: the group along each
+    split axis, ``Mesh.pieces``). An optimizer whose declared needs no layout here can meet is refused by name
+    (:func:`zeroshard.optim.contract.refusal`)."""
 
     location = "device"  # where the master weights, gradient shards and optimizer state live
 
@@ -44,12 +47,12 @@ class OptimizerState:
         param_groups: list[dict],
         make_optimizer: MakeOptimizer,
         master_dtype: torch.dtype,
-        tensor: Optional[comm.Group] = None,
+        pieces: Optional[Mapping[str, comm.Group]] = None,
     ):
         self.flats = flats
         for flat in flats:
             flat.records.keep(flat, self)
-        self.tensor = tensor  # tensor parallelism: the group over which tensor-sharded flat groups hold pieces
+        self.pieces = pieces or {}
         self.group_of_flat = group_of_flat
         self.master_dtype = master_dtype
         self._index = {id(flat): k for k, flat in enumerate(flats)}
@@ -60,7 +63,17 @@ class OptimizerState:
         ]
         for sub in self.subgroups:
             master_groups[group_of_flat[sub.flat_index]]["params"].append(sub.param)
-        self.optimizer = make_optimizer(master_groups, self._sharded_norms())
+        layout = self._layout()
+        self.optimizer = make_optimizer(master_groups, layout)
+        reason = refusal(
+            type(self.optimizer).__name__,
+            needs_of(self.optimizer),
+            partitioned=any(flat.partitioned for flat in flats),
+            axes=self._split_axes(),
+            whole_shards=layout is not None,
+        )
+        if reason is not None:
+            raise NotImplementedError(reason)
         self.behind: Optional[StepBehind] = None  # the worker running a step behind the forward, once one ran
 
     def settle(self) -> None:
@@ -90,51 +103,16 @@ class OptimizerState:
     def _subgroups(self, index: int, flat: FlatGroup) -> list[SubGroup]:
         raise NotImplementedError
 
-    def _sharded_norms(self) -> Optional[ShardedNorms]:
-        """Which range of which master shard belongs to which parameter (Lamb's per-parameter trust ratios), and each
-        flat group's values made whole (Muon's matrices; gathered on the compute device, where the collectives
-        run). Valid while every sub-group is a whole shard; homes that cut shards answer None."""
-        segments: dict[int, list[tuple[int, int, int]]] = {}
-        slot_id = 0
-        for sub in self.subgroups:
-            flat = self.flats[sub.flat_index]
-            segments[id(sub.param)] = [
-                (slot_id + flat.layout.slots.index(seg.slot), seg.shard_start, seg.numel)
-                for seg in flat.layout.segments(flat.shard_rank)
-            ]
-            slot_id += len(flat.layout.slots)
-        partitioned = [flat.shard_group for flat in self.flats if flat.partitioned]
-        shard_group = partitioned[0] if partitioned else None
-        split = torch.tensor([flat.layout.split_axis == "tp" for flat in self.flats for _ in flat.layout.slots])
-        pieces = self.tensor if self.tensor is not None and self.tensor.size > 1 and bool(split.any()) else None
+    def _layout(self) -> Optional[ShardLayout]:
+        """Where each parameter lies in the master shards (:mod:`.shard_layout`). Valid while every sub-group is a
+        whole shard; homes that cut shards answer None."""
+        return FlatShardLayout(self.flats, self.subgroups, self.pieces)
 
-        def reduce(squares: torch.Tensor) -> None:
-            """Per-parameter sums of squares ([rows, slots]) made whole: over the shard group, then the pieces of
-            tensor-parallel parameters over the tensor group (the replicated ones are whole on every rank there)."""
-            if shard_group is not None:
-                comm.all_reduce(squares, shard_group)
-            if pieces is not None:
-                mask = split.to(squares.device)
-                summed = squares[:, mask].contiguous()
-                comm.all_reduce(summed, pieces)
-                squares[:, mask] = summed
-
-        flat_of = {id(sub.param): self.flats[sub.flat_index] for sub in self.subgroups}
-        matrices = {
-            key: [(slot.offset, slot.numel, tuple(slot.shape)) for slot in flat.layout.slots]
-            for key, flat in flat_of.items()
-        }
-        starts = {key: flat.layout.shard_range(flat.shard_rank)[0] for key, flat in flat_of.items()}
-        whole = shard_group is None and self.flats and self.flats[0].shard_group.size > 1  # stage 0, several ranks
-        return ShardedNorms(
-            segments,
-            slot_id,
-            reduce,
-            matrices,
-            starts,
-            lambda t, v: flat_of[id(t)].whole_of(v.to(flat_of[id(t)].device)),
-            compressed=comm.OneBitAllReduce(self.flats[0].shard_group) if whole else None,
-        )
+    def _split_axes(self) -> dict[str, int]:
+        """The split axes of the flat groups here (tensor or expert parallelism) with more than one piece."""
+        axes = {flat.layout.split_axis for flat in self.flats} - {None}
+        sizes = {axis: self.pieces[axis].size for axis in sorted(axes) if axis in self.pieces}
+        return {axis: size for axis, size in sizes.items() if size > 1}
 
     def grad_home(self, index: int, dtype: torch.dtype, pin: bool, buffers: ReusableBuffers) -> GradHome:
         """Where flat group ``index``'s reduced gradient shard waits for the step: beside this state's master weights

@@ -257,6 +257,7 @@ def plan_model(
 
 
 def build_flat_groups(
+    *,
     plans: list[FlatGroupPlan],
     layouts: list[FlatLayout],
     shard_group: comm.Group,

@@ -9,9 +9,10 @@ A :class:`GradBucket` owns the gradient side of one flat group on one rank:
   their bucket is next are kept as autograd made them (``parked``): a bucket whose first gradients come long
   before its last (stage 3's root unit: the final norm's at the start of backward, the embedding's at the
   end) would otherwise hold a whole staging buffer through backward for a few elements.
-- ``home`` (fp32, this rank's shard): reduced gradients, accumulated across micro-batches, where the optimizer
-  state steps them (:mod:`.grad_home`: on the device, in host memory, or in the NVMe swap file). Under the
-  ``LOCAL`` reduction it holds this rank's own gradient of the whole bucket instead (see :class:`Reduction`).
+- ``home`` (this rank's shard, in the precision policy's gradient dtype: fp32 at stages 0-2, the compute dtype at
+  stage 3, unless ``data_types.grad_accum_dtype``): reduced gradients, accumulated across micro-batches, where the
+  optimizer state steps them (:mod:`.grad_home`: on the device, in host memory, or in the NVMe swap file). Under
+  the ``LOCAL`` reduction it holds this rank's own gradient of the whole bucket instead (see :class:`Reduction`).
 
 A :class:`GradientReducer` owns the buckets, the post-accumulate-grad hooks, and the schedule: which
 bucket reduces when, in one rank-independent order, with a bounded number in flight; and the :class:`Reduction`
@@ -70,6 +71,12 @@ class GradBucket:
         self.flat = flat
         self.group = flat.shard_group  # the group this bucket reduces over (a test seam can point it elsewhere)
         self.codec = codec  # ZeRO++ qgZ: the exact reduction's reduce-scatter sends block-quantized chunks
+        # the exact reduction: all-reduce when the flat group is not partitioned, else a reduce-scatter (quantized
+        # under qgZ); each returns this rank's reduced part and the pending collective
+        if not flat.partitioned:
+            self._exchange = self._all_reduce
+        else:
+            self._exchange = self._quantized_reduce_scatter if codec is not None else self._reduce_scatter
         self.buffers = buffers
         self.layout = flat.layout
         self.reduce_dtype = reduce_dtype
@@ -131,27 +138,30 @@ class GradBucket:
         self._staging[self.layout.numel :].zero_()
         if predivide != 1.0:
             self._staging.div_(predivide)
-        if reduction is Reduction.LOCAL:
-            self._reduced, self._pending = self._staging, comm.Pending("local", self.group, None, "", 0.0)
-        elif self.flat.partitioned and self.codec is not None:
-            lo, hi = self.layout.shard_range(self.flat.shard_rank)
-            self._reduced = self._staging[lo:hi]  # the owner sums the decompressed chunks in fp32
-            self._pending = comm.compressed_reduce_scatter(
-                self._staging, None, self.group, async_op=async_op, codec=self.codec
-            )
-        elif self.flat.partitioned:
-            lo, hi = self.layout.shard_range(self.flat.shard_rank)
-            self._reduced = self._staging[lo:hi]  # in place: this rank's chunk of the input receives the sum
-            scratch = comm.reduce_scatter_scratch_numel(self.group, self.layout.padded_numel)
-            if scratch:
-                self._scratch = self.buffers.acquire(scratch, self.reduce_dtype)
-            self._pending = comm.reduce_scatter(
-                self._reduced, self._staging, self.group, async_op=async_op, scratch=self._scratch
-            )
+        if reduction is Reduction.LOCAL:  # this rank's own gradient, kept: nothing to wait for
+            self._reduced, self._pending = self._staging, None
         else:
-            self._reduced = self._staging
-            self._pending = comm.all_reduce(self._staging, self.group, async_op=async_op)
+            self._reduced, self._pending = self._exchange(async_op)
         self.state = GradState.REDUCING
+
+    def _all_reduce(self, async_op: bool) -> tuple[torch.Tensor, comm.Pending]:
+        """Stage 0: every rank keeps the whole summed bucket."""
+        return self._staging, comm.all_reduce(self._staging, self.group, async_op=async_op)
+
+    def _reduce_scatter(self, async_op: bool) -> tuple[torch.Tensor, comm.Pending]:
+        """Stages 1-3: in place, this rank's chunk of the input receives the sum (Gloo's scratch from the pool)."""
+        lo, hi = self.layout.shard_range(self.flat.shard_rank)
+        scratch = comm.reduce_scatter_scratch_numel(self.group, self.layout.padded_numel)
+        if scratch:
+            self._scratch = self.buffers.acquire(scratch, self.reduce_dtype)
+        shard = self._staging[lo:hi]
+        return shard, comm.reduce_scatter(shard, self._staging, self.group, async_op=async_op, scratch=self._scratch)
+
+    def _quantized_reduce_scatter(self, async_op: bool) -> tuple[torch.Tensor, comm.Pending]:
+        """ZeRO++ qgZ: block-quantized chunks sent, the owner summing the decompressed ones in fp32."""
+        lo, hi = self.layout.shard_range(self.flat.shard_rank)
+        pending = comm.compressed_reduce_scatter(self._staging, None, self.group, async_op=async_op, codec=self.codec)
+        return self._staging[lo:hi], pending
 
     @property
     def grad(self) -> torch.Tensor:
@@ -159,11 +169,12 @@ class GradBucket:
         return self.home.read()
 
     def finish_reduce(self, post_scale: float, final: bool) -> None:
-        """Wait for the reduction and accumulate this rank's part into the fp32 gradient shard (``final``: the
+        """Wait for the reduction and accumulate this rank's part into the gradient shard (``final``: the
         step's last contribution)."""
         if self.state is not GradState.REDUCING:
             raise AssertionError(f"finish_reduce in state {self.state}")
-        self._pending.wait()
+        if self._pending is not None:
+            self._pending.wait()
         # hybrid sharding: the shard group reduced one replica's gradients; add the other replicas'
         comm.all_reduce(self._reduced, self.replica_group)
         self.home.accumulate(self._reduced, post_scale, final)
@@ -204,7 +215,7 @@ class GradientReducer:
         self,
         buckets: list[GradBucket],
         param_names: dict[torch.nn.Parameter, str],
-        world: comm.Group,
+        gradient_group: comm.Group,
         *,
         reduce_every_micro_step: bool,
         overlap_comm: bool,
@@ -216,7 +227,7 @@ class GradientReducer:
         self.buckets = buckets
         self.check = check  # gradient_check: projections before and after reduction (Note [gradient check])
         self.param_names = param_names
-        self.world = world
+        self.gradient_group = gradient_group  # every rank whose gradients sum into one update (all but tensor)
         self.reduce_every_micro_step = reduce_every_micro_step
         self.overlap_comm = overlap_comm
         self.predivide = predivide
@@ -312,7 +323,7 @@ class GradientReducer:
                 self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        summed_over = 1 if self.reduction is Reduction.LOCAL else self.world.size
+        summed_over = 1 if self.reduction is Reduction.LOCAL else self.gradient_group.size
         self._in_flight.popleft().finish_reduce(self.predivide / summed_over, final=self._boundary)
 
     def end_backward(self) -> None:
@@ -340,7 +351,7 @@ class GradientReducer:
             if not arrived
         ]
         count = torch.tensor([len(unused)], dtype=torch.int64)
-        comm.all_reduce(count, self.world, op="max")
+        comm.all_reduce(count, self.gradient_group, op="max")
         if count.item():
             where = f"{unused[:8]}{' ...' if len(unused) > 8 else ''}" if unused else "(on another rank)"
             raise UnusedParameterError(

@@ -7,7 +7,8 @@ optimizer's compressed one: :mod:`.exchange`), the loss scaler, the stage-3 runt
 copies of offloaded states and the per-parameter access. The engine drives it: ``begin_backward`` /
 ``end_backward`` around the user's backward, ``step``, ``zero_grad``; checkpoints read and write it per flat group
 (the ``ShardedOptimizer`` protocol of ``checkpoint/view.py``). Clients see its optimizer through
-:class:`~zeroshard.zero.optimizer.ZeroOptimizer`, a ``torch.optim.Optimizer`` view of it.
+:class:`~zeroshard.zero.optimizer.ZeroOptimizer`, a ``torch.optim.Optimizer`` view of it that ``initialize`` makes
+and the engine holds.
 
 The step's arithmetic: the global gradient norm (one all-reduce of partial squares: over the shard group, then the
 tensor-sharded flat groups' part over the tensor group), fp16 overflow and the loss scale, clipping in the same
@@ -32,12 +33,12 @@ import torch
 from .. import comm
 from ..offload import IOStats, ShardHomes
 from ..optim import update_rule
+from ..optim.contract import needs_of
 from ..precision import LossScaler
 from .buffers import ReusableBuffers
 from .exchange import ExactExchange
 from .flat_group import FlatGroup
 from .grad_home import GradHome
-from .optimizer import ZeroOptimizer
 from .optimizer_state import OptimizerState
 from .param_access import ParamAccess
 from .reducer import GradientReducer
@@ -134,10 +135,15 @@ class ZeroStack:
         self.steps_taken = 0  # optimizer steps attempted (applied or skipped)
         self.overflow = False  # DeepSpeed's name: whether the last step was skipped for non-finite gradients
         self.global_grad_norm: Optional[float] = None
-        self.optimizer: Optional[ZeroOptimizer] = ZeroOptimizer(self)  # the clients' torch.optim view of it
         self.exchange.choose_reduction(self.steps_taken)
-        # the offloaded step runs behind the next forward where nothing in it is a collective (see step_behind)
-        self.steps_behind = stage3 is not None and type(exchange) is ExactExchange and optimizer_state.can_step_behind
+        # the offloaded step runs behind the next forward where nothing in it is a collective (see step_behind): not
+        # for an optimizer that reads whole parameters (its norms or matrices are collectives, optim.contract)
+        self.steps_behind = (
+            stage3 is not None
+            and type(exchange) is ExactExchange
+            and needs_of(optimizer_state.optimizer).elementwise
+            and optimizer_state.can_step_behind
+        )
 
     def settle(self) -> None:
         """Wait for an optimizer step running behind the forward (raising its error, if it failed)."""
@@ -232,8 +238,8 @@ class ZeroStack:
         if self.exchange.averages_itself():
             # each rank holds its own gradient: every rank takes the mean of their squared norms, so overflow
             # skips and clipping agree across ranks (the averaged gradient is never formed)
-            comm.all_reduce(squared, self.reducer.world)
-            squared.div_(self.reducer.world.size)
+            comm.all_reduce(squared, self.reducer.gradient_group)
+            squared.div_(self.reducer.gradient_group.size)
         elif self.norm.shard is not None:
             comm.all_reduce(squared, self.norm.shard)
         for row, group in enumerate(self.norm.split.values(), start=1):
@@ -406,7 +412,7 @@ class NoOptimizerStack:
         self.flat_groups: list[FlatGroup] = []
         self.frozen_groups: list[FlatGroup] = []
         self.all_flat_groups: list[FlatGroup] = []
-        self.optimizer = self.access = self.stage3 = self.reducer = None
+        self.access = self.stage3 = self.reducer = None
         self.global_grad_norm: Optional[float] = None
         self.loss_scale = 1.0
 

@@ -61,7 +61,7 @@ def test_import_holds_deepspeeds_weights_moments_step_scheduler_and_client_state
 
 def _rewrite_config(ds: Path, optimizer: dict) -> None:
     """DeepSpeed's ds_config in the model states, changed the way another run's config would differ."""
-    from zeroshard.checkpoint.deepspeed_import import read_deepspeed_file
+    from zeroshard.checkpoint.deepspeed_record import read_deepspeed_file
 
     for model in (ds / "global_step2").glob("*model_states.pt"):
         data = read_deepspeed_file(str(model))
@@ -81,7 +81,7 @@ def test_the_update_rule_follows_deepspeeds_adam_w_mode(tmp_path):
 
 
 def test_adam_without_bias_correction_or_with_amsgrad_is_refused_by_name():
-    from zeroshard.checkpoint.deepspeed_import import _hyperparameters
+    from zeroshard.checkpoint.deepspeed_record import hyperparameters as _hyperparameters
 
     fused = {"lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0, "step": 7}
     assert _hyperparameters("ck", 0, fused, "Adam") == {

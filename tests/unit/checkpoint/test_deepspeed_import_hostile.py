@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard.checkpoint.deepspeed_import import convert_deepspeed_checkpoint, read_deepspeed_file
+from zeroshard.checkpoint.deepspeed_convert import convert_deepspeed_checkpoint
+from zeroshard.checkpoint.deepspeed_record import read_deepspeed_file
 from zeroshard.checkpoint.safetensors_io import CheckpointError
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_checkpoints"

@@ -129,9 +129,6 @@ def test_names_defaults_and_refusals():
     lamb = build("OneBitLamb")
     assert (lamb.coeff_beta, lamb.factor_max, lamb.factor_min, lamb.factor_threshold) == (0.9, 4.0, 0.5, 0.1)
     assert (lamb.max_coeff, lamb.min_coeff) == (10.0, 0.01)
-    for name in ("ZeroOneAdam", "OneBitLamb"):
-        with pytest.raises(NotImplementedError, match=f"'{name}' runs with zero_optimization.stage 0 only"):
-            build(name, stage=1)
     with pytest.raises(ValueError, match="unknown config key 'optimizer.params.var_freeze_step'"):
         build("OneBitAdam", var_freeze_step=5)
     with pytest.raises(ValueError, match="amsgrad"):

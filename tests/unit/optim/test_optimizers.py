@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from zeroshard.optim import Lamb, Lion, build_optimizer, check_client_optimizer
-from zeroshard.optim.lamb import ShardedNorms
+from zeroshard.optim.contract import ShardLayout
 
 
 def params():
@@ -54,6 +54,23 @@ def test_lion_matches_its_definition():
     assert opt.state[p]["exp_avg"].tolist() == pytest.approx([0.003, 0.0])
 
 
+class OneProcessLayout(ShardLayout):
+    """Both "ranks'" shards in one process: the partial norms are already whole."""
+
+    def __init__(self, segments: dict, slot_count: int):
+        self._segments, self._slot_count = segments, slot_count
+
+    @property
+    def slot_count(self) -> int:
+        return self._slot_count
+
+    def segments(self, tensor):
+        return self._segments[id(tensor)]
+
+    def complete_norms(self, partial) -> None:
+        pass
+
+
 def test_lamb_on_flat_shards_equals_lamb_on_parameters():
     """The trust ratio is per original parameter even when the tensors are flat shards of many."""
     ps = params()
@@ -72,8 +89,7 @@ def test_lamb_on_flat_shards_equals_lamb_on_parameters():
         s.grad = g.clone()
     # slot 0 = elements [0, 15), slot 1 = [15, 22)
     segments = {id(shards[0]): [(0, 0, 11)], id(shards[1]): [(0, 0, 4), (1, 4, 7)]}
-    opt = Lamb(shards, lr=0.1, weight_decay=0.01)
-    opt.sharded_norms = ShardedNorms(segments, slot_count=2, all_reduce=lambda t: None)
+    opt = Lamb(shards, lr=0.1, weight_decay=0.01, layout=OneProcessLayout(segments, 2))
     opt.step()
     got = torch.cat([s.detach() for s in shards])
     want = torch.cat([p.detach().reshape(-1) for p in whole])

@@ -1,5 +1,6 @@
-"""The gradient exchange is the one the optimizer names: exact unless a 1-bit optimizer says otherwise; the
-compressed ones refuse the layouts they cannot compress (hybrid replicas, 0/1 Adam and 1-bit LAMB above stage 0)."""
+"""The gradient exchange is the one the optimizer declares: exact unless a 1-bit optimizer says otherwise; the
+compressed ones refuse the layouts they cannot compress (hybrid replicas; 0/1 Adam and 1-bit LAMB above stage 0 are
+refused by the optimizer contract, tests/unit/optim/test_contract.py)."""
 
 from types import SimpleNamespace
 
@@ -30,19 +31,9 @@ def test_each_optimizer_names_its_exchange():
         assert type(exchange_for(cls(_params()), [], _reducer(), [])) is OptimizerAveragedExchange
 
 
-def test_an_unknown_exchange_and_hybrid_replicas_are_refused_by_name():
-    optimizer = torch.optim.SGD(_params(), lr=0.1)
-    optimizer.gradient_exchange = "two_bit"
-    with pytest.raises(ValueError, match="unknown gradient_exchange 'two_bit'"):
-        exchange_for(optimizer, [], _reducer(), [])
+def test_hybrid_replicas_are_refused_by_name():
     with pytest.raises(NotImplementedError, match="OneBitAdam with hybrid sharding"):
         exchange_for(OneBitAdam(_params()), [], _reducer(replicas=2), [])
-
-
-def test_optimizer_averaged_exchanges_run_at_stage_0_only():
-    sharded = [SimpleNamespace(partitioned=True)]
-    with pytest.raises(NotImplementedError, match="ZeroOneAdam runs with zero_optimization.stage 0 only"):
-        exchange_for(ZeroOneAdam(_params()), sharded, _reducer(), [0])
 
 
 def test_the_exact_exchange_holds_nothing_and_changes_no_gradient():
