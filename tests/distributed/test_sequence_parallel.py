@@ -119,6 +119,7 @@ def sp_worker(sp: int, reference: dict, variants: tuple = (), tp: int = 1, stage
             },
             "state_bytes": engine.state_bytes(),
             "padded": sum(flat.layout.padded_numel for flat in engine.stack.flat_groups),
+            "one_mesh": engine.mesh is mpu.mesh and engine.mesh.gradient is mpu.sequence_data,
             "sizes": (
                 engine.sequence_parallel_size,
                 engine.dp_world_size,
@@ -164,6 +165,16 @@ def _check_parity(run: dict, case, first: float = 1e-6, bound: float = 1e-5) -> 
 def test_ulysses_matches_one_process_on_whole_sequences(sp_runs, sp, stage):
     for run in sp_runs:
         _check_parity(run[sp], stage)
+
+
+def test_the_engine_runs_on_the_mesh_the_registration_built(sp_runs):
+    """register_with_transformers builds the mesh once (tp given once, each group created once); every engine
+    initialized with it runs on that mesh, and destroying one leaves it whole for the next (each case here is a new
+    engine on the same registration)."""
+    for run in sp_runs:
+        for layout in (2, 4, "tp2"):
+            engines = [case for case in run[layout].values() if isinstance(case, dict) and "one_mesh" in case]
+            assert len(engines) >= 3 and all(case["one_mesh"] for case in engines), layout
 
 
 @pytest.mark.parametrize("stage", (0, 1, 2, 3))
@@ -262,6 +273,30 @@ def two_rank_worker() -> dict:
     out = {"tiled": worker(), "reference": sp_reference(2, 2)}
     out["sp"] = sp_worker(2, out["reference"])
     out["refusals"] = sp_refusals()
+    out["zero_init"] = zero_init_on_the_registered_mesh()
+    return out
+
+
+def zero_init_on_the_registered_mesh() -> dict:
+    """zero.Init(mpu=...) agrees on initial values over the registration's mesh (its broadcasts counted in that
+    mesh's ledger, not the process-wide one), and the model it built trains at stage 3 on that mesh."""
+    import zeroshard
+    from zeroshard.sequence_parallel import register_with_transformers
+
+    mpu = register_with_transformers(sp_model(), "sdpa", 2, micro_batch_size=1)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3}}  # fmt: skip
+    mpu.mesh.context.ledger.reset()
+    with zeroshard.zero.Init(config_dict_or_path=config, mpu=mpu):
+        model = sp_model()
+    counted = sum(t.calls for (op, _), t in mpu.mesh.context.ledger.summary().items() if op == "broadcast")
+    engine, *_ = zeroshard.initialize(model=model, config=config, mpu=mpu)
+    ids = torch.randint(0, 64, (1, SP_SEQ // 2), generator=torch.Generator().manual_seed(0))
+    places = torch.arange(SP_SEQ // 2)[None] + mpu.sequence.rank * (SP_SEQ // 2)  # this rank's half of the sequence
+    engine.backward(engine(input_ids=ids, position_ids=places, labels=ids, shift_labels=ids).loss)
+    engine.step()
+    out = {"broadcasts": counted, "one_mesh": engine.mesh is mpu.mesh}
+    engine.destroy()
     return out
 
 
@@ -355,6 +390,11 @@ def test_ulysses_on_two_ranks_matches_one_process(two_rank_runs, stage):
     for run in two_rank_runs:
         _check_parity(run, stage)
         assert run["sp"][stage]["sizes"] == (2, 1, 2, 1)
+
+
+def test_zero_init_is_handed_the_registered_mesh(two_rank_runs):
+    for run in two_rank_runs:
+        assert run["zero_init"]["broadcasts"] > 0 and run["zero_init"]["one_mesh"], run["zero_init"]
 
 
 def test_ulysses_refusals_name_what_is_wrong(two_rank_runs):

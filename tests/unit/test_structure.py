@@ -288,3 +288,16 @@ def test_the_launcher_starts_without_importing_torch():
     code = "import sys, zeroshard.launcher.cli; print([m for m in ('torch', 'pydantic') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_functions_stay_short():
+    """A function that grew past 60 lines usually holds a second concept: at most 5 may, none past 80 (issue 54
+    split 16 such; this keeps them split)."""
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60:
+                    long.append((lines, f"{path.relative_to(PACKAGE)}:{node.name}"))
+    assert len(long) <= 5 and all(lines <= 80 for lines, _ in long), sorted(long, reverse=True)

@@ -150,12 +150,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         )
     directory = os.path.dirname(output_path) if single_file else output_path
     os.makedirs(directory or ".", exist_ok=True)
-    if single_file:
-        names = [os.path.basename(output_path)]
-    elif len(shards) == 1:
-        names = [f"{stem}{suffix}"]
-    else:
-        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))]
+    names = _file_names(output_path if single_file else None, stem, suffix, len(shards))
     written, weight_map = [], {}
     bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="convert", disable=not progress)
     try:
@@ -179,11 +174,24 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         bar.close()
         sources.close()
     if len(names) > 1:
-        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-        with open(os.path.join(directory, f"{stem}{suffix}.index.json"), "w") as f:
-            json.dump(index, f, indent=2)
-        written.append(os.path.join(directory, f"{stem}{suffix}.index.json"))
+        written.append(_write_index(os.path.join(directory, f"{stem}{suffix}.index.json"), sum(sizes), weight_map))
     return written
+
+
+def _file_names(single_file: Optional[str], stem: str, suffix: str, count: int) -> list[str]:
+    """The output files' names: the one asked for, ``<stem><suffix>``, or ``count`` numbered shards."""
+    if single_file is not None:
+        return [os.path.basename(single_file)]
+    if count == 1:
+        return [f"{stem}{suffix}"]
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}{suffix}" for i in range(count)]
+
+
+def _write_index(path: str, total_size: int, weight_map: dict) -> str:
+    """Hugging Face's index of sharded weights (which file holds each name)."""
+    with open(path, "w") as f:
+        json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2)
+    return path
 
 
 def _write_weights(path: str, tensors, specs: list, aliases: Optional[dict]) -> None:

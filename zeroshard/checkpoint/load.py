@@ -35,6 +35,21 @@ class Restored(NamedTuple):
     restored: list[str]
 
 
+def _load_module_tensors(state: TrainingState, manifest: dict, sources, read: PieceReader, unexpected) -> None:
+    """The buffers, and the parameters outside the flat groups (frozen ones below stage 3)."""
+    in_flats = {id(p) for f in [*state.flat_groups, *state.frozen_groups] for p in f.params}
+    parameters = {read.saved_name(n) for n, _ in state.module.named_parameters()}
+    experts = {name for names in state.expert_names.values() for name in names}  # every expert rank's
+    for name, entry in manifest["module_tensors"].items():  # buffers; parameters are read below
+        if name not in unexpected and name not in parameters and name not in experts:
+            target = _module_tensor(state.module, name)
+            if target is not None:
+                target.copy_(sources.read_whole(name, entry))
+    for name, param in state.module.named_parameters():
+        if id(param) not in in_flats and read.saved(name):
+            read(name, "master", 0, param.numel(), param.data.view(-1))
+
+
 def load(
     state: TrainingState,
     load_dir: str,
@@ -69,17 +84,7 @@ def load(
                 _load_flat(zero, k, flat, manifest, read, load_optimizer_states and not load_module_only)
             for flat in state.frozen_groups:
                 _load_frozen(flat, manifest, read)
-            in_flats = {id(p) for f in [*state.flat_groups, *state.frozen_groups] for p in f.params}
-            parameters = {read.saved_name(n) for n, _ in state.module.named_parameters()}
-            experts = {name for names in state.expert_names.values() for name in names}  # every expert rank's
-            for name, entry in manifest["module_tensors"].items():  # buffers; parameters are read below
-                if name not in unexpected and name not in parameters and name not in experts:
-                    target = _module_tensor(state.module, name)
-                    if target is not None:
-                        target.copy_(sources.read_whole(name, entry))
-            for name, param in state.module.named_parameters():  # outside the flat groups here (frozen below stage 3)
-                if id(param) not in in_flats and read.saved(name):
-                    read(name, "master", 0, param.numel(), param.data.view(-1))
+            _load_module_tensors(state, manifest, sources, read, unexpected)
             client_state = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest))
             if not load_module_only:
                 report = _load_training_state(state, manifest, sources, load_optimizer_states, load_lr_scheduler_states)
@@ -352,25 +357,28 @@ def _load_training_state(
         state.sampler.load_state_dict(manifest["sampler"])
     if scheduler and state.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
         state.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+    report.append(_restore_rng(state, manifest, sources))
+    return [line for line in report if line]
+
+
+def _restore_rng(state: TrainingState, manifest: dict, sources: Sources) -> str:
+    """This rank's torch and Python RNG states, when the checkpoint ran at this world size (the streams are per
+    rank); the line saying so for the load report."""
     rank = comm.get_rank()
     if "imported_from" in manifest:
-        report.append("RNG states not restored (the checkpoint was imported from DeepSpeed, which does not save them)")
-    elif manifest["world_size"] == state.mesh.world.size:  # RNG streams are per rank: restore only same-size runs
-        file = rank_file(rank)
-        torch.set_rng_state(_rng_state(sources, file, "rng.cpu", torch.get_rng_state()))
-        if torch.cuda.is_available() and "rng.cuda" in manifest["files"][file]["crc"]:
-            torch.cuda.set_rng_state(_rng_state(sources, file, "rng.cuda", torch.cuda.get_rng_state()))
-        python_rng = manifest["python_rng"].get(str(rank))
-        try:
-            random.setstate((python_rng[0], tuple(python_rng[1]), python_rng[2]))
-        except (TypeError, ValueError, IndexError) as err:
-            raise CheckpointError(
-                f"{sources.path}: field 'python_rng.{rank}' is not a Python RNG state ({err})"
-            ) from None
-        report.append("restored RNG states")
-    else:
-        report.append(f"RNG states not restored (saved by {manifest['world_size']} ranks)")
-    return [line for line in report if line]
+        return "RNG states not restored (the checkpoint was imported from DeepSpeed, which does not save them)"
+    if manifest["world_size"] != state.mesh.world.size:
+        return f"RNG states not restored (saved by {manifest['world_size']} ranks)"
+    file = rank_file(rank)
+    torch.set_rng_state(_rng_state(sources, file, "rng.cpu", torch.get_rng_state()))
+    if torch.cuda.is_available() and "rng.cuda" in manifest["files"][file]["crc"]:
+        torch.cuda.set_rng_state(_rng_state(sources, file, "rng.cuda", torch.cuda.get_rng_state()))
+    python_rng = manifest["python_rng"].get(str(rank))
+    try:
+        random.setstate((python_rng[0], tuple(python_rng[1]), python_rng[2]))
+    except (TypeError, ValueError, IndexError) as err:
+        raise CheckpointError(f"{sources.path}: field 'python_rng.{rank}' is not a Python RNG state ({err})") from None
+    return "restored RNG states"
 
 
 def _compression_state(state: TrainingState, manifest: dict, sources: Sources) -> dict[str, torch.Tensor]:

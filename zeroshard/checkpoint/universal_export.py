@@ -88,6 +88,37 @@ def write_universal_folder(input_folder: str, output_folder: str) -> str:
     return output_folder
 
 
+def _write_optimizer_state(manifest: dict, groups: list[dict], path: str) -> None:
+    """``zero/optimizer_state.pt``: DeepSpeed's per-group hyperparameters and steps, and zeroshard's own record of
+    what the universal format has no place for (the update rule, every scalar, the state keys)."""
+    optimizer = manifest["optimizer"]
+    flat_groups = optimizer["flat_groups"]
+    scalars = [{} for _ in groups]
+    state_keys: list[set] = [set() for _ in groups]  # the reader refuses a folder missing any of them
+    for flat in flat_groups:
+        scalars[flat["group"]].update(flat["scalars"])
+        state_keys[flat["group"]].update(flat["state_keys"])
+    hyper = optimizer["param_groups"]
+    stage3_state = {g: {"step": scalar_value(s["step"])} for g, s in enumerate(scalars) if "step" in s}
+    torch.save(
+        {
+            "zero_stage": int(manifest["stage"]) or 1,
+            "ds_version": DEEPSPEED_LAYOUT,
+            "dynamic_loss_scale": False,
+            "overflow": False,
+            "param_groups": [{**_deepspeed_hyper(h), "params": list(range(len(g)))} for h, g in zip(hyper, groups)],
+            "optimizer_state_dict": {"state": stage3_state, "param_groups": [_deepspeed_hyper(h) for h in hyper]},
+            OWN_RECORD: {
+                "type": optimizer.get("type"),
+                "param_groups": hyper,
+                "scalars": scalars,
+                "state_keys": [sorted(keys) for keys in state_keys],
+            },
+        },
+        path,
+    )
+
+
 def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
     optimizer = manifest["optimizer"]
     flat_groups = optimizer["flat_groups"]
@@ -114,30 +145,7 @@ def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
             torch.save(scalar_value(step), os.path.join(folder, "step.pt"))
     for name, entry in manifest["module_tensors"].items():
         module[name] = sources.read_whole(name, entry).clone()
-    scalars = [{} for _ in groups]
-    state_keys: list[set] = [set() for _ in groups]  # the reader refuses a folder missing any of them
-    for flat in flat_groups:
-        scalars[flat["group"]].update(flat["scalars"])
-        state_keys[flat["group"]].update(flat["state_keys"])
-    hyper = optimizer["param_groups"]
-    stage3_state = {g: {"step": scalar_value(s["step"])} for g, s in enumerate(scalars) if "step" in s}
-    torch.save(
-        {
-            "zero_stage": int(manifest["stage"]) or 1,
-            "ds_version": DEEPSPEED_LAYOUT,
-            "dynamic_loss_scale": False,
-            "overflow": False,
-            "param_groups": [{**_deepspeed_hyper(h), "params": list(range(len(g)))} for h, g in zip(hyper, groups)],
-            "optimizer_state_dict": {"state": stage3_state, "param_groups": [_deepspeed_hyper(h) for h in hyper]},
-            OWN_RECORD: {
-                "type": optimizer.get("type"),
-                "param_groups": hyper,
-                "scalars": scalars,
-                "state_keys": [sorted(keys) for keys in state_keys],
-            },
-        },
-        os.path.join(tmp, "zero", "optimizer_state.pt"),
-    )
+    _write_optimizer_state(manifest, groups, os.path.join(tmp, "zero", "optimizer_state.pt"))
     counters = manifest["counters"]
     client = restore_client_state(manifest["client_state"], read_client_tensors(sources, manifest)) or {}
     model_states = {

@@ -22,9 +22,18 @@ from .collectives import (
 )
 from .compressed import OneBitAllReduce, compressed_all_gather, compressed_all_reduce, compressed_reduce_scatter
 from .context import DEFAULT_CONTEXT, CommContext
-from .groups import Group, as_group, group_of, process_group
+from .groups import Group, as_group, group_of, process_group, solo_group, world_group
 from .ledger import CommLedger, OpTotals
-from .mesh import DERIVED, Mesh, ParallelDims, build_groups, build_mesh, destroy_mesh, tensor_parallel_group
+from .mesh import (
+    DERIVED,
+    Mesh,
+    ParallelDims,
+    build_groups,
+    build_mesh,
+    destroy_mesh,
+    planned_group,
+    tensor_parallel_group,
+)
 
 LEDGER = DEFAULT_CONTEXT.ledger  # every collective of this process (an engine's own: engine.comm_ledger)
 
@@ -71,7 +80,10 @@ __all__ = [
     "init_distributed",
     "is_initialized",
     "log_summary",
+    "planned_group",
     "process_group",
+    "solo_group",
+    "world_group",
     "reduce_scatter",
     "reduce_scatter_scratch_numel",
     "tensor_parallel_group",

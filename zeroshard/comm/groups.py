@@ -46,11 +46,22 @@ class Group:
         return self.ranks[own.index(rank)]
 
 
+def world_group(context: CommContext = DEFAULT_CONTEXT) -> Group:
+    """Every rank, as the default process group: what communicates before any engine's mesh exists (``zero.Init``,
+    ``GatheredParameters`` on parameters no engine holds). An engine's collectives use its mesh's groups."""
+    return Group("world", tuple(range(get_world_size())), None, context)
+
+
+def solo_group(name: str, context: CommContext = DEFAULT_CONTEXT) -> Group:
+    """This rank alone, named ``name``: a parallel dimension of size 1 (its collectives are skipped)."""
+    return Group(name, (get_rank(),), None, context)
+
+
 def group_of(handle: Any, name: str, context: CommContext = DEFAULT_CONTEXT) -> Group:
     """A torch ``ProcessGroup`` (``None`` or ``WORLD``: the world) as a zeroshard group, so collectives on it are
     counted and fail with an error naming the rank and operation."""
     if handle is None or handle is dist.group.WORLD:
-        return Group(name, tuple(range(get_world_size())), None, context)
+        return Group(name, world_group(context).ranks, None, context)
     if not isinstance(handle, dist.ProcessGroup):
         raise TypeError(
             f"the {name} group: expected a torch ProcessGroup, a zeroshard group or None (the world), got "

@@ -218,6 +218,7 @@ class Mesh:
     expert_shard: Group
     expert_gradient: Group
     sequence_adopted: bool = False  # built before the mesh (register_with_transformers): its owner tears it down
+    registered: bool = False  # built by register_with_transformers for the engines run on it: none tears it down
 
     @property
     def data_parallel_size(self) -> int:
@@ -252,10 +253,16 @@ def build_groups(dims: ParallelDims, names: tuple[str, ...], context: CommContex
     return groups
 
 
-def build_mesh(dims: ParallelDims, context: Optional[CommContext] = None, sequence: Optional[Group] = None) -> Mesh:
+def build_mesh(
+    dims: ParallelDims,
+    context: Optional[CommContext] = None,
+    sequence: Optional[Group] = None,
+    registered: bool = False,
+) -> Mesh:
     """Create the mesh's groups (a collective call). Their collectives count in ``context`` (by default a new child
-    of the process's default context). ``sequence``: a sequence-parallel group built before the engine (by
-    ``register_with_transformers``), adopted when its ranks are one of the mesh's sequence groups."""
+    of the process's default context). ``sequence``: the sequence-parallel group of a mesh built before the engine
+    (by ``register_with_transformers``) whose other dimensions differ, adopted when its ranks are one of this mesh's
+    sequence groups. ``registered``: built by ``register_with_transformers``, outliving the engines run on it."""
     world_size = get_world_size()
     if dims.world_size != world_size:
         raise ValueError(f"the parallel dimensions {dims} cover {dims.world_size} ranks, the world has {world_size}")
@@ -276,14 +283,22 @@ def build_mesh(dims: ParallelDims, context: Optional[CommContext] = None, sequen
         world=world,
         sequence=sequence or groups.pop("sequence"),
         sequence_adopted=sequence is not None,
+        registered=registered,
         **groups,
     )
 
 
+def planned_group(name: str, size: int) -> Group:
+    """A group of ``size`` ranks with this process first, without a process group: a description for planning on a
+    meta model (``zeroshard estimate``), which reads its size and never communicates over it."""
+    me = get_rank()
+    return Group(name, (me, *[r for r in range(me + size) if r != me][: size - 1]), None)
+
+
 def destroy_mesh(mesh: Mesh) -> None:
     """Tear down the process groups :func:`build_mesh` created (the default group and an adopted sequence group
-    stay: they are not the mesh's)."""
-    if not dist.is_initialized():
+    stay: they are not the mesh's; a registered mesh stays whole)."""
+    if not dist.is_initialized() or mesh.registered:
         return
     adopted = mesh.sequence.handle if mesh.sequence_adopted else None
     handles = {

@@ -2,7 +2,8 @@
 
 from .parse import ConfigSource, parse_config
 from .resolve import AutoContext, BatchTriad, Resolution, model_hidden_size, resolve_batch_triad, resolve_config
-from .schema import ConfigError, OffloadDevice, ZeroConfig, ZeroshardConfig
+from .schema import OffloadDevice, ZeroConfig, ZeroshardConfig
+from .section import ConfigError
 
 __all__ = [
     "AutoContext",

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .schema import ConfigError
+from .section import ConfigError
 
 # the 38 smallest highly composite numbers (each has more divisors than any smaller number): batch sizes up to 720K
 HIGHLY_COMPOSITE = (
@@ -218,6 +218,18 @@ def _none_valid(block: ElasticBlock) -> str:
     )
 
 
+def _world_size_variable() -> int:
+    """Elasticity 0.2 without a world size: the ``WORLD_SIZE`` variable's (DeepSpeed's words when it has none)."""
+    variable = os.environ.get("WORLD_SIZE")
+    if variable is None or not variable.isnumeric():
+        raise ElasticityConfigError(
+            "Elasticity V 0.2 needs WORLD_SIZE to compute valid batch size. Either give it as argument to "
+            "function compute_elastic_config or set it as an environment variable. Value of WORLD_SIZE as "
+            f"environment variable is {variable}"
+        )
+    return int(variable)
+
+
 def compute_elastic_config(
     ds_config: Any, target_deepspeed_version: str, world_size: int = 0, return_microbatch: bool = False
 ) -> tuple:
@@ -256,17 +268,7 @@ def compute_elastic_config(
         )
         batch = int(batch)
     elif version == 0.2:
-        current = world_size
-        if current == 0:
-            variable = os.environ.get("WORLD_SIZE")
-            if variable is None or not variable.isnumeric():
-                raise ElasticityConfigError(
-                    "Elasticity V 0.2 needs WORLD_SIZE to compute valid batch size. Either give it as argument to "
-                    "function compute_elastic_config or set it as an environment variable. Value of WORLD_SIZE as "
-                    f"environment variable is {variable}"
-                )
-            current = int(variable)
-        batch, valid, candidate_micro = _nodes_batch(block, current)
+        batch, valid, candidate_micro = _nodes_batch(block, world_size or _world_size_variable())
         batch = int(batch)
     else:
         raise NotImplementedError(f"Unable to find elastic logic for version: {block.version}")

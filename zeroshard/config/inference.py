@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ..precision import DTYPE_NAMES
 from .parse import format_validation_error, load_json_or_dict
-from .schema import Section
+from .section import Section
 
 
 class TensorParallelConfig(Section):

@@ -12,7 +12,8 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ValidationError
 
-from .schema import REMOVED_IN_DEEPSPEED, UNSUPPORTED_FEATURE_BLOCKS, ConfigError, ZeroshardConfig
+from .schema import REMOVED_IN_DEEPSPEED, UNSUPPORTED_FEATURE_BLOCKS, ZeroshardConfig
+from .section import ConfigError
 
 ConfigSource = Union[dict, str, os.PathLike, ZeroshardConfig]
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .elasticity import ElasticityIncompatibleWorldSize, elastic_batch
-from .schema import ConfigError, ZeroshardConfig
+from .schema import ZeroshardConfig
+from .section import ConfigError
 
 # "auto" keys filled from attributes of the caller's ``args`` (HF TrainingArguments names first).
 ARG_SOURCES: dict[str, tuple[str, ...]] = {

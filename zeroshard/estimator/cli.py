@@ -235,13 +235,16 @@ def _run(args) -> int:
     print(base.table())
     if not args.budget:
         return 0
-    budget = parse_bytes(args.budget)
+    return _recommend(args.budget, config, micro, base, world, predict)
+
+
+def _recommend(budget_text: str, config: dict, micro: int, base: MemoryEstimate, world: int, predict) -> int:
+    """Print the settings that fit ``budget_text`` per rank (stage, offload, recomputation, the largest micro-batch
+    that fits), least traffic per sample first; 1 when none does."""
+    budget = parse_bytes(budget_text)
     fits = []
-    element = element_size(
-        torch.bfloat16
-        if config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled")
-        else torch.float32
-    )
+    half = config.get("bf16", {}).get("enabled") or config.get("fp16", {}).get("enabled")
+    element = element_size(torch.bfloat16 if half else torch.float32)
     micros = sorted({m for m in (micro, micro // 2, micro // 4, micro // 8) if m >= 1}, reverse=True)
     for stage in (0, 1, 2, 3):
         for offload in ("none", "cpu") if stage else ("none",):
@@ -252,21 +255,14 @@ def _run(args) -> int:
                     if predicted is None:
                         break
                     if predicted.peak <= budget:
-                        fits.append(
-                            (
-                                candidate.traffic_per_sample(base.params, world, element),
-                                -m,
-                                recompute,
-                                candidate,
-                                predicted.peak,
-                            )
-                        )
+                        traffic = candidate.traffic_per_sample(base.params, world, element)
+                        fits.append((traffic, -m, recompute, candidate, predicted.peak))
                         break  # the largest micro-batch that fits
     if not fits:
-        print(f"\nnothing fits in {args.budget} per rank: more ranks, NVMe offload or a smaller sequence")
+        print(f"\nnothing fits in {budget_text} per rank: more ranks, NVMe offload or a smaller sequence")
         return 1
     fits.sort(key=lambda f: f[:3])
-    print(f"\nsettings that fit in {args.budget} per rank, least traffic per sample first:")
+    print(f"\nsettings that fit in {budget_text} per rank, least traffic per sample first:")
     for traffic, _, _, candidate, peak in fits:
         print(f"  {candidate.describe():<64} peak {peak / 2**30:7.2f} GiB, {traffic / 2**20:9.1f} MiB moved/sample")
     print(f"recommended: {fits[0][3].describe()}")

@@ -86,36 +86,32 @@ def estimate(
         bytes={c: dict.fromkeys(LOCATIONS, 0) for c in CATEGORIES},
     )
     experts, pieces = _split_experts(model, parsed, world_size)
-    plan = ModelState(
-        model,
-        cfg,
-        policy,
-        offload,
-        shard_count=hpz if z.stage >= 1 else 1,
-        tensor_splits=pieces,
-        expert_parallel=experts,
-    )
+    shards = hpz if z.stage >= 1 else 1
+    plan = ModelState(model, cfg, policy, offload, shard_count=shards, tensor_splits=pieces, expert_parallel=experts)
     plan.count_model_state(result)
     plan.count_offload(result)
     plan.count_buffers(result, gloo=cpu_only())
     plan.count_compression(result)
-    largest_grad = max((p.numel() for p in model.parameters() if p.requires_grad), default=0) * element_size(
-        policy.compute
-    )
-    largest_transient = largest_grad
-    if sample_inputs is not None:
-        traced = trace_activations(model, sample_inputs)
-        # backward's first working set: the gradient of the largest saved tensor (the logits, in a language model)
-        # and of its input, while the largest parameter's fresh gradient waits to be staged
-        working = 2 * traced.largest_saved + largest_grad
-        result.bytes["activations"]["device"] = traced.saved + traced.recompute + working
-        largest_transient = max(largest_transient, traced.largest_saved)
-    else:
-        result.notes.append("no sample_inputs: activations not counted")
+    largest_transient = _count_activations(result, model, sample_inputs, element_size(policy.compute))
     result.bytes["runtime"]["device"] = sum(runtime_baseline()) if runtime_bytes is None else runtime_bytes
     # NVMe offload bounds glibc's heap (zeroshard.accelerator.bound_host_heap): nothing freed stays resident
     result.bytes["allocator"]["device"] = 0 if offload.on_nvme else allocator_retention(largest_transient)
     return result
+
+
+def _count_activations(result: MemoryEstimate, model: nn.Module, sample_inputs: Any, compute_bytes: int) -> int:
+    """Count the activations of one micro-batch (``sample_inputs``) into ``result``; returns the largest transient
+    tensor (the largest parameter's gradient, or the largest saved activation) the allocator may keep."""
+    largest_grad = max((p.numel() for p in model.parameters() if p.requires_grad), default=0) * compute_bytes
+    if sample_inputs is None:
+        result.notes.append("no sample_inputs: activations not counted")
+        return largest_grad
+    traced = trace_activations(model, sample_inputs)
+    # backward's first working set: the gradient of the largest saved tensor (the logits, in a language model) and
+    # of its input, while the largest parameter's fresh gradient waits to be staged
+    working = 2 * traced.largest_saved + largest_grad
+    result.bytes["activations"]["device"] = traced.saved + traced.recompute + working
+    return max(largest_grad, traced.largest_saved)
 
 
 def _split_experts(model: nn.Module, parsed, world_size: int) -> tuple[int, dict]:
@@ -136,10 +132,8 @@ def _split_experts(model: nn.Module, parsed, world_size: int) -> tuple[int, dict
     dims = comm.ParallelDims.for_world(
         world_size, shard_group_size=parsed.zero_optimization.shard_group_size, ep=settings.autoep_size
     )
-    # an expert group of ep ranks with this process first: only its size is read (the meta model never runs)
-    me = comm.get_rank()
-    group = comm.Group("expert", (me, *[r for r in range(me + dims.ep) if r != me][: dims.ep - 1]), None)
-    return dims.ep, shard_experts(model, group, settings.preset_model)
+    # only the expert group's size is read: the meta model never runs
+    return dims.ep, shard_experts(model, comm.planned_group("expert", dims.ep), settings.preset_model)
 
 
 def _meta_model(model_or_factory) -> nn.Module:

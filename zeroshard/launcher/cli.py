@@ -27,26 +27,8 @@ from .multinode import LAUNCHERS, Job, agent_command, exported_environment, read
 DEFAULT_MASTER_PORT = 29500
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="zeroshard",
-        description="Launch a training script on N local processes (GPUs with NCCL, else CPU with Gloo).",
-    )
-    count = parser.add_mutually_exclusive_group()
-    count.add_argument(
-        "--num_gpus",
-        "--num_procs",
-        type=int,
-        default=None,
-        help="processes to start on this node (default: the number of GPUs, or 1 without GPUs)",
-    )
-    count.add_argument("--nproc_per_node", type=int, default=None, help="same as --num_gpus (torchrun's name)")
-    parser.add_argument("--num_nodes", type=bounded(1), default=None, help="nodes to use (the first N of the hostfile)")
-    parser.add_argument(
-        "--nnodes",
-        default=None,
-        help="torchrun's node count for the rendezvous: N, or MIN:MAX for elastic membership (default: --num_nodes)",
-    )
+def _add_node_options(parser: argparse.ArgumentParser) -> None:
+    """Which hosts run ranks, how their agents start, and where they meet (multi-node)."""
     parser.add_argument("-H", "--hostfile", default=None, help="hosts and their slots, one 'HOST slots=N' per line")
     parser.add_argument("-i", "--include", default=None, help="hosts/slots to use, e.g. 'worker-0:0,1@worker-1'")
     parser.add_argument("-e", "--exclude", default=None, help="hosts/slots to leave out, same format as --include")
@@ -80,6 +62,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="seconds a node waits for the master's rendezvous port before it gives up (default 300)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeroshard",
+        description="Launch a training script on N local processes (GPUs with NCCL, else CPU with Gloo).",
+    )
+    count = parser.add_mutually_exclusive_group()
+    count.add_argument(
+        "--num_gpus",
+        "--num_procs",
+        type=int,
+        default=None,
+        help="processes to start on this node (default: the number of GPUs, or 1 without GPUs)",
+    )
+    count.add_argument("--nproc_per_node", type=int, default=None, help="same as --num_gpus (torchrun's name)")
+    parser.add_argument("--num_nodes", type=bounded(1), default=None, help="nodes to use (the first N of the hostfile)")
+    parser.add_argument(
+        "--nnodes",
+        default=None,
+        help="torchrun's node count for the rendezvous: N, or MIN:MAX for elastic membership (default: --num_nodes)",
+    )
+    _add_node_options(parser)
     parser.add_argument("--module", "-m", action="store_true", help="run the script as a Python module (python -m)")
     parser.add_argument(
         "--max_restarts", type=bounded(0), default=0, help="restarts of the whole group after a failure"
@@ -173,10 +178,7 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     return cmd + [args.script, *args.script_args]
 
 
-def convert_main(argv: Sequence[str]) -> int:
-    """``zeroshard convert CKPT_DIR OUT [--tag T] [--max_shard_size 5GB] [--no_progress]``,
-    ``zeroshard convert --from-deepspeed DS_DIR OUT_DIR [--tag T]`` (a ZeRO or universal checkpoint of DeepSpeed's), or
-    ``zeroshard convert CKPT_DIR OUT_DIR --to deepspeed-universal [--tag T]``."""
+def _convert_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zeroshard convert",
         description="Write a checkpoint's fp32 weights as safetensors (streaming); with --from-deepspeed, import a "
@@ -207,6 +209,14 @@ def convert_main(argv: Sequence[str]) -> int:
         help="what to write from a zeroshard checkpoint: its fp32 weights (default), or the whole training state as "
         "a DeepSpeed universal checkpoint",
     )
+    return parser
+
+
+def convert_main(argv: Sequence[str]) -> int:
+    """``zeroshard convert CKPT_DIR OUT [--tag T] [--max_shard_size 5GB] [--no_progress]``,
+    ``zeroshard convert --from-deepspeed DS_DIR OUT_DIR [--tag T]`` (a ZeRO or universal checkpoint of DeepSpeed's), or
+    ``zeroshard convert CKPT_DIR OUT_DIR --to deepspeed-universal [--tag T]``."""
+    parser = _convert_parser()
     args = parser.parse_args(argv)
     if args.from_deepspeed and args.to != "safetensors":
         parser.error("--from-deepspeed writes a zeroshard checkpoint; --to applies to zeroshard checkpoints")

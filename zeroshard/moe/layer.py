@@ -104,7 +104,7 @@ class MOELayer(torch.nn.Module):
                     f"this MoE layer splits its experts over {self.ep_size} ranks ({self.ep_group_name}): build the "
                     "engine first (deepspeed.initialize / zeroshard.initialize hands it its expert group)"
                 )
-            self.use_expert_group(comm.Group("expert", (comm.get_rank(),), None))
+            self.use_expert_group(comm.solo_group("expert"))
         tokens = hidden.reshape(-1, hidden.shape[-1])
         gated = self.gate(tokens, used_token)
         self.l_aux, self.exp_counts = gated.aux_loss, gated.counts

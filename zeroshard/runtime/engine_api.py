@@ -116,7 +116,8 @@ class DeepSpeedAccessors:
         return {name: 1000.0 * seconds for name, seconds in self.reporting.timers.items()}
 
     def print_forward_breakdown(self, fwd_time: float) -> None:
-        """DeepSpeed prints its MoE layers' forward times here; zeroshard has no expert layers, so the forward's."""
+        """DeepSpeed prints its MoE layers' forward times here (their gating and all-to-alls); zeroshard times no
+        phase inside the forward, so the forward's alone."""
         log_rank0(f"time (ms) | fwd: {fwd_time:.2f}")
 
     def curriculum_learning_enabled(self) -> bool:

@@ -75,7 +75,7 @@ def _move_module(module: torch.nn.Module, device: torch.device, dtype: torch.dty
 
 
 def _sequence_parallel(mpu: Any, parsed) -> tuple[int, Optional[comm.Group]]:
-    """The sequence-parallel degree and, when ``mpu`` (``register_with_transformers``'s groups, or any object with
+    """The sequence-parallel degree and, when ``mpu`` (``register_with_transformers``'s mesh, or any object with
     DeepSpeed's sequence-parallel getters) brings one, its group. Other mpu shapes (Megatron's model parallelism) are
     refused by name; ``sequence_parallel_size`` in the config must agree with the mpu when both are given."""
     configured = parsed.sequence_parallel_size
@@ -203,7 +203,11 @@ def _resolve(
         shard_group_size=parsed.zero_optimization.shard_group_size,
         ep=ep_size,
     )
-    mesh = comm.build_mesh(dims, context=sequence.context if sequence is not None else None, sequence=sequence)
+    registered = getattr(mpu, "mesh", None)
+    if isinstance(registered, comm.Mesh) and registered.dims == dims:  # the mesh built once, at registration
+        mesh = registered
+    else:
+        mesh = comm.build_mesh(dims, context=sequence.context if sequence is not None else None, sequence=sequence)
     dataloader_batch = training_data.batch_size if isinstance(training_data, DataLoader) else None
     resolution = resolve_config(
         parsed,
@@ -292,24 +296,33 @@ def _auto_resume(engine: ZeroshardEngine) -> None:
     log_rank0(f"auto_resume: resumed from {path} at step {engine.global_steps} ({point.why})")
 
 
-def _build_stack(model, optimizer, model_parameters, cfg, *, mesh, placement, materialize, units, pieces):
-    """The ZeRO stack over the model's trainable parameters and the optimizer the client gave or the config names
-    (``units``: the extra gather-unit classes and leaf modules); a stack without one when neither does."""
+def _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, units) -> tuple:
+    """The model placed, split over the mesh's tensor and expert dimensions and sharded by the ZeRO stack over the
+    optimizer the client gave or the config names (``units``: the extra gather-unit classes and leaf modules; a
+    stack without an optimizer when neither names one); returns the stack, each split parameter's split and the
+    placement (device, precision, offload)."""
+    placement = _placement(cfg)
+    materialize = _materializer(model, pretrained, mesh.world, placement.device)
+    _move_module(model, placement.device, placement.policy.compute)
+    pieces = parallelize(model, cfg, mesh, materialize)
     if optimizer is None and cfg.optimizer is None:
-        return ZeroStack.without_optimizer(placement.device)
-    param_groups, make_optimizer = optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
-    return build_zero_stack(
-        model=model,
-        param_groups=param_groups,
-        make_optimizer=make_optimizer,
-        config=cfg,
-        mesh=mesh,
-        placement=placement,
-        materialize=materialize,
-        gather_unit_classes=units[0],
-        leaf_modules=units[1],
-        tensor_splits=pieces,
-    )
+        stack = ZeroStack.without_optimizer(placement.device)
+    else:
+        param_groups, make_optimizer = optimizer_recipe(optimizer, model, model_parameters, cfg, placement.offload)
+        stack = build_zero_stack(
+            model=model,
+            param_groups=param_groups,
+            make_optimizer=make_optimizer,
+            config=cfg,
+            mesh=mesh,
+            placement=placement,
+            materialize=materialize,
+            gather_unit_classes=units[0],
+            leaf_modules=units[1],
+            tensor_splits=pieces,
+        )
+    _finish_parameters(model, materialize, placement, stack, mesh, pieces)
+    return stack, pieces, placement
 
 
 def initialize(
@@ -336,10 +349,9 @@ def initialize(
     under stage 3 each module of those classes is one gather unit. ``leaf_modules`` (modules of ``model`` or their
     paths) adds to ``zero_optimization.leaf_module``: each is one gather unit with no unit inside it.
     ``pretrained`` (a safetensors file, a Hugging Face checkpoint directory or a zeroshard checkpoint) fills a
-    model built under ``zero.Init``: every rank reads the weights of one flat group at a time and keeps its
-    shard, so no rank ever holds the whole model and nothing is broadcast. ``mpu``: the sequence-parallel groups
-    ``zeroshard.sequence_parallel.register_with_transformers`` returned (Ulysses; ZeRO then shards and reduces over
-    data x sequence ranks, and ``train_batch_size`` counts world / sequence_parallel_size).
+    model built under ``zero.Init``, one flat group at a time (no rank holds the whole model, nothing is
+    broadcast). ``mpu``: the mesh ``zeroshard.sequence_parallel.register_with_transformers`` built (the engine runs
+    on it). ``train_batch_size`` counts the data-parallel ranks: world / (sequence x tensor parallel sizes).
     """
     if model is None:
         raise ValueError("initialize needs model=")
@@ -351,22 +363,8 @@ def initialize(
     cfg = resolution.config
     if cfg.log_level is not None:  # DeepSpeed's log_level sets its logger's level; handlers stay the program's
         logger.setLevel(cfg.log_level.upper())
-    placement = _placement(cfg)
-    materialize = _materializer(model, pretrained, mesh.world, placement.device)
-    _move_module(model, placement.device, placement.policy.compute)
-    pieces = parallelize(model, cfg, mesh, materialize)
-    stack = _build_stack(
-        model,
-        optimizer,
-        model_parameters,
-        cfg,
-        mesh=mesh,
-        placement=placement,
-        materialize=materialize,
-        units=(gather_unit_classes, leaf_modules),
-        pieces=pieces,
-    )
-    _finish_parameters(model, materialize, placement, stack, mesh, pieces)
+    units = (gather_unit_classes, leaf_modules)
+    stack, pieces, placement = _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, units)
     view = ZeroOptimizer(stack) if isinstance(stack, ZeroStack) else None  # the clients' torch.optim view of it
     scheduler = _build_scheduler(lr_scheduler, cfg, view)
     dataloader = _build_dataloader(training_data, resolution, mesh, collate_fn)

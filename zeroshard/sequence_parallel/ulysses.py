@@ -37,12 +37,24 @@ _HEADS, _TOKENS = 1, 2  # dims of transformers' q / k / v: [batch, heads, tokens
 
 @dataclass(frozen=True)
 class SequenceParallelGroups:
-    """The groups of Ulysses sequence parallelism, answering DeepSpeed's ``mpu`` getters (``parallel_state_sp``):
-    ``register_with_transformers`` returns one, and ``initialize(mpu=...)`` adopts its sequence group (the engine's
-    collectives then count in the same ledger as attention's)."""
+    """The mesh Ulysses sequence parallelism was registered on, answering DeepSpeed's ``mpu`` getters
+    (``parallel_state_sp``): ``register_with_transformers`` builds the mesh once and returns this, and
+    ``initialize(mpu=...)`` runs the engine on that mesh (its collectives then count in the same ledger as
+    attention's; where the config adds a dimension the registration could not know, hybrid sharding or experts,
+    the engine's mesh adopts the sequence group)."""
 
-    sequence: comm.Group  # the ranks that split each sample's tokens (the mesh's ``sequence``)
-    data: comm.Group  # the ranks ZeRO shards and reduces over: data x sequence (the mesh's ``gradient``)
+    mesh: comm.Mesh
+
+    @property
+    def sequence(self) -> comm.Group:
+        """The ranks that split each sample's tokens."""
+        return self.mesh.sequence
+
+    @property
+    def sequence_data(self) -> comm.Group:
+        """DeepSpeed's "sequence data parallel" group: the ranks whose gradients sum into one update (data x
+        sequence; the mesh's ``gradient``)."""
+        return self.mesh.gradient
 
     def get_sequence_parallel_group(self) -> Any:
         return comm.process_group(self.sequence)
@@ -54,13 +66,13 @@ class SequenceParallelGroups:
         return self.sequence.rank
 
     def get_sequence_data_parallel_group(self) -> Any:
-        return comm.process_group(self.data)
+        return comm.process_group(self.sequence_data)
 
     def get_sequence_data_parallel_world_size(self) -> int:
-        return self.data.size
+        return self.sequence_data.size
 
     def get_sequence_data_parallel_rank(self) -> int:
-        return self.data.rank
+        return self.sequence_data.rank
 
     # one parallel axis besides data: DeepSpeed aliases model parallelism to it
     get_model_parallel_group = get_sequence_parallel_group
@@ -69,9 +81,9 @@ class SequenceParallelGroups:
 
 
 def sequence_parallel_groups(sequence_parallel_size: int, tensor_parallel_size: int = 1) -> SequenceParallelGroups:
-    """Build the groups for ``sequence_parallel_size``-way sequence parallelism over the whole world (a collective
-    call), laid out as the engine's mesh lays them out beside ``tensor_parallel_size``-way tensor parallelism;
-    their collectives count in a context of their own, which an engine built on them shares."""
+    """Build the mesh of ``sequence_parallel_size``-way sequence parallelism beside ``tensor_parallel_size``-way
+    tensor parallelism over the whole world (a collective call); its collectives count in a context of their own,
+    which an engine built on it shares."""
     for name, size in (
         ("sequence_parallel_size", sequence_parallel_size),
         ("tensor_parallel_size", tensor_parallel_size),
@@ -84,8 +96,7 @@ def sequence_parallel_groups(sequence_parallel_size: int, tensor_parallel_size: 
             "zeroshard.comm.init_distributed() (or torch.distributed.init_process_group) first"
         )
     dims = comm.ParallelDims.for_world(comm.get_world_size(), tp=tensor_parallel_size, sp=sequence_parallel_size)
-    groups = comm.build_groups(dims, ("sequence", "gradient"), comm.DEFAULT_CONTEXT.child())
-    return SequenceParallelGroups(groups["sequence"], groups["gradient"])
+    return SequenceParallelGroups(comm.build_mesh(dims, registered=True))
 
 
 @dataclass(frozen=True)

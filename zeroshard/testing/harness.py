@@ -89,6 +89,23 @@ def _start_method() -> mp.context.BaseContext:
     return context
 
 
+def _collect(tmp: str, procs: list, hung: list[int]) -> tuple[list[Any], list[str]]:
+    """Each rank's result (None where it has none) and the errors: a rank's exception, or an exit without result."""
+    results, errors = [], []
+    for rank, proc in enumerate(procs):
+        payload = _read(tmp, rank)
+        if payload is None:
+            if rank not in hung:
+                errors.append(f"rank {rank} exited with code {proc.exitcode} and no result")
+            results.append(None)
+        elif payload[0] == "error":
+            errors.append(f"rank {rank} failed:\n{payload[1]}")
+            results.append(None)
+        else:
+            results.append(payload[1])
+    return results, errors
+
+
 def run_distributed(
     fn: Callable,
     world_size: int,
@@ -108,12 +125,8 @@ def run_distributed(
     environ = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="zeroshard-test-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(
-                target=_worker, args=(fn, r, world_size, store, tmp, comm_timeout_s, environ, args), daemon=True
-            )
-            for r in range(world_size)
-        ]
+        rank_args = [(fn, r, world_size, store, tmp, comm_timeout_s, environ, args) for r in range(world_size)]
+        procs = [ctx.Process(target=_worker, args=one, daemon=True) for one in rank_args]
         for p in procs:
             p.start()
         deadline = time.monotonic() + start_timeout_s + timeout_s
@@ -139,18 +152,7 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
             p.join()
-        results, errors = [], []
-        for rank in range(world_size):
-            payload = _read(tmp, rank)
-            if payload is None:
-                if rank not in hung:
-                    errors.append(f"rank {rank} exited with code {procs[rank].exitcode} and no result")
-                results.append(None)
-            elif payload[0] == "error":
-                errors.append(f"rank {rank} failed:\n{payload[1]}")
-                results.append(None)
-            else:
-                results.append(payload[1])
+        results, errors = _collect(tmp, procs, hung)
         if errors:
             suffix = f"\n(ranks {hung} were still running and were killed)" if hung else ""
             raise WorkerError("\n".join(errors) + suffix)

@@ -51,7 +51,7 @@ def _module_paths(model: torch.nn.Module, modules) -> tuple[str, ...]:
     return tuple(m if isinstance(m, str) else paths[id(m)] for m in modules)
 
 
-def _plan(model, param_groups, z, shard_group, gather_unit_classes, leaf_modules, tensor_splits, ep: int):
+def _plan(model, param_groups, z, *, shard_group, gather_unit_classes, leaf_modules, tensor_splits, ep: int):
     """The model's flat groups and gather units (:func:`.planning.plan_model`) from the config's and the caller's
     unit classes and leaf modules."""
     classes = frozenset(c if isinstance(c, str) else c.__name__ for c in gather_unit_classes or ())
@@ -82,7 +82,8 @@ def build_zero_stack(
     stage = StagePolicy.for_stage(z.stage)
     # stage 0 reduces over the whole data-parallel group; sharded stages over the shard group inside it
     shard_group = mesh.shard if stage.partition_optimizer else mesh.gradient
-    plan = _plan(model, param_groups, z, shard_group, gather_unit_classes, leaf_modules, tensor_splits, mesh.dims.ep)
+    plan = _plan(model, param_groups, z, shard_group=shard_group, gather_unit_classes=gather_unit_classes,
+                 leaf_modules=leaf_modules, tensor_splits=tensor_splits, ep=mesh.dims.ep)  # fmt: skip
     if stage.partition_params:
         _log_units(plan)
     records = ParamRecords()
@@ -90,33 +91,20 @@ def build_zero_stack(
     largest = max((layout.shard_numel for layout in plan.layouts), default=1)
     homes = shard_homes(placement.offload, placement.policy.compute, largest)
     every = build_flat_groups(
-        plans=plan.flat_groups,
-        layouts=plan.layouts,
-        shard_group=shard_group,
-        compute_dtype=placement.policy.compute,
-        device=placement.device,
-        records=records,
-        buffers=buffers,
-        shard_home=homes.place if homes is not None else None,
-        materialize=materialize,
-        quantized=QuantizedComm.from_config(z),
+        plans=plan.flat_groups, layouts=plan.layouts, shard_group=shard_group, compute_dtype=placement.policy.compute,
+        device=placement.device, records=records, buffers=buffers, materialize=materialize,
+        shard_home=homes.place if homes is not None else None, quantized=QuantizedComm.from_config(z),
         expert_shard_group=mesh.expert_shard if stage.partition_optimizer else mesh.expert_gradient,
-    )
+    )  # fmt: skip
     flats, frozen = every[: len(plan.trainable)], every[len(plan.trainable) :]
+    group_of_flat = [flat_plan.group_index for flat_plan in plan.trainable]
     state = build_optimizer_state(
-        flats,
-        [flat_plan.group_index for flat_plan in plan.trainable],
-        param_groups,
-        make_optimizer,
-        placement.policy.master,
-        placement.offload,
-        get_accelerator().synchronize,
+        flats, group_of_flat=group_of_flat, param_groups=param_groups, make_optimizer=make_optimizer,
+        master_dtype=placement.policy.master, offload=placement.offload, synchronize=get_accelerator().synchronize,
         pieces=mesh.pieces,
-    )
-    codec = QuantizedComm.from_config(z).gradient_codec
-    buckets = _gradient_buckets(flats, mesh, placement, state, stage, buffers, codec)
-    stage3 = _stage3_runtime(model, plan, buckets, frozen, buffers, z, placement.offload) if plan.units else None
-    reducer = _reducer(model, buckets, mesh, stage, config, stage3)
+    )  # fmt: skip
+    stage3, reducer = _gradient_side(model, plan, flats, frozen, state, mesh=mesh, placement=placement, stage=stage,
+                                     config=config, buffers=buffers)  # fmt: skip
     return ZeroStack(
         records=records,
         buffers=buffers,
@@ -131,6 +119,22 @@ def build_zero_stack(
         stage3=stage3,
         shard_homes=homes,
     )
+
+
+def _gradient_side(model, plan, flats, frozen, state, *, mesh, placement, stage, config, buffers) -> tuple:
+    """The gradient buckets (one per flat group), the stage-3 runtime over them (None below stage 3) and the
+    reducer whose hooks fill them."""
+    z = config.zero_optimization
+    codec = QuantizedComm.from_config(z).gradient_codec
+    buckets = _gradient_buckets(
+        flats, mesh=mesh, placement=placement, state=state, stage=stage, buffers=buffers, codec=codec
+    )
+    stage3 = None
+    if plan.units:
+        stage3 = _stage3_runtime(
+            model, plan, buckets=buckets, frozen=frozen, buffers=buffers, z=z, offload=placement.offload
+        )
+    return stage3, _reducer(model, buckets, mesh, stage, config, stage3)
 
 
 def _norm_axes(mesh: comm.Mesh, stage: StagePolicy) -> NormAxes:
@@ -181,7 +185,7 @@ def _gradient_check(buckets, names: dict, mesh: comm.Mesh, config) -> Optional[G
     )
 
 
-def _stage3_runtime(model, plan: ModelPlan, buckets, frozen, buffers, z, offload: OffloadPlan) -> Stage3Runtime:
+def _stage3_runtime(model, plan: ModelPlan, *, buckets, frozen, buffers, z, offload: OffloadPlan) -> Stage3Runtime:
     """The hooks that gather and free the gather units, over their flat groups and gradient buckets."""
     root_unit, units = build_units(plan.units, buckets, frozen)
     return Stage3Runtime(
@@ -206,6 +210,7 @@ def _log_units(plan: ModelPlan) -> None:
 
 def _gradient_buckets(
     flats: list[FlatGroup],
+    *,
     mesh: comm.Mesh,
     placement: Placement,
     state: OptimizerState,
@@ -216,8 +221,7 @@ def _gradient_buckets(
     """One bucket per flat group; its gradient shard waits where the optimizer state says (``grad_home``); ``codec``
     (``zero_quantized_gradients``) quantizes its reduce-scatter."""
     # hybrid sharding: the shard groups' results are summed across replica groups (stage 0 reduced over all)
-    one = comm.Group("replica", (comm.get_rank(),), None, mesh.context)
-    replica = mesh.replica if stage.partition_optimizer else one
+    replica = mesh.replica if stage.partition_optimizer else None
     policy, offload = placement.policy, placement.offload
     pin = offload.pin_memory and offload.offloads_optimizer
     return [

@@ -92,7 +92,7 @@ class _Compressed(ExactExchange):
 
     def __init__(self, optimizer, flats, reducer, group_of_flat):
         super().__init__(optimizer, flats, reducer, group_of_flat)
-        if any(bucket.replica_group.size > 1 for bucket in reducer.buckets):
+        if any(bucket.replica_group is not None and bucket.replica_group.size > 1 for bucket in reducer.buckets):
             raise NotImplementedError(
                 f"optimizer {type(optimizer).__name__} with hybrid sharding (zero_hpz_partition_size / "
                 "mics_shard_size): the replica groups' reduction would not be compressed; drop one of the two"

@@ -10,7 +10,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..partition import TensorSplit
 from .flat_group import FlatGroup, ParamState
-from .materialize import creation_order, materialize_pending, put_back, world_group
+from .materialize import creation_order, materialize_pending, put_back
 from .sharded_param import records_of
 
 
@@ -79,7 +79,7 @@ class GatheredParameters:
         """Every parameter takes the modifier's value among the ranks holding the same value of it (the world for a
         replicated parameter; under tensor or expert parallelism the ranks holding the same piece, from the modifier's
         counterpart among them: never another piece), then each flat group's master weights take the result."""
-        world = world_group()
+        world = comm.world_group()
         with torch.no_grad():
             buckets: dict[tuple, list[torch.nn.Parameter]] = {}  # (holders, dtype) -> parameters, in a shared order
             for param in self.params:

@@ -53,7 +53,6 @@ from .materialize import (
     Sharded,
     generator_at,
     others_kept,
-    world_group,
 )
 from .sharded_param import InitRecipe, ParamRecords
 
@@ -138,7 +137,9 @@ class Init:
         self._ordinals: dict[int, int] = {}  # id(param) -> registration order
         self._created: list[tuple[nn.Parameter, str]] = []  # put away, until __exit__ guards them
         self._registration: Optional[contextlib.ExitStack] = None
-        self._world: Optional[comm.Group] = None
+        # the ranks agreeing on initial values: the world of a registration's mesh (mpu=), else every rank on entry
+        mesh = getattr(deepspeed_args.get("mpu"), "mesh", None)
+        self._world: Optional[comm.Group] = mesh.world if isinstance(mesh, comm.Mesh) else None
 
     def _on_register(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
         if param.is_meta or id(param) in self._ordinals:
@@ -195,7 +196,7 @@ class Init:
             if self.bounds_heap:
                 bound_host_heap()
             comm.init_distributed()  # as DeepSpeed's: a plain process (a notebook) gets a one-process group
-            self._world = world_group()
+            self._world = self._world or comm.world_group()
             self._registration = contextlib.ExitStack()
             self._registration.enter_context(parameters_registered(self._on_register))
         return self

@@ -206,7 +206,7 @@ class Materializer:
         self.source = source
         self.owners = _canonical_owners(root)
         self.paths = {id(module): path for path, module in root.named_modules()}
-        self.world = world_group()
+        self.world = comm.world_group()
 
     def __call__(self, params) -> None:
         for param in params:
@@ -264,7 +264,7 @@ def materialize_pending(params: Iterable[nn.Parameter], device: torch.device) ->
             guard = records.no_data.get(id(p))
             taken.append(Taken(p, records, rec, guard[0] if guard is not None else None))
         ordinal = min(rec.ordinal for _, rec in waiting)
-        _materialize_module(module, f"#{ordinal}", pending.seed, pending.param_init_fn, world_group(), device)
+        _materialize_module(module, f"#{ordinal}", pending.seed, pending.param_init_fn, comm.world_group(), device)
     return [t for t in taken if not t.param.is_meta]
 
 
@@ -272,7 +272,7 @@ def put_back(taken: list[Taken], modified: Iterable[nn.Parameter]) -> None:
     """Return parameters :func:`materialize_pending` materialized to their zero.Init owner with no data: with their
     recipe as it was, or, those in ``modified`` (every rank holds the modifier's value of them now), with each rank's
     slice of the value, :class:`Loaded`. ``initialize`` then materializes them one flat group at a time."""
-    world = world_group()
+    world = comm.world_group()
     written = {id(p) for p in modified}
     for item in taken:
         param = item.param
@@ -288,10 +288,6 @@ def put_back(taken: list[Taken], modified: Iterable[nn.Parameter]) -> None:
         item.records.add_pending(param, dataclasses.replace(item.recipe, initial=initial))
         if item.guard is not None:
             item.records.guard_pending(param, item.guard)
-
-
-def world_group() -> comm.Group:
-    return comm.Group("world", tuple(range(comm.get_world_size())), None)
 
 
 def creation_order(param: nn.Parameter) -> Optional[int]:

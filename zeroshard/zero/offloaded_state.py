@@ -218,6 +218,7 @@ class NvmeState(HostState):
 
 def build_optimizer_state(
     flats: list[FlatGroup],
+    *,
     group_of_flat: list[int],
     param_groups: list[dict],
     make_optimizer: MakeOptimizer,

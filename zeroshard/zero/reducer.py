@@ -64,7 +64,7 @@ class GradBucket:
         flat: FlatGroup,
         reduce_dtype: torch.dtype,
         home: GradHome,
-        replica_group: comm.Group,
+        replica_group: Optional[comm.Group],
         buffers: ReusableBuffers,
         codec: Optional[Codec] = None,
     ):
@@ -176,7 +176,8 @@ class GradBucket:
         if self._pending is not None:
             self._pending.wait()
         # hybrid sharding: the shard group reduced one replica's gradients; add the other replicas'
-        comm.all_reduce(self._reduced, self.replica_group)
+        if self.replica_group is not None:
+            comm.all_reduce(self._reduced, self.replica_group)
         self.home.accumulate(self._reduced, post_scale, final)
         self.buffers.release(self._staging)
         if self._scratch is not None:

@@ -179,7 +179,15 @@ def test_device_state_steps_16_bit_gradients_one_flat_group_at_a_time():
 def test_the_offload_plan_chooses_the_home():
     def build(plan):
         params = _params()
-        return build_optimizer_state([_flat(params)], [0], [{"params": params}], _adamw, torch.float32, plan, None)
+        return build_optimizer_state(
+            [_flat(params)],
+            group_of_flat=[0],
+            param_groups=[{"params": params}],
+            make_optimizer=_adamw,
+            master_dtype=torch.float32,
+            offload=plan,
+            synchronize=None,
+        )
 
     host = build(OffloadPlan(optimizer_device="cpu", sub_group_size=4))
     assert isinstance(host, HostState) and host.location == "host" and len(host.subgroups) == 3

@@ -1,4 +1,5 @@
-"""``deepspeed.moe``: zeroshard has no expert layers; the helpers clients call on dense models are here."""
+"""``deepspeed.moe``: DeepSpeed's MoE layer (``layer``: zeroshard's ``zeroshard.moe.MoE``, expert-parallel inside
+ZeRO) and the helpers its clients call (``utils``: splitting optimizer groups by expert tags, ...)."""
 
 from . import layer, utils
 
