@@ -130,6 +130,8 @@ def run_case(family: str, ep: int, stage: int, ref: dict, variant: str = "") -> 
         "zero_optimization": {"stage": stage},
         "expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": family},
     }
+    if variant == "hybrid":  # two replicas of a 2-rank shard group: each holds one expert group
+        config["zero_optimization"]["zero_hpz_partition_size"] = 2
     if variant in ("lamb", "muon"):
         params = {"lr": LR, "weight_decay": 0.01} if variant == "lamb" else {"lr": LR}
         config["optimizer"] = {"type": variant.capitalize(), "params": params}
@@ -192,7 +194,7 @@ def moe_worker(cases: list[tuple]) -> dict:
     references = {}
     out = {}
     for family, ep, stage, variant in cases:
-        data = "" if variant == "compat" else variant  # compat trains on the plain batches
+        data = "" if variant in ("compat", "hybrid") else variant  # they train on the plain batches
         if (family, data) not in references:
             references[(family, data)] = reference(family, data)
         out[(family, ep, stage, variant)] = run_case(family, ep, stage, references[(family, data)], variant)
@@ -218,11 +220,12 @@ SKEWED = [("mixtral", 4, 0, "skewed"), ("mixtral", 4, 3, "skewed")]
 COMPAT = [("mixtral", 2, 2, "compat")]
 UNEVEN = [("qwen3_moe", 2, 0, "uneven"), ("qwen3_moe", 2, 3, "uneven")]
 WHOLE = [("mixtral", 2, 1, "lamb"), ("qwen3_moe", 4, 3, "lamb"), ("mixtral", 2, 2, "muon"), ("qwen3_moe", 2, 3, "muon")]
+HYBRID = [(family, 2, stage, "hybrid") for family in FAMILIES for stage in (1, 2, 3)]
 
 
 @pytest.fixture(scope="module")
 def moe_runs():
-    return run_distributed(moe_worker, WORLD, CASES + SKEWED + COMPAT + UNEVEN + WHOLE, timeout_s=1500)
+    return run_distributed(moe_worker, WORLD, CASES + SKEWED + COMPAT + UNEVEN + WHOLE + HYBRID, timeout_s=1500)
 
 
 @pytest.mark.parametrize("family, ep, stage", [case[:3] for case in CASES])
@@ -234,6 +237,17 @@ def test_expert_parallel_training_matches_one_process(moe_runs, family, ep, stag
         assert max(run["aux"]) <= 1e-6
         assert run["grad"] <= 1e-6
         assert max(run["norms"]) <= 1e-6, "the pre-clip norm covers expert and dense gradients once"
+        assert run["weights"] <= 1e-5
+
+
+@pytest.mark.parametrize("family, ep, stage", [case[:3] for case in HYBRID])
+def test_experts_with_hybrid_sharding_match_one_process(moe_runs, family, ep, stage):
+    """Before: refused. EP=2 inside a shard group of 2 ranks, 2 replicas of it (zero_hpz_partition_size 2): expert
+    shards reduce over the ranks holding the same experts, then the replicas, as dense shards do."""
+    for per_rank in moe_runs:
+        run = per_rank["cases"][(family, ep, stage, "hybrid")]
+        assert run["mesh"] == (2, 1, 2)  # expert group, expert shard group, shard group
+        assert run["loss"][0] <= 1e-6 and run["grad"] <= 1e-6 and max(run["norms"]) <= 1e-6
         assert run["weights"] <= 1e-5
 
 
@@ -271,10 +285,10 @@ def test_token_all_to_all_bytes_equal_the_routing_formula(moe_runs, family, ep):
             assert totals.wire_bytes == pytest.approx(wire, rel=1e-12)
 
 
-@pytest.mark.parametrize("family, ep, stage", [case[:3] for case in CASES])
-def test_the_estimate_counts_expert_state_per_rank_as_the_run_holds_it(moe_runs, family, ep, stage):
+@pytest.mark.parametrize("family, ep, stage, variant", [*CASES, *HYBRID])
+def test_the_estimate_counts_expert_state_per_rank_as_the_run_holds_it(moe_runs, family, ep, stage, variant):
     for per_rank in moe_runs:
-        run = per_rank["cases"][(family, ep, stage, "")]
+        run = per_rank["cases"][(family, ep, stage, variant)]
         held, predicted = run["state"], run["estimate"]
         assert predicted["parameters"] == held["params"]
         assert predicted["gradients"] == held["grad_shard"]
@@ -302,8 +316,9 @@ def test_expert_reductions_and_state_stay_in_the_expert_data_group(moe_runs):
         assert ledger[("all_reduce", "expert_gradient")].bytes == FP32 * (experts // ep)
 
 
-def build_engine(family: str, ep: int, stage: int, accumulation: int = 1):
-    """An engine over this process's world; ``ep`` 1: expert parallelism off (every expert on every rank)."""
+def build_engine(family: str, ep: int, stage: int, accumulation: int = 1, replicas: int = 1):
+    """An engine over this process's world; ``ep`` 1: expert parallelism off (every expert on every rank);
+    ``replicas`` > 1: hybrid sharding, ZeRO sharding over world / replicas ranks."""
     import zeroshard
     from zeroshard.testing.hf import tiny_causal_lm
 
@@ -315,6 +330,8 @@ def build_engine(family: str, ep: int, stage: int, accumulation: int = 1):
         "zero_optimization": {"stage": stage},
         "expert_parallel": {"enabled": ep > 1, "autoep_size": ep},
     }
+    if replicas > 1:
+        config["zero_optimization"]["zero_hpz_partition_size"] = WORLD // replicas
     engine, *_ = zeroshard.initialize(model=tiny_causal_lm(family, **FAMILIES[family]), config=config)
     return engine
 
@@ -353,8 +370,10 @@ def resume_worker(directory: str, stages: tuple, layouts: tuple) -> dict:
             train_steps(engine, 3, 2)
             out[(stage, "uninterrupted")] = whole_weights(engine)
             engine.destroy()
-        for ep in layouts:
-            engine = build_engine("qwen3_moe", ep, stage, accumulation=WORLD // comm.get_world_size())
+        for ep in layouts:  # an expert-parallel degree, or "2x2": EP=2 with hybrid sharding over 2 replicas
+            degree, replicas = (2, 2) if ep == "2x2" else (ep, 1)
+            accumulation = WORLD // comm.get_world_size()
+            engine = build_engine("qwen3_moe", degree, stage, accumulation=accumulation, replicas=replicas)
             engine.load_checkpoint(path, tag="t")
             loaded = whole_weights(engine)
             train_steps(engine, 3, 2)
@@ -376,18 +395,19 @@ RESUME_STAGES = (1, 3)
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("moe-checkpoints"))
-    four = run_distributed(resume_worker, WORLD, directory, RESUME_STAGES, (4, 2, 1), timeout_s=900)[0]
+    four = run_distributed(resume_worker, WORLD, directory, RESUME_STAGES, (4, 2, 1, "2x2"), timeout_s=900)[0]
     one = run_distributed(resume_worker, 1, directory, RESUME_STAGES, (1,), timeout_s=900)[0]
     return four, one, directory
 
 
 @pytest.mark.parametrize("stage", RESUME_STAGES)
-def test_a_save_at_ep2_resumes_at_ep4_ep2_ep1_and_in_one_process(resumed, stage):
-    """Experts are saved whole (pieces per expert rank, like tensor-parallel splits), so any layout reads them."""
+def test_a_save_at_ep2_resumes_at_ep4_ep2_ep1_hybrid_and_in_one_process(resumed, stage):
+    """Experts are saved whole (pieces per expert rank, like tensor-parallel splits), so any layout reads them:
+    EP=4, EP=2, no expert parallelism at DP=4, EP=2 over 2 hybrid replicas, one process."""
     from zeroshard.testing.parity import model_error
 
     four, one, _ = resumed
-    for ep in (4, 2, 1):
+    for ep in (4, 2, 1, "2x2"):
         exact, drift = four[(stage, ep)]
         assert exact == 0.0, f"EP={ep}: weights right after the load differ from the saved ones"
         assert drift <= 1e-6, f"EP={ep}: 2 steps after the load drift {drift} from the uninterrupted run"

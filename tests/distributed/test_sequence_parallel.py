@@ -19,11 +19,18 @@ SP_STAGES = (0, 2, 3)
 PROMPT = 40  # sample 0 of rank 0: its first 40 labels are -100, so whole pieces hold no counted token
 
 
-def sp_model(**overrides):
+def sp_model(family: str = "llama", **overrides):
+    """A tiny Llama, or (``mixtral``, ``qwen3_moe``) a mixture of 4 experts, top-2, without the router's
+    load-balancing loss (a mean over the tokens a rank holds: under sequence parallelism each rank holds part of a
+    sample's)."""
     from zeroshard.testing.hf import tiny_causal_lm
 
     shape = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
-    return tiny_causal_lm("llama", max_position_embeddings=SP_SEQ, attn_implementation="sdpa", **{**shape, **overrides})
+    if family == "mixtral":
+        shape.update(num_local_experts=4, num_experts_per_tok=2, output_router_logits=False)
+    if family == "qwen3_moe":
+        shape.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, output_router_logits=False)
+    return tiny_causal_lm(family, max_position_embeddings=SP_SEQ, attn_implementation="sdpa", **{**shape, **overrides})
 
 
 def sp_samples(world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,11 +42,11 @@ def sp_samples(world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def sp_reference(world: int, sp: int) -> dict:
+def sp_reference(world: int, sp: int, family: str = "llama") -> dict:
     """One process on whole sequences: at step s data-parallel group d computes rank (d * sp + s % sp)'s loader
     batch s // sp (the adapter's order); the loss is the mean over groups of each sample's token mean."""
     ids, labels = sp_samples(world)
-    model = sp_model()
+    model = sp_model(family)
     optimizer = torch.optim.AdamW(model.parameters(), lr=SP_LR, weight_decay=0.0)
     losses, norms = [], []
     for step in range(SP_STEPS):
@@ -56,12 +63,13 @@ def sp_reference(world: int, sp: int) -> dict:
 SP_VARIANTS = ("bf16", "offload", "checkpointing")  # with SP=2 x DP=2 at stage 3 (bf16: stage 2)
 
 
-def _variant_config(stage: int, variant: str, tp: int = 1) -> dict:
+def _variant_config(stage: int, variant: str, tp: int = 1, ep: int = 1, family: str = "llama") -> dict:
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if variant == "offload":
         zero["offload_optimizer"] = {"device": "cpu"}
     return {
         **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {}),
+        **({"expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": family}} if ep > 1 else {}),
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,  # the reference does not clip (DeepSpeed's default would clip at 1.0)
@@ -71,7 +79,15 @@ def _variant_config(stage: int, variant: str, tp: int = 1) -> dict:
     }
 
 
-def sp_worker(sp: int, reference: dict, variants: tuple = (), tp: int = 1, stages: tuple = SP_STAGES) -> dict:
+def sp_worker(
+    sp: int,
+    reference: dict,
+    variants: tuple = (),
+    tp: int = 1,
+    stages: tuple = SP_STAGES,
+    family: str = "llama",
+    ep: int = 1,
+) -> dict:
     """Every stage at ``sp``-way sequence parallelism (inside ``tp``-way tensor parallelism) over this world, then
     ``variants`` (``reference``: computed before any registration, which replaces the process's sdpa attention).
     The ranks of a tensor-parallel group share their samples: rank r reads the loader of sample rank r // tp."""
@@ -86,13 +102,13 @@ def sp_worker(sp: int, reference: dict, variants: tuple = (), tp: int = 1, stage
         {"input_ids": i, "labels": t, "position_ids": torch.arange(SP_SEQ)[None]}
         for i, t in zip(ids[rank // tp], labels[rank // tp])
     ]
-    mpu = register_with_transformers(sp_model(), "sdpa", sp, micro_batch_size=1, tensor_parallel_size=tp)
+    mpu = register_with_transformers(sp_model(family), "sdpa", sp, micro_batch_size=1, tensor_parallel_size=tp)
     cases = [(stage, "fp32") for stage in stages] + [(2 if v == "bf16" else 3, v) for v in variants]
     for stage, variant in cases:
-        model = sp_model()
+        model = sp_model(family)
         if variant == "checkpointing":
             model.gradient_checkpointing_enable()
-        engine, *_ = zeroshard.initialize(model=model, config=_variant_config(stage, variant, tp), mpu=mpu)
+        engine, *_ = zeroshard.initialize(model=model, config=_variant_config(stage, variant, tp, ep, family), mpu=mpu)
         loader = UlyssesSPDataLoaderAdapter(
             torch.utils.data.DataLoader(samples, batch_size=None), mpu.sequence.rank, mpu.sequence, sp, "cpu"
         )
@@ -140,10 +156,13 @@ def sp_runs() -> dict:
 def sp_four_rank_worker() -> dict:
     references = {sp: sp_reference(4, sp) for sp in (2, 4)}
     tensor_and_sequence = sp_reference(2, 2)  # TP=2 x SP=2: one data-parallel group, two sample ranks
+    # EP=2 x SP=2: the expert groups are the two data-parallel ranks
+    experts = {family: sp_reference(4, 2, family) for family in ("mixtral", "qwen3_moe")}
     return {
         2: sp_worker(2, references[2], SP_VARIANTS),
         4: sp_worker(4, references[4]),
         "tp2": sp_worker(2, tensor_and_sequence, tp=2, stages=(0, 1, 2, 3)),
+        **{family: sp_worker(2, ref, stages=(1, 2, 3), family=family, ep=2) for family, ref in experts.items()},
     }
 
 
@@ -175,6 +194,19 @@ def test_the_engine_runs_on_the_mesh_the_registration_built(sp_runs):
         for layout in (2, 4, "tp2"):
             engines = [case for case in run[layout].values() if isinstance(case, dict) and "one_mesh" in case]
             assert len(engines) >= 3 and all(case["one_mesh"] for case in engines), layout
+
+
+@pytest.mark.parametrize("family", ("mixtral", "qwen3_moe"))
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_experts_and_sequence_parallelism_together_match_one_process(sp_runs, stage, family):
+    """Before: refused. ALST on a mixture of experts: EP=2 x SP=2 on 4 ranks (tiny Mixtral and Qwen3-MoE),
+    each rank routing its half of a sample's tokens to the expert group of the two data-parallel ranks; experts
+    shard over the ranks holding them and the sequence ranks, as dense parameters shard over data x sequence."""
+    for run in sp_runs:
+        _check_parity(run[family], stage)
+        assert run[family][stage]["sizes"][:3] == (2, 2, 4)  # sequence, data-parallel, sequence x data
+        exchanged = {op for op in run[family][stage]["ledger"] if op.endswith("/expert")}
+        assert exchanged, run[family][stage]["ledger"]  # the tokens went over the expert group
 
 
 @pytest.mark.parametrize("stage", (0, 1, 2, 3))

@@ -113,9 +113,8 @@ def test_expert_parallel_sizes_that_do_not_fit_are_refused_by_key():
         ParallelDims.for_world(4, ep=0)
     with pytest.raises(ValueError, match="ep_size 4 must divide"):
         ParallelDims.for_world(6, ep=4, ep_key="ep_size")  # a DeepSpeed MoE layer names its own argument
-    for kwargs in (dict(tp=2), dict(sp=2), dict(shard_group_size=2)):
-        with pytest.raises(ValueError, match="not available yet"):
-            ParallelDims.for_world(8, ep=2, **kwargs)
+    with pytest.raises(ValueError, match="a parameter cut along two axes"):
+        ParallelDims.for_world(8, ep=2, tp=2)
     with pytest.raises(ValueError, match="must divide the sharded data-parallel size"):
         ParallelDims(dp_shard=4, ep=3)
 
@@ -137,10 +136,26 @@ def test_a_groups_counterpart_of_a_rank_shares_its_coordinates_along_the_group()
         Group("gradient", (1, 3), None).counterpart(0)
 
 
-@pytest.mark.parametrize("tp,sp", [(2, 1), (1, 2)])
-def test_experts_with_tensor_or_sequence_parallelism_name_the_real_reason_on_two_ranks(tp, sp):
-    """On 2 ranks TP=2 (or SP=2) leaves one data rank: the refusal names the unsupported composition, not the rank
-    count (launching more processes would not help)."""
-    with pytest.raises(ValueError, match="is not available yet: drop one of them") as caught:
-        ParallelDims.for_world(2, tp=tp, sp=sp, ep=2)
-    assert "launch a multiple" not in str(caught.value)
+def test_experts_with_tensor_parallelism_name_the_real_reason_on_two_ranks():
+    """On 2 ranks TP=2 leaves one data rank: the refusal names the unsupported composition, not the rank count
+    (launching more processes would not help)."""
+    with pytest.raises(ValueError, match="columns over tp") as caught:
+        ParallelDims.for_world(2, tp=2, ep=2)
+    assert "launch a multiple" not in str(caught.value) and "drop one of them" in str(caught.value)
+
+
+def test_experts_compose_with_sequence_parallelism_and_hybrid_sharding():
+    """EP=2 x SP=2 on 8 ranks (4 data-parallel ranks, the sequence dimension innermost): an expert group is
+    two data-parallel ranks of one sequence position; the experts' shard group is the sequence ranks of one expert
+    rank. EP=2 inside shard groups of 4 ranks, 2 replicas: expert groups inside each shard group, and the ranks
+    holding the same experts reduce over their shard group, then the replica group."""
+    sequence = ParallelDims.for_world(8, sp=2, ep=2)
+    assert (sequence.dp_shard, sequence.edp, sequence.sp) == (4, 2, 2)
+    assert sequence.derived("expert") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert sequence.derived("expert_shard") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert sequence.derived("sequence") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    hybrid = ParallelDims.for_world(8, ep=2, shard_group_size=4)
+    assert (hybrid.dp_replicate, hybrid.dp_shard, hybrid.edp) == (2, 4, 2)
+    assert hybrid.derived("expert") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert hybrid.derived("expert_shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert hybrid.derived("replica") == [[0, 4], [1, 5], [2, 6], [3, 7]]
