@@ -105,6 +105,7 @@ def _adam(params: dict[str, Any], groups: list[dict], context: BuildContext) -> 
         raise NotImplementedError("optimizer.params.bias_correction false is not supported for Adam")
     for ignored in ("torch_adam", "set_grad_none"):
         params.pop(ignored, None)
+    params.setdefault("weight_decay", 0.0)  # DeepSpeed's FusedAdam and CPU Adam default (torch's AdamW: 0.01)
     return _construct(torch.optim.AdamW if adam_w_mode else torch.optim.Adam, params, groups, context)
 
 

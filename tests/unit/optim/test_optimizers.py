@@ -22,6 +22,15 @@ def test_adam_means_adamw_unless_adam_w_mode_false():
         build("AdamW", params(), adam_w_mode=False)
 
 
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", "SGD"])
+def test_unset_weight_decay_is_deepspeeds_zero(name):
+    """DeepSpeed's FusedAdam, CPU Adam, FusedLamb, Lion and torch's Adagrad / SGD decay nothing unless asked (found by
+    the cifar tutorial's one-process reference: before, "Adam" without weight_decay decayed by torch AdamW's 0.01)."""
+    built = build(name, params(), lr=0.1)
+    assert all(group["weight_decay"] == 0.0 for group in built.param_groups)
+    assert build(name, params(), lr=0.1, weight_decay=0.05).param_groups[0]["weight_decay"] == 0.05
+
+
 def test_names_and_params_validated():
     assert isinstance(build("Lamb", params()), Lamb)
     assert isinstance(build("Lion", params()), Lion)

@@ -15,15 +15,37 @@ SPLITS = [
 ]
 
 
+def megatron_piece(full: torch.Tensor, dim: int, parts: int, rank: int, fused: int, transposed: bool) -> torch.Tensor:
+    """Rank ``rank``'s piece as Megatron-style layers cut it, written with torch.chunk alone: each of the ``fused``
+    projections packed along ``dim`` cut into ``parts`` equal chunks, the rank's chunks concatenated, the result
+    stored transposed when the layer keeps (out, in)."""
+    chunks = [projection.chunk(parts, dim)[rank] for projection in full.chunk(fused, dim)]
+    piece = torch.cat(chunks, dim)
+    return piece.t() if transposed else piece
+
+
 @pytest.mark.parametrize("shape,split", SPLITS)
-def test_pieces_join_back_to_the_full_tensor(shape, split):
+def test_pieces_are_the_layers_pieces_and_join_back_to_the_full_tensor(shape, split):
+    """Each piece against an independent construction (torch.chunk, not the split's own offsets); then the join of
+    those independently cut pieces gives the full tensor back."""
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
     split.check(shape, "w")
+    expected = [
+        megatron_piece(full, split.dim, split.parts, r, split.fused, split.transposed) for r in range(split.parts)
+    ]
     pieces = [split.piece(full, rank) for rank in range(split.parts)]
+    assert all(torch.equal(p, e) for p, e in zip(pieces, expected))
     assert all(p.shape == split.piece_shape(shape) for p in pieces)
     assert split.full_shape(pieces[0].shape) == shape
-    assert torch.equal(split.join(pieces), full)
-    assert len({p.sum().item() for p in pieces}) == split.parts  # every rank holds different elements
+    assert torch.equal(split.join(expected), full)
+
+
+def test_gpt2_c_attn_pieces_hold_whole_heads_of_q_k_and_v():
+    """Hand-computed: a (in=2, 3 x out=4) Conv1D weight whose q, k, v columns are 0-3, 4-7, 8-11; two ranks, stored
+    transposed (out, in): rank 0 keeps q's columns 0-1, k's 4-5, v's 8-9."""
+    full = torch.arange(12, dtype=torch.float32).repeat(2, 1)  # row i: [0, 1, ..., 11]
+    piece = TensorSplit(1, 2, fused=3, transposed=True).piece(full, 0)
+    assert piece.tolist() == [[c, c] for c in (0.0, 1.0, 4.0, 5.0, 8.0, 9.0)]
 
 
 def test_fused_projections_are_cut_one_by_one():

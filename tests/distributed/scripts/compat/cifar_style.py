@@ -61,6 +61,8 @@ def main() -> None:
     deepspeed.comm.barrier()
     total = torch.tensor([sum(losses[-4:])])
     deepspeed.comm.all_reduce(total)
+    per_step = torch.tensor(losses)  # each step's loss over the global batch: the mean of the ranks' means
+    deepspeed.comm.all_reduce(per_step)
     if deepspeed.comm.get_rank() == 0:
         memory = get_accelerator().memory_allocated()
         print(
@@ -69,6 +71,7 @@ def main() -> None:
                 {
                     "first": losses[0],
                     "last4_mean_all_ranks": total.item() / (4 * deepspeed.comm.get_world_size()),
+                    "losses": (per_step / deepspeed.comm.get_world_size()).tolist(),
                     "steps": engine.global_steps,
                     "memory_allocated": memory,
                     "device": device,
