@@ -177,14 +177,64 @@ def test_lightning_cli_with_deepspeed_cpu_adam_class_path(runs):
     assert result(runs["cli"]) == {"optimizer": "CPUAdam", "steps": 2}
 
 
+def seed_reference(steps: int, skipped: int) -> list[float]:
+    """Rank 0's loss per step of the seed run in one fp32 process with torch alone: the script's net and data, each
+    rank's batches as Lightning's DistributedSampler deals them (it shuffles training data, set_epoch each epoch),
+    the ranks' gradients averaged, clipped at 1.0 (DeepSpeed's default), and DeepSpeed's 1-bit Adam update as its
+    source writes it uncompressed (no bias correction, ``update = m / (sqrt(v) + eps) + weight_decay * p``) under
+    its WarmupLR (``min_lr`` before the first step, then the log warm-up of the steps taken). The first ``skipped``
+    steps (fp16 overflow while the loss scale comes down) change nothing, as in the run."""
+    import math
+
+    import torch.nn.functional as F
+
+    script = module_from_file(SCRIPTS / "seed_onebit.py", "seed_onebit_script")
+    settings = script.seed_config(100)["optimizer"]["params"]
+    (b1, b2), eps, decay, top = settings["betas"], settings["eps"], settings["weight_decay"], settings["lr"]
+    data = script.data(32)
+    torch.manual_seed(0)  # the script's L.seed_everything(0)
+    net = script.Regressor().net
+    params = list(net.parameters())
+    moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+    samplers = [torch.utils.data.DistributedSampler(data, num_replicas=2, rank=r, shuffle=True) for r in (0, 1)]
+    losses, applied = [], 0
+    for step in range(steps):
+        per_rank = []
+        for sampler in samplers:
+            sampler.set_epoch(step // 2)  # 2 batches of 8 per rank and epoch
+            x, y = data[list(sampler)[(step % 2) * 8 : (step % 2 + 1) * 8]]
+            per_rank.append(F.mse_loss(net(x), y))
+        losses.append(per_rank[0].item())
+        if step < skipped:
+            continue
+        net.zero_grad()
+        (sum(per_rank) / 2).backward()
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params)).item()
+        coef = min(1.0, 1.0 / (norm + 1e-6))
+        lr = top * min(1.0, math.log(applied) / math.log(100)) if applied else 0.0
+        with torch.no_grad():
+            for p, (m, v) in zip(params, moments):
+                g = p.grad * coef
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                p.add_(m / (v.sqrt() + eps) + decay * p, alpha=-lr)
+        applied += 1
+    return losses
+
+
 def test_the_seed_configuration_trains_with_1bit_adam(runs):
     """The seed's DeepSpeed dict (OneBitAdam with cuda_aware, WarmupLR, ZeRO 2 + CPU offload, fp16) through
-    ``ZeroshardStrategy(config=...)``; freeze_step lowered to 100 so the 1-bit phase starts within 200 steps."""
+    ``ZeroshardStrategy(config=...)``; freeze_step lowered to 100 so the 1-bit phase starts within 200 steps. Its
+    losses against one fp32 process running the uncompressed update (measured: 7e-4 in the warm-up, 1.1e-3 after,
+    the 1-bit phase's compression error included)."""
     out = runs["seed_onebit"]
     outcome = result(out)
     losses = outcome["losses"]
     assert outcome["global_step"] == 200 and outcome["optimizer"] == "OneBitAdam"
-    assert sum(losses[-20:]) < 0.98 * sum(losses[:20])  # the loss falls over the run
+    reference = seed_reference(outcome["global_step"], outcome["skipped_steps"])
+    warm = outcome["compressed_from"] - 1  # global steps of exact averaging (fp16: the skipped ones included)
+    assert max(abs(a - b) / b for a, b in zip(losses[:warm], reference[:warm])) <= 2e-3  # fp16 against fp32
+    assert max(abs(a - b) / b for a, b in zip(losses[warm:], reference[warm:])) <= 1e-2  # and 1-bit compressed
     # 100 exact updates (fp16 overflow skips at the start do not count), then 1-bit from the next global step
     assert outcome["compressed_from"] == 100 + outcome["skipped_steps"] + 1
     ledger = outcome["ledger"]

@@ -237,6 +237,12 @@ class Mesh:
         return {"tp": self.tensor, "ep": self.expert}
 
     @property
+    def piece_holders(self) -> dict[str, Group]:
+        """The ranks holding the same piece along each split axis (the replicas of a piece): under tensor
+        parallelism the gradient group, under expert parallelism the expert-gradient group."""
+        return {"tp": self.gradient, "ep": self.expert_gradient}
+
+    @property
     def context(self) -> CommContext:
         """Where the mesh's collectives are counted (one context for all its groups)."""
         return self.world.context

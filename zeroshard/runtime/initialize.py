@@ -237,10 +237,9 @@ def _finish_parameters(model, materialize, placement: Placement, stack: ZeroStac
     if materialize is not None:
         _finish_materialization(model, materialize, placement.device, placement.policy.compute)
     release_pending(model.parameters())  # also those a gather materialized before initialize (HF's loading)
-    holders = {"tp": mesh.gradient, "ep": mesh.expert_gradient}
     for param in model.parameters():
         split = pieces.get(param)
-        group = holders[split.axis] if split is not None else mesh.world
+        group = mesh.piece_holders[split.axis] if split is not None else mesh.world
         stack.records.adopt(param, whole=stack.stage3 is None, holders=group)
 
 
