@@ -126,6 +126,7 @@ class Manifest(_Loose):
     world_size: conint(ge=1, strict=True)
     tensor_parallel_size: conint(ge=1, strict=True) = 1
     expert_parallel_size: conint(ge=1, strict=True) = 1
+    sequence_parallel_size: conint(ge=1, strict=True) = 1  # where an expert rank's coordinate lies (see below)
     stage: conint(ge=0, le=3, strict=True)
     shard_group_size: conint(ge=1, strict=True)
     counters: Counters
@@ -187,7 +188,8 @@ def validate(data: Any, where: str) -> dict:
         sizes = {"tp": manifest.tensor_parallel_size, "ep": manifest.expert_parallel_size}
         _check_split(name, entry, sizes, where)
         _check_pieces(name, entry, manifest.files, where)
-        _check_piece_ranks(name, entry, sizes, where)
+        strides = {"tp": 1, "ep": manifest.sequence_parallel_size * manifest.tensor_parallel_size}
+        _check_piece_ranks(name, entry, sizes, strides, where)
     _check_disjoint(manifest.params, where)
     for reference in _client_references(manifest.client_state):
         if reference not in manifest.client_tensors:
@@ -291,12 +293,14 @@ def _client_references(value: Any) -> list:
     return []
 
 
-def _check_piece_ranks(name: str, entry: ParamEntry, sizes: dict[str, int], where: str) -> None:
+def _check_piece_ranks(
+    name: str, entry: ParamEntry, sizes: dict[str, int], strides: dict[str, int], where: str
+) -> None:
     """A split parameter's pieces cover every tensor- (expert-) parallel rank's piece in rank order; each must come
-    from a file of the rank whose piece it covers (the piece index = global rank mod the degree: tensor parallelism
-    is the mesh's innermost dimension, and expert parallelism runs without tensor or sequence parallelism,
-    ``comm.ParallelDims``), so pieces moved between the ranks' files are refused even with the checksum
-    recomputed."""
+    from a file of the rank whose piece it covers (the piece index = global rank // the axis's stride mod the
+    degree: tensor parallelism is the mesh's innermost dimension, stride 1; the expert dimension lies outside the
+    sequence and tensor ones, ``comm.ParallelDims``), so pieces moved between the ranks' files are refused even with
+    the checksum recomputed."""
     if entry.split is None:
         return
     axis = entry.split.get("axis", "tp")
@@ -307,7 +311,7 @@ def _check_piece_ranks(name: str, entry: ParamEntry, sizes: dict[str, int], wher
         per *= dim
     per //= size
     for i, (file, _, _, param_offset, count) in enumerate(entry.pieces):
-        writer = int(file[4:9]) % size
+        writer = int(file[4:9]) // strides[axis] % size
         if param_offset // per != writer or (param_offset + count - 1) // per != writer:
             raise CheckpointError(
                 f"{where}: params.{name}.pieces[{i}] covers {what}-parallel rank {param_offset // per}'s piece but "

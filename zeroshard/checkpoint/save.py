@@ -279,6 +279,7 @@ def _manifest(
         "world_size": state.mesh.world.size,
         "tensor_parallel_size": state.mesh.tensor.size,
         "expert_parallel_size": state.mesh.expert.size,
+        "sequence_parallel_size": state.mesh.sequence.size,
         "stage": state.config.zero_optimization.stage,
         "shard_group_size": state.mesh.shard.size,
         "counters": dataclasses.asdict(state.counters),

@@ -17,11 +17,14 @@ set of dimensions, named once here (:data:`DERIVED`):
   (``train_batch_size = micro x accumulation x batch``);
 - ``gradient`` (dp_replicate x dp_shard x sp): every rank whose gradients sum into one update (all but tensor).
 
-Expert parallelism splits the sharded data dimension (beside sequence parallelism and hybrid sharding; not beside
-tensor parallelism: :data:`EXPERTS_UNDER_TP`): ``dp_shard`` ranks are ``edp`` (``dp_shard / ep``) groups of
-``ep`` consecutive ranks (DeepSpeed's layout: expert groups of consecutive ranks, expert-data groups ``ep`` apart).
-The ``ep`` ranks of one expert group hold different experts and exchange tokens; they still see different samples,
-so ``batch`` and ``shard`` keep every data rank. The groups of expert parameters:
+Expert parallelism splits the sharded data dimension: ``dp_shard`` ranks are ``edp`` (``dp_shard / ep``) groups of
+``ep`` consecutive data ranks (DeepSpeed's layout: expert groups of consecutive ranks, expert-data groups ``ep``
+apart). The ``ep`` ranks of one expert group hold different experts and exchange tokens; they still see different
+samples, so ``batch`` and ``shard`` keep every data rank. It composes with every other dimension: sequence ranks
+route their own tokens; hybrid sharding's replicas each hold the expert groups; the ranks of a tensor-parallel group
+hold the same experts whole (expert tensor parallelism 1: their tokens are the same after the row-parallel
+all-reduce, so each runs its experts as one process would, and the expert groups are the ranks of one tensor
+position). The groups of expert parameters:
 
 - ``expert`` (ep): the ranks that split the experts between them and exchange tokens;
 - ``expert_shard`` (edp x sp): ZeRO's shard group of expert parameters, the ranks holding the same experts;
@@ -44,14 +47,7 @@ from .backend import get_rank, get_world_size
 from .context import DEFAULT_CONTEXT, CommContext
 from .groups import Group
 
-ORDER = ("pp", "dp_replicate", "edp", "ep", "sp", "tp")
-# why the mesh has no experts under tensor parallelism: the tensor ranks of an expert group would each hold a column
-# piece of every expert they hold, a parameter cut along two axes, which splits, flat groups and checkpoints do not
-# describe (one TensorSplit per parameter)
-EXPERTS_UNDER_TP = (
-    "the tensor ranks would each hold a piece of every expert's matrices, a parameter cut along two axes (experts "
-    "over ep, columns over tp), which zeroshard's splits, flat groups and checkpoints do not describe yet"
-)  # outermost to innermost; dp_shard is edp x ep
+ORDER = ("pp", "dp_replicate", "edp", "ep", "sp", "tp")  # outermost to innermost; dp_shard is edp x ep
 COMPOSITE = {"dp_shard": ("edp", "ep")}
 DERIVED = {
     "tensor": ("tp",),
@@ -89,10 +85,6 @@ class ParallelDims:
             raise ValueError(
                 f"expert parallelism ep={self.ep} must divide the sharded data-parallel size dp_shard={self.dp_shard}: "
                 "expert groups are made of data-parallel ranks"
-            )
-        if self.ep > 1 and self.tp > 1:
-            raise ValueError(
-                f"expert parallelism (ep={self.ep}) with tensor parallelism (tp={self.tp}): {EXPERTS_UNDER_TP}"
             )
 
     @property
@@ -140,11 +132,6 @@ class ParallelDims:
                 f"sequence_parallel_size {sp}: ZeRO shards over whole sequence-parallel groups"
             )
         valid_ep = not isinstance(ep, bool) and isinstance(ep, int) and ep >= 1
-        if valid_ep and ep > 1 and tp > 1:  # the real reason comes first
-            raise ValueError(
-                f"{ep_key} {ep} with tensor parallelism (tensor_parallel.autotp_size {tp}): {EXPERTS_UNDER_TP}; drop "
-                "one of them (sequence parallelism and hybrid sharding do compose with experts)"
-            )
         if not valid_ep or (shard // sp) % ep:
             raise ValueError(
                 f"{ep_key} {ep} must divide the {shard // sp} data-parallel ranks of a shard group: expert groups "

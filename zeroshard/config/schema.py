@@ -514,7 +514,13 @@ class ExpertParallelConfig(Section):
     preset_model: Optional[str] = None
     use_grouped_mm: bool = satisfied(True, "a kernel choice: the experts' matrix products give the same values")
     disable_triton_grouped_mm: bool = satisfied(False, "a kernel choice: no Triton kernel is used")
-    expert_tensor_parallel_size: int = refused(1, "tensor parallelism inside experts", ge=1)
+    expert_tensor_parallel_size: int = refused(
+        1,
+        "experts cut by tensor parallelism (a parameter split along two axes, experts and columns, which zeroshard's "
+        "splits and checkpoints do not describe); with tensor_parallel.autotp_size each tensor rank holds its "
+        "experts whole (expert tensor parallelism 1)",
+        ge=1,
+    )
     load_balance_coeff: Optional[float] = refused(None, "auxiliary-loss-free load balancing (expert bias)")
     moe_layer_pattern: Optional[str] = refused(None, "custom layer patterns; fused experts are found by layout")
     expert_pattern: Optional[str] = refused(None, "custom expert patterns; fused experts are found by layout")

@@ -113,8 +113,6 @@ def test_expert_parallel_sizes_that_do_not_fit_are_refused_by_key():
         ParallelDims.for_world(4, ep=0)
     with pytest.raises(ValueError, match="ep_size 4 must divide"):
         ParallelDims.for_world(6, ep=4, ep_key="ep_size")  # a DeepSpeed MoE layer names its own argument
-    with pytest.raises(ValueError, match="a parameter cut along two axes"):
-        ParallelDims.for_world(8, ep=2, tp=2)
     with pytest.raises(ValueError, match="must divide the sharded data-parallel size"):
         ParallelDims(dp_shard=4, ep=3)
 
@@ -136,12 +134,17 @@ def test_a_groups_counterpart_of_a_rank_shares_its_coordinates_along_the_group()
         Group("gradient", (1, 3), None).counterpart(0)
 
 
-def test_experts_with_tensor_parallelism_name_the_real_reason_on_two_ranks():
-    """On 2 ranks TP=2 leaves one data rank: the refusal names the unsupported composition, not the rank count
-    (launching more processes would not help)."""
-    with pytest.raises(ValueError, match="columns over tp") as caught:
+def test_experts_compose_with_tensor_parallelism():
+    """EP=2 x TP=2 on 8 ranks: the tensor ranks (consecutive) hold the same experts; an expert group is the two data
+    ranks of one tensor position that split them; the ranks holding the same experts are the other data ranks of
+    that position. On 2 ranks TP=2 leaves one data rank, which 2 expert ranks cannot divide: the error says so."""
+    dims = ParallelDims.for_world(8, tp=2, ep=2)
+    assert (dims.dp_shard, dims.edp, dims.tp) == (4, 2, 2)
+    assert dims.derived("tensor") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.derived("expert") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.derived("expert_shard") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match="autoep_size 2 must divide the 1 data-parallel ranks"):
         ParallelDims.for_world(2, tp=2, ep=2)
-    assert "launch a multiple" not in str(caught.value) and "drop one of them" in str(caught.value)
 
 
 def test_experts_compose_with_sequence_parallelism_and_hybrid_sharding():
