@@ -73,8 +73,17 @@ def measure(stage: int, offload: str, recompute: bool) -> dict:
     ids=["stage0", "stage2-offload-recompute", "stage3-recompute", "stage3-nvme-large-model-knobs"],
 )
 def test_prediction_matches_the_run(stage, offload, recompute):
+    model = build(recompute)
+    count, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
     for rank in run_distributed(measure, 2, stage, offload, recompute, timeout_s=600):
         predicted, held = rank["predicted"], rank["held"]
+        if not offload:  # against the model's own count too (fp32 AdamW, the master is the parameter shard)
+            shards = 1 if stage == 0 else 2
+            expected = {"parameters": 4 * count / (2 if stage == 3 else 1), "gradients": 4 * count / shards,
+                        "optimizer_state": 8 * count / shards}  # fmt: skip
+            padding = 4 * 2 * tensors  # under 2 elements per flat group, and a flat group holds a tensor at least
+            for category, value in expected.items():
+                assert value <= predicted[category] <= value + padding, (category, predicted[category], value)
         assert predicted["parameters"] == held["params"]
         assert predicted["gradients"] == held["grad_shard"]
         assert predicted["optimizer_state"] == held["master"] + held["optimizer_state"]
