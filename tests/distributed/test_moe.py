@@ -316,23 +316,26 @@ def test_expert_reductions_and_state_stay_in_the_expert_data_group(moe_runs):
         assert ledger[("all_reduce", "expert_gradient")].bytes == FP32 * (experts // ep)
 
 
-def build_engine(family: str, ep: int, stage: int, accumulation: int = 1, replicas: int = 1):
+def build_engine(family: str, ep: int, stage: int, accumulation: int = 1, replicas: int = 1, **layout):
     """An engine over this process's world; ``ep`` 1: expert parallelism off (every expert on every rank);
-    ``replicas`` > 1: hybrid sharding, ZeRO sharding over world / replicas ranks."""
+    ``replicas`` > 1: hybrid sharding, ZeRO sharding over world / replicas ranks; ``layout``: ``tp`` (tensor
+    parallelism), ``micro`` (samples per rank), ``shape`` (the model's config overrides)."""
     import zeroshard
     from zeroshard.testing.hf import tiny_causal_lm
 
     config = {
-        "train_micro_batch_size_per_gpu": MICRO,
+        "train_micro_batch_size_per_gpu": layout.get("micro", MICRO),
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "zero_optimization": {"stage": stage},
+        "tensor_parallel": {"autotp_size": layout.get("tp", 1)},
         "expert_parallel": {"enabled": ep > 1, "autoep_size": ep},
     }
     if replicas > 1:
         config["zero_optimization"]["zero_hpz_partition_size"] = WORLD // replicas
-    engine, *_ = zeroshard.initialize(model=tiny_causal_lm(family, **FAMILIES[family]), config=config)
+    model = tiny_causal_lm(family, **layout.get("shape", FAMILIES[family]))
+    engine, *_ = zeroshard.initialize(model=model, config=config)
     return engine
 
 
@@ -1071,21 +1074,8 @@ TP_STAGES = (1, 2, 3)
 
 
 def ep_tp_engine(family: str, stage: int, ep: int, tp: int, micro: int, accumulation: int = 1, aux: bool = True):
-    import zeroshard
-    from zeroshard.testing.hf import tiny_causal_lm
-
-    config = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage},
-        "tensor_parallel": {"autotp_size": tp},
-        "expert_parallel": {"enabled": ep > 1, "autoep_size": ep, "preset_model": family},
-    }
-    model = tiny_causal_lm(family, **{**TP_FAMILIES[family], "output_router_logits": aux})
-    engine, *_ = zeroshard.initialize(model=model, config=config)
-    return engine
+    shape = {**TP_FAMILIES[family], "output_router_logits": aux}
+    return build_engine(family, ep, stage, accumulation, tp=tp, micro=micro, shape=shape)
 
 
 def ep_tp_reference(family: str, aux: bool = True) -> tuple[list, dict]:
