@@ -45,6 +45,7 @@ class FlatShardLayout(ShardLayout):
                 for seg in flat.layout.segments(flat.shard_rank)
             ]
         self._columns = columns
+        self._reductions = _reductions(columns)
         self._pieces = pieces
         several = flats and not flats[0].partitioned and flats[0].shard_group.size > 1  # stage 0, several ranks
         self.compressed = comm.OneBitAllReduce(flats[0].shard_group) if several else None
@@ -59,22 +60,14 @@ class FlatShardLayout(ShardLayout):
     def complete_norms(self, partial: torch.Tensor) -> None:
         """Over each column's shard group, then its split axis: one all-reduce per distinct group, over the columns
         that need it (every column at once when they all do)."""
-        for which in (0, 1):
-            names = []  # groups in first-seen order: the same on every rank (flat groups are ordered alike)
-            for column in self._columns:
-                group = column[which]
-                if group is not None and group.size > 1 and group.name not in names:
-                    names.append(group.name)
-            for name in names:
-                mask = [column[which] is not None and column[which].name == name for column in self._columns]
-                group = next(column[which] for column, chosen in zip(self._columns, mask) if chosen)
-                if all(mask):
-                    comm.all_reduce(partial, group)
-                    continue
-                index = torch.tensor(mask, device=partial.device)
-                summed = partial[:, index].contiguous()
-                comm.all_reduce(summed, group)
-                partial[:, index] = summed
+        for group, mask in self._reductions:
+            if mask is None:
+                comm.all_reduce(partial, group)
+                continue
+            index = mask.to(partial.device)
+            summed = partial[:, index].contiguous()
+            comm.all_reduce(summed, group)
+            partial[:, index] = summed
 
     def matrices(self, tensor: torch.Tensor, values: torch.Tensor) -> list[MatrixPiece]:
         flat = self._flat_of[id(tensor)]
@@ -94,6 +87,20 @@ class FlatShardLayout(ShardLayout):
                 joined = _joined_over(slot, self._pieces) is not None
                 out.append(_matrix(slot, rows if joined else [whole], group.rank if joined else 0, lo, hi, start))
         return out
+
+
+def _reductions(columns: list[tuple]) -> list[tuple[comm.Group, Optional[torch.Tensor]]]:
+    """The all-reduces that complete the norms of ``columns`` ((shard group, split-axis group) per slot): the shard
+    groups first, then the split axes', each distinct group (by name: the same order on every rank, flat groups are
+    ordered alike) with the mask of its columns, None when it is every column."""
+    out = []
+    for which in (0, 1):
+        names = list(dict.fromkeys(c[which].name for c in columns if c[which] is not None and c[which].size > 1))
+        for name in names:
+            mask = [c[which] is not None and c[which].name == name for c in columns]
+            group = next(c[which] for c, chosen in zip(columns, mask) if chosen)
+            out.append((group, None if all(mask) else torch.tensor(mask)))
+    return out
 
 
 def _joined_over(slot: Slot, pieces: Mapping[str, comm.Group]) -> Optional[comm.Group]:
