@@ -136,14 +136,10 @@ class ZeroStack:
         self.overflow = False  # DeepSpeed's name: whether the last step was skipped for non-finite gradients
         self.global_grad_norm: Optional[float] = None
         self.exchange.choose_reduction(self.steps_taken)
-        # the offloaded step runs behind the next forward where nothing in it is a collective (see step_behind): not
-        # for an optimizer that reads whole parameters (its norms or matrices are collectives, optim.contract)
-        self.steps_behind = (
-            stage3 is not None
-            and type(exchange) is ExactExchange
-            and needs_of(optimizer_state.optimizer).elementwise
-            and optimizer_state.can_step_behind
-        )
+        # the offloaded step runs behind the next forward where nothing in it is a collective (see step_behind):
+        # an elementwise optimizer's (norms or whole matrices are collectives, optim.contract), exchanged exactly
+        exact = type(exchange) is ExactExchange and needs_of(optimizer_state.optimizer).elementwise
+        self.steps_behind = stage3 is not None and exact and optimizer_state.can_step_behind
 
     def settle(self) -> None:
         """Wait for an optimizer step running behind the forward (raising its error, if it failed)."""
