@@ -32,10 +32,12 @@ class FlatShardLayout(ShardLayout):
         self._segments: dict[int, list[tuple[int, int, int]]] = {}
         columns: list[tuple[Optional[comm.Group], Optional[comm.Group]]] = []  # per slot: (shard, pieces) groups
         first_column = {}
+        self._joined: dict[int, list[Optional[comm.Group]]] = {}  # per flat group, per slot: its pieces' group
         for flat in flats:
             first_column[id(flat)] = len(columns)
             shard_group = flat.shard_group if flat.partitioned else None
-            columns += [(shard_group, _joined_over(slot, pieces)) for slot in flat.layout.slots]
+            self._joined[id(flat)] = [_joined_over(slot, pieces) for slot in flat.layout.slots]
+            columns += [(shard_group, joined) for joined in self._joined[id(flat)]]
         for sub in subgroups:
             flat = flats[sub.flat_index]
             self._flat_of[id(sub.param)] = flat
@@ -46,7 +48,6 @@ class FlatShardLayout(ShardLayout):
             ]
         self._columns = columns
         self._reductions = _reductions(columns)
-        self._pieces = pieces
         several = flats and not flats[0].partitioned and flats[0].shard_group.size > 1  # stage 0, several ranks
         self.compressed = comm.OneBitAllReduce(flats[0].shard_group) if several else None
 
@@ -72,7 +73,8 @@ class FlatShardLayout(ShardLayout):
     def matrices(self, tensor: torch.Tensor, values: torch.Tensor) -> list[MatrixPiece]:
         flat = self._flat_of[id(tensor)]
         whole = flat.whole_of(values.to(flat.device))  # the flat group's values (this rank's pieces)
-        group = next(filter(None, (_joined_over(slot, self._pieces) for slot in flat.layout.slots)), None)
+        joined = self._joined[id(flat)]
+        group = next(filter(None, joined), None)
         rows = [whole]
         if group is not None:  # every piece along the split axis, in rank order (one all-gather per flat group)
             gathered = whole.new_empty(group.size * whole.numel())
@@ -81,11 +83,11 @@ class FlatShardLayout(ShardLayout):
         start = flat.layout.shard_range(flat.shard_rank)[0] if flat.partitioned else 0
         stop = start + tensor.numel()
         out = []
-        for slot in flat.layout.slots:
+        for slot, pieces_group in zip(flat.layout.slots, joined):
             lo, hi = max(slot.offset, start), min(slot.end, stop)
             if lo < hi:
-                joined = _joined_over(slot, self._pieces) is not None
-                out.append(_matrix(slot, rows if joined else [whole], group.rank if joined else 0, lo, hi, start))
+                split = pieces_group is not None
+                out.append(_matrix(slot, rows if split else [whole], group.rank if split else 0, lo, hi, start))
         return out
 
 
