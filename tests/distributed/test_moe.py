@@ -447,6 +447,10 @@ EXPERT_TAMPERING = {
     "size": (lambda body: {**body, "expert_parallel_size": 1}, "saved without expert parallelism"),
     "size type": (lambda body: {**body, "expert_parallel_size": "2"}, "expert_parallel_size"),
     "pieces swapped": (_swap_expert_files, "pieces moved between ranks"),
+    "tensor ranks": (lambda body: {**body, "expert_tensor_ranks": 2}, "expert_tensor_ranks': ep_in_tp=2 must divide"),
+    "tensor ranks type": (lambda body: {**body, "expert_tensor_ranks": True}, "field 'expert_tensor_ranks'"),
+    "tensor ranks zero": (lambda body: {**body, "expert_tensor_ranks": 0}, "field 'expert_tensor_ranks'"),
+    "tensor ranks huge": (lambda body: {**body, "expert_tensor_ranks": 2**70}, "field 'expert_tensor_ranks'"),
 }
 
 
@@ -1068,28 +1072,34 @@ def test_frozen_experts_save_and_load_across_expert_parallel_sizes(tmp_path):
         assert "save_checkpoint at ZeRO stage 1: frozen tensor- or expert-parallel parameters" in out["refused"]
 
 
-# -- experts with tensor parallelism: attention split over the tensor ranks, each holding its experts whole ------
+# -- experts with tensor parallelism: DeepSpeed's folding, each tensor rank routing its block of the tokens ---------
 TP_FAMILIES = {family: {**shape, "num_key_value_heads": 2} for family, shape in FAMILIES.items()}  # heads divide 2
-TP_STAGES = (1, 2, 3)
+TP4_FAMILIES = {name: {**shape, "num_attention_heads": 4, "num_key_value_heads": 4} for name, shape in FAMILIES.items()}
+TP_LAYOUTS = {  # (ep, tp) -> the stages each family trains at; the mesh it must build (tensor, expert, expert shard)
+    (2, 2): ((1, 2, 3), (2, 2, 2)),  # each tensor pair is an expert group; the experts shard over the data ranks
+    (4, 2): ((3,), (2, 4, 1)),  # an expert group of 2 data ranks x 2 tensor ranks: one expert shard per rank
+    (2, 4): ((0, 1), (4, 2, 2)),  # expert groups inside the tensor group; its other pair holds the same experts
+}
 
 
 def ep_tp_engine(family: str, stage: int, ep: int, tp: int, micro: int, accumulation: int = 1, aux: bool = True):
-    shape = {**TP_FAMILIES[family], "output_router_logits": aux}
+    shape = {**(TP4_FAMILIES if tp == 4 else TP_FAMILIES)[family], "output_router_logits": aux}
     return build_engine(family, ep, stage, accumulation, tp=tp, micro=micro, shape=shape)
 
 
-def ep_tp_reference(family: str, aux: bool = True) -> tuple[list, dict]:
-    """One process, each global batch as the 2 data ranks' halves of 4 samples (the load-balancing loss is per
-    forward), their mean losses averaged."""
+def ep_tp_reference(family: str, tp: int = 2) -> tuple[list, dict]:
+    """One process, each global batch as the data ranks' parts (``WORLD / tp`` of them: the load-balancing loss is
+    per forward), their mean losses averaged."""
     from zeroshard.testing.hf import tiny_causal_lm
 
-    model = tiny_causal_lm(family, **{**TP_FAMILIES[family], "output_router_logits": aux})
+    parts = WORLD // tp
+    model = tiny_causal_lm(family, **(TP4_FAMILIES if tp == 4 else TP_FAMILIES)[family])
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses = []
     for ids in batches():
         optimizer.zero_grad()
-        outs = [model(input_ids=half, labels=half) for half in ids.chunk(2)]
-        (sum(out.loss for out in outs) / 2).backward()
+        outs = [model(input_ids=part, labels=part) for part in ids.chunk(parts)]
+        (sum(out.loss for out in outs) / parts).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         losses.append([out.loss.item() for out in outs])
@@ -1114,24 +1124,29 @@ def ep_tp_train(engine, steps: range, parts: int) -> list[float]:
 
 
 def ep_tp_worker(directory: str) -> dict:
-    """EP=2 x TP=2 at stages 1-3 against one process, then a save at EP=2 x TP=2 loaded at EP=1 x TP=1 x DP=4
-    (and, by the one-process run of the test, in one process)."""
+    """Every layout of :data:`TP_LAYOUTS` against one process, then a save at EP=2 x TP=2 loaded at
+    EP=1 x TP=1 x DP=4 (and, by the one-process run of the test, in one process)."""
     from zeroshard.testing.parity import model_error
 
     out = {}
-    for family in FAMILIES:
-        reference_losses, reference = ep_tp_reference(family)
-        for stage in TP_STAGES:
-            engine = ep_tp_engine(family, stage, ep=2, tp=2, micro=4)
-            losses = ep_tp_train(engine, range(STEPS), parts=2)
-            data = engine.mesh.batch.rank
-            expected = [step[data] for step in reference_losses]
-            out[(family, stage)] = {
-                "loss": max(abs(a - b) / b for a, b in zip(losses, expected)),
-                "weights": model_error(engine.consolidated_state_dict(rank0_only=False), reference),
-                "mesh": (engine.mesh.tensor.size, engine.mesh.expert.size, engine.mesh.expert_shard.size),
-            }
-            engine.destroy()
+    for (ep, tp), (stages, _) in TP_LAYOUTS.items():
+        parts = WORLD // tp
+        for family in FAMILIES:
+            reference_losses, reference = ep_tp_reference(family, tp)
+            for stage in stages:
+                engine = ep_tp_engine(family, stage, ep=ep, tp=tp, micro=len(batches()[0]) // parts)
+                losses = ep_tp_train(engine, range(STEPS), parts=parts)
+                gathers = engine.comm_ledger.summary().get(("all_gather", "tensor"))  # before consolidating
+                data = engine.mesh.batch.rank
+                expected = [step[data] for step in reference_losses]
+                out[(ep, tp, family, stage)] = {
+                    "loss": max(abs(a - b) / b for a, b in zip(losses, expected)),
+                    "weights": model_error(engine.consolidated_state_dict(rank0_only=False), reference),
+                    "mesh": (engine.mesh.tensor.size, engine.mesh.expert.size, engine.mesh.expert_shard.size),
+                    "experts": {m.num_experts for m in engine.module.modules() if hasattr(m, "num_global_experts")},
+                    "gathers": gathers,
+                }
+                engine.destroy()
     engine = ep_tp_engine("qwen3_moe", 3, ep=2, tp=2, micro=4, aux=False)
     ep_tp_train(engine, range(3), parts=2)
     engine.save_checkpoint(directory, tag="ep2tp2")
@@ -1140,13 +1155,17 @@ def ep_tp_worker(directory: str) -> dict:
     out["uninterrupted"] = engine.consolidated_state_dict(rank0_only=False)
     engine.destroy()
     out["dp4"] = ep_tp_resume(directory, parts=4, micro=2)
+    out["ep4"] = ep_tp_resume(directory, parts=4, micro=2, ep=4)
+    out["ep4tp2"] = ep_tp_resume(directory, parts=2, micro=4, ep=4, tp=2)
     return out
 
 
-def ep_tp_resume(directory: str, parts: int, micro: int, accumulation: int = 1) -> tuple[dict, dict]:
-    """Load the EP=2 x TP=2 save without expert or tensor parallelism; (weights right after the load, after the
-    last 2 steps)."""
-    engine = ep_tp_engine("qwen3_moe", 3, ep=1, tp=1, micro=micro, accumulation=accumulation, aux=False)
+def ep_tp_resume(
+    directory: str, parts: int, micro: int, accumulation: int = 1, ep: int = 1, tp: int = 1
+) -> tuple[dict, dict]:
+    """Load the EP=2 x TP=2 save at ``ep`` x ``tp`` (by default without expert or tensor parallelism); (weights right
+    after the load, after the last 2 steps)."""
+    engine = ep_tp_engine("qwen3_moe", 3, ep=ep, tp=tp, micro=micro, accumulation=accumulation, aux=False)
     engine.load_checkpoint(directory, tag="ep2tp2")
     loaded = engine.consolidated_state_dict(rank0_only=False)
     ep_tp_train(engine, range(3, 5), parts=parts)
@@ -1163,37 +1182,62 @@ def ep_tp_runs(tmp_path_factory):
     return four, one, directory
 
 
+TP_CASES = [(ep, tp, stage) for (ep, tp), (stages, _) in TP_LAYOUTS.items() for stage in stages]
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("stage", TP_STAGES)
-def test_experts_with_tensor_parallelism_match_one_process(ep_tp_runs, family, stage):
-    """Before: refused. EP=2 x TP=2 on 4 ranks: attention split over each tensor pair, experts split over the
-    expert pair of each tensor position and whole on both tensor ranks (their tokens are the same after the
-    row-parallel all-reduce), the load-balancing loss included: 5 steps within 1e-5 of one process."""
+@pytest.mark.parametrize("layout", TP_CASES)
+def test_experts_with_tensor_parallelism_match_one_process(ep_tp_runs, family, layout):
+    """Before: refused, then experts whole on both ranks of a tensor pair (each computing every token twice). Now
+    DeepSpeed's folding on 4 ranks: EP=2 x TP=2 (each tensor pair an expert group), EP=4 x TP=2 (2 data ranks x 2
+    tensor ranks), EP=2 x TP=4 (two expert groups inside the tensor group); each tensor rank routes its block of the
+    tokens and holds E / ep experts; attention split over the tensor ranks, the load-balancing loss included: 5 steps
+    within 1e-5 of one process."""
     four, *_ = ep_tp_runs
+    ep, tp, stage = layout
+    experts = {"mixtral": 4, "qwen3_moe": 8}[family]
     for per_rank in four:
-        got = per_rank[(family, stage)]
-        assert got["mesh"] == (2, 2, 1)  # tensor group, expert group, ranks holding the same experts
+        got = per_rank[(ep, tp, family, stage)]
+        assert got["mesh"] == TP_LAYOUTS[(ep, tp)][1]
+        assert got["experts"] == {experts // ep}  # experts per rank in every layer
         assert got["loss"] <= 1e-6 and got["weights"] <= 1e-5, got
 
 
-def test_a_save_at_ep2_tp2_loads_at_dp4_and_in_one_process(ep_tp_runs):
-    """Saved at EP=2 x TP=2, loaded without expert or tensor parallelism at DP=4 and in one process: the weights
-    exact, 2 more steps within 1e-6 of the uninterrupted run (the load-balancing loss off: it is per forward, and
-    the forwards hold other samples at another layout)."""
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_tensor_groups_token_gathers_equal_the_formula(ep_tp_runs, family):
+    """The folding's only new traffic, exact in the ledger: per MoE layer and step, forward gathers the experts'
+    outputs over the tensor group (T rows of H, fp32; T = 4 samples x 8 tokens, 16 routed by each tensor rank) and
+    backward gathers the gradients of the hidden states (T x H) and of the routing weights (T x k), each gather's
+    output counted, (tp - 1) / tp of it on the wire; beside them, the first forward's check that the tensor ranks
+    hold the same batch (one gather of 4 float64 per rank)."""
+    four, *_ = ep_tp_runs
+    tokens, hidden, top_k, layers, tp = 4 * SEQ, 16, 2, 2, 2
+    total = STEPS * layers * FP32 * tokens * (hidden + hidden + top_k) + tp * 4 * 8
+    for per_rank in four:
+        gathers = per_rank[(2, 2, family, 1)]["gathers"]
+        assert (gathers.calls, gathers.bytes) == (STEPS * layers * 3 + 1, total)
+        assert gathers.wire_bytes == pytest.approx(total * (tp - 1) / tp, rel=1e-12)
+
+
+def test_a_save_at_ep2_tp2_loads_at_every_layout_and_in_one_process(ep_tp_runs):
+    """Saved at EP=2 x TP=2 (folded), loaded at EP=4 x TP=2 (folded over data ranks too), at EP=4 without tensor
+    parallelism, without either at DP=4 and in one process: the weights exact, 2 more steps within 1e-6 of the
+    uninterrupted run (the load-balancing loss off: it is per forward, and the forwards hold other samples at another
+    layout)."""
     from zeroshard.testing.parity import model_error
 
     four, one, _ = ep_tp_runs
     saved, uninterrupted = four[0]["saved"], four[0]["uninterrupted"]
-    for loaded, resumed in (four[0]["dp4"], one):
+    for loaded, resumed in (four[0]["ep4tp2"], four[0]["ep4"], four[0]["dp4"], one):
         assert all(torch.equal(loaded[name], saved[name]) for name in saved)
         assert model_error(resumed, uninterrupted) <= 1e-6
 
 
 def test_expert_pieces_of_an_ep2_tp2_save_lie_with_the_expert_ranks_that_wrote_them(ep_tp_runs):
-    """Expert rank e of tensor position 0 is global rank 2e (the expert dimension lies outside the tensor one): the
-    manifest records the layout and checks each expert piece against its file's rank on that axis; swapping the
-    files is refused even with the checksum recomputed (before: the check took the global rank mod ep, refusing
-    the genuine save)."""
+    """Folded EP=2 x TP=2 at stage 3: expert rank e is tensor rank e, its experts sharded over the two data ranks
+    (ranks e and e + 2). The manifest records how many tensor ranks an expert group takes in and checks each expert
+    piece against its file's rank's coordinate on the expert axis; swapping the files is refused even with the
+    checksum recomputed."""
     import json
     import os
 
@@ -1204,8 +1248,14 @@ def test_expert_pieces_of_an_ep2_tp2_save_lie_with_the_expert_ranks_that_wrote_t
     with open(path) as f:
         body = {k: v for k, v in json.load(f).items() if k != "checksum"}
     validate(seal(json.loads(json.dumps(body))), path)
+    assert (body["expert_parallel_size"], body["tensor_parallel_size"], body["expert_tensor_ranks"]) == (2, 2, 2)
     experts = [e for e in body["params"].values() if (e.get("split") or {}).get("axis") == "ep"]
-    assert experts and all([p[0] for p in e["pieces"]] == ["rank00000.safetensors", "rank00002.safetensors"]
-                           for e in experts)  # fmt: skip
+    holders = [{"rank00000.safetensors", "rank00002.safetensors"}, {"rank00001.safetensors", "rank00003.safetensors"}]
+    files = [(p[0], holders[p[3] // (math.prod(e["shape"]) // 2)]) for e in experts for p in e["pieces"]]
+    assert experts and all(file in allowed for file, allowed in files)
+    assert {file for file, _ in files} == {f"rank0000{r}.safetensors" for r in range(4)}
     with pytest.raises(CheckpointError, match="pieces moved between ranks"):
         validate(seal(_swap_expert_files(json.loads(json.dumps(body)))), path)
+    unfolded = {**json.loads(json.dumps(body)), "expert_tensor_ranks": 1}  # read as experts over data ranks
+    with pytest.raises(CheckpointError, match="pieces moved between ranks"):
+        validate(seal(unfolded), path)

@@ -158,11 +158,13 @@ def sp_four_rank_worker() -> dict:
     tensor_and_sequence = sp_reference(2, 2)  # TP=2 x SP=2: one data-parallel group, two sample ranks
     # EP=2 x SP=2: the expert groups are the two data-parallel ranks
     experts = {family: sp_reference(4, 2, family) for family in ("mixtral", "qwen3_moe")}
+    folded = sp_reference(2, 2, "qwen3_moe")  # EP=2 x TP=2 x SP=2: the expert group is each tensor pair
     return {
         2: sp_worker(2, references[2], SP_VARIANTS),
         4: sp_worker(4, references[4]),
         "tp2": sp_worker(2, tensor_and_sequence, tp=2, stages=(0, 1, 2, 3)),
         **{family: sp_worker(2, ref, stages=(1, 2, 3), family=family, ep=2) for family, ref in experts.items()},
+        "tp2_experts": sp_worker(2, folded, tp=2, stages=(1, 3), family="qwen3_moe", ep=2),
     }
 
 
@@ -207,6 +209,19 @@ def test_experts_and_sequence_parallelism_together_match_one_process(sp_runs, st
         assert run[family][stage]["sizes"][:3] == (2, 2, 4)  # sequence, data-parallel, sequence x data
         exchanged = {op for op in run[family][stage]["ledger"] if op.endswith("/expert")}
         assert exchanged, run[family][stage]["ledger"]  # the tokens went over the expert group
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_experts_tensor_and_sequence_parallelism_together_match_one_process(sp_runs, stage):
+    """EP=2 x TP=2 x SP=2 on 4 ranks (tiny Qwen3-MoE): AutoEP folds each tensor pair into an expert group; each
+    tensor rank routes its block of the sequence piece the pair shares; attention split over the tensor ranks and
+    Ulysses over the sequence ranks: within 1e-5 of one process (DeepSpeed 0.19.8 refuses AutoEP with AutoTP and
+    Ulysses together)."""
+    for run in sp_runs:
+        _check_parity(run["tp2_experts"], stage)
+        assert run["tp2_experts"][stage]["sizes"][:3] == (2, 1, 2)
+        ledger = run["tp2_experts"][stage]["ledger"]
+        assert {"all_to_all/expert", "all_gather/tensor"} <= set(ledger), ledger
 
 
 @pytest.mark.parametrize("stage", (0, 1, 2, 3))

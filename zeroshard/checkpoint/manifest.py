@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, conint, conlist
 
+from ..comm.mesh import ParallelDims
 from ..partition import TensorSplit
 from .safetensors_io import CheckpointError
 
@@ -127,6 +128,7 @@ class Manifest(_Loose):
     tensor_parallel_size: conint(ge=1, strict=True) = 1
     expert_parallel_size: conint(ge=1, strict=True) = 1
     sequence_parallel_size: conint(ge=1, strict=True) = 1  # where an expert rank's coordinate lies (see below)
+    expert_tensor_ranks: conint(ge=1, strict=True) = 1  # tensor ranks per expert group (AutoEP folded with AutoTP)
     stage: conint(ge=0, le=3, strict=True)
     shard_group_size: conint(ge=1, strict=True)
     counters: Counters
@@ -188,8 +190,7 @@ def validate(data: Any, where: str) -> dict:
         sizes = {"tp": manifest.tensor_parallel_size, "ep": manifest.expert_parallel_size}
         _check_split(name, entry, sizes, where)
         _check_pieces(name, entry, manifest.files, where)
-        strides = {"tp": 1, "ep": manifest.sequence_parallel_size * manifest.tensor_parallel_size}
-        _check_piece_ranks(name, entry, sizes, strides, where)
+        _check_piece_ranks(name, entry, sizes, _saved_layout(manifest, where), where)
     _check_disjoint(manifest.params, where)
     for reference in _client_references(manifest.client_state):
         if reference not in manifest.client_tensors:
@@ -293,14 +294,21 @@ def _client_references(value: Any) -> list:
     return []
 
 
-def _check_piece_ranks(
-    name: str, entry: ParamEntry, sizes: dict[str, int], strides: dict[str, int], where: str
-) -> None:
+def _saved_layout(manifest: Manifest, where: str) -> ParallelDims:
+    """The inner dimensions of the mesh that saved (tensor, sequence, expert): where each rank's pieces lie."""
+    tp, ep, spans = manifest.tensor_parallel_size, manifest.expert_parallel_size, manifest.expert_tensor_ranks
+    try:
+        return ParallelDims(dp_shard=ep // spans, sp=manifest.sequence_parallel_size, tp=tp, ep=ep, ep_in_tp=spans)
+    except ValueError as err:
+        raise CheckpointError(f"{where}: field 'expert_tensor_ranks': {err}") from None
+
+
+def _check_piece_ranks(name: str, entry: ParamEntry, sizes: dict[str, int], layout: ParallelDims, where: str) -> None:
     """A split parameter's pieces cover every tensor- (expert-) parallel rank's piece in rank order; each must come
-    from a file of the rank whose piece it covers (the piece index = global rank // the axis's stride mod the
-    degree: tensor parallelism is the mesh's innermost dimension, stride 1; the expert dimension lies outside the
-    sequence and tensor ones, ``comm.ParallelDims``), so pieces moved between the ranks' files are refused even with
-    the checksum recomputed."""
+    from a file of the rank whose piece it covers (its coordinate on the axis in the saving mesh,
+    ``comm.ParallelDims.coordinate``: tensor parallelism innermost; the expert dimension outside the sequence and
+    tensor ones, or taking in tensor ranks when AutoEP folded it with AutoTP), so pieces moved between the ranks'
+    files are refused even with the checksum recomputed."""
     if entry.split is None:
         return
     axis = entry.split.get("axis", "tp")
@@ -311,7 +319,7 @@ def _check_piece_ranks(
         per *= dim
     per //= size
     for i, (file, _, _, param_offset, count) in enumerate(entry.pieces):
-        writer = int(file[4:9]) // strides[axis] % size
+        writer = layout.coordinate(int(file[4:9]), axis)
         if param_offset // per != writer or (param_offset + count - 1) // per != writer:
             raise CheckpointError(
                 f"{where}: params.{name}.pieces[{i}] covers {what}-parallel rank {param_offset // per}'s piece but "

@@ -44,8 +44,9 @@ def _scalar(value: Any) -> dict:
 def _writes_flat(state: TrainingState, flat) -> bool:
     """One copy of each shard: replica 0 of a sharded group, the first rank of the group holding a replicated one
     (the data-parallel ranks; for experts, the ranks holding the same experts); of a flat group replicated over the
-    tensor-parallel group, tensor-parallel rank 0's only."""
-    if state.mesh.tensor.rank > 0 and flat.layout.split_axis != "tp":
+    tensor-parallel group, tensor-parallel rank 0's only (experts are not when their group spans tensor ranks)."""
+    axis, dims = flat.layout.split_axis, state.mesh.dims
+    if state.mesh.tensor.rank > 0 and axis != "tp" and not (axis == "ep" and dims.ep_in_tp > 1):
         return False
     if flat.partitioned:
         return state.mesh.replica.rank == 0 if state.mesh.replica.size > 1 else True
@@ -280,6 +281,7 @@ def _manifest(
         "tensor_parallel_size": state.mesh.tensor.size,
         "expert_parallel_size": state.mesh.expert.size,
         "sequence_parallel_size": state.mesh.sequence.size,
+        "expert_tensor_ranks": state.mesh.dims.ep_in_tp,
         "stage": state.config.zero_optimization.stage,
         "shard_group_size": state.mesh.shard.size,
         "counters": dataclasses.asdict(state.counters),

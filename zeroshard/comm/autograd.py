@@ -6,8 +6,10 @@ row-parallel layer reads a slice and writes partial sums. So the activation ente
 is the same on every rank while each rank's gradient for it covers only its own slice's contribution
 (:func:`copy_to_group`: identity forward, all-reduce backward), and the partial sums leaving it are added up
 forward while the gradient entering it is already the same on every rank (:func:`reduce_from_group`:
-all-reduce forward, identity backward). :func:`gather_from_group` concatenates slices along the last
-dimension (a vocabulary-parallel head's logits) and hands each rank its slice of the gradient back.
+all-reduce forward, identity backward). :func:`gather_from_group` concatenates slices along a
+dimension (a vocabulary-parallel head's logits) and hands each rank its slice of the gradient back;
+:func:`scatter_to_group` is its mirror (each rank keeps its block of a shared tensor, the gradient's blocks gathered
+back).
 
 Sequence parallelism (Ulysses) re-cuts activations between the sequence and the heads: :func:`all_to_all_in_group`
 splits one dimension over the ranks and joins another (its backward is the same exchange the other way), and
@@ -16,13 +18,17 @@ slot (as ``torch.distributed.nn.functional.all_gather``: a loss every rank compu
 each rank's value the sum of their gradients).
 
 Expert parallelism sends each token to the ranks holding its experts: :func:`all_to_all_rows_in_group` exchanges
-rows in counts that differ per rank pair (its backward is the same exchange with the counts swapped).
+rows in counts that differ per rank pair (its backward is the same exchange with the counts swapped). When an expert
+group takes in tensor ranks, each routes its block of the tokens they share (:func:`scatter_to_group`) and the
+outputs are joined back (:func:`gather_from_group` along the rows).
 
 Every collective goes through :mod:`zeroshard.comm.collectives`, so the ledger counts tensor-parallel bytes like
 any others. With one rank in the group each is the identity.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -57,17 +63,54 @@ class _ReduceFromGroup(torch.autograd.Function):
 
 class _GatherFromGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group, ctx.width = group, x.shape[-1]
-        local = x.contiguous()
-        gathered = local.new_empty((group.size, *local.shape))
-        all_gather(gathered, local, group)
-        return gathered.movedim(0, -2).flatten(-2)
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int, total: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.total = group, dim, total
+        return _gather_along(x, group, dim, total)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        start = ctx.group.rank * ctx.width
-        return grad[..., start : start + ctx.width].contiguous(), None
+        return _block(grad, ctx.group, ctx.dim, ctx.total).contiguous(), None, None, None
+
+
+class _ScatterToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.total = group, dim, x.shape[dim]
+        return _block(x, group, dim, x.shape[dim]).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_along(grad, ctx.group, ctx.dim, ctx.total), None, None
+
+
+def _block_sizes(total: int, parts: int) -> list[int]:
+    """How ``total`` elements split into ``parts`` blocks, as ``torch.tensor_split`` cuts them (the first ``total %
+    parts`` blocks one larger)."""
+    base, extra = divmod(total, parts)
+    return [base + 1] * extra + [base] * (parts - extra)
+
+
+def _block(x: torch.Tensor, group: Group, dim: int, total: int) -> torch.Tensor:
+    """This rank's block of ``x`` (``total`` long along ``dim``)."""
+    sizes = _block_sizes(total, group.size)
+    return x.narrow(dim, sum(sizes[: group.rank]), sizes[group.rank])
+
+
+def _gather_along(x: torch.Tensor, group: Group, dim: int, total: int) -> torch.Tensor:
+    """Every rank's block along ``dim`` joined in rank order (blocks as :func:`_block_sizes` cuts ``total``; a
+    shorter one travels padded to the longest)."""
+    dim %= x.dim()
+    sizes = _block_sizes(total, group.size)
+    local = x.contiguous()
+    if x.shape[dim] < sizes[0]:
+        padding = list(x.shape)
+        padding[dim] = sizes[0] - x.shape[dim]
+        local = torch.cat([local, x.new_zeros(padding)], dim)
+    gathered = local.new_empty((group.size, *local.shape))
+    all_gather(gathered, local, group)
+    if sizes[-1] == sizes[0]:
+        return gathered.movedim(0, dim).flatten(dim, dim + 1)
+    return torch.cat([gathered[i].narrow(dim, 0, n) for i, n in enumerate(sizes)], dim)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -136,9 +179,20 @@ def reduce_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _ReduceFromGroup.apply(x, group)
 
 
-def gather_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along the last dimension, in rank order; backward keeps this rank's slice."""
-    return x if group.size == 1 else _GatherFromGroup.apply(x, group)
+def gather_from_group(x: torch.Tensor, group: Group, dim: int = -1, total: Optional[int] = None) -> torch.Tensor:
+    """Every rank's ``x`` joined along ``dim`` in rank order (a vocabulary-parallel head's logits along the last
+    dimension; ``total``: the joined length when the blocks differ, as :func:`scatter_to_group` cut them); backward
+    keeps this rank's block of the gradient, which must be the same on every rank."""
+    if group.size == 1:
+        return x
+    return _GatherFromGroup.apply(x, group, dim, x.shape[dim] * group.size if total is None else total)
+
+
+def scatter_to_group(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """This rank's block of ``x`` along ``dim`` (the same on every rank; blocks as ``torch.tensor_split`` cuts
+    them): each rank of a tensor group routes its slice of the tokens they share. Backward gathers every rank's
+    block of the gradient, so ``x``'s gradient is whole again on every rank."""
+    return x if group.size == 1 else _ScatterToGroup.apply(x, group, dim)
 
 
 def all_to_all_in_group(x: torch.Tensor, group: Group, split_dim: int, join_dim: int) -> torch.Tensor:

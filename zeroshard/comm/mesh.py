@@ -17,19 +17,27 @@ set of dimensions, named once here (:data:`DERIVED`):
   (``train_batch_size = micro x accumulation x batch``);
 - ``gradient`` (dp_replicate x dp_shard x sp): every rank whose gradients sum into one update (all but tensor).
 
-Expert parallelism splits the sharded data dimension: ``dp_shard`` ranks are ``edp`` (``dp_shard / ep``) groups of
-``ep`` consecutive data ranks (DeepSpeed's layout: expert groups of consecutive ranks, expert-data groups ``ep``
-apart). The ``ep`` ranks of one expert group hold different experts and exchange tokens; they still see different
-samples, so ``batch`` and ``shard`` keep every data rank. It composes with every other dimension: sequence ranks
-route their own tokens; hybrid sharding's replicas each hold the expert groups; the ranks of a tensor-parallel group
-hold the same experts whole (expert tensor parallelism 1: their tokens are the same after the row-parallel
-all-reduce, so each runs its experts as one process would, and the expert groups are the ranks of one tensor
-position). The groups of expert parameters:
+Expert parallelism splits the sharded data dimension: ``dp_shard`` ranks are ``edp`` groups of ``ep`` consecutive
+data ranks (DeepSpeed's layout: expert groups of consecutive ranks, expert-data groups ``ep`` apart). The ``ep``
+ranks of one expert group hold different experts and exchange tokens; they still see different samples, so
+``batch`` and ``shard`` keep every data rank. It composes with every other dimension: sequence ranks route their own
+tokens; hybrid sharding's replicas each hold the expert groups. With tensor parallelism the expert group takes in
+``ep_in_tp`` ranks of each tensor group (AutoEP folds the tensor dimension into the expert one, as DeepSpeed 0.19
+lays it out: an expert group is ``ep`` consecutive ranks, ``min(ep, tp)`` of them tensor ranks). The tensor ranks
+hold the same tokens after the row-parallel all-reduce, so each routes its own slice of them and the experts'
+outputs are gathered back over the tensor group: no tensor rank repeats another's expert work. Expert parameters
+models declare (DeepSpeed's MoE layer, tagged tensors) are computed by the client's code on every token a rank
+holds: there ``ep_in_tp`` is 1 and the ranks of a tensor group hold the same experts whole. The mesh dimensions
+are ``ep_data`` (expert ranks along the data dimension) and ``ep_tensor`` (along the tensor one): ``ep`` is
+``ep_data x ep_tensor``, ``dp_shard`` is ``edp x ep_data``, ``tp`` is ``tp_rest x ep_tensor``. The groups of expert
+parameters:
 
 - ``expert`` (ep): the ranks that split the experts between them and exchange tokens;
-- ``expert_shard`` (edp x sp): ZeRO's shard group of expert parameters, the ranks holding the same experts;
-- ``expert_gradient`` (dp_replicate x edp x sp): every rank whose expert gradients sum into one update (the sum is
-  divided by the whole data-parallel size, as dense gradients are, so an expert's update does not depend on ``ep``).
+- ``expert_shard`` (edp x sp, and tp_rest when folded): ZeRO's shard group of expert parameters, the ranks holding
+  the same experts and routing different tokens;
+- ``expert_gradient`` (dp_replicate x ``expert_shard``): every rank whose expert gradients sum into one update (the
+  sum is divided by the whole data-parallel size, as dense gradients are, so an expert's update does not depend on
+  ``ep``).
 
 Pipeline parallelism (``pp``) has its field; a size above 1 is refused until it lands.
 """
@@ -47,8 +55,8 @@ from .backend import get_rank, get_world_size
 from .context import DEFAULT_CONTEXT, CommContext
 from .groups import Group
 
-ORDER = ("pp", "dp_replicate", "edp", "ep", "sp", "tp")  # outermost to innermost; dp_shard is edp x ep
-COMPOSITE = {"dp_shard": ("edp", "ep")}
+ORDER = ("pp", "dp_replicate", "edp", "ep_data", "sp", "tp_rest", "ep_tensor")  # outermost to innermost
+COMPOSITE = {"dp_shard": ("edp", "ep_data"), "ep": ("ep_data", "ep_tensor"), "tp": ("tp_rest", "ep_tensor")}
 DERIVED = {
     "tensor": ("tp",),
     "sequence": ("sp",),
@@ -60,6 +68,7 @@ DERIVED = {
     "expert_shard": ("edp", "sp"),
     "expert_gradient": ("dp_replicate", "edp", "sp"),
 }
+ROUTING_DIFFERENT_TOKENS = ("expert_shard", "expert_gradient")  # take in tp_rest when the expert group spans tp
 
 
 @dataclass(frozen=True)
@@ -73,24 +82,32 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     pp: int = 1
+    ep_in_tp: int = 1  # tensor ranks in each expert group (1: the tensor ranks hold the same experts)
 
     def __post_init__(self):
-        for name in ("dp_replicate", "dp_shard", "sp", "tp", "ep", "pp"):
+        for name in ("dp_replicate", "dp_shard", "sp", "tp", "ep", "pp", "ep_in_tp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel dimension {name} must be a positive int, got {value!r}")
         if self.pp > 1:
             raise ValueError(f"pipeline parallelism (pp={self.pp}) is not available yet")
-        if self.dp_shard % self.ep:
+        if self.ep % self.ep_in_tp or self.tp % self.ep_in_tp:
+            raise ValueError(f"ep_in_tp={self.ep_in_tp} must divide both ep={self.ep} and tp={self.tp}")
+        if self.dp_shard % self.ep_data:
             raise ValueError(
-                f"expert parallelism ep={self.ep} must divide the sharded data-parallel size dp_shard={self.dp_shard}: "
-                "expert groups are made of data-parallel ranks"
+                f"expert parallelism ep={self.ep} over {self.ep_in_tp} tensor rank(s) must divide the sharded "
+                f"data-parallel size dp_shard={self.dp_shard}: expert groups are made of data-parallel ranks"
             )
+
+    @property
+    def ep_data(self) -> int:
+        """The data-parallel ranks of one expert group."""
+        return self.ep // self.ep_in_tp
 
     @property
     def edp(self) -> int:
         """The expert-data-parallel part of ``dp_shard``: how many expert groups a shard group holds."""
-        return self.dp_shard // self.ep
+        return self.dp_shard // self.ep_data
 
     @classmethod
     def for_world(
@@ -101,13 +118,16 @@ class ParallelDims:
         sp: int = 1,
         shard_group_size: Optional[int] = None,
         ep: int = 1,
+        experts_span_tensor: bool = False,
         tp_key: str = "tensor_parallel.autotp_size",
         ep_key: str = "expert_parallel.autoep_size",
     ) -> ParallelDims:
         """The dimensions of ``world_size`` ranks from the config's sizes (``tensor_parallel.autotp_size``,
         ``sequence_parallel_size``, and ZeRO's shard group size, ``zero_hpz_partition_size`` / ``mics_shard_size``:
-        the data x sequence ranks otherwise) and the expert-parallel size (``ep_key``: what set it). Each mismatch
-        is an error naming its key (``tp_key``: inference's ``tensor_parallel.tp_size``)."""
+        the data x sequence ranks otherwise) and the expert-parallel size (``ep_key``: what set it).
+        ``experts_span_tensor``: zeroshard routes the experts (AutoEP), so an expert group takes in ``min(ep, tp)``
+        tensor ranks. Each mismatch is an error naming its key (``tp_key``: inference's
+        ``tensor_parallel.tp_size``)."""
         for key, size in ((tp_key, tp), ("sequence_parallel_size", sp)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
                 raise ValueError(
@@ -132,19 +152,24 @@ class ParallelDims:
                 f"sequence_parallel_size {sp}: ZeRO shards over whole sequence-parallel groups"
             )
         valid_ep = not isinstance(ep, bool) and isinstance(ep, int) and ep >= 1
-        if not valid_ep or (shard // sp) % ep:
+        ep_in_tp = _tensor_ranks_per_expert_group(ep, tp, ep_key) if valid_ep and experts_span_tensor else 1
+        if not valid_ep or (shard // sp) % (ep // ep_in_tp):
+            spanned = f" (its {ep // ep_in_tp} data-parallel x {ep_in_tp} tensor ranks)" if ep_in_tp > 1 else ""
             raise ValueError(
-                f"{ep_key} {ep} must divide the {shard // sp} data-parallel ranks of a shard group: expert groups "
-                f"are made of data-parallel ranks (launch a multiple of {ep} processes)"
+                f"{ep_key} {ep}{spanned} must divide the {shard // sp} data-parallel ranks of a shard group: expert "
+                f"groups are made of data-parallel ranks (launch a multiple of {ep} processes)"
             )
-        return cls(dp_replicate=data_and_sequence // shard, dp_shard=shard // sp, sp=sp, tp=tp, ep=ep)
+        return cls(
+            dp_replicate=data_and_sequence // shard, dp_shard=shard // sp, sp=sp, tp=tp, ep=ep, ep_in_tp=ep_in_tp
+        )
 
     @property
     def world_size(self) -> int:
         return math.prod(self._size(name) for name in ORDER)
 
     def _size(self, name: str) -> int:
-        return self.edp if name == "edp" else getattr(self, name)
+        parts = {"ep_tensor": self.ep_in_tp, "tp_rest": self.tp // self.ep_in_tp}
+        return parts[name] if name in parts else getattr(self, name)
 
     @staticmethod
     def _expand(dims) -> set[str]:
@@ -170,29 +195,57 @@ class ParallelDims:
         size = math.prod(shape[i] for i in inner)
         return grid.permute(outer + inner).reshape(-1, size).tolist()
 
+    def _parts(self, name: str, value: int) -> dict[str, int]:
+        """A coordinate on ``name`` as coordinates on the mesh's own dimensions (a composite's inner part varies
+        fastest)."""
+        size = math.prod(self._size(part) for part in COMPOSITE.get(name, (name,)))
+        if not 0 <= value < size:
+            raise ValueError(f"coordinate {name}={value} is outside the mesh {self}")
+        parts = {}
+        for part in reversed(COMPOSITE.get(name, (name,))):
+            value, parts[part] = divmod(value, self._size(part))
+        return parts
+
+    def coordinate(self, rank: int, name: str) -> int:
+        """``rank``'s index along ``name`` (a composite's: its parts' indices, the inner part fastest), e.g. which
+        expert rank of its expert group ``rank`` is: ``coordinate(rank, "ep")``."""
+        self._expand((name,))
+        index = 0
+        for part in COMPOSITE.get(name, (name,)):
+            inner = math.prod(self._size(n) for n in ORDER[ORDER.index(part) + 1 :])
+            index = index * self._size(part) + rank // inner % self._size(part)
+        return index
+
     def rank_at(self, rank: int, **coordinates: int) -> int:
         """The rank whose coordinates are ``rank``'s with ``coordinates`` (dimension -> index) put in, e.g. the
         rank holding tensor-parallel piece 1 of what ``rank`` holds piece 0 of: ``rank_at(rank, tp=1)``."""
         self._expand(coordinates)
-        if "dp_shard" in coordinates:
-            value = coordinates.pop("dp_shard")
-            if not 0 <= value < self.dp_shard:
-                raise ValueError(f"coordinate dp_shard={value} is outside the mesh {self}")
-            coordinates["edp"], coordinates["ep"] = divmod(value, self.ep)
+        own = {part: v for name, value in coordinates.items() for part, v in self._parts(name, value).items()}
         moved, stride = rank, 1
         for name in reversed(ORDER):  # innermost first: a dimension's index is (rank // stride) % size
             size = self._size(name)
-            if name in coordinates:
-                value = coordinates[name]
-                if not 0 <= value < size:
-                    raise ValueError(f"coordinate {name}={value} is outside the mesh {self}")
-                moved += (value - (rank // stride) % size) * stride
+            if name in own:
+                moved += (own[name] - (rank // stride) % size) * stride
             stride *= size
         return moved
 
     def derived(self, name: str) -> list[list[int]]:
-        """The groups of one derived name (:data:`DERIVED`)."""
-        return self.groups(DERIVED[name])
+        """The groups of one derived name (:data:`DERIVED`). When the expert group spans tensor ranks, each tensor
+        rank routes its own slice of the tokens, so the tensor ranks holding the same experts (``tp_rest``) add up
+        their expert gradients and share the experts' shards."""
+        spans = self.ep_in_tp > 1 and name in ROUTING_DIFFERENT_TOKENS
+        return self.groups(DERIVED[name] + (("tp_rest",) if spans else ()))
+
+
+def _tensor_ranks_per_expert_group(ep: int, tp: int, ep_key: str) -> int:
+    """How many tensor ranks an expert group of ``ep`` consecutive ranks takes in: all ``tp`` (``ep`` a multiple of
+    ``tp``) or ``ep`` of them (``ep`` dividing ``tp``); other sizes would cut tensor groups across expert groups."""
+    if ep % tp and tp % ep:
+        raise ValueError(
+            f"{ep_key} {ep} with tensor_parallel.autotp_size {tp}: an expert group of {ep} consecutive ranks must "
+            f"hold whole tensor groups or lie inside one (one size a multiple of the other)"
+        )
+    return min(ep, tp)
 
 
 @dataclass(frozen=True)

@@ -507,7 +507,9 @@ EXPERT_PRESETS = ("mixtral", "qwen3_moe")  # DeepSpeed's AutoEP presets zeroshar
 
 class ExpertParallelConfig(Section):
     """DeepSpeed's AutoEP block (``zeroshard.moe``): the fused experts of a Hugging Face MoE model are split over
-    expert groups of ``autoep_size`` consecutive data-parallel ranks. Off unless ``"enabled": true``."""
+    expert groups of ``autoep_size`` consecutive ranks (with ``tensor_parallel.autotp_size``, DeepSpeed's folding:
+    the group takes in tensor ranks, each routing its block of the tokens they share). Off unless
+    ``"enabled": true``."""
 
     enabled: bool = False
     autoep_size: int = Field(1, ge=1)
@@ -516,9 +518,9 @@ class ExpertParallelConfig(Section):
     disable_triton_grouped_mm: bool = satisfied(False, "a kernel choice: no Triton kernel is used")
     expert_tensor_parallel_size: int = refused(
         1,
-        "experts cut by tensor parallelism (a parameter split along two axes, experts and columns, which zeroshard's "
-        "splits and checkpoints do not describe); with tensor_parallel.autotp_size each tensor rank holds its "
-        "experts whole (expert tensor parallelism 1)",
+        "experts cut by tensor parallelism inside each expert (DeepSpeed 0.19 reserves the key and refuses values "
+        "above 1 as well); with tensor_parallel.autotp_size the expert group takes in the tensor ranks instead, "
+        "each holding whole experts of its own (expert tensor parallelism 1)",
         ge=1,
     )
     load_balance_coeff: Optional[float] = refused(None, "auxiliary-loss-free load balancing (expert bias)")

@@ -24,8 +24,9 @@ class ModelState:
         self.cfg, self.policy, self.offload = cfg, policy, offload
         groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         # the engine's own planning (``tensor_splits``: this rank's experts, sharded over the ranks holding them)
+        expert_shards = shard_count // expert_parallel  # the ranks holding the same experts (no tensor folding)
         planned = plan_model(
-            model, groups, z, shard_count, tensor_splits=tensor_splits or {}, expert_parallel=expert_parallel
+            model, groups, z, shard_count, tensor_splits=tensor_splits or {}, expert_shard_count=expert_shards
         )
         self.stage, self.shard_count = planned.stage, planned.shard_count
         self.plans, self.frozen_plans = planned.trainable, planned.frozen

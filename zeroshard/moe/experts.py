@@ -8,7 +8,9 @@ A fused experts module holds ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, 
 row to the rank holding its expert and back (:class:`~zeroshard.moe.dispatch.ExpertDispatch`), and computes
 ``down(act(gate) * up)`` per expert, as the one-process module does. Routers, attention and everything else stay
 replicated. Every expert takes part in every step's graph, so an expert that received no token gets a zero
-gradient, never a missing one.
+gradient, never a missing one. When the expert group takes in tensor ranks (AutoEP folded with AutoTP), those ranks
+hold the same tokens: each routes its block of them and the outputs are gathered back over the tensor group, so no
+expert computes a token twice.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
+from ..comm.autograd import gather_from_group, scatter_to_group
 from ..partition import TensorSplit
 from .dispatch import ExpertDispatch
 
@@ -30,10 +33,11 @@ FUSED = ("gate_up_proj", "down_proj")
 class ExpertParallelExperts(torch.nn.Module):
     """This rank's experts of one fused experts module, and the token exchange over the expert-parallel group."""
 
-    def __init__(self, experts: torch.nn.Module, group: comm.Group):
+    def __init__(self, experts: torch.nn.Module, group: comm.Group, sharing_tokens: Optional[comm.Group] = None):
         super().__init__()
         total = experts.gate_up_proj.shape[0]
         self.dispatch = ExpertDispatch(group, total)
+        self.sharing_tokens = sharing_tokens  # tensor ranks holding the same tokens: each routes its block of them
         self.num_experts = self.dispatch.local_experts
         self.num_global_experts = total
         first = group.rank * self.num_experts
@@ -48,12 +52,18 @@ class ExpertParallelExperts(torch.nn.Module):
         return {name: TensorSplit(0, self.dispatch.group.size, axis="ep") for name in FUSED}
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        tokens, shared = hidden_states.shape[0], self.sharing_tokens
+        if shared is not None:  # the expert group spans tensor ranks: each routes its block of their tokens
+            hidden_states = scatter_to_group(hidden_states, shared)
+            top_k_weights = scatter_to_group(top_k_weights, shared)
+            top_k_index = top_k_index.tensor_split(shared.size)[shared.rank]
         rows, per_expert, dispatched = self.dispatch.send(hidden_states, top_k_index)
         outputs = []
         for expert, chunk in enumerate(rows.split(per_expert)):
             gate, up = F.linear(chunk, self.gate_up_proj[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[expert]))
-        return self.dispatch.combine(torch.cat(outputs), top_k_weights, dispatched)
+        combined = self.dispatch.combine(torch.cat(outputs), top_k_weights, dispatched)
+        return combined if shared is None else gather_from_group(combined, shared, dim=0, total=tokens)
 
 
 def is_fused_experts(module: torch.nn.Module) -> bool:
@@ -100,9 +110,16 @@ def find_fused_experts(model: torch.nn.Module, preset: Optional[str] = None) -> 
     return found
 
 
-def shard_experts(model: torch.nn.Module, group: comm.Group, preset: Optional[str] = None) -> dict:
+def shard_experts(
+    model: torch.nn.Module,
+    group: comm.Group,
+    preset: Optional[str] = None,
+    sharing_tokens: Optional[comm.Group] = None,
+) -> dict:
     """Split every fused experts module of ``model`` over ``group`` (in place; every rank must hold the same
-    weights). Returns this rank's expert pieces, each parameter mapped to how the whole tensor is cut."""
+    weights). ``sharing_tokens``: the tensor group, when the expert group spans its ranks (their tokens are the
+    same; each routes its block). Returns this rank's expert pieces, each parameter mapped to how the whole tensor is
+    cut."""
     found = find_fused_experts(model, preset)
     if not found:
         raise ValueError(
@@ -114,7 +131,7 @@ def shard_experts(model: torch.nn.Module, group: comm.Group, preset: Optional[st
         total = module.gate_up_proj.shape[0]
         if total % group.size:
             raise ValueError(f"expert_parallel.autoep_size {group.size} must divide the {total} experts of '{path}'")
-        parallel = ExpertParallelExperts(module, group)
+        parallel = ExpertParallelExperts(module, group, sharing_tokens)
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, parallel)
         pieces.update({getattr(parallel, n): split for n, split in parallel.splits().items()})

@@ -202,6 +202,7 @@ def _resolve(
         sp=sp_size,
         shard_group_size=parsed.zero_optimization.shard_group_size,
         ep=ep_size,
+        experts_span_tensor=parsed.expert_parallel.enabled,  # AutoEP routes the experts: it folds tp into ep
     )
     registered = getattr(mpu, "mesh", None)
     if isinstance(registered, comm.Mesh) and registered.dims == dims:  # the mesh built once, at registration

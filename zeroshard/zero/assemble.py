@@ -51,12 +51,12 @@ def _module_paths(model: torch.nn.Module, modules) -> tuple[str, ...]:
     return tuple(m if isinstance(m, str) else paths[id(m)] for m in modules)
 
 
-def _plan(model, param_groups, z, *, shard_group, gather_unit_classes, leaf_modules, tensor_splits, ep: int):
+def _plan(model, param_groups, z, *, shard_group, gather_unit_classes, leaf_modules, tensor_splits, expert_shards: int):
     """The model's flat groups and gather units (:func:`.planning.plan_model`) from the config's and the caller's
     unit classes and leaf modules."""
     classes = frozenset(c if isinstance(c, str) else c.__name__ for c in gather_unit_classes or ())
     leaves = _module_paths(model, leaf_modules)
-    return plan_model(model, param_groups, z, shard_group.size, classes, leaves, tensor_splits, ep)
+    return plan_model(model, param_groups, z, shard_group.size, classes, leaves, tensor_splits, expert_shards)
 
 
 def build_zero_stack(
@@ -74,16 +74,16 @@ def build_zero_stack(
 ) -> ZeroStack:
     """Plan and build the stack for ``model``'s ``param_groups`` (each ``{"params": [...], ...}``) under ``config``
     (the resolved ``ZeroshardConfig``); ``make_optimizer`` builds the torch optimizer over the master shards.
-    ``tensor_splits`` maps the parameters split over the mesh's tensor-parallel group, and this rank's experts
-    (split over its expert group), to how they are cut (each flat group's slots carry it): ZeRO runs inside the
-    gradient group, on each rank's pieces; groups of experts shard and reduce over the ranks holding the same
-    experts, divided by the whole data-parallel size as every gradient is."""
+    ``tensor_splits`` maps the parameters split over the tensor group, and this rank's experts, to how they are cut
+    (each flat group's slots carry it): ZeRO runs inside the gradient group, on each rank's pieces; groups of experts
+    shard and reduce over the ranks holding them, divided by the whole data-parallel size as every gradient is."""
     z = config.zero_optimization
     stage = StagePolicy.for_stage(z.stage)
     # stage 0 reduces over the whole data-parallel group; sharded stages over the shard group inside it
     shard_group = mesh.shard if stage.partition_optimizer else mesh.gradient
     plan = _plan(model, param_groups, z, shard_group=shard_group, gather_unit_classes=gather_unit_classes,
-                 leaf_modules=leaf_modules, tensor_splits=tensor_splits, ep=mesh.dims.ep)  # fmt: skip
+                 leaf_modules=leaf_modules, tensor_splits=tensor_splits,
+                 expert_shards=mesh.expert_shard.size)  # fmt: skip
     if stage.partition_params:
         _log_units(plan)
     records = ParamRecords()
@@ -139,10 +139,13 @@ def _gradient_side(model, plan, flats, frozen, state, *, mesh, placement, stage,
 
 def _norm_axes(mesh: comm.Mesh, stage: StagePolicy) -> NormAxes:
     """The gradient norm's groups: over the shard group (sharded stages), then tensor-parallel pieces over the tensor
-    group and, at stage 0 (each rank holds its experts' whole gradients), experts over the expert group."""
+    group and, at stage 0 (each rank holds its experts' whole gradients), experts over the expert group; sharded,
+    experts whose group spans tensor ranks hold different shards on those too (the tensor group)."""
     split = {"tp": mesh.tensor} if mesh.tensor.size > 1 else {}
     if mesh.expert.size > 1 and not stage.partition_optimizer:
         split["ep"] = mesh.expert
+    elif mesh.dims.ep_in_tp > 1:
+        split["ep"] = mesh.tensor
     return NormAxes(shard=mesh.shard if stage.partition_optimizer else None, split=split)
 
 

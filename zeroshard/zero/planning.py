@@ -211,14 +211,13 @@ def plan_model(
     gather_unit_classes: frozenset = frozenset(),
     leaf_paths: tuple[str, ...] = (),
     tensor_splits: Mapping = MappingProxyType({}),
-    expert_parallel: int = 1,
+    expert_shard_count: int = 1,
 ) -> ModelPlan:
     """Plan ``model``'s flat groups for ``param_groups`` under ``zero_config`` (the ``zero_optimization`` block) with
     shard groups of ``shard_count`` ranks; ``gather_unit_classes`` adds to the block's unit classes and
     ``leaf_paths`` to its leaf modules (stage 3); ``tensor_splits`` maps the parameters split over a
-    tensor-parallel group (this rank holds a piece) or an expert-parallel group of ``expert_parallel`` ranks (this
-    rank's experts, sharded over the ``shard_count / expert_parallel`` ranks holding the same ones) to how they are
-    cut."""
+    tensor-parallel group (this rank holds a piece) or an expert-parallel group (this rank's experts, sharded over
+    the ``expert_shard_count`` ranks holding the same ones, ``comm.Mesh.expert_shard``) to how they are cut."""
     z = zero_config
     stage = StagePolicy.for_stage(z.stage)
     param_names = {p: name for name, p in model.named_parameters()}
@@ -248,10 +247,8 @@ def plan_model(
     units = [u.params for u in unit_plans]
     trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent, tensor_splits)
     frozen = plan_frozen_groups(units, persistent, tensor_splits) if stage.partition_params else []
-    if stage.partition_optimizer and shard_count % expert_parallel:
-        raise ValueError(f"expert parallelism over {expert_parallel} ranks must divide the {shard_count} shard ranks")
     count = shard_count if stage.partition_optimizer else 1
-    experts = shard_count // expert_parallel if stage.partition_optimizer else 1
+    experts = expert_shard_count if stage.partition_optimizer else 1
     layouts = plan_layouts([*trainable, *frozen], param_names, count, tensor_splits, experts)
     return ModelPlan(stage, unit_plans, persistent, trainable, frozen, layouts, count, experts)
 

@@ -65,7 +65,7 @@ class NormAxes:
     gradient (None: every rank holds it whole, stage 0). ``split``: per split axis (``FlatLayout.split_axis``), the
     group over which those flat groups hold different pieces beyond ``shard`` (the others are replicated there:
     counted once): ``tp`` the tensor group; ``ep`` the expert group at stage 0 (sharded stages spread the experts'
-    shards over ``shard`` already)."""
+    shards over ``shard`` already, and over the tensor group when the expert group spans it)."""
 
     shard: Optional[comm.Group] = None
     split: Mapping[str, comm.Group] = field(default_factory=dict)

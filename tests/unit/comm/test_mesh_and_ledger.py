@@ -134,17 +134,45 @@ def test_a_groups_counterpart_of_a_rank_shares_its_coordinates_along_the_group()
         Group("gradient", (1, 3), None).counterpart(0)
 
 
-def test_experts_compose_with_tensor_parallelism():
-    """EP=2 x TP=2 on 8 ranks: the tensor ranks (consecutive) hold the same experts; an expert group is the two data
-    ranks of one tensor position that split them; the ranks holding the same experts are the other data ranks of
-    that position. On 2 ranks TP=2 leaves one data rank, which 2 expert ranks cannot divide: the error says so."""
+def test_autoep_folds_the_tensor_ranks_into_expert_groups_as_deepspeed_lays_them_out():
+    """AutoEP with AutoTP: every layout DeepSpeed 0.19.8's folding lays out (its own tables, written by
+    ``tests/fixtures/deepspeed_autoep_folding/make.py`` from its source) has the same tensor, dense data-parallel,
+    expert and expert-data groups here; the experts shard over the ranks holding the same ones."""
+    import json
+    import pathlib
+
+    fixture = pathlib.Path(__file__).parents[2] / "fixtures" / "deepspeed_autoep_folding" / "tables.json"
+    tables = json.loads(fixture.read_text())["tables"]
+    assert len(tables) == 11
+    for t in tables:
+        dims = ParallelDims.for_world(t["world"], tp=t["tp"], ep=t["ep"], experts_span_tensor=True)
+        got = [dims.derived(name) for name in ("tensor", "gradient", "expert", "expert_gradient", "expert_shard")]
+        assert got == [t["tp_groups"], t["dense_dp_groups"], t["ep_groups"], t["edp_groups"], t["edp_groups"]], t
+        assert dims.edp * dims.tp // dims.ep_in_tp == t["edp"]
+        assert [dims.coordinate(r, "ep") for r in range(t["world"])] == [
+            next(g.index(r) for g in t["ep_groups"] if r in g) for r in range(t["world"])
+        ]
+        assert all(dims.rank_at(g[0], ep=e) == r for g in t["ep_groups"] for e, r in enumerate(g))
+
+
+def test_experts_a_model_declares_stay_whole_on_each_tensor_rank():
+    """Expert parameters a model declares (DeepSpeed's MoE layer, tagged tensors) are computed by the client's code
+    on every token a rank holds: EP=2 x TP=2 on 8 ranks keeps the tensor ranks (consecutive) holding the same
+    experts, an expert group the two data ranks of one tensor position. On 2 ranks TP=2 leaves one data rank, which
+    2 expert ranks cannot divide (AutoEP folds them into the tensor group instead). Sizes that would cut a tensor
+    group across expert groups are refused by both keys."""
     dims = ParallelDims.for_world(8, tp=2, ep=2)
-    assert (dims.dp_shard, dims.edp, dims.tp) == (4, 2, 2)
+    assert (dims.dp_shard, dims.edp, dims.tp, dims.ep_in_tp) == (4, 2, 2, 1)
     assert dims.derived("tensor") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert dims.derived("expert") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert dims.derived("expert_shard") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(ValueError, match="autoep_size 2 must divide the 1 data-parallel ranks"):
         ParallelDims.for_world(2, tp=2, ep=2)
+    assert ParallelDims.for_world(2, tp=2, ep=2, experts_span_tensor=True).derived("expert") == [[0, 1]]
+    with pytest.raises(ValueError, match="autoep_size 3 with tensor_parallel.autotp_size 2: an expert group"):
+        ParallelDims.for_world(6, tp=2, ep=3, experts_span_tensor=True)
+    with pytest.raises(ValueError, match="ep_in_tp=2 must divide both ep=3 and tp=2"):
+        ParallelDims(dp_shard=3, tp=2, ep=3, ep_in_tp=2)
 
 
 def test_experts_compose_with_sequence_parallelism_and_hybrid_sharding():
