@@ -73,7 +73,20 @@ def collectives_worker() -> dict:
         sums[group.name] = (group.ranks, value.item())
     out["axes"] = (sums, axes.data_parallel_size, axes.tensor.size)
     comm.destroy_mesh(axes)
+    out["blocks"] = _blocks_through_autograd(mesh.world, rank)
     return out
+
+
+def _blocks_through_autograd(group, rank: int) -> tuple:
+    """A 7-row tensor the ranks share, cut into blocks (2, 2, 2, 1 rows), each block scaled by its rank + 1 and the
+    blocks joined back, then a weighted sum of the result differentiated: (joined, the shared tensor's gradient)."""
+    from zeroshard.comm.autograd import gather_from_group, scatter_to_group
+
+    shared = torch.arange(21.0).view(7, 3).requires_grad_()
+    block = scatter_to_group(shared, group) * (rank + 1)
+    joined = gather_from_group(block, group, dim=0, total=7)
+    (joined * torch.linspace(-1, 1, 21).view(7, 3)).sum().backward()
+    return joined.detach(), shared.grad
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +143,16 @@ def test_ledger_counts_the_bytes_each_rank_sends(per_rank):
         calls = {"all_gather": 2, "reduce_scatter": 2}[op]
         assert ledger[f"{op}/world"] == (2 * calls + 3, pytest.approx(calls * world + world_concurrent))
         assert ledger[f"{op}/shard"] == (2 * calls, pytest.approx(calls * shard))
+
+
+def test_rows_cut_into_uneven_blocks_and_joined_back_differentiate_like_one_process(per_rank):
+    """``scatter_to_group`` / ``gather_from_group`` along rows (an expert group spanning tensor ranks routes
+    ``T / tp`` rows each): 7 rows over 4 ranks as ``torch.tensor_split`` cuts them; the joined tensor and the
+    shared tensor's gradient equal one process scaling each block by its rank + 1."""
+    shared = torch.arange(21.0).view(7, 3).requires_grad_()
+    scale = torch.cat([torch.full((len(b), 1), r + 1.0) for r, b in enumerate(torch.arange(7).tensor_split(WORLD))])
+    expected = shared * scale
+    (expected * torch.linspace(-1, 1, 21).view(7, 3)).sum().backward()
+    for joined, grad in (got["blocks"] for got in per_rank):
+        assert torch.equal(joined, expected.detach())
+        assert torch.equal(grad, shared.grad)
