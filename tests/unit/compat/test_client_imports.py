@@ -39,7 +39,6 @@ NOT_ENGINE_CALLS = {
 # names of features zeroshard does not build: importable, refused when used
 NOT_BUILT = [
     "deepspeed.pipe.PipelineModule",
-    "deepspeed.pipe.LayerSpec",
     "deepspeed.ops.sparse_attention.SparseSelfAttention",
     "deepspeed.ops.sparse_attention.BertSparseSelfAttention",
     "deepspeed.ops.deepspeed4science.DS4Sci_EvoformerAttention",

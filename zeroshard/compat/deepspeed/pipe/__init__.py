@@ -1,10 +1,13 @@
-"""``deepspeed.pipe``: pipeline parallelism is not built in zeroshard (ZeRO, tensor and sequence parallelism are)."""
+"""``deepspeed.pipe``: layer specifications are zeroshard's (``zeroshard.pipe``); the pipeline engine that runs a
+``PipelineModule`` is not built yet, so constructing one is refused by name."""
 
+from ....pipe import LayerSpec, TiedLayerSpec
 from .._not_built import not_built
 
-_WHY = "pipeline parallelism is not built; ZeRO-3 with tensor or sequence parallelism covers large models"
-PipelineModule = not_built("deepspeed.pipe.PipelineModule", _WHY)
-LayerSpec = not_built("deepspeed.pipe.LayerSpec", _WHY)
-TiedLayerSpec = not_built("deepspeed.pipe.TiedLayerSpec", _WHY)
+PipelineModule = not_built(
+    "deepspeed.pipe.PipelineModule",
+    "the pipeline engine is not built yet (layer specifications, topologies, partitions and the 1F1B order are: "
+    "zeroshard.pipe); ZeRO-3 with tensor or sequence parallelism covers large models",
+)
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]

@@ -6,6 +6,7 @@ from . import (
     config,
     engine,
     lr_schedules,
+    pipe,
     sequence_parallel,
     swap_tensor,
     utils,
@@ -13,6 +14,6 @@ from . import (
 )
 
 __all__ = [
-    "base_optimizer", "checkpoint_engine", "config", "engine", "lr_schedules", "sequence_parallel", "swap_tensor",
-    "utils", "zero",
+    "base_optimizer", "checkpoint_engine", "config", "engine", "lr_schedules", "pipe", "sequence_parallel",
+    "swap_tensor", "utils", "zero",
 ]  # fmt: skip

@@ -1,0 +1,59 @@
+"""DeepSpeed's process topologies: every rank's coordinates, the groups along each axis, ``filter_match`` and the
+checkpoint names equal what DeepSpeed 0.19.8 answers (``tests/fixtures/deepspeed_pipe``); bad input is a named
+error."""
+
+import json
+import pathlib
+
+import pytest
+
+from zeroshard.pipe import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
+
+EXPECTED = json.loads((pathlib.Path(__file__).parents[2] / "fixtures" / "deepspeed_pipe" / "expected.json").read_text())
+KINDS = {"pipe_data": PipeDataParallelTopology, "pipe_model_data": PipeModelDataParallelTopology}
+
+
+@pytest.mark.parametrize("record", EXPECTED["topologies"], ids=lambda r: f"{r['kind']}{r['sizes']}")
+def test_topologies_number_ranks_as_deepspeed_does(record):
+    topo = KINDS[record["kind"]](*record["sizes"])
+    ranks = range(topo.world_size())
+    assert [list(topo.get_coord(r)) for r in ranks] == record["coords"]
+    assert {axis: topo.get_axis_comm_lists(axis) for axis in topo.get_axis_names()} == record["comm_lists"]
+    assert topo.filter_match(pipe=0) == record["filter_pipe0"]
+    assert topo.filter_match(data=min(1, topo.get_dim("data") - 1)) == record["filter_data1"]
+    assert [topo.get_rank_repr(r) for r in ranks] == record["repr"]
+    assert [topo.get_rank_repr(r, omit_axes=[]) for r in ranks] == record["repr_all"]
+    assert all(topo.get_rank(**topo.get_coord(r)._asdict()) == r for r in ranks)
+
+
+def test_gpt_neox_reads_coordinates_by_axis_name():
+    """gpt-neox: ``topo.get_coord(rank).pipe``, ``get_dim("model")``, an axis the topology lacks is size 0 and has
+    no groups."""
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    coord = topo.get_coord(6)
+    assert (coord.pipe, coord.data, coord.model) == (1, 1, 0)
+    assert (topo.get_dim("model"), topo.get_dim("sequence")) == (2, 0)
+    assert topo.get_axis_comm_lists("sequence") == []
+    assert topo.get_axis_list("pipe", 1) == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: ProcessTopology(["pipe", "pipe"], [2, 2]), "distinct axis names"),
+        (lambda: ProcessTopology(["pipe"], [2, 2]), "distinct axis names"),
+        (lambda: ProcessTopology(["pipe; rm -rf /"], [2]), "identifiers"),
+        (lambda: ProcessTopology(["pipe"], [0]), "positive ints"),
+        (lambda: ProcessTopology(["pipe"], [True]), "positive ints"),
+        (lambda: ProcessTopology(["pipe"], [2.0]), "positive ints"),
+        (lambda: PipeDataParallelTopology(2, 2).get_rank(pipe=0), "every axis"),
+        (lambda: PipeDataParallelTopology(2, 2).get_rank(pipe=0, data=2), "outside"),
+        (lambda: PipeDataParallelTopology(2, 2).get_rank(pipe=-1, data=0), "outside"),
+        (lambda: PipeDataParallelTopology(2, 2).get_coord(4), "not found"),
+        (lambda: PipeDataParallelTopology(2, 2).get_coord(float("nan")), "not found"),
+        (lambda: PipeDataParallelTopology(2, 2).filter_match(model=0), "unknown axes"),
+    ],
+)
+def test_bad_topology_input_is_a_named_error(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
