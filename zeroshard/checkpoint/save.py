@@ -45,8 +45,7 @@ def _writes_flat(state: TrainingState, flat) -> bool:
     """One copy of each shard: replica 0 of a sharded group, the first rank of the group holding a replicated one
     (the data-parallel ranks; for experts, the ranks holding the same experts); of a flat group replicated over the
     tensor-parallel group, tensor-parallel rank 0's only (experts are not when their group spans tensor ranks)."""
-    axis, dims = flat.layout.split_axis, state.mesh.dims
-    if state.mesh.tensor.rank > 0 and axis != "tp" and not (axis == "ep" and dims.ep_in_tp > 1):
+    if state.mesh.tensor.rank > 0 and not state.mesh.dims.splits_over_tensor(flat.layout.split_axis):
         return False
     if flat.partitioned:
         return state.mesh.replica.rank == 0 if state.mesh.replica.size > 1 else True

@@ -99,6 +99,11 @@ class ParallelDims:
                 f"data-parallel size dp_shard={self.dp_shard}: expert groups are made of data-parallel ranks"
             )
 
+    def splits_over_tensor(self, axis: Optional[str]) -> bool:
+        """Whether pieces along split axis ``axis`` (``TensorSplit.axis``; None: replicated) differ between the ranks
+        of a tensor group: tensor-parallel pieces do, experts when the expert group takes in tensor ranks."""
+        return axis == "tp" or (axis == "ep" and self.ep_in_tp > 1)
+
     @property
     def ep_data(self) -> int:
         """The data-parallel ranks of one expert group."""

@@ -144,7 +144,7 @@ def _norm_axes(mesh: comm.Mesh, stage: StagePolicy) -> NormAxes:
     split = {"tp": mesh.tensor} if mesh.tensor.size > 1 else {}
     if mesh.expert.size > 1 and not stage.partition_optimizer:
         split["ep"] = mesh.expert
-    elif mesh.dims.ep_in_tp > 1:
+    elif mesh.dims.splits_over_tensor("ep"):
         split["ep"] = mesh.tensor
     return NormAxes(shard=mesh.shard if stage.partition_optimizer else None, split=split)
 
