@@ -56,7 +56,7 @@ class ExpertParallelExperts(torch.nn.Module):
         if shared is not None:  # the expert group spans tensor ranks: each routes its block of their tokens
             hidden_states = scatter_to_group(hidden_states, shared)
             top_k_weights = scatter_to_group(top_k_weights, shared)
-            top_k_index = top_k_index.tensor_split(shared.size)[shared.rank]
+            top_k_index = scatter_to_group(top_k_index, shared)
         rows, per_expert, dispatched = self.dispatch.send(hidden_states, top_k_index)
         outputs = []
         for expert, chunk in enumerate(rows.split(per_expert)):

@@ -129,7 +129,7 @@ def _apply_expert_parallel(model: torch.nn.Module, cfg, mesh: comm.Mesh, materia
     if mesh.expert.size == 1:  # every expert local (DeepSpeed's autoep_size 1): the model stays as it is
         find_fused_experts(model, settings.preset_model)
         return {}
-    spans_tensor = mesh.dims.ep_in_tp > 1  # AutoEP folded with AutoTP: the tensor ranks route their own tokens
+    spans_tensor = mesh.dims.splits_over_tensor("ep")  # AutoEP folded with AutoTP: tensor ranks route their own tokens
     pieces = shard_experts(model, mesh.expert, settings.preset_model, mesh.tensor if spans_tensor else None)
     log_rank0(
         f"expert parallelism: {len(pieces)} expert tensors split over {mesh.expert.size} ranks"
