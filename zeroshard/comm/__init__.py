@@ -17,8 +17,10 @@ from .collectives import (
     all_reduce,
     barrier,
     broadcast,
+    recv,
     reduce_scatter,
     reduce_scatter_scratch_numel,
+    send,
 )
 from .compressed import OneBitAllReduce, compressed_all_gather, compressed_all_reduce, compressed_reduce_scatter
 from .context import DEFAULT_CONTEXT, CommContext
@@ -32,6 +34,8 @@ from .mesh import (
     build_mesh,
     destroy_mesh,
     planned_group,
+    release_groups,
+    stages_group,
     tensor_parallel_group,
 )
 
@@ -82,6 +86,10 @@ __all__ = [
     "log_summary",
     "planned_group",
     "process_group",
+    "recv",
+    "release_groups",
+    "send",
+    "stages_group",
     "solo_group",
     "world_group",
     "reduce_scatter",

@@ -39,7 +39,14 @@ parameters:
   sum is divided by the whole data-parallel size, as dense gradients are, so an expert's update does not depend on
   ``ep``).
 
-Pipeline parallelism (``pp``) has its field; a size above 1 is refused until it lands.
+Pipeline parallelism (``pp``) is outermost: each of its ``pp`` blocks of consecutive ranks runs one stage of the
+model (DeepSpeed's ``PipeDataParallelTopology`` lays ranks out the same way), and every group above lies inside one
+stage. Two more groups:
+
+- ``pipe`` (pp): the ranks holding the successive stages of one copy of the model (they exchange activations and
+  gradients, and complete the gradient norm);
+- ``stage`` (everything but pp): the ranks holding one stage, each one part of it (the whole world without
+  pipelining): the ranks that start with the same weights.
 """
 
 from __future__ import annotations
@@ -67,6 +74,8 @@ DERIVED = {
     "expert": ("ep",),
     "expert_shard": ("edp", "sp"),
     "expert_gradient": ("dp_replicate", "edp", "sp"),
+    "pipe": ("pp",),
+    "stage": ("dp_replicate", "dp_shard", "sp", "tp"),
 }
 ROUTING_DIFFERENT_TOKENS = ("expert_shard", "expert_gradient")  # take in tp_rest when the expert group spans tp
 
@@ -89,8 +98,6 @@ class ParallelDims:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel dimension {name} must be a positive int, got {value!r}")
-        if self.pp > 1:
-            raise ValueError(f"pipeline parallelism (pp={self.pp}) is not available yet")
         if self.ep % self.ep_in_tp or self.tp % self.ep_in_tp:
             raise ValueError(f"ep_in_tp={self.ep_in_tp} must divide both ep={self.ep} and tp={self.tp}")
         if self.dp_shard % self.ep_data:
@@ -124,6 +131,7 @@ class ParallelDims:
         shard_group_size: Optional[int] = None,
         ep: int = 1,
         experts_span_tensor: bool = False,
+        pp: int = 1,
         tp_key: str = "tensor_parallel.autotp_size",
         ep_key: str = "expert_parallel.autoep_size",
     ) -> ParallelDims:
@@ -132,7 +140,9 @@ class ParallelDims:
         the data x sequence ranks otherwise) and the expert-parallel size (``ep_key``: what set it).
         ``experts_span_tensor``: zeroshard routes the experts (AutoEP), so an expert group takes in ``min(ep, tp)``
         tensor ranks. Each mismatch is an error naming its key (``tp_key``: inference's
-        ``tensor_parallel.tp_size``)."""
+        ``tensor_parallel.tp_size``). ``pp`` pipeline stages each take ``world_size / pp`` consecutive ranks; the
+        other sizes are of one stage's ranks."""
+        world_size = _ranks_per_stage(world_size, pp)
         for key, size in ((tp_key, tp), ("sequence_parallel_size", sp)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
                 raise ValueError(
@@ -164,9 +174,8 @@ class ParallelDims:
                 f"{ep_key} {ep}{spanned} must divide the {shard // sp} data-parallel ranks of a shard group: expert "
                 f"groups are made of data-parallel ranks (launch a multiple of {ep} processes)"
             )
-        return cls(
-            dp_replicate=data_and_sequence // shard, dp_shard=shard // sp, sp=sp, tp=tp, ep=ep, ep_in_tp=ep_in_tp
-        )
+        data_replicas = data_and_sequence // shard
+        return cls(dp_replicate=data_replicas, dp_shard=shard // sp, sp=sp, tp=tp, ep=ep, pp=pp, ep_in_tp=ep_in_tp)
 
     @property
     def world_size(self) -> int:
@@ -242,6 +251,15 @@ class ParallelDims:
         return self.groups(DERIVED[name] + (("tp_rest",) if spans else ()))
 
 
+def _ranks_per_stage(world_size: int, pp: int) -> int:
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or world_size % pp:
+        raise ValueError(
+            f"pipeline stages {pp} must divide the number of ranks {world_size} (DeepSpeed's num_stages / "
+            f"pipeline.stages): launch a multiple of {pp} processes"
+        )
+    return world_size // pp
+
+
 def _tensor_ranks_per_expert_group(ep: int, tp: int, ep_key: str) -> int:
     """How many tensor ranks an expert group of ``ep`` consecutive ranks takes in: all ``tp`` (``ep`` a multiple of
     ``tp``) or ``ep`` of them (``ep`` dividing ``tp``); other sizes would cut tensor groups across expert groups."""
@@ -268,6 +286,8 @@ class Mesh:
     expert: Group
     expert_shard: Group
     expert_gradient: Group
+    pipe: Group
+    stage: Group
     sequence_adopted: bool = False  # built before the mesh (register_with_transformers): its owner tears it down
     registered: bool = False  # built by register_with_transformers for the engines run on it: none tears it down
 
@@ -332,8 +352,8 @@ def build_mesh(
     context = context or DEFAULT_CONTEXT.child()
     groups = build_groups(dims, tuple(name for name in DERIVED if name != "sequence" or sequence is None), context)
     world = Group("world", tuple(range(world_size)), None, context)
-    for name in ("gradient", "expert_gradient"):
-        if groups[name].size == world_size:  # without tensor (expert) parallelism it is the world (the ledger says so)
+    for name in ("gradient", "expert_gradient", "stage"):
+        if groups[name].size == world_size:  # without tensor (expert, pipeline) parallelism it is the world
             groups[name] = world
     return Mesh(
         dims=dims,
@@ -343,6 +363,24 @@ def build_mesh(
         registered=registered,
         **groups,
     )
+
+
+def stages_group(mesh: Mesh, stages: tuple[int, ...], name: str) -> Optional[Group]:
+    """The ranks at pipeline ``stages`` of this rank's pipe group (the copies of a module those stages share: a tied
+    embedding), as a group; None when this rank's stage is not among them. A collective call: every rank makes the
+    same calls in the same order (one process group per pipe group). Released by :func:`release_groups`."""
+    parts = tuple(tuple(pipe[s] for s in stages) for pipe in mesh.dims.derived("pipe"))
+    handles = [dist.new_group(list(part)) if len(part) > 1 else None for part in parts]
+    mine = next((k for k, part in enumerate(parts) if get_rank() in part), None)
+    return None if mine is None else Group(name, parts[mine], handles[mine], mesh.context, partition=parts)
+
+
+def release_groups(groups) -> None:
+    """Tear down the process groups of ``groups`` (made by :func:`stages_group`; the default group stays)."""
+    if dist.is_initialized():
+        for group in groups:
+            if group is not None and group.handle is not None:
+                dist.destroy_process_group(group.handle)
 
 
 def planned_group(name: str, size: int) -> Group:
@@ -370,6 +408,8 @@ def destroy_mesh(mesh: Mesh) -> None:
             mesh.expert,
             mesh.expert_shard,
             mesh.expert_gradient,
+            mesh.pipe,
+            mesh.stage,
         )
     }
     for handle in handles.values():

@@ -383,6 +383,31 @@ class CompileConfig(Section):
     deepcompile: bool = refused(False, "DeepCompile (compiler passes for ZeRO) is not implemented")
 
 
+class PipelineConfig(Section):
+    """DeepSpeed's ``pipeline`` block, read when the model is a ``PipelineModule`` (the module's own arguments decide
+    its stages and partition, as in DeepSpeed). ``stages`` must match the module's; ``activation_checkpoint_interval``
+    > 0 sets the module's; ``use_reentrant: false`` makes its checkpoint function torch's non-reentrant one (the
+    default of zeroshard's ``PipelineModule`` already). ``pipe_partitioned`` / ``grad_partitioned`` cut activations
+    and gradients over a tensor-parallel group, which pipelines here do not have: no effect."""
+
+    stages: Optional[int] = None  # "auto" (DeepSpeed's default): the module's
+    partition: str = "best"
+    seed_layers: bool = False
+    activation_checkpoint_interval: int = Field(0, ge=0)
+    pipe_partitioned: bool = satisfied(True, "activations are split only over a tensor-parallel group (none here)")
+    grad_partitioned: bool = satisfied(True, "gradients are split only over a tensor-parallel group (none here)")
+    use_reentrant: Optional[bool] = None
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _stages(cls, value):
+        if value == "auto":
+            return None
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError("must be 'auto' or a positive integer")
+        return value
+
+
 class TensorParallelLayerSpec(Section):
     """One ``tensor_parallel.partition_config.layer_specs`` entry (DeepSpeed's ``TPLayerSpec``): the modules whose
     name (or ``<name>.weight``) a pattern matches are split as ``partition_type`` (``skip``: replicated)."""
@@ -562,7 +587,6 @@ class DataTypesConfig(Section):
 UNSUPPORTED_FEATURE_BLOCKS = {
     "autotuning": True,
     "data_efficiency": True,
-    "pipeline": True,
     "hybrid_engine": True,
     "weight_quantization": True,
     "datastates_ckpt": True,
@@ -658,7 +682,7 @@ class ZeroshardConfig(Section):
     data_efficiency: Optional[dict[str, Any]] = None
     curriculum_learning: Optional[dict[str, Any]] = None
     sparse_attention: Optional[dict[str, Any]] = None
-    pipeline: Optional[dict[str, Any]] = None
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     amp: Optional[dict[str, Any]] = None
     progressive_layer_drop: Optional[dict[str, Any]] = None
     eigenvalue: Optional[dict[str, Any]] = None

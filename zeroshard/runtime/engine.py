@@ -169,21 +169,25 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         return value.to(self.device)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        started = time.perf_counter()
-        self.stack.refuse_if_offloaded("backward")
         scale = self.stack.loss_scale
         if scale_wrt_gas:
             scale /= self.batch.gradient_accumulation_steps
-        scaled = loss.float() * scale
-        self.stack.begin_backward(self.is_gradient_accumulation_boundary(), scaled)
         self._last_loss = loss.detach()
-        scaled.backward(retain_graph=retain_graph)
+        self._backward_from([loss.float() * scale], None, self.is_gradient_accumulation_boundary(), retain_graph)
+        return loss
+
+    def _backward_from(self, tensors: list, grads: Optional[list], boundary: bool, retain_graph: bool = False) -> None:
+        """Backward from ``tensors`` (the scaled loss, or a pipeline stage's outputs with the gradients the next stage
+        sent back) through the stack's hooks; ``boundary``: it ends a gradient accumulation (the reductions run)."""
+        started = time.perf_counter()
+        self.stack.refuse_if_offloaded("backward")
+        self.stack.begin_backward(boundary, tensors[0])
+        torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
         self.reporting.sample_memory()
         reduce_started = time.perf_counter()
         self.stack.end_backward(graph_retained=retain_graph)
         self.reporting.timers["backward"] += reduce_started - started
         self.reporting.timers["reduce_wait"] += time.perf_counter() - reduce_started
-        return loss
 
     def step(self) -> None:
         if self._in_no_sync:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import warnings
 from typing import Any, Callable, Optional
 
@@ -17,6 +18,7 @@ from ..config import AutoContext, Resolution, model_hidden_size, parse_config, r
 from ..log import log_as_launched, log_rank0, logger
 from ..offload import OffloadPlan
 from ..optim import build_schedule
+from ..pipe import PipelineModule
 from ..precision import PrecisionPolicy
 from ..zero import Placement, ZeroOptimizer, ZeroStack, build_zero_stack
 from ..zero.materialize import Materializer, has_meta_parameters, pending_seed, release_pending
@@ -25,6 +27,8 @@ from . import activation_checkpointing
 from .engine import ZeroshardEngine
 from .optimizer_recipe import OptimizerArg, optimizer_recipe
 from .parallelize import expert_parallel_size, parallelize, refuse_experts_split_by_transformers, tensor_parallel_size
+from .pipeline_engine import PipelineEngine
+from .pipeline_setup import pipeline_stages, start_ties_equal, tie_pipeline_stages
 from .sampler import ResumableDistributedSampler
 
 
@@ -196,6 +200,7 @@ def _resolve(
     tp_size = tensor_parallel_size(model, parsed.tensor_parallel)
     sp_size, sequence = _sequence_parallel(mpu, parsed)
     ep_size = expert_parallel_size(model, parsed.expert_parallel)
+    pp_size = pipeline_stages(model, parsed, tp=tp_size, sp=sp_size, ep=ep_size)
     dims = comm.ParallelDims.for_world(
         comm.get_world_size(),
         tp=tp_size,
@@ -203,6 +208,7 @@ def _resolve(
         shard_group_size=parsed.zero_optimization.shard_group_size,
         ep=ep_size,
         experts_span_tensor=parsed.expert_parallel.enabled,  # AutoEP routes the experts: it folds tp into ep
+        pp=pp_size,
     )
     registered = getattr(mpu, "mesh", None)
     if isinstance(registered, comm.Mesh) and registered.dims == dims:  # the mesh built once, at registration
@@ -240,7 +246,7 @@ def _finish_parameters(model, materialize, placement: Placement, stack: ZeroStac
     release_pending(model.parameters())  # also those a gather materialized before initialize (HF's loading)
     for param in model.parameters():
         split = pieces.get(param)
-        group = mesh.piece_holders[split.axis] if split is not None else mesh.world
+        group = mesh.piece_holders[split.axis] if split is not None else mesh.stage
         stack.records.adopt(param, whole=stack.stage3 is None, holders=group)
 
 
@@ -296,15 +302,23 @@ def _auto_resume(engine: ZeroshardEngine) -> None:
     log_rank0(f"auto_resume: resumed from {path} at step {engine.global_steps} ({point.why})")
 
 
+def _engine_class(model: torch.nn.Module, ties: dict):
+    """The engine a model gets: a pipeline's (with its tie groups) for a ``PipelineModule``."""
+    return functools.partial(PipelineEngine, ties=ties) if isinstance(model, PipelineModule) else ZeroshardEngine
+
+
 def _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, units) -> tuple:
     """The model placed, split over the mesh's tensor and expert dimensions and sharded by the ZeRO stack over the
     optimizer the client gave or the config names (``units``: the extra gather-unit classes and leaf modules; a
     stack without an optimizer when neither names one); returns the stack, each split parameter's split and the
-    placement (device, precision, offload)."""
+    placement (device, precision, offload), and a pipeline's tied modules (key -> the group of the stages holding
+    them), started from the first stage's weights."""
     placement = _placement(cfg)
     materialize = _materializer(model, pretrained, mesh.world, placement.device)
     _move_module(model, placement.device, placement.policy.compute)
     pieces = parallelize(model, cfg, mesh, materialize)
+    ties = tie_pipeline_stages(model, mesh)
+    tied = start_ties_equal(model, ties)
     if optimizer is None and cfg.optimizer is None:
         stack = ZeroStack.without_optimizer(placement.device)
     else:
@@ -320,9 +334,10 @@ def _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, unit
             gather_unit_classes=units[0],
             leaf_modules=units[1],
             tensor_splits=pieces,
+            tied=tied,
         )
     _finish_parameters(model, materialize, placement, stack, mesh, pieces)
-    return stack, pieces, placement
+    return stack, pieces, placement, ties
 
 
 def initialize(
@@ -364,11 +379,11 @@ def initialize(
     if cfg.log_level is not None:  # DeepSpeed's log_level sets its logger's level; handlers stay the program's
         logger.setLevel(cfg.log_level.upper())
     units = (gather_unit_classes, leaf_modules)
-    stack, pieces, placement = _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, units)
+    stack, pieces, placement, ties = _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, units)
     view = ZeroOptimizer(stack) if isinstance(stack, ZeroStack) else None  # the clients' torch.optim view of it
     scheduler = _build_scheduler(lr_scheduler, cfg, view)
     dataloader = _build_dataloader(training_data, resolution, mesh, collate_fn)
-    engine = ZeroshardEngine(
+    engine = _engine_class(model, ties)(
         model,
         stack,
         scheduler,

@@ -84,7 +84,7 @@ def _apply_tensor_parallel(model: torch.nn.Module, cfg, mesh: comm.Mesh, materia
     parallelism)."""
     if mesh.tensor.size > 1:
         return _split_over_tensor_group(model, cfg, mesh, materialize)
-    broadcast_module(model, mesh.world, skip)
+    broadcast_module(model, mesh.stage, skip)
     return {}
 
 
@@ -99,7 +99,7 @@ def _split_over_tensor_group(model: torch.nn.Module, cfg, mesh: comm.Mesh, mater
         )
     already = sharded_group(model) is not None
     if not already:
-        broadcast_module(model, mesh.world)
+        broadcast_module(model, mesh.stage)
         settings = cfg.tensor_parallel
         shard_for_training(model, mesh.tensor, layer_specs_from(settings), settings.partition_config.use_default_specs)
         check_forward(model, mesh.tensor, mesh.sequence)

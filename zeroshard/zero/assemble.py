@@ -51,12 +51,16 @@ def _module_paths(model: torch.nn.Module, modules) -> tuple[str, ...]:
     return tuple(m if isinstance(m, str) else paths[id(m)] for m in modules)
 
 
-def _plan(model, param_groups, z, *, shard_group, gather_unit_classes, leaf_modules, tensor_splits, expert_shards: int):
+def _plan(model, param_groups, z, *, shard_group, gather_unit_classes, leaf_modules, tensor_splits, expert_shards: int,
+          tied):  # fmt: skip
     """The model's flat groups and gather units (:func:`.planning.plan_model`) from the config's and the caller's
-    unit classes and leaf modules."""
+    unit classes and leaf modules (stage 3 logs its units)."""
     classes = frozenset(c if isinstance(c, str) else c.__name__ for c in gather_unit_classes or ())
     leaves = _module_paths(model, leaf_modules)
-    return plan_model(model, param_groups, z, shard_group.size, classes, leaves, tensor_splits, expert_shards)
+    plan = plan_model(model, param_groups, z, shard_group.size, classes, leaves, tensor_splits, expert_shards, tied)
+    if plan.stage.partition_params:
+        _log_units(plan)
+    return plan
 
 
 def build_zero_stack(
@@ -71,23 +75,22 @@ def build_zero_stack(
     gather_unit_classes=None,
     leaf_modules=(),
     tensor_splits: Mapping = MappingProxyType({}),
+    tied: Mapping = MappingProxyType({}),
 ) -> ZeroStack:
     """Plan and build the stack for ``model``'s ``param_groups`` (each ``{"params": [...], ...}``) under ``config``
     (the resolved ``ZeroshardConfig``); ``make_optimizer`` builds the torch optimizer over the master shards.
     ``tensor_splits`` maps the parameters split over the tensor group, and this rank's experts, to how they are cut
     (each flat group's slots carry it): ZeRO runs inside the gradient group, on each rank's pieces; groups of experts
-    shard and reduce over the ranks holding them, divided by the whole data-parallel size as every gradient is."""
+    shard and reduce over the ranks holding them, divided by the whole data-parallel size as every gradient is;
+    ``tied``: the parameters pipeline stages share, with the tie's group (``ZeroStack._sum_tied``)."""
     z = config.zero_optimization
     stage = StagePolicy.for_stage(z.stage)
     # stage 0 reduces over the whole data-parallel group; sharded stages over the shard group inside it
     shard_group = mesh.shard if stage.partition_optimizer else mesh.gradient
     plan = _plan(model, param_groups, z, shard_group=shard_group, gather_unit_classes=gather_unit_classes,
                  leaf_modules=leaf_modules, tensor_splits=tensor_splits,
-                 expert_shards=mesh.expert_shard.size)  # fmt: skip
-    if stage.partition_params:
-        _log_units(plan)
-    records = ParamRecords()
-    buffers = ReusableBuffers(placement.device)
+                 expert_shards=mesh.expert_shard.size, tied=tied)  # fmt: skip
+    records, buffers = ParamRecords(), ReusableBuffers(placement.device)
     largest = max((layout.shard_numel for layout in plan.layouts), default=1)
     homes = shard_homes(placement.offload, placement.policy.compute, largest)
     every = build_flat_groups(
@@ -115,6 +118,7 @@ def build_zero_stack(
         exchange=exchange_for(state.optimizer, flats, reducer, state.group_of_flat),
         loss_scaler=LossScaler.from_config(config.fp16),
         norm=_norm_axes(mesh, stage),
+        ties=[tied.get(flat.params[0]) for flat in flats],
         settings=StepSettings(config.gradient_clipping, config.max_consecutive_skipped_steps),
         stage3=stage3,
         shard_homes=homes,
@@ -140,13 +144,15 @@ def _gradient_side(model, plan, flats, frozen, state, *, mesh, placement, stage,
 def _norm_axes(mesh: comm.Mesh, stage: StagePolicy) -> NormAxes:
     """The gradient norm's groups: over the shard group (sharded stages), then tensor-parallel pieces over the tensor
     group and, at stage 0 (each rank holds its experts' whole gradients), experts over the expert group; sharded,
-    experts whose group spans tensor ranks hold different shards on those too (the tensor group)."""
+    experts whose group spans tensor ranks hold different shards on those too (the tensor group); last, the stages of
+    a pipeline over the pipe group."""
     split = {"tp": mesh.tensor} if mesh.tensor.size > 1 else {}
     if mesh.expert.size > 1 and not stage.partition_optimizer:
         split["ep"] = mesh.expert
     elif mesh.dims.splits_over_tensor("ep"):
         split["ep"] = mesh.tensor
-    return NormAxes(shard=mesh.shard if stage.partition_optimizer else None, split=split)
+    stages = mesh.pipe if mesh.pipe.size > 1 else None
+    return NormAxes(shard=mesh.shard if stage.partition_optimizer else None, split=split, stages=stages)
 
 
 def _reducer(model, buckets, mesh: comm.Mesh, stage: StagePolicy, config, stage3) -> GradientReducer:

@@ -75,13 +75,18 @@ def axis_of(param, tensor_splits: Mapping) -> Optional[str]:
     return None if split is None else split.axis
 
 
-def by_split_axis(params: list, tensor_splits: Mapping) -> list[list]:
+def by_split_axis(params: list, tensor_splits: Mapping, tied: Mapping = MappingProxyType({})) -> list[list]:
     """``params`` as runs that are all replicated (identical on every rank of the tensor and expert groups) or all
     pieces split over one axis (``tensor_splits``: parameter -> its split; ``tp`` tensor-parallel pieces, ``ep`` this
     rank's experts), replicated ones first, each in the given order; empty runs are dropped. A flat group is one run,
-    so the gradient norm counts each element once and expert groups shard over their own ranks. Without tensor or
-    expert parallelism this is ``[params]``."""
-    runs = [[p for p in params if axis_of(p, tensor_splits) == axis] for axis in SPLIT_AXES]
+    so the gradient norm counts each element once and expert groups shard over their own ranks. Parameters a pipeline
+    stage shares with others (``tied``: parameter -> the tie's group) come last, one run per tie: every stage holding
+    a tie lays its flat group out alike, so their reduced gradient shards add up element by element. Without tensor,
+    expert or pipeline parallelism this is ``[params]``."""
+    untied = [p for p in params if p not in tied]
+    runs = [[p for p in untied if axis_of(p, tensor_splits) == axis] for axis in SPLIT_AXES]
+    ties = sorted({tied[p].name for p in params if p in tied})
+    runs += [[p for p in params if p in tied and tied[p].name == name] for name in ties]
     return [members for members in runs if members]
 
 
@@ -99,6 +104,7 @@ def plan_flat_groups(
     units: Optional[list[list[torch.nn.Parameter]]] = None,
     persistent: frozenset = frozenset(),
     tensor_splits: Mapping = MappingProxyType({}),
+    tied: Mapping = MappingProxyType({}),
 ) -> list[FlatGroupPlan]:
     """Which parameters share a flat group, in the order their gradients are expected.
 
@@ -112,7 +118,7 @@ def plan_flat_groups(
     plans = []
     if not policy.partition_params:
         for index, params in enumerate(trainable):
-            for run in by_split_axis(params[::-1], tensor_splits):
+            for run in by_split_axis(params[::-1], tensor_splits, tied):
                 numels = [p.numel() for p in run]
                 plans += [
                     FlatGroupPlan(index, [run[i] for i in bucket], True)
@@ -136,6 +142,7 @@ def plan_frozen_groups(
     units: list[list[torch.nn.Parameter]],
     persistent: frozenset = frozenset(),
     tensor_splits: Mapping = MappingProxyType({}),
+    tied: Mapping = MappingProxyType({}),
 ) -> list[FlatGroupPlan]:
     """Stage 3: one flat group per gather unit for its parameters without gradients (a fine-tune's frozen base),
     sharded and gathered with the unit like the trainable ones, with no optimizer state and no gradient bucket.
@@ -212,12 +219,14 @@ def plan_model(
     leaf_paths: tuple[str, ...] = (),
     tensor_splits: Mapping = MappingProxyType({}),
     expert_shard_count: int = 1,
+    tied: Mapping = MappingProxyType({}),
 ) -> ModelPlan:
     """Plan ``model``'s flat groups for ``param_groups`` under ``zero_config`` (the ``zero_optimization`` block) with
     shard groups of ``shard_count`` ranks; ``gather_unit_classes`` adds to the block's unit classes and
     ``leaf_paths`` to its leaf modules (stage 3); ``tensor_splits`` maps the parameters split over a
     tensor-parallel group (this rank holds a piece) or an expert-parallel group (this rank's experts, sharded over
-    the ``expert_shard_count`` ranks holding the same ones, ``comm.Mesh.expert_shard``) to how they are cut."""
+    the ``expert_shard_count`` ranks holding the same ones, ``comm.Mesh.expert_shard``) to how they are cut; ``tied``
+    maps the parameters a pipeline stage shares with other stages to the tie's group (stages 0-1: pipelines)."""
     z = zero_config
     stage = StagePolicy.for_stage(z.stage)
     param_names = {p: name for name, p in model.named_parameters()}
@@ -245,7 +254,7 @@ def plan_model(
             if p.numel() < z.param_persistence_threshold and (p.requires_grad or p not in tensor_splits)
         )
     units = [u.params for u in unit_plans]
-    trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent, tensor_splits)
+    trainable = plan_flat_groups(param_groups, stage, z.reduce_bucket_size, units, persistent, tensor_splits, tied)
     frozen = plan_frozen_groups(units, persistent, tensor_splits) if stage.partition_params else []
     count = shard_count if stage.partition_optimizer else 1
     experts = expert_shard_count if stage.partition_optimizer else 1

@@ -83,9 +83,22 @@ def test_parallel_dims_refuse_sizes_that_are_not_positive_ints(field, value):
         ParallelDims(**{field: value})
 
 
-def test_pipeline_dimension_is_refused_until_it_lands():
-    with pytest.raises(ValueError, match="pipeline parallelism"):
-        ParallelDims(pp=2)
+def test_pipeline_stages_are_outermost_blocks_of_consecutive_ranks():
+    """DeepSpeed's PipeDataParallelTopology: stage s holds ranks s*dp .. (s+1)*dp - 1; every other group lies inside
+    one stage; the pipe groups run across them."""
+    dims = ParallelDims.for_world(8, pp=2, tp=2)
+    assert (dims.pp, dims.dp_shard, dims.tp, dims.world_size, dims.data_parallel_size) == (2, 2, 2, 8, 2)
+    assert dims.derived("stage") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dims.derived("pipe") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.derived("tensor") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.derived("batch") == dims.derived("gradient") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [dims.coordinate(r, "pp") for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert ParallelDims.for_world(4, pp=4).derived("pipe") == [[0, 1, 2, 3]]
+    every = [sorted(r for g in dims.derived(name) for r in g) for name in DERIVED]
+    assert all(ranks == list(range(8)) for ranks in every)
+    for bad in (3, 0, True, 1.5):
+        with pytest.raises(ValueError, match="pipeline stages .* must divide the number of ranks 8"):
+            ParallelDims.for_world(8, pp=bad)
     with pytest.raises(ValueError, match="unknown parallel dimension"):
         ParallelDims(dp_shard=2).groups(("dp",))
 

@@ -42,7 +42,9 @@ def test_a_dataset_gets_the_resumable_sampler():
     resolution = resolve_config(_cfg(), AutoContext(world_size=1))
     world = comm.Group("world", (0,), None)
     alone = comm.Group("alone", (0,), None)
-    mesh = comm.Mesh(comm.ParallelDims(), world, alone, alone, world, alone, world, world, alone, world, world)
+    mesh = comm.Mesh(
+        comm.ParallelDims(), world, alone, alone, world, alone, world, world, alone, world, world, alone, world
+    )
     loader = steps._build_dataloader(TensorDataset(torch.arange(10.0)), resolution, mesh, collate_fn=None)
     assert isinstance(loader.sampler, ResumableDistributedSampler) and loader.batch_size == 2
 

@@ -1,0 +1,251 @@
+"""DeepSpeed's ``PipelineModule``: a model given as a sequence of layers, of which each rank builds only its stage's.
+
+The forward of the whole model is the layers applied one after the other, each output the next one's input (a
+tensor or a tuple of tensors); the stage a rank runs is ``layers[parts[s]:parts[s + 1]]``. Layers are registered
+under their index in the whole sequence (``"3.weight"``), tied modules under ``tied_modules.<key>``, so a
+parameter's name does not depend on the number of stages or the partition: checkpoints are read back by name at
+another one.
+
+The clients of DeepSpeed's pipeline engine subclass this class and reach into it (diffusion-pipe overrides
+``_partition_layers`` and calls ``_set_bounds``; it and gpt-neox read ``_topo``, ``global_rank``, ``_layer_specs``,
+``parts``, ``specs``, ``loss_fn``; diffusion-pipe patches ``_count_layer_params``), so those names and their order of
+calls during construction are DeepSpeed's. Building a module here communicates nothing: the engine
+(``zeroshard.initialize``) builds the process groups, starts the tied copies equal and places the module.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from .. import comm
+from .partition import partition_boundaries
+from .spec import LayerSpec, TiedLayerSpec
+from .topology import PipeDataParallelTopology, ProcessTopology
+
+non_reentrant_checkpoint = functools.partial(torch_checkpoint, use_reentrant=False)
+
+
+class PipelineModule(nn.Module):
+    """``layers``: modules, :class:`LayerSpec` / :class:`TiedLayerSpec` (built only on the stage holding them) or
+    callables without parameters; ``num_stages`` or a ``topology`` (``pipe`` outermost, as
+    ``PipeDataParallelTopology`` lays it out); ``loss_fn(outputs, labels)`` on the last stage;
+    ``partition_method``: ``parameters`` (the default), ``uniform`` or ``type:<regex>``;
+    ``activation_checkpoint_interval`` layers per checkpointed block (0: none) with ``activation_checkpoint_func``
+    (torch's non-reentrant checkpoint by default), only blocks of ``checkpointable_layers`` classes when given."""
+
+    def __init__(
+        self,
+        layers,
+        num_stages: Optional[int] = None,
+        topology: Optional[ProcessTopology] = None,
+        loss_fn: Optional[Callable] = None,
+        seed_layers: bool = False,
+        seed_fn: Optional[Callable[[int], None]] = None,
+        base_seed: int = 1234,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func: Callable = non_reentrant_checkpoint,
+        checkpointable_layers: Optional[list] = None,
+        dynamic_shape: bool = False,
+    ):
+        super().__init__()
+        if num_stages is None and topology is None:
+            raise ValueError("PipelineModule needs num_stages= or topology=")
+        if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
+            raise TypeError(f"checkpointable_layers must be a list of class names, got {checkpointable_layers!r}")
+        if isinstance(activation_checkpoint_interval, bool) or not isinstance(activation_checkpoint_interval, int):
+            raise TypeError(
+                f"activation_checkpoint_interval must be an int >= 0, got {activation_checkpoint_interval!r}"
+            )
+        if activation_checkpoint_interval < 0:
+            raise ValueError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (outputs, labels) -> loss, got {loss_fn!r}")
+        self.micro_offset = 0
+        self.loss_fn = loss_fn
+        self.checkpointable_layers = checkpointable_layers
+        self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
+        self.global_rank, self.world_size = comm.get_rank(), comm.get_world_size()
+        self.local_rank = comm.backend.local_rank()
+        self._topo = self._topology(num_stages, topology)
+        self.num_stages = self._topo.get_dim("pipe")
+        self.stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._layer_specs = list(layers)
+        for index, spec in enumerate(self._layer_specs):
+            if not (isinstance(spec, (nn.Module, LayerSpec)) or callable(spec)):
+                raise TypeError(
+                    f"PipelineModule layer {index} is {type(spec).__name__}: a layer is a torch.nn.Module, a "
+                    "LayerSpec / TiedLayerSpec or a callable without parameters"
+                )
+        if len(self._layer_specs) < self.num_stages:
+            raise ValueError(
+                f"PipelineModule: {len(self._layer_specs)} layers cannot fill {self.num_stages} pipeline stages (each "
+                "stage needs at least one layer)"
+            )
+        self._num_layers = len(self._layer_specs)
+        self._local_start, self._local_stop = 0, None
+        self._partition_layers(method=partition_method)
+        self.forward_funcs: list = []
+        self.fwd_map: dict = {}
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs: dict = {}
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.dynamic_shape = dynamic_shape
+        self._build()
+
+    def _topology(self, num_stages: Optional[int], topology: Optional[ProcessTopology]) -> ProcessTopology:
+        if topology is None:
+            if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+                raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+            if self.world_size % num_stages:
+                raise ValueError(
+                    f"num_stages {num_stages} must divide the number of ranks {self.world_size}: launch a multiple "
+                    f"of {num_stages} processes"
+                )
+            return PipeDataParallelTopology(num_pp=num_stages, num_dp=self.world_size // num_stages)
+        if not isinstance(topology, ProcessTopology) or "pipe" not in topology.get_axis_names():
+            raise TypeError(f"topology must be a ProcessTopology with a 'pipe' axis, got {topology!r}")
+        if topology.world_size() != self.world_size:
+            raise ValueError(f"the topology covers {topology.world_size()} ranks, the world has {self.world_size}")
+        per_stage = self.world_size // topology.get_dim("pipe")
+        if any(topology.get_coord(rank).pipe != rank // per_stage for rank in range(self.world_size)):
+            raise ValueError(
+                f"topology axes {topology.get_axis_names()}: the pipeline axis must be outermost (each stage "
+                "consecutive ranks, as PipeDataParallelTopology and PipeModelDataParallelTopology lay it out)"
+            )
+        return topology
+
+    @property
+    def specs(self) -> list:
+        """The layer list (gpt-neox reads and extends it under this name)."""
+        return self._layer_specs
+
+    def _partition_layers(self, method: str = "parameters") -> None:
+        """Decide ``parts`` (every stage's first layer, then the number of layers) and this stage's bounds;
+        subclasses override it (diffusion-pipe's manual split) and call :meth:`_set_bounds`."""
+        if not isinstance(method, str):
+            raise TypeError(f"partition_method must be a string, got {method!r}")
+        counts = self._count_layer_params() if method.lower() == "parameters" else [0] * self._num_layers
+        matches = [False] * self._num_layers
+        if method.lower().startswith("type:"):
+            pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+            matches = [bool(pattern.search(_layer_name(spec))) for spec in self._layer_specs]
+        self.parts = partition_boundaries(method, self.num_stages, counts, matches)
+        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
+    def _count_layer_params(self) -> list[int]:
+        """Trainable parameters of each layer (a LayerSpec is built to count, one at a time, as DeepSpeed does)."""
+        counts = []
+        for spec in self._layer_specs:
+            layer = spec.build() if isinstance(spec, LayerSpec) else spec
+            params = layer.parameters() if isinstance(layer, nn.Module) else ()
+            counts.append(sum(p.numel() for p in params if p.requires_grad))
+        return counts
+
+    def _set_bounds(self, start: Optional[int] = None, stop: Optional[int] = None) -> None:
+        """This rank builds layers ``start .. stop - 1`` (None: from the first, to the last)."""
+        self._local_start, self._local_stop = start, stop
+
+    def _build(self) -> None:
+        start = self._local_start or 0
+        for index, spec in enumerate(self._layer_specs[start : self._local_stop], start=start):
+            if self.seed_layers:
+                (self.seed_fn or torch.manual_seed)(self.base_seed + index)
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    self.tied_modules[spec.key] = spec.build()
+                    self.tied_weight_attrs[spec.key] = spec.tied_weight_attr
+                module = self.tied_modules[spec.key]
+                self.forward_funcs.append(
+                    module if spec.forward_fn is None else functools.partial(spec.forward_fn, module)
+                )
+                continue
+            layer = spec.build() if isinstance(spec, LayerSpec) else spec
+            if isinstance(layer, nn.Module):
+                self.fwd_map[str(index)] = len(self.forward_funcs)
+                self.add_module(str(index), layer)
+            self.forward_funcs.append(layer)
+
+    def tied_keys(self) -> dict[str, list[int]]:
+        """Every tie key of the whole model, with the stages holding a copy (sorted: the first is the owner)."""
+        stages: dict[str, set[int]] = {}
+        for index, spec in enumerate(self._layer_specs):
+            if isinstance(spec, TiedLayerSpec):
+                stages.setdefault(spec.key, set()).add(self.stage_owner(index))
+        return {key: sorted(stages[key]) for key in sorted(stages)}
+
+    def tied_parameters(self, key: str) -> list[nn.Parameter]:
+        """The tensors tie ``key`` shares (its ``tied_weight_attr`` paths in the tied module)."""
+        module = self.tied_modules[key]
+        return [functools.reduce(getattr, attr.split("."), module) for attr in self.tied_weight_attrs[key]]
+
+    def forward(self, forward_input):
+        self.micro_offset += 1
+        interval = self.activation_checkpoint_interval
+        if interval == 0:
+            return self._run(0, len(self.forward_funcs), self.micro_offset)(forward_input)
+        x = forward_input
+        for start in range(0, len(self.forward_funcs), interval):
+            stop = min(start + interval, len(self.forward_funcs))
+            run = self._run(start, stop, self.micro_offset)
+            inputs = x if isinstance(x, tuple) else (x,)
+            x = self.activation_checkpoint_func(run, *inputs) if self._is_checkpointable(start, stop) else run(*inputs)
+        return x
+
+    def _run(self, start: int, stop: int, micro: int) -> Callable:
+        def run(*inputs):
+            x = inputs[0] if len(inputs) == 1 else inputs
+            for offset, layer in enumerate(self.forward_funcs[start:stop]):
+                self.curr_layer = (self._local_start or 0) + start + offset
+                if self.seed_layers:
+                    (self.seed_fn or torch.manual_seed)(self.base_seed * (micro + 1) + self.curr_layer)
+                x = layer(x)
+            return x
+
+        return run
+
+    def _is_checkpointable(self, start: int, stop: int) -> bool:
+        funcs = self.forward_funcs[start:stop]
+        if self.checkpointable_layers is not None:
+            return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
+        return any(any(True for _ in f.parameters()) for f in funcs if isinstance(f, nn.Module))
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"activation checkpoint interval must be an int >= 0, got {interval!r}")
+        self.activation_checkpoint_interval = interval
+
+    def partitions(self) -> list[int]:
+        return self.parts
+
+    def stage_owner(self, layer_idx: int) -> int:
+        if not 0 <= layer_idx < self._num_layers:
+            raise ValueError(f"layer {layer_idx} is outside the {self._num_layers} layers")
+        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+
+    def topology(self) -> ProcessTopology:
+        return self._topo
+
+    def num_pipeline_stages(self) -> int:
+        return self.num_stages
+
+    def get_additional_losses(self):
+        """Losses beside the main one a subclass reports (DeepSpeed's hook; none here)."""
+        return None
+
+
+def _layer_name(spec) -> str:
+    """A layer's class name for ``type:`` partitions (DeepSpeed's rule: the spec's class, a module's class, a
+    function's name)."""
+    if isinstance(spec, LayerSpec):
+        return spec.typename.__name__
+    if isinstance(spec, nn.Module):
+        return type(spec).__name__
+    return getattr(spec, "__name__", "")

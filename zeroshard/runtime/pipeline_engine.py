@@ -1,0 +1,391 @@
+"""The pipeline engine: DeepSpeed's ``PipelineEngine`` surface (``train_batch``, ``eval_batch``, the grid) over the
+engine of one stage.
+
+Each rank runs the stage of a :class:`~zeroshard.pipe.PipelineModule` its pipe coordinate names, through the same
+ZeRO stack as any engine (stages 0 and 1, over the ranks of its stage). A batch is ``gradient_accumulation_steps``
+micro-batches run in the 1F1B order (:func:`zeroshard.pipe.train_steps`), activations and their gradients passed
+between neighbours (:mod:`.pipeline_exchange`). The arithmetic is one model's: the last stage scales each
+micro-batch's loss by ``1 / micro-batches`` once, the other stages back-propagate the gradients they receive as
+they are (scaling them again was DeepSpeed issue 8152); the gradients are reduced over the data-parallel ranks of
+each stage at the last micro-batch, tied parameters summed over the stages holding them, and the gradient norm
+taken over all stages (``zeroshard.zero.stack``).
+
+A failure on one rank (a ``loss_fn`` raising, a data iterator running out) stops every rank with a named error: the
+failing rank tells its pipeline neighbours (they pass it on), and before the last micro-batch's backward, the one
+place gradients are exchanged between pipelines, the ranks of each stage agree on whether any failed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .. import comm
+from ..pipe import Announcement, PipelineModule, Step, eval_steps, train_steps
+from .activation_checkpointing import in_effect as checkpointing_in_effect
+from .engine import ZeroshardEngine
+from .pipeline_exchange import PipelineError, StageAborted, StageExchange
+
+
+class PipelineDataExhausted(PipelineError, StopIteration):
+    """A stage's data iterator ended inside a batch (a ``StopIteration`` too, as DeepSpeed's engine lets the
+    iterator's own escape: loops that stop on it keep working)."""
+
+
+class PipelineGrid:
+    """DeepSpeed's ``PipelineParallelGrid`` getters over the mesh (``engine.grid``, ``engine.mpu``): ranks, sizes and
+    process groups of the pipe and data dimensions (model parallelism: this rank alone)."""
+
+    def __init__(self, mesh: comm.Mesh, topology):
+        self._mesh, self._topo = mesh, topology
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.pipe_parallel_size, self.data_parallel_size, self.model_parallel_size = mesh.pipe.size, mesh.batch.size, 1
+        self.slice_parallel_size = 1
+        self.stage_id = mesh.pipe.rank
+        self.data_parallel_id = mesh.batch.rank
+        self.pp_group, self.dp_group = list(mesh.pipe.ranks), list(mesh.batch.ranks)
+
+    def get_stage_id(self) -> int:
+        return self.stage_id
+
+    def get_global_rank(self) -> int:
+        return self.global_rank
+
+    def topology(self):
+        return self._topo
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.pipe_parallel_size - 1
+
+    def stage_to_global(self, stage_id: int, **kwargs) -> int:
+        """The rank at pipeline stage ``stage_id`` with this rank's other coordinates (or those ``kwargs`` give:
+        ``data=``)."""
+        coordinates = {"pp": stage_id}
+        if "data" in kwargs:
+            coordinates["dp_shard"] = kwargs.pop("data")
+        if kwargs:
+            raise ValueError(f"stage_to_global: unknown coordinates {sorted(kwargs)} (this grid has pipe and data)")
+        return self._mesh.dims.rank_at(self.global_rank, **coordinates)
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pipe_parallel_size
+
+    def get_pipe_parallel_group(self):
+        return comm.process_group(self._mesh.pipe)
+
+    def get_data_parallel_rank(self) -> int:
+        return self.data_parallel_id
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.data_parallel_size
+
+    def get_data_parallel_group(self):
+        return comm.process_group(self._mesh.batch)
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_slice_parallel_rank(self) -> int:
+        return 0
+
+    def get_slice_parallel_world_size(self) -> int:
+        return 1
+
+
+class PipelineEngine(ZeroshardEngine):
+    """The engine of one pipeline stage (see the module). ``forward`` / ``backward`` / ``step`` are refused as in
+    DeepSpeed: ``train_batch`` runs all three for a whole batch."""
+
+    def __init__(self, *args, ties: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        module: PipelineModule = self.module
+        self.num_stages, self.stage_id = module.num_stages, self.mesh.pipe.rank
+        self.micro_batches = self.batch.gradient_accumulation_steps
+        self.micro_batch_size = self.batch.micro_batch_size
+        self.grid = PipelineGrid(self.mesh, module.topology())
+        self.is_pipe_parallel = self.num_stages > 1
+        self.is_data_parallel = self.mesh.batch.size > 1
+        self.is_model_parallel = False
+        # the exchanges run on a process group of their own (one per engine), so nothing a failed batch left
+        # unreceived reaches another engine
+        self._channels = comm.stages_group(self.mesh, tuple(range(self.num_stages)), "pipe")
+        self.exchange = StageExchange(self._channels or self.mesh.pipe, self.stage_id, self.num_stages, self.device)
+        self.ties = ties  # tie key -> this rank's tie group (the stages holding the tied module)
+        self.data_iterator: Optional[Iterator] = None
+        self.batch_fn = None
+        self.agg_train_loss: Optional[torch.Tensor] = None
+        self.outputs = None  # eval_batch(return_logits=True): the last micro-batch's outputs (last stage)
+        self._return_logits = False
+        if self.training_dataloader is not None:
+            self.set_dataloader(self.training_dataloader)
+
+    def destroy(self) -> None:
+        if not self._destroyed:
+            comm.release_groups([self._channels, *self.ties.values()])
+        super().destroy()
+
+    @property
+    def mpu(self) -> PipelineGrid:
+        return self.grid
+
+    # -- DeepSpeed's pipeline-engine API ------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def get_pipeline_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def set_dataloader(self, loader) -> None:
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def set_dataiterator(self, iterator) -> None:
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = None
+            self.data_iterator = iterator
+
+    def set_batch_fn(self, fn) -> None:
+        self.batch_fn = fn
+
+    def reset_activation_shape(self) -> None:
+        """DeepSpeed caches the first batch's activation shapes; here every exchange announces its own: no-op."""
+
+    def forward(self, *args, **kwargs):
+        raise PipelineError("Only train_batch() is accessible in pipeline mode (forward() is part of it)")
+
+    def backward(self, *args, **kwargs):
+        raise PipelineError("Only train_batch() is accessible in pipeline mode (backward() is part of it)")
+
+    def step(self, *args, **kwargs):
+        raise PipelineError("Only train_batch() is accessible in pipeline mode (step() is part of it)")
+
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        """Train on the next ``gradient_accumulation_steps`` micro-batches of ``data_iter`` (each ``(inputs,
+        labels)``; the first stage reads the inputs, the last the labels) and take one optimizer step; returns the
+        mean loss of the batch over its micro-batches and data-parallel ranks, on every rank."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled; use eval_batch() instead")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        started = time.perf_counter()
+        losses = self._run(train_steps(self.stage_id, self.num_stages, self.micro_batches), compute_loss=True)
+        self.agg_train_loss = self._mean_loss(losses, self.micro_batches)
+        self._last_loss = self.agg_train_loss
+        self.counters.micro_steps += self.micro_batches
+        self._optimizer_step()
+        self.reporting.timers["train_batch"] += time.perf_counter() - started
+        self.reporting.print_flops_profile()
+        self._save_periodically()
+        return self.agg_train_loss
+
+    def eval_batch(
+        self,
+        data_iter: Iterator,
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: Optional[str] = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: Optional[int] = None,
+    ):
+        """Forward ``num_micro_batches`` (default: the training count) micro-batches of ``data_iter`` without
+        gradients; returns the loss averaged over them and the data-parallel ranks (``reduce_output="avg"``; None:
+        the last stage's list of per-micro-batch outputs), broadcast to every stage when ``compute_loss`` and
+        ``bcast_loss``; with ``return_logits``, ``(loss, the last micro-batch's outputs)``."""
+        if reduce_output not in ("avg", None):
+            raise NotImplementedError(f"eval_batch(reduce_output={reduce_output!r}): 'avg' or None")
+        micro_batches = self.micro_batches if num_micro_batches is None else num_micro_batches
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"eval_batch(num_micro_batches={num_micro_batches!r}): a positive int")
+        training_iterator = self.data_iterator
+        self.set_dataiterator(data_iter)
+        self.module.eval()
+        self._return_logits = return_logits
+        try:
+            with torch.no_grad():
+                outputs = self._run(eval_steps(self.stage_id, self.num_stages, micro_batches), compute_loss)
+        finally:
+            self._return_logits = False
+            self.set_dataiterator(training_iterator)
+            self.module.train()
+        if reduce_output is None:
+            result = outputs if self.is_last_stage() else None
+        elif compute_loss and bcast_loss:
+            result = self._mean_loss(outputs, micro_batches)
+        else:
+            result = self._average(outputs, micro_batches) if self.is_last_stage() else None
+        if return_logits:
+            logits, self.outputs = self.outputs, None
+            return result, logits
+        return result
+
+    # -- running a schedule -------------------------------------------------------------------------
+    def _run(self, steps: list[Step], compute_loss: bool) -> list:
+        """Run ``steps`` (this stage's order); returns the last stage's per-micro-batch losses (or outputs)."""
+        run = _Run(self, compute_loss)
+        boundary = max((s.micro for s in steps if s.kind == "backward"), default=None)
+        agreed = False
+        try:
+            for step in steps:
+                if step.micro == boundary and step.kind == "backward":
+                    agreed = True
+                    self._agree(None)  # every rank of this stage got here: the reductions below will all run
+                run.do(step, boundary=step.micro == boundary)
+            if boundary is None:
+                agreed = True
+                self._agree(None)
+            self.exchange.finish()
+        except Exception as error:
+            origin = error.origin if isinstance(error, StageAborted) else comm.get_rank()
+            self.exchange.abort(origin)
+            if not agreed:
+                self._agree(origin)
+            raise
+        return run.results
+
+    def _agree(self, failed: Optional[int]) -> None:
+        """Agree with the other ranks of this stage on whether any failed (``failed``: the rank that did, as this
+        rank knows it); a rank that did not fail raises naming the one that did."""
+        flag = torch.tensor([0 if failed is None else failed + 1], dtype=torch.int64, device=self.device)
+        comm.all_reduce(flag, self.mesh.stage, op="max")
+        origin = int(flag.item()) - 1
+        if origin >= 0 and failed is None:
+            raise StageAborted(
+                f"rank {comm.get_rank()} (pipeline stage {self.stage_id}): stopped before reducing gradients: rank "
+                f"{origin} failed (its own error says why)",
+                origin,
+            )
+
+    def _mean_loss(self, losses: list, micro_batches: int) -> torch.Tensor:
+        """The last stage's mean loss over micro-batches and data-parallel ranks, broadcast to every stage."""
+        result = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if self.is_last_stage():
+            result.copy_(self._average(losses, micro_batches).float().reshape(1))
+        if self.mesh.pipe.size > 1:
+            comm.broadcast(result, src=self.mesh.pipe.ranks[-1], group=self.mesh.pipe)
+        return result[0]
+
+    def _average(self, values: list, micro_batches: int) -> torch.Tensor:
+        total = torch.stack([v.detach().float().reshape(()) for v in values]).sum() / micro_batches
+        total = total.reshape(1)
+        if self.mesh.batch.size > 1:
+            comm.all_reduce(total, self.mesh.batch)
+            total /= self.mesh.batch.size
+        return total[0]
+
+    def _next_batch(self, micro: int) -> Any:
+        if self.data_iterator is None:
+            raise PipelineError(
+                f"rank {comm.get_rank()} (pipeline stage {self.stage_id}): no data: pass train_batch(data_iter) or "
+                "training_data= to initialize (the first and last stages read it)"
+            )
+        try:
+            batch = next(self.data_iterator)
+        except StopIteration:
+            raise PipelineDataExhausted(
+                f"rank {comm.get_rank()} (pipeline stage {self.stage_id}): the data iterator ended at micro-batch "
+                f"{micro} of {self.micro_batches}; wrap it in deepspeed.utils.RepeatingLoader or stop the loop "
+                "at the end of an epoch"
+            ) from None
+        if self.batch_fn is not None:
+            batch = self.batch_fn(batch)
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise PipelineError(
+                f"rank {comm.get_rank()}: a pipeline batch is (inputs, labels), got {type(batch).__name__}"
+                + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+            )
+        return batch
+
+
+class _Run:
+    """One batch's state on one stage: per micro-batch, the inputs, the outputs kept for backward, the announcement
+    of what was sent and the labels."""
+
+    def __init__(self, engine: PipelineEngine, compute_loss: bool):
+        self.engine, self.compute_loss = engine, compute_loss
+        self.inputs: dict[int, Any] = {}
+        self.outputs: dict[int, Any] = {}
+        self.sent: dict[int, Announcement] = {}
+        self.received: dict[int, list] = {}
+        self.results: list = []
+
+    def do(self, step: Step, boundary: bool) -> None:
+        getattr(self, step.kind)(step.micro, boundary)
+
+    def recv_activation(self, micro: int, boundary: bool) -> None:
+        self.inputs[micro] = self.engine.exchange.receive_activations()[1]
+
+    def forward(self, micro: int, boundary: bool) -> None:
+        engine = self.engine
+        labels = None
+        if engine.is_first_stage() or engine.is_last_stage():
+            inputs, labels = engine._next_batch(micro)
+            if engine.is_first_stage():
+                self.inputs[micro] = tree_map(
+                    lambda t: t.detach().to(engine.device) if torch.is_tensor(t) else t,
+                    tuple(inputs) if isinstance(inputs, list) else inputs,
+                )
+        with checkpointing_in_effect(engine.activation_checkpointing):
+            output = engine.module(self.inputs[micro])
+        if not engine.is_last_stage():
+            self.outputs[micro] = output
+            return
+        loss_fn = engine.module.loss_fn
+        if self.compute_loss and loss_fn is not None:
+            labels = tree_map(lambda t: t.to(engine.device) if torch.is_tensor(t) else t, labels)
+            output_or_loss = loss_fn(output, labels)
+        else:
+            output_or_loss = output
+        if engine._return_logits:
+            engine.outputs = output
+        self.outputs[micro] = output_or_loss
+        self.results.append(output_or_loss.detach() if torch.is_tensor(output_or_loss) else output_or_loss)
+
+    def send_activation(self, micro: int, boundary: bool) -> None:
+        self.sent[micro] = self.engine.exchange.send_activations(self.outputs[micro])
+        if not torch.is_grad_enabled():
+            del self.outputs[micro], self.inputs[micro]
+
+    def recv_grad(self, micro: int, boundary: bool) -> None:
+        self.received[micro] = self.engine.exchange.receive_gradients(self.sent.pop(micro))
+
+    def backward(self, micro: int, boundary: bool) -> None:
+        engine, output = self.engine, self.outputs.pop(micro)
+        if engine.is_first_stage():
+            self.inputs.pop(micro, None)  # no gradient goes back from the first stage
+        if engine.is_last_stage():
+            if not torch.is_tensor(output) or output.numel() != 1:
+                raise PipelineError(
+                    f"rank {comm.get_rank()}: the last stage's loss must be a one-element tensor, got "
+                    f"{tuple(output.shape) if torch.is_tensor(output) else type(output).__name__}"
+                )
+            scale = engine.stack.loss_scale / engine.micro_batches  # once, on the last stage only
+            engine._backward_from([output.float().reshape(()) * scale], None, boundary)
+            return
+        outputs = [output] if torch.is_tensor(output) else list(output)
+        tensors = [t for t in outputs if t.requires_grad]
+        if tensors:  # none: nothing before this point trains (a frozen stage)
+            engine._backward_from(tensors, self.received.pop(micro), boundary)
+
+    def send_grad(self, micro: int, boundary: bool) -> None:
+        inputs = self.inputs.pop(micro)
+        inputs = [inputs] if torch.is_tensor(inputs) else list(inputs)
+        grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad]
+        self.engine.exchange.send_gradients(grads)

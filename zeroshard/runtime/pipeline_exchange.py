@@ -1,0 +1,130 @@
+"""What passes between neighbouring pipeline stages: activations forward, their gradients back, and the word that a
+stage failed.
+
+Two channels per pair of neighbours, one per direction (a tag each), every message on them starting with one int64:
+
+- activations (stage s to s + 1): the announcement's length, the announcement (``zeroshard.pipe.messages``: shapes,
+  dtypes, requires-grad flags), then the tensors. The receiver allocates what the announcement says, after checking
+  it, so tensors of mixed dtypes and tuples arrive whole and a mismatch is a named error, never a wait for bytes
+  that will not come;
+- gradients (stage s + 1 to s): 0, then the gradient of each activation announced as requiring one, in order.
+
+A negative first word instead says "stop": ``-1 - rank`` of the rank that failed. A stage that fails sends it on both
+its outgoing channels, the only ones its neighbours may be waiting on; a stage that receives it passes it on the
+same way and stops too, so a failure anywhere reaches every stage of the pipeline and none waits forever.
+Sends do not wait (the schedule relies on it, ``zeroshard.pipe.schedule``); :meth:`StageExchange.finish` waits for
+them at the end of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .. import comm
+from ..pipe import Announcement, announce, encode, parse
+
+ACTIVATIONS, GRADIENTS = 21, 22  # point-to-point tags of the two channels
+
+
+class PipelineError(RuntimeError):
+    """A pipeline stage stopped because another one failed (or the stages disagree about what they exchange)."""
+
+
+class StageAborted(PipelineError):
+    """A neighbour passed on the word that rank ``origin`` failed."""
+
+    def __init__(self, message: str, origin: int):
+        super().__init__(message)
+        self.origin = origin
+
+
+Output = Union[torch.Tensor, tuple]
+
+
+class StageExchange:
+    """This rank's ends of the channels to the previous and next stages of its pipe group."""
+
+    def __init__(self, pipe: comm.Group, stage: int, stages: int, device: torch.device):
+        self.pipe, self.stage, self.device = pipe, stage, device
+        self.previous = pipe.ranks[stage - 1] if stage > 0 else None
+        self.next = pipe.ranks[stage + 1] if stage < stages - 1 else None
+        self._in_flight: list[tuple[comm.Pending, list[torch.Tensor]]] = []  # sends and the tensors they read
+
+    def send_activations(self, output: Output) -> Announcement:
+        """Send ``output`` (a tensor or a tuple of them) to the next stage; returns its announcement (the gradients
+        coming back are those of its tensors announced as requiring one)."""
+        announcement = announce(output)
+        header = encode(announcement).to(self.device)
+        tensors = [output] if isinstance(output, torch.Tensor) else list(output)
+        self._post(self.next, ACTIVATIONS, [header.new_tensor([header.numel()]), header, *tensors])
+        return announcement
+
+    def receive_activations(self) -> tuple[Announcement, Output]:
+        """The previous stage's output: leaves requiring grad where it announced so."""
+        sender = f"stage {self.stage - 1} (rank {self.previous})"
+        length = self._first_word(self.previous, ACTIVATIONS, "activations")
+        if not 3 <= length <= 4096:
+            raise PipelineError(f"rank {comm.get_rank()}: {sender} announced a header of {length} fields")
+        header = self._receive(torch.empty(length, dtype=torch.int64, device=self.device), self.previous, ACTIVATIONS)
+        announcement = parse(header, sender)
+        tensors = []
+        for meta in announcement.tensors:
+            tensor = self._receive(
+                torch.empty(meta.shape, dtype=meta.dtype, device=self.device), self.previous, ACTIVATIONS
+            )
+            tensors.append(tensor.requires_grad_(meta.requires_grad))
+        return announcement, tensors[0] if announcement.single else tuple(tensors)
+
+    def send_gradients(self, grads: list[torch.Tensor]) -> None:
+        self._post(self.previous, GRADIENTS, [torch.zeros(1, dtype=torch.int64, device=self.device), *grads])
+
+    def receive_gradients(self, announcement: Announcement) -> list[torch.Tensor]:
+        """The gradients of the tensors ``announcement`` (what this stage sent) marked as requiring one."""
+        self._first_word(self.next, GRADIENTS, "gradients")
+        return [
+            self._receive(torch.empty(meta.shape, dtype=meta.dtype, device=self.device), self.next, GRADIENTS)
+            for meta in announcement.tensors
+            if meta.requires_grad
+        ]
+
+    def abort(self, origin: int) -> None:
+        """Tell both neighbours that rank ``origin`` failed (on the channels they wait on); waits for nothing."""
+        word = torch.tensor([-1 - origin], dtype=torch.int64, device=self.device)
+        for peer, tag in ((self.next, ACTIVATIONS), (self.previous, GRADIENTS)):
+            if peer is not None:
+                comm.send(word, peer, self.pipe, tag=tag, async_op=True)
+        self._in_flight.clear()  # never waited for: the receiver may have stopped
+
+    def finish(self) -> None:
+        """Wait until every send of the batch has been received."""
+        for pending, _ in self._in_flight:
+            pending.wait()
+        self._in_flight.clear()
+
+    def _post(self, peer: Optional[int], tag: int, tensors: list[torch.Tensor]) -> None:
+        for tensor in tensors:
+            tensor = _wire(tensor.detach().contiguous())
+            self._in_flight.append((comm.send(tensor, peer, self.pipe, tag=tag, async_op=True), [tensor]))
+
+    def _first_word(self, peer: int, tag: int, what: str) -> int:
+        word = int(self._receive(torch.zeros(1, dtype=torch.int64, device=self.device), peer, tag).item())
+        if word < 0:
+            origin = -1 - word
+            raise StageAborted(
+                f"rank {comm.get_rank()} (pipeline stage {self.stage}): stopped waiting for {what} from rank {peer}: "
+                f"rank {origin} failed (its own error says why)",
+                origin,
+            )
+        return word
+
+    def _receive(self, tensor: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+        wire = _wire(tensor)
+        comm.recv(wire, peer, self.pipe, tag=tag)
+        return tensor
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as sent: booleans travel as bytes (NCCL has no bool), a view sharing its storage."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
