@@ -141,6 +141,79 @@ CASES_4 = [  # (stages, gas, partition, ZeRO stage)
 ]
 
 
+def eval_case(micro_batches: int) -> dict:
+    """PP2 x DP2: eval_batch over ``micro_batches`` micro-batches (training uses 4), before and after one step."""
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    module = PipelineModule(specs(), num_stages=2, loss_fn=cross_entropy, seed_layers=True)
+    engine, *_ = zeroshard.initialize(model=module, config=config(4, 1))
+    dp = engine.grid.get_data_parallel_rank()
+    evaluation = global_batches(2, micro_batches, seed=5)[0]
+    mine = evaluation[dp * micro_batches : (dp + 1) * micro_batches]
+    before, logits = engine.eval_batch(iter(mine), return_logits=True, num_micro_batches=micro_batches)
+    engine.train_batch(iter(global_batches(2, 4)[0][dp * 4 : (dp + 1) * 4]))
+    after = engine.eval_batch(iter(mine), num_micro_batches=micro_batches)
+    per_micro = engine.eval_batch(iter(mine), reduce_output=None, num_micro_batches=micro_batches)
+    result = {
+        "before": before.item(),
+        "after": after.item(),
+        "logits": None if logits is None else tuple(logits.shape),
+        "per_micro": None if per_micro is None else len(per_micro),
+        "stage": engine.stage_id,
+    }
+    engine.destroy()
+    return result
+
+
+def failure_case(kind: str) -> str:
+    """Run one hostile case; returns the error each rank raised, as 'Type: message'."""
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    calls = {"n": 0}
+
+    def failing_loss(out, labels):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ValueError("loss_fn: labels out of range")
+        return cross_entropy(out, labels)
+
+    try:
+        if kind == "stages_not_dividing":
+            PipelineModule(specs(), num_stages=3)
+        elif kind == "more_stages_than_layers":
+            PipelineModule(specs()[:3], num_stages=4)
+        elif kind == "not_a_module":
+            PipelineModule([*specs(), 42], num_stages=2)
+        elif kind == "zero2":
+            zeroshard.initialize(model=PipelineModule(specs(), num_stages=2), config=config(2, 2))
+        elif kind == "stages_mismatch":
+            module = PipelineModule(specs(), num_stages=2, loss_fn=cross_entropy)
+            zeroshard.initialize(model=module, config=config(2, 1, pipeline={"stages": 4}))
+        elif kind in ("loss_fn", "short_iterator"):
+            stages = 4 if kind == "loss_fn" else 2
+            loss_fn = failing_loss if kind == "loss_fn" else cross_entropy
+            module = PipelineModule(specs(), num_stages=stages, loss_fn=loss_fn, seed_layers=True)
+            engine, *_ = zeroshard.initialize(model=module, config=config(4, 1))
+            data = global_batches(4 // stages, 4)[0][:4]
+            if kind == "short_iterator" and engine.global_rank == 3:
+                data = data[:2]  # the last stage of the second pipeline runs out at micro-batch 2
+            try:
+                engine.train_batch(iter(data))
+            finally:
+                engine.destroy()
+        else:
+            raise AssertionError(kind)
+    except Exception as error:  # noqa: BLE001 - the test reads every rank's error
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+FAILURES = ("stages_not_dividing", "more_stages_than_layers", "not_a_module", "zero2", "stages_mismatch", "loss_fn",
+            "short_iterator")  # fmt: skip
+
+
 def _four_ranks() -> dict:
     out = {"cases": {}}
     for case in CASES_4:
@@ -148,6 +221,9 @@ def _four_ranks() -> dict:
     out["no_tie"] = train_case(2, 4, "uniform", 1, tied=False)
     out["checkpointed"] = train_case(2, 4, "parameters", 1, interval=1)
     out["plain"] = train_case(2, 4, "parameters", 1)
+    out["eval"] = eval_case(3)
+    out["failures"] = {kind: failure_case(kind) for kind in FAILURES}
+    out["after_failures"] = train_case(4, 8, "uniform", 0)  # nothing a failed batch left behind reaches this run
     return out
 
 
@@ -200,3 +276,72 @@ def test_partitions_place_layers_as_deepspeed(four):
     assert parts[(4, 8, "uniform", 0)] == [0, 3, 5, 7, 9]
     assert parts[(2, 1, "type:block", 1)] == [0, 4, 9]
     assert all(math.isfinite(x) for r in four for x in r["cases"][CASES_4[0]]["losses"])
+
+
+def eval_reference(micro_batches: int) -> tuple[float, float]:
+    """One process: the evaluation loss before and after one training step."""
+    from zeroshard.pipe import PipelineModule
+
+    model = PipelineModule(specs(), num_stages=1, seed_layers=True, loss_fn=cross_entropy, partition_method="uniform")
+    evaluation = global_batches(2, micro_batches, seed=5)[0]
+
+    def loss() -> float:
+        with torch.no_grad():
+            return (sum(cross_entropy(model(x), y) for x, y in evaluation) / len(evaluation)).item()
+
+    before = loss()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    batch = global_batches(2, 4)[0]
+    (sum(cross_entropy(model(x), y) for x, y in batch) / len(batch)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    optimizer.step()
+    return before, loss()
+
+
+def test_eval_batch_with_other_micro_batch_counts_equals_one_process(four):
+    before, after = eval_reference(3)
+    for result in four:
+        got = result["eval"]
+        assert abs(got["before"] - before) <= 1e-6 and abs(got["after"] - after) <= 1e-5, (got, before, after)
+        last = got["stage"] == 1
+        assert got["logits"] == ((MICRO, SEQ, VOCAB) if last else None)
+        assert got["per_micro"] == (3 if last else None)
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("stages_not_dividing", ["ValueError: num_stages 3 must divide the number of ranks 4"] * 4),
+        ("more_stages_than_layers", ["ValueError: PipelineModule: 3 layers cannot fill 4 pipeline stages"] * 4),
+        ("not_a_module", ["TypeError: PipelineModule layer 9 is int"] * 4),
+        ("zero2", ["NotImplementedError: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"] * 4),
+        (
+            "stages_mismatch",
+            ["ValueError: the config's pipeline.stages is 4 but the PipelineModule was built with 2"] * 4,
+        ),
+        (
+            "loss_fn",
+            ["StageAborted: rank 0 (pipeline stage 0): stopped waiting for gradients from rank 1: rank 3 failed"]
+            + ["StageAborted: rank 1 (pipeline stage 1): stopped waiting for gradients from rank 2: rank 3 failed"]
+            + ["StageAborted: rank 2 (pipeline stage 2): stopped waiting for gradients from rank 3: rank 3 failed"]
+            + ["ValueError: loss_fn: labels out of range"],
+        ),
+        (
+            "short_iterator",
+            ["StageAborted: rank 0 (pipeline stage 0): stopped waiting for gradients from rank 2: rank 3 failed"]
+            + ["StageAborted: rank 1 (pipeline stage 0): stopped waiting for gradients from rank 3: rank 3 failed"]
+            + ["StageAborted: rank 2 (pipeline stage 1): stopped before reducing gradients: rank 3 failed"]
+            + ["PipelineDataExhausted: rank 3 (pipeline stage 1): the data iterator ended at micro-batch 2 of 4"],
+        ),
+    ],
+)
+def test_failures_are_named_errors_on_every_rank(four, kind, expected):
+    for rank, (result, start) in enumerate(zip(four, expected)):
+        assert result["failures"][kind].startswith(start), (rank, result["failures"][kind])
+
+
+def test_a_run_after_failures_is_exact(four):
+    expected = reference(specs(), global_batches(1, 8))
+    for result in four:
+        got = result["after_failures"]
+        assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"])) <= 1e-5

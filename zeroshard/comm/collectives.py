@@ -365,6 +365,19 @@ def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0, async_op: b
     return _issue("recv", group, tensor, 0.0, lambda: dist.irecv(tensor, src, group=group.handle, tag=tag), async_op)
 
 
+def post_send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0, wait_s: float = 30.0) -> bool:
+    """A send its receiver may never take (the word that a pipeline stage stopped, to a neighbour that may have
+    stopped too): waited for at most ``wait_s`` seconds; False when it was not taken by then, or could not be posted
+    (the peer is gone). Counted as a send; its failure is expected, not diagnosed."""
+    nbytes = tensor.numel() * tensor.element_size()
+    group.context.record("send", group.name, nbytes, float(nbytes), tuple(tensor.shape), str(tensor.dtype))
+    try:
+        dist.isend(tensor, dst, group=group.handle, tag=tag).wait(timedelta(seconds=wait_s))
+    except RuntimeError:
+        return False
+    return True
+
+
 def barrier(group: Group) -> None:
     if group.size > 1:
         entry = group.context.record("barrier", group.name, 0, 0.0, (), "")

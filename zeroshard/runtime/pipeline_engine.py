@@ -254,7 +254,7 @@ class PipelineEngine(ZeroshardEngine):
             self.exchange.finish()
         except Exception as error:
             origin = error.origin if isinstance(error, StageAborted) else comm.get_rank()
-            self.exchange.abort(origin)
+            self.exchange.abort(origin, source=error.source if isinstance(error, StageAborted) else None)
             if not agreed:
                 self._agree(origin)
             raise

@@ -33,11 +33,12 @@ class PipelineError(RuntimeError):
 
 
 class StageAborted(PipelineError):
-    """A neighbour passed on the word that rank ``origin`` failed."""
+    """Rank ``origin`` failed: a neighbour passed the word on (``source``: its rank) or the ranks of this stage agreed
+    on it (``source`` None)."""
 
-    def __init__(self, message: str, origin: int):
+    def __init__(self, message: str, origin: int, source: Optional[int] = None):
         super().__init__(message)
-        self.origin = origin
+        self.origin, self.source = origin, source
 
 
 Output = Union[torch.Tensor, tuple]
@@ -89,12 +90,14 @@ class StageExchange:
             if meta.requires_grad
         ]
 
-    def abort(self, origin: int) -> None:
-        """Tell both neighbours that rank ``origin`` failed (on the channels they wait on); waits for nothing."""
+    def abort(self, origin: int, source: Optional[int] = None) -> None:
+        """Tell the neighbours that rank ``origin`` failed, on the channels they wait on, except ``source`` (the
+        neighbour the word came from: it has stopped). Each word is waited for a bounded time: a neighbour still
+        running reads it before anything else from this rank; one that stopped on its own never will."""
         word = torch.tensor([-1 - origin], dtype=torch.int64, device=self.device)
         for peer, tag in ((self.next, ACTIVATIONS), (self.previous, GRADIENTS)):
-            if peer is not None:
-                comm.send(word, peer, self.pipe, tag=tag, async_op=True)
+            if peer is not None and peer != source:
+                comm.post_send(word, peer, self.pipe, tag=tag)
         self._in_flight.clear()  # never waited for: the receiver may have stopped
 
     def finish(self) -> None:
@@ -116,6 +119,7 @@ class StageExchange:
                 f"rank {comm.get_rank()} (pipeline stage {self.stage}): stopped waiting for {what} from rank {peer}: "
                 f"rank {origin} failed (its own error says why)",
                 origin,
+                source=peer,
             )
         return word
 
