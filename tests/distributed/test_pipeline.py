@@ -61,6 +61,45 @@ def specs(blocks: int = 6, tied: bool = True) -> list:
     return [first, *[LayerSpec(Block) for _ in range(blocks)], LayerSpec(Norm), last]
 
 
+class TupleEmbed(nn.Module):
+    """ids -> (fp32 hidden states, an int64 mask, a bf16 side tensor): diffusion-pipe's mixed-dtype activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(VOCAB, DIM) * 0.5)
+
+    def forward(self, ids):
+        x = self.weight[ids]
+        return x, (ids % 3 != 0).long(), (x * 0.5).to(torch.bfloat16)
+
+
+class TupleBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, inputs):
+        x, mask, side = inputs
+        x = self.block(x + side.float()) * mask.unsqueeze(-1).float() + x * (1 - mask.unsqueeze(-1).float())
+        return x, mask, (x * 0.25).to(torch.bfloat16)
+
+
+class TupleHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, VOCAB)
+
+    def forward(self, inputs):
+        x, _, side = inputs
+        return self.proj(x + side.float())
+
+
+def tuple_specs() -> list:
+    from zeroshard.pipe import LayerSpec
+
+    return [LayerSpec(TupleEmbed), *[LayerSpec(TupleBlock) for _ in range(4)], LayerSpec(TupleHead)]
+
+
 def global_batches(world_batches: int, gas: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per step, the global batch's micro-batches in order: data-parallel rank d reads ``[d * gas, (d + 1) * gas)``."""
     g = torch.Generator().manual_seed(seed)
@@ -222,6 +261,7 @@ def _four_ranks() -> dict:
     out["checkpointed"] = train_case(2, 4, "parameters", 1, interval=1)
     out["plain"] = train_case(2, 4, "parameters", 1)
     out["eval"] = eval_case(3)
+    out["gpt_neox"] = gpt_neox_case()
     out["failures"] = {kind: failure_case(kind) for kind in FAILURES}
     out["after_failures"] = train_case(4, 8, "uniform", 0)  # nothing a failed batch left behind reaches this run
     return out
@@ -271,8 +311,12 @@ def test_activation_checkpointing_inside_stages_is_bit_identical(four):
 
 
 def test_partitions_place_layers_as_deepspeed(four):
+    from zeroshard.pipe import partition_balanced
+
     parts = {case: four[0]["cases"][case]["parts"] for case in CASES_4}
-    assert parts[(4, 1, "parameters", 1)] == parts[(4, 1, "parameters", 1)]
+    block = 2 * DIM + (DIM * 2 * DIM + 2 * DIM) + (2 * DIM * DIM + DIM)  # norm, fc, out
+    counts = [VOCAB * DIM, *[block] * 6, 2 * DIM, VOCAB * DIM]  # each tied spec counted where it appears
+    assert parts[(4, 1, "parameters", 1)] == partition_balanced(counts, 4) == [0, 2, 4, 6, 9]
     assert parts[(4, 8, "uniform", 0)] == [0, 3, 5, 7, 9]
     assert parts[(2, 1, "type:block", 1)] == [0, 4, 9]
     assert all(math.isfinite(x) for r in four for x in r["cases"][CASES_4[0]]["losses"])
@@ -345,3 +389,285 @@ def test_a_run_after_failures_is_exact(four):
     for result in four:
         got = result["after_failures"]
         assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"])) <= 1e-5
+
+
+# -- DeepSpeed's clients, in their own shape (compat mode: ``import deepspeed`` is zeroshard's) ------------------------
+
+
+def manual_pipeline_module_class():
+    """diffusion-pipe's ``ManualPipelineModule`` in outline: a subclass setting an attribute before the base class's
+    construction and overriding ``_partition_layers`` with a ``manual`` split, reading DeepSpeed's private names."""
+    from zeroshard.compat.deepspeed.pipe import PipelineModule
+
+    class ManualPipelineModule(PipelineModule):
+        def __init__(self, *args, manual_partition_split=None, **kwargs):
+            self.manual_partition_split = manual_partition_split
+            super().__init__(*args, **kwargs)
+
+        def _partition_layers(self, method="uniform"):
+            if method.lower() == "manual" and self.manual_partition_split is not None:
+                stage_id = self._topo.get_coord(self.global_rank).pipe
+                assert len(self.manual_partition_split) == self._topo.get_dim("pipe") - 1
+                self.parts = [0, *self.manual_partition_split, len(self._layer_specs)]
+                self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+            else:
+                super()._partition_layers(method)
+
+    return ManualPipelineModule
+
+
+def diffusion_pipe_case(gas: int = 4) -> dict:
+    """The loop diffusion-pipe runs (train.py), on 3 stages exchanging mixed-dtype tuples, split by hand."""
+    import zeroshard.compat.deepspeed as deepspeed
+
+    module = manual_pipeline_module_class()(
+        layers=tuple_specs(),
+        num_stages=3,
+        partition_method="manual",
+        manual_partition_split=[1, 3],
+        loss_fn=cross_entropy,
+        seed_layers=True,
+    )
+    model_engine, optimizer, _, _ = deepspeed.initialize(model=module, config=config(gas, 1))
+    model_engine._support_torch_style_backward = True
+    grid = model_engine.grid
+    global_batch = model_engine.train_micro_batch_size_per_gpu() * model_engine.gradient_accumulation_steps()
+    global_batch *= grid.get_data_parallel_world_size()
+    facts = {
+        "global_batch": global_batch,
+        "is_pipe_parallel": model_engine.is_pipe_parallel,
+        "last_stage_rank": grid.stage_to_global(model_engine.num_stages - 1),
+        "pp_group": list(grid.pp_group),
+        "pipe_rank": grid.get_pipe_parallel_rank(),
+        "parts": module.parts,
+        "first_last": (model_engine.is_first_stage(), model_engine.is_last_stage()),
+    }
+    losses = []
+    for step_batches in global_batches(1, gas):
+        model_engine.reset_activation_shape()
+        losses.append(model_engine.train_batch(iter(step_batches)).item())
+    model_engine.reset_activation_shape()
+    evaluation = model_engine.eval_batch(iter(global_batches(1, 2, seed=9)[0]), num_micro_batches=2).item()
+    weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+    model_engine.destroy()
+    return {"losses": losses, "weights": weights, "facts": facts, "eval": evaluation}
+
+
+def _three_ranks() -> dict:
+    return {"tuples": train_tuples(3, 4), "diffusion_pipe": diffusion_pipe_case()}
+
+
+def train_tuples(stages: int, gas: int) -> dict:
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    module = PipelineModule(tuple_specs(), num_stages=stages, loss_fn=cross_entropy, seed_layers=True)
+    engine, *_ = zeroshard.initialize(model=module, config=config(gas, 1))
+    losses = [engine.train_batch(iter(b)).item() for b in global_batches(1, gas)]
+    weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "weights": weights}
+
+
+@pytest.fixture(scope="module")
+def three():
+    return run_distributed(_three_ranks, 3, timeout_s=600)
+
+
+@pytest.mark.parametrize("case", ["tuples", "diffusion_pipe"])
+def test_three_stages_exchanging_mixed_dtype_tuples_match_one_process(three, case):
+    expected = reference(tuple_specs(), global_batches(1, 4))
+    for rank, result in enumerate(three):
+        got = result[case]
+        assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"])) <= 1e-5, (rank, got["losses"])
+        for name, value in got["weights"].items():
+            torch.testing.assert_close(value, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_diffusion_pipe_reads_the_engine_as_it_does_on_deepspeed(three):
+    for rank, result in enumerate(three):
+        facts = result["diffusion_pipe"]["facts"]
+        assert facts["global_batch"] == MICRO * 4 and facts["is_pipe_parallel"]
+        assert facts["last_stage_rank"] == 2 and facts["pp_group"] == [0, 1, 2] and facts["pipe_rank"] == rank
+        assert facts["parts"] == [0, 1, 3, 6] and facts["first_last"] == (rank == 0, rank == 2)
+    losses = {round(r["diffusion_pipe"]["eval"], 6) for r in three}
+    assert len(losses) == 1  # the eval loss is broadcast to every stage
+
+
+class EmbeddingPipe(nn.Module):
+    """gpt-neox's embedding in outline: (input ids, position ids, attention mask) in, (hidden, mask) out; the tied
+    head reads ``word_embeddings_weight``."""
+
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, hidden)
+
+    @property
+    def word_embeddings_weight(self):
+        return self.word_embeddings.weight
+
+    def forward(self, args):
+        input_ids, position_ids, attention_mask = args
+        return self.word_embeddings(input_ids) + 0.01 * position_ids.unsqueeze(-1), attention_mask
+
+
+class ParallelTransformerLayerPipe(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.block = Block(hidden)
+        self.mix = nn.Linear(hidden, hidden)
+
+    def forward(self, args):
+        hidden, mask = args  # mask: bool (1, 1, S, S), causal
+        weights = torch.where(mask[0, 0], 0.0, 1.0) / torch.arange(1, hidden.shape[1] + 1).unsqueeze(-1)
+        return self.block(hidden) + weights @ self.mix(hidden), mask
+
+
+def masked_cross_entropy(output, labels):
+    labels, loss_mask = labels
+    losses = torch.nn.functional.cross_entropy(
+        output.reshape(-1, output.shape[-1]), labels.reshape(-1), reduction="none"
+    )
+    return (losses * loss_mask.reshape(-1)).sum() / loss_mask.sum()
+
+
+def gpt2_model_pipe_class():
+    """gpt-neox's ``GPT2ModelPipe`` in outline: its own ``specs`` list, built before the base class's construction
+    and extended by ``insert_layers`` (which constructs the base class again), the tied embedding as the head through
+    ``forward_fn`` and ``tied_weight_attr``, plain callables between layers, a ``type:`` partition and
+    ``checkpointable_layers``."""
+    from functools import partial
+
+    from zeroshard.compat.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    class GPT2ModelPipe(PipelineModule):
+        def __init__(self, topology, layers: int = 4):
+            self.__topology__ = topology
+            self.num_layers = layers
+            self.specs = []
+            self.init_specs()
+            super().__init__(
+                layers=self.specs,
+                loss_fn=partial(masked_cross_entropy),
+                topology=topology,
+                activation_checkpoint_interval=1,
+                partition_method="type:transformer|mlp",
+                checkpointable_layers=["GMLPBlock", "ParallelTransformerLayerPipe"],
+            )
+
+        def insert_layers(self, layers, idx):
+            self.specs[idx:idx] = layers
+            super().__init__(
+                layers=self.specs,
+                loss_fn=self.loss_fn,
+                topology=self.__topology__,
+                activation_checkpoint_interval=self.activation_checkpoint_interval,
+                partition_method="type:transformer|mlp",
+                checkpointable_layers=["GMLPBlock", "ParallelTransformerLayerPipe"],
+            )
+
+        def init_specs(self):
+            self.specs = [TiedLayerSpec("embed", EmbeddingPipe, DIM, VOCAB, tied_weight_attr="word_embeddings_weight")]
+            self.specs.append(lambda args: args)  # _pre_transformer_block
+            self.specs += [LayerSpec(ParallelTransformerLayerPipe, DIM) for _ in range(self.num_layers)]
+            self.specs.append(lambda args: args[0])  # _post_transformer_block: drop the mask
+            self.specs.append(LayerSpec(Norm, DIM))
+
+            def _logits_helper(embedding, lm_output):
+                return lm_output @ embedding.word_embeddings_weight.t()
+
+            self.specs.append(
+                TiedLayerSpec(
+                    "embed",
+                    EmbeddingPipe,
+                    DIM,
+                    VOCAB,
+                    forward_fn=_logits_helper,
+                    tied_weight_attr="word_embeddings_weight",
+                )
+            )
+
+    return GPT2ModelPipe
+
+
+def neox_batch(data: dict):
+    """gpt-neox's ``get_batch_pipe`` in outline: a dict of token rows to ((tokens, positions, mask), (labels, loss
+    mask))."""
+    tokens = data["text"]
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(ids.shape[1]).expand_as(ids).float()
+    mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)[None, None]
+    return (ids, positions, mask), (labels, (labels % 5 != 0).float())
+
+
+def neox_data(dp: int, gas: int, seed: int = 11) -> list[list[dict]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [{"text": torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g)} for _ in range(dp * gas)]
+        for _ in range(STEPS)
+    ]
+
+
+def build_neox(topology):
+    model = gpt2_model_pipe_class()(topology)
+    model.insert_layers([lambda args: args], 1)  # a soft-prompt-like callable, as gpt-neox's insert_layers adds
+    return model
+
+
+def gpt_neox_case(gas: int = 4) -> dict:
+    """gpt-neox's loop in outline: PipeModelDataParallelTopology, set_batch_fn, train_batch(data_iter=...),
+    eval_batch(data_iter, return_logits=True); weights start from the one-process model's (by name)."""
+    import zeroshard.compat.deepspeed as deepspeed
+    from zeroshard.compat.deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    torch.manual_seed(0)
+    whole = build_neox(PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=4))
+    model = build_neox(PipeModelDataParallelTopology(num_pp=2, num_mp=1, num_dp=2))
+    start = dict(whole.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(start[name])
+    engine, *_ = deepspeed.initialize(model=model, config=config(gas, 1))
+    engine.set_batch_fn(neox_batch)
+    dp = engine.grid.get_data_parallel_rank()
+    losses = [engine.train_batch(data_iter=iter(b[dp * gas : (dp + 1) * gas])).item() for b in neox_data(2, gas)]
+    loss, logits = engine.eval_batch(
+        iter(neox_data(2, 1, seed=12)[0][dp : dp + 1]), return_logits=True, num_micro_batches=1
+    )
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result = {"losses": losses, "weights": weights, "parts": model.parts, "eval": loss.item()}
+    result["logits"] = None if logits is None else tuple(logits.shape)
+    engine.destroy()
+    return result
+
+
+def neox_reference(gas: int = 4) -> dict:
+    from zeroshard.compat.deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    torch.manual_seed(0)
+    model = build_neox(PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=1))  # as the ranks build it
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses = []
+    for step in neox_data(2, gas):
+        optimizer.zero_grad()
+        total = sum(masked_cross_entropy(model(x), y) for x, y in map(neox_batch, step)) / len(step)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        losses.append(total.item())
+    with torch.no_grad():
+        evaluation = [masked_cross_entropy(model(x), y).item() for x, y in map(neox_batch, neox_data(2, 1, seed=12)[0])]
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "weights": weights, "eval": sum(evaluation) / len(evaluation)}
+
+
+def test_gpt_neox_model_pipe_trains_as_one_process(four):
+    expected = neox_reference()
+    for rank, result in enumerate(four):
+        got = result["gpt_neox"]
+        assert got["parts"] == [0, 5, 10]  # type:transformer|mlp: layers 3-6 match, 2 per stage
+        assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"])) <= 1e-5, (rank, got["losses"])
+        for name, value in got["weights"].items():
+            torch.testing.assert_close(value, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
+        assert abs(got["eval"] - expected["eval"]) <= 1e-5
+        assert got["logits"] == ((MICRO, SEQ, VOCAB) if rank >= 2 else None)

@@ -8,7 +8,7 @@ another one.
 
 The clients of DeepSpeed's pipeline engine subclass this class and reach into it (diffusion-pipe overrides
 ``_partition_layers`` and calls ``_set_bounds``; it and gpt-neox read ``_topo``, ``global_rank``, ``_layer_specs``,
-``parts``, ``specs``, ``loss_fn``; diffusion-pipe patches ``_count_layer_params``), so those names and their order of
+``parts``, ``loss_fn``; gpt-neox keeps its own layer list in ``specs`` and constructs twice; diffusion-pipe patches ``_count_layer_params``), so those names and their order of
 calls during construction are DeepSpeed's. Building a module here communicates nothing: the engine
 (``zeroshard.initialize``) builds the process groups, starts the tied copies equal and places the module.
 """
@@ -83,6 +83,7 @@ class PipelineModule(nn.Module):
                     f"PipelineModule layer {index} is {type(spec).__name__}: a layer is a torch.nn.Module, a "
                     "LayerSpec / TiedLayerSpec or a callable without parameters"
                 )
+        _check_ties(self._layer_specs)
         if len(self._layer_specs) < self.num_stages:
             raise ValueError(
                 f"PipelineModule: {len(self._layer_specs)} layers cannot fill {self.num_stages} pipeline stages (each "
@@ -121,11 +122,6 @@ class PipelineModule(nn.Module):
                 "consecutive ranks, as PipeDataParallelTopology and PipeModelDataParallelTopology lay it out)"
             )
         return topology
-
-    @property
-    def specs(self) -> list:
-        """The layer list (gpt-neox reads and extends it under this name)."""
-        return self._layer_specs
 
     def _partition_layers(self, method: str = "parameters") -> None:
         """Decide ``parts`` (every stage's first layer, then the number of layers) and this stage's bounds;
@@ -249,3 +245,18 @@ def _layer_name(spec) -> str:
     if isinstance(spec, nn.Module):
         return type(spec).__name__
     return getattr(spec, "__name__", "")
+
+
+def _check_ties(specs: list) -> None:
+    """Every stage builds a tied module from its own first spec of the key: the specs of one key must build the same
+    class and share the same tensors, or stages would start different modules from one another's weights."""
+    first: dict[str, TiedLayerSpec] = {}
+    for index, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            seen = first.setdefault(spec.key, spec)
+            if (seen.typename, seen.tied_weight_attr) != (spec.typename, spec.tied_weight_attr):
+                raise ValueError(
+                    f"PipelineModule layer {index}: TiedLayerSpec {spec.key!r} builds {spec.typename.__name__} tying "
+                    f"{spec.tied_weight_attr}, an earlier one of the key {seen.typename.__name__} tying "
+                    f"{seen.tied_weight_attr}; the specs of one key must agree"
+                )

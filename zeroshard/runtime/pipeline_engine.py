@@ -28,6 +28,7 @@ from ..pipe import Announcement, PipelineModule, Step, eval_steps, train_steps
 from .activation_checkpointing import in_effect as checkpointing_in_effect
 from .engine import ZeroshardEngine
 from .pipeline_exchange import PipelineError, StageAborted, StageExchange
+from .sampler import RepeatingLoader
 
 
 class PipelineDataExhausted(PipelineError, StopIteration):
@@ -129,8 +130,8 @@ class PipelineEngine(ZeroshardEngine):
         self.agg_train_loss: Optional[torch.Tensor] = None
         self.outputs = None  # eval_batch(return_logits=True): the last micro-batch's outputs (last stage)
         self._return_logits = False
-        if self.training_dataloader is not None:
-            self.set_dataloader(self.training_dataloader)
+        if self.training_dataloader is not None:  # initialize(training_data=...): read forever, as DeepSpeed does
+            self.set_dataloader(RepeatingLoader(self.training_dataloader))
 
     def destroy(self) -> None:
         if not self._destroyed:
@@ -301,7 +302,7 @@ class PipelineEngine(ZeroshardEngine):
         except StopIteration:
             raise PipelineDataExhausted(
                 f"rank {comm.get_rank()} (pipeline stage {self.stage_id}): the data iterator ended at micro-batch "
-                f"{micro} of {self.micro_batches}; wrap it in deepspeed.utils.RepeatingLoader or stop the loop "
+                f"{micro} of {self.micro_batches}; wrap it in RepeatingLoader (deepspeed.utils) or stop the loop "
                 "at the end of an epoch"
             ) from None
         if self.batch_fn is not None:

@@ -1,8 +1,9 @@
-"""A DistributedSampler that can resume mid-epoch from a checkpoint."""
+"""Feeding data: a DistributedSampler that can resume mid-epoch from a checkpoint, and a loader that starts over when
+it ends (what a pipeline's ``train_batch`` reads from)."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterable, Iterator
 
 from torch.utils.data.distributed import DistributedSampler
 
@@ -41,3 +42,22 @@ class ResumableDistributedSampler(DistributedSampler):
         self.epoch = state["epoch"]
         self._skip = state["consumed"] * state["num_replicas"] // self.num_replicas
         self.consumed = self._skip
+
+
+class RepeatingLoader:
+    """Iterate ``loader`` forever: when one pass ends, the next starts (DeepSpeed's ``RepeatingLoader``; a pipeline
+    engine pulls ``gradient_accumulation_steps`` micro-batches per ``train_batch`` whatever the epoch length)."""
+
+    def __init__(self, loader: Iterable):
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> "RepeatingLoader":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)  # an empty loader ends here, as one pass of it would

@@ -1,13 +1,7 @@
-"""``deepspeed.pipe``: layer specifications are zeroshard's (``zeroshard.pipe``); the pipeline engine that runs a
-``PipelineModule`` is not built yet, so constructing one is refused by name."""
+"""``deepspeed.pipe``: zeroshard's pipeline module and layer specifications (``zeroshard.pipe``); ``initialize`` runs a
+``PipelineModule`` on zeroshard's pipeline engine."""
 
-from ....pipe import LayerSpec, TiedLayerSpec
-from .._not_built import not_built
+from ....pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from ....pipe.topology import ProcessTopology
 
-PipelineModule = not_built(
-    "deepspeed.pipe.PipelineModule",
-    "the pipeline engine is not built yet (layer specifications, topologies, partitions and the 1F1B order are: "
-    "zeroshard.pipe); ZeRO-3 with tensor or sequence parallelism covers large models",
-)
-
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
+__all__ = ["LayerSpec", "PipelineModule", "ProcessTopology", "TiedLayerSpec"]

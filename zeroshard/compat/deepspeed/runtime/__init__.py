@@ -4,6 +4,7 @@ from . import (
     base_optimizer,
     checkpoint_engine,
     config,
+    dataloader,
     engine,
     lr_schedules,
     pipe,
@@ -14,6 +15,6 @@ from . import (
 )
 
 __all__ = [
-    "base_optimizer", "checkpoint_engine", "config", "engine", "lr_schedules", "pipe", "sequence_parallel",
+    "base_optimizer", "checkpoint_engine", "config", "dataloader", "engine", "lr_schedules", "pipe", "sequence_parallel",
     "swap_tensor", "utils", "zero",
 ]  # fmt: skip

@@ -3,6 +3,7 @@
 (``safe_get_full_fp32_param`` and its family), the process-group getters (``groups``)."""
 
 from zeroshard.comm import is_initialized
+from zeroshard.runtime.sampler import RepeatingLoader
 
 from . import groups, leaf_modules, logging, tensor_fragment, timer, zero_to_fp32
 from .leaf_modules import *  # noqa: F403
@@ -10,6 +11,7 @@ from .logging import log_dist, logger, print_dist
 from .tensor_fragment import *  # noqa: F403
 
 __all__ = [
+    "RepeatingLoader",
     "groups",
     "is_initialized",
     "log_dist",

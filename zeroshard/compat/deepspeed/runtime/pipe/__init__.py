@@ -1,8 +1,7 @@
-"""``deepspeed.runtime.pipe``: the names DeepSpeed exports here, zeroshard's (``PipelineModule``: refused until the
-pipeline engine lands)."""
+"""``deepspeed.runtime.pipe``: the names DeepSpeed exports here, zeroshard's."""
 
-from ...pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from . import topology
+from . import engine, module, topology
+from .module import LayerSpec, PipelineModule, TiedLayerSpec
 from .topology import ProcessTopology
 
-__all__ = ["LayerSpec", "PipelineModule", "ProcessTopology", "TiedLayerSpec", "topology"]
+__all__ = ["LayerSpec", "PipelineModule", "ProcessTopology", "TiedLayerSpec", "engine", "module", "topology"]

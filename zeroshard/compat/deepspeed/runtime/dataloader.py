@@ -1,0 +1,5 @@
+"""``deepspeed.runtime.dataloader``: ``RepeatingLoader`` is zeroshard's (``zeroshard.runtime.sampler``)."""
+
+from ....runtime.sampler import RepeatingLoader
+
+__all__ = ["RepeatingLoader"]
