@@ -253,8 +253,37 @@ FAILURES = ("stages_not_dividing", "more_stages_than_layers", "not_a_module", "z
             "short_iterator")  # fmt: skip
 
 
-def _four_ranks() -> dict:
-    out = {"cases": {}}
+def resume_case(ckpt_dir: str, stages: int, gas: int, save: bool = False) -> dict:
+    """``save``: PP2 x DP2 trains 3 steps, saves, trains 2 more (the uninterrupted run); otherwise a run of ``stages``
+    stages loads that checkpoint and trains the same 2 steps (the same 4 micro-batches per step: ``gas`` per
+    data-parallel rank)."""
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    module = PipelineModule(specs(), num_stages=stages, loss_fn=cross_entropy, seed_layers=True)
+    engine, *_ = zeroshard.initialize(model=module, config=config(gas, 1))
+    dp = engine.grid.get_data_parallel_rank()
+    batches = global_batches(1, 4)  # 4 micro-batches per step, whoever reads them
+    out = {"stage": engine.stage_id}
+    if save:
+        for step in batches[:3]:
+            engine.train_batch(iter(step[dp * gas : (dp + 1) * gas]))
+        engine.save_checkpoint(ckpt_dir, tag="pp2")
+    else:
+        engine.load_checkpoint(ckpt_dir, tag="pp2")
+        out["global_steps"] = engine.global_steps
+    out["at_save"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    out["losses"] = [engine.train_batch(iter(step[dp * gas : (dp + 1) * gas])).item() for step in batches[3:]]
+    out["weights"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    engine.destroy()
+    return out
+
+
+def _four_ranks(ckpt_dir: str) -> dict:
+    out = {"resume": {"saved": resume_case(ckpt_dir, 2, 2, save=True)}}
+    out["resume"]["pp4"] = resume_case(ckpt_dir, 4, 4)
+    out["resume"]["pp1_dp4"] = resume_case(ckpt_dir, 1, 1)
+    out["cases"] = {}
     for case in CASES_4:
         out["cases"][case] = train_case(*case)
     out["no_tie"] = train_case(2, 4, "uniform", 1, tied=False)
@@ -268,8 +297,13 @@ def _four_ranks() -> dict:
 
 
 @pytest.fixture(scope="module")
-def four():
-    return run_distributed(_four_ranks, 4, timeout_s=600)
+def checkpoint_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("pipeline_checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def four(checkpoint_dir):
+    return run_distributed(_four_ranks, 4, checkpoint_dir, timeout_s=600)
 
 
 @pytest.mark.parametrize("case", CASES_4)
@@ -671,3 +705,28 @@ def test_gpt_neox_model_pipe_trains_as_one_process(four):
             torch.testing.assert_close(value, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
         assert abs(got["eval"] - expected["eval"]) <= 1e-5
         assert got["logits"] == ((MICRO, SEQ, VOCAB) if rank >= 2 else None)
+
+
+def _one_process(ckpt_dir: str) -> dict:
+    return resume_case(ckpt_dir, 1, 4)
+
+
+def test_a_checkpoint_resumes_at_other_stage_counts_data_parallel_degrees_and_one_process(four, checkpoint_dir):
+    from zeroshard.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+
+    saved = {n: t for r in four for n, t in r["resume"]["saved"]["at_save"].items()}  # every stage's parameters
+    uninterrupted = {n: t for r in four for n, t in r["resume"]["saved"]["weights"].items()}
+    losses = four[0]["resume"]["saved"]["losses"]
+    runs = [r["resume"][layout] for layout in ("pp4", "pp1_dp4") for r in four]
+    runs += run_distributed(_one_process, 1, checkpoint_dir)
+    for run in runs:
+        assert run["global_steps"] == 3
+        for name, value in run["at_save"].items():
+            assert torch.equal(value, saved[name]), name  # weights exact after the load
+        assert max(abs(a - b) for a, b in zip(run["losses"], losses)) <= 1e-6, (run["losses"], losses)
+        for name, value in run["weights"].items():
+            torch.testing.assert_close(value, uninterrupted[name], rtol=1e-6, atol=1e-6, msg=name)
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag="pp2")
+    assert set(consolidated) == set(saved)
+    for name, value in consolidated.items():
+        assert torch.equal(value, saved[name]), name

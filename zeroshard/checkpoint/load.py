@@ -41,7 +41,7 @@ def _load_module_tensors(state: TrainingState, manifest: dict, sources, read: Pi
     parameters = {read.saved_name(n) for n, _ in state.module.named_parameters()}
     experts = {name for names in state.expert_names.values() for name in names}  # every expert rank's
     for name, entry in manifest["module_tensors"].items():  # buffers; parameters are read below
-        if name not in unexpected and name not in parameters and name not in experts:
+        if name not in unexpected and name not in parameters and name not in experts and state.holds(name):
             target = _module_tensor(state.module, name)
             if target is not None:
                 target.copy_(sources.read_whole(name, entry))
@@ -154,8 +154,9 @@ def _open(state: TrainingState, load_dir: str, tag: Optional[str], universal: bo
 
 
 def _check_params(state: TrainingState, manifest: dict, strict: bool) -> tuple[list[str], list[str]]:
-    """Shapes must match (whole parameters: tensor-parallel pieces at any degree); with ``strict`` the names too.
-    Returns (missing from the checkpoint, not in the model)."""
+    """Shapes must match (whole parameters: tensor-parallel pieces at any degree); with ``strict`` the names too (a
+    pipeline stage's: the checkpoint holds the other stages' as well). Returns (missing from the checkpoint, not in
+    the model)."""
     splits, experts = state.tensor_splits, state.expert_names
     mine = {  # tied aliases appear once
         n: splits[n].full_shape(tuple(p.shape)) if n in splits else tuple(p.shape)
@@ -169,7 +170,7 @@ def _check_params(state: TrainingState, manifest: dict, strict: bool) -> tuple[l
     mine.update({n.removeprefix("module."): tuple(t.shape) for n, t in outside_tensors(state).items()})
     wrong = [f"{n}: checkpoint {saved[n]} vs model {s}" for n, s in mine.items() if n in saved and saved[n] != s]
     missing = sorted(set(mine) - set(saved) - set(manifest.get("excluded_frozen", [])))
-    unexpected = sorted(set(saved) - set(mine))
+    unexpected = sorted(n for n in set(saved) - set(mine) if state.holds(n))  # not other pipeline stages' names
     if not (wrong or (strict and (missing or unexpected))):
         return missing, unexpected
     raise CheckpointError(

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, conint, conlist
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, conint, conlist, model_validator
 
 from ..comm.mesh import ParallelDims
 from ..partition import TensorSplit
@@ -121,6 +121,17 @@ class OptimizerState(_Strict):
     type: Optional[str] = None  # the update rule (ZeroOptimizer.kind); absent in checkpoints before it was kept
 
 
+class PipelineRecord(_Strict):
+    stages: conint(ge=1, strict=True)
+    parts: list[NonNegative]
+
+    @model_validator(mode="after")
+    def _boundaries(self):
+        if len(self.parts) != self.stages + 1 or self.parts[0] != 0 or self.parts != sorted(self.parts):
+            raise ValueError(f"parts {self.parts} are not the increasing boundaries of {self.stages} stages")
+        return self
+
+
 class Manifest(_Loose):
     format: str
     tag: str
@@ -145,6 +156,7 @@ class Manifest(_Loose):
     client_tensors: dict[str, ModuleTensorEntry] = Field(default_factory=dict)  # tensors of client_state
     excluded_frozen: list[str] = Field(default_factory=list)  # saved with exclude_frozen_parameters
     sampler: Optional[dict] = Field(default=None)
+    pipeline: Optional[PipelineRecord] = None  # saved by a pipeline: its stages and partition
 
 
 def _digest(body: dict) -> str:

@@ -44,7 +44,10 @@ def _scalar(value: Any) -> dict:
 def _writes_flat(state: TrainingState, flat) -> bool:
     """One copy of each shard: replica 0 of a sharded group, the first rank of the group holding a replicated one
     (the data-parallel ranks; for experts, the ranks holding the same experts); of a flat group replicated over the
-    tensor-parallel group, tensor-parallel rank 0's only (experts are not when their group spans tensor ranks)."""
+    tensor-parallel group, tensor-parallel rank 0's only (experts are not when their group spans tensor ranks); of a
+    tied module pipeline stages share, the first stage's only."""
+    if state.mirrors(flat.layout.slots[0].name):
+        return False
     if state.mesh.tensor.rank > 0 and not state.mesh.dims.splits_over_tensor(flat.layout.split_axis):
         return False
     if flat.partitioned:
@@ -109,7 +112,7 @@ def save(
     agree_on_write(world, error, save_dir, tmp)
 
     frozen = [] if exclude_frozen_parameters else state.frozen_groups
-    outside = outside_tensors(state, exclude_frozen_parameters)
+    outside = {n: t for n, t in outside_tensors(state, exclude_frozen_parameters).items() if not state.mirrors(n)}
     pieces_outside = sorted(set(state.tensor_splits) & {name.removeprefix("module.") for name in outside})
     if pieces_outside:  # every rank has the same model: all refuse, before anything is written
         raise NotImplementedError(
@@ -118,14 +121,18 @@ def save(
             "shards frozen pieces with their gather units) or exclude_frozen_parameters=True"
         )
     try:
-        _write_rank_files(state, tmp, frozen, [*outside.items(), *client_tensors.items()] if rank == 0 else [])
+        whole = [*(outside.items() if state.mesh.stage.rank == 0 else ())]  # each stage's own, by its first rank
+        _write_rank_files(state, tmp, frozen, whole + [*(client_tensors.items() if rank == 0 else ())])
+        if state.mesh.stage.rank == 0:  # what this stage holds, for rank 0's manifest
+            entries = _stage_entries(state, frozen, outside, exclude_frozen_parameters)
+            atomic_write_text(os.path.join(tmp, _stage_file(state.mesh.pipe.rank)), json.dumps(entries))
     except OSError as err:
         error = err
     agree_on_write(world, error, save_dir, tmp)
 
     if rank == 0:
         try:
-            manifest = seal(_manifest(state, tag, client, client_tensors, outside, frozen, tmp))
+            manifest = seal(_manifest(state, tag, client, client_tensors, tmp))
             atomic_write_text(os.path.join(tmp, "manifest.json"), json.dumps(manifest))
         except OSError as err:
             error = err
@@ -219,6 +226,8 @@ def _sharded_entries(state: TrainingState, flats: list, frozen: list) -> tuple[d
     flat_groups = []
     keyed = [(f"fg{k}", flat) for k, flat in enumerate(flats)]
     for key, flat in keyed + [(f"ff{j}", flat) for j, flat in enumerate(frozen)]:
+        if state.mirrors(flat.layout.slots[0].name):
+            continue  # an earlier pipeline stage saves this tied module
         numels = {slot.name: slot.numel for slot in flat.layout.slots}
         axis = flat.layout.split_axis
         for piece in range(getattr(dims, axis) if axis else 1):
@@ -250,27 +259,59 @@ def _sharded_entries(state: TrainingState, flats: list, frozen: list) -> tuple[d
     return params, flat_groups
 
 
-def _rank0_entries(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """Tensors stored whole in rank 0's file, in their own dtype."""
+def _file_entries(tensors: dict[str, torch.Tensor], file: str) -> dict[str, dict]:
+    """Tensors stored whole in ``file``, in their own dtype."""
     return {
-        name: {"file": rank_file(0), "key": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        name: {"file": file, "key": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
         for name, t in tensors.items()
     }
 
 
-def _manifest(
-    state: TrainingState,
-    tag: str,
-    client: dict,
-    client_tensors: dict[str, torch.Tensor],
-    outside: dict[str, torch.Tensor],
-    frozen: list,
-    tmp: str,
-) -> dict:
+def _stage_file(stage: int) -> str:
+    return f"stage{stage:05d}.json"
+
+
+def _stage_entries(state: TrainingState, frozen: list, outside: dict[str, torch.Tensor], exclude_frozen: bool) -> dict:
+    """What one pipeline stage (the whole model without one) holds, written by its first rank: where each parameter's
+    pieces are, each flat group's optimizer keys and scalars, the tensors saved whole in that rank's file."""
+    params, flat_groups = _sharded_entries(state, state.flat_groups, frozen)
+    whole = _file_entries(outside, rank_file(comm.get_rank()))
+    module_tensors = {name.removeprefix("module."): entry for name, entry in whole.items()}
+    excluded = [n.removeprefix("module.") for n in outside_tensors(state) if exclude_frozen and n not in outside]
+    excluded += [slot.name for flat in state.frozen_groups if flat not in frozen for slot in flat.layout.slots]
+    held = set(params) | set(module_tensors)
+    aliases = {a: t for a, t in _aliases(state.module).items() if t in held or state.mirrors(t)}
+    return {
+        "params": params,
+        "flat_groups": flat_groups,
+        "module_tensors": module_tensors,
+        "aliases": aliases,
+        "excluded_frozen": [n for n in excluded if not state.mirrors(n)],
+    }
+
+
+def _merged_stages(tmp: str, stages: int) -> dict:
+    """The stages' entries as one model's (parameter names differ between stages; a tied module is its first
+    stage's)."""
+    merged: dict = {"params": {}, "flat_groups": [], "module_tensors": {}, "aliases": {}, "excluded_frozen": []}
+    for stage in range(stages):
+        path = os.path.join(tmp, _stage_file(stage))
+        with open(path) as f:
+            entries = json.load(f)
+        os.remove(path)
+        for key, value in entries.items():
+            if isinstance(value, list):
+                merged[key] += value
+            else:
+                merged[key].update(value)
+    return merged
+
+
+def _manifest(state: TrainingState, tag: str, client: dict, client_tensors: dict[str, torch.Tensor], tmp: str) -> dict:
     zero = state.optimizer
     files, rng = _collect_sidecars(tmp, state.mesh.world.size)
-    params, flat_groups = _sharded_entries(state, state.flat_groups, frozen)
-    module_tensors = {name.removeprefix("module."): entry for name, entry in _rank0_entries(outside).items()}
+    stages = _merged_stages(tmp, state.pipeline.stages if state.pipeline is not None else 1)
+    params, flat_groups, module_tensors = stages["params"], stages["flat_groups"], stages["module_tensors"]
     scheduler = state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups] if zero else []
     return {
@@ -293,13 +334,13 @@ def _manifest(
         },
         "params": params,
         "module_tensors": module_tensors,
-        "excluded_frozen": [n.removeprefix("module.") for n in outside_tensors(state) if n not in outside]
-        + [slot.name for flat in state.frozen_groups if flat not in frozen for slot in flat.layout.slots],
+        "excluded_frozen": stages["excluded_frozen"],
         "files": files,
         "python_rng": rng,
-        "aliases": {a: t for a, t in _aliases(state.module).items() if t in params or t in module_tensors},
+        "aliases": stages["aliases"],
+        "pipeline": state.pipeline.record() if state.pipeline is not None else None,
         "config": state.config.model_dump(mode="json"),
         "client_state": client,
-        "client_tensors": _rank0_entries(client_tensors),
+        "client_tensors": _file_entries(client_tensors, rank_file(0)),
         "sampler": state.sampler.state_dict() if state.sampler is not None else None,
     }

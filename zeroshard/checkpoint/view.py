@@ -57,6 +57,40 @@ class TrainingCounters:
 
 
 @dataclass(frozen=True)
+class PipelinePlacement:
+    """Which parameters of a pipeline's model a stage holds, by the names DeepSpeed's ``PipelineModule`` gives them
+    (layer ``i``'s under ``"i."``, a tied module under ``"tied_modules.<key>."``), so one checkpoint holds every
+    stage's parameters under names that do not depend on the partition. A tied module's copies are equal: the
+    first stage holding it saves it, the others (``mirrored_keys``) read it back from there."""
+
+    stages: int
+    parts: tuple[int, ...]  # stage s holds layers parts[s] .. parts[s + 1] - 1
+    stage: int
+    tied_keys: frozenset  # the tied modules this stage holds
+    mirrored_keys: frozenset  # those of them an earlier stage saves
+
+    def _layer_or_tie(self, name: str) -> tuple[Optional[int], Optional[str]]:
+        head, _, rest = name.removeprefix("module.").partition(".")
+        if head.isdigit():
+            return int(head), None
+        return None, rest.partition(".")[0] if head == "tied_modules" else None
+
+    def holds(self, name: str) -> bool:
+        """Whether this stage holds the tensor ``name`` (names outside layers and ties: every stage's)."""
+        layer, tie = self._layer_or_tie(name)
+        if layer is not None:
+            return self.parts[self.stage] <= layer < self.parts[self.stage + 1]
+        return tie is None or tie in self.tied_keys
+
+    def mirrors(self, name: str) -> bool:
+        """Whether ``name`` is this stage's copy of a tensor an earlier stage saves."""
+        return self._layer_or_tie(name)[1] in self.mirrored_keys
+
+    def record(self) -> dict:
+        return {"stages": self.stages, "parts": list(self.parts)}
+
+
+@dataclass(frozen=True)
 class TrainingState:
     """The engine as a checkpoint sees it. ``counters`` is the engine's own object: a load restores it in place."""
 
@@ -79,3 +113,11 @@ class TrainingState:
     # one tensor per expert (DeepSpeed's MoE layer) split over ``mesh.expert``: local name -> its name under the global
     # expert index on each expert rank (rank r's copy i is expert r * L + i); checkpoints hold every expert by it
     expert_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # a pipeline stage: which of the whole model's parameters it holds (None: every one)
+    pipeline: Optional[PipelinePlacement] = None
+
+    def holds(self, name: str) -> bool:
+        return self.pipeline is None or self.pipeline.holds(name)
+
+    def mirrors(self, name: str) -> bool:
+        return self.pipeline is not None and self.pipeline.mirrors(name)

@@ -6,11 +6,12 @@ under their index in the whole sequence (``"3.weight"``), tied modules under ``t
 parameter's name does not depend on the number of stages or the partition: checkpoints are read back by name at
 another one.
 
-The clients of DeepSpeed's pipeline engine subclass this class and reach into it (diffusion-pipe overrides
-``_partition_layers`` and calls ``_set_bounds``; it and gpt-neox read ``_topo``, ``global_rank``, ``_layer_specs``,
-``parts``, ``loss_fn``; gpt-neox keeps its own layer list in ``specs`` and constructs twice; diffusion-pipe patches ``_count_layer_params``), so those names and their order of
-calls during construction are DeepSpeed's. Building a module here communicates nothing: the engine
-(``zeroshard.initialize``) builds the process groups, starts the tied copies equal and places the module.
+The clients of DeepSpeed's pipeline engine subclass this class and reach into it: diffusion-pipe overrides
+``_partition_layers``, calls ``_set_bounds`` and patches ``_count_layer_params``; it and gpt-neox read ``_topo``,
+``global_rank``, ``_layer_specs``, ``parts``, ``loss_fn``; gpt-neox keeps its own layer list in ``specs`` and
+constructs twice. Those names and their order of calls during construction are DeepSpeed's. Building a module here
+communicates nothing: the engine (``zeroshard.initialize``) builds the process groups, starts the tied copies equal
+and places the module.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ place gradients are exchanged between pipelines, the ranks of each stage agree o
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Iterator, Optional
 
@@ -24,6 +25,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .. import comm
+from ..checkpoint.view import PipelinePlacement, TrainingState
 from ..pipe import Announcement, PipelineModule, Step, eval_steps, train_steps
 from .activation_checkpointing import in_effect as checkpointing_in_effect
 from .engine import ZeroshardEngine
@@ -137,6 +139,16 @@ class PipelineEngine(ZeroshardEngine):
         if not self._destroyed:
             comm.release_groups([self._channels, *self.ties.values()])
         super().destroy()
+
+    def _training_state(self) -> TrainingState:
+        """A checkpoint holds every stage's parameters under the whole model's names; this stage's are these."""
+        module: PipelineModule = self.module
+        tied = frozenset(module.tied_modules.keys())
+        mirrored = frozenset(
+            k for k in tied if self.ties.get(k) is not None and self.ties[k].ranks[0] != comm.get_rank()
+        )
+        placement = PipelinePlacement(self.num_stages, tuple(module.parts), self.stage_id, tied, mirrored)
+        return dataclasses.replace(super()._training_state(), pipeline=placement)
 
     @property
     def mpu(self) -> PipelineGrid:

@@ -15,6 +15,6 @@ from . import (
 )
 
 __all__ = [
-    "base_optimizer", "checkpoint_engine", "config", "dataloader", "engine", "lr_schedules", "pipe", "sequence_parallel",
-    "swap_tensor", "utils", "zero",
+    "base_optimizer", "checkpoint_engine", "config", "dataloader", "engine", "lr_schedules", "pipe",
+    "sequence_parallel", "swap_tensor", "utils", "zero",
 ]  # fmt: skip
