@@ -121,11 +121,7 @@ def save(
             "shards frozen pieces with their gather units) or exclude_frozen_parameters=True"
         )
     try:
-        whole = [*(outside.items() if state.mesh.stage.rank == 0 else ())]  # each stage's own, by its first rank
-        _write_rank_files(state, tmp, frozen, whole + [*(client_tensors.items() if rank == 0 else ())])
-        if state.mesh.stage.rank == 0:  # what this stage holds, for rank 0's manifest
-            entries = _stage_entries(state, frozen, outside, exclude_frozen_parameters)
-            atomic_write_text(os.path.join(tmp, _stage_file(state.mesh.pipe.rank)), json.dumps(entries))
+        _write_own_files(state, tmp, frozen, outside, client_tensors, exclude_frozen_parameters)
     except OSError as err:
         error = err
     agree_on_write(world, error, save_dir, tmp)
@@ -147,6 +143,17 @@ def save(
             atomic_write_text(universal, tag)
     comm.barrier(world)
     return final
+
+
+def _write_own_files(state: TrainingState, tmp: str, frozen: list, outside: dict, client_tensors: dict, exclude: bool):
+    """This rank's files: its tensor file (the tensors outside the flat groups on the first rank of each pipeline stage,
+    the client's on rank 0) and, from a stage's first rank, what its stage holds (rank 0's manifest merges them)."""
+    first = state.mesh.stage.rank == 0
+    whole = [*(outside.items() if first else ()), *(client_tensors.items() if comm.get_rank() == 0 else ())]
+    _write_rank_files(state, tmp, frozen, whole)
+    if first:
+        entries = _stage_entries(state, frozen, outside, exclude)
+        atomic_write_text(os.path.join(tmp, _stage_file(state.mesh.pipe.rank)), json.dumps(entries))
 
 
 def _write_rank_files(state: TrainingState, tmp: str, frozen: list, others: list) -> None:

@@ -58,16 +58,7 @@ class PipelineModule(nn.Module):
         super().__init__()
         if num_stages is None and topology is None:
             raise ValueError("PipelineModule needs num_stages= or topology=")
-        if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
-            raise TypeError(f"checkpointable_layers must be a list of class names, got {checkpointable_layers!r}")
-        if isinstance(activation_checkpoint_interval, bool) or not isinstance(activation_checkpoint_interval, int):
-            raise TypeError(
-                f"activation_checkpoint_interval must be an int >= 0, got {activation_checkpoint_interval!r}"
-            )
-        if activation_checkpoint_interval < 0:
-            raise ValueError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable (outputs, labels) -> loss, got {loss_fn!r}")
+        _check_arguments(loss_fn, activation_checkpoint_interval, checkpointable_layers)
         self.micro_offset = 0
         self.loss_fn = loss_fn
         self.checkpointable_layers = checkpointable_layers
@@ -246,6 +237,17 @@ def _layer_name(spec) -> str:
     if isinstance(spec, nn.Module):
         return type(spec).__name__
     return getattr(spec, "__name__", "")
+
+
+def _check_arguments(loss_fn, interval, checkpointable_layers) -> None:
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (outputs, labels) -> loss, got {loss_fn!r}")
+    if isinstance(interval, bool) or not isinstance(interval, int):
+        raise TypeError(f"activation_checkpoint_interval must be an int >= 0, got {interval!r}")
+    if interval < 0:
+        raise ValueError(f"activation_checkpoint_interval must be >= 0, got {interval}")
+    if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
+        raise TypeError(f"checkpointable_layers must be a list of class names, got {checkpointable_layers!r}")
 
 
 def _check_ties(specs: list) -> None:

@@ -124,7 +124,7 @@ class PipelineEngine(ZeroshardEngine):
         self.is_model_parallel = False
         # the exchanges run on a process group of their own (one per engine), so nothing a failed batch left
         # unreceived reaches another engine
-        self._channels = comm.stages_group(self.mesh, tuple(range(self.num_stages)), "pipe")
+        self._channels = comm.stages_group(self.mesh, tuple(range(self.num_stages)), "pipe_exchange")
         self.exchange = StageExchange(self._channels or self.mesh.pipe, self.stage_id, self.num_stages, self.device)
         self.ties = ties  # tie key -> this rank's tie group (the stages holding the tied module)
         self.data_iterator: Optional[Iterator] = None
@@ -198,13 +198,14 @@ class PipelineEngine(ZeroshardEngine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
-        started = time.perf_counter()
+        started, waited_before = time.perf_counter(), self.exchange.waited
         losses = self._run(train_steps(self.stage_id, self.num_stages, self.micro_batches), compute_loss=True)
         self.agg_train_loss = self._mean_loss(losses, self.micro_batches)
         self._last_loss = self.agg_train_loss
         self.counters.micro_steps += self.micro_batches
         self._optimizer_step()
         self.reporting.timers["train_batch"] += time.perf_counter() - started
+        self.reporting.timers["pipe_wait"] += self.exchange.waited - waited_before
         self.reporting.print_flops_profile()
         self._save_periodically()
         return self.agg_train_loss

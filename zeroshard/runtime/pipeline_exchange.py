@@ -18,6 +18,7 @@ them at the end of the batch.
 
 from __future__ import annotations
 
+import time
 from typing import Optional, Union
 
 import torch
@@ -52,6 +53,7 @@ class StageExchange:
         self.previous = pipe.ranks[stage - 1] if stage > 0 else None
         self.next = pipe.ranks[stage + 1] if stage < stages - 1 else None
         self._in_flight: list[tuple[comm.Pending, list[torch.Tensor]]] = []  # sends and the tensors they read
+        self.waited = 0.0  # seconds spent in receives so far (the pipeline's bubble, and the transfers)
 
     def send_activations(self, output: Output) -> Announcement:
         """Send ``output`` (a tensor or a tuple of them) to the next stage; returns its announcement (the gradients
@@ -124,8 +126,9 @@ class StageExchange:
         return word
 
     def _receive(self, tensor: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
-        wire = _wire(tensor)
-        comm.recv(wire, peer, self.pipe, tag=tag)
+        started = time.perf_counter()
+        comm.recv(_wire(tensor), peer, self.pipe, tag=tag)
+        self.waited += time.perf_counter() - started
         return tensor
 
 

@@ -122,8 +122,8 @@ def test_conflicting_deprecated_and_new_key():
 
 
 def test_enabled_unsupported_feature_block_is_refused_disabled_one_accepted():
-    with pytest.raises(NotImplementedError, match="'pipeline'"):
-        parse_config({"pipeline": {"stages": 2}})
+    with pytest.raises(NotImplementedError, match="'hybrid_engine'"):
+        parse_config({"hybrid_engine": {"max_out_tokens": 2}})
     parse_config({"autotuning": {"enabled": False}})
 
 

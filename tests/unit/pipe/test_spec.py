@@ -39,18 +39,13 @@ def test_bad_specs_are_named_errors(build, message):
         build()
 
 
-def test_deepspeeds_names_are_zeroshards_and_the_engine_is_refused_by_name():
-    """In compat mode ``deepspeed.pipe.LayerSpec`` and the topologies are zeroshard's; ``PipelineModule`` (a client
-    subclass included) is refused at construction, naming what is missing."""
+def test_deepspeeds_names_are_zeroshards():
+    """In compat mode ``deepspeed.pipe``'s module, specs and topologies are zeroshard's (a client subclass of
+    ``PipelineModule`` builds: ``tests/unit/pipe/test_module.py``)."""
     from zeroshard import pipe
     from zeroshard.compat.deepspeed import pipe as ds_pipe
-    from zeroshard.compat.deepspeed.runtime.pipe import topology
+    from zeroshard.compat.deepspeed.runtime.pipe import module, topology
 
     assert (ds_pipe.LayerSpec, ds_pipe.TiedLayerSpec) == (pipe.LayerSpec, pipe.TiedLayerSpec)
+    assert ds_pipe.PipelineModule is module.PipelineModule is pipe.PipelineModule
     assert topology.PipeModelDataParallelTopology is pipe.PipeModelDataParallelTopology
-
-    class GPT2ModelPipe(ds_pipe.PipelineModule):
-        pass
-
-    with pytest.raises(NotImplementedError, match="PipelineModule is not implemented by zeroshard.*pipeline engine"):
-        GPT2ModelPipe(layers=[LayerSpec(torch.nn.Linear, 2, 2)], num_stages=2)

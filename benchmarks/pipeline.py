@@ -1,0 +1,263 @@
+"""Pipeline parallelism against data parallelism on the same ranks: a small GPT as a ``PipelineModule`` (tied
+embedding and head, ``--layers`` transformer blocks), trained on the same global batch by PP over all ranks (1F1B,
+``--micro_batches`` micro-batches), PP2 x DP (4 ranks), DP with ZeRO-1 and DP with ZeRO-3 (a plain module over the
+same layers); DeepSpeed 0.19.8's pipeline engine joins the turns when it imports and runs here.
+
+    python benchmarks/pipeline.py [--world 2] [--hidden 256] [--layers 8] [--micro 4] [--seq 64] [--micro_batches 8]
+    PYTHONPATH=/tmp/dsenv DS_ACCELERATOR=cpu python benchmarks/pipeline.py   # with DeepSpeed beside
+
+The systems take turns step by step in one process group, so machine noise hits all alike. Per system: median step
+time; for pipelines, the bubble: the fraction of the step each stage spent waiting in receives (measured; the
+transfers are in it too), beside the schedule's own (p - 1) / (m + p - 1); the bytes each rank sends per step (the
+engine's ledger: ``send`` on the pipe group, and the data-parallel reductions) against the analytic bytes between
+stages: per micro-batch, the activation (micro x seq x hidden x 4 bytes) and its announcement forward, the gradient
+and a status word back; model-state bytes per rank; the final loss (every system the same). ``--only NAME`` runs one
+system alone and adds its peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from zeroshard.testing import run_distributed
+
+VOCAB = 512
+
+
+class Embed(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(VOCAB, hidden) * 0.02)
+
+    def forward(self, ids):
+        return self.weight[ids]
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = nn.MultiheadAttention(hidden, 8, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x):
+        h = self.ln_1(x)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class Norm(nn.LayerNorm):
+    pass
+
+
+def logits(embed: Embed, x):
+    return x @ embed.weight.t()
+
+
+def loss_fn(out, labels):
+    return nn.functional.cross_entropy(out.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def layers(args) -> list:
+    from zeroshard.pipe import LayerSpec, TiedLayerSpec
+
+    return [
+        TiedLayerSpec("embed", Embed, args.hidden),
+        *[LayerSpec(Block, args.hidden) for _ in range(args.layers)],
+        LayerSpec(Norm, args.hidden),
+        TiedLayerSpec("embed", Embed, args.hidden, forward_fn=logits),
+    ]
+
+
+class Whole(nn.Module):
+    """The same layers as one module (ZeRO-3 runs it: pipelines refuse stages 2-3, as DeepSpeed does)."""
+
+    def __init__(self, args):
+        super().__init__()
+        from zeroshard.pipe import PipelineModule
+
+        self.layers = PipelineModule(layers(args), num_stages=1, seed_layers=True, partition_method="uniform")
+
+    def forward(self, ids, labels):
+        return loss_fn(self.layers(ids), labels)
+
+
+def config(args, micro_batches: int, stage: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": micro_batches,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "gradient_clipping": 1.0,
+    }
+
+
+def systems(args) -> dict:
+    """name -> (engine, data-parallel size, stages)."""
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    world, m = args.world, args.micro_batches
+    layouts = [(f"PP{world}", world, 1)] + ([("PP2 x DP2", 2, 2)] if world == 4 else [])
+    out = {}
+    for name, stages, dp in layouts:
+        module = PipelineModule(layers(args), num_stages=stages, loss_fn=loss_fn, seed_layers=True)
+        out[name] = (zeroshard.initialize(model=module, config=config(args, m // dp, 1))[0], dp, stages)
+    module = PipelineModule(layers(args), num_stages=1, loss_fn=loss_fn, seed_layers=True)
+    out[f"DP{world} ZeRO-1"] = (zeroshard.initialize(model=module, config=config(args, m // world, 1))[0], world, 1)
+    engine = zeroshard.initialize(model=Whole(args), config=config(args, m // world, 3), gather_unit_classes=["Block"])
+    out[f"DP{world} ZeRO-3"] = (engine[0], world, 1)
+    deepspeed = deepspeed_pipeline(args)
+    if deepspeed is not None:
+        out[f"DeepSpeed 0.19.8 PP{world}"] = (deepspeed, 1, world)
+    return {name: value for name, value in out.items() if args.only in (None, name)}
+
+
+def deepspeed_pipeline(args):
+    """DeepSpeed's own pipeline engine on the same layers (its LayerSpec classes), or None where it does not import
+    or run here; the reason is printed."""
+    try:
+        import deepspeed
+        from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    except ImportError:
+        return None
+    specs = [
+        TiedLayerSpec("embed", Embed, args.hidden),
+        *[LayerSpec(Block, args.hidden) for _ in range(args.layers)],
+        LayerSpec(Norm, args.hidden),
+        TiedLayerSpec("embed", Embed, args.hidden, forward_fn=logits),
+    ]
+    try:
+        module = PipelineModule(specs, num_stages=args.world, loss_fn=loss_fn, seed_layers=True)
+        cfg = config(args, args.micro_batches, 1)
+        cfg["optimizer"]["params"]["torch_adam"] = True
+        return deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)[0]
+    except Exception as err:  # noqa: BLE001 - reported, the other systems run
+        print(f"DeepSpeed's pipeline engine does not run here: {type(err).__name__}: {err}")
+        return None
+
+
+def batch(args, step: int) -> list:
+    """The step's global batch: ``micro_batches`` micro-batches of (ids, labels)."""
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (args.micro_batches, args.micro, args.seq + 1), generator=g)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def one_step(engine, dp: int, stages: int, micro_batches: list) -> float:
+    from zeroshard import comm
+
+    gas = len(micro_batches) // dp
+    rank = comm.get_rank() % dp if stages > 1 else comm.get_rank()
+    mine = micro_batches[rank * gas : (rank + 1) * gas]
+    if hasattr(engine, "train_batch"):
+        return float(engine.train_batch(iter(mine)))
+    total = torch.zeros(1)
+    for ids, labels in mine:
+        loss = engine(ids, labels)
+        engine.backward(loss)
+        engine.step()
+        total += loss.item() / gas
+    comm.all_reduce(total, comm.Group("world", tuple(range(comm.get_world_size())), None))
+    return total.item() / comm.get_world_size()  # the mean over the data-parallel ranks, as train_batch returns
+
+
+def worker(args) -> dict:
+    from zeroshard import comm
+
+    chosen = systems(args)
+    world = comm.Group("world", tuple(range(comm.get_world_size())), None)
+    times = {n: [] for n in chosen}
+    waits = {n: [] for n in chosen}
+    wire = {n: [] for n in chosen}
+    losses = {}
+    for step in range(args.steps):
+        micro_batches = batch(args, step)
+        for name, (engine, dp, stages) in chosen.items():
+            ours = hasattr(engine, "comm_ledger")
+            if ours:
+                engine.comm_ledger.reset()
+            waited = engine.exchange.waited if hasattr(engine, "exchange") else 0.0
+            comm.barrier(world)
+            start = time.perf_counter()
+            losses[name] = one_step(engine, dp, stages, micro_batches)
+            times[name].append(time.perf_counter() - start)
+            waits[name].append((engine.exchange.waited - waited) if hasattr(engine, "exchange") else 0.0)
+            if ours:
+                ledger = engine.comm_ledger.summary()
+                pipe = sum(t.wire_bytes for (op, group), t in ledger.items() if group == "pipe_exchange")
+                wire[name].append((sum(t.wire_bytes for t in ledger.values()), pipe))
+    out = {}
+    for name, (engine, dp, stages) in chosen.items():
+        ours = hasattr(engine, "state_bytes")
+        state = engine.state_bytes() if ours else {}
+        out[name] = {
+            "ms": 1000 * statistics.median(times[name][2:]),
+            "bubble": statistics.median(w / t for w, t in zip(waits[name][2:], times[name][2:])),
+            "wire": statistics.median(w[0] for w in wire[name][2:]) if wire[name] else None,
+            "pipe": statistics.median(w[1] for w in wire[name][2:]) if wire[name] else None,
+            "state": sum(v for k, v in state.items() if k not in ("idle_buffers", "staging", "gathered")),
+            "loss": losses[name],
+            "stages": stages,
+            "dp": dp,
+        }
+    out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def analytic_pipe_bytes(args, stage: int, stages: int, dp: int) -> int:
+    """Bytes stage ``stage`` sends its neighbours per step: each of its m micro-batches' activation with its length
+    word and announcement (5 int64 fields + 3 dims) forward, the gradient with a status word back."""
+    m = args.micro_batches // dp
+    activation = args.micro * args.seq * args.hidden * 4
+    forward = (8 + 8 * (3 + 3 + 3) + activation) if stage < stages - 1 else 0
+    backward = (8 + activation) if stage > 0 else 0
+    return m * (forward + backward)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, default=2, choices=(2, 4))
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--micro_batches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--only", default=None)
+    args = parser.parse_args()
+    results = run_distributed(worker, args.world, args, timeout_s=3600)
+    print("| system | median step (ms) | ratio to DP ZeRO-1 | bubble measured (per stage) | (p-1)/(m+p-1) | "
+          "pipe MB/step/rank (analytic) | wire MB/step/rank | state MB/rank | final loss |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = results[0].get(f"DP{args.world} ZeRO-1", {}).get("ms")
+    for name, row in results[0].items():
+        if name == "rss_mb":
+            continue
+        stages, dp = row["stages"], row["dp"]
+        m = args.micro_batches // dp
+        bubbles = " / ".join(f"{r[name]['bubble']:.2f}" for r in results[: args.world : dp]) if stages > 1 else "-"
+        theory = f"{(stages - 1) / (m + stages - 1):.2f}" if stages > 1 else "-"
+        pipe = "-"
+        if stages > 1 and row["pipe"] is not None:
+            measured = [r[name]["pipe"] for r in results]
+            analytic = [analytic_pipe_bytes(args, r // dp, stages, dp) for r in range(args.world)]
+            pipe = " / ".join(f"{a / 1e6:.3f} ({b / 1e6:.3f})" for a, b in zip(measured, analytic))
+        wire = f"{row['wire'] / 1e6:.2f}" if row["wire"] is not None else "-"
+        ratio = f"{row['ms'] / base:.3f}" if base else "-"
+        print(f"| {name} | {row['ms']:.1f} | {ratio} | {bubbles} | {theory} | {pipe} | {wire} | "
+              f"{row['state'] / 1e6:.1f} | {row['loss']:.4f} |")  # fmt: skip
+    if args.only:
+        print(f"peak RSS per rank (MB): {[round(r['rss_mb']) for r in results]}")
+
+
+if __name__ == "__main__":
+    main()
