@@ -136,7 +136,10 @@ def deepspeed_pipeline(args):
         TiedLayerSpec("embed", Embed, args.hidden, forward_fn=logits),
     ]
     try:
-        module = PipelineModule(specs, num_stages=args.world, loss_fn=loss_fn, seed_layers=True)
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group the harness made
+        module = PipelineModule(specs, num_stages=args.world, loss_fn=loss_fn)  # its seed_layers fails on CPU
+        whole = Whole(args).layers.state_dict()  # the same weights as the other systems, by name
+        module.load_state_dict({name: whole[name] for name in module.state_dict()})
         cfg = config(args, args.micro_batches, 1)
         cfg["optimizer"]["params"]["torch_adam"] = True
         return deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)[0]

@@ -162,11 +162,14 @@ def train_case(stages: int, gas: int, partition: str, stage: int, tied: bool = T
     dp = engine.grid.get_data_parallel_rank()
     losses, tied_after = [], []
     for step_batches in batches:
+        engine.comm_ledger.reset()
         losses.append(engine.train_batch(iter(step_batches[dp * gas : (dp + 1) * gas])).item())
         if "embed" in module.tied_modules:
             tied_after.append(module.tied_modules["embed"].weight.detach().clone())
     weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+    sent = sum(t.wire_bytes for (op, group), t in engine.comm_ledger.summary().items() if group == "pipe_exchange")
     result = {"losses": losses, "weights": weights, "tied": tied_after, "parts": module.parts, "stage": engine.stage_id}
+    result["sent_between_stages"] = sent  # the last step's
     engine.destroy()
     return result
 
@@ -317,6 +320,19 @@ def test_losses_and_weights_match_one_process(four, case):
         assert got["weights"], f"rank {rank} holds no parameters"
         for name, value in got["weights"].items():
             torch.testing.assert_close(value, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_bytes_between_stages_are_the_analytic_count(four):
+    """Per micro-batch, a stage sends the next its activation (MICRO x SEQ x DIM fp32) after a length word and the
+    announcement (3 + 3 + 3 int64 fields for one 3-D tensor), and the previous one the gradient after a status word."""
+    activation = MICRO * SEQ * DIM * 4
+    for case in CASES_4:
+        stages, gas = case[0], case[1]
+        for result in four:
+            stage = result["cases"][case]["stage"]
+            forward = (8 + 8 * 9 + activation) if stage < stages - 1 else 0
+            backward = (8 + activation) if stage > 0 else 0
+            assert result["cases"][case]["sent_between_stages"] == gas * (forward + backward), (case, stage)
 
 
 def test_tied_embedding_stays_equal_on_the_stages_holding_it(four):
