@@ -10,9 +10,9 @@ The systems take turns step by step in one process group, so machine noise hits 
 time; for pipelines, the bubble: the fraction of the step each stage spent waiting in receives (measured; the
 transfers are in it too), beside the schedule's own (p - 1) / (m + p - 1); the bytes each rank sends per step (the
 engine's ledger: ``send`` on the pipe group, and the data-parallel reductions) against the analytic bytes between
-stages: per micro-batch, the activation (micro x seq x hidden x 4 bytes) and its announcement forward, the gradient
-and a status word back; model-state bytes per rank; the final loss (every system the same). ``--only NAME`` runs one
-system alone and adds its peak RSS.
+stages: per micro-batch, the activation (micro x seq x hidden x 4 bytes) and a word forward (the announcement goes
+once, and again when it changes), the gradient and a status word back; model-state bytes per rank; the final loss
+(every system the same). ``--only NAME`` runs one system alone and adds its peak RSS.
 """
 
 from __future__ import annotations
@@ -217,11 +217,12 @@ def worker(args) -> dict:
 
 
 def analytic_pipe_bytes(args, stage: int, stages: int, dp: int) -> int:
-    """Bytes stage ``stage`` sends its neighbours per step: each of its m micro-batches' activation with its length
-    word and announcement (5 int64 fields + 3 dims) forward, the gradient with a status word back."""
+    """Bytes stage ``stage`` sends its neighbours per step: each of its m micro-batches' activation after a word
+    forward (the announcement itself went with the first step's first activation), the gradient after a status word
+    back."""
     m = args.micro_batches // dp
     activation = args.micro * args.seq * args.hidden * 4
-    forward = (8 + 8 * (3 + 3 + 3) + activation) if stage < stages - 1 else 0
+    forward = (8 + activation) if stage < stages - 1 else 0
     backward = (8 + activation) if stage > 0 else 0
     return m * (forward + backward)
 

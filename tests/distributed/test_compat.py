@@ -83,6 +83,9 @@ def launches(tmp_path_factory):
             ["--num_gpus", 1, SCRIPTS / "ms_swift_elastic.py", base / "swift", "--resume"],
         ],
         "cifar": [["torchrun", SCRIPTS / "cifar_style.py", *cifar]],
+        "pipeline": [
+            [SCRIPTS / "pipeline_tutorial.py", "--deepspeed_config", SCRIPTS / "pipeline_ds_config.json", "-p", 2]
+        ],
         "ulysses": [[SCRIPTS / "hf_ulysses.py", base / "llama", base / "ulysses"]],
         "ulysses-reference": [
             ["python", SCRIPTS / "hf_ulysses.py", base / "llama", base / "ulysses-ref", "--reference"]
@@ -360,6 +363,50 @@ def test_cifar_style_deepspeed_script_runs_unmodified_under_torchrun_with_the_en
     assert run["steps"] == 16 and run["device"] == "cpu" and run["backend"] == "gloo"
     assert run["losses"] == pytest.approx(cifar_reference(), rel=1e-5)
     assert run["memory_allocated"] > 0
+
+
+PIPELINE_REFERENCE = """
+import importlib.util, json, sys, torch
+spec = importlib.util.spec_from_file_location("tutorial", sys.argv[1])
+tutorial = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tutorial)  # `import deepspeed` there is zeroshard's (ZEROSHARD_AS_DEEPSPEED=1)
+torch.manual_seed(0)
+layers = tutorial.AlexNetStyle().to_layers()
+params = [p for layer in layers if isinstance(layer, torch.nn.Module) for p in layer.parameters()]
+optimizer = torch.optim.Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+data = tutorial.dataset()
+order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()  # the sampler's epoch 0
+losses = []
+for step in range(6):
+    optimizer.zero_grad()
+    total = 0.0
+    for micro in range(4):
+        images, labels = data[order[(step * 4 + micro) * 4 : (step * 4 + micro + 1) * 4]]
+        x = images
+        for layer in layers:
+            x = layer(x)
+        loss = torch.nn.functional.cross_entropy(x, labels) / 4
+        loss.backward()
+        total += loss.item()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)  # DeepSpeed 0.19's default gradient_clipping
+    optimizer.step()
+    losses.append(total)
+print(json.dumps(losses))
+"""
+
+
+def test_deepspeeds_pipeline_tutorial_runs_unmodified_and_trains_as_one_process(launches):
+    """DeepSpeed's pipeline tutorial as written (AlexNet flattened into layers, training_data= and train_batch() with
+    no iterator) under `zeroshard --as_deepspeed --num_gpus 2`: 2 stages, the losses of one process running the same
+    layers on the same samples."""
+    (out,) = launches["pipeline"]
+    run = result(out)
+    assert run["stages"] == 2 and run["parts"][0] == 0 and run["parts"][-1] == 11
+    env = {**os.environ, "ZEROSHARD_AS_DEEPSPEED": "1"}
+    done = subprocess.run([sys.executable, "-c", PIPELINE_REFERENCE, str(SCRIPTS / "pipeline_tutorial.py")],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert run["losses"] == pytest.approx(json.loads(done.stdout.strip().splitlines()[-1]), rel=1e-5, abs=1e-6)
 
 
 def test_bert_style_script_saves_and_resumes_with_client_state(launches):

@@ -142,7 +142,9 @@ def config(gas: int, stage: int, **extra) -> dict:
     }
 
 
-def train_case(stages: int, gas: int, partition: str, stage: int, tied: bool = True, interval: int = 0) -> dict:
+def train_case(
+    stages: int, gas: int, partition: str, stage: int, tied: bool = True, interval: int = 0, extra: dict = None
+) -> dict:
     """Train the pipeline STEPS batches; returns its losses, this stage's weights and the tied weight after each
     step."""
     import zeroshard
@@ -157,7 +159,7 @@ def train_case(stages: int, gas: int, partition: str, stage: int, tied: bool = T
         partition_method=partition,
         activation_checkpoint_interval=interval,
     )
-    engine, *_ = zeroshard.initialize(model=module, config=config(gas, stage))
+    engine, *_ = zeroshard.initialize(model=module, config=config(gas, stage, **(extra or {})))
     batches = global_batches(engine.grid.get_data_parallel_world_size(), gas)
     dp = engine.grid.get_data_parallel_rank()
     losses, tied_after = [], []
@@ -212,6 +214,7 @@ def failure_case(kind: str) -> str:
     """Run one hostile case; returns the error each rank raised, as 'Type: message'."""
     import zeroshard
     from zeroshard.pipe import PipelineModule
+    from zeroshard.runtime.pipeline_exchange import PipelineError
 
     calls = {"n": 0}
 
@@ -233,9 +236,13 @@ def failure_case(kind: str) -> str:
         elif kind == "stages_mismatch":
             module = PipelineModule(specs(), num_stages=2, loss_fn=cross_entropy)
             zeroshard.initialize(model=module, config=config(2, 1, pipeline={"stages": 4}))
-        elif kind in ("loss_fn", "short_iterator"):
-            stages = 4 if kind == "loss_fn" else 2
-            loss_fn = failing_loss if kind == "loss_fn" else cross_entropy
+        elif kind in ("loss_fn", "short_iterator", "vector_loss"):
+            stages = 2 if kind == "short_iterator" else 4
+
+            def vector(out, labels):  # one loss per token: not a loss the engine can average
+                return torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="none")
+
+            loss_fn = {"loss_fn": failing_loss, "short_iterator": cross_entropy, "vector_loss": vector}[kind]
             module = PipelineModule(specs(), num_stages=stages, loss_fn=loss_fn, seed_layers=True)
             engine, *_ = zeroshard.initialize(model=module, config=config(4, 1))
             data = global_batches(4 // stages, 4)[0][:4]
@@ -243,6 +250,12 @@ def failure_case(kind: str) -> str:
                 data = data[:2]  # the last stage of the second pipeline runs out at micro-batch 2
             try:
                 engine.train_batch(iter(data))
+            except Exception as error:  # noqa: BLE001 - the error is the result; the engine refuses to go on
+                try:
+                    engine.train_batch(iter(data))
+                except PipelineError as again:
+                    assert "the stages' channels are out of step" in str(again)
+                    raise error from None
             finally:
                 engine.destroy()
         else:
@@ -253,7 +266,7 @@ def failure_case(kind: str) -> str:
 
 
 FAILURES = ("stages_not_dividing", "more_stages_than_layers", "not_a_module", "zero2", "stages_mismatch", "loss_fn",
-            "short_iterator")  # fmt: skip
+            "short_iterator", "vector_loss")  # fmt: skip
 
 
 def resume_case(ckpt_dir: str, stages: int, gas: int, save: bool = False) -> dict:
@@ -292,6 +305,7 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out["no_tie"] = train_case(2, 4, "uniform", 1, tied=False)
     out["checkpointed"] = train_case(2, 4, "parameters", 1, interval=1)
     out["plain"] = train_case(2, 4, "parameters", 1)
+    out["checked"] = train_case(2, 4, "parameters", 1, extra={"gradient_check": {"enabled": True}})
     out["eval"] = eval_case(3)
     out["gpt_neox"] = gpt_neox_case()
     out["failures"] = {kind: failure_case(kind) for kind in FAILURES}
@@ -323,14 +337,15 @@ def test_losses_and_weights_match_one_process(four, case):
 
 
 def test_bytes_between_stages_are_the_analytic_count(four):
-    """Per micro-batch, a stage sends the next its activation (MICRO x SEQ x DIM fp32) after a length word and the
-    announcement (3 + 3 + 3 int64 fields for one 3-D tensor), and the previous one the gradient after a status word."""
+    """Per micro-batch, a stage sends the next its activation (MICRO x SEQ x DIM fp32) after a word (0: the
+    announcement sent before still holds; the first step sent it: 3 + 3 + 3 int64 fields for one 3-D tensor), and the
+    previous one the gradient after a status word."""
     activation = MICRO * SEQ * DIM * 4
     for case in CASES_4:
         stages, gas = case[0], case[1]
         for result in four:
             stage = result["cases"][case]["stage"]
-            forward = (8 + 8 * 9 + activation) if stage < stages - 1 else 0
+            forward = (8 + activation) if stage < stages - 1 else 0
             backward = (8 + activation) if stage > 0 else 0
             assert result["cases"][case]["sent_between_stages"] == gas * (forward + backward), (case, stage)
 
@@ -351,6 +366,11 @@ def test_untied_head_matches_one_process(four):
         assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"])) <= 1e-5
         for name, value in got["weights"].items():
             torch.testing.assert_close(value, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_runtime_gradient_check_runs_on_every_stage_without_a_false_alarm(four):
+    for result in four:
+        assert result["checked"]["losses"] == result["plain"]["losses"]
 
 
 def test_activation_checkpointing_inside_stages_is_bit_identical(four):
@@ -419,6 +439,13 @@ def test_eval_batch_with_other_micro_batch_counts_equals_one_process(four):
             + ["StageAborted: rank 1 (pipeline stage 1): stopped waiting for gradients from rank 2: rank 3 failed"]
             + ["StageAborted: rank 2 (pipeline stage 2): stopped waiting for gradients from rank 3: rank 3 failed"]
             + ["ValueError: loss_fn: labels out of range"],
+        ),
+        (
+            "vector_loss",
+            ["StageAborted: rank 0 (pipeline stage 0): stopped waiting for gradients from rank 1: rank 3 failed"]
+            + ["StageAborted: rank 1 (pipeline stage 1): stopped waiting for gradients from rank 2: rank 3 failed"]
+            + ["StageAborted: rank 2 (pipeline stage 2): stopped waiting for gradients from rank 3: rank 3 failed"]
+            + ["PipelineError: rank 3: the last stage's loss must be a one-element tensor, got (12,)"],
         ),
         (
             "short_iterator",

@@ -132,6 +132,7 @@ class PipelineEngine(ZeroshardEngine):
         self.agg_train_loss: Optional[torch.Tensor] = None
         self.outputs = None  # eval_batch(return_logits=True): the last micro-batch's outputs (last stage)
         self._return_logits = False
+        self._failed: Optional[str] = None  # a batch failed: the channels are out of step, nothing more runs
         if self.training_dataloader is not None:  # initialize(training_data=...): read forever, as DeepSpeed does
             self.set_dataloader(RepeatingLoader(self.training_dataloader))
 
@@ -199,7 +200,7 @@ class PipelineEngine(ZeroshardEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         started, waited_before = time.perf_counter(), self.exchange.waited
-        losses = self._run(train_steps(self.stage_id, self.num_stages, self.micro_batches), compute_loss=True)
+        losses = self._run(train_steps(self.stage_id, self.num_stages, self.micro_batches), True, scalar=True)
         self.agg_train_loss = self._mean_loss(losses, self.micro_batches)
         self._last_loss = self.agg_train_loss
         self.counters.micro_steps += self.micro_batches
@@ -234,7 +235,8 @@ class PipelineEngine(ZeroshardEngine):
         self._return_logits = return_logits
         try:
             with torch.no_grad():
-                outputs = self._run(eval_steps(self.stage_id, self.num_stages, micro_batches), compute_loss)
+                steps = eval_steps(self.stage_id, self.num_stages, micro_batches)
+                outputs = self._run(steps, compute_loss, scalar=compute_loss and bcast_loss and reduce_output == "avg")
         finally:
             self._return_logits = False
             self.set_dataiterator(training_iterator)
@@ -251,9 +253,15 @@ class PipelineEngine(ZeroshardEngine):
         return result
 
     # -- running a schedule -------------------------------------------------------------------------
-    def _run(self, steps: list[Step], compute_loss: bool) -> list:
-        """Run ``steps`` (this stage's order); returns the last stage's per-micro-batch losses (or outputs)."""
-        run = _Run(self, compute_loss)
+    def _run(self, steps: list[Step], compute_loss: bool, scalar: bool) -> list:
+        """Run ``steps`` (this stage's order); returns the last stage's per-micro-batch losses (or outputs;
+        ``scalar``: each must be a one-element tensor, checked as it is computed)."""
+        if self._failed is not None:
+            raise PipelineError(
+                f"rank {comm.get_rank()}: a batch of this engine failed ({self._failed}); the stages' channels are out "
+                "of step after it: build a new engine (and load the last checkpoint) to go on"
+            )
+        run = _Run(self, compute_loss, scalar)
         boundary = max((s.micro for s in steps if s.kind == "backward"), default=None)
         agreed = False
         try:
@@ -267,6 +275,7 @@ class PipelineEngine(ZeroshardEngine):
                 self._agree(None)
             self.exchange.finish()
         except Exception as error:
+            self._failed = f"{type(error).__name__}: {error}".splitlines()[0]
             origin = error.origin if isinstance(error, StageAborted) else comm.get_rank()
             self.exchange.abort(origin, source=error.source if isinstance(error, StageAborted) else None)
             if not agreed:
@@ -291,18 +300,24 @@ class PipelineEngine(ZeroshardEngine):
         """The last stage's mean loss over micro-batches and data-parallel ranks, broadcast to every stage."""
         result = torch.zeros(1, dtype=torch.float32, device=self.device)
         if self.is_last_stage():
-            result.copy_(self._average(losses, micro_batches).float().reshape(1))
+            result.copy_(self._average(losses, micro_batches).reshape(1))  # one element: _Run.forward checked
         if self.mesh.pipe.size > 1:
             comm.broadcast(result, src=self.mesh.pipe.ranks[-1], group=self.mesh.pipe)
         return result[0]
 
     def _average(self, values: list, micro_batches: int) -> torch.Tensor:
-        total = torch.stack([v.detach().float().reshape(()) for v in values]).sum() / micro_batches
-        total = total.reshape(1)
+        """The last stage's per-micro-batch losses (or outputs, elementwise) averaged over micro-batches and
+        data-parallel ranks, as DeepSpeed's ``_reduce_outputs`` averages them."""
+        if not all(torch.is_tensor(v) for v in values) or len({tuple(v.shape) for v in values}) != 1:
+            raise PipelineError(
+                f"rank {comm.get_rank()}: reduce_output='avg' averages tensors of one shape; the last stage returned "
+                f"{[tuple(v.shape) if torch.is_tensor(v) else type(v).__name__ for v in values][:4]}"
+            )
+        total = torch.stack([v.detach().float() for v in values]).sum(0) / micro_batches
         if self.mesh.batch.size > 1:
             comm.all_reduce(total, self.mesh.batch)
             total /= self.mesh.batch.size
-        return total[0]
+        return total
 
     def _next_batch(self, micro: int) -> Any:
         if self.data_iterator is None:
@@ -332,8 +347,8 @@ class _Run:
     """One batch's state on one stage: per micro-batch, the inputs, the outputs kept for backward, the announcement
     of what was sent and the labels."""
 
-    def __init__(self, engine: PipelineEngine, compute_loss: bool):
-        self.engine, self.compute_loss = engine, compute_loss
+    def __init__(self, engine: PipelineEngine, compute_loss: bool, scalar: bool):
+        self.engine, self.compute_loss, self.scalar = engine, compute_loss, scalar
         self.inputs: dict[int, Any] = {}
         self.outputs: dict[int, Any] = {}
         self.sent: dict[int, Announcement] = {}
@@ -356,8 +371,11 @@ class _Run:
                     lambda t: t.detach().to(engine.device) if torch.is_tensor(t) else t,
                     tuple(inputs) if isinstance(inputs, list) else inputs,
                 )
+        # a received activation goes in as a copy, as DeepSpeed passes it: a stage may start with an in-place layer
+        # (nn.ReLU(inplace=True)), and the received leaf keeps the gradient to send back
+        inputs = tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, self.inputs[micro])
         with checkpointing_in_effect(engine.activation_checkpointing):
-            output = engine.module(self.inputs[micro])
+            output = engine.module(inputs)
         if not engine.is_last_stage():
             self.outputs[micro] = output
             return
@@ -367,6 +385,12 @@ class _Run:
             output_or_loss = loss_fn(output, labels)
         else:
             output_or_loss = output
+        if self.scalar and not (torch.is_tensor(output_or_loss) and output_or_loss.numel() == 1):
+            got = tuple(output_or_loss.shape) if torch.is_tensor(output_or_loss) else type(output_or_loss).__name__
+            raise PipelineError(
+                f"rank {comm.get_rank()}: the last stage's loss must be a one-element tensor, got {got} (set "
+                "loss_fn on the PipelineModule, or return the loss from the last layer)"
+            )
         if engine._return_logits:
             engine.outputs = output
         self.outputs[micro] = output_or_loss
@@ -384,12 +408,7 @@ class _Run:
         engine, output = self.engine, self.outputs.pop(micro)
         if engine.is_first_stage():
             self.inputs.pop(micro, None)  # no gradient goes back from the first stage
-        if engine.is_last_stage():
-            if not torch.is_tensor(output) or output.numel() != 1:
-                raise PipelineError(
-                    f"rank {comm.get_rank()}: the last stage's loss must be a one-element tensor, got "
-                    f"{tuple(output.shape) if torch.is_tensor(output) else type(output).__name__}"
-                )
+        if engine.is_last_stage():  # a one-element loss: forward checked it
             scale = engine.stack.loss_scale / engine.micro_batches  # once, on the last stage only
             engine._backward_from([output.float().reshape(()) * scale], None, boundary)
             return

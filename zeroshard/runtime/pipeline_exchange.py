@@ -3,10 +3,10 @@ stage failed.
 
 Two channels per pair of neighbours, one per direction (a tag each), every message on them starting with one int64:
 
-- activations (stage s to s + 1): the announcement's length, the announcement (``zeroshard.pipe.messages``: shapes,
-  dtypes, requires-grad flags), then the tensors. The receiver allocates what the announcement says, after checking
-  it, so tensors of mixed dtypes and tuples arrive whole and a mismatch is a named error, never a wait for bytes
-  that will not come;
+- activations (stage s to s + 1): the announcement's length and the announcement (``zeroshard.pipe.messages``:
+  shapes, dtypes, requires-grad flags), or 0 when it is the one sent last on this channel, then the tensors. The
+  receiver allocates what the announcement says, after checking it, so tensors of mixed dtypes and tuples arrive
+  whole and a mismatch is a named error, never a wait for bytes that will not come;
 - gradients (stage s + 1 to s): 0, then the gradient of each activation announced as requiring one, in order.
 
 A negative first word instead says "stop": ``-1 - rank`` of the rank that failed. A stage that fails sends it on both
@@ -54,24 +54,34 @@ class StageExchange:
         self.next = pipe.ranks[stage + 1] if stage < stages - 1 else None
         self._in_flight: list[tuple[comm.Pending, list[torch.Tensor]]] = []  # sends and the tensors they read
         self.waited = 0.0  # seconds spent in receives so far (the pipeline's bubble, and the transfers)
+        self._sent_header: Optional[list] = None  # the announcement sent last to the next stage (its fields)
+        self._received: Optional[Announcement] = None  # and the one received last from the previous stage
 
     def send_activations(self, output: Output) -> Announcement:
         """Send ``output`` (a tensor or a tuple of them) to the next stage; returns its announcement (the gradients
         coming back are those of its tensors announced as requiring one)."""
         announcement = announce(output)
-        header = encode(announcement).to(self.device)
+        header = encode(announcement)
         tensors = [output] if isinstance(output, torch.Tensor) else list(output)
-        self._post(self.next, ACTIVATIONS, [header.new_tensor([header.numel()]), header, *tensors])
+        if header.tolist() == self._sent_header:  # the receiver reuses the last announcement
+            self._post(self.next, ACTIVATIONS, [torch.zeros(1, dtype=torch.int64, device=self.device), *tensors])
+        else:
+            self._sent_header = header.tolist()
+            header = header.to(self.device)
+            self._post(self.next, ACTIVATIONS, [header.new_tensor([header.numel()]), header, *tensors])
         return announcement
 
     def receive_activations(self) -> tuple[Announcement, Output]:
         """The previous stage's output: leaves requiring grad where it announced so."""
         sender = f"stage {self.stage - 1} (rank {self.previous})"
         length = self._first_word(self.previous, ACTIVATIONS, "activations")
-        if not 3 <= length <= 4096:
+        if length == 0 and self._received is not None:
+            announcement = self._received
+        elif 3 <= length <= 4096:
+            header = torch.empty(length, dtype=torch.int64, device=self.device)
+            announcement = self._received = parse(self._receive(header, self.previous, ACTIVATIONS), sender)
+        else:
             raise PipelineError(f"rank {comm.get_rank()}: {sender} announced a header of {length} fields")
-        header = self._receive(torch.empty(length, dtype=torch.int64, device=self.device), self.previous, ACTIVATIONS)
-        announcement = parse(header, sender)
         tensors = []
         for meta in announcement.tensors:
             tensor = self._receive(
