@@ -248,7 +248,8 @@ def main() -> None:
             continue
         stages, dp = row["stages"], row["dp"]
         m = args.micro_batches // dp
-        bubbles = " / ".join(f"{r[name]['bubble']:.2f}" for r in results[: args.world : dp]) if stages > 1 else "-"
+        measured = stages > 1 and row["wire"] is not None  # DeepSpeed's engine: neither waits nor ledger here
+        bubbles = " / ".join(f"{r[name]['bubble']:.2f}" for r in results[: args.world : dp]) if measured else "-"
         theory = f"{(stages - 1) / (m + stages - 1):.2f}" if stages > 1 else "-"
         pipe = "-"
         if stages > 1 and row["pipe"] is not None:
@@ -257,8 +258,9 @@ def main() -> None:
             pipe = " / ".join(f"{a / 1e6:.3f} ({b / 1e6:.3f})" for a, b in zip(measured, analytic))
         wire = f"{row['wire'] / 1e6:.2f}" if row["wire"] is not None else "-"
         ratio = f"{row['ms'] / base:.3f}" if base else "-"
-        print(f"| {name} | {row['ms']:.1f} | {ratio} | {bubbles} | {theory} | {pipe} | {wire} | "
-              f"{row['state'] / 1e6:.1f} | {row['loss']:.4f} |")  # fmt: skip
+        state = f"{row['state'] / 1e6:.1f}" if row["wire"] is not None else "-"
+        print(f"| {name} | {row['ms']:.1f} | {ratio} | {bubbles} | {theory} | {pipe} | {wire} | {state} | "
+              f"{row['loss']:.4f} |")  # fmt: skip
     if args.only:
         print(f"peak RSS per rank (MB): {[round(r['rss_mb']) for r in results]}")
 
