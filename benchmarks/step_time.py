@@ -4,9 +4,11 @@
 
 Each system trains the same GPT from the same seed on the same micro-batches; the systems take
 turns step by step inside one process group, so machine noise hits all of them alike. Reports the
-median step time and its ratio to DDP, the final loss (all systems must agree), and bytes
-communicated per step. ``--gradient_check`` adds each stage with ``gradient_check`` on, checking every step and
-every 100th step (its overhead, against the same stage without it).
+median step time and its ratio to DDP and to the compute-only limit (``limit``: each rank doing DDP's work with no
+communication), the final loss (all systems must agree; the limit's is its own data's), bytes
+communicated per step and, for zeroshard, the exposed wait (``engine.exposed_wait()``: the seconds the training
+thread waited per kind of transfer) per step and its largest kinds. ``--gradient_check`` adds each stage with
+``gradient_check`` on, checking every step and every 100th step (its overhead, against the same stage without it).
 """
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ def torch_step(model, opt, autocast: torch.dtype | None = None):
         return loss
 
     return step
+
+
+def limit_system(cfg, lr, dtype: str = "fp32"):
+    """The compute-only limit: DDP's per-rank work (the same model, micro-batch and fused AdamW) with no communication
+    at all (each rank trains alone, so its loss is its own data's)."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    return torch_step(model, opt, torch.bfloat16 if dtype == "bf16" else None)
 
 
 def ddp_system(cfg, lr, dtype: str = "fp32"):
@@ -136,17 +147,25 @@ def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int, gradient_check: 
     from zeroshard import comm
 
     data = batches(cfg, steps, micro, comm.get_rank())
-    systems = {"ddp": ddp_system(cfg, 1e-3), "fsdp2": fsdp2_system(cfg, 1e-3)}
+    systems = {"limit": limit_system(cfg, 1e-3), "ddp": ddp_system(cfg, 1e-3), "fsdp2": fsdp2_system(cfg, 1e-3)}
     for stage in (0, 1, 2, 3):
         systems[f"zeroshard-{stage}"] = zeroshard_system(cfg, 1e-3, stage, micro)
         for interval in (1, 100) if gradient_check else ():
             check = {"gradient_check": {"enabled": True, "interval": interval}}
             systems[f"zeroshard-{stage} check/{interval}"] = zeroshard_system(cfg, 1e-3, stage, micro, extra=check)
 
-    def wire(name, step):
-        return {"bytes": step.engine.comm_ledger.total_wire_bytes() if name.startswith("zeroshard") else None}
+    exposed = {name: [] for name in systems}  # per step, the training thread's wait by kind (zeroshard's)
 
-    return take_turns(systems, data, warmup, wire)
+    def wire(name, step):
+        if not name.startswith("zeroshard"):
+            return {"bytes": None}
+        exposed[name].append(step.engine.exposed_wait())  # this step's: take_turns reset the ledger before it
+        return {"bytes": step.engine.comm_ledger.total_wire_bytes()}
+
+    results = take_turns(systems, data, warmup, wire)
+    for name, waits in exposed.items():
+        results[name]["exposed"] = waits[warmup:]
+    return results
 
 
 def main():
@@ -164,16 +183,26 @@ def main():
     results = run_distributed(
         worker, args.world, cfg, args.steps, args.micro, args.warmup, args.gradient_check, timeout_s=3600
     )[0]
-    base = statistics.median(results["ddp"]["times"])
+    base, limit = statistics.median(results["ddp"]["times"]), statistics.median(results["limit"]["times"])
     print(
         f"GPT {params / 1e6:.2f}M params, {args.world} Gloo ranks, micro-batch {args.micro} x {cfg.block_size} tokens"
     )
-    print("| system | median step (ms) | ratio to DDP | final loss | wire MB/step/rank |")
-    print("|---|---|---|---|---|")
+    print("| system | median step (ms) | ratio to DDP | ratio to the limit | final loss | wire MB/step/rank | "
+          "exposed wait ms/step (share of the step) | largest waits ms/step |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         med = statistics.median(r["times"])
         mb = f"{r['bytes'] / 1e6:.2f}" if r["bytes"] is not None else "-"
-        print(f"| {name} | {med * 1e3:.1f} | {med / base:.3f} | {r['loss']:.4f} | {mb} |")
+        waits, largest = "-", "-"
+        if r.get("exposed"):
+            total = statistics.median(sum(w.values()) for w in r["exposed"])
+            kinds = {k for w in r["exposed"] for k in w}
+            per_kind = {k: statistics.median(w.get(k, 0.0) for w in r["exposed"]) for k in kinds}
+            waits = f"{total * 1e3:.1f} ({total / med:.0%})"
+            largest = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(per_kind.items(), key=lambda i: -i[1])[:3])
+        loss = f"{r['loss']:.4f}" + (" (own data)" if name == "limit" else "")
+        print(f"| {name} | {med * 1e3:.1f} | {med / base:.3f} | {med / limit:.3f} | {loss} | {mb} | {waits} | "
+              f"{largest} |")  # fmt: skip
 
 
 if __name__ == "__main__":

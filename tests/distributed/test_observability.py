@@ -52,7 +52,30 @@ def logging_worker(output_dir):
             again.backward(again(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
             again.step()
     sampling["with_memory_breakdown"], sampling["log"] = again.reporting.sampling_memory, sampling["log"].getvalue()
+    sampling["delayed"] = delayed_waits(again, make_batches(2, 2 * world), rank)
     return out.getvalue(), breakdown, engine.state_bytes(), sampling
+
+
+def delayed_waits(engine, batches, rank) -> dict:
+    """The exposed wait of two steps, then of two more with every collective 10 ms late (the delay seam, on this
+    engine's comm context): the wait grows by at least 10 ms per call."""
+    import time
+
+    def steps() -> tuple[dict, int]:
+        engine.comm_ledger.reset()
+        for x, y in batches:
+            engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+            engine.step()
+        calls = {op: t.calls for (op, _), t in engine.comm_ledger.summary().items()}
+        return engine.exposed_wait(), calls
+
+    plain, calls = steps()
+    engine.mesh.context.pause = lambda: time.sleep(0.01)
+    try:
+        late, late_calls = steps()
+    finally:
+        engine.mesh.context.pause = None
+    return {"plain": plain, "late": late, "calls": calls, "late_calls": late_calls}
 
 
 def test_logs_monitors_and_memory_breakdown(tmp_path):
@@ -81,6 +104,13 @@ def test_logs_monitors_and_memory_breakdown(tmp_path):
     for field in ("forward", "backward", "reduce_wait", "optimizer_step", "gather_wait"):
         assert field in timing, timing
     assert "busbw GB/s" in log and "reduce_scatter" in log and "all_gather" in log
+    exposed = next(line for line in log.splitlines() if line.startswith("[zeroshard] exposed wait per step: "))
+    assert "% of the step" in exposed and "all_gather " in exposed and "reduce_scatter " in exposed, exposed
+    assert os.path.exists(tmp_path / "run" / "Train_Samples_exposed_wait_all_gather.csv")
+    delayed = sampling["delayed"]
+    assert delayed["calls"] == delayed["late_calls"]
+    for op, calls in delayed["calls"].items():  # each call waits 10 ms more at least (issued, then waited for)
+        assert delayed["late"][op] >= delayed["plain"].get(op, 0.0) + 0.01 * calls, (op, delayed)
     assert log.count("model-state memory (MiB)") == 1  # printed once
     # the dict: every rank, start and peak; parameters at peak = this rank's parameter shard
     assert len(breakdown["start"]) == len(breakdown["peak"]) == 2

@@ -51,6 +51,7 @@ class Pending:
     def wait(self, timeout: Optional[timedelta] = None) -> None:
         if self.work is None:
             return
+        waiting = time.perf_counter()
         self.group.context.before_collective()
         try:
             if timeout is None:
@@ -71,6 +72,7 @@ class Pending:
         if self.finish is not None:
             self.finish()
             self.finish = None
+        self.group.context.add_wait(self.op, self.group.name, time.perf_counter() - waiting)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -88,8 +90,8 @@ def _issue(
 ) -> Pending:
     nbytes = tensor.numel() * tensor.element_size()
     entry = group.context.record(op, group.name, nbytes, nbytes * wire_factor, tuple(tensor.shape), str(tensor.dtype))
-    group.context.before_collective()
     started = time.perf_counter()
+    group.context.before_collective()  # a delayed collective (the delay seam) is waited for, as a slow one would be
     try:
         work = call()
     except RuntimeError as err:
@@ -99,6 +101,7 @@ def _issue(
             group,
             entry,
         ) from err
+    group.context.add_wait(op, group.name, time.perf_counter() - started)  # issuing is the thread's time too
     pending = Pending(op, group, work, _describe(tensor), started, finish, entry)
     if not async_op:
         pending.wait()
@@ -381,9 +384,11 @@ def post_send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0, wait_s
 def barrier(group: Group) -> None:
     if group.size > 1:
         entry = group.context.record("barrier", group.name, 0, 0.0, (), "")
+        started = time.perf_counter()
         try:
             dist.barrier(group=group.handle)
         except RuntimeError as err:
             raise _failure(
                 f"rank {get_rank()}: barrier on group '{group.name}' failed or timed out: {err}", group, entry
             ) from err
+        group.context.add_wait("barrier", group.name, time.perf_counter() - started)

@@ -46,6 +46,10 @@ class CommContext:
         for context in self._chain():
             context.ledger.add_time(op, group, seconds)
 
+    def add_wait(self, op: str, group: str, seconds: float) -> None:
+        for context in self._chain():
+            context.ledger.add_wait(op, group, seconds)
+
     def before_collective(self) -> None:
         pause = next((c.pause for c in self._chain() if c.pause is not None), None)
         if pause is not None:

@@ -1,4 +1,5 @@
-"""Bytes (and, when timed, seconds) of collectives per (op, group); a :class:`CommContext` holds one."""
+"""Bytes (and, when timed, seconds) of collectives per (op, group), and always the seconds the calling thread spent in
+them (issuing, and waiting for a result not there yet: the *exposed* wait); a :class:`CommContext` holds one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ class OpTotals:
     calls: int = 0
     bytes: int = 0  # message size: the tensor each rank hands to the collective
     wire_bytes: float = 0.0  # bytes each rank sends under the ring algorithm
-    seconds: float = 0.0
+    seconds: float = 0.0  # issue to completion, with comms_logger's timing only (it synchronizes)
+    waited: float = 0.0  # the calling thread's time in the call and in its wait: what overlap did not hide
 
 
 @dataclass
@@ -28,6 +30,16 @@ class CommLedger:
 
     def add_time(self, op: str, group: str, seconds: float) -> None:
         self.totals[(op, group)].seconds += seconds
+
+    def add_wait(self, op: str, group: str, seconds: float) -> None:
+        self.totals[(op, group)].waited += seconds
+
+    def waited_by_op(self) -> dict[str, float]:
+        """The exposed wait per op (all groups)."""
+        out: dict[str, float] = defaultdict(float)
+        for (op, _), totals in self.totals.items():
+            out[op] += totals.waited
+        return dict(out)
 
     def reset(self) -> None:
         self.totals.clear()

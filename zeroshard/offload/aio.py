@@ -78,6 +78,8 @@ class IOStats:
     wait_s: float = 0.0
     read_s: float = 0.0  # seconds the I/O threads spent in reads (summed over threads)
     write_s: float = 0.0
+    read_wait_s: float = 0.0  # wait_s, the part spent waiting for reads
+    write_wait_s: float = 0.0  # and for writes
 
     def add(self, other: "IOStats") -> "IOStats":
         return IOStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -100,14 +102,17 @@ def hidden_waits():
 class IOPending:
     """A submitted read or write; ``wait`` returns when every block is done or raises ``OffloadIOError``."""
 
-    def __init__(self, futures: list[Future], stats: IOStats):
+    def __init__(self, futures: list[Future], stats: IOStats, write: bool = False):
         self._futures = futures
         self._stats = stats
+        self._write = write
 
     @classmethod
     def all_of(cls, pendings: list["IOPending"]) -> "IOPending":
-        """One handle for several submissions (of one file)."""
-        return cls([f for p in pendings for f in p._futures], pendings[0]._stats if pendings else IOStats())
+        """One handle for several submissions (of one file; writes when the first is one)."""
+        first = pendings[0] if pendings else None
+        futures = [f for p in pendings for f in p._futures]
+        return cls(futures, first._stats if first else IOStats(), first._write if first else False)
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
@@ -118,7 +123,12 @@ class IOPending:
             for future in self._futures:
                 future.exception()
             if not getattr(_waits, "hidden", False):
-                self._stats.wait_s += time.perf_counter() - started
+                waited = time.perf_counter() - started
+                self._stats.wait_s += waited
+                if self._write:
+                    self._stats.write_wait_s += waited
+                else:
+                    self._stats.read_wait_s += waited
         errors = [f.exception() for f in self._futures]
         self._futures = []
         for error in errors:
@@ -250,7 +260,7 @@ class SwapFile:
             ]
             if parts > 1 and write:
                 self._writing.append((offset, offset + len(view), futures))
-        return IOPending(futures, self.stats)
+        return IOPending(futures, self.stats, write)
 
     def _order_after_writes(self, start: int, end: int) -> None:
         """With several I/O threads a later request's parts can start before an earlier one's finish: a read (or

@@ -183,6 +183,16 @@ class DeepSpeedAccessors:
         """The same, split by where it lives: ``device``, ``host`` (offloaded) and ``nvme`` (swap files)."""
         return self.stack.state_bytes_by_location()
 
+    def exposed_wait(self) -> dict[str, float]:
+        """Seconds the training thread waited, by kind of transfer, since ``initialize`` (or the last
+        ``comm_ledger.reset()`` for the collectives): each collective op (``all_gather``, ``reduce_scatter``,
+        ``all_reduce``, ``broadcast``, ``send`` / ``recv`` between pipeline stages, ...: the time spent issuing it and
+        waiting for a result not there yet; one that finished behind computation costs nothing), NVMe reads and
+        writes of offloaded state (``nvme_read``, ``nvme_write``) and the optimizer step running behind the forward
+        (``step_behind``). Measured on the host: on a GPU, a collective the host does not wait for (NCCL's, ordered
+        on streams) shows only its issue time. This is what says which transfer to hide next."""
+        return self.reporting.exposed_wait()
+
     def disk_io(self) -> dict[str, float]:
         """What this rank's offload swap files moved since ``initialize``: bytes ``read`` and ``written``;
         ``wait_s``, the seconds training waited for them (transfers that finished behind computation cost none);

@@ -3,7 +3,9 @@
 One :class:`Reporting` per engine: phase timers (``wall_clock_breakdown``), samples and tokens per second between
 ``steps_per_print`` lines, the monitors (TensorBoard, W&B, CSV), model-state memory samples, DeepSpeed's flops
 profiler (rank 0 profiles one forward of ``flops_profiler.profile_step``) and the communication lines
-(``comms_logger``, 1-bit totals). The loop tells it what happened; it decides what to measure and print.
+(``comms_logger``, 1-bit totals) and the exposed wait: the seconds the training thread waited per kind of transfer
+(collectives by op, NVMe reads and writes, the step running behind), per step in the report line and the monitors.
+The loop tells it what happened; it decides what to measure and print.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class Reporting:
         self._window_tokens = 0
         self._memory_reported = False
         self._disk_seen = stack.disk_io()  # the swap files' counters at the last report
+        self._waits_at_step: dict[str, float] = {}  # exposed_wait() after the last optimizer step
+        self._waits_at_report: dict[str, float] = {}  # and at the last report line
         # model-state bytes are sampled (a walk over every owner) only while a report is to come: until the
         # first steps_per_print line prints the table, or throughout with memory_breakdown: true
         self.sampling_memory = bool(settings.steps_per_print) or settings.memory_breakdown
@@ -107,18 +111,35 @@ class Reporting:
         )
         self.flops_profiler.end_profile()
 
+    def exposed_wait(self) -> dict[str, float]:
+        """Seconds the training thread waited per kind of transfer so far (``engine.exposed_wait``)."""
+        waits = self.mesh.context.ledger.waited_by_op()
+        io = self.stack.disk_io()
+        waits.update(nvme_read=io["read_wait_s"], nvme_write=io["write_wait_s"], step_behind=io["behind_wait_s"])
+        return {kind: seconds for kind, seconds in waits.items() if seconds > 0}
+
+    def _waits_since(self, before: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+        """(the exposed wait per kind since ``before``, the counts now); a ledger reset in between counts from 0."""
+        now = self.exposed_wait()
+        return {k: v - before.get(k, 0.0) if v >= before.get(k, 0.0) else v for k, v in now.items()}, now
+
     def step_taken(self, last_loss: Optional[torch.Tensor]) -> None:
         """After an optimizer step (applied or skipped): the monitors' events, and every ``steps_per_print`` steps
         the report line. ``last_loss`` is read (a device sync) only when one of them needs it."""
         self.sample_memory()
         if self.monitors.enabled:
             samples = self.counters.global_samples
+            waits, self._waits_at_step = self._waits_since(self._waits_at_step)
             self.monitors.write(
                 [
                     ("Train/Samples/train_loss", _value(last_loss), samples),
                     ("Train/Samples/lr", self.stack.learning_rates()[0], samples),
                     ("Train/Samples/loss_scale", self.stack.loss_scale, samples),
                     ("Train/Samples/grad_norm", self.stack.global_grad_norm, samples),
+                    *(
+                        (f"Train/Samples/exposed_wait/{kind}", seconds, samples)
+                        for kind, seconds in sorted(waits.items())
+                    ),
                 ]
             )
         every = self.settings.steps_per_print
@@ -142,6 +163,15 @@ class Reporting:
             if self.stack.stage3 is not None:
                 self.timers["gather_wait"] = self.stack.take_gather_seconds()
             log_rank0("time (s) " + " ".join(f"{k} {v:.3f}" for k, v in sorted(self.timers.items())))
+        waits, self._waits_at_report = self._waits_since(self._waits_at_report)
+        if waits:  # what the training thread waited for, per step of the window (rank 0's)
+            steps, total = self.settings.steps_per_print, sum(waits.values())
+            log_rank0(
+                f"exposed wait per step: {total / steps:.4f} s ({100 * total / elapsed:.1f}% of the step): "
+                + ", ".join(
+                    f"{kind} {seconds / steps:.4f}" for kind, seconds in sorted(waits.items(), key=lambda i: -i[1])
+                )
+            )
         if self.settings.comms_logger.enabled:
             log_rank0(ledger.format())
         self._report_disk()

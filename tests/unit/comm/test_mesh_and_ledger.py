@@ -16,6 +16,20 @@ def test_ledger_counts_per_op_and_group():
     assert ledger.total_wire_bytes() == 0
 
 
+def test_exposed_wait_is_counted_per_op_and_up_the_contexts():
+    from zeroshard.comm import CommContext
+
+    process = CommContext()
+    engine = process.child()
+    engine.add_wait("all_gather", "shard", 0.25)
+    engine.add_wait("all_gather", "world", 0.5)
+    engine.add_wait("reduce_scatter", "shard", 0.125)
+    assert engine.ledger.waited_by_op() == {"all_gather": 0.75, "reduce_scatter": 0.125}
+    assert process.ledger.waited_by_op() == engine.ledger.waited_by_op()
+    engine.ledger.reset()
+    assert engine.ledger.waited_by_op() == {} and process.ledger.waited_by_op()["all_gather"] == 0.75
+
+
 def test_child_context_counts_its_own_traffic_and_its_parents():
     from zeroshard.comm import CommContext
 
