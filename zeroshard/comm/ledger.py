@@ -13,7 +13,9 @@ class OpTotals:
     bytes: int = 0  # message size: the tensor each rank hands to the collective
     wire_bytes: float = 0.0  # bytes each rank sends under the ring algorithm
     seconds: float = 0.0  # issue to completion, with comms_logger's timing only (it synchronizes)
-    waited: float = 0.0  # the calling thread's time in the call and in its wait: what overlap did not hide
+    # the calling thread's time in the call and in its wait (what overlap did not hide); a measurement, not part of
+    # what a ledger entry is: two ledgers of the same work compare equal
+    waited: float = field(default=0.0, compare=False)
 
 
 @dataclass
