@@ -133,8 +133,10 @@ class PipelineEngine(ZeroshardEngine):
         self.outputs = None  # eval_batch(return_logits=True): the last micro-batch's outputs (last stage)
         self._return_logits = False
         self._failed: Optional[str] = None  # a batch failed: the channels are out of step, nothing more runs
-        if self.training_dataloader is not None:  # initialize(training_data=...): read forever, as DeepSpeed does
-            self.set_dataloader(RepeatingLoader(self.training_dataloader))
+        if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
+            # initialize(training_data=...): read forever, as DeepSpeed does; the loader (its resumable sampler,
+            # which checkpoints save) stays the engine's
+            self.data_iterator = RepeatingLoader(self.training_dataloader)
 
     def destroy(self) -> None:
         if not self._destroyed:
@@ -179,7 +181,8 @@ class PipelineEngine(ZeroshardEngine):
         self.batch_fn = fn
 
     def reset_activation_shape(self) -> None:
-        """DeepSpeed caches the first batch's activation shapes; here every exchange announces its own: no-op."""
+        """DeepSpeed caches the first batch's activation shapes; here an announcement goes again whenever they
+        change: nothing to reset."""
 
     def forward(self, *args, **kwargs):
         raise PipelineError("Only train_batch() is accessible in pipeline mode (forward() is part of it)")
