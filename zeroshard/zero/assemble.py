@@ -23,13 +23,14 @@ from ..precision import LossScaler, PrecisionPolicy
 from .buffers import ReusableBuffers
 from .exchange import exchange_for
 from .flat_group import FlatGroup
+from .grad_norm import NormAxes
 from .gradient_check import GradientCheck
 from .offloaded_state import build_optimizer_state
 from .optimizer_state import MakeOptimizer, OptimizerState
 from .planning import ModelPlan, QuantizedComm, StagePolicy, build_flat_groups, plan_model
 from .reducer import GradBucket, GradientReducer
 from .sharded_param import ParamRecords
-from .stack import NormAxes, StepSettings, ZeroStack
+from .stack import StepSettings, ZeroStack
 from .stage3 import Stage3Runtime, build_units
 
 
@@ -82,7 +83,7 @@ def build_zero_stack(
     ``tensor_splits`` maps the parameters split over the tensor group, and this rank's experts, to how they are cut
     (each flat group's slots carry it): ZeRO runs inside the gradient group, on each rank's pieces; groups of experts
     shard and reduce over the ranks holding them, divided by the whole data-parallel size as every gradient is;
-    ``tied``: the parameters pipeline stages share, with the tie's group (``ZeroStack._sum_tied``)."""
+    ``tied``: the parameters pipeline stages share, with the tie's group (``GradientNorm.sum_tied``)."""
     z = config.zero_optimization
     stage = StagePolicy.for_stage(z.stage)
     # stage 0 reduces over the whole data-parallel group; sharded stages over the shard group inside it

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Optional
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -38,7 +38,7 @@ from ..precision import LossScaler
 from .buffers import ReusableBuffers
 from .exchange import ExactExchange
 from .flat_group import FlatGroup
-from .grad_home import GradHome
+from .grad_norm import GradientNorm, NormAxes
 from .optimizer_state import OptimizerState
 from .param_access import ParamAccess
 from .reducer import GradientReducer
@@ -57,20 +57,6 @@ ROLES = (
     "compression_error",
 )
 NO_OPTIMIZER = "needs an optimizer: pass optimizer= or add an 'optimizer' config block"
-
-
-@dataclass(frozen=True)
-class NormAxes:
-    """Where the pieces of the global gradient norm live. ``shard``: the group whose shards make up each flat group's
-    gradient (None: every rank holds it whole, stage 0). ``split``: per split axis (``FlatLayout.split_axis``), the
-    group over which those flat groups hold different pieces beyond ``shard`` (the others are replicated there:
-    counted once): ``tp`` the tensor group; ``ep`` the expert group at stage 0 (sharded stages spread the experts'
-    shards over ``shard`` already, and over the tensor group when the expert group spans it). ``stages``: under
-    pipeline parallelism the pipe group, over which the stages' sums add up (a tied parameter counted once)."""
-
-    shard: Optional[comm.Group] = None
-    split: Mapping[str, comm.Group] = field(default_factory=dict)
-    stages: Optional[comm.Group] = None  # the pipe group: each pipeline stage holds different parameters
 
 
 @dataclass(frozen=True)
@@ -124,18 +110,7 @@ class ZeroStack:
             flat_groups[0].device if flat_groups else optimizer_state.device,
         )
         self.access = ParamAccess(records, optimizer_state, reducer, self.states)  # one parameter's state
-        # per flat group, the row of the norm's partial sums it adds to: 0 for the replicated ones (and the split ones
-        # whose pieces the shard group already spans), then one per axis of ``norm.split``
-        self._norm_axes = [None, *self.norm.split]
-        self._norm_rows = torch.tensor(
-            [
-                self._norm_axes.index(f.layout.split_axis) if f.layout.split_axis in norm.split else 0
-                for f in flat_groups
-            ],
-            dtype=torch.long,
-        )
-        self.ties = ties or [None] * len(flat_groups)  # per flat group, the pipeline stages sharing it (_sum_tied)
-        self._norm_counted = torch.tensor([float(tie is None or tie.ranks[0] == comm.get_rank()) for tie in self.ties])
+        self.gradient_norm = GradientNorm(flat_groups, norm, ties)  # the global norm, and what pipeline stages share
         self.consecutive_skipped = 0
         self.steps_taken = 0  # optimizer steps attempted (applied or skipped)
         self.overflow = False  # DeepSpeed's name: whether the last step was skipped for non-finite gradients
@@ -186,8 +161,9 @@ class ZeroStack:
         self.reducer.verify_gradients(self.steps_taken + 1)
         scale = self.loss_scaler.scale
         grads = self.reducer.grads  # where each shard waits: in memory, or on disk (NVMe optimizer offload)
-        self._sum_tied(grads)
-        norm = math.sqrt(self._grad_norm_squared(grads).item()) / scale
+        self.gradient_norm.sum_tied(grads)
+        average_over = self.reducer.gradient_group if self.exchange.averages_itself() else None
+        norm = math.sqrt(self.gradient_norm.squared(grads, average_over).item()) / scale
         overflow = self.overflow = not math.isfinite(norm)
         self.global_grad_norm = math.inf if overflow else norm  # NaN gradients report inf too, as DeepSpeed's
         self.steps_taken += 1
@@ -228,40 +204,6 @@ class ZeroStack:
         for unit in [self.stage3.root_unit, *self.stage3.order]:
             order.extend(k for b in unit.buckets if (k := index.get(id(b.flat))) is not None and k not in order)
         return order + [k for k in range(len(self.flat_groups)) if k not in order]
-
-    def _sum_tied(self, grads: list[GradHome]) -> None:
-        """The reduced gradient shards of flat groups pipeline stages share, summed over the stages (their layouts
-        are alike: ``planning.by_split_axis``), as one model's gradient of a tensor used twice is the sum of both
-        uses; the norm counts them on the tie's first stage only (``_norm_counted``)."""
-        for home, tie in zip(grads, self.ties):
-            if tie is not None:
-                shard = home.read()
-                comm.all_reduce(shard, tie)
-                if home.resident() is None:
-                    home.write(0, shard)
-
-    def _grad_norm_squared(self, grads: list[GradHome]) -> torch.Tensor:
-        """The squared global norm: over the data-parallel shards, then the split flat groups' pieces summed over
-        their axis's group (tensor or expert parallelism), the replicated ones counted once. Each shard's norm is
-        its home's (a spilled shard's was taken as its last contribution arrived)."""
-        if not grads:
-            return torch.zeros((), dtype=torch.float32)
-        per_flat = torch.stack([home.norm() for home in grads]).pow(2)
-        per_flat = per_flat * self._norm_counted.to(per_flat.device)
-        squared = per_flat.new_zeros(len(self._norm_axes)).index_add_(0, self._norm_rows.to(per_flat.device), per_flat)
-        if self.exchange.averages_itself():
-            # each rank holds its own gradient: every rank takes the mean of their squared norms, so overflow
-            # skips and clipping agree across ranks (the averaged gradient is never formed)
-            comm.all_reduce(squared, self.reducer.gradient_group)
-            squared.div_(self.reducer.gradient_group.size)
-        elif self.norm.shard is not None:
-            comm.all_reduce(squared, self.norm.shard)
-        for row, group in enumerate(self.norm.split.values(), start=1):
-            comm.all_reduce(squared[row : row + 1], group)
-        total = squared.sum().reshape(1)
-        if self.norm.stages is not None:
-            comm.all_reduce(total, self.norm.stages)
-        return total
 
     def _first_non_finite(self) -> str:
         """The first parameter, in flat-group order over all ranks' shards, with a non-finite gradient."""
