@@ -41,6 +41,7 @@ def model(args):
         num_local_experts=args.experts,
         num_experts_per_tok=2,
         max_position_embeddings=args.seq,
+        attn_implementation=getattr(args, "attn_implementation", "sdpa"),
     )
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(config)

@@ -1,6 +1,8 @@
 """Step time of zeroshard stages 0-3 against torch DDP and FSDP2, same model, data and global batch, one run.
 
     python benchmarks/step_time.py [--world 2] [--n_layer 4] [--n_embd 256] [--steps 30] [--gradient_check]
+    python benchmarks/step_time.py --n_layer 8 --n_embd 768 --vocab 16384 --seq 128 --micro 4 --steps 14 \
+        --systems limit ddp zeroshard-1 zeroshard-2 zeroshard-3 [--dtype bf16]     # the 69.4M GPT
 
 Each system trains the same GPT from the same seed on the same micro-batches; the systems take
 turns step by step inside one process group, so machine noise hits all of them alike. Reports the
@@ -143,16 +145,24 @@ def take_turns(systems: dict, data: list, warmup: int, after_step=None) -> dict:
     return results
 
 
-def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int, gradient_check: bool = False):
+SYSTEMS = ["limit", "ddp", "fsdp2", "zeroshard-0", "zeroshard-1", "zeroshard-2", "zeroshard-3", "zeroshard-3-keep"]
+KEEP = {"stage3_max_reuse_distance": 10**9}  # DeepSpeed's default: every block kept from its forward to its backward
+
+
+def worker(cfg: GPTConfig, steps: int, micro: int, warmup: int, gradient_check=False, dtype="fp32", names=SYSTEMS):
     from zeroshard import comm
 
     data = batches(cfg, steps, micro, comm.get_rank())
-    systems = {"limit": limit_system(cfg, 1e-3), "ddp": ddp_system(cfg, 1e-3), "fsdp2": fsdp2_system(cfg, 1e-3)}
-    for stage in (0, 1, 2, 3):
-        systems[f"zeroshard-{stage}"] = zeroshard_system(cfg, 1e-3, stage, micro)
-        for interval in (1, 100) if gradient_check else ():
+    baselines = {"limit": limit_system, "ddp": ddp_system, "fsdp2": fsdp2_system}
+    systems = {name: baselines[name](cfg, 1e-3, dtype) for name in names if name in baselines}
+    for name in (name for name in names if name.startswith("zeroshard-")):
+        stage, keep = int(name.split("-")[1]), name.endswith("-keep")
+        systems[name] = zeroshard_system(cfg, 1e-3, stage, micro, KEEP if keep else None, dtype=dtype)
+        for interval in (1, 100) if gradient_check and not keep else ():
             check = {"gradient_check": {"enabled": True, "interval": interval}}
-            systems[f"zeroshard-{stage} check/{interval}"] = zeroshard_system(cfg, 1e-3, stage, micro, extra=check)
+            systems[f"zeroshard-{stage} check/{interval}"] = zeroshard_system(
+                cfg, 1e-3, stage, micro, dtype=dtype, extra=check
+            )
 
     exposed = {name: [] for name in systems}  # per step, the training thread's wait by kind (zeroshard's)
 
@@ -177,15 +187,23 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--gradient_check", action="store_true", help="add each stage with gradient_check on")
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=SYSTEMS, help="limit and ddp always run")
     args = parser.parse_args()
-    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd)
+    heads = 8 if args.n_embd >= 512 else 4
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=heads, n_embd=args.n_embd)
     params = sum(p.numel() for p in GPT(cfg).parameters())
+    names = ["limit", "ddp", *(n for n in args.systems if n not in ("limit", "ddp"))]
     results = run_distributed(
-        worker, args.world, cfg, args.steps, args.micro, args.warmup, args.gradient_check, timeout_s=3600
-    )[0]
+        worker, args.world, cfg, args.steps, args.micro, args.warmup, args.gradient_check, args.dtype, names,
+        timeout_s=3600,
+    )[0]  # fmt: skip
     base, limit = statistics.median(results["ddp"]["times"]), statistics.median(results["limit"]["times"])
     print(
-        f"GPT {params / 1e6:.2f}M params, {args.world} Gloo ranks, micro-batch {args.micro} x {cfg.block_size} tokens"
+        f"GPT {params / 1e6:.2f}M params, {args.world} Gloo ranks, {args.dtype}, "
+        f"micro-batch {args.micro} x {cfg.block_size} tokens"
     )
     print("| system | median step (ms) | ratio to DDP | ratio to the limit | final loss | wire MB/step/rank | "
           "exposed wait ms/step (share of the step) | largest waits ms/step |")  # fmt: skip

@@ -146,8 +146,9 @@ def whole_numel(param) -> int:
 def analytic_wire(engine, world: int) -> float:
     """Ring bytes per rank per step from the model's shapes (not the engine's plan): 2P (stages 0-2; reduce-scatter +
     all-gather or one all-reduce), and for stage 3 every unit gathered twice (forward, backward) except the root (the
-    parameters outside ``model.blocks``, whose units are the blocks), which stays gathered, plus one reduce-scatter
-    of everything; plus the 4-byte gradient-norm all-reduce of the sharded stages. Gathers move the compute dtype,
+    parameters outside ``model.blocks``, whose units are the blocks), which stays gathered, and the last block, kept
+    from its forward into its backward once the first step has recorded the order, plus one reduce-scatter of
+    everything; plus the 4-byte gradient-norm all-reduce of the sharded stages. Gathers move the compute dtype,
     reductions the reduce dtype (``communication_data_type``). Padding (under ``world`` elements per flat group) is
     left out, so the ledger may exceed it by that."""
     share = (world - 1) / world
@@ -160,8 +161,9 @@ def analytic_wire(engine, world: int) -> float:
     if engine.zero_optimization_stage() < 3:
         return share * (reduced + gathered) + norm
     in_blocks = sum(whole_numel(p) for p in model.blocks.parameters() if p.requires_grad)
-    root = (numel - in_blocks) * engine.policy.compute.itemsize
-    return share * (2 * gathered - root + reduced) + norm
+    in_last = sum(whole_numel(p) for p in model.blocks[-1].parameters() if p.requires_grad)
+    root, last = (numel - in_blocks) * engine.policy.compute.itemsize, in_last * engine.policy.compute.itemsize
+    return share * (2 * gathered - root - last + reduced) + norm
 
 
 def gpt_config(size: str) -> GPTConfig:

@@ -74,7 +74,43 @@ def collectives_worker() -> dict:
     out["axes"] = (sums, axes.data_parallel_size, axes.tensor.size)
     comm.destroy_mesh(axes)
     out["blocks"] = _blocks_through_autograd(mesh.world, rank)
+    out["compute_only"] = _compute_only(mesh.world, rank)
     return out
+
+
+def _compute_only(group, rank: int) -> dict:
+    """Collectives inside ``zeroshard.testing.compute_only``: what a group of one would give, from this rank's own
+    data, nothing counted; a send with no receiver returns at once (rank 0 sends, nobody receives); afterwards the
+    group communicates again."""
+    from zeroshard import comm
+    from zeroshard.comm.collectives import all_to_all
+    from zeroshard.comm.compressed import compressed_all_gather
+    from zeroshard.testing import compute_only
+
+    n, before = group.size, dict(group.context.ledger.summary())
+    summed, gathered, scattered = torch.full((3,), float(rank)), torch.zeros(n * 2), torch.empty(2)
+    exchanged, compressed = torch.empty(n), torch.zeros(n * 8)
+    with compute_only():
+        comm.all_reduce(summed, group)
+        comm.all_gather(gathered, torch.tensor([rank, -rank], dtype=torch.float32), group)
+        comm.reduce_scatter(scattered, torch.arange(2.0 * n) + rank, group)
+        all_to_all(exchanged, torch.arange(float(n)) + 10 * rank, group)
+        compressed_all_gather(compressed, None, group, input=torch.full((8,), float(rank + 1)))
+        if rank == 0:
+            comm.send(torch.ones(4), dst=1, group=group)
+        comm.barrier(group)
+    counted = dict(group.context.ledger.summary()) != before
+    after = torch.tensor([float(rank)])
+    comm.all_reduce(after, group)
+    return {
+        "summed": summed,
+        "gathered": gathered,
+        "scattered": scattered,
+        "exchanged": exchanged,
+        "compressed": compressed,
+        "counted": counted,
+        "after": after.item(),
+    }
 
 
 def _blocks_through_autograd(group, rank: int) -> tuple:
@@ -156,3 +192,18 @@ def test_rows_cut_into_uneven_blocks_and_joined_back_differentiate_like_one_proc
     for joined, grad in (got["blocks"] for got in per_rank):
         assert torch.equal(joined, expected.detach())
         assert torch.equal(grad, shared.grad)
+
+
+def test_compute_only_keeps_every_collective_on_its_rank_and_counts_nothing(per_rank):
+    """The compute-only limit's seam: each collective gives what a group of one would give, from the rank's own data
+    (an all-gather repeats its shard, a reduce-scatter keeps its chunk, an all-reduce its values), nothing reaches
+    the ledger, a send needs no receiver; the same group then sums for real."""
+    for rank, got in enumerate(per_rank):
+        result = got["compute_only"]
+        assert torch.equal(result["summed"], torch.full((3,), float(rank)))
+        assert torch.equal(result["gathered"], torch.tensor([rank, -rank] * WORLD, dtype=torch.float32))
+        assert torch.equal(result["scattered"], torch.arange(2.0 * WORLD)[2 * rank : 2 * rank + 2] + rank)
+        assert torch.equal(result["exchanged"], torch.arange(float(WORLD)) + 10 * rank)
+        assert torch.equal(result["compressed"], torch.full((8 * WORLD,), float(rank + 1)))
+        assert not result["counted"]
+        assert result["after"] == sum(range(WORLD))

@@ -89,8 +89,10 @@ def lora_worker(kinds: list) -> dict:
         }
         units = engine.stage3
         # every unit's flat groups (trainable and frozen) gathered once in forward and once in backward, the root's
-        # once: a frozen weight still needed after its unit's adapters got their gradients is not gathered again
-        held["expected_gathers"] = 2 * sum(len(u.flats) for u in units.units) + len(units.root_unit.flats)
+        # and (from the second step) the last layer's once: a frozen weight still needed after its unit's adapters
+        # got their gradients is not gathered again
+        last = len(units.units[-1].flats)
+        held["expected_gathers"] = 2 * sum(len(u.flats) for u in units.units) + len(units.root_unit.flats) - last
         b = BATCH // world
         for ids in batches():
             engine.comm_ledger.reset()

@@ -6,6 +6,8 @@ Tolerances as for stages 0-2: fp32 whole-model relative error <= 1e-5 (per tenso
 
 import math
 import os
+import statistics
+import time
 
 import pytest
 import torch
@@ -111,22 +113,26 @@ def units_from_shapes(case: ParityCase, world: int, engine_units: dict) -> tuple
 @pytest.mark.parametrize("index", [0, 1, 2, 5], ids=["fp32-gas1", "bf16-gas1", "fp32-gas2", "persistent"])
 def test_bytes_per_step_match_analytic(run, index):
     """Per micro-batch: every non-root unit gathered twice (forward, backward), the root once (it stays gathered
-    from forward to the end of backward), every flat group reduce-scattered once; per step: resident
-    (persistent) groups all-gathered after the step, plus the 4-byte gradient-norm all-reduce. The sizes come from
-    the model's shapes (``units_from_shapes``), not from the engine's plan."""
+    from forward to the end of backward), and from the second micro-batch on (once the unit order is recorded) the
+    last unit of forward once (it stays gathered into its backward: reuse distance 0); every flat group
+    reduce-scattered once; per step: resident (persistent) groups all-gathered after the step, plus the 4-byte
+    gradient-norm all-reduce. The sizes come from the model's shapes (``units_from_shapes``), not from the engine's
+    plan."""
     world, per_rank = run
     case, got = CASES[index], per_rank[0][index]
     elem = 4 if case.dtype == "fp32" else 2
     ring = (world - 1) / world
     root, units, resident = units_from_shapes(case, world, dict(got["units"]))
-    gathers = case.gas * (2 * sum(units) + root) + resident
-    reduces = case.gas * (root + sum(units) + resident)
-    analytic = (gathers + reduces) * elem * ring + 2 * ring * 4
-    assert got["wire_bytes"] / case.steps == pytest.approx(analytic, rel=1e-12)
+    micro_batches = case.steps * case.gas
+    gathers = micro_batches * (2 * sum(units) + root) - (micro_batches - 1) * units[-1] + case.steps * resident
+    reduces = micro_batches * (root + sum(units) + resident)
+    analytic = (gathers + reduces) * elem * ring + case.steps * 2 * ring * 4
+    assert got["wire_bytes"] == pytest.approx(analytic, rel=1e-12)
     p = got["num_params"]
     if case.gas == 1 and not resident:
-        # the ZeRO paper's 3P, less one gather of the root unit
-        assert got["wire_bytes"] / case.steps == pytest.approx((3 * p - root) * elem * ring, rel=2e-2)
+        # the ZeRO paper's 3P, less one gather of the root unit and (after the first step) of the last block
+        kept = units[-1] * (case.steps - 1) / case.steps
+        assert got["wire_bytes"] / case.steps == pytest.approx((3 * p - root - kept) * elem * ring, rel=2e-2)
 
 
 BUDGETS = [(0, 10**9, 1), (13000, 10**9, 1), (10**9, 10**9, 1), (10**9, 10**9, 10**6), (10**9, 45000, 10**6)]
@@ -566,3 +572,119 @@ def test_moe_with_idle_experts_matches_stage_0_with_default_units_and_leaf_modul
     attention = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert set(attention) <= set(runs["granular"]["units"]) and runs["granular"]["flagged"] == attention
     assert runs["coarse"]["units"] == [] and runs["coarse"]["flagged"] == [""]  # the root unit holds everything
+
+
+class Pause(torch.autograd.Function):
+    """Compute that takes ``seconds`` in forward and again in backward on any machine (a sleep), so a gather issued
+    before it is hidden behind it whatever the machine's speed."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, n_in: int, n_out: int, seconds: float):
+        super().__init__()
+        self.linear, self.seconds = torch.nn.Linear(n_in, n_out), seconds
+
+    def forward(self, x):
+        return Pause.apply(self.linear(x), self.seconds) if self.seconds else self.linear(x)
+
+
+WIDTHS = (12, 20, 28, 36, 12)  # every layer's flat group a different size: a gather's shape names its unit
+
+
+def schedule_worker(runs: list[tuple[dict, float, float]]) -> list[dict]:
+    """One engine per run (zero-config overrides, compute seconds per layer and direction, extra seconds every
+    all-gather takes from its issue): per step, the all-gathers and reduce-scatters in issue order (as unit names)
+    and the exposed all-gather wait; the slowed waits' unhidden seconds; the final weights."""
+    import zeroshard
+    from zeroshard import comm
+    from zeroshard.testing import slow_collectives
+
+    results = []
+    for overrides, seconds, slow in runs:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(Layer(a, b, seconds) for a, b in zip(WIDTHS, WIDTHS[1:])))
+        zero = {"stage": 3, "gather_unit_classes": ["Layer"], "stage3_param_persistence_threshold": 0, **overrides}
+        config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+        engine, *_ = zeroshard.initialize(model=model, config={**config, "zero_optimization": zero})
+        names = {a * b + b: f"layers.{i}" for i, (a, b) in enumerate(zip(WIDTHS, WIDTHS[1:]))}  # even: unpadded
+        link = slow_collectives(slow)
+        trace, steps = comm.DEFAULT_CONTEXT.trace, []
+        gen = torch.Generator().manual_seed(comm.get_rank())
+        for _ in range(4):
+            x = torch.randn(4, WIDTHS[0], generator=gen)
+            start, waited = trace.seq, engine.exposed_wait().get("all_gather", 0.0)
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+            ops = [(e.op, names.get(math.prod(e.shape))) for e in trace.entries if e.seq > start]
+            steps.append(
+                {
+                    "ops": [o for o in ops if o[0] in ("all_gather", "reduce_scatter")],
+                    "gather_wait": engine.exposed_wait().get("all_gather", 0.0) - waited,
+                }
+            )
+        slow_collectives(0)
+        results.append({"steps": steps, "unhidden": link.unhidden, "params": engine.consolidated_state_dict()})
+        engine.destroy()
+    return results
+
+
+def test_gathers_follow_the_recorded_unit_order_and_the_last_unit_stays_gathered_into_backward():
+    """The schedule the first forward records decides every later step: forward gathers each unit once, the next
+    one issued before the current one runs; backward keeps the last unit of forward (reuse distance 0), gathers the
+    others in reverse order, each issued before the reduce-scatter of the unit after it (the gradient work it
+    overlaps). ``stage3_max_reuse_distance`` 1e9 (DeepSpeed's default) keeps every unit: no gather in backward.
+    Keeping changes when parameters are gathered, never the arithmetic: the weights are bitwise equal."""
+    runs = [({}, 0.0, 0.0), ({"stage3_max_reuse_distance": 10**9}, 0.0, 0.0), ({"stage3_prefetch_depth": 0}, 0.0, 0.0)]
+    default, keep_all, no_prefetch = run_distributed(schedule_worker, 2, runs)[0]
+    forward = [("all_gather", f"layers.{i}") for i in range(4)]
+    steady = default["steps"][1]["ops"]
+    assert steady == [
+        *forward,
+        ("all_gather", "layers.2"),  # prefetched at layers.3's backward, before its gradients are reduced
+        ("reduce_scatter", "layers.3"),
+        ("all_gather", "layers.1"),
+        ("reduce_scatter", "layers.2"),
+        ("all_gather", "layers.0"),
+        ("reduce_scatter", "layers.1"),
+        ("reduce_scatter", "layers.0"),
+    ], steady
+    assert all(step["ops"] == steady for step in default["steps"][1:])
+    # before any order is recorded, the last unit is freed after forward and gathered again
+    assert default["steps"][0]["ops"][4] == ("all_gather", "layers.3")
+    assert keep_all["steps"][1]["ops"] == [*forward] + [("reduce_scatter", f"layers.{i}") for i in (3, 2, 1, 0)]
+    assert [o for o in no_prefetch["steps"][1]["ops"] if o[0] == "all_gather"] == [
+        o for o in steady if o[0] == "all_gather"
+    ]
+    for other in (keep_all, no_prefetch):
+        for name, tensor in default["params"].items():
+            assert torch.equal(other["params"][name], tensor), name
+
+
+def test_a_slower_gather_is_hidden_behind_the_compute_it_was_prefetched_for():
+    """Every all-gather made to take 50 ms from its issue (far more than 10x its time here), each layer computing
+    100 ms in forward and in backward: with the prefetch the only gather no compute can hide is the first unit's
+    in forward (nothing runs before it), so the seam sleeps for one gather a step and the exposed all-gather wait
+    grows by about that much; without prefetch every gather of the step (7) is waited for in full."""
+    slow, compute = 0.05, 0.1
+    runs = [({}, compute, 0.0), ({}, compute, slow), ({"stage3_prefetch_depth": 0}, compute, slow)]
+    fast, prefetched, waited = run_distributed(schedule_worker, 2, runs)[0]
+    per_step = 7  # 4 in forward, 3 in backward (the last unit stays gathered)
+    assert len(prefetched["unhidden"]) == len(waited["unhidden"]) == 8 + 3 * per_step  # the first step gathers 8
+    hidden = [s for _, s in prefetched["unhidden"] if s == 0.0]
+    assert len(hidden) >= 3 * (per_step - 1), prefetched["unhidden"]  # all but the first unit's, from step 2 on
+    base, with_prefetch, without = (
+        statistics.median(step["gather_wait"] for step in run["steps"][1:]) for run in (fast, prefetched, waited)
+    )
+    assert without >= per_step * slow  # each gather waited for: its 50 ms from the issue, issue included
+    assert with_prefetch - base <= 2 * slow, (base, with_prefetch)  # one gather's 50 ms, noise under another's

@@ -52,7 +52,7 @@ class Pending:
         if self.work is None:
             return
         waiting = time.perf_counter()
-        self.group.context.before_collective()
+        self.group.context.before_wait(self.op, self.started)
         try:
             if timeout is None:
                 self.work.wait()
@@ -88,6 +88,8 @@ def _issue(
     async_op: bool,
     finish: Optional[Callable[[], None]] = None,
 ) -> Pending:
+    if group.context.local_only():
+        return _skip(op, group)  # compute-only (Note [compute-only runs]): a collective of no local form sends nothing
     nbytes = tensor.numel() * tensor.element_size()
     entry = group.context.record(op, group.name, nbytes, nbytes * wire_factor, tuple(tensor.shape), str(tensor.dtype))
     started = time.perf_counter()
@@ -112,8 +114,15 @@ def _skip(op: str, group: Group) -> Pending:
     return Pending(op, group, None, "", 0.0)
 
 
+def _local(group: Group) -> bool:
+    """Nothing leaves the rank: a group of one, or a compute-only run (Note [compute-only runs] in context.py), where
+    each collective gives what a group of one would give, from this rank's own data: the work and memory traffic of
+    the step stay, its communication goes (the results are not the real ones)."""
+    return group.size == 1 or group.context.local_only()
+
+
 def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False) -> Pending:
-    if group.size == 1:
+    if _local(group):
         return _skip("all_reduce", group)
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     n = group.size
@@ -177,8 +186,8 @@ def reduce_scatter(
     """Sum ``input`` (group.size x output.numel()) across the group; rank i keeps chunk i in ``output``, which may
     be that chunk of ``input`` itself. ``scratch``: see ``reduce_scatter_scratch_numel`` (held until the result
     is waited for)."""
-    if group.size == 1:
-        output.copy_(input.view_as(output))
+    if _local(group):
+        output.copy_(input.view(group.size, -1)[group.rank].view_as(output))
         return _skip("reduce_scatter", group)
     n = group.size
     if _is_gloo(group):
@@ -227,8 +236,10 @@ def reduce_scatter(
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False) -> Pending:
     """Concatenate every rank's ``input`` into ``output`` (group.size x input.numel()); ``input`` may be this
     rank's chunk of ``output`` itself."""
-    if group.size == 1:
-        output.view_as(input).copy_(input)
+    if _local(group):
+        for chunk in output.view(group.size, -1):
+            if chunk.data_ptr() != input.data_ptr():
+                chunk.copy_(input.reshape(-1))
         return _skip("all_gather", group)
     n = group.size
     if _is_gloo(group):
@@ -257,7 +268,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Pending:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
-    if group.size == 1:
+    if _local(group):
         return _skip("broadcast", group)
     return _issue(
         "broadcast",
@@ -271,7 +282,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
 
 def reduce(tensor: torch.Tensor, dst: int, group: Group, op: str = "sum", async_op: bool = False) -> Pending:
     """Reduce ``tensor`` of every rank of the group into global rank ``dst``'s (the others' are left undefined)."""
-    if group.size == 1:
+    if _local(group):
         return _skip("reduce", group)
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     return _issue(
@@ -286,7 +297,7 @@ def reduce(tensor: torch.Tensor, dst: int, group: Group, op: str = "sum", async_
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False) -> Pending:
     """Equal chunks of dim 0: chunk j of ``input`` goes to the group's j-th rank, which stores it as its chunk i."""
-    if group.size == 1:
+    if _local(group):
         output.copy_(input)
         return _skip("all_to_all", group)
     n = group.size
@@ -311,8 +322,10 @@ def all_to_all_uneven(
     """Chunks of dim 0 of any sizes: the ``input_splits[j]`` rows after the first ``sum(input_splits[:j])`` go to the
     group's j-th rank, and ``output_splits[j]`` rows arrive from it, in rank order (a count may be 0). The wire
     counts the rows this rank sends to other ranks."""
-    if group.size == 1:
-        output.copy_(input)
+    if _local(group):
+        kept = min(len(output), len(input))  # compute-only: the rows that fit, the rest zeros
+        output[:kept].copy_(input[:kept])
+        output[kept:].zero_()
         return _skip("all_to_all", group)
     rows = sum(input_splits)
     sent = rows - input_splits[group.rank]
@@ -328,9 +341,9 @@ def all_to_all_uneven(
 
 def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]], dst: int, group: Group) -> Pending:
     """Every rank's ``tensor`` into ``gather_list`` on global rank ``dst`` (``None`` elsewhere)."""
-    if group.size == 1:
-        if gather_list:
-            gather_list[0].copy_(tensor)
+    if _local(group):
+        for part in gather_list or ():
+            part.copy_(tensor)
         return _skip("gather", group)
     return _issue(
         "gather",
@@ -344,9 +357,9 @@ def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]], dst:
 
 def scatter(tensor: torch.Tensor, scatter_list: Optional[list[torch.Tensor]], src: int, group: Group) -> Pending:
     """Global rank ``src``'s ``scatter_list[i]`` into the ``tensor`` of the group's i-th rank."""
-    if group.size == 1:
+    if _local(group):
         if scatter_list:
-            tensor.copy_(scatter_list[0])
+            tensor.copy_(scatter_list[group.rank])
         return _skip("scatter", group)
     return _issue(
         "scatter",
@@ -372,6 +385,8 @@ def post_send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0, wait_s
     """A send its receiver may never take (the word that a pipeline stage stopped, to a neighbour that may have
     stopped too): waited for at most ``wait_s`` seconds; False when it was not taken by then, or could not be posted
     (the peer is gone). Counted as a send; its failure is expected, not diagnosed."""
+    if group.context.local_only():
+        return True
     nbytes = tensor.numel() * tensor.element_size()
     group.context.record("send", group.name, nbytes, float(nbytes), tuple(tensor.shape), str(tensor.dtype))
     try:
@@ -382,7 +397,7 @@ def post_send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0, wait_s
 
 
 def barrier(group: Group) -> None:
-    if group.size > 1:
+    if not _local(group):
         entry = group.context.record("barrier", group.name, 0, 0.0, (), "")
         started = time.perf_counter()
         try:

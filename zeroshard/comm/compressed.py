@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .collectives import Pending, _exchange, _issue, _skip
+from .collectives import Pending, _exchange, _issue, _local, _skip, all_gather
 from .compression import ONE_BIT, Codec, compress_with_feedback
 from .groups import Group
 
@@ -38,8 +38,8 @@ def compressed_reduce_scatter(
     The owner adds the chunks in fp32 when ``input`` is 16-bit."""
     n, me = group.size, group.rank
     op = f"reduce_scatter_{codec.name}"
-    if n == 1:
-        return _skip(op, group)
+    if _local(group):
+        return _skip(op, group)  # this rank's chunk holds its own part already
     chunks = input.view(n, -1)
     numel = chunks.shape[1]
     outgoing = torch.empty(n, codec.message_nbytes(numel), dtype=torch.uint8, device=input.device)
@@ -87,9 +87,8 @@ def compressed_all_gather(
     caller that keeps the gathered vector compressed."""
     n, me = group.size, group.rank
     op = f"all_gather_{codec.name}"
-    if n == 1:
-        if input is not None:
-            output.view_as(input).copy_(input)
+    if _local(group):
+        all_gather(output, output.view(n, -1)[me] if input is None else input, group)
         return _skip(op, group)
     chunks = output.view(n, -1)
     numel = chunks.shape[1]

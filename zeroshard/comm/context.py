@@ -26,6 +26,13 @@ class CommContext:
         # called before each collective is issued and before it is waited on (a test seam:
         # zeroshard.testing.inject_delays); the nearest context in the chain that sets one decides
         self.pause: Optional[Callable[[], None]] = None
+        # called before waiting on a collective with its op and issue time (time.perf_counter()); it may sleep to
+        # make the collective take longer from its issue, which compute done meanwhile hides as it would hide a
+        # slow link (a test seam: zeroshard.testing.slow_collectives); the nearest context that sets one decides
+        self.slow_link: Optional[Callable[[str, float], None]] = None
+        # Note [compute-only runs]: nothing leaves the rank; each collective fills its output from this rank's own
+        # data, as a group of one would (a benchmark seam: zeroshard.testing.compute_only, the compute-only limit)
+        self.compute_only = False
 
     def __repr__(self) -> str:
         return "CommContext(default)" if self.parent is None else "CommContext(child)"
@@ -54,6 +61,16 @@ class CommContext:
         pause = next((c.pause for c in self._chain() if c.pause is not None), None)
         if pause is not None:
             pause()
+
+    def local_only(self) -> bool:
+        """Whether collectives stay on this rank (Note [compute-only runs]): this context or a parent says so."""
+        return any(c.compute_only for c in self._chain())
+
+    def before_wait(self, op: str, issued: float) -> None:
+        self.before_collective()
+        slow_link = next((c.slow_link for c in self._chain() if c.slow_link is not None), None)
+        if slow_link is not None:
+            slow_link(op, issued)
 
     def child(self) -> "CommContext":
         """A context whose counts also go to this one."""

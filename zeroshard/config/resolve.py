@@ -49,6 +49,8 @@ DEEPSPEED_DEFAULT_FOR_AUTO = (
     "zero_optimization.max_live_parameters",
     "zero_optimization.max_reuse_distance",
 )
+# DeepSpeed's defaults where zeroshard's own differ (stage 3 keeps fewer units gathered unless asked)
+DEEPSPEED_DEFAULTS = {"zero_optimization.max_reuse_distance": 1_000_000_000}
 
 
 def _schema_default(key: str) -> Any:
@@ -148,7 +150,7 @@ def _auto_value(key: str, ctx: AutoContext) -> tuple[bool, Any, str]:
     if not found and key in WIDTH_RULES and ctx.hidden_size:
         found, value, source = True, WIDTH_RULES[key](ctx.hidden_size), f"model hidden size {ctx.hidden_size}"
     if not found and key in DEEPSPEED_DEFAULT_FOR_AUTO:
-        found, value, source = True, _schema_default(key), "DeepSpeed's default for auto"
+        found, value, source = True, DEEPSPEED_DEFAULTS.get(key, _schema_default(key)), "DeepSpeed's default for auto"
     if not found and key == "scheduler.params.warmup_min_lr":
         found, value, source = True, 0.0, "default for auto"
     if not found and key == "optimizer.params.betas" and ctx.args is not None:

@@ -121,11 +121,10 @@ class ZeroConfig(Section):
         alias="stage3_model_persistence_threshold",
     )
     max_live_parameters: Union[int, Auto] = Field(1_000_000_000, alias="stage3_max_live_parameters")
-    max_reuse_distance: Union[int, Auto] = satisfied(
-        1_000_000_000,
-        "a memory hint: units are always freed after use (what 0 asks); a longer distance would only keep them",
-        alias="stage3_max_reuse_distance",
-    )
+    # a unit stays gathered after its forward when it is used again within this many elements of other units
+    # (Note [reuse distance] in zero/stage3/schedule.py); zeroshard's default 0 keeps only the last unit of forward,
+    # DeepSpeed's 1e9 (what "auto" gives) every unit of a model under about 5e8 parameters, as DeepSpeed does
+    max_reuse_distance: Union[int, Auto] = Field(0, alias="stage3_max_reuse_distance")
     gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
     # stage 3: modules whose parameters per layer are at most this many are gathered as one unit (DeepSpeed's rule)
     module_granularity_threshold: int = Field(0, ge=0, alias="stage3_module_granularity_threshold")

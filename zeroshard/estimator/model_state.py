@@ -9,6 +9,7 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
+from ..zero.stage3.schedule import GatherSchedule
 from .result import MemoryEstimate
 
 
@@ -38,6 +39,11 @@ class ModelState:
             if not plan.resident:
                 index = unit_of[plan.params[0]]
                 self.unit_numel[index] = self.unit_numel.get(index, 0) + layout.padded_numel
+        # the units kept gathered from their forward into their backward, forward taken to run them in the order
+        # the model defines them (reuse distance: Note [reuse distance] in zero/stage3/schedule.py)
+        order = sorted(i for i in self.unit_numel if i != 0)
+        schedule = GatherSchedule(order, self.unit_numel.__getitem__, z.max_reuse_distance)
+        self.kept_units = {unit for position, unit in enumerate(order) if schedule.keeps(position)}
         in_flats = {p for plan in self.plans + self.frozen_plans for p in plan.params}
         self.outside = sum(p.numel() for p in model.parameters() if p not in in_flats)
         self.state_tensors = _optimizer_state_tensors(cfg, z.stage)
@@ -54,7 +60,7 @@ class ModelState:
         fp32_aliased = self.policy.compute == torch.float32 and self.offload.optimizer_device == "none"
         b = out.bytes
         in_cpu = 0  # offload_param nvme: shards are kept in host memory while they fit max_in_cpu (ShardHomes.place)
-        # the shards placed in the parameter swap file: (elements, the root unit's, the optimizer's master)
+        # the shards placed in the parameter swap file: (elements, read once a step, the optimizer's master)
         self.nvme_shards: list[tuple[int, bool, bool]] = []
 
         def shard_home(numel: int, plan, trainable: bool) -> str:
@@ -66,7 +72,8 @@ class ModelState:
                 # NvmeState: an fp32 shard on NVMe that is one optimizer sub-group is its own master
                 master = trainable and opt_home == "nvme" and self.policy.compute == torch.float32
                 master = master and numel <= self.offload.sub_group_size
-                self.nvme_shards.append((numel, self.unit_of[plan.params[0]] == 0, master))
+                unit = self.unit_of[plan.params[0]]
+                self.nvme_shards.append((numel, unit == 0 or unit in self.kept_units, master))
             return param_home
 
         self.spilled: list[bool] = []  # per trainable flat group: its gradient waits in the optimizer swap file
@@ -139,8 +146,8 @@ class ModelState:
             largest = max(n for n, *_ in self.nvme_shards)
             staged = align_up(min(offload.param_buffer_size, largest) * compute)  # O_DIRECT-aligned, as allocated
             b["parameters"]["host"] += offload.param_buffer_count * staged
-            # gathered for forward and again for backward; the root unit once (gathered throughout)
-            read += sum((1 if root else 2) * align_up(n * compute) for n, root, _ in self.nvme_shards)
+            # gathered for forward and again for backward; the root unit and the kept ones once
+            read += sum((1 if once else 2) * align_up(n * compute) for n, once, _ in self.nvme_shards)
             # the updated shards, but those the step wrote as the optimizer's master
             written += sum(align_up(n * compute) for n, _, master in self.nvme_shards if not master)
         out.disk_per_step = {"read": read, "written": written}
@@ -201,7 +208,11 @@ class ModelState:
             max(z.max_live_parameters // max(unit, 1) - 1, 0),
             max(len(sharded_units) - 1, 0),  # no more units ahead than the model has
         )
-        gathered = self.unit_numel.get(0, 0) + (1 + ahead) * unit
+        # kept units stay until their backward: all of them at the turn from forward to backward, with backward's
+        # first prefetch unless every unit is kept; keeping stops where the live budget would be exceeded
+        kept = sum(self.unit_numel[i] for i in self.kept_units)
+        at_turn = min(kept + (ahead * unit if len(self.kept_units) < len(sharded_units) else 0), z.max_live_parameters)
+        gathered = self.unit_numel.get(0, 0) + max((1 + ahead) * unit, at_turn)
         out.bytes["gathered_units"]["device"] += gathered * compute
 
 

@@ -1,7 +1,10 @@
-"""Collectives delayed on purpose, to expose code that uses a result before its collective completes."""
+"""Collectives changed on purpose: delayed at random, to expose code that uses a result before its collective
+completes; made slower from their issue, to measure what overlapping them with compute hides; or kept on the rank,
+to measure the step without communication (the compute-only limit)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 
@@ -25,3 +28,42 @@ class RandomPause:
 
     def __call__(self) -> None:
         time.sleep(self.rng.uniform(0, self.max_seconds))
+
+
+def slow_collectives(seconds: float, ops: tuple[str, ...] = ("all_gather",)) -> "SlowLink":
+    """Make every collective of ``ops`` in this process take at least ``seconds`` from its issue to its result, as
+    a slow link would: waiting for one sleeps what is left of that time, so compute between its issue and the wait
+    hides it. Returns the seam, whose ``unhidden`` lists the seconds each wait slept (the part that could not be
+    hidden); ``seconds`` 0 stops."""
+    link = SlowLink(seconds, frozenset(ops))
+    DEFAULT_CONTEXT.slow_link = link if seconds > 0 else None
+    return link
+
+
+class SlowLink:
+    """The comm context's ``slow_link`` hook: collectives of ``ops`` complete ``seconds`` after their issue."""
+
+    def __init__(self, seconds: float, ops: frozenset):
+        self.seconds, self.ops = seconds, ops
+        self.unhidden: list[tuple[str, float]] = []  # (op, seconds slept) per wait on a slowed collective
+
+    def __call__(self, op: str, issued: float) -> None:
+        if op not in self.ops:
+            return
+        left = max(0.0, issued + self.seconds - time.perf_counter())
+        self.unhidden.append((op, left))
+        if left > 0:
+            time.sleep(left)
+
+
+@contextlib.contextmanager
+def compute_only():
+    """Inside, no collective of this process leaves the rank (Note [compute-only runs] in comm/context.py): each
+    gives what a group of one would, from this rank's data, so a training step does its own work and memory traffic
+    without its communication -- the compute-only limit a step is measured against. The results are not the real
+    ones (a loss, the weights after a step): for timing only."""
+    DEFAULT_CONTEXT.compute_only = True
+    try:
+        yield
+    finally:
+        DEFAULT_CONTEXT.compute_only = False

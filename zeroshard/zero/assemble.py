@@ -207,6 +207,7 @@ def _stage3_runtime(model, plan: ModelPlan, *, buckets, frozen, buffers, z, offl
         z.max_live_parameters,
         fetch_ahead=offload.param_buffer_count - 1 if offload.param_device is OffloadDevice.NVME else 0,
         prefetch_depth=z.prefetch_depth,
+        max_reuse_distance=z.max_reuse_distance,
     )
 
 

@@ -201,7 +201,7 @@ class ZeroStack:
         the last forward ran them), then any the forward did not reach."""
         index = {id(flat): k for k, flat in enumerate(self.flat_groups)}
         order: list[int] = []
-        for unit in [self.stage3.root_unit, *self.stage3.order]:
+        for unit in [self.stage3.root_unit, *self.stage3.schedule.order]:
             order.extend(k for b in unit.buckets if (k := index.get(id(b.flat))) is not None and k not in order)
         return order + [k for k in range(len(self.flat_groups)) if k not in order]
 

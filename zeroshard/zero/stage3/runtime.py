@@ -1,8 +1,9 @@
-"""Stage 3 at run time: gather each unit before it runs, free it after, prefetch ahead, free after backward.
+"""Stage 3 at run time: gather each unit before it runs, free it after (or keep it when it is needed again
+soon), prefetch ahead, free after backward.
 
-Hooks only decide *when*; the flat groups own the gather and free (and the comm layer the
-collectives). Every rank must run the same units in the same order (as with FSDP): the gathers
-are collectives issued from these hooks.
+Hooks only decide *when*, following the schedule the last forward recorded (``schedule.GatherSchedule``); the flat
+groups own the gather and free (and the comm layer the collectives). Every rank must run the same units in the same
+order (as with FSDP): the gathers are collectives issued from these hooks.
 
 Note [saved views of gathered buffers]: a gathered buffer is drawn from the engine's reusable buffers and may
 be another one at the next gather, but autograd keeps views of gathered weights for backward (the transposed
@@ -23,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from ..buffers import ReusableBuffers
 from ..flat_group import FlatGroup, ParamState
 from ..reducer import GradBucket
+from .schedule import GatherSchedule
 from .units import trigger_modules
 
 
@@ -76,6 +78,7 @@ class Stage3Runtime:
         max_live_numel: int,
         fetch_ahead: int = 0,
         prefetch_depth: int = 1,
+        max_reuse_distance: int = 0,
     ):
         self.root_unit = root_unit
         self.units = units  # non-root, pre-order
@@ -85,10 +88,13 @@ class Stage3Runtime:
         self.prefetch_numel = prefetch_numel
         self.prefetch_depth = prefetch_depth  # units gathered ahead at most (stage3_prefetch_depth)
         self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance  # units needed again within this many elements stay gathered
         self.fetch_ahead = fetch_ahead  # offloaded (NVMe) units whose shards are read ahead of their gather
         self.unit_of_flat = {f: u for u in [root_unit, *units] for f in u.flats}
-        self.order: list[GatherUnit] = []  # forward order learned from the last forward
-        self._recording: list[GatherUnit] = []
+        self.schedule: GatherSchedule[GatherUnit] = GatherSchedule((), self._numel, max_reuse_distance)
+        self._recording: list[GatherUnit] = []  # this forward's units so far
+        self._on_schedule = False  # whether this forward has run the schedule's units so far
+        self._running: list[tuple[GatherUnit, int]] = []  # units inside their forward, with their positions
         self.live_numel = 0
         self.peak_live_numel = 0
         self._gather_seconds = 0.0
@@ -154,8 +160,13 @@ class Stage3Runtime:
                 flat.fetch()
 
     # -- forward ---------------------------------------------------------------------------------
+    @staticmethod
+    def _numel(unit: GatherUnit) -> int:
+        return unit.numel
+
     def _root_pre_forward(self, module, args) -> None:
-        self._recording = []
+        self._recording, self._running = [], []
+        self._on_schedule = len(self.schedule) > 0
         self._save_views_by_position()
         self._gather(self.root_unit, async_op=False)
 
@@ -163,22 +174,27 @@ class Stage3Runtime:
         if self._saving is not None and self._saving_owner is module:
             self._saving.__exit__(None, None, None)
             self._saving = None
-        if self._recording:
-            self.order = self._recording  # re-learned every forward, so a changed order is picked up
+        if self._recording and tuple(self._recording) != self.schedule.order:  # a changed order is picked up
+            self.schedule = GatherSchedule(self._recording, self._numel, self.max_reuse_distance)
         if not torch.is_grad_enabled():
             self.release_all()  # no backward follows
         return output
 
     def _pre_forward(self, unit: GatherUnit, module: torch.nn.Module, args, kwargs) -> None:
-        if self._saving is None and torch._C._current_graph_task_id() == -1:
+        if torch._C._current_graph_task_id() != -1:
+            self._gather(unit, async_op=False)  # recomputed inside backward (activation checkpointing)
+            return
+        if self._saving is None:
             self._save_views_by_position(module)  # the model's forward did not enter through its root
-        if unit.frozen and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if unit.frozen and torch.is_grad_enabled():
             self._watch_inputs(unit, (args, kwargs))
         self._recording.append(unit)
+        position = len(self._recording) - 1
+        self._on_schedule = self._on_schedule and self.schedule.follows(self._recording)
+        self._running.append((unit, position))
         self._gather(unit, async_op=False)
-        position = len(self._recording)
-        if self.order[:position] == self._recording:
-            self._prefetch(self.order[position:])
+        if self._on_schedule:
+            self._prefetch(list(self.schedule.ahead_in_forward(position)))
 
     def _post_forward(self, unit: GatherUnit, module: torch.nn.Module, output) -> Any:
         if self._saving is not None and self._saving_owner is module:
@@ -186,12 +202,26 @@ class Stage3Runtime:
             self._saving = None
         if torch._C._current_graph_task_id() != -1:
             return output  # activation checkpointing recomputes inside backward: the unit is still needed
+        position = next((p for u, p in reversed(self._running) if u is unit), None)
+        self._running = [(u, p) for u, p in self._running if p != position]
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             for tensor in tensors:
                 self._backward_hooks.append(tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit)))
+            if position is not None and self._keeps(position):
+                return output
         self._free(unit)
         return output
+
+    def _keeps(self, position: int) -> bool:
+        """Whether the unit that ran at ``position`` stays gathered for its next use: the schedule says it is
+        reused soon (Note [reuse distance] in schedule.py) and keeping it leaves room within the live budget for
+        the next unit's gather."""
+        if not self._on_schedule or not self.schedule.keeps(position):
+            return False
+        following = self.schedule.ahead_in_forward(position)[:1]
+        needed = sum(u.numel for u in following if u.sharded)
+        return self.live_numel + needed <= self.max_live_numel
 
     # -- saved views (Note [saved views of gathered buffers]) -----------------------------------------
     def _save_views_by_position(self, owner: Optional[torch.nn.Module] = None) -> None:
@@ -218,9 +248,7 @@ class Stage3Runtime:
     def _pre_backward(self, unit: GatherUnit) -> None:
         if not unit.backward_done:
             self._gather(unit, async_op=False)  # gathers, or waits for a prefetch, or nothing if gathered
-            last = max((i for i, u in enumerate(self.order) if u is unit), default=None)
-            if last is not None:
-                self._prefetch([u for u in reversed(self.order[:last]) if u is not unit])
+            self._prefetch(list(self.schedule.ahead_in_backward(unit)))
         return None
 
     def _watch_inputs(self, unit: GatherUnit, inputs) -> None:
