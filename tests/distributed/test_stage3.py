@@ -634,7 +634,8 @@ def schedule_worker(runs: list[tuple[dict, float, float]]) -> list[dict]:
                 }
             )
         slow_collectives(0)
-        results.append({"steps": steps, "unhidden": link.unhidden, "params": engine.consolidated_state_dict()})
+        params = engine.consolidated_state_dict(rank0_only=False)
+        results.append({"steps": steps, "unhidden": link.unhidden, "params": params})
         engine.destroy()
     return results
 
@@ -669,6 +670,19 @@ def test_gathers_follow_the_recorded_unit_order_and_the_last_unit_stays_gathered
     for other in (keep_all, no_prefetch):
         for name, tensor in default["params"].items():
             assert torch.equal(other["params"][name], tensor), name
+
+
+def test_hybrid_sharding_follows_the_same_schedule():
+    """Two replicas of two-way shards (4 ranks, ``zero_hpz_partition_size`` 2): the same gathers and reduce-scatters
+    in the same order as on one shard group, on each replica's shard group; every rank ends with the same weights."""
+    per_rank = run_distributed(schedule_worker, 4, [({"zero_hpz_partition_size": 2}, 0.0, 0.0)])
+    backward = [("all_gather", "layers.2"), ("all_gather", "layers.1"), ("all_gather", "layers.0")]
+    for (hybrid,) in per_rank:
+        ops = hybrid["steps"][1]["ops"]
+        assert [o for o in ops if o[0] == "all_gather"] == [("all_gather", f"layers.{i}") for i in range(4)] + backward
+        assert [o for o in ops if o[0] == "reduce_scatter"] == [("reduce_scatter", f"layers.{i}") for i in (3, 2, 1, 0)]
+        for name, tensor in per_rank[0][0]["params"].items():
+            assert torch.equal(hybrid["params"][name], tensor), name
 
 
 def test_a_slower_gather_is_hidden_behind_the_compute_it_was_prefetched_for():
