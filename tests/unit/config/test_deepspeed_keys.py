@@ -139,9 +139,9 @@ def test_a_deeply_nested_config_is_a_named_error(tmp_path):
 
 
 def test_keys_deepspeed_0_19_reads_do_what_it_documents():
-    """max_reuse_distance 0 (what zeroshard always does: free after use) is accepted; DeepSpeed's sequence-parallel
-    reduction dtype replaces communication_data_type under Ulysses (default fp32); log_level sets the level of
-    zeroshard's logger (set at initialize, here by the same line of code's effect)."""
+    """max_reuse_distance 0 (zeroshard's default: keep only the last unit of forward) is accepted; DeepSpeed's
+    sequence-parallel reduction dtype replaces communication_data_type under Ulysses (default fp32); log_level sets
+    the level of zeroshard's logger (set at initialize, here by the same line of code's effect)."""
     assert parse_config({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0}})
     bf16_sp = parse_config({"bf16": {"enabled": True}, "sequence_parallel_size": 2})
     assert PrecisionPolicy.from_config(bf16_sp).reduce == torch.float32
@@ -152,6 +152,21 @@ def test_keys_deepspeed_0_19_reads_do_what_it_documents():
     assert parse_config({"log_level": "WARNING"}).log_level == "warning"
     assert logging.getLevelName("WARNING") == 30
     assert math.isfinite(parse_config({"timers": {"throughput": {"enabled": False}}}).gradient_clipping)
+
+
+def test_stage3_max_reuse_distance_takes_deepspeeds_values_and_refuses_others_by_name():
+    """DeepSpeed's configs write 1e9 (a JSON float) or "auto" (its default, 1e9); zeroshard's default is 0. A negative,
+    fractional, NaN, boolean or text distance is a named error."""
+
+    def distance(value):
+        return parse_config({"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": value}})
+
+    assert parse_config({"zero_optimization": {"stage": 3}}).zero_optimization.max_reuse_distance == 0
+    assert distance(1e9).zero_optimization.max_reuse_distance == 10**9
+    assert distance(10**18).zero_optimization.max_reuse_distance == 10**18
+    for bad in (-1, 0.5, float("nan"), "far", [1], True):
+        with pytest.raises(ConfigError, match="max_reuse_distance"):
+            distance(bad)
 
 
 def test_a_key_and_its_alias_together_keep_the_other_keys_of_the_block():
