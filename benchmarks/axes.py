@@ -206,7 +206,7 @@ def worker(args) -> dict:
         build, step = PAIRS[axis](args, comm.get_rank())
         rows[axis], rows[f"{axis} limit"] = build(), build()
         steps[axis] = steps[f"{axis} limit"] = step
-    record = {name: {"times": [], "waits": [], "analytic": []} for name in rows}
+    record = {name: {"times": [], "waits": [], "ledgers": []} for name in rows}
     for i in range(args.steps):
         for name, engine in rows.items():
             engine.comm_ledger.reset()
@@ -219,13 +219,12 @@ def worker(args) -> dict:
             if i >= args.warmup:
                 record[name]["times"].append(elapsed)
                 record[name]["waits"].append(sum(engine.exposed_wait().values()))
-                ledger = engine.comm_ledger.summary()
-                record[name]["ledger"] = {f"{op}/{g}": (t.calls, t.wire_bytes) for (op, g), t in ledger.items()}
-                record[name]["analytic"].append(ledger)
+                record[name]["ledgers"].append(engine.comm_ledger.summary())
     link_after = probe_link(world)
     link = {op: tuple(statistics.mean(v) for v in zip(link_before[op], link_after[op])) for op in PROBED}
     for r in record.values():
-        r["analytic"] = statistics.median(analytic_seconds(ledger, link) for ledger in r["analytic"])
+        r["analytic"] = statistics.median(analytic_seconds(ledger, link) for ledger in r["ledgers"])
+        r["ledger"] = {f"{op}/{g}": (t.calls, t.wire_bytes) for (op, g), t in r.pop("ledgers")[-1].items()}
     return {"rows": record, "link": link, "overlap": overlap}
 
 

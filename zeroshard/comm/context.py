@@ -57,8 +57,12 @@ class CommContext:
         for context in self._chain():
             context.ledger.add_wait(op, group, seconds)
 
+    def _nearest(self, seam: str):
+        """The seam (``pause``, ``slow_link``) the nearest context in the chain sets, or None."""
+        return next((getattr(c, seam) for c in self._chain() if getattr(c, seam) is not None), None)
+
     def before_collective(self) -> None:
-        pause = next((c.pause for c in self._chain() if c.pause is not None), None)
+        pause = self._nearest("pause")
         if pause is not None:
             pause()
 
@@ -68,7 +72,7 @@ class CommContext:
 
     def before_wait(self, op: str, issued: float) -> None:
         self.before_collective()
-        slow_link = next((c.slow_link for c in self._chain() if c.slow_link is not None), None)
+        slow_link = self._nearest("slow_link")
         if slow_link is not None:
             slow_link(op, issued)
 

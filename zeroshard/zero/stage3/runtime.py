@@ -139,7 +139,7 @@ class Stage3Runtime:
             for flat in unit.flats:
                 flat.free()
 
-    def _prefetch(self, candidates: list[GatherUnit]) -> None:
+    def _prefetch(self, candidates: Sequence[GatherUnit]) -> None:
         """Issue gathers for the next units while the prefetch depth and the prefetch and live budgets allow, and
         start reading the shards of the ones after that from NVMe."""
         issued, window = 0, candidates[: self.prefetch_depth]
@@ -194,7 +194,7 @@ class Stage3Runtime:
         self._running.append((unit, position))
         self._gather(unit, async_op=False)
         if self._on_schedule:
-            self._prefetch(list(self.schedule.ahead_in_forward(position)))
+            self._prefetch(self.schedule.ahead_in_forward(position))
 
     def _post_forward(self, unit: GatherUnit, module: torch.nn.Module, output) -> Any:
         if self._saving is not None and self._saving_owner is module:
@@ -219,8 +219,8 @@ class Stage3Runtime:
         the next unit's gather."""
         if not self._on_schedule or not self.schedule.keeps(position):
             return False
-        following = self.schedule.ahead_in_forward(position)[:1]
-        needed = sum(u.numel for u in following if u.sharded)
+        following = self.schedule.next_in_forward(position)
+        needed = following.numel if following is not None and following.sharded else 0
         return self.live_numel + needed <= self.max_live_numel
 
     # -- saved views (Note [saved views of gathered buffers]) -----------------------------------------
@@ -248,7 +248,7 @@ class Stage3Runtime:
     def _pre_backward(self, unit: GatherUnit) -> None:
         if not unit.backward_done:
             self._gather(unit, async_op=False)  # gathers, or waits for a prefetch, or nothing if gathered
-            self._prefetch(list(self.schedule.ahead_in_backward(unit)))
+            self._prefetch(self.schedule.ahead_in_backward(unit))
         return None
 
     def _watch_inputs(self, unit: GatherUnit, inputs) -> None:

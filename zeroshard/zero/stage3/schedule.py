@@ -33,13 +33,13 @@ class GatherSchedule(Generic[Unit]):
         trace = self.order + self.order[::-1]  # forward, then backward in reverse
         before = [0, *accumulate(numel(u) for u in trace)]  # before[k]: elements run before trace position k
         self._last_forward = {unit: i for i, unit in enumerate(self.order)}
-        self._distance: list[int] = []
-        for i, unit in enumerate(self.order):
-            later = next((j for j in range(i + 1, n) if self.order[j] == unit), None)
-            reuse = later if later is not None else 2 * n - 1 - self._last_forward[unit]  # its backward
-            between = before[reuse] - before[i + 1]
-            repeats = sum(1 for k in range(i + 1, reuse) if trace[k] == unit)  # only in a unit run three times
-            self._distance.append(between - repeats * numel(unit))
+        # the next use of the unit at position i: its next forward call, else (i is its last call) its backward,
+        # at trace position 2n - 1 - i; nothing between is the unit itself either way
+        reuse, seen = [0] * n, {}
+        for i in reversed(range(n)):
+            reuse[i] = seen.get(self.order[i], 2 * n - 1 - i)
+            seen[self.order[i]] = i
+        self._distance = [before[reuse[i]] - before[i + 1] for i in range(n)]
         self.max_reuse_distance = max_reuse_distance
 
     def __len__(self) -> int:
@@ -57,6 +57,10 @@ class GatherSchedule(Generic[Unit]):
     def keeps(self, position: int) -> bool:
         """Whether the unit stays gathered after its forward use at ``position`` (Note [reuse distance])."""
         return self._distance[position] <= self.max_reuse_distance
+
+    def next_in_forward(self, position: int) -> Optional[Unit]:
+        """The unit forward runs right after ``position`` (None after the last)."""
+        return self.order[position + 1] if position + 1 < len(self.order) else None
 
     def ahead_in_forward(self, position: int) -> tuple[Unit, ...]:
         """The units forward runs after ``position``, nearest first: the candidates to gather ahead."""
