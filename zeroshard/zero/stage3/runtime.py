@@ -11,6 +11,12 @@ weight of a linear layer, a layer norm's weight). While the model's forward runs
 replaces each such view by its position in its flat group, and backward rebuilds it from the buffer the
 group holds then (gathering it first if it was freed). Being entered around the whole forward, these hooks
 sit below any that activation checkpointing enters inside it, so checkpointed regions still save nothing.
+
+Note [hooks outside compiled graphs]: ``engine.compile()`` compiles the whole module, and dynamo inlines module hooks
+into the graphs it captures. Followed into a gather, it would trace the collective and read a parameter that is
+still sharded (an error, not a graph). So every hook the modules and their outputs call is
+``torch.compiler.disable``: dynamo ends the graph there, the hook runs eagerly, and the code between two hooks (one
+unit's forward) is a graph of its own. The parameters it reads are gathered by then.
 """
 
 from __future__ import annotations
@@ -164,12 +170,14 @@ class Stage3Runtime:
     def _numel(unit: GatherUnit) -> int:
         return unit.numel
 
+    @torch.compiler.disable  # Note [hooks outside compiled graphs]
     def _root_pre_forward(self, module, args) -> None:
         self._recording, self._running = [], []
         self._on_schedule = len(self.schedule) > 0
         self._save_views_by_position()
         self._gather(self.root_unit, async_op=False)
 
+    @torch.compiler.disable
     def _root_post_forward(self, module, args, output) -> Any:
         if self._saving is not None and self._saving_owner is module:
             self._saving.__exit__(None, None, None)
@@ -180,6 +188,7 @@ class Stage3Runtime:
             self.release_all()  # no backward follows
         return output
 
+    @torch.compiler.disable
     def _pre_forward(self, unit: GatherUnit, module: torch.nn.Module, args, kwargs) -> None:
         if torch._C._current_graph_task_id() != -1:
             self._gather(unit, async_op=False)  # recomputed inside backward (activation checkpointing)
@@ -196,6 +205,7 @@ class Stage3Runtime:
         if self._on_schedule:
             self._prefetch(self.schedule.ahead_in_forward(position))
 
+    @torch.compiler.disable
     def _post_forward(self, unit: GatherUnit, module: torch.nn.Module, output) -> Any:
         if self._saving is not None and self._saving_owner is module:
             self._saving.__exit__(None, None, None)
@@ -245,6 +255,7 @@ class Stage3Runtime:
         return saved.flat.buffer.as_strided(saved.size, saved.stride, saved.offset)
 
     # -- backward --------------------------------------------------------------------------------
+    @torch.compiler.disable
     def _pre_backward(self, unit: GatherUnit) -> None:
         if not unit.backward_done:
             self._gather(unit, async_op=False)  # gathers, or waits for a prefetch, or nothing if gathered
