@@ -6,7 +6,7 @@ import ctypes
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -16,14 +16,15 @@ class Accelerator:
     name: str  # "cuda" or "cpu"
     comm_backend: str  # "nccl" or "gloo"
 
-    def device(self, local_rank: int = 0) -> torch.device:
+    def device(self, device_index: Optional[int] = 0) -> torch.device:
+        """This kind's device at ``device_index`` (the first by default; a CPU has no index)."""
         if self.name == "cpu":
             return torch.device("cpu")
-        return torch.device(self.name, local_rank)
+        return torch.device(self.name, device_index)
 
-    def set_device(self, local_rank: int) -> None:
+    def set_device(self, device_index: int) -> None:
         if self.name == "cuda":
-            torch.cuda.set_device(local_rank)
+            torch.cuda.set_device(device_index)
 
     def supported_dtypes(self) -> list[torch.dtype]:
         """DeepSpeed's list form of :meth:`supports_dtype` (its tests pick their cases by it)."""
@@ -39,15 +40,15 @@ class Accelerator:
         """Page-locked host memory only helps (and only exists) with a device to copy to."""
         return self.name == "cuda"
 
-    def synchronize(self) -> None:
+    def synchronize(self, device_index: Optional[int] = None) -> None:
         """Wait for queued device work (e.g. non-blocking copies out of a host buffer about to be reused)."""
         if self.name == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device_index)
 
-    def max_memory_allocated(self) -> int:
-        """Peak device bytes; on CPU the process's peak resident set."""
+    def max_memory_allocated(self, device_index: Optional[int] = None) -> int:
+        """Peak device bytes since the last reset; on CPU the process's peak resident set."""
         if self.name == "cuda":
-            return torch.cuda.max_memory_allocated()
+            return torch.cuda.max_memory_allocated(device_index)
         return host_peak_rss()
 
     # -- DeepSpeed's accelerator interface (clients such as HF call these by name) --------------------------
@@ -74,11 +75,150 @@ class Accelerator:
         """The device can run work now (the CPU always can)."""
         return torch.cuda.is_available() if self.name == "cuda" else True
 
-    def memory_allocated(self) -> int:
+    def memory_allocated(self, device_index: Optional[int] = None) -> int:
         """Device bytes in use now; on CPU the process's resident set."""
         if self.name == "cuda":
-            return torch.cuda.memory_allocated()
+            return torch.cuda.memory_allocated(device_index)
         return host_rss()
+
+    def memory_reserved(self, device_index: Optional[int] = None) -> int:
+        """Bytes the caching allocator holds; on CPU (no cache between torch and the OS) the resident set."""
+        if self.name == "cuda":
+            return torch.cuda.memory_reserved(device_index)
+        return host_rss()
+
+    def max_memory_reserved(self, device_index: Optional[int] = None) -> int:
+        if self.name == "cuda":
+            return torch.cuda.max_memory_reserved(device_index)
+        return host_peak_rss()
+
+    def memory_stats(self, device_index: Optional[int] = None) -> dict[str, int]:
+        """torch's allocator statistics; on CPU the two DeepSpeed's CPU accelerator reports (current and peak)."""
+        if self.name == "cuda":
+            return dict(torch.cuda.memory_stats(device_index))
+        return {"allocated_bytes.all.current": host_rss(), "allocated_bytes.all.peak": host_peak_rss()}
+
+    def reset_peak_memory_stats(self, device_index: Optional[int] = None) -> None:
+        """Start the peaks (allocated and reserved) again from now. On CPU the kernel's own peak resident set is
+        reset, so ``max_memory_allocated`` stays a true peak rather than the largest of some samples."""
+        if self.name == "cuda":
+            torch.cuda.reset_peak_memory_stats(device_index)
+        else:
+            reset_host_peak_rss()
+
+    def total_memory(self, device_index: Optional[int] = None) -> int:
+        """The device's memory; on CPU the machine's (``MemTotal``)."""
+        if self.name == "cuda":
+            return torch.cuda.get_device_properties(self._index(device_index)).total_memory
+        return (proc_field_kib("/proc/meminfo", "MemTotal") or 0) * 1024
+
+    def available_memory(self, device_index: Optional[int] = None) -> int:
+        """Bytes free on the device (the driver's count); on CPU what the kernel could give (``MemAvailable``)."""
+        if self.name == "cuda":
+            free, _total = torch.cuda.mem_get_info(self._index(device_index))
+            return free
+        return (proc_field_kib("/proc/meminfo", "MemAvailable") or 0) * 1024
+
+    # -- RNG -------------------------------------------------------------------------------------------------
+    def random(self):
+        """torch's RNG module (``get_accelerator().random().fork_rng(...)``)."""
+        return torch.random
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)  # the CPU generator and every CUDA device's
+
+    def get_rng_state(self, device_index: Optional[int] = None) -> torch.Tensor:
+        """The device generator's state (the current device's by default); on CPU the CPU generator's."""
+        if self.name == "cuda":
+            return torch.cuda.get_rng_state(self._index(device_index))
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: Optional[int] = None) -> None:
+        if self.name == "cuda":
+            torch.cuda.set_rng_state(new_state, self._index(device_index))
+        else:
+            torch.set_rng_state(new_state)
+
+    def initial_seed(self) -> int:
+        return torch.cuda.initial_seed() if self.name == "cuda" else torch.initial_seed()
+
+    def default_generator(self, device_index: Optional[int] = None) -> torch.Generator:
+        if self.name == "cuda":
+            return torch.cuda.default_generators[self._index(device_index)]
+        return torch.default_generator
+
+    # -- streams and events: on CPU torch's CPU stream, where work runs in order as issued ---------------------
+    @property
+    def Stream(self) -> type:  # noqa: N802 (DeepSpeed's name: a property giving the class)
+        return torch.cuda.Stream if self.name == "cuda" else torch.cpu.Stream
+
+    @property
+    def Event(self) -> type:  # noqa: N802
+        return torch.cuda.Event if self.name == "cuda" else torch.cpu.Event
+
+    def stream(self, stream: Any):
+        """A context making ``stream`` current."""
+        return torch.cuda.stream(stream) if self.name == "cuda" else torch.cpu.stream(stream)
+
+    def current_stream(self, device_index: Optional[int] = None):
+        return torch.cuda.current_stream(device_index) if self.name == "cuda" else torch.cpu.current_stream()
+
+    def default_stream(self, device_index: Optional[int] = None):
+        return torch.cuda.default_stream(device_index) if self.name == "cuda" else torch.cpu.current_stream()
+
+    # -- graph capture ---------------------------------------------------------------------------------------
+    def create_graph(self):
+        """A CUDA graph to capture into. A CPU has none: refused, since a capture that ran once and a replay that
+        did nothing would hand back the first step's outputs for ever."""
+        self._needs_graphs("create_graph")
+        return torch.cuda.CUDAGraph()
+
+    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None):
+        self._needs_graphs("capture_to_graph")
+        return torch.cuda.graph(graph, pool, stream)
+
+    def replay_graph(self, graph: Any) -> None:
+        self._needs_graphs("replay_graph")
+        graph.replay()
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.name == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _needs_graphs(self, call: str) -> None:
+        if self.name != "cuda":
+            raise GraphCaptureUnavailable(
+                f"get_accelerator().{call}(): graph capture needs CUDA and this rank runs on {self.name}; run the "
+                "model eagerly (DeepSpeed's enable_cuda_graph / graph capture off)"
+            )
+
+    # -- host memory and profiling ranges ----------------------------------------------------------------------
+    def pin_memory(self, tensor: torch.Tensor, make_copy: bool = True, match_shape: bool = True) -> torch.Tensor:
+        """A page-locked copy of ``tensor`` (or, with ``make_copy=False``, a fresh page-locked buffer of its shape,
+        or of its element count without ``match_shape``). Pinning only exists with a device to copy to: on CPU
+        the tensor itself (or a plain buffer), as DeepSpeed's CPU accelerator does."""
+        if make_copy:
+            return tensor.pin_memory() if self.can_pin_memory else tensor
+        shape = tensor.shape if match_shape else (tensor.numel(),)
+        return tensor.new_empty(shape, device="cpu", pin_memory=self.can_pin_memory)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned() if self.can_pin_memory else False
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on this accelerator's device kind."""
+        return tensor.device.type == self.name
+
+    def range_push(self, msg: str, domain: Any = None, category: Any = None) -> None:
+        """Open a named range in the profiler's timeline (NVTX on CUDA; a CPU has no range API, so nothing)."""
+        if self.name == "cuda":
+            torch.cuda.nvtx.range_push(msg)
+
+    def range_pop(self, domain: Any = None) -> None:
+        if self.name == "cuda":
+            torch.cuda.nvtx.range_pop()
+
+    def _index(self, device_index: Optional[int]) -> int:
+        return self.current_device() if device_index is None else device_index
 
     def is_bf16_supported(self) -> bool:
         return self.supports_dtype(torch.bfloat16)
@@ -97,6 +237,10 @@ class Accelerator:
         torch.manual_seed(seed)  # also seeds every CUDA device
 
 
+class GraphCaptureUnavailable(NotImplementedError):
+    """A graph-capture call on a device without graphs (a CPU)."""
+
+
 def proc_field_kib(path: str, field: str) -> Optional[int]:
     """A ``Field:  N kB`` line of a /proc file (``/proc/self/status``, ``/proc/meminfo``), in KiB; None without it."""
     try:
@@ -112,6 +256,17 @@ def proc_field_kib(path: str, field: str) -> Optional[int]:
 def host_rss() -> int:
     """This process's resident set now, in bytes (0 where /proc is unavailable)."""
     return (proc_field_kib("/proc/self/status", "VmRSS") or 0) * 1024
+
+
+def reset_host_peak_rss() -> bool:
+    """Start this process's peak resident set (VmHWM) again from the current one (Linux's ``clear_refs`` 5); False
+    where the kernel does not allow it (then the peak stays the process's lifetime peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def host_peak_rss() -> int:

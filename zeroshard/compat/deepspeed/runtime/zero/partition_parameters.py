@@ -2,7 +2,7 @@
 
 import torch
 
-from zeroshard.accelerator import get_accelerator
+from zeroshard.compat.deepspeed.accelerator import get_accelerator
 from zeroshard.compat.deepspeed.zero import ZeroParamStatus, register_external_parameter
 from zeroshard.zero import GatheredParameters, Init
 
