@@ -198,6 +198,14 @@ def test_lamb_trust_ratios_are_per_parameter_on_shards():
         torch.testing.assert_close(stage2[name], stage0[name], rtol=1e-5, atol=1e-7)
 
 
+# gpt-neox ships this block (configs/*.yml); verbose and debug as DeepSpeed documents them
+COMMS_LOGGERS = {
+    "plain": {"enabled": True},
+    "gpt_neox": {"enabled": True, "verbose": True, "prof_all": True, "debug": False},
+    "debug": {"enabled": True, "debug": True},
+}
+
+
 def logging_worker():
     import contextlib
     import io
@@ -205,32 +213,55 @@ def logging_worker():
     import zeroshard
     from zeroshard import comm
 
-    cfg = {
-        **BASE,
-        "steps_per_print": 1,
-        "wall_clock_breakdown": True,
-        "comms_logger": {"enabled": True},
-        "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-    }
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        engine, _, _, _ = zeroshard.initialize(model=make_model(), config=cfg)
-        _train(engine, comm.get_rank(), comm.get_world_size(), steps=2)
-    return {"log": out.getvalue(), "summary": comm.log_summary(print_fn=lambda text: None)}
+    runs = {}
+    for name, block in COMMS_LOGGERS.items():
+        cfg = {
+            **BASE,
+            "steps_per_print": 1,
+            "wall_clock_breakdown": True,
+            "comms_logger": block,
+            "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        }
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            engine, _, _, _ = zeroshard.initialize(model=make_model(), config=cfg)
+            _train(engine, comm.get_rank(), comm.get_world_size(), steps=2)
+        calls = [(op, t.calls) for (op, _), t in engine.mesh.context.ledger.totals.items()]
+        engine.destroy()
+        runs[name] = {"log": out.getvalue(), "calls": calls}
+    return {"runs": runs, "summary": comm.log_summary(print_fn=lambda text: None)}
 
 
-def test_step_log_wall_clock_and_comms_logger():
-    r0, r1 = run_distributed(logging_worker, 2)
-    log = r0["log"]
+@pytest.fixture(scope="module")
+def logged():
+    return run_distributed(logging_worker, 2)
+
+
+def test_step_log_wall_clock_and_comms_logger(logged):
+    r0, r1 = logged
+    log = r0["runs"]["plain"]["log"]
     assert "config resolved for 2 rank(s), ZeRO stage 2" in log
     assert "step 1: loss" in log and "step 2: loss" in log and "grad_norm" in log and "samples/s" in log
     assert "time (s)" in log and "optimizer_step" in log and "forward" in log
     assert "reduce_scatter" in log and "algbw GB/s" in log
-    assert r1["log"] == ""  # only rank 0 logs
+    assert "comm op:" not in log and "issued at" not in log
+    assert all(run["log"] == "" for run in r1["runs"].values())  # only rank 0 logs
     assert "all_gather" in r0["summary"] and "shard" in r0["summary"]
 
 
+def test_comms_logger_verbose_prints_every_collective_and_debug_splits_by_caller(logged):
+    r0, _ = logged
+    verbose = r0["runs"]["gpt_neox"]
+    printed = [line.split("] ", 1)[1] for line in verbose["log"].splitlines() if "] comm op: " in line]
+    timed = sum(n for op, n in verbose["calls"] if op in ("reduce_scatter", "all_gather", "all_reduce"))
+    assert len(printed) == timed > 0  # one line per collective, as it completed
+    assert any(line.startswith("comm op: reduce_scatter on 'shard' | time (ms): ") for line in printed)
+    assert all("| msg size: " in line and "| busbw (GB/s): " in line for line in printed)
+    debug = r0["runs"]["debug"]["log"]
+    assert "comm op:" not in debug
+    callers = [line for line in debug.splitlines() if "issued at " in line]
+    assert callers and any("zeroshard/zero/" in line for line in callers)  # the mechanism that issued it
 def non_finite_worker(stage, dtype):
     """One parameter's gradient is NaN on every step (as a bad batch or an overflowing layer makes it)."""
     import zeroshard

@@ -47,6 +47,8 @@ class Pending:
     started: float
     finish: Optional[Callable[[], None]] = None  # local work that completes the collective (see _gloo_*)
     entry: Optional[TraceEntry] = None  # this collective in the trace
+    nbytes: int = 0  # message bytes
+    wire_bytes: float = 0.0
 
     def wait(self, timeout: Optional[timedelta] = None) -> None:
         if self.work is None:
@@ -66,8 +68,12 @@ class Pending:
                 self.entry,
             ) from err
         finally:
+            seconds = time.perf_counter() - self.started
             if self.group.context.timing:
-                self.group.context.add_time(self.op, self.group.name, time.perf_counter() - self.started)
+                caller = self.entry.site if self.entry is not None else None
+                self.group.context.add_time(self.op, self.group.name, seconds, caller)
+        if self.group.context.timing and self.group.context.each_op is not None:
+            self.group.context.each_op(self.op, self.group.name, self.nbytes, self.wire_bytes, seconds)
         self.work = None
         if self.finish is not None:
             self.finish()
@@ -104,7 +110,7 @@ def _issue(
             entry,
         ) from err
     group.context.add_wait(op, group.name, time.perf_counter() - started)  # issuing is the thread's time too
-    pending = Pending(op, group, work, _describe(tensor), started, finish, entry)
+    pending = Pending(op, group, work, _describe(tensor), started, finish, entry, nbytes, nbytes * wire_factor)
     if not async_op:
         pending.wait()
     return pending

@@ -23,6 +23,11 @@ class CommContext:
         self.ledger = CommLedger()
         self.trace = parent.trace if parent is not None else CollectiveTrace()
         self.timing = False  # time every collective (it synchronizes: on for comms_logger only)
+        # comms_logger.debug: this context's ledger also splits each op by the call site that issued it
+        self.by_caller = False
+        # comms_logger.verbose: told of each timed collective of this context as it completes
+        # (op, group, message bytes, wire bytes, seconds)
+        self.each_op: Optional[Callable[[str, str, int, float, float], None]] = None
         # called before each collective is issued and before it is waited on (a test seam:
         # zeroshard.testing.inject_delays); the nearest context in the chain that sets one decides
         self.pause: Optional[Callable[[], None]] = None
@@ -45,13 +50,14 @@ class CommContext:
 
     def record(self, op: str, group: str, nbytes: int, wire_bytes: float, shape: tuple, dtype: str) -> TraceEntry:
         """Count one collective in this context and its parents; returns its trace entry."""
+        entry = self.trace.record(op, group, shape, dtype)
         for context in self._chain():
-            context.ledger.record(op, group, nbytes, wire_bytes)
-        return self.trace.record(op, group, shape, dtype)
+            context.ledger.record(op, group, nbytes, wire_bytes, entry.site if context.by_caller else None)
+        return entry
 
-    def add_time(self, op: str, group: str, seconds: float) -> None:
+    def add_time(self, op: str, group: str, seconds: float, caller: Optional[str] = None) -> None:
         for context in self._chain():
-            context.ledger.add_time(op, group, seconds)
+            context.ledger.add_time(op, group, seconds, caller if context.by_caller else None)
 
     def add_wait(self, op: str, group: str, seconds: float) -> None:
         for context in self._chain():

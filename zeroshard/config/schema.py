@@ -247,9 +247,9 @@ class SchedulerConfig(Section):
 
 class CommsLoggerConfig(Section):
     enabled: bool = False
-    verbose: bool = refused(False, "the comms logger prints per-op totals, not every call")
+    verbose: bool = False  # rank 0 prints every timed collective as it completes
     prof_all: bool = refused(True, "every op is counted")
-    debug: bool = refused(False, "not implemented")
+    debug: bool = False  # the totals are also split by the call site that issued each collective
     prof_ops: list[str] = refused([], "every op is counted")
 
 

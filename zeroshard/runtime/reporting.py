@@ -57,6 +57,9 @@ class Reporting:
         self.sample_memory(always=True)
         if settings.comms_logger.enabled:
             mesh.context.timing = True  # this engine's collectives only
+            mesh.context.by_caller = settings.comms_logger.debug
+            if settings.comms_logger.verbose and comm.get_rank() == 0:
+                mesh.context.each_op = _print_op
         block = settings.flops_profiler
         self.flops_profiler = (
             FlopsProfiler(module, recompute_fwd_factor=block.recompute_fwd_factor)
@@ -218,3 +221,12 @@ class Reporting:
 def _value(loss: Optional[torch.Tensor]) -> Optional[float]:
     """The last micro-batch's loss as a number (a device sync: only when logging or monitoring)."""
     return None if loss is None else loss.float().item()
+
+
+def _print_op(op: str, group: str, nbytes: int, wire_bytes: float, seconds: float) -> None:
+    """``comms_logger.verbose``: one line per collective as it completes (rank 0), as DeepSpeed's logger prints."""
+    algbw, busbw = (nbytes / seconds / 1e9, wire_bytes / seconds / 1e9) if seconds > 0 else (0.0, 0.0)
+    log_rank0(
+        f"comm op: {op} on '{group}' | time (ms): {seconds * 1e3:.2f} | msg size: {nbytes / 1e6:.3f} MB | "
+        f"algbw (GB/s): {algbw:.3f} | busbw (GB/s): {busbw:.3f}"
+    )
