@@ -45,6 +45,77 @@ class Custom(nn.Module):
         return self.norm(x)
 
 
+class Router(nn.Module):
+    """A MoE router as DeepSeek-V3's: a gate and a correction bias whose values (5.000 .. 5.015) lie closer together
+    than bf16's steps there (0.031), so only an fp32 bias keeps them apart; with the gate at zero the bias alone
+    picks the experts."""
+
+    def __init__(self, experts: int = 16, width: int = 8):
+        super().__init__()
+        self.gate = nn.Linear(width, experts, bias=False)
+        nn.init.zeros_(self.gate.weight)
+        self.register_buffer("e_score_correction_bias", 5.0 + 0.001 * torch.arange(experts, dtype=torch.float32))
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+
+    def forward(self, x):
+        scores = torch.sigmoid(self.gate(x).float())
+        return (scores + self.e_score_correction_bias).topk(2, dim=-1).indices
+
+
+class MoEModel(nn.Module):
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]  # as transformers' DeepseekV3PreTrainedModel
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.mlp = Router()
+
+    def forward(self, x):
+        return self.mlp(self.embed(x))
+
+
+FP32_BUFFER_CASES = {
+    "auto": {},
+    "buffer_bf16": {"buffer_dtype": "bf16"},
+    "nothing_kept": {"buffer_dtype": "bf16", "keep_in_fp32_modules": []},
+    "pattern": {"buffer_dtype": "bf16", "keep_in_fp32_modules": ["mlp.e_score*"]},
+}
+
+
+def fp32_buffer_cases() -> dict:
+    """MoEModel built under zero.Init with bf16 at stage 3, then initialized with each data_types block."""
+    import zeroshard
+    from zeroshard.zero import Init
+
+    out = {}
+    for name, data_types in FP32_BUFFER_CASES.items():
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "AdamW"},
+            "data_types": data_types,
+        }
+        with Init(config_dict_or_path=config):
+            model = MoEModel()
+        engine, *_ = zeroshard.initialize(model=model, config=config)
+        router = engine.module.mlp
+        with torch.no_grad():
+            chosen = engine(torch.randn(1, 8)).tolist()
+        bias, inv_freq = router.e_score_correction_bias, router.inv_freq
+        out[name] = {
+            "bias": (str(bias.dtype), bias.float().tolist()),
+            "inv_freq": str(inv_freq.dtype),
+            "chosen": chosen,
+        }
+        engine.destroy()
+    try:
+        zeroshard.initialize(model=MoEModel(), config={**config, "data_types": {"param_dtype": "fp16"}})
+    except ValueError as err:
+        out["param_dtype"] = str(err)
+    return out
+
+
 def _kinds(model: nn.Module) -> dict[str, str]:
     from zeroshard.zero.materialize import pending_recipe as _pending
 
@@ -135,11 +206,16 @@ def init_semantics_worker() -> dict:
         "put_back": put_back,
         "loaded": loaded,
         "loaded_piece": loaded_piece,
+        "fp32_buffers": fp32_buffer_cases(),
     }
 
 
-def test_init_keeps_what_init_wrote_in_the_config_dtype_with_rank0_values():
-    per_rank = run_distributed(init_semantics_worker, 2)
+@pytest.fixture(scope="module")
+def per_rank():
+    return run_distributed(init_semantics_worker, 2)
+
+
+def test_init_keeps_what_init_wrote_in_the_config_dtype_with_rank0_values(per_rank):
     for result in per_rank:
         assert result["mismatched"] == []
         kinds = result["kinds"]
@@ -154,6 +230,25 @@ def test_init_keeps_what_init_wrote_in_the_config_dtype_with_rank0_values():
     assert [r["pieces"]["noise"] for r in per_rank] == [8, 7]
     assert [r["loaded_piece"] for r in per_rank] == [5, 4]
     assert per_rank[0]["losses"] == per_rank[1]["losses"]
+
+
+def test_buffers_a_model_names_for_fp32_stay_fp32_under_zero_init_with_bf16(per_rank):
+    """DeepSeek-V3's router bias under zero.Init with bf16 (DeepSpeed 0.19.8's data_types.keep_in_fp32_modules)."""
+    exact = [5.0 + 0.001 * i for i in range(16)]
+    for result in per_rank:
+        cases = result["fp32_buffers"]
+        assert cases["auto"]["bias"][0] == "torch.float32" and cases["auto"]["bias"][1] == pytest.approx(
+            exact, abs=1e-6
+        )
+        assert cases["auto"]["chosen"] == [[15, 14]]  # the two largest biases: the route fp32 gives
+        assert cases["auto"]["inv_freq"] == "torch.float32"  # buffers keep their dtype unless buffer_dtype is set
+        assert (
+            cases["buffer_bf16"]["bias"][0] == "torch.float32" and cases["buffer_bf16"]["inv_freq"] == "torch.bfloat16"
+        )
+        assert cases["pattern"]["bias"][0] == "torch.float32" and cases["pattern"]["chosen"] == [[15, 14]]
+        assert cases["nothing_kept"]["bias"][0] == "torch.bfloat16"
+        assert len(set(cases["nothing_kept"]["bias"][1])) < 4  # bf16 merges 16 experts' biases into a few values
+        assert "data_types.param_dtype 'fp16' conflicts with the precision" in result["fp32_buffers"]["param_dtype"]
 
 
 PLAIN_PROCESS = """

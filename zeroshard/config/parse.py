@@ -29,7 +29,7 @@ def parse_config(source: ConfigSource) -> ZeroshardConfig:
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
     _reject_enabled_unsupported(config)
-    reject_refused(config)
+    reject_refused(config, written=source)
     return config
 
 
@@ -72,11 +72,14 @@ def _is_typo(key: str, known: str) -> bool:
     return row[-1] <= budget
 
 
-def reject_refused(section: BaseModel, path: str = "") -> None:
-    """Refuse, naming the key, any value but the default of a key zeroshard parses but does not implement."""
+def reject_refused(section: BaseModel, path: str = "", written: Any = None) -> None:
+    """Refuse, naming the key as the config spells it (``written``: the dict the section was read from), any value
+    but the default of a key zeroshard parses but does not implement."""
+    written = written if isinstance(written, dict) else {}
     for name, field in type(section).model_fields.items():
         value = getattr(section, name)
-        key = f"{path}{field.alias or name}"
+        spelling = name if name in written else field.alias or name  # an unwritten key: DeepSpeed's name
+        key = f"{path}{spelling}"
         extra = field.json_schema_extra or {}
         if "refused" in extra and value not in (field.get_default(call_default_factory=True), "auto"):
             raise NotImplementedError(
@@ -84,11 +87,13 @@ def reject_refused(section: BaseModel, path: str = "") -> None:
                 f"key or set it to {field.get_default(call_default_factory=True)!r}"
             )
         if isinstance(value, BaseModel):
-            reject_refused(value, f"{key}.")
+            reject_refused(value, f"{key}.", written.get(spelling))
         elif isinstance(value, list):
+            items = written.get(spelling)
             for index, item in enumerate(value):
                 if isinstance(item, BaseModel):
-                    reject_refused(item, f"{key}[{index}].")
+                    given = items[index] if isinstance(items, list) and index < len(items) else None
+                    reject_refused(item, f"{key}[{index}].", given)
 
 
 def load_json_or_dict(source: Union[dict, str, os.PathLike]) -> dict:

@@ -160,13 +160,17 @@ def _auto_value(key: str, ctx: AutoContext) -> tuple[bool, Any, str]:
     return found, value, source
 
 
+# keys whose "auto" is a setting of its own (DeepSpeed's default there), not a value to work out
+AUTO_IS_A_SETTING = frozenset({"data_types.keep_in_fp32_modules"})  # the model's own fp32 lists
+
+
 def _resolve_autos(node: dict, prefix: str, ctx: AutoContext, derived: list) -> None:
     """Every ``"auto"`` under ``node`` replaced by its value (the batch triad's by None: inferred afterwards)."""
     for leaf, value in list(node.items()):
         key = f"{prefix}{leaf}"
         if isinstance(value, dict):
             _resolve_autos(value, key + ".", ctx, derived)
-        if value != "auto":
+        if value != "auto" or key in AUTO_IS_A_SETTING:
             continue
         found, value, source = _auto_value(key, ctx)
         if not found and (key.startswith("train_") or key == "gradient_accumulation_steps"):

@@ -39,6 +39,14 @@ class BF16Config(Section):
     enabled: Union[bool, Auto] = False
     immediate_grad_update: bool = refused(True, "gradients are always reduced as they are produced")
     check_grad_overflow: bool = refused(True, "a step with non-finite gradients is always skipped")
+    bf16_master_weights_and_grads: bool = refused(
+        False,
+        "ZeRO's master weights and gradients in bf16 without an fp32 copy: zeroshard keeps fp32 master weights "
+        "(data_types.grad_accum_dtype 'bf16' keeps the gradient shards in bf16)",
+    )
+    bf16_optimizer_states: bool = refused(
+        False, "optimizer states in bf16 (with bf16_master_weights_and_grads): zeroshard keeps them in fp32"
+    )
 
 
 class OffloadDevice(str, Enum):
@@ -71,6 +79,14 @@ class OffloadOptimizerConfig(_OffloadBase):
     pipeline_write: bool = satisfied(False, "NVMe writes always run behind the sub-group being stepped")
     fast_init: bool = satisfied(False, "a start-up speed hint")
     ratio: float = refused(1.0, "partial offload (ratio < 1) is not supported", ge=0.0, le=1.0)
+    super_offload: bool = refused(
+        False,
+        "SuperOffload (DeepSpeed 0.18: the CPU optimizer steps sub-groups during backward on Superchips) is not "
+        "implemented; with offload_optimizer the step runs behind the next forward instead",
+    )
+    cpuadam_cores_perc: float = refused(
+        0.8, "the share of cores SuperOffload's CPU Adam uses (with super_offload only)", ge=0.0, le=1.0
+    )
 
 
 ZEROPP_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
@@ -93,6 +109,20 @@ class LeafModuleConfig(Section):
 class ZeroConfig(Section):
     stage: int = Field(0, ge=0, le=3)
     contiguous_gradients: bool = satisfied(True, "gradients are always reduced from contiguous flat buffers")
+    compute_grad_norm: bool = satisfied(
+        True, "the global gradient norm is one 4-byte all-reduce that also detects overflow: it is always computed"
+    )
+    parameter_alignment: bool = refused(
+        False,
+        "padding stage 1-2 flat buffers so each parameter starts 16-byte aligned is not implemented (parameters are "
+        "packed back to back)",
+    )
+    zenflow: Optional[dict[str, Any]] = refused(
+        None,
+        "ZenFlow (DeepSpeed 0.18: stall-free offload updating the top-k gradient columns on the device and the rest "
+        "on the CPU behind) is not implemented; use offload_optimizer {'device': 'cpu'}, whose step runs behind the "
+        "next forward",
+    )
     reduce_scatter: bool = True
     reduce_bucket_size: Union[int, Auto] = Field(500_000_000)
     use_multi_rank_bucket_allreduce: bool = satisfied(True, "a performance hint; buckets are reduced in order")
@@ -258,7 +288,9 @@ class ActivationCheckpointingConfig(Section):
     given here is the engine's, in effect while its forward runs; ``configure(deepspeed_config=...)`` reads it too."""
 
     partition_activations: bool = False
-    contiguous_memory_optimization: bool = refused(False, "contiguous activation buffers are not implemented")
+    contiguous_memory_optimization: bool = satisfied(
+        False, "checkpointed activations stay in the blocks torch's caching allocator reuses step after step"
+    )
     cpu_checkpointing: bool = False
     number_checkpoints: Optional[int] = Field(None, ge=1)
     synchronize_checkpoint_boundary: bool = False
@@ -281,6 +313,12 @@ class AioConfig(Section):
 
 class CheckpointConfig(Section):
     tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail", "IGNORE", "WARN", "FAIL"] = "Warn"
+    checkpoint_serialization: bool = satisfied(True, "checkpoints are safetensors and JSON, never pickles")
+    writer: Optional[dict[str, Any]] = refused(
+        None,
+        "FastPersist (DeepSpeed's checkpoint writer: O_DIRECT double buffers, io_multiplier, writers per replica, "
+        "socket or machine) is not implemented; every rank writes its own safetensors file in parallel, atomically",
+    )
     # load_checkpoint's tag defaults to 'latest_universal' (also written by save_checkpoint), which may name a
     # DeepSpeed universal folder (zeroshard.checkpoint.deepspeed_universal) or a zeroshard checkpoint
     load_universal: bool = False
@@ -372,6 +410,9 @@ class CometConfig(Section):
     mode: Optional[str] = None
 
 
+_DEEPCOMPILE = "a DeepCompile option (compiler passes for ZeRO), not implemented"
+
+
 class CompileConfig(Section):
     """DeepSpeed's ``compile`` block. The engine compiles only when ``engine.compile()`` is called (as DeepSpeed):
     ``backend`` and ``kwargs`` are what that call uses when it names none, and ``disable: true`` makes it a no-op."""
@@ -380,6 +421,26 @@ class CompileConfig(Section):
     backend: str = "inductor"
     kwargs: dict[str, Any] = Field(default_factory=dict)
     deepcompile: bool = refused(False, "DeepCompile (compiler passes for ZeRO) is not implemented")
+    autoep_non_moe: bool = refused(
+        False, "compiling the parents of AutoEP layers apart is not implemented; engine.compile() compiles the module"
+    )
+    # DeepCompile's options (DeepSpeed reads them only with deepcompile: true)
+    free_activation: bool = refused(False, _DEEPCOMPILE)
+    free_activation_threshold: int = refused(10 * 1024 * 1024, _DEEPCOMPILE)
+    offload_activation: bool = refused(False, _DEEPCOMPILE)
+    offload_activation_pin_memory: bool = refused(True, _DEEPCOMPILE)
+    offload_opt_states: bool = refused(False, _DEEPCOMPILE)
+    offload_parameters: bool = refused(False, _DEEPCOMPILE)
+    double_buffer: bool = refused(True, _DEEPCOMPILE)
+    symmetric_memory: bool = refused(False, _DEEPCOMPILE)
+    debug_log: bool = refused(False, _DEEPCOMPILE)
+    sync_before_reduce: bool = refused(False, _DEEPCOMPILE)
+    sync_after_reduce: bool = refused(False, _DEEPCOMPILE)
+    sync_before_allgather: bool = refused(False, _DEEPCOMPILE)
+    sync_after_allgather: bool = refused(False, _DEEPCOMPILE)
+    keep_int_input_tensors: bool = refused(True, _DEEPCOMPILE)
+    keep_all_input_tensors: bool = refused(False, _DEEPCOMPILE)
+    passes: Optional[list[str]] = refused(None, _DEEPCOMPILE)
 
 
 class PipelineConfig(Section):
@@ -491,7 +552,18 @@ class TensorParallelTrainingConfig(Section):
     tp_overlap_comm: bool = satisfied(
         False, "a scheduling hint: the tensor-parallel all-reduces run in order, with the same results"
     )
-    tp: TensorParallelGroupConfig = Field(default_factory=TensorParallelGroupConfig)
+    tp: TensorParallelGroupConfig = Field(default_factory=TensorParallelGroupConfig, alias="tensor_parallel")
+    dtype: Optional[DTypeName] = satisfied(
+        None, "the model's dtype comes from the bf16 / fp16 blocks (DeepSpeed reads it to check tp_model_init's)"
+    )
+    replace_with_kernel_inject: bool = refused(
+        False,
+        "DeepSpeed's CUDA inference kernels: zeroshard has none (AutoTP splits layers with torch ops)",
+        alias="kernel_inject",
+    )
+    vocab_parallel_ce_backend: Literal["torch", "liger"] = refused(
+        "torch", "Liger's cross-entropy over a vocabulary-parallel LM head (the head stays replicated in training)"
+    )
     vocab_parallel_lm_head: Optional[bool] = None  # None and False: replicated, as zeroshard always keeps it
     injection_policy_tuple: Optional[list[Any]] = refused(None, "use partition_config.layer_specs")
     keep_module_on_host: bool = refused(False, "keeping the unsharded model on the host")
@@ -577,7 +649,31 @@ class FlopsProfilerConfig(Section):
 
 
 class DataTypesConfig(Section):
+    """DeepSpeed's ``data_types`` block. ``param_dtype`` must agree with the precision the fp16 / bf16 blocks select
+    (DeepSpeed checks the same); ``buffer_dtype`` casts floating buffers (unset: each keeps its dtype);
+    ``keep_in_fp32_modules`` names the buffers kept in fp32 under bf16 / fp16 (``zeroshard.precision.fp32_buffers``)."""
+
     grad_accum_dtype: Optional[DTypeName] = None
+    param_dtype: Optional[DTypeName] = None
+    buffer_dtype: Optional[DTypeName] = None
+    keep_in_fp32_modules: Union[Literal["auto"], list[str]] = "auto"
+
+    @field_validator("keep_in_fp32_modules")
+    @classmethod
+    def _patterns(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        if len(value) > MAX_FP32_PATTERNS:
+            raise ValueError(f"at most {MAX_FP32_PATTERNS} patterns, got {len(value)}")
+        for pattern in value:
+            if not pattern or len(pattern) > 512 or "\0" in pattern:
+                raise ValueError(
+                    f"each pattern is a name of 1 to 512 characters ('*': any characters), got {pattern!r}"
+                )
+        return value
+
+
+MAX_FP32_PATTERNS = 1024  # every buffer name is matched against each
 
 
 # DeepSpeed feature blocks we parse but do not implement: accepted when absent or disabled, refused when enabled.

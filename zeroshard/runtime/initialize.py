@@ -19,7 +19,7 @@ from ..log import log_as_launched, log_rank0, logger
 from ..offload import OffloadPlan
 from ..optim import build_schedule
 from ..pipe import PipelineModule
-from ..precision import PrecisionPolicy
+from ..precision import PrecisionPolicy, fp32_buffer_rules, fp32_buffers
 from ..zero import Placement, ZeroOptimizer, ZeroStack, build_zero_stack
 from ..zero.materialize import Materializer, has_meta_parameters, pending_seed, release_pending
 from ..zero.planning import is_packed
@@ -68,14 +68,20 @@ def _config_source(args: Any, config: Any):
     return source
 
 
-def _move_module(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """``module.to(device, dtype)`` that leaves meta (zero.Init) parameters for the materializer and packed quantized
-    ones in their storage dtype."""
+def _move_module(module: torch.nn.Module, device: torch.device, policy: PrecisionPolicy) -> None:
+    """Parameters to the device in the compute dtype, leaving meta (zero.Init) ones for the materializer and packed
+    quantized ones in their storage dtype; buffers to the device in ``data_types.buffer_dtype`` when set, else in
+    the dtype they have (as DeepSpeed 0.19), and those the model names for fp32 in fp32 (``keep_in_fp32_modules``;
+    an upcast when they arrive in a lower precision, as DeepSpeed's)."""
+    kept = {id(b) for _, b in fp32_buffers(module, fp32_buffer_rules(module, policy.fp32_buffers, policy.compute))}
     with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            if not tensor.is_meta:
-                cast = tensor.is_floating_point() and not is_packed(tensor)
-                tensor.data = tensor.data.to(device=device, dtype=dtype if cast else None)
+        for param in module.parameters():
+            if not param.is_meta:
+                cast = param.is_floating_point() and not is_packed(param)
+                param.data = param.data.to(device=device, dtype=policy.compute if cast else None)
+        for buffer in (b for b in module.buffers() if not b.is_meta):
+            dtype = torch.float32 if id(buffer) in kept else policy.buffer if buffer.is_floating_point() else None
+            buffer.data = buffer.data.to(device=device, dtype=dtype)
 
 
 def _sequence_parallel(mpu: Any, parsed) -> tuple[int, Optional[comm.Group]]:
@@ -315,7 +321,7 @@ def _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, unit
     them), started from the first stage's weights."""
     placement = _placement(cfg)
     materialize = _materializer(model, pretrained, mesh.world, placement.device)
-    _move_module(model, placement.device, placement.policy.compute)
+    _move_module(model, placement.device, placement.policy)
     pieces = parallelize(model, cfg, mesh, materialize)
     ties = tie_pipeline_stages(model, mesh)
     tied = start_ties_equal(model, ties)

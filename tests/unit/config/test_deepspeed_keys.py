@@ -39,6 +39,45 @@ def test_no_key_deepspeed_reads_is_dropped_as_unknown(key):
     assert not [w for w in _warnings_of({"train_batch_size": 2, key: {}}) if "are not DeepSpeed or zeroshard" in w]
 
 
+def _nested(key: str, value) -> dict:
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+@pytest.mark.parametrize("key", KEYS["section_keys"])
+def test_no_key_inside_deepspeeds_sections_is_unknown(key):
+    """zenflow, checkpoint.writer, the DeepCompile options, data_types.keep_in_fp32_modules, ...: each honoured,
+    satisfied, or refused naming DeepSpeed's meaning; none reported as a misspelling."""
+    for value in (True, {}, 1):
+        config = {"train_batch_size": 2, **_nested(key, value)}
+        if key.startswith("zero_optimization."):
+            config["zero_optimization"]["stage"] = 3
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                parse_config(config)
+        except (ValueError, TypeError, NotImplementedError) as err:
+            assert "unknown config key" not in str(err), str(err)
+
+
+@pytest.mark.parametrize(
+    "key,value,meaning",
+    [
+        ("zero_optimization.zenflow", {"topk_ratio": 0.1}, "ZenFlow"),
+        ("zero_optimization.parameter_alignment", True, "16-byte aligned"),
+        ("zero_optimization.offload_optimizer.super_offload", True, "SuperOffload"),
+        ("checkpoint.writer", {"type": "fast"}, "FastPersist"),
+        ("bf16.bf16_master_weights_and_grads", True, "fp32 master weights"),
+        ("tensor_parallel.kernel_inject", True, "inference kernels"),
+        ("compile.offload_opt_states", True, "DeepCompile"),
+    ],
+)
+def test_deepspeed_keys_zeroshard_lacks_are_refused_with_their_meaning(key, value, meaning):
+    with pytest.raises(NotImplementedError, match=f"config key '{key}'.*{meaning}"):
+        parse_config({"train_batch_size": 2, **_nested(key, value)})
+
+
 @pytest.mark.parametrize("key", sorted(REMOVED_IN_DEEPSPEED))
 def test_blocks_deepspeed_removed_are_refused_with_the_reason(key):
     assert key in KEYS["removed"]

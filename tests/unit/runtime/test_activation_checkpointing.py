@@ -54,9 +54,17 @@ def test_configure_reads_the_config_block_and_keywords_override_it():
     assert not checkpointing.is_configured()
 
 
+def test_contiguous_checkpointing_is_satisfied_as_deepspeeds_pipe_tests_set_it():
+    block = {"activation_checkpointing": {"contiguous_memory_optimization": True, "partition_activations": True}}
+    config = {"train_batch_size": 1, **block}
+    checkpointing.configure(deepspeed_config=config, contiguous_checkpointing=True)  # TestPipeModuleSequential's
+    from zeroshard.config import parse_config
+
+    assert parse_config(config).activation_checkpointing.contiguous_memory_optimization is True
+    checkpointing.reset()
+
+
 def test_what_cannot_work_is_refused_by_name():
-    with pytest.raises(NotImplementedError, match="contiguous_checkpointing"):
-        checkpointing.configure(contiguous_checkpointing=True)
 
     class MPU:
         def __init__(self, size):
