@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from ..accelerator import release_host_memory
 from ..partition import assign_buckets
+from ..precision import DTYPE_NAMES
 from .client_state import read_client_tensors, restore_client_state
 from .reading import Sources, read_manifest, read_parameter, resolve_tag
 from .safetensors_io import CheckpointError, write
@@ -119,8 +120,10 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     max_shard_size: Union[int, str] = "5GB",
     progress: bool = False,
     safe_serialization: bool = True,
+    dtype: Union[str, torch.dtype] = torch.float32,
 ) -> list[str]:
-    """Write the fp32 weights as safetensors, streaming one tensor at a time.
+    """Write the fp32 weights as safetensors, streaming one tensor at a time (``dtype``: the floating-point tensors
+    in fp16 or bf16 instead, as DeepSpeed 0.19.8's ``zero_to_torch --dtype``; integer buffers keep theirs).
 
     ``output_path`` ending in ``.safetensors`` names a single file; otherwise it is a directory that
     receives ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files plus
@@ -134,12 +137,14 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     DeepSpeed writes them); each file's tensors are held in memory to write it.
     """
     limit = parse_size(max_shard_size)
+    floating = output_dtype(dtype)
     suffix, stem = (".safetensors", "model") if safe_serialization else (".bin", "pytorch_model")
     checkpoint_dir, output_path = os.fspath(checkpoint_dir), os.fspath(output_path)
     _check_outside(output_path, checkpoint_dir)
     sources, manifest = _open(checkpoint_dir, tag)
     entries = _entries(manifest)
-    sizes = [torch.Size(shape).numel() * 4 for _, shape, _ in entries]
+    specs_of = [_dtype_of(manifest, entry, floating) for entry in entries]
+    sizes = [torch.Size(shape).numel() * d.itemsize for (_, shape, _), d in zip(entries, specs_of)]
     shards = assign_buckets(sizes, limit) or [[]]  # consecutive files of at most ``limit`` bytes
     single_file = output_path.endswith(suffix)
     if single_file and len(shards) > 1:
@@ -155,7 +160,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="convert", disable=not progress)
     try:
         for file_name, members in zip(names, shards):
-            specs = [(entries[i][0], _dtype_of(manifest, entries[i]), entries[i][1]) for i in members]
+            specs = [(entries[i][0], specs_of[i], entries[i][1]) for i in members]
 
             def stream(members=members, specs=specs):
                 for i, (name, dtype, _) in zip(members, specs):
@@ -229,10 +234,24 @@ def _check_outside(output_path: str, checkpoint_dir: str) -> None:
         )
 
 
-def _dtype_of(manifest: dict, entry: tuple) -> torch.dtype:
-    """fp32 for every floating-point tensor (the consolidated weights are fp32), integer buffers as saved."""
+def _dtype_of(manifest: dict, entry: tuple, floating: torch.dtype) -> torch.dtype:
+    """``floating`` for every floating-point tensor (fp32 unless asked: the consolidated weights are fp32), integer
+    buffers as saved."""
     name, _, where = entry
     if where == "param":
-        return torch.float32
+        return floating
     dtype = getattr(torch, manifest["module_tensors"][name]["dtype"])
-    return torch.float32 if dtype.is_floating_point else dtype
+    return floating if dtype.is_floating_point else dtype
+
+
+OUTPUT_DTYPES = ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16")
+
+
+def output_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    """A converter's output dtype, by torch dtype or name (``bf16``, ``torch.bfloat16``, ...; DeepSpeed's names)."""
+    if isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return dtype
+    name = dtype.lower().removeprefix("torch.") if isinstance(dtype, str) else None
+    if name not in OUTPUT_DTYPES:
+        raise ValueError(f"output dtype {dtype!r}: choose one of {', '.join(OUTPUT_DTYPES)}")
+    return DTYPE_NAMES[name]

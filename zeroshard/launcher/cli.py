@@ -203,6 +203,12 @@ def _convert_parser() -> argparse.ArgumentParser:
         help="CHECKPOINT_DIR holds DeepSpeed's files (read without running any pickled code)",
     )
     parser.add_argument(
+        "--dtype",
+        choices=["fp32", "fp16", "bf16"],
+        default="fp32",
+        help="the floating-point weights' dtype in the safetensors written (DeepSpeed 0.19.8's zero_to_torch --dtype)",
+    )
+    parser.add_argument(
         "--to",
         choices=["safetensors", "deepspeed-universal"],
         default="safetensors",
@@ -213,13 +219,15 @@ def _convert_parser() -> argparse.ArgumentParser:
 
 
 def convert_main(argv: Sequence[str]) -> int:
-    """``zeroshard convert CKPT_DIR OUT [--tag T] [--max_shard_size 5GB] [--no_progress]``,
+    """``zeroshard convert CKPT_DIR OUT [--tag T] [--max_shard_size 5GB] [--dtype bf16] [--no_progress]``,
     ``zeroshard convert --from-deepspeed DS_DIR OUT_DIR [--tag T]`` (a ZeRO or universal checkpoint of DeepSpeed's), or
     ``zeroshard convert CKPT_DIR OUT_DIR --to deepspeed-universal [--tag T]``."""
     parser = _convert_parser()
     args = parser.parse_args(argv)
     if args.from_deepspeed and args.to != "safetensors":
         parser.error("--from-deepspeed writes a zeroshard checkpoint; --to applies to zeroshard checkpoints")
+    if args.dtype != "fp32" and (args.from_deepspeed or args.to != "safetensors"):
+        parser.error("--dtype applies to the weights written as safetensors, not to whole training states")
     from ..checkpoint import (
         CheckpointError,
         convert_deepspeed_checkpoint,
@@ -240,6 +248,7 @@ def convert_main(argv: Sequence[str]) -> int:
             tag=args.tag,
             max_shard_size=args.max_shard_size,
             progress=not args.no_progress,
+            dtype=args.dtype,
         )
     except (CheckpointError, ValueError) as err:
         print(f"zeroshard convert: {err}", file=sys.stderr)

@@ -47,6 +47,8 @@ NOT_BUILT = [
     "deepspeed.DeepSpeedTransformerLayer",
     "deepspeed.DeepSpeedTransformerConfig",
     "deepspeed.module_inject.layers.GatherReplacedLayerParams",
+    "deepspeed.runtime.data_pipeline.curriculum_scheduler.CurriculumScheduler",  # gpt-neox imports it at module top
+    "deepspeed.runtime.bf16_optimizer.BF16_Optimizer",
 ]
 
 

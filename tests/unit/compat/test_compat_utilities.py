@@ -182,3 +182,51 @@ def test_the_launchers_export_envs_extend_what_every_node_gets():
     plain, _ = exported_environment(environ, {})
     extended, _ = exported_environment(environ, {}, tuple(runner.EXPORT_ENVS + ["WANDB"]))
     assert "WANDB_PROJECT" not in plain and extended["WANDB_PROJECT"] == "p" and "HOME_SECRET" not in extended
+
+
+def test_zero_to_torch_writes_bf16_and_fp16_weights_as_deepspeed_0_19_8(tmp_path):
+    """``python -m deepspeed.utils.zero_to_torch CKPT OUT --dtype bf16`` (DeepSpeed 0.19.8's converter)."""
+    from zeroshard.checkpoint import convert_deepspeed_checkpoint, get_fp32_state_dict_from_zero_checkpoint
+    from zeroshard.compat.deepspeed.utils import zero_to_torch
+
+    converted = Path(convert_deepspeed_checkpoint(str(FIXTURES / "stage2_fp32" / "ckpt"), str(tmp_path / "ck")))
+    expected = get_fp32_state_dict_from_zero_checkpoint(str(converted.parent))
+    for name, dtype in (("bf16", torch.bfloat16), ("float16", torch.float16), ("fp32", torch.float32)):
+        zero_to_torch.main([str(converted.parent), str(tmp_path / name), "--dtype", name, "--safe_serialization"])
+        from safetensors.torch import load_file
+
+        written = load_file(str(tmp_path / name / "model.safetensors"))
+        assert written.keys() == expected.keys()
+        for key, value in expected.items():
+            assert written[key].dtype == (dtype if value.is_floating_point() else value.dtype)
+            assert torch.equal(written[key], value.to(written[key].dtype))
+    files = zero_to_fp32.convert_zero_checkpoint_to_state_dict(str(converted.parent), str(tmp_path / "pt"), "bf16")
+    assert next(iter(torch.load(files[0], weights_only=True).values())).dtype == torch.bfloat16
+    for bad in ("int8", "fp8", "bf16; rm -rf /", ""):
+        with pytest.raises((ValueError, SystemExit)):
+            zero_to_torch.main([str(converted.parent), str(tmp_path / "bad"), "--dtype", bad])
+        with pytest.raises(ValueError, match="output dtype"):
+            zero_to_fp32.convert_zero_checkpoint_to_state_dict(str(converted.parent), str(tmp_path / "bad"), bad)
+    assert set(zero_to_fp32.OUTPUT_DTYPE_NAMES) == {"float32", "fp32", "float16", "fp16", "bfloat16", "bf16"}
+
+
+def test_the_launcher_runners_hostfile_helpers_and_mpi_discovery(tmp_path, caplog):
+    from zeroshard.compat.deepspeed import comm
+    from zeroshard.compat.deepspeed.launcher import runner
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# workers\nworker-0 slots=4\nworker-1 slots=2\n")
+    pool = runner.fetch_hostfile(str(hostfile))
+    assert pool == {"worker-0": 4, "worker-1": 2}
+    assert runner.parse_inclusion_exclusion(pool, "worker-1:1", "") == {"worker-1": [1]}
+    assert runner.parse_inclusion_exclusion(pool, "", "worker-0") == {"worker-1": [0, 1]}
+    with pytest.raises(ValueError):
+        runner.parse_inclusion_exclusion(pool, "worker-1:7", "")  # a slot the host lacks
+    assert runner.fetch_hostfile(str(tmp_path / "absent")) is None
+    for bad in ("worker-0 slots=4\nworker-0 slots=2\n", "$(touch pwned) slots=1\n", "worker slots=99999999\n"):
+        hostfile.write_text(bad)
+        with pytest.raises(ValueError):
+            runner.fetch_hostfile(str(hostfile))
+    assert not (tmp_path / "pwned").exists()
+    with pytest.raises(NotImplementedError, match="mpi_discovery.*OMPI_COMM_WORLD"):
+        comm.mpi_discovery()

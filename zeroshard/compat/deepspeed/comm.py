@@ -41,4 +41,13 @@ def init_distributed(
     _comm.init_distributed(dist_backend, timeout=timeout, init_method=init_method, rank=rank, world_size=world_size)
 
 
-__all__ = ["TORCH_DISTRIBUTED_DEFAULT_PORT", "init_distributed", *_torch_style]
+def mpi_discovery(distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, verbose: bool = True) -> None:
+    """DeepSpeed's discovery of the rank, world size and master address through mpi4py: refused by name."""
+    raise NotImplementedError(
+        "deepspeed.comm.mpi_discovery (the rank, world size and master address from mpi4py) is not implemented by "
+        "zeroshard: init_distributed() reads an MPI launcher's OMPI_COMM_WORLD_* / PMI_* variables itself; export "
+        "MASTER_ADDR (rank 0's host) and MASTER_PORT, or launch with `zeroshard --launcher openmpi`"
+    )
+
+
+__all__ = ["TORCH_DISTRIBUTED_DEFAULT_PORT", "init_distributed", "mpi_discovery", *_torch_style]

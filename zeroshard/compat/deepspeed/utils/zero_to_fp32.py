@@ -50,6 +50,37 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     )
 
 
+OUTPUT_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def convert_zero_checkpoint_to_state_dict(
+    checkpoint_dir: Union[str, os.PathLike],
+    output_dir: Union[str, os.PathLike],
+    dtype: Union[str, torch.dtype] = torch.float32,
+    max_shard_size: Union[int, str] = "5GB",
+    safe_serialization: bool = False,
+    tag: Optional[str] = None,
+    exclude_frozen_parameters: bool = False,
+) -> list[str]:
+    """DeepSpeed 0.19.8's converter: the weights with floating-point tensors in ``dtype`` (fp32, fp16 or bf16)."""
+    _no_frozen_exclusion(exclude_frozen_parameters, "convert_zero_checkpoint_to_state_dict")
+    return consolidate.convert_zero_checkpoint_to_fp32_state_dict(
+        checkpoint_dir,
+        output_dir,
+        tag=tag,
+        max_shard_size=max_shard_size,
+        safe_serialization=safe_serialization,
+        dtype=dtype,
+    )
+
+
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag: Optional[str] = None):
     return consolidate.load_state_dict_from_zero_checkpoint(model.cpu(), checkpoint_dir, tag)
 
@@ -86,7 +117,9 @@ def get_model_state_file(checkpoint_dir: Union[str, os.PathLike], zero_stage: in
 
 
 __all__ = [
+    "OUTPUT_DTYPE_NAMES",
     "convert_zero_checkpoint_to_fp32_state_dict",
+    "convert_zero_checkpoint_to_state_dict",
     "get_checkpoint_files",
     "get_fp32_state_dict_from_zero_checkpoint",
     "get_model_state_file",
