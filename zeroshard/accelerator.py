@@ -121,8 +121,9 @@ class Accelerator:
 
     # -- RNG -------------------------------------------------------------------------------------------------
     def random(self):
-        """torch's RNG module (``get_accelerator().random().fork_rng(...)``)."""
-        return torch.random
+        """torch's RNG module (``get_accelerator().random().fork_rng(...)``); on CPU one whose ``fork_rng`` also
+        takes ``device_type="cpu"``, which torch's cannot (it asks ``torch.cpu`` for a generator state it lacks)."""
+        return torch.random if self.name == "cuda" else _CPU_RANDOM
 
     def manual_seed_all(self, seed: int) -> None:
         torch.manual_seed(seed)  # the CPU generator and every CUDA device's
@@ -235,6 +236,24 @@ class Accelerator:
 
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+class _CpuRandom:
+    """``torch.random`` with a ``fork_rng`` that forks the CPU generator when asked for the CPU device type (the
+    CPU generator is the only one, and torch's own forks it in every case)."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.random, name)
+
+    def fork_rng(
+        self, devices=None, enabled: bool = True, _caller="fork_rng", _devices_kw="devices", device_type="cuda"
+    ):
+        if torch.device(device_type).type == "cpu":
+            devices = []
+        return torch.random.fork_rng(devices, enabled, _caller, _devices_kw, device_type)
+
+
+_CPU_RANDOM = _CpuRandom()
 
 
 class GraphCaptureUnavailable(NotImplementedError):

@@ -52,6 +52,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         activation_checkpointing: Optional[CheckpointingOptions] = None,
         tensor_splits: dict,
         optimizer: Optional[ZeroOptimizer] = None,
+        collate_fn: Optional[Callable] = None,
     ):
         super().__init__()
         self.module = module
@@ -71,6 +72,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         self.policy = policy
         self.device = device
         self.training_dataloader = training_dataloader
+        self.collate_fn = collate_fn  # initialize's: what deepspeed_io's loaders use unless given another
         self.counters = TrainingCounters()
         self.resumed_from: Optional[str] = None  # the checkpoint checkpoint.auto_resume loaded, if any
         self.resumed_client_state: Optional[dict] = None  # and the client_state saved with it

@@ -5,16 +5,19 @@ names. A base class of :class:`~zeroshard.runtime.engine.ZeroshardEngine`; it re
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .. import comm
+from ..accelerator import get_accelerator
 from ..log import log_rank0
 from ..zero import ParamAccess, ParamRecords, ZeroOptimizer
 from ..zero.stack import NO_OPTIMIZER
 from ..zero.stage3 import Stage3Runtime
 from .monitor import Monitors
+from .sampler import distributed_loader
 
 
 class DeepSpeedAccessors:
@@ -202,3 +205,38 @@ class DeepSpeedAccessors:
         is finished first, so the counts are whole steps'."""
         self.stack.settle()
         return self.stack.disk_io()
+
+    def deepspeed_io(
+        self,
+        dataset: Dataset,
+        batch_size: Optional[int] = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Optional[Sampler] = None,
+        collate_fn: Optional[Callable] = None,
+        num_local_io_workers: Optional[int] = None,
+    ) -> DataLoader:
+        """DeepSpeed's loader of ``dataset`` for this rank: the micro-batch size, this rank's share of the
+        data-parallel ranks' samples, shuffled for ``route="train"`` and in order for ``"eval"`` / ``"predict"`` (as
+        DeepSpeed's), ``initialize``'s collate function unless given one; pinned only where there is a device to
+        copy to. ``num_local_io_workers`` None is 0 here (DeepSpeed starts two loader processes per device)."""
+        if not isinstance(dataset, Dataset):
+            raise ValueError(f"deepspeed_io: training data must be a torch Dataset, got {type(dataset).__name__}")
+        if route not in ("train", "eval", "predict"):
+            raise ValueError(f"deepspeed_io(route={route!r}): 'train', 'eval' or 'predict'")
+        batch_size = self.train_micro_batch_size_per_gpu() if batch_size is None else batch_size
+        for name, value, least in (("batch_size", batch_size, 1), ("num_local_io_workers", num_local_io_workers, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"deepspeed_io({name}={value!r}): an int >= {least}")
+        return distributed_loader(
+            dataset,
+            batch_size,
+            self.mesh.batch.size,
+            self.mesh.batch.rank,
+            shuffle=route == "train",
+            drop_last=self.settings.dataloader_drop_last,
+            collate_fn=collate_fn if collate_fn is not None else self.collate_fn,
+            sampler=data_sampler,
+            pin_memory=pin_memory and get_accelerator().can_pin_memory,
+            num_workers=num_local_io_workers or 0,
+        )

@@ -29,7 +29,7 @@ from .optimizer_recipe import OptimizerArg, optimizer_recipe
 from .parallelize import expert_parallel_size, parallelize, refuse_experts_split_by_transformers, tensor_parallel_size
 from .pipeline_engine import PipelineEngine
 from .pipeline_setup import pipeline_stages, start_ties_equal, tie_pipeline_stages
-from .sampler import ResumableDistributedSampler
+from .sampler import distributed_loader
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -276,19 +276,22 @@ def _build_scheduler(lr_scheduler: Any, cfg, zero: Optional[ZeroOptimizer]):
     return None
 
 
-def _build_dataloader(training_data, resolution: Resolution, mesh: comm.Mesh, collate_fn) -> Optional[DataLoader]:
-    """A client DataLoader as it is; a Dataset gets zeroshard's resumable distributed sampler."""
+def _build_dataloader(
+    training_data, resolution: Resolution, mesh: comm.Mesh, collate_fn, shuffle: bool
+) -> Optional[DataLoader]:
+    """A client DataLoader as it is; a Dataset gets zeroshard's resumable distributed sampler, shuffled (DeepSpeed's
+    engine) or in order (``shuffle=False``: its pipeline engine, whose clients rely on consecutive samples sharing a
+    micro-batch)."""
     if training_data is None or isinstance(training_data, DataLoader):
         return training_data
-    sampler = ResumableDistributedSampler(
-        training_data, num_replicas=mesh.batch.size, rank=mesh.batch.rank, shuffle=True
-    )
-    return DataLoader(
+    return distributed_loader(
         training_data,
-        batch_size=resolution.batch.micro_batch_size,
-        sampler=sampler,
-        collate_fn=collate_fn,
+        resolution.batch.micro_batch_size,
+        mesh.batch.size,
+        mesh.batch.rank,
+        shuffle=shuffle,
         drop_last=resolution.config.dataloader_drop_last,
+        collate_fn=collate_fn,
     )
 
 
@@ -388,7 +391,7 @@ def initialize(
     stack, pieces, placement, ties = _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, units)
     view = ZeroOptimizer(stack) if isinstance(stack, ZeroStack) else None  # the clients' torch.optim view of it
     scheduler = _build_scheduler(lr_scheduler, cfg, view)
-    dataloader = _build_dataloader(training_data, resolution, mesh, collate_fn)
+    dataloader = _build_dataloader(training_data, resolution, mesh, collate_fn, not isinstance(model, PipelineModule))
     engine = _engine_class(model, ties)(
         model,
         stack,
@@ -401,6 +404,7 @@ def initialize(
         activation_checkpointing=_checkpointing_options(cfg),
         tensor_splits={name: pieces[p] for name, p in model.named_parameters() if p in pieces},
         optimizer=view,
+        collate_fn=collate_fn,
     )
     _auto_resume(engine)
     mesh.context.ledger.reset()  # the engine counts training traffic, not the initial weights or a resume

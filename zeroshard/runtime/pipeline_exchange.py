@@ -41,6 +41,12 @@ class StageAborted(PipelineError):
         super().__init__(message)
         self.origin, self.source = origin, source
 
+    def __reduce__(self):
+        # an exception pickles as its class and args (the message alone here); a harness that returns a rank's
+        # exception through a pipe (multiprocessing.Pool, as DeepSpeed's tests run ranks) unpickles it, and an
+        # unpickling error there ends the pool's result thread: the caller would wait for ever
+        return type(self), (self.args[0], self.origin, self.source)
+
 
 Output = Union[torch.Tensor, tuple]
 

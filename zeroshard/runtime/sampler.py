@@ -3,8 +3,9 @@ it ends (what a pipeline's ``train_batch`` reads from)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Optional
 
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 
@@ -61,3 +62,32 @@ class RepeatingLoader:
         except StopIteration:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)  # an empty loader ends here, as one pass of it would
+
+
+def distributed_loader(
+    dataset: Dataset,
+    batch_size: int,
+    replicas: int,
+    rank: int,
+    *,
+    shuffle: bool,
+    drop_last: bool,
+    collate_fn: Optional[Callable] = None,
+    sampler: Optional[Sampler] = None,
+    pin_memory: bool = False,
+    num_workers: int = 0,
+) -> DataLoader:
+    """This rank's loader of ``dataset``: its share of every epoch (``replicas`` ranks see different samples) through
+    the resumable sampler, shuffled or in order, unless the client gives a ``sampler`` of its own (or the dataset is
+    iterable: it shards itself)."""
+    if sampler is None and not isinstance(dataset, IterableDataset):
+        sampler = ResumableDistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        pin_memory=pin_memory,
+        num_workers=num_workers,
+    )

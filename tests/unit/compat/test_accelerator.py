@@ -58,7 +58,8 @@ def test_one_accelerator_per_process_remembers_its_compile_backend():
 
 def test_rng_names_drive_torchs_generator():
     accelerator = get_accelerator()
-    assert accelerator.random() is torch.random and accelerator.default_generator(0) is torch.default_generator
+    assert accelerator.random().manual_seed is torch.random.manual_seed
+    assert accelerator.default_generator(0) is torch.default_generator
     accelerator.manual_seed_all(7)
     assert accelerator.initial_seed() == 7
     state = accelerator.get_rng_state()
@@ -67,6 +68,19 @@ def test_rng_names_drive_torchs_generator():
     assert torch.equal(torch.rand(3), first)
     with accelerator.random().fork_rng():
         torch.rand(5)
+    accelerator.set_rng_state(state)
+    torch.rand(3)
+    expected = torch.rand(2)
+    accelerator.set_rng_state(state)
+    torch.rand(3)
+    # DeepSpeed's train_cifar: fork_rng(devices=[current_device_name()], device_type=device_name()); torch's own
+    # fork_rng fails on CPU (torch.cpu has no get_rng_state), with DeepSpeed's CPU accelerator too
+    with accelerator.random().fork_rng(
+        devices=[accelerator.current_device_name()], device_type=accelerator.device_name()
+    ):
+        torch.manual_seed(123)
+        torch.rand(4)
+    assert torch.equal(torch.rand(2), expected)  # the fork restored the generator
 
 
 def test_streams_and_events_run_in_order_on_cpu():
