@@ -262,6 +262,8 @@ def test_comms_logger_verbose_prints_every_collective_and_debug_splits_by_caller
     assert "comm op:" not in debug
     callers = [line for line in debug.splitlines() if "issued at " in line]
     assert callers and any("zeroshard/zero/" in line for line in callers)  # the mechanism that issued it
+
+
 def non_finite_worker(stage, dtype):
     """One parameter's gradient is NaN on every step (as a bad batch or an overflowing layer makes it)."""
     import zeroshard

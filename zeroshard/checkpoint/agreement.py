@@ -60,10 +60,15 @@ def gather_text(text: str, world: comm.Group) -> list[str]:
 
 def failed_ranks(error: Optional[Exception], world: comm.Group) -> list[int]:
     """The ranks whose ``error`` is set (one small all-reduce, so every rank knows them all)."""
-    failed = torch.zeros(world.size)
-    failed[comm.get_rank()] = 1.0 if error is not None else 0.0
-    comm.all_reduce(failed, world)
-    return [r for r in range(world.size) if failed[r] > 0]
+    return [r for r, code in enumerate(_codes(1 if error is not None else 0, world)) if code == 1]
+
+
+def _codes(code: int, world: comm.Group) -> list[int]:
+    """Every rank's ``code``, in rank order (one small all-reduce)."""
+    codes = torch.zeros(world.size)
+    codes[comm.get_rank()] = float(code)
+    comm.all_reduce(codes, world)
+    return [int(c) for c in codes.tolist()]
 
 
 def agree_on_write(world: comm.Group, error: Optional[OSError], save_dir: str, tmp: str) -> None:
@@ -83,13 +88,21 @@ def agree_on_write(world: comm.Group, error: Optional[OSError], save_dir: str, t
     )
 
 
-def agree_on_load(world: comm.Group, error: Optional[CheckpointError], path: str) -> None:
-    """Every rank raises if any rank failed to read its part: the failing ranks with their own message, the
-    others with the first failing rank's (so every rank's log names the file and field)."""
-    ranks = failed_ranks(error, world)
-    if not ranks:
-        return
-    messages = gather_text(str(error) if error is not None else "", world)
-    if error is not None:
-        raise error
-    raise CheckpointError(f"loading {path} failed on rank(s) {ranks}: rank {ranks[0]}: {messages[ranks[0]]}")
+def agree_on_load(world: comm.Group, error: Optional[CheckpointError], path: str, found: bool = True) -> None:
+    """Every rank raises if any rank failed to open, check or read its part: the failing ranks with their own
+    message, the others with the first failing rank's (so every rank's log names the file and field). ``found``:
+    whether this rank found a checkpoint to load at all; ranks that disagree (a ``latest`` on some nodes' disks
+    only) raise too, instead of some loading while others start fresh."""
+    codes = _codes(1 if error is not None else 0 if found else 2, world)
+    ranks = [r for r, code in enumerate(codes) if code == 1]
+    if ranks:
+        messages = gather_text(str(error) if error is not None else "", world)
+        if error is not None:
+            raise error
+        raise CheckpointError(f"loading {path} failed on rank(s) {ranks}: rank {ranks[0]}: {messages[ranks[0]]}")
+    absent = [r for r, code in enumerate(codes) if code == 2]
+    if absent and len(absent) < world.size:
+        raise CheckpointError(
+            f"{path}: rank(s) {absent} find no checkpoint there and the others do (no 'latest' on their disk); every "
+            "rank must read the same directory (shared storage, or copy it to every node)"
+        )

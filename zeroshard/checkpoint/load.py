@@ -64,15 +64,23 @@ def load(
     ``universal`` (the config's ``checkpoint.load_universal``) the tag defaults to the one ``latest_universal``
     names, and that may be a zeroshard checkpoint or a DeepSpeed universal folder (read in memory, checked whole
     before anything is restored)."""
-    opened = _open(state, load_dir, tag, universal)
+    opened, error = None, None
+    try:  # opening and checking: one verdict for every rank (a pipeline stage can fail the name check alone)
+        opened = _open(state, load_dir, tag, universal)
+        if opened is not None:
+            path, manifest, sources = opened
+            missing, unexpected = _check_params(state, manifest, load_module_strict)
+            _check_split_records(state, manifest, path)
+            if state.optimizer is not None and load_optimizer_states and not load_module_only:
+                _check_optimizer(state.optimizer, manifest, path)
+    except CheckpointError as err:
+        error = err
+        if opened is not None:
+            opened[2].close()
+    agree_on_load(state.mesh.world, error, load_dir, found=opened is not None)
     if opened is None:
         warnings.warn(f"no checkpoint to load in {load_dir} (no 'latest' file); starting from scratch", stacklevel=3)
         return Restored(None, None, [])
-    path, manifest, sources = opened
-    missing, unexpected = _check_params(state, manifest, load_module_strict)
-    _check_split_records(state, manifest, path)
-    if state.optimizer is not None and load_optimizer_states and not load_module_only:
-        _check_optimizer(state.optimizer, manifest, path)
     zero = state.optimizer
     error: Optional[CheckpointError] = None
     report: list[str] = []
@@ -137,11 +145,7 @@ def _open(state: TrainingState, load_dir: str, tag: Optional[str], universal: bo
                 f"it directly, or import it once with `zeroshard convert --from-deepspeed {load_dir} OUT_DIR --tag "
                 f"{tag}`"
             )
-        try:  # every rank reads the folder: a rank that cannot must not strand the others
-            manifest, sources = universal_sources(load_dir, tag)
-        except CheckpointError as err:
-            agree_on_load(state.mesh.world, err, path)
-        agree_on_load(state.mesh.world, None, path)
+        manifest, sources = universal_sources(load_dir, tag)  # every rank reads it; load() agrees on the verdict
         return path, manifest, sources
     if not os.path.exists(os.path.join(path, "manifest.json")) and is_deepspeed_checkpoint(path):
         raise CheckpointError(

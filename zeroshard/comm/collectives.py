@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .backend import default_store, get_rank, get_world_size
+from ..accelerator import get_accelerator
+from .backend import DEFAULT_TIMEOUT, default_store, get_rank, get_world_size
 from .groups import Group
 from .trace import TraceEntry, diagnose
 
@@ -49,10 +50,12 @@ class Pending:
     entry: Optional[TraceEntry] = None  # this collective in the trace
     nbytes: int = 0  # message bytes
     wire_bytes: float = 0.0
+    timeout: Optional[timedelta] = None  # what wait() allows when not told (a receive: its group's timeout)
 
     def wait(self, timeout: Optional[timedelta] = None) -> None:
         if self.work is None:
             return
+        timeout = timeout if timeout is not None else self.timeout
         waiting = time.perf_counter()
         self.group.context.before_wait(self.op, self.started)
         try:
@@ -93,6 +96,7 @@ def _issue(
     call,
     async_op: bool,
     finish: Optional[Callable[[], None]] = None,
+    source: Optional[int] = None,
 ) -> Pending:
     if group.context.local_only():
         return _skip(op, group)  # compute-only (Note [compute-only runs]): a collective of no local form sends nothing
@@ -110,7 +114,8 @@ def _issue(
             entry,
         ) from err
     group.context.add_wait(op, group.name, time.perf_counter() - started)  # issuing is the thread's time too
-    pending = Pending(op, group, work, _describe(tensor), started, finish, entry, nbytes, nbytes * wire_factor)
+    what = _describe(tensor) + (f" from rank {source}" if source is not None else "")
+    pending = Pending(op, group, work, what, started, finish, entry, nbytes, nbytes * wire_factor)
     if not async_op:
         pending.wait()
     return pending
@@ -153,24 +158,22 @@ _TAG_REDUCE_SCATTER = 2
 
 
 class _PointToPoint:
-    """The sends and receives of one Gloo collective, waited for as one."""
+    """The sends and receives of one Gloo collective, waited for as one, each within ``timeout`` (the group's: a
+    backend's point-to-point wait alone has none, and a peer that never joins would be waited for for ever)."""
 
-    def __init__(self, works: list):
-        self.works = works
+    def __init__(self, works: list, timeout: timedelta):
+        self.works, self.timeout = works, timeout
 
     def wait(self, timeout: Optional[timedelta] = None) -> None:
         for work in self.works:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout)
+            work.wait(timeout if timeout is not None else self.timeout)
 
 
 def _exchange(group: Group, tag: int, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]):
     """Post every send and receive (keyed by the peer's index in the group) at once; nothing blocks."""
     works = [dist.irecv(t, group.ranks[j], group=group.handle, tag=tag) for j, t in receives.items()]
     works += [dist.isend(t, group.ranks[j], group=group.handle, tag=tag) for j, t in sends.items()]
-    return _PointToPoint(works)
+    return _PointToPoint(works, group_timeout(group))
 
 
 def reduce_scatter_scratch_numel(group: Group, numel: int) -> int:
@@ -383,8 +386,24 @@ def send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0, async_op: b
 
 
 def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0, async_op: bool = False) -> Pending:
-    """Point to point, from global rank ``src``."""
-    return _issue("recv", group, tensor, 0.0, lambda: dist.irecv(tensor, src, group=group.handle, tag=tag), async_op)
+    """Point to point, from global rank ``src``; it waits no longer than the group's collectives do (a backend's
+    receive alone would wait for ever on a sender stuck elsewhere), and its error names ``src``."""
+    pending = _issue(
+        "recv", group, tensor, 0.0, lambda: dist.irecv(tensor, src, group=group.handle, tag=tag), True, source=src
+    )
+    pending.timeout = group_timeout(group)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def group_timeout(group: Group) -> timedelta:
+    """The timeout ``group``'s collectives wait for (its process group's, set when it was made)."""
+    handle = group.handle if group.handle is not None else dist.group.WORLD
+    try:
+        return handle._get_backend(torch.device(get_accelerator().name)).options._timeout
+    except (AttributeError, RuntimeError):  # a backend that does not say
+        return DEFAULT_TIMEOUT
 
 
 def post_send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0, wait_s: float = 30.0) -> bool:

@@ -457,6 +457,9 @@ class PipelineConfig(Section):
     pipe_partitioned: bool = satisfied(True, "activations are split only over a tensor-parallel group (none here)")
     grad_partitioned: bool = satisfied(True, "gradients are split only over a tensor-parallel group (none here)")
     use_reentrant: Optional[bool] = None
+    # zeroshard's: the most the activations one micro-batch sends to the next stage may take (None: a quarter of the
+    # device's memory); a receiving stage refuses an announcement above it before allocating anything
+    max_activation_bytes: Optional[int] = Field(None, ge=1)
 
     @field_validator("stages", mode="before")
     @classmethod

@@ -70,6 +70,11 @@ class PipelineModule(nn.Module):
         self.stage_id = self._topo.get_coord(self.global_rank).pipe
         self._layer_specs = list(layers)
         for index, spec in enumerate(self._layer_specs):
+            if isinstance(spec, type):  # callable, but calling it would build a module out of the activations
+                raise TypeError(
+                    f"PipelineModule layer {index} is the class {spec.__name__}, not a layer: pass an instance "
+                    f"({spec.__name__}(...)) or LayerSpec({spec.__name__}, ...)"
+                )
             if not (isinstance(spec, (nn.Module, LayerSpec)) or callable(spec)):
                 raise TypeError(
                     f"PipelineModule layer {index} is {type(spec).__name__}: a layer is a torch.nn.Module, a "
@@ -98,6 +103,13 @@ class PipelineModule(nn.Module):
             if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
                 raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
             if self.world_size % num_stages:
+                launched = comm.backend.env_world()[1]
+                if not comm.is_initialized() and launched > 1:
+                    raise ValueError(
+                        f"num_stages {num_stages}: no process group yet, so this rank sees 1 rank of the {launched} "
+                        "launched: call deepspeed.init_distributed() (zeroshard.comm.init_distributed()) before "
+                        "building the PipelineModule, as DeepSpeed's pipeline scripts do"
+                    )
                 raise ValueError(
                     f"num_stages {num_stages} must divide the number of ranks {self.world_size}: launch a multiple "
                     f"of {num_stages} processes"
@@ -123,7 +135,12 @@ class PipelineModule(nn.Module):
         counts = self._count_layer_params() if method.lower() == "parameters" else [0] * self._num_layers
         matches = [False] * self._num_layers
         if method.lower().startswith("type:"):
-            pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+            try:
+                pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+            except re.error as err:
+                raise ValueError(
+                    f"partition_method {method!r}: the pattern after 'type:' is not a regex ({err})"
+                ) from None
             matches = [bool(pattern.search(_layer_name(spec))) for spec in self._layer_specs]
         self.parts = partition_boundaries(method, self.num_stages, counts, matches)
         self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])

@@ -1,6 +1,10 @@
-"""Every rank of a tensor-parallel group must run the same batch: its ranks compute one model's forward together,
-each on its pieces. A data loader sharded by global rank instead of data-parallel rank breaks this silently (the
-loss still falls); the engine checks once, at the first forward, and names the ranks that differ."""
+"""Every rank must run the same batch settings, and every rank of a tensor-parallel group the same batch.
+
+The settings (micro-batch size, accumulation steps) decide when each rank reduces gradients and steps: ranks that
+differ (a config built per rank from its own arguments) would wait in different collectives, so ``initialize``
+compares them once and names the ranks that differ. A tensor-parallel group's ranks compute one model's forward
+together, each on its pieces: a data loader sharded by global rank instead of data-parallel rank breaks this
+silently (the loss still falls); the engine checks once, at the first forward, and names the ranks that differ."""
 
 from __future__ import annotations
 
@@ -13,7 +17,26 @@ from .. import comm
 
 
 class BatchMismatchError(ValueError):
-    """Ranks of one tensor-parallel group were given different batches."""
+    """Ranks were given different batch settings, or ranks of one tensor-parallel group different batches."""
+
+
+def check_same_batch_settings(micro_batch_size: int, accumulation_steps: int, world: comm.Group) -> None:
+    """Raise :class:`BatchMismatchError` on every rank when the ranks' micro-batch sizes or accumulation steps differ
+    (one small all-gather)."""
+    mine = torch.tensor([micro_batch_size, accumulation_steps], dtype=torch.int64)
+    everyone = mine.new_empty(world.size * 2)
+    comm.all_gather(everyone, mine, world)
+    rows = everyone.view(world.size, 2).tolist()
+    for column, key in enumerate(("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")):
+        values = {}
+        for rank, row in zip(world.ranks, rows):
+            values.setdefault(row[column], []).append(rank)
+        if len(values) > 1:
+            listing = "; ".join(f"{value} on rank(s) {ranks}" for value, ranks in sorted(values.items()))
+            raise BatchMismatchError(
+                f"the ranks resolved different {key} ({listing}): every rank must run the same batch settings, or "
+                "they wait in different collectives; give every rank the same config"
+            )
 
 
 def fingerprint(inputs: Any) -> torch.Tensor:

@@ -24,6 +24,7 @@ from ..zero import Placement, ZeroOptimizer, ZeroStack, build_zero_stack
 from ..zero.materialize import Materializer, has_meta_parameters, pending_seed, release_pending
 from ..zero.planning import is_packed
 from . import activation_checkpointing
+from .batch_check import check_same_batch_settings
 from .engine import ZeroshardEngine
 from .optimizer_recipe import OptimizerArg, optimizer_recipe
 from .parallelize import expert_parallel_size, parallelize, refuse_experts_split_by_transformers, tensor_parallel_size
@@ -233,6 +234,9 @@ def _resolve(
             sequence_parallel_size=sp_size,
         ),
     )
+    check_same_batch_settings(
+        resolution.batch.micro_batch_size, resolution.batch.gradient_accumulation_steps, mesh.world
+    )
     stage = resolution.config.zero_optimization.stage
     axes = "".join(
         f" x {size} {name}-parallel" for name, size in (("sequence", sp_size), ("tensor", tp_size)) if size > 1
@@ -327,7 +331,7 @@ def _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, unit
     _move_module(model, placement.device, placement.policy)
     pieces = parallelize(model, cfg, mesh, materialize)
     ties = tie_pipeline_stages(model, mesh)
-    tied = start_ties_equal(model, ties)
+    tied = start_ties_equal(model, ties, mesh)
     if optimizer is None and cfg.optimizer is None:
         stack = ZeroStack.without_optimizer(placement.device)
     else:

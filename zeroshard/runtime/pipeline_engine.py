@@ -17,6 +17,7 @@ place gradients are exchanged between pipelines, the ranks of each stage agree o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any, Iterator, Optional
@@ -25,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .. import comm
+from ..accelerator import get_accelerator
 from ..checkpoint.view import PipelinePlacement, TrainingState
 from ..pipe import Announcement, PipelineModule, Step, eval_steps, train_steps
 from .activation_checkpointing import in_effect as checkpointing_in_effect
@@ -34,8 +36,9 @@ from .sampler import RepeatingLoader
 
 
 class PipelineDataExhausted(PipelineError, StopIteration):
-    """A stage's data iterator ended inside a batch (a ``StopIteration`` too, as DeepSpeed's engine lets the
-    iterator's own escape: loops that stop on it keep working)."""
+    """A data iterator ended (a ``StopIteration`` too, as DeepSpeed's engine lets the iterator's own escape). At a
+    batch boundary every rank raises it and the engine goes on with the next iterator, so loops that stop on it
+    keep working; inside a batch the rank whose data ended raises it and the batch has failed."""
 
 
 class PipelineGrid:
@@ -125,7 +128,9 @@ class PipelineEngine(ZeroshardEngine):
         # the exchanges run on a process group of their own (one per engine), so nothing a failed batch left
         # unreceived reaches another engine
         self._channels = comm.stages_group(self.mesh, tuple(range(self.num_stages)), "pipe_exchange")
-        self.exchange = StageExchange(self._channels or self.mesh.pipe, self.stage_id, self.num_stages, self.device)
+        limit = self.settings.pipeline.max_activation_bytes or get_accelerator().total_memory() // 4
+        pipe = self._channels or self.mesh.pipe
+        self.exchange = StageExchange(pipe, self.stage_id, self.num_stages, self.device, limit)
         self.ties = ties  # tie key -> this rank's tie group (the stages holding the tied module)
         self.data_iterator: Optional[Iterator] = None
         self.batch_fn = None
@@ -203,7 +208,8 @@ class PipelineEngine(ZeroshardEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         started, waited_before = time.perf_counter(), self.exchange.waited
-        losses = self._run(train_steps(self.stage_id, self.num_stages, self.micro_batches), True, scalar=True)
+        steps = train_steps(self.stage_id, self.num_stages, self.micro_batches)
+        losses = self._run(steps, True, scalar=True, call="train_batch", micro_batches=self.micro_batches)
         self.agg_train_loss = self._mean_loss(losses, self.micro_batches)
         self._last_loss = self.agg_train_loss
         self.counters.micro_steps += self.micro_batches
@@ -239,7 +245,8 @@ class PipelineEngine(ZeroshardEngine):
         try:
             with torch.no_grad():
                 steps = eval_steps(self.stage_id, self.num_stages, micro_batches)
-                outputs = self._run(steps, compute_loss, scalar=compute_loss and bcast_loss and reduce_output == "avg")
+                scalar = compute_loss and bcast_loss and reduce_output == "avg"
+                outputs = self._run(steps, compute_loss, scalar, call="eval_batch", micro_batches=micro_batches)
         finally:
             self._return_logits = False
             self.set_dataiterator(training_iterator)
@@ -256,47 +263,83 @@ class PipelineEngine(ZeroshardEngine):
         return result
 
     # -- running a schedule -------------------------------------------------------------------------
-    def _run(self, steps: list[Step], compute_loss: bool, scalar: bool) -> list:
-        """Run ``steps`` (this stage's order); returns the last stage's per-micro-batch losses (or outputs;
-        ``scalar``: each must be a one-element tensor, checked as it is computed)."""
-        if self._failed is not None:
-            raise PipelineError(
-                f"rank {comm.get_rank()}: a batch of this engine failed ({self._failed}); the stages' channels are out "
-                "of step after it: build a new engine (and load the last checkpoint) to go on"
-            )
-        run = _Run(self, compute_loss, scalar)
+    def _run(self, steps: list[Step], compute_loss: bool, scalar: bool, call: str, micro_batches: int) -> list:
+        """Run ``steps`` (this stage's order over ``micro_batches``); returns the last stage's per-micro-batch losses
+        (or outputs; ``scalar``: each must be a one-element tensor, checked as it is computed).
+
+        A failure anywhere ends every rank with a named error (the module's docstring). The end of the data at a
+        batch boundary is no failure: when every rank's batch stopped because an iterator ended before anything of
+        it ran, every rank raises :class:`PipelineDataExhausted` (a ``StopIteration``) and the engine goes on with
+        the next iterator."""
+        self._refuse_after_failure(call)
+        run = _Run(self, compute_loss, scalar, micro_batches)
+        self.exchange.begin()
         boundary = max((s.micro for s in steps if s.kind == "backward"), default=None)
         agreed = False
         try:
             for step in steps:
                 if step.micro == boundary and step.kind == "backward":
                     agreed = True
-                    self._agree(None)  # every rank of this stage got here: the reductions below will all run
+                    self._agree(None, self.mesh.stage)  # every rank of this stage got here: its reductions all run
                 run.do(step, boundary=step.micro == boundary)
             if boundary is None:
                 agreed = True
-                self._agree(None)
+                self._agree(None, self.mesh.stage)
             self.exchange.finish()
         except Exception as error:
-            self._failed = f"{type(error).__name__}: {error}".splitlines()[0]
-            origin = error.origin if isinstance(error, StageAborted) else comm.get_rank()
-            self.exchange.abort(origin, source=error.source if isinstance(error, StageAborted) else None)
+            aborted = error if isinstance(error, StageAborted) else None
+            origin = aborted.origin if aborted is not None else comm.get_rank()
+            ended = isinstance(error, PipelineDataExhausted) or (aborted is not None and aborted.data_ended)
+            clean = ended and run.steps_done == 0 and not self.exchange.exchanged  # nothing of the batch ran here
+            owed = {s.kind for s in steps[run.steps_done :]}  # what the neighbours still wait for from this rank
+            source = aborted.source if aborted is not None else None
+            self.exchange.abort(origin, "send_activation" in owed, "send_grad" in owed, source, data_ended=clean)
             if not agreed:
-                self._agree(origin)
-            raise
+                self._agree(origin, self.mesh.stage)
+            if not self._agree(origin, self.mesh.world, clean):
+                self._failed = f"{type(error).__name__}: {error}".splitlines()[0]
+                raise
+            if isinstance(error, PipelineDataExhausted):
+                raise
+            raise PipelineDataExhausted(
+                f"rank {comm.get_rank()} (pipeline stage {self.stage_id}): the data ended at a batch boundary on rank "
+                f"{origin} (pipeline stage {self.mesh.dims.coordinate(origin, 'pp')}); nothing of this batch ran"
+            ) from None
+        # a failure after the stages agreed (an out-of-memory in the last backward) reaches every rank here, before
+        # the loss broadcast and the gradient norm join the stages
+        self._agree(None, self.mesh.world)
         return run.results
 
-    def _agree(self, failed: Optional[int]) -> None:
-        """Agree with the other ranks of this stage on whether any failed (``failed``: the rank that did, as this
-        rank knows it); a rank that did not fail raises naming the one that did."""
-        flag = torch.tensor([0 if failed is None else failed + 1], dtype=torch.int64, device=self.device)
-        comm.all_reduce(flag, self.mesh.stage, op="max")
-        origin = int(flag.item()) - 1
+    def _agree(self, failed: Optional[int], group: comm.Group, clean: bool = False) -> bool:
+        """Agree with the other ranks of ``group`` (this stage's, or the world at the end of a batch) on whether any
+        failed (``failed``: the rank that did, as this rank knows it; ``clean``: this rank stopped because data
+        ended before anything of the batch ran). A rank that did not fail raises naming the one that did and its
+        stage; a failing rank learns whether every rank stopped cleanly."""
+        flags = torch.tensor(
+            [0 if failed is None else failed + 1, int(not clean)], dtype=torch.int64, device=self.device
+        )
+        comm.all_reduce(flags, group, op="max")
+        origin, dirty = int(flags[0].item()) - 1, bool(flags[1].item())
         if origin >= 0 and failed is None:
+            self._failed = f"rank {origin} failed"
+            where = "before reducing gradients" if group is self.mesh.stage else "at the end of the batch"
             raise StageAborted(
-                f"rank {comm.get_rank()} (pipeline stage {self.stage_id}): stopped before reducing gradients: rank "
-                f"{origin} failed (its own error says why)",
+                f"rank {comm.get_rank()} (pipeline stage {self.stage_id}): stopped {where}: rank {origin} (pipeline "
+                f"stage {self.mesh.dims.coordinate(origin, 'pp')}) failed (its own error says why)",
                 origin,
+            )
+        return not dirty
+
+    def save_checkpoint(self, *args, **kwargs):
+        """As any engine's, unless a batch of this engine failed: the stages would then disagree on what they hold."""
+        self._refuse_after_failure("save_checkpoint")
+        return super().save_checkpoint(*args, **kwargs)
+
+    def _refuse_after_failure(self, call: str) -> None:
+        if self._failed is not None:
+            raise PipelineError(
+                f"rank {comm.get_rank()}: {call}() after a failed batch of this engine ({self._failed}): its stages "
+                "are out of step; build a new engine and load the last checkpoint to go on"
             )
 
     def _mean_loss(self, losses: list, micro_batches: int) -> torch.Tensor:
@@ -322,7 +365,7 @@ class PipelineEngine(ZeroshardEngine):
             total /= self.mesh.batch.size
         return total
 
-    def _next_batch(self, micro: int) -> Any:
+    def _next_batch(self, micro: int, micro_batches: int) -> Any:
         if self.data_iterator is None:
             raise PipelineError(
                 f"rank {comm.get_rank()} (pipeline stage {self.stage_id}): no data: pass train_batch(data_iter) or "
@@ -333,7 +376,7 @@ class PipelineEngine(ZeroshardEngine):
         except StopIteration:
             raise PipelineDataExhausted(
                 f"rank {comm.get_rank()} (pipeline stage {self.stage_id}): the data iterator ended at micro-batch "
-                f"{micro} of {self.micro_batches}; wrap it in RepeatingLoader (deepspeed.utils) or stop the loop "
+                f"{micro} of {micro_batches}; wrap it in RepeatingLoader (deepspeed.utils) or stop the loop "
                 "at the end of an epoch"
             ) from None
         if self.batch_fn is not None:
@@ -350,8 +393,10 @@ class _Run:
     """One batch's state on one stage: per micro-batch, the inputs, the outputs kept for backward, the announcement
     of what was sent and the labels."""
 
-    def __init__(self, engine: PipelineEngine, compute_loss: bool, scalar: bool):
+    def __init__(self, engine: PipelineEngine, compute_loss: bool, scalar: bool, micro_batches: int):
         self.engine, self.compute_loss, self.scalar = engine, compute_loss, scalar
+        self.micro_batches = micro_batches
+        self.steps_done = 0
         self.inputs: dict[int, Any] = {}
         self.outputs: dict[int, Any] = {}
         self.sent: dict[int, Announcement] = {}
@@ -360,6 +405,7 @@ class _Run:
 
     def do(self, step: Step, boundary: bool) -> None:
         getattr(self, step.kind)(step.micro, boundary)
+        self.steps_done += 1
 
     def recv_activation(self, micro: int, boundary: bool) -> None:
         self.inputs[micro] = self.engine.exchange.receive_activations()[1]
@@ -368,7 +414,7 @@ class _Run:
         engine = self.engine
         labels = None
         if engine.is_first_stage() or engine.is_last_stage():
-            inputs, labels = engine._next_batch(micro)
+            inputs, labels = engine._next_batch(micro, self.micro_batches)
             if engine.is_first_stage():
                 self.inputs[micro] = tree_map(
                     lambda t: t.detach().to(engine.device) if torch.is_tensor(t) else t,
@@ -413,12 +459,19 @@ class _Run:
             self.inputs.pop(micro, None)  # no gradient goes back from the first stage
         if engine.is_last_stage():  # a one-element loss: forward checked it
             scale = engine.stack.loss_scale / engine.micro_batches  # once, on the last stage only
-            engine._backward_from([output.float().reshape(()) * scale], None, boundary)
-            return
-        outputs = [output] if torch.is_tensor(output) else list(output)
-        tensors = [t for t in outputs if t.requires_grad]
-        if tensors:  # none: nothing before this point trains (a frozen stage)
-            engine._backward_from(tensors, self.received.pop(micro), boundary)
+            tensors, grads = [output.float().reshape(()) * scale], None
+        else:
+            outputs = [output] if torch.is_tensor(output) else list(output)
+            tensors, grads = [t for t in outputs if t.requires_grad], self.received.pop(micro)
+            if not tensors:
+                return  # nothing before this point trains (a frozen stage)
+        try:
+            engine._backward_from(tensors, grads, boundary)
+        except Exception:
+            if boundary:  # after the stage agreed: its other ranks wait in this backward's gradient reductions
+                with contextlib.suppress(Exception):  # the batch has failed whatever this does; the first error counts
+                    engine.stack.end_backward()  # what this rank still owes them, launched and finished
+            raise
 
     def send_grad(self, micro: int, boundary: bool) -> None:
         inputs = self.inputs.pop(micro)

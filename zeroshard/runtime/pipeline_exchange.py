@@ -9,15 +9,18 @@ Two channels per pair of neighbours, one per direction (a tag each), every messa
   whole and a mismatch is a named error, never a wait for bytes that will not come;
 - gradients (stage s + 1 to s): 0, then the gradient of each activation announced as requiring one, in order.
 
-A negative first word instead says "stop": ``-1 - rank`` of the rank that failed. A stage that fails sends it on both
+A negative first word instead says "stop": ``-1 - rank`` of the rank that failed, or ``-1 - world - rank`` when that
+rank's data ended before its batch exchanged anything (the end of an epoch). A stage that fails sends it on both
 its outgoing channels, the only ones its neighbours may be waiting on; a stage that receives it passes it on the
-same way and stops too, so a failure anywhere reaches every stage of the pipeline and none waits forever.
+same way and stops too, so a failure anywhere reaches every stage of the pipeline and none waits forever. A receive
+waits no longer than the group's collectives do, and names the neighbour that stayed silent.
 Sends do not wait (the schedule relies on it, ``zeroshard.pipe.schedule``); :meth:`StageExchange.finish` waits for
 them at the end of the batch.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional, Union
 
@@ -35,17 +38,17 @@ class PipelineError(RuntimeError):
 
 class StageAborted(PipelineError):
     """Rank ``origin`` failed: a neighbour passed the word on (``source``: its rank) or the ranks of this stage agreed
-    on it (``source`` None)."""
+    on it (``source`` None). ``data_ended``: its data iterator ended before its batch exchanged anything."""
 
-    def __init__(self, message: str, origin: int, source: Optional[int] = None):
+    def __init__(self, message: str, origin: int, source: Optional[int] = None, data_ended: bool = False):
         super().__init__(message)
-        self.origin, self.source = origin, source
+        self.origin, self.source, self.data_ended = origin, source, data_ended
 
     def __reduce__(self):
         # an exception pickles as its class and args (the message alone here); a harness that returns a rank's
         # exception through a pipe (multiprocessing.Pool, as DeepSpeed's tests run ranks) unpickles it, and an
         # unpickling error there ends the pool's result thread: the caller would wait for ever
-        return type(self), (self.args[0], self.origin, self.source)
+        return type(self), (self.args[0], self.origin, self.source, self.data_ended)
 
 
 Output = Union[torch.Tensor, tuple]
@@ -54,7 +57,7 @@ Output = Union[torch.Tensor, tuple]
 class StageExchange:
     """This rank's ends of the channels to the previous and next stages of its pipe group."""
 
-    def __init__(self, pipe: comm.Group, stage: int, stages: int, device: torch.device):
+    def __init__(self, pipe: comm.Group, stage: int, stages: int, device: torch.device, limit_bytes: int):
         self.pipe, self.stage, self.device = pipe, stage, device
         self.previous = pipe.ranks[stage - 1] if stage > 0 else None
         self.next = pipe.ranks[stage + 1] if stage < stages - 1 else None
@@ -62,6 +65,9 @@ class StageExchange:
         self.waited = 0.0  # seconds spent in receives so far (the pipeline's bubble, and the transfers)
         self._sent_header: Optional[list] = None  # the announcement sent last to the next stage (its fields)
         self._received: Optional[Announcement] = None  # and the one received last from the previous stage
+        self.exchanged = False  # whether this batch has sent or received anything but a stop word
+        self.world_size = comm.get_world_size()
+        self.limit_bytes = limit_bytes  # the most one announced tensor may take on this stage
 
     def send_activations(self, output: Output) -> Announcement:
         """Send ``output`` (a tensor or a tuple of them) to the next stage; returns its announcement (the gradients
@@ -86,6 +92,14 @@ class StageExchange:
         elif 3 <= length <= 4096:
             header = torch.empty(length, dtype=torch.int64, device=self.device)
             announcement = self._received = parse(self._receive(header, self.previous, ACTIVATIONS), sender)
+            sizes = [math.prod(meta.shape) * meta.dtype.itemsize for meta in announcement.tensors]
+            if sum(sizes) > self.limit_bytes:  # checked before anything is allocated for it
+                largest = announcement.tensors[sizes.index(max(sizes))]
+                raise PipelineError(
+                    f"rank {comm.get_rank()}: {sender} announced activations of {sum(sizes)} bytes (the largest "
+                    f"{tuple(largest.shape)} {largest.dtype}), more than pipeline.max_activation_bytes allows "
+                    f"({self.limit_bytes}); raise that key if the model really sends so much between stages"
+                )
         else:
             raise PipelineError(f"rank {comm.get_rank()}: {sender} announced a header of {length} fields")
         tensors = []
@@ -108,13 +122,22 @@ class StageExchange:
             if meta.requires_grad
         ]
 
-    def abort(self, origin: int, source: Optional[int] = None) -> None:
-        """Tell the neighbours that rank ``origin`` failed, on the channels they wait on, except ``source`` (the
-        neighbour the word came from: it has stopped). Each word is waited for a bounded time: a neighbour still
-        running reads it before anything else from this rank; one that stopped on its own never will."""
-        word = torch.tensor([-1 - origin], dtype=torch.int64, device=self.device)
-        for peer, tag in ((self.next, ACTIVATIONS), (self.previous, GRADIENTS)):
-            if peer is not None and peer != source:
+    def begin(self) -> None:
+        """A batch starts: nothing of it exchanged yet."""
+        self.exchanged = False
+
+    def abort(
+        self, origin: int, owes_next: bool, owes_previous: bool, source: Optional[int] = None, data_ended: bool = False
+    ) -> None:
+        """Tell the neighbours that rank ``origin`` failed (``data_ended``: its data ended before its batch exchanged
+        anything), on the channels they may wait on: the next stage when this batch still owes it activations, the
+        previous one when it still owes gradients; never ``source`` (the neighbour the word came from: it has
+        stopped). Each word is waited for a bounded time: a neighbour still running reads it before anything else
+        from this rank; one that stopped on its own never will."""
+        code = -1 - origin - (self.world_size if data_ended else 0)
+        word = torch.tensor([code], dtype=torch.int64, device=self.device)
+        for peer, tag, owed in ((self.next, ACTIVATIONS, owes_next), (self.previous, GRADIENTS, owes_previous)):
+            if owed and peer is not None and peer != source:
                 comm.post_send(word, peer, self.pipe, tag=tag)
         self._in_flight.clear()  # never waited for: the receiver may have stopped
 
@@ -125,26 +148,45 @@ class StageExchange:
         self._in_flight.clear()
 
     def _post(self, peer: Optional[int], tag: int, tensors: list[torch.Tensor]) -> None:
+        self.exchanged = True
         for tensor in tensors:
             tensor = _wire(tensor.detach().contiguous())
             self._in_flight.append((comm.send(tensor, peer, self.pipe, tag=tag, async_op=True), [tensor]))
 
     def _first_word(self, peer: int, tag: int, what: str) -> int:
-        word = int(self._receive(torch.zeros(1, dtype=torch.int64, device=self.device), peer, tag).item())
+        word = int(self._receive(torch.zeros(1, dtype=torch.int64, device=self.device), peer, tag, word=True).item())
         if word < 0:
-            origin = -1 - word
+            origin, data_ended = -1 - word, False
+            if origin >= self.world_size:
+                origin, data_ended = origin - self.world_size, True
+            if origin >= self.world_size:
+                raise PipelineError(
+                    f"rank {comm.get_rank()} (pipeline stage {self.stage}): rank {peer} sent the stop word {word}, "
+                    f"which names no rank of this {self.world_size}-rank world"
+                )
             raise StageAborted(
                 f"rank {comm.get_rank()} (pipeline stage {self.stage}): stopped waiting for {what} from rank {peer}: "
-                f"rank {origin} failed (its own error says why)",
+                f"rank {origin} " + ("ran out of data" if data_ended else "failed") + " (its own error says why)",
                 origin,
                 source=peer,
+                data_ended=data_ended,
             )
         return word
 
-    def _receive(self, tensor: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+    def _receive(self, tensor: torch.Tensor, peer: int, tag: int, word: bool = False) -> torch.Tensor:
         started = time.perf_counter()
-        comm.recv(_wire(tensor), peer, self.pipe, tag=tag)
+        try:
+            comm.recv(_wire(tensor), peer, self.pipe, tag=tag)
+        except comm.CollectiveError as err:
+            stage = self.stage - 1 if peer == self.previous else self.stage + 1
+            raise PipelineError(
+                f"rank {comm.get_rank()} (pipeline stage {self.stage}): nothing came from rank {peer} (pipeline stage "
+                f"{stage}) within the process group's timeout ({comm.group_timeout(self.pipe)}): it is stuck or gone "
+                "(in user code: a data loader, a filesystem?)"
+            ) from err
         self.waited += time.perf_counter() - started
+        if not word:
+            self.exchanged = True
         return tensor
 
 

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from .. import comm
+from ..checkpoint.agreement import failed_ranks, gather_text
 from ..pipe import PipelineModule
 from ..pipe.module import non_reentrant_checkpoint
 
@@ -74,9 +75,21 @@ def tie_pipeline_stages(model: torch.nn.Module, mesh: comm.Mesh) -> dict[str, Op
     return ties
 
 
-def start_ties_equal(model: torch.nn.Module, ties: dict[str, Optional[comm.Group]]) -> dict:
+def start_ties_equal(model: torch.nn.Module, ties: dict[str, Optional[comm.Group]], mesh: comm.Mesh) -> dict:
     """Every stage's copy of a tied module starts from the first stage's (after each stage's ranks started from
-    its first rank's weights); returns each shared tensor with its tie's group."""
+    its first rank's weights), once the stages agree on what each copy holds (a spec of one key building other
+    shapes or dtypes on another stage would have its bytes copied and its gradients summed across two layouts);
+    returns each shared tensor with its tie's group. A collective call for a pipeline with tied layers."""
+    if not isinstance(model, PipelineModule) or not model.tied_keys():
+        return {}
+    errors = [_tie_error(model, key, group, mesh) for key, group in ties.items()]
+    error = next((e for e in errors if e is not None), None)
+    failed = failed_ranks(error, mesh.world)  # every rank raises, those of no tie group too
+    if error is not None:
+        raise ValueError(error)
+    if failed:
+        raise ValueError(f"rank {comm.get_rank()}: tied layers differ between the stages of rank {failed[0]} (its own "
+                         "error names the layer and the shapes)")  # fmt: skip
     tied = {}
     with torch.no_grad():
         for key, group in ties.items():
@@ -86,3 +99,29 @@ def start_ties_equal(model: torch.nn.Module, ties: dict[str, Optional[comm.Group
                 comm.broadcast(tensor.data, src=group.ranks[0], group=group)
                 tied[tensor] = group
     return tied
+
+
+def _tie_error(model: PipelineModule, key: str, group: Optional[comm.Group], mesh: comm.Mesh) -> Optional[str]:
+    """What is wrong with tied module ``key`` on this stage: a ``tied_weight_attr`` it lacks, or copies that differ
+    between the stages of ``group`` (None: nothing). Collective over ``group`` whatever this stage finds."""
+    try:
+        tensors = model.tied_parameters(key)
+        missing = None
+    except AttributeError:
+        tensors, names = [], sorted(n for n, _ in model.tied_modules[key].named_parameters())
+        missing = (
+            f"tied layer '{key}': tied_weight_attr {model.tied_weight_attrs[key]} names no attribute of its "
+            f"{type(model.tied_modules[key]).__name__} (its parameters: {names})"
+        )
+    if group is None:
+        return missing
+    layouts = gather_text("; ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors), group)
+    if missing is not None or len(set(layouts)) == 1:
+        return missing
+    described = ", ".join(
+        f"stage {mesh.dims.coordinate(rank, 'pp')} builds [{layout}]" for rank, layout in zip(group.ranks, layouts)
+    )
+    return (
+        f"tied layer '{key}': the stages holding it build different parameters ({described}); the TiedLayerSpecs of "
+        "one key must build the same module on every stage"
+    )

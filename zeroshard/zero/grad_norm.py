@@ -37,8 +37,8 @@ class GradientNorm:
     """The squared global norm of a stack's trainable flat groups (``ties``: per flat group, the group of the pipeline
     stages sharing it, or None)."""
 
-    def __init__(self, flat_groups: list[FlatGroup], axes: NormAxes, ties: Optional[list] = None):
-        self.axes = axes
+    def __init__(self, flat_groups: list[FlatGroup], axes: NormAxes, device: torch.device, ties: Optional[list] = None):
+        self.axes, self.device = axes, device
         self.ties = ties or [None] * len(flat_groups)
         self._rows = [None, *axes.split]  # row 0: completed over the shard group; then one per split axis
         self._row_of_flat = torch.tensor(
@@ -65,11 +65,11 @@ class GradientNorm:
         ``average_over``: each rank holds its own whole gradient (an optimizer that averages itself): every rank
         takes the mean of the ranks' squared norms, so overflow skips and clipping agree (the averaged gradient is
         never formed)."""
-        if not grads:
-            return torch.zeros((), dtype=torch.float32)
-        per_flat = torch.stack([home.norm() for home in grads]).pow(2)
-        per_flat = per_flat * self._counted.to(per_flat.device)
-        squared = per_flat.new_zeros(len(self._rows)).index_add_(0, self._row_of_flat.to(per_flat.device), per_flat)
+        squared = torch.zeros(len(self._rows), dtype=torch.float32, device=self.device)
+        if grads:  # a rank without trainable parameters (a frozen pipeline stage) joins every all-reduce with zeros
+            per_flat = torch.stack([home.norm() for home in grads]).pow(2)
+            per_flat = per_flat * self._counted.to(per_flat.device)
+            squared.index_add_(0, self._row_of_flat.to(per_flat.device), per_flat.to(self.device))
         if average_over is not None:
             comm.all_reduce(squared, average_over)
             squared.div_(average_over.size)

@@ -102,15 +102,13 @@ class ZeroStack:
         self.norm, self.settings = norm, settings
         self.stage3 = stage3
         self.shard_homes = shard_homes  # offload_param: where stage-3 shards live, and their staging pool
+        device = buffers.device  # the compute device, also where a rank without trainable parameters has none
         self.states = StateOffload(  # the host copies while offload_states has the device storages freed
-            flat_groups + frozen_groups,
-            optimizer_state,
-            reducer.buckets,
-            buffers,
-            flat_groups[0].device if flat_groups else optimizer_state.device,
+            flat_groups + frozen_groups, optimizer_state, reducer.buckets, buffers, device
         )
         self.access = ParamAccess(records, optimizer_state, reducer, self.states)  # one parameter's state
-        self.gradient_norm = GradientNorm(flat_groups, norm, ties)  # the global norm, and what pipeline stages share
+        # the global norm, and what pipeline stages share
+        self.gradient_norm = GradientNorm(flat_groups, norm, device, ties)
         self.consecutive_skipped = 0
         self.steps_taken = 0  # optimizer steps attempted (applied or skipped)
         self.overflow = False  # DeepSpeed's name: whether the last step was skipped for non-finite gradients

@@ -124,9 +124,22 @@ def test_bad_arguments_are_named_errors(kwargs, error, message):
         PipelineModule(layers(), **kwargs)
 
 
+def test_a_module_built_before_the_process_group_says_so(monkeypatch):
+    """docs/tutorials/pipeline.md once built the module first: on 2 launched ranks it said '... number of ranks 1'."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"call deepspeed.init_distributed\(\) .* before building the PipelineModule"):
+        PipelineModule(layers(), num_stages=2)
+
+
 def test_layers_that_are_not_layers_and_ties_that_disagree_are_refused():
     with pytest.raises(TypeError, match="layer 1 is str"):
         PipelineModule([nn.Linear(2, 2), "rm -rf /"], num_stages=1)
+    with pytest.raises(TypeError, match=r"layer 1 is the class Identity, not a layer: pass an instance \(Identity"):
+        PipelineModule([nn.Linear(2, 2), nn.Identity, nn.Linear(2, 2)], num_stages=1)
+    for pattern in ("type:(", "type:[a-", "type:*"):
+        with pytest.raises(ValueError, match="the pattern after 'type:' is not a regex"):
+            PipelineModule(layers(), num_stages=1, partition_method=pattern)
     with pytest.raises(ValueError, match="TiedLayerSpec 'embed' builds Embed tying \\['other'\\]"):
         PipelineModule([TiedLayerSpec("embed", Embed), TiedLayerSpec("embed", Embed, tied_weight_attr="other")], 1)
     with pytest.raises(ValueError, match="0 layers cannot fill 1 pipeline stages"):
