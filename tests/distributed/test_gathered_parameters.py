@@ -80,9 +80,15 @@ def _local_values(engine) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
 
 
-def _run(layout: str, stage: int, modified: bool, mpu=None) -> dict:
+class _BlockError(RuntimeError):
+    """Raised inside the context after the writes (a load that failed half-way), and caught around it."""
+
+
+def _run(layout: str, stage: int, modified: bool, mpu=None, raises: str = "") -> dict:
     """This rank's pieces before and after the context, its master weights after, and (``TRAINED`` layouts) the
-    whole model after one more step."""
+    whole model after one more step. ``raises``: after writing, every rank (``"every"``) or only the modifier
+    (``"modifier"``) raises inside the context, and the script catches it: the modifier's values are kept all the
+    same (DeepSpeed broadcasts whatever happened), so every rank still holds one model."""
     import zeroshard
     from zeroshard.zero import GatheredParameters
 
@@ -96,12 +102,17 @@ def _run(layout: str, stage: int, modified: bool, mpu=None) -> dict:
         engine.step()
     before = _local_values(engine)
     pieces = set(engine.tensor_splits)
-    with GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
-        if modified:
-            with torch.no_grad():
-                for name, param in engine.module.named_parameters():
-                    keeps = rank == 0 or (rank == 1 and name in pieces)
-                    param.copy_(edit(param) if keeps else garbage(param))
+    try:
+        with GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
+            if modified:
+                with torch.no_grad():
+                    for name, param in engine.module.named_parameters():
+                        keeps = rank == 0 or (rank == 1 and name in pieces)
+                        param.copy_(edit(param) if keeps else garbage(param))
+            if raises == "every" or (raises == "modifier" and rank == 0):
+                raise _BlockError("the load failed after the writes")
+    except _BlockError:
+        pass
     out = {
         "before": before,
         "after": _local_values(engine),
@@ -128,7 +139,24 @@ def gathered_worker() -> dict:
         for stage in STAGES:
             for modified in (False, True):
                 out[(layout, stage, modified)] = _run(layout, stage, modified, mpu)
+            for case in RAISING:
+                if case[:2] == (layout, stage):
+                    out[case] = _run(layout, stage, True, mpu, raises=case[3])
+    out["disagree"] = _modifier_disagreement()
     return out
+
+
+def _modifier_disagreement() -> str:
+    """Each rank names itself as the modifier: a named error on every rank, not a wait in four broadcasts."""
+    import zeroshard
+    from zeroshard.zero import GatheredParameters
+
+    try:
+        with GatheredParameters([torch.nn.Parameter(torch.ones(2))], modifier_rank=zeroshard.comm.get_rank()):
+            pass
+    except ValueError as error:
+        return str(error)
+    return "no error"
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +165,23 @@ def gathered_runs() -> list:
 
 
 CASES = [(layout, stage, modified) for layout in LAYOUTS for stage in STAGES for modified in (False, True)]
+# (layout, stage, modified, who raises inside the context)
+RAISING = [
+    ("tp", 1, True, "every"),
+    ("tp", 3, True, "every"),
+    ("ep", 1, True, "every"),
+    ("hybrid", 1, True, "every"),
+    ("tp", 1, True, "modifier"),
+    ("hybrid", 3, True, "modifier"),
+]
 
 
-@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize("case", CASES + RAISING, ids=["-".join(map(str, c)) for c in CASES + RAISING])
 def test_each_rank_keeps_the_modifier_counterparts_piece(gathered_runs, case):
     """After the context every rank holds, for a piece, the (edited) value its counterpart of rank 0 held (rank
     r % 2 in every layout here: the rank with the same tensor / expert position among rank 0's data ranks), and for a
     replicated parameter rank 0's; the master weights hold the same values."""
-    _, _, modified = case
+    modified = case[2]
     for rank, run in enumerate(gathered_runs):
         got = run[case]
         for name, value in got["after"].items():
@@ -155,12 +192,12 @@ def test_each_rank_keeps_the_modifier_counterparts_piece(gathered_runs, case):
             assert torch.equal(got["master"][name], expected), (rank, name)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] in TRAINED], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", [c for c in CASES + RAISING if c[0] in TRAINED], ids=lambda c: "-".join(map(str, c)))
 def test_training_after_the_context_matches_one_process(gathered_runs, case):
     """A step, the context (the edit applied in one process too), a step: the whole model within 1e-5."""
     from zeroshard.testing.parity import model_error
 
-    layout, _, modified = case
+    layout, modified = case[0], case[2]
     assert model_error(gathered_runs[0][case]["state"], reference(layout, modified)) < 1e-5
 
 
@@ -171,3 +208,10 @@ def test_tensor_parallel_layouts_hold_different_pieces(gathered_runs):
         assert first["pieces"] or case[0] == "hybrid"
         for name in first["pieces"]:
             assert not torch.equal(first["before"][name], second["before"][name]), (case, name)
+
+
+def test_ranks_naming_different_modifiers_get_a_named_error(gathered_runs):
+    for run in gathered_runs:
+        assert run["disagree"].startswith(
+            "GatheredParameters: the ranks pass different modifier_rank (rank 0: 0, rank 1: 1, rank 2: 2, rank 3: 3)"
+        ), run["disagree"]

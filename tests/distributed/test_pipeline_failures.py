@@ -446,3 +446,26 @@ def test_training_data_is_read_in_order_by_pipelines_and_shuffled_otherwise(four
         assert order["eval"] == [plain[i : i + 2] for i in range(0, 8, 2)][: len(order["eval"])]
         assert order["errors"][0].startswith("ValueError: deepspeed_io: training data must be a torch Dataset")
         assert "route='test'" in order["errors"][1] and "batch_size=0" in order["errors"][2]
+
+
+def _slow(batches, seconds: float):
+    import time
+
+    time.sleep(seconds)  # stuck in user code (a data loader on a slow filesystem)
+    yield from batches
+
+
+def stuck_stage_case() -> str:
+    """PP2 on 2 ranks with a 10 s group timeout: stage 0's data loader takes 25 s."""
+    engine = _pipeline()
+    data = _batch(engine)
+    return _error(lambda: engine.train_batch(_slow(data, 25.0) if engine.stage_id == 0 else iter(data)))
+
+
+def test_a_stage_stuck_in_user_code_is_named_by_its_neighbour_after_the_group_timeout():
+    stuck, waiting = run_distributed(stuck_stage_case, 2, comm_timeout_s=10, timeout_s=300)
+    assert waiting.startswith(
+        "PipelineError: rank 1 (pipeline stage 1): nothing came from rank 0 (pipeline stage 0) within the process "
+        "group's timeout (0:00:10): it is stuck or gone"
+    ), waiting
+    assert stuck.startswith("StageAborted: rank 0 (pipeline stage 0): ") and "rank 1 (pipeline stage 1)" in stuck, stuck

@@ -17,7 +17,6 @@ from .collectives import (
     all_reduce,
     barrier,
     broadcast,
-    group_timeout,
     post_send,
     recv,
     reduce_scatter,
@@ -26,7 +25,7 @@ from .collectives import (
 )
 from .compressed import OneBitAllReduce, compressed_all_gather, compressed_all_reduce, compressed_reduce_scatter
 from .context import DEFAULT_CONTEXT, CommContext
-from .groups import Group, as_group, group_of, process_group, solo_group, world_group
+from .groups import Group, as_group, group_of, group_timeout, process_group, solo_group, world_group
 from .ledger import CommLedger, OpTotals
 from .mesh import (
     DERIVED,

@@ -14,9 +14,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..accelerator import get_accelerator
-from .backend import DEFAULT_TIMEOUT, default_store, get_rank, get_world_size
-from .groups import Group
+from .backend import default_store, get_rank, get_world_size
+from .groups import Group, group_timeout
 from .trace import TraceEntry, diagnose
 
 FORENSICS_WAIT_S = 10.0  # how long a failing rank waits for the other ranks' collective traces
@@ -395,15 +394,6 @@ def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0, async_op: b
     if not async_op:
         pending.wait()
     return pending
-
-
-def group_timeout(group: Group) -> timedelta:
-    """The timeout ``group``'s collectives wait for (its process group's, set when it was made)."""
-    handle = group.handle if group.handle is not None else dist.group.WORLD
-    try:
-        return handle._get_backend(torch.device(get_accelerator().name)).options._timeout
-    except (AttributeError, RuntimeError):  # a backend that does not say
-        return DEFAULT_TIMEOUT
 
 
 def post_send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0, wait_s: float = 30.0) -> bool:

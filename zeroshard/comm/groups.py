@@ -4,11 +4,14 @@ conversions from and to torch's ``ProcessGroup``. Which groups a run has is the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from .backend import get_rank, get_world_size
+from ..accelerator import get_accelerator
+from .backend import DEFAULT_TIMEOUT, get_rank, get_world_size
 from .context import DEFAULT_CONTEXT, CommContext
 
 
@@ -87,3 +90,23 @@ def process_group(group: Group) -> Any:
         f"the {group.name} group is rank {group.ranks[0]} alone, which needs no process group: its size is 1 and "
         "this rank's index in it 0"
     )
+
+
+def handle_timeout(handle: Any) -> timedelta:
+    """The timeout a torch process group's collectives wait for (the default group's when ``handle`` is None)."""
+    handle = handle if handle is not None else dist.group.WORLD
+    try:
+        return handle._get_backend(torch.device(get_accelerator().name)).options._timeout
+    except (AttributeError, RuntimeError):  # a backend that does not say
+        return DEFAULT_TIMEOUT
+
+
+def group_timeout(group: Group) -> timedelta:
+    """The timeout ``group``'s collectives wait for."""
+    return handle_timeout(group.handle)
+
+
+def new_process_group(ranks: list[int]) -> Any:
+    """A torch process group of ``ranks`` (a collective call) that times out as the default group does: torch's
+    ``new_group`` alone gives a Gloo group its own default of 30 minutes, whatever ``init_process_group`` was told."""
+    return dist.new_group(ranks, timeout=handle_timeout(None))

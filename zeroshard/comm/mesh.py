@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from .backend import get_rank, get_world_size
 from .context import DEFAULT_CONTEXT, CommContext
-from .groups import Group
+from .groups import Group, new_process_group
 
 ORDER = ("pp", "dp_replicate", "edp", "ep_data", "sp", "tp_rest", "ep_tensor")  # outermost to innermost
 COMPOSITE = {"dp_shard": ("edp", "ep_data"), "ep": ("ep_data", "ep_tensor"), "tp": ("tp_rest", "ep_tensor")}
@@ -324,7 +324,7 @@ def build_groups(dims: ParallelDims, names: tuple[str, ...], context: CommContex
     for name in names:
         key = tuple(map(tuple, dims.derived(name)))
         if key not in handles:
-            handles[key] = {part: dist.new_group(list(part)) if 1 < len(part) < world_size else None for part in key}
+            handles[key] = {part: new_process_group(list(part)) if 1 < len(part) < world_size else None for part in key}
         part = next(p for p in key if rank in p)
         groups[name] = Group(name, part, handles[key][part], context, partition=key)
     return groups
@@ -370,7 +370,7 @@ def stages_group(mesh: Mesh, stages: tuple[int, ...], name: str) -> Optional[Gro
     embedding), as a group; None when this rank's stage is not among them. A collective call: every rank makes the
     same calls in the same order (one process group per pipe group). Released by :func:`release_groups`."""
     parts = tuple(tuple(pipe[s] for s in stages) for pipe in mesh.dims.derived("pipe"))
-    handles = [dist.new_group(list(part)) if len(part) > 1 else None for part in parts]
+    handles = [new_process_group(list(part)) if len(part) > 1 else None for part in parts]
     mine = next((k for k, part in enumerate(parts) if get_rank() in part), None)
     return None if mine is None else Group(name, parts[mine], handles[mine], mesh.context, partition=parts)
 

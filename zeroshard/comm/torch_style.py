@@ -27,7 +27,7 @@ from .collectives import reduce_scatter as _reduce_scatter
 from .collectives import scatter as _scatter
 from .collectives import send as _send
 from .context import DEFAULT_CONTEXT
-from .groups import Group, group_of
+from .groups import Group, group_of, new_process_group
 
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
 
@@ -222,7 +222,7 @@ def is_available() -> bool:
 
 
 def new_group(ranks):
-    return dist.new_group(ranks)
+    return new_process_group(ranks)
 
 
 def get_world_group():

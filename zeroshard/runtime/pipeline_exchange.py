@@ -151,7 +151,17 @@ class StageExchange:
         self.exchanged = True
         for tensor in tensors:
             tensor = _wire(tensor.detach().contiguous())
-            self._in_flight.append((comm.send(tensor, peer, self.pipe, tag=tag, async_op=True), [tensor]))
+            try:
+                pending = comm.send(tensor, peer, self.pipe, tag=tag, async_op=True)
+            except comm.CollectiveError as err:  # the neighbour closed the channel: it stopped waiting for us
+                stage = self.stage + 1 if peer == self.next else self.stage - 1
+                raise StageAborted(
+                    f"rank {comm.get_rank()} (pipeline stage {self.stage}): rank {peer} (pipeline stage {stage}) "
+                    "stopped waiting for this stage and closed the channel (its own error says why)",
+                    peer,
+                    source=peer,
+                ) from err
+            self._in_flight.append((pending, [tensor]))
 
     def _first_word(self, peer: int, tag: int, what: str) -> int:
         word = int(self._receive(torch.zeros(1, dtype=torch.int64, device=self.device), peer, tag, word=True).item())

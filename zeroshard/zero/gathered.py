@@ -18,10 +18,11 @@ class GatheredParameters:
     """Gather the given parameters on enter and re-partition them on exit (a no-op for whole parameters).
 
     With ``modifier_rank`` the values that rank holds at exit are broadcast and kept, master weights
-    included; without it, changes made inside the context are discarded. Every rank must enter the
-    context together (it issues collectives). Parameters built under ``zero.Init`` and not yet handed to
-    ``initialize`` get their data here (see :mod:`zeroshard.zero.init`), so a pretrained-weight load into
-    them is kept.
+    included, also when the block raised on any rank (as DeepSpeed does: every rank then still holds one model,
+    and none waits in a broadcast another skipped); without it, changes made inside the context are discarded.
+    Every rank must enter the context together (it issues collectives) with the same ``modifier_rank``, which
+    they check on entering. Parameters built under ``zero.Init`` and not yet handed to ``initialize`` get their
+    data here (see :mod:`zeroshard.zero.init`), so a pretrained-weight load into them is kept.
     """
 
     def __init__(self, params, modifier_rank: Optional[int] = None, enabled: bool = True):
@@ -41,12 +42,15 @@ class GatheredParameters:
         order = {id(p): creation_order(p) for p in params}
         self.params = sorted(params, key=lambda p: -1 if order[id(p)] is None else order[id(p)])
         self.modifier_rank = modifier_rank
+        self.enabled = enabled
         self._flats: list[FlatGroup] = []
         self._keepers: list = []  # per flat group: the object keeping its master weights (overwrite(flat, values))
         self._was_sharded: list[bool] = []
         self._taken: list = []
 
     def __enter__(self):
+        if self.enabled:
+            self._agree_on_modifier()
         # before initialize: zero.Init parameters get data for the context, and go back without it at exit
         self._taken = materialize_pending(self.params, get_accelerator().device(comm.backend.local_rank()))
         owners = {}
@@ -66,8 +70,25 @@ class GatheredParameters:
             flat.gather(async_op=False, exact=True)  # ZeRO++ quantizes training's gathers, not these
         return self
 
+    def _agree_on_modifier(self) -> None:
+        """Every rank must name the same modifier (or none): ranks that differ would each wait in a broadcast of
+        their own. One small all-gather, so each rank can name the others' choice."""
+        world = comm.world_group()
+        if world.size == 1:
+            return
+        mine = torch.tensor([-1 if self.modifier_rank is None else self.modifier_rank], dtype=torch.int64)
+        everyone = mine.new_empty(world.size)
+        comm.all_gather(everyone, mine, world)
+        chosen = everyone.tolist()
+        if len(set(chosen)) > 1:
+            listing = ", ".join(f"rank {r}: {'None' if c < 0 else c}" for r, c in zip(world.ranks, chosen))
+            raise ValueError(
+                f"GatheredParameters: the ranks pass different modifier_rank ({listing}); every rank must name the "
+                "same rank whose values are kept (a literal such as 0, not each rank's own rank), or None on all"
+            )
+
     def __exit__(self, *exc) -> None:
-        modified = self.modifier_rank is not None and exc[0] is None
+        modified = self.modifier_rank is not None  # whatever the block raised, on this rank or another
         if modified:
             self._keep_modifications()
         for flat, was_sharded in zip(self._flats, self._was_sharded):
