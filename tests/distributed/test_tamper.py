@@ -328,6 +328,8 @@ CASES = {
     "header-int32-resealed": (lambda d: _rewrite_rank0(d, _relabel_int32), "is stored as int32, the manifest says"),
     "header-deep-resealed": (lambda d: _rewrite_rank0(d, _deep), "nests too deeply"),
     "manifest-deep": (lambda d: _manifest_path(d).write_text("[" * 100_000 + "]" * 100_000), "nests too deeply"),
+    "manifest-deep-object": (lambda d: _manifest_path(d).write_text('{"a":' * 100_000 + "1" + "}" * 100_000), "deeply"),
+    "manifest-huge-int": (lambda d: _manifest_path(d).write_text('{"format": ' + "7" * 100_000 + "}"), "4300 digits"),
     "tag-copy": (_tag_copy, "was saved as tag 'good'"),
     "tag-symlink": (_tag_link, "was saved as tag 'good'"),
     "rank-file-symlink": (_rank_file_link, "outside the checkpoint directory"),
@@ -368,6 +370,8 @@ def tampered(tmp_path_factory):
 
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     state["transformer.h.0.attn.c_proj.weight"] = state["transformer.h.0.attn.c_proj.weight"][:16].clone()
+    shutil.copytree(base / "hf-good", base / "hf-index-huge-int")
+    (base / "hf-index-huge-int" / "model.safetensors.index.json").write_text('{"weight_map": ' + "9" * 100_000 + "}")
     (base / "hf-half-rows").mkdir()
     save_file(state, str(base / "hf-half-rows" / "model.safetensors"))
     return base
@@ -429,7 +433,11 @@ def load_everywhere(base: str, names: list[str]) -> dict:
     return out
 
 
-HF_CASES = {"hf-index-dotdot": "not a plain name", "hf-half-rows": "has shape [16, 32], the model's"}
+HF_CASES = {
+    "hf-index-dotdot": "not a plain name",
+    "hf-half-rows": "has shape [16, 32], the model's",
+    "hf-index-huge-int": "4300 digits",
+}
 
 
 @pytest.fixture(scope="module")

@@ -128,17 +128,24 @@ def resolve_tag(load_dir: str, tag: Optional[str], pointer: str = "latest") -> O
     return tag
 
 
+def load_json(path: str) -> Any:
+    """The JSON in ``path`` (a file a checkpoint holds, so anyone may have written it): any way it cannot be read is
+    a ``CheckpointError`` naming the file (nested too deeply, an integer of more digits than Python converts, not
+    UTF-8, not JSON)."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except RecursionError:
+        raise CheckpointError(f"{path} is corrupted: it nests too deeply to be what a checkpoint writes") from None
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError, and Python's limit on an integer's digits
+        raise CheckpointError(f"{path} is corrupted: {err}") from None
+
+
 def read_manifest(path: str) -> dict:
     manifest_path = os.path.join(path, "manifest.json")
     if not os.path.isfile(manifest_path):
         raise CheckpointError(f"{path} is not a complete checkpoint: manifest.json is missing")
-    try:
-        with open(manifest_path) as f:
-            body = validate(json.load(f), manifest_path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{manifest_path} is corrupted: {err}") from None
-    except RecursionError:
-        raise CheckpointError(f"{manifest_path} is corrupted: it nests too deeply to be a manifest") from None
+    body = validate(load_json(manifest_path), manifest_path)
     directory = os.path.basename(os.path.normpath(path))
     if directory not in (body["tag"], f".{body['tag']}.tmp"):  # .tmp: a re-save between two renames (_commit)
         raise CheckpointError(

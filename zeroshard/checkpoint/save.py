@@ -29,6 +29,7 @@ from .agreement import agree_on_write, ranks_agree
 from .client_state import json_ready, split_client_state
 from .commit import atomic_write_text, commit
 from .manifest import FORMAT, pieces_for, plain_name, rank_file, seal
+from .reading import load_json
 from .safetensors_io import write
 from .view import TrainingState
 
@@ -215,8 +216,7 @@ def _collect_sidecars(tmp: str, world_size: int) -> tuple[dict, dict]:
     files, rng = {}, {}
     for r in range(world_size):
         path = os.path.join(tmp, rank_file(r, ".json"))
-        with open(path) as f:
-            side = json.load(f)
+        side = load_json(path)
         os.remove(path)
         files[rank_file(r)] = {"size": side["size"], "header_crc": side["header_crc"], "crc": side["crc"]}
         rng[str(r)] = side["python_rng"]
@@ -303,8 +303,7 @@ def _merged_stages(tmp: str, stages: int) -> dict:
     merged: dict = {"params": {}, "flat_groups": [], "module_tensors": {}, "aliases": {}, "excluded_frozen": []}
     for stage in range(stages):
         path = os.path.join(tmp, _stage_file(stage))
-        with open(path) as f:
-            entries = json.load(f)
+        entries = load_json(path)
         os.remove(path)
         for key, value in entries.items():
             if isinstance(value, list):

@@ -8,7 +8,6 @@ training checkpoint assembles one fp32 parameter from its saved shards at a time
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional, Union
 
@@ -17,6 +16,7 @@ from torch import nn
 
 from .consolidate import CheckpointTensors
 from .manifest import plain_name
+from .reading import load_json
 from .safetensors_io import CheckpointError, Reader
 
 
@@ -82,10 +82,8 @@ class SafetensorsSource(WeightSource):
             index = os.path.join(path, "model.safetensors.index.json")
             if os.path.isfile(index):
                 try:
-                    with open(index) as f:
-                        weight_map = json.load(f)["weight_map"]
-                    items = weight_map.items()
-                except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+                    items = load_json(index)["weight_map"].items()
+                except (KeyError, TypeError, AttributeError) as err:
                     raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({err!r})") from None
                 files = {name: os.path.join(path, plain_name(file, "weight_map file", index)) for name, file in items}
             elif os.path.isfile(os.path.join(path, "model.safetensors")):

@@ -36,8 +36,9 @@ class CommContext:
         # slow link (a test seam: zeroshard.testing.slow_collectives); the nearest context that sets one decides
         self.slow_link: Optional[Callable[[str, float], None]] = None
         # Note [compute-only runs]: nothing leaves the rank; each collective fills its output from this rank's own
-        # data, as a group of one would (a benchmark seam: zeroshard.testing.compute_only, the compute-only limit)
-        self.compute_only = False
+        # data, as a group of one would (a benchmark seam: zeroshard.testing.compute_only, the compute-only limit);
+        # how many compute_only blocks are open (they nest: leaving an inner one keeps the outer one in effect)
+        self.compute_only = 0
 
     def __repr__(self) -> str:
         return "CommContext(default)" if self.parent is None else "CommContext(child)"

@@ -34,8 +34,9 @@ def slow_collectives(seconds: float, ops: tuple[str, ...] = ("all_gather",)) -> 
     """Make every collective of ``ops`` in this process take at least ``seconds`` from its issue to its result, as
     a slow link would: waiting for one sleeps what is left of that time, so compute between its issue and the wait
     hides it. Returns the seam, whose ``unhidden`` lists the seconds each wait slept (the part that could not be
-    hidden); ``seconds`` 0 stops."""
-    link = SlowLink(seconds, frozenset(ops))
+    hidden). In effect from the call; ``seconds`` 0 stops, and so does leaving ``with slow_collectives(...)``,
+    exception or not (the link it replaced is back)."""
+    link = SlowLink(seconds, frozenset(ops), previous=DEFAULT_CONTEXT.slow_link)
     DEFAULT_CONTEXT.slow_link = link if seconds > 0 else None
     return link
 
@@ -43,9 +44,16 @@ def slow_collectives(seconds: float, ops: tuple[str, ...] = ("all_gather",)) -> 
 class SlowLink:
     """The comm context's ``slow_link`` hook: collectives of ``ops`` complete ``seconds`` after their issue."""
 
-    def __init__(self, seconds: float, ops: frozenset):
+    def __init__(self, seconds: float, ops: frozenset, previous=None):
         self.seconds, self.ops = seconds, ops
+        self.previous = previous  # the hook in place before this one: back when a with block is left
         self.unhidden: list[tuple[str, float]] = []  # (op, seconds slept) per wait on a slowed collective
+
+    def __enter__(self) -> "SlowLink":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        DEFAULT_CONTEXT.slow_link = self.previous
 
     def __call__(self, op: str, issued: float) -> None:
         if op not in self.ops:
@@ -62,8 +70,8 @@ def compute_only():
     gives what a group of one would, from this rank's data, so a training step does its own work and memory traffic
     without its communication -- the compute-only limit a step is measured against. The results are not the real
     ones (a loss, the weights after a step): for timing only."""
-    DEFAULT_CONTEXT.compute_only = True
+    DEFAULT_CONTEXT.compute_only += 1  # nested blocks: the outermost one's exit ends it
     try:
         yield
     finally:
-        DEFAULT_CONTEXT.compute_only = False
+        DEFAULT_CONTEXT.compute_only -= 1
