@@ -170,9 +170,16 @@ class ParallelDims:
         ep_in_tp = _tensor_ranks_per_expert_group(ep, tp, ep_key) if valid_ep and experts_span_tensor else 1
         if not valid_ep or (shard // sp) % (ep // ep_in_tp):
             spanned = f" (its {ep // ep_in_tp} data-parallel x {ep_in_tp} tensor ranks)" if ep_in_tp > 1 else ""
+            needed = (ep // ep_in_tp if valid_ep else 1) * sp * tp  # each data-parallel rank brings sp x tp ranks
+            fix = (
+                "raise zero_hpz_partition_size / mics_shard_size"
+                if shard_group_size
+                else f"launch a multiple of {needed} processes ({needed // (sp * tp)} data-parallel x {sp} "
+                f"sequence-parallel x {tp} tensor-parallel ranks)"
+            )
             raise ValueError(
-                f"{ep_key} {ep}{spanned} must divide the {shard // sp} data-parallel ranks of a shard group: expert "
-                f"groups are made of data-parallel ranks (launch a multiple of {ep} processes)"
+                f"{ep_key} {ep}{spanned} must divide the {shard // sp} data-parallel ranks of a shard group "
+                f"({world_size} ranks launched): expert groups are made of data-parallel ranks; {fix}"
             )
         data_replicas = data_and_sequence // shard
         return cls(dp_replicate=data_replicas, dp_shard=shard // sp, sp=sp, tp=tp, ep=ep, pp=pp, ep_in_tp=ep_in_tp)

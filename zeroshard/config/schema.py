@@ -60,6 +60,13 @@ class _OffloadBase(Section):
     nvme_path: Optional[Path] = None
     pin_memory: bool = False
 
+    @field_validator("nvme_path", mode="before")
+    @classmethod
+    def _a_directory(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():  # Path("") is ".": the swap files would go to the cwd
+            raise ValueError("nvme_path is empty: name the directory on a fast local disk to swap to")
+        return value
+
     @model_validator(mode="after")
     def _nvme_needs_path(self):
         if self.device is OffloadDevice.nvme and self.nvme_path is None:

@@ -195,6 +195,13 @@ def test_experts_a_model_declares_stay_whole_on_each_tensor_rank():
     assert dims.derived("expert_shard") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(ValueError, match="autoep_size 2 must divide the 1 data-parallel ranks"):
         ParallelDims.for_world(2, tp=2, ep=2)
+    # the count that works, not the one launched: EP 2 with SP 2 needs 4 ranks (it said "a multiple of 2" on 2)
+    with pytest.raises(
+        ValueError, match=r"\(2 ranks launched\).*launch a multiple of 4 processes \(2 data-parallel x 2"
+    ):
+        ParallelDims.for_world(2, sp=2, ep=2)
+    with pytest.raises(ValueError, match="raise zero_hpz_partition_size / mics_shard_size"):
+        ParallelDims.for_world(4, ep=4, shard_group_size=2)
     assert ParallelDims.for_world(2, tp=2, ep=2, experts_span_tensor=True).derived("expert") == [[0, 1]]
     with pytest.raises(ValueError, match="autoep_size 3 with tensor_parallel.autotp_size 2: an expert group"):
         ParallelDims.for_world(6, tp=2, ep=3, experts_span_tensor=True)

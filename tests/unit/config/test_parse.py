@@ -62,6 +62,11 @@ def test_inconsistent_values():
     assert "device 'nvme' needs 'nvme_path'" in error_of(
         {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}
     )
+    for section in ("offload_optimizer", "offload_param"):  # "" was Path("."): swap files in the working directory
+        for empty in ("", "  "):
+            assert "nvme_path is empty" in error_of(
+                {"zero_optimization": {"stage": 3, section: {"device": "nvme", "nvme_path": empty}}}
+            )
     assert "either zero_hpz_partition_size or mics_shard_size" in error_of(
         {"zero_optimization": {"zero_hpz_partition_size": 2, "mics_shard_size": 2}}
     )
