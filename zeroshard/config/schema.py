@@ -74,14 +74,19 @@ class _OffloadBase(Section):
         return self
 
 
+# staging buffers an NVMe home keeps in host memory: more than a few dozen add no read-ahead, and each is allocated
+# up front (a count of 10**9 filled host memory until the OOM killer ended the rank)
+MAX_BUFFER_COUNT = 64
+
+
 class OffloadParamConfig(_OffloadBase):
-    buffer_count: int = Field(5, ge=1)
+    buffer_count: int = Field(5, ge=1, le=MAX_BUFFER_COUNT)
     buffer_size: int = Field(100_000_000, ge=1)
     max_in_cpu: int = Field(1_000_000_000, ge=0)
 
 
 class OffloadOptimizerConfig(_OffloadBase):
-    buffer_count: int = Field(4, ge=1)
+    buffer_count: int = Field(4, ge=1, le=MAX_BUFFER_COUNT)
     pipeline_read: bool = satisfied(False, "NVMe reads always run ahead of the sub-group being stepped")
     pipeline_write: bool = satisfied(False, "NVMe writes always run behind the sub-group being stepped")
     fast_init: bool = satisfied(False, "a start-up speed hint")

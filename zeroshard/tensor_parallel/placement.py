@@ -159,6 +159,7 @@ def plan_tensor_parallel(
     linear layer inside such a block is column-parallel, layers outside all blocks stay replicated). Without
     ``split_vocabulary`` (training) the embedding and LM head stay replicated."""
     _check_head_counts(model, tp_size)
+    _check_match_cost(model, layer_specs)
     names = {id(m): n for n, m in model.named_modules()}
     vocab = _vocab_layers(model, names)
     weights = {name: model.get_submodule(name).weight for name in vocab}
@@ -223,6 +224,29 @@ def _hf_style(model: nn.Module, name: str, hf_plan) -> Optional[str]:
                 )
             return style
     return None
+
+
+# every module name may be matched against every pattern in each of the placement's passes (the model's own plan,
+# gradient all-reduces, the linear layers, the spec check), as its name and as '<name>.weight'
+MATCH_PASSES = 4 * 2
+MAX_TOTAL_WAYS = 10 * MAX_WAYS  # about ten seconds of the slowest backtracking, for the whole model
+
+
+def _check_match_cost(model: nn.Module, layer_specs: tuple[LayerSpec, ...]) -> None:
+    """Each pattern is bounded on its own (the config checks it); this bounds them together over the model's
+    module names, before any runs: eight copies of one slow pattern once made a one-layer Llama's ``initialize``
+    take 279 s."""
+    patterns = [p for spec in layer_specs for p in spec.patterns]
+    if not patterns:
+        return
+    names = [name for name, _ in model.named_modules() if name]
+    total = MATCH_PASSES * sum(match_ways(p, len(n) + len(".weight")) for p in patterns for n in names)
+    if total > MAX_TOTAL_WAYS:
+        raise PatternCostError(
+            f"tensor_parallel layer_specs: {len(patterns)} pattern(s) against {len(names)} module names could "
+            f"backtrack in {total:.1e} ways together (at most {MAX_TOTAL_WAYS:.0e}, some seconds of matching): use "
+            "fewer patterns, or fewer unbounded repeats ('.*', '\\d+') in them, anchored on the names' dots"
+        )
 
 
 def _check_hf_plan(model: nn.Module, layer_specs: tuple[LayerSpec, ...]) -> None:

@@ -62,6 +62,10 @@ def test_inconsistent_values():
     assert "device 'nvme' needs 'nvme_path'" in error_of(
         {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}
     )
+    for section, count in (("offload_optimizer", 10**9), ("offload_param", 10**7)):  # allocated up front: OOM
+        assert "buffer_count' = " in error_of(
+            {"zero_optimization": {"stage": 3, section: {"device": "nvme", "nvme_path": "/x", "buffer_count": count}}}
+        )
     for section in ("offload_optimizer", "offload_param"):  # "" was Path("."): swap files in the working directory
         for empty in ("", "  "):
             assert "nvme_path is empty" in error_of(
