@@ -42,7 +42,7 @@ SEQ = 64
 VOCAB = 8192
 
 
-def config(mode: str, knobs: str, nvme_path: str, block_numel: int) -> dict:
+def config(mode: str, knobs: str, nvme_path: str, block_numel: int, verify_reads: bool = True) -> dict:
     zero: dict = {"stage": 3, "stage3_param_persistence_threshold": 0, "gather_unit_classes": ["Block"]}
     if knobs == "large":
         zero.update(
@@ -61,6 +61,7 @@ def config(mode: str, knobs: str, nvme_path: str, block_numel: int) -> dict:
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": zero,
+        "aio": {"verify_reads": verify_reads},  # the swap checksums (on by default): --verify_reads off for an A/B
         "steps_per_print": 1_000_000,
     }
 
@@ -78,7 +79,7 @@ def worker(args) -> None:
 
     cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=args.layers, n_head=16, n_embd=args.width)
     block_numel = 12 * args.width**2 + 10 * args.width  # attention and MLP weights, their biases, two LayerNorms
-    ds_config = config(args.mode, args.knobs, args.nvme_path, block_numel)
+    ds_config = config(args.mode, args.knobs, args.nvme_path, block_numel, args.verify_reads == "on")
     remote = {"nvme": "nvme", "cpu": "cpu"}.get(args.mode)
     with zeroshard.zero.Init(remote_device=remote, config_dict_or_path=ds_config):  # as DeepSpeed's Megatron example
         model = GPT(cfg)
@@ -112,14 +113,14 @@ def worker(args) -> None:
         json.dump(result, f)
 
 
-def launch(mode: str, knobs: str, layers: int, width: int, steps: int, nvme_path: str) -> dict:
+def launch(mode: str, knobs: str, layers: int, width: int, steps: int, nvme_path: str, verify: str = "on") -> dict:
     """Both ranks' results, started as a user starts them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     with tempfile.TemporaryDirectory() as out:
         command = [
             sys.executable, "-m", "zeroshard", "--num_gpus", "2", os.path.abspath(__file__), "--worker",
             "--mode", mode, "--knobs", knobs, "--layers", str(layers), "--width", str(width),
-            "--steps", str(steps), "--nvme_path", nvme_path, "--out", out,
+            "--steps", str(steps), "--nvme_path", nvme_path, "--out", out, "--verify_reads", verify,
         ]  # fmt: skip
         subprocess.run(command, env=env, check=True)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
@@ -141,6 +142,9 @@ def main():
     parser.add_argument("--nvme_path", default="/tmp")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--check", type=int, metavar="LAYERS", help="only run this size (e.g. one past a projection)")
+    parser.add_argument(
+        "--verify_reads", choices=["on", "off"], default="on", help="aio.verify_reads: the swap files' checksums"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -163,7 +167,7 @@ def main():
         for mode in args.modes:
             points = []
             for layers in [args.check] if args.check else args.layers:
-                r = launch(mode, knobs, layers, args.width, args.steps, args.nvme_path)
+                r = launch(mode, knobs, layers, args.width, args.steps, args.nvme_path, args.verify_reads)
                 points.append(r)
                 disk = r["disk_per_step"]
                 print(

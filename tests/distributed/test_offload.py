@@ -326,6 +326,49 @@ def test_swap_io_failure_stops_training_and_keeps_the_checkpoint(tmp_path):
         assert restored
 
 
+def garbage_worker() -> dict:
+    """4 KiB of garbage in a swap file between two steps (stage 2: the optimizer's; stage 3: the parameter shards'):
+    the next read names it, where before it trained on as NaN without a word; with aio.verify_reads off it still
+    does (the control)."""
+    import zeroshard
+    from zeroshard.offload import SwapChecksumError
+
+    out = {}
+    for name, stage, zero, verify in (
+        ("optimizer", 2, offload("nvme"), True),
+        ("params", 3, UNITS + offload("nvme", "nvme"), True),
+        ("unchecked", 2, offload("nvme"), False),
+    ):
+        cfg = ParityCase(stage=stage, lr=1e-3, zero=zero).config()
+        cfg["aio"] = {"verify_reads": verify}
+        engine, *_ = zeroshard.initialize(model=make_model(), config=cfg)
+        x = torch.randint(0, 64, (2, 8))
+        engine.backward(engine(x, x))
+        engine.step()
+        engine.stack.settle()
+        home = engine.stack.shard_homes if name == "params" else engine.stack.optimizer_state.swapper
+        fd = os.open(f"/proc/self/fd/{home.file.fd}", os.O_RDWR)  # the unlinked swap file, written beside zeroshard
+        os.pwrite(fd, os.urandom(4096), 8192)
+        os.close(fd)
+        try:
+            for _ in range(2):
+                engine.backward(engine(x, x))
+                engine.step()
+            engine.stack.settle()
+            out[name] = "no error"
+        except SwapChecksumError as error:
+            out[name] = str(error)
+    return out
+
+
+def test_garbage_in_a_swap_file_is_named_at_its_next_read():
+    for result in run_distributed(garbage_worker, 2):
+        for name in ("optimizer", "params"):
+            assert "the bytes read back differ from those written there" in result[name], (name, result[name])
+            assert "swap file" in result[name] and "resume from the last checkpoint" in result[name]
+        assert result["unchecked"] == "no error"
+
+
 KILLED_MID_WRITE = """
 import os, signal, sys, torch, zeroshard
 from zeroshard.testing.parity import ParityCase, make_model

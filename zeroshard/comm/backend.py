@@ -6,6 +6,7 @@ import atexit
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -160,16 +161,44 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+EXIT_WAIT_S = 30.0  # how long the rank hosting the store waits at exit for the others to be done with it
+_EXITED = "zeroshard/exited"
+
+
 def destroy(announce: bool = True) -> None:
     """Leave the process group (every group): a local call, ranks may do it at different moments. With
     ``announce``, first tell the other ranks through the store that this rank's script ended normally, so a rank
-    still waiting in a collective names it as such."""
+    still waiting in a collective names it as such.
+
+    Note [ordered exit]: under a launcher whose agent does not host the store, rank 0's process does (torch's
+    ``env://``): once it exits, a rank still writing to the store (its own exit note) gets a broken pipe, which
+    torch prints as a C++ trace although the run succeeded. So each rank says when it is done with the store, and
+    rank 0, ending normally, keeps the store up until the others have (at most ``EXIT_WAIT_S``: a rank that died
+    never says)."""
     if not is_initialized():
         return
-    store = default_store()
+    store, rank, world = default_store(), get_rank(), get_world_size()
     if announce and store is not None:
-        announce_exit(store, get_rank(), DEFAULT_CONTEXT.trace)
-    dist.destroy_process_group()
+        announce_exit(store, rank, DEFAULT_CONTEXT.trace)
+    dist.destroy_process_group()  # the store outlives it: ``store`` holds it
+    if store is None or world == 1 or not _rank0_hosts(store):
+        return
+    try:
+        if rank != 0:
+            store.add(_EXITED, 1)
+        elif announce:
+            deadline = time.monotonic() + EXIT_WAIT_S
+            while store.add(_EXITED, 0) < world - 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - leaving anyway: the store (or its host) may be gone after a failure
+        pass
+
+
+def _rank0_hosts(store) -> bool:
+    """Whether rank 0's process serves the store (a TCP store the launcher's agent does not host)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return isinstance(store, dist.TCPStore) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
 
 
 def default_store():

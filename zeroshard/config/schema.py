@@ -316,6 +316,9 @@ class AioConfig(Section):
     single_submit: bool = False
     overlap_events: bool = satisfied(True, "reads and writes always overlap the optimizer step")
     use_gds: bool = refused(False, "GPUDirect Storage is not supported")
+    # zeroshard's: every swap-file read is checked against a checksum of what was written there
+    # (Note [swap checksums] in offload/aio.py)
+    verify_reads: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -1,7 +1,7 @@
 """Offload (ZeRO-Offload / ZeRO-Infinity): optimizer state and stage-3 parameter shards in host memory
 or in swap files on NVMe, moved with asynchronous positioned I/O from Python threads."""
 
-from .aio import IOStats, OffloadIOError, SwapFile, hidden_waits
+from .aio import IOStats, OffloadIOError, SwapChecksumError, SwapFile, hidden_waits
 from .optimizer_swap import MASTER, NvmeOptimizerSwapper, SubGroup, elementwise_keys
 from .param_store import NvmeShard
 from .plan import OffloadDevice, OffloadPlan, ShardHome, ShardHomes, optimizer_swapper, shard_homes
@@ -12,6 +12,7 @@ __all__ = [
     "NvmeOptimizerSwapper",
     "NvmeShard",
     "OffloadIOError",
+    "SwapChecksumError",
     "OffloadDevice",
     "OffloadPlan",
     "ShardHome",
