@@ -157,20 +157,14 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     os.makedirs(directory or ".", exist_ok=True)
     names = _file_names(output_path if single_file else None, stem, suffix, len(shards))
     written, weight_map = [], {}
+    aliases = None if safe_serialization else manifest.get("aliases", {})
     bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="convert", disable=not progress)
     try:
         for file_name, members in zip(names, shards):
             specs = [(entries[i][0], specs_of[i], entries[i][1]) for i in members]
-
-            def stream(members=members, specs=specs):
-                for i, (name, dtype, _) in zip(members, specs):
-                    yield name, _materialize(sources, manifest, *entries[i]).to(dtype)
-                    bar.update(sizes[i])
-                    release_host_memory()  # one tensor at a time means nothing freed should stay resident
-
             path = os.path.join(directory, file_name)
-            aliases = None if safe_serialization else manifest.get("aliases", {})
-            _write_weights(path, stream(), specs, aliases)
+            tensors = _stream(sources, manifest, [entries[i] for i in members], specs_of, members, sizes, bar)
+            _write_weights(path, tensors, specs, aliases)
             written.append(path)
             weight_map.update({entries[i][0]: file_name for i in members})
         if not safe_serialization:  # torch's files hold the tied names too
@@ -181,6 +175,14 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     if len(names) > 1:
         written.append(_write_index(os.path.join(directory, f"{stem}{suffix}.index.json"), sum(sizes), weight_map))
     return written
+
+
+def _stream(sources: Sources, manifest: dict, entries: list, dtypes: list, members: list, sizes: list, bar):
+    """The tensors of one output file, whole, one at a time (``members``: their indices among all entries)."""
+    for entry, i in zip(entries, members):
+        yield entry[0], _materialize(sources, manifest, *entry).to(dtypes[i])
+        bar.update(sizes[i])
+        release_host_memory()  # one tensor at a time means nothing freed should stay resident
 
 
 def _file_names(single_file: Optional[str], stem: str, suffix: str, count: int) -> list[str]:

@@ -64,23 +64,12 @@ def load(
     ``universal`` (the config's ``checkpoint.load_universal``) the tag defaults to the one ``latest_universal``
     names, and that may be a zeroshard checkpoint or a DeepSpeed universal folder (read in memory, checked whole
     before anything is restored)."""
-    opened, error = None, None
-    try:  # opening and checking: one verdict for every rank (a pipeline stage can fail the name check alone)
-        opened = _open(state, load_dir, tag, universal)
-        if opened is not None:
-            path, manifest, sources = opened
-            missing, unexpected = _check_params(state, manifest, load_module_strict)
-            _check_split_records(state, manifest, path)
-            if state.optimizer is not None and load_optimizer_states and not load_module_only:
-                _check_optimizer(state.optimizer, manifest, path)
-    except CheckpointError as err:
-        error = err
-        if opened is not None:
-            opened[2].close()
-    agree_on_load(state.mesh.world, error, load_dir, found=opened is not None)
-    if opened is None:
+    checks_optimizer = state.optimizer is not None and load_optimizer_states and not load_module_only
+    checked = _open_and_check(state, load_dir, tag, universal, load_module_strict, checks_optimizer)
+    if checked is None:
         warnings.warn(f"no checkpoint to load in {load_dir} (no 'latest' file); starting from scratch", stacklevel=3)
         return Restored(None, None, [])
+    (path, manifest, sources), (missing, unexpected) = checked
     zero = state.optimizer
     error: Optional[CheckpointError] = None
     report: list[str] = []
@@ -121,6 +110,29 @@ def load(
                 "from the loaded exp_avg with zero errors, as DeepSpeed does on every load)"
             )
     return Restored(path, None if load_module_only else client_state, report)
+
+
+def _open_and_check(
+    state: TrainingState, load_dir: str, tag: Optional[str], universal: bool, strict: bool, checks_optimizer: bool
+) -> Optional[tuple]:
+    """((path, manifest, sources), (missing, unexpected)) of the checkpoint to load, checked against this rank's
+    state, or None when ``load_dir`` names none. One verdict for every rank: a pipeline stage can fail the name check
+    alone, a node can lack the directory."""
+    opened, error = None, None
+    try:
+        opened = _open(state, load_dir, tag, universal)
+        if opened is not None:
+            path, manifest, _ = opened
+            names = _check_params(state, manifest, strict)
+            _check_split_records(state, manifest, path)
+            if checks_optimizer:
+                _check_optimizer(state.optimizer, manifest, path)
+    except CheckpointError as err:
+        error = err
+        if opened is not None:
+            opened[2].close()
+    agree_on_load(state.mesh.world, error, load_dir, found=opened is not None)
+    return None if opened is None else (opened, names)
 
 
 def _open(state: TrainingState, load_dir: str, tag: Optional[str], universal: bool) -> Optional[tuple]:
