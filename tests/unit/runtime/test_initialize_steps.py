@@ -45,8 +45,10 @@ def test_a_dataset_gets_the_resumable_sampler():
     mesh = comm.Mesh(
         comm.ParallelDims(), world, alone, alone, world, alone, world, world, alone, world, world, alone, world
     )
-    loader = steps._build_dataloader(TensorDataset(torch.arange(10.0)), resolution, mesh, collate_fn=None)
-    assert isinstance(loader.sampler, ResumableDistributedSampler) and loader.batch_size == 2
+    for shuffle in (True, False):  # the engine's (DeepSpeed's deepspeed_io), a pipeline's (in order)
+        loader = steps._build_dataloader(TensorDataset(torch.arange(10.0)), resolution, mesh, None, shuffle)
+        assert isinstance(loader.sampler, ResumableDistributedSampler) and loader.batch_size == 2
+        assert loader.sampler.shuffle is shuffle
 
 
 def test_a_client_optimizer_and_a_config_block_are_refused_together():
