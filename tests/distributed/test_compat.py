@@ -375,7 +375,7 @@ layers = tutorial.AlexNetStyle().to_layers()
 params = [p for layer in layers if isinstance(layer, torch.nn.Module) for p in layer.parameters()]
 optimizer = torch.optim.Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
 data = tutorial.dataset()
-order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()  # the sampler's epoch 0
+order = list(range(len(data)))  # in order, as DeepSpeed's pipeline engine reads training_data (one data rank)
 losses = []
 for step in range(6):
     optimizer.zero_grad()

@@ -3,8 +3,8 @@
 
 Faults are put into the real reduction through ``zeroshard.testing.faults`` (a dropped bucket, a wrong divisor,
 the wrong process group); each must be caught at the step it happens, on every rank, naming the flat group and the
-process groups. Without faults, 200 steps at every stage in fp32 and bf16 raise nothing, and the largest
-difference seen stays well inside the tolerance.
+process groups. Without faults, 20 steps (200 under the stress marker) at every stage in fp32 and bf16 raise
+nothing, and the largest difference seen stays well inside the tolerance.
 
 Two spawns: 2 ranks (stages 0-3, fp32 and bf16, several flat groups, accumulation), 4 ranks (TP=2 x DP=2 with the
 tensor-parallel group as the wrong one; SP=2 x DP=2 with the gradient left scaled by the sequence degree).
@@ -17,7 +17,7 @@ import torch
 
 from zeroshard.testing import run_distributed
 
-CLEAN_STEPS, FAULT_AT = 200, 4
+CLEAN_STEPS, STRESS_STEPS, FAULT_AT = 20, 200, 4
 
 
 def _config(stage: int, dtype: str, shard_size: int = 0, **check) -> dict:
@@ -135,9 +135,9 @@ def _expert_cases(ep: int) -> dict:
     return out
 
 
-def two_rank_worker() -> dict:
+def clean_runs(steps: int) -> dict:
+    """Every stage in fp32 and bf16 without faults: (failed step, message, largest difference seen, flat groups)."""
     import zeroshard
-    from zeroshard.testing import faults
     from zeroshard.testing.parity import make_model
 
     out = {}
@@ -146,8 +146,20 @@ def two_rank_worker() -> dict:
             config, case = _config(stage, dtype)
             engine, *_ = zeroshard.initialize(model=make_model(), config=config)
             check = engine.stack.reducer.check
-            out[(dtype, stage, "clean")] = (*_train(engine, case, CLEAN_STEPS), check.largest_ratio, len(check.buckets))
+            out[(dtype, stage, "clean")] = (*_train(engine, case, steps), check.largest_ratio, len(check.buckets))
             engine.destroy()
+    return out
+
+
+def two_rank_worker() -> dict:
+    import zeroshard
+    from zeroshard.testing import faults
+    from zeroshard.testing.parity import make_model
+
+    out = clean_runs(CLEAN_STEPS)
+    for dtype in ("fp32", "bf16"):
+        for stage in (0, 1, 2, 3):
+            config, case = _config(stage, dtype)
             for label, fault in (
                 ("dropped", lambda e: faults.drop_reduced_bucket(e, 1)),
                 ("divisor", lambda e: faults.scale_reduced_bucket(e, 1, 2.0)),
@@ -189,13 +201,29 @@ def two_ranks() -> list:
     return run_distributed(two_rank_worker, 2, timeout_s=900)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_no_false_alarm_in_200_steps(two_ranks, stage, dtype):
-    for out in two_ranks:
+def _no_false_alarm(runs: list, stage: int, dtype: str) -> None:
+    for out in runs:
         step, message, largest, flat_groups = out[(dtype, stage, "clean")]
         assert (step, message) == (0, ""), message
         assert flat_groups > 1 and largest < 0.5, largest  # the largest difference seen, in tolerances
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_no_false_alarm_in_20_steps(two_ranks, stage, dtype):
+    _no_false_alarm(two_ranks, stage, dtype)
+
+
+@pytest.fixture(scope="module")
+def long_clean_runs() -> list:
+    return run_distributed(clean_runs, 2, STRESS_STEPS, timeout_s=900)
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_no_false_alarm_in_200_steps(long_clean_runs, stage, dtype):
+    _no_false_alarm(long_clean_runs, stage, dtype)
 
 
 @pytest.mark.parametrize("fault", ["dropped", "divisor"])
