@@ -220,3 +220,38 @@ def test_a_key_and_its_alias_together_keep_the_other_keys_of_the_block():
         }  # fmt: skip
     ).zero_optimization
     assert (zero.prefetch_bucket_size, zero.max_live_parameters) == (7, 5)
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("pipeline.max_activation_bytes", 0),
+        ("pipeline.max_activation_bytes", -5),
+        ("pipeline.max_activation_bytes", True),
+        ("pipeline.max_activation_bytes", float("nan")),
+        ("pipeline.max_activation_bytes", "1e9"),
+        ("aio.verify_reads", "yes"),
+        ("aio.verify_reads", None),
+        ("data_types.keep_in_fp32_modules", "all"),
+        ("data_types.keep_in_fp32_modules", [1, 2]),
+        ("data_types.keep_in_fp32_modules", ["a\x00b"]),
+        ("data_types.keep_in_fp32_modules", ["x" * 600]),
+        ("data_types.keep_in_fp32_modules", ["ok"] * 2000),
+        ("data_types.buffer_dtype", "int8"),
+        ("data_types.param_dtype", True),
+    ],
+)
+def test_the_keys_this_issue_added_refuse_careless_values_by_name(key, value):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.").split(r"\.")[0]):
+        parse_config({"train_batch_size": 2, **_nested(key, value)})
+
+
+def test_fp32_buffer_patterns_are_names_matched_literally_never_regexes():
+    """'*' is the only wildcard: a pattern with shell or regex characters matches only those characters."""
+    from zeroshard.precision import NameRule
+
+    config = parse_config({"data_types": {"keep_in_fp32_modules": [";rm -rf /", "$(x)", "-rf", "a.(b"]}})
+    assert config.data_types.keep_in_fp32_modules == [";rm -rf /", "$(x)", "-rf", "a.(b"]
+    assert NameRule("", "a.(b").matches("x.a.(b.y") and not NameRule("", "a.(b").matches("xa_(b")
+    assert NameRule("layers.", "e_score*bias").matches("layers.0.mlp.e_score_correction_bias")
+    assert not NameRule("layers.", "e_score*bias").matches("model.e_score_correction_bias")
