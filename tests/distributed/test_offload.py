@@ -132,14 +132,17 @@ def check_memory(variant, result, dtype):
     if optimizer == "cpu":
         assert host["master"] == 4 * shard and host["optimizer_state"] == 8 * shard  # fp32 master, Adam m and v
     if optimizer == "nvme":
-        assert nvme["master"] == (0 if shared else 4 * shard) and nvme["optimizer_state"] == 8 * shard
+        # the step during backward (on by default with NVMe) writes a twin of the master and of each moment: the
+        # shared master's twin is in the optimizer's file
+        assert nvme["master"] == (4 * shard if shared else 8 * shard) and nvme["optimizer_state"] == 16 * shard
         if param == "nvme":  # with the parameter shards: on disk, in fp32
             assert host["grad_shard"] == 0 and nvme["grad_shard"] == 4 * shard
-        # host copies of NVMe state: at most buffer_count staging buffers of one sub-group (master, m, v, gradient)
+        # host copies of NVMe state: at most buffer_count staging buffers of one sub-group (master, m, v, gradient),
+        # and two for the gradients the training thread writes while the step runs during backward
         assert host["master"] == 0
         largest = max(n for n, _ in result["flat_numels"]) // 2
         sub = min((sub_group or [SUB_GROUP])[0], largest)
-        assert host["optimizer_state"] <= NVME_BUFFERS * 4 * align_up(sub * 4)
+        assert host["optimizer_state"] <= (NVME_BUFFERS * 4 + 2) * align_up(sub * 4)
     if param == "cpu":
         assert device["params"] == 0 and host["params"] == compute * shard  # only gathered units on device
     if param == "nvme":
@@ -215,10 +218,12 @@ def test_swap_files_leave_nothing_behind(tmp_path):
         # and writes the first three back, backward wrote the gradient; each unit's parameter shard is read for
         # its forward and again for its backward, the root unit's once (gathered throughout), and from the second
         # step on the last block's once (kept from its forward into its backward); all are written after the step.
-        # The first step has no moments to read yet.
+        # The first step has no moments to read yet. The step runs during backward (super_offload, on by default
+        # with NVMe) and, committed, publishes each shard from its master, read back once more (the shards here are
+        # not their own masters: several sub-groups each).
         params_read = 2 * sum(shards[:-1]) + shards[-1]
-        assert moved[0] == (2 * state + params_read, 4 * state + sum(shards))
-        assert moved[1] == moved[2] == (4 * state + params_read - shards[-2], 4 * state + sum(shards))
+        assert moved[0] == (3 * state + params_read, 4 * state + sum(shards))
+        assert moved[1] == moved[2] == (5 * state + params_read - shards[-2], 4 * state + sum(shards))
     for listed, on_disk, params, *_ in results:
         assert listed == [] and on_disk > 0
         assert all(torch.isfinite(v).all() for v in params.values())
@@ -347,8 +352,12 @@ def garbage_worker() -> dict:
         engine.step()
         engine.stack.settle()
         home = engine.stack.shard_homes if name == "params" else engine.stack.optimizer_state.swapper
+        offset = 8192
+        if name != "params":  # a region the next step reads (steps during backward alternate between two)
+            first = engine.stack.optimizer_state.subgroups[0]
+            offset = home.regions[(id(first.param), "master")][1]
         fd = os.open(f"/proc/self/fd/{home.file.fd}", os.O_RDWR)  # the unlinked swap file, written beside zeroshard
-        os.pwrite(fd, os.urandom(4096), 8192)
+        os.pwrite(fd, os.urandom(4096), offset)
         os.close(fd)
         try:
             for _ in range(2):
@@ -447,7 +456,9 @@ def run_behind(scheduler, zero, rank, world):
     import zeroshard
 
     case = ParityCase(stage=3, lr=1e-3, gas=2, clip=0.05, steps=4, zero=zero, extra=scheduler)
-    engine, *_ = zeroshard.initialize(model=make_model(), config=case.config())
+    config = case.config()
+    config["zero_optimization"]["offload_optimizer"]["super_offload"] = False  # the step after backward, behind
+    engine, *_ = zeroshard.initialize(model=make_model(), config=config)
     assert engine.stack.steps_behind
     state = engine.stack.optimizer_state
     first_block = threading.Event()

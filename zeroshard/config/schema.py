@@ -91,14 +91,20 @@ class OffloadOptimizerConfig(_OffloadBase):
     pipeline_write: bool = satisfied(False, "NVMe writes always run behind the sub-group being stepped")
     fast_init: bool = satisfied(False, "a start-up speed hint")
     ratio: float = refused(1.0, "partial offload (ratio < 1) is not supported", ge=0.0, le=1.0)
-    super_offload: bool = refused(
-        False,
-        "SuperOffload (DeepSpeed 0.18: the CPU optimizer steps sub-groups during backward on Superchips) is not "
-        "implemented; with offload_optimizer the step runs behind the next forward instead",
-    )
-    cpuadam_cores_perc: float = refused(
-        0.8, "the share of cores SuperOffload's CPU Adam uses (with super_offload only)", ge=0.0, le=1.0
-    )
+    # the offloaded step during backward, exact (zeroshard.zero.speculation): True on, False off, None (the default)
+    # on where it overlaps something: NVMe optimizer state, or CPU optimizer state beside an accelerator's compute
+    super_offload: Optional[bool] = None
+    cpuadam_cores_perc: float = Field(0.8, gt=0.0, le=1.0)  # the share of cores the step during backward uses
+    speculation_host_bytes: Optional[int] = Field(None, ge=0)  # host memory for its shadows (cpu; None: no bound)
+
+    @model_validator(mode="after")
+    def _speculation_needs_offload(self):
+        if self.super_offload and self.device is OffloadDevice.none:
+            raise ValueError(
+                "super_offload: true needs the optimizer offloaded (device 'cpu' or 'nvme'): it steps the offloaded "
+                "optimizer during backward; without offload the step runs on the device"
+            )
+        return self
 
 
 ZEROPP_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")

@@ -77,12 +77,14 @@ class ModelState:
             return param_home
 
         self.spilled: list[bool] = []  # per trainable flat group: its gradient waits in the optimizer swap file
+        self.shared_master: list[bool] = []  # per trainable flat group: its NVMe shard is the optimizer's master
         for plan, layout in zip(self.plans, self.layouts):
             shard = layout.shard_numel
             home = "device" if plan.resident else shard_home(shard, plan, True)
             b["parameters"][home] += (layout.padded_numel if plan.resident else shard) * compute
             master_aliased = fp32_aliased and (plan.resident or self.offload.param_device == "none")
-            master_aliased |= home == "nvme" and self.nvme_shards[-1][2]
+            self.shared_master.append(home == "nvme" and self.nvme_shards[-1][2])
+            master_aliased |= self.shared_master[-1]
             if not master_aliased:
                 b["optimizer_state"][opt_home] += shard * 4
             # NvmeState.grad_home: the gradient goes where the parameter shard is (on disk in fp32), else host memory
@@ -130,6 +132,18 @@ class ModelState:
             # master and moments, read and written in the step; the spilled gradients written in backward, read back
             read += keys * regions(shards) + regions(spilled)
             written += keys * regions(shards) + regions(spilled)
+            if offload.speculate is not False:  # the step during backward (on by default with NVMe)
+                # a twin of every master and moment region; the gradients' own two staging slots while it runs
+                twins = keys * 4 * sum(shards)
+                b["optimizer_state"]["nvme"] += twins
+                b["optimizer_state"]["host"] += 2 * bool(spilled) * align_up(sub * 4)
+                # a committed step publishes a master that is not the parameter shard by reading it back
+                read += regions([n for n, shared in zip(shards, self.shared_master) if not shared])
+                out.notes.append(
+                    f"offload_optimizer.super_offload (on by default with NVMe): the optimizer step runs during "
+                    f"backward into twin regions of the swap file, {twins / 2**30:.2f} GiB more disk (twice the "
+                    "optimizer state); set super_offload to false to keep one copy"
+                )
             if offload.sub_group_size >= 1e8 and staging > 2**30:
                 out.notes.append(
                     f"sub_group_size ({offload.sub_group_size:.3g}) sizes the NVMe optimizer staging: "

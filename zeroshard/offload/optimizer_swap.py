@@ -8,6 +8,15 @@ ahead and the previous ones written behind (``steps``). Each sub-group's reduced
 ``torch.optim`` optimizer over one placeholder tensor per sub-group; before its sub-group is stepped
 the placeholder's data and its state tensors are pointed at the staging buffer, and afterwards
 pointed away again, so no optimizer tensor outlives its turn in memory.
+
+Speculation (:mod:`zeroshard.zero.speculation`) steps a sub-group before the step's verdict is known, so it must not
+write over the state it read: :meth:`NvmeOptimizerSwapper.enable_shadow` gives the master weights and every state key
+a second region (a *twin*) of the file; a speculated step reads the current regions and writes the twins
+(``steps(..., into_shadow=True)``), and :meth:`NvmeOptimizerSwapper.commit` makes the twins current (a swap of two
+offsets). A discarded speculation leaves the current regions as they were: nothing is restored, because nothing
+was overwritten. Gradients are not shadowed (a replay reads the same ones); with shadows the training thread's
+gradient writes and reads use their own staging slots, since the step's slots are then busy on the worker thread
+during backward.
 """
 
 from __future__ import annotations
@@ -72,7 +81,14 @@ class NvmeOptimizerSwapper:
         self.regions: dict[tuple[int, str], tuple[SwapFile, int]] = {}  # (id(param), key) -> file and offset
         self.state_keys: dict[int, list[str]] = {}  # id(param) -> its swapped optimizer state keys
         self.slots = [_Slot() for _ in range(buffer_count)]
-        self._spill_turn = 0  # the slot the next gradient write stages through
+        self.twins: dict[tuple[int, str], tuple[SwapFile, int]] = {}  # the regions a speculated step writes
+        self._spill_slots = self.slots  # the slots gradients stage through (their own once shadowed)
+        self._spill_turn = 0
+        self._grad_writes: dict[int, list[IOPending]] = {}  # id(sub.param) -> its last gradient write
+        # speculation: id(sub.param) -> (its state before, its state keys before) while a shadow step runs, then
+        # -> (the state the step made, the keys before) until commit or discard
+        self._set_aside: dict[int, tuple[SubGroup, Optional[dict], list[str]]] = {}
+        self._speculated: dict[int, tuple[Optional[dict], list[str]]] = {}  # the slot the next gradient write stages through
         self._stepping: Optional[tuple[SubGroup, _Slot]] = None  # the sub-group ``steps`` has yielded, and its slot
 
     # -- staging buffers and file regions -------------------------------------------------------
@@ -81,22 +97,60 @@ class NvmeOptimizerSwapper:
             slot.buffers[key] = aligned_empty(self.max_numel * 4, self.pin)
         return slot.buffers[key][: numel * 4].view(torch.float32)
 
-    def _io(self, write: bool, sub: SubGroup, slot: _Slot, keys: list[str]) -> list[IOPending]:
+    def _io(
+        self, write: bool, sub: SubGroup, slot: _Slot, keys: list[str], shadow: bool = False
+    ) -> list[IOPending]:
         pendings = []
         for key in keys:
             region = (id(sub.param), key)
             if region not in self.regions:
                 self.reserve(sub, key)
+            if key not in (MASTER, GRAD) and key not in self.state_keys.setdefault(id(sub.param), []):
+                self.state_keys[id(sub.param)].append(key)  # a region kept from a discarded speculation
             buffer = slot.buffers[key][: align_up(sub.numel * 4)]
-            file, offset = self.regions[region]
+            file, offset = self.twins[region] if shadow and key != GRAD else self.regions[region]
             pendings.append(file.submit(write, buffer, offset))
         return pendings
 
     def reserve(self, sub: SubGroup, key: str) -> None:
-        """Claim the sub-group's region for ``key`` in the file now (a full disk fails here, not mid-step)."""
+        """Claim the sub-group's region for ``key`` in the file now (a full disk fails here, not mid-step); with
+        shadows, its twin too."""
         self.regions[(id(sub.param), key)] = (self.file, self.file.reserve(sub.numel * 4))
-        if key not in (MASTER, GRAD):
-            self.state_keys.setdefault(id(sub.param), []).append(key)
+        if self.shadowed and key != GRAD:
+            self.twins[(id(sub.param), key)] = (self.file, self.file.reserve(sub.numel * 4))
+
+    @property
+    def shadowed(self) -> bool:
+        return self._spill_slots is not self.slots
+
+    def enable_shadow(self, subs: list[SubGroup]) -> None:
+        """Give every region but the gradients' a twin (reserved now: a disk too small fails here, naming the
+        bytes), and the gradients their own two staging slots."""
+        if self.shadowed:
+            return
+        self._spill_slots = [_Slot(), _Slot()]
+        for sub in subs:
+            for key in self._keys(sub):
+                if (id(sub.param), key) in self.regions:
+                    self.twins[(id(sub.param), key)] = (self.file, self.file.reserve(sub.numel * 4))
+
+    def commit(self, sub: SubGroup, optimizer: torch.optim.Optimizer) -> tuple[SwapFile, int]:
+        """Make what a speculated step of ``sub`` wrote current: its regions (the old ones become the next twins)
+        and ``optimizer``'s scalar state for it; returns where its master weights now are."""
+        state, _ = self._speculated.pop(id(sub.param))
+        for key in self._keys(sub):
+            region = (id(sub.param), key)
+            self.regions[region], self.twins[region] = self.twins[region], self.regions[region]
+        if state is not None:
+            optimizer.state[sub.param] = state
+        return self.regions[(id(sub.param), MASTER)]
+
+    def discard(self, sub: SubGroup) -> None:
+        """Forget a speculated step of ``sub``: the current regions and the optimizer's state are as before it
+        (the state keys its first step added are dropped again)."""
+        speculated = self._speculated.pop(id(sub.param), None)
+        if speculated is not None:
+            self.state_keys[id(sub.param)] = speculated[1]
 
     def share(self, sub: SubGroup, key: str, file: SwapFile, offset: int) -> None:
         """Keep the sub-group's ``key`` in a region of another swap file (an fp32 parameter shard that is its own
@@ -110,16 +164,28 @@ class NvmeOptimizerSwapper:
         """Wait for every write behind (so a read of any region sees it)."""
         for slot in self.slots:
             slot.finish_writes()
+        self.finish_spills()
+
+    def finish_spills(self) -> None:
+        """Wait for the gradient writes behind in their own slots (once shadowed; a step reading a sub-group's
+        gradient waits for that one's write alone, ``_read``)."""
+        if self.shadowed:
+            for slot in self._spill_slots:
+                slot.finish_writes()
 
     def bytes_on_disk(self) -> int:
         return self.file.size
 
     def bytes_in_memory(self) -> int:
-        return sum(b.numel() for slot in self.slots for b in list(slot.buffers.values()))  # a step may be adding
+        slots = self.slots + (self._spill_slots if self.shadowed else [])
+        return sum(b.numel() for slot in slots for b in list(slot.buffers.values()))  # a step may be adding
 
     # -- moving one sub-group in and out ----------------------------------------------------------
     def _read(self, sub: SubGroup, slot: _Slot, with_grad: bool) -> None:
         slot.finish_writes()
+        if with_grad:
+            for pending in self._grad_writes.pop(id(sub.param), []):
+                pending.wait()  # its gradient is in the file (written by the training thread, maybe in flight)
         self.synchronize()
         keys = self._keys(sub) + ([GRAD] if with_grad else [])
         for key in keys:
@@ -127,17 +193,26 @@ class NvmeOptimizerSwapper:
         pendings = self._io(False, sub, slot, keys)
         slot.reading = IOPending.all_of(pendings)
 
-    def _bind(self, optimizer: torch.optim.Optimizer, sub: SubGroup, slot: _Slot) -> None:
+    def _bind(self, optimizer: torch.optim.Optimizer, sub: SubGroup, slot: _Slot, shadow: bool = False) -> None:
+        """Point the sub-group's parameter and state at the slot's buffers; ``shadow``: at a copy of its state
+        (scalars cloned: the optimizer increments its step count in place), the original set aside unchanged."""
         slot.reading.wait()
         slot.reading = None
         sub.param.data = self._view(slot, MASTER, sub.numel)
         self._stepping = (sub, slot)
         state = optimizer.state.get(sub.param)
+        if shadow:
+            self._set_aside[id(sub.param)] = (sub, state, list(self.state_keys.get(id(sub.param), [])))
+            if state:
+                state = {k: v.clone() if torch.is_tensor(v) and v.dim() == 0 else v for k, v in state.items()}
+                optimizer.state[sub.param] = state
         if state:
             for key in self._keys(sub)[1:]:
                 state[key] = self._view(slot, key, sub.numel)
 
-    def _unbind_and_write(self, optimizer: torch.optim.Optimizer, sub: SubGroup, slot: _Slot) -> None:
+    def _unbind_and_write(
+        self, optimizer: torch.optim.Optimizer, sub: SubGroup, slot: _Slot, shadow: bool = False
+    ) -> None:
         state = optimizer.state.get(sub.param, {})
         keys = elementwise_keys(state, sub.param)
         for key in keys:
@@ -145,9 +220,20 @@ class NvmeOptimizerSwapper:
             if state[key].data_ptr() != view.data_ptr():  # created by the optimizer on its first step
                 view.copy_(state[key].reshape(-1))
             state[key] = _SWAPPED_OUT
-        slot.writing = self._io(True, sub, slot, [MASTER, *keys])
+        slot.writing = self._io(True, sub, slot, [MASTER, *keys], shadow)
         sub.param.data = _SWAPPED_OUT
         self._stepping = None
+        if shadow:  # the speculated state waits for the verdict; the optimizer holds the original again
+            self._speculated[id(sub.param)] = (optimizer.state.get(sub.param), self._put_back(optimizer, sub))
+
+    def _put_back(self, optimizer: torch.optim.Optimizer, sub: SubGroup) -> list[str]:
+        """The optimizer's state of ``sub`` as it was before its shadow step (returns its state keys then)."""
+        _, before, keys_before = self._set_aside.pop(id(sub.param))
+        if before is None:
+            optimizer.state.pop(sub.param, None)
+        else:
+            optimizer.state[sub.param] = before
+        return keys_before
 
     def staged_grad(self, sub: SubGroup) -> torch.Tensor:
         """The gradient ``steps(..., with_grad=...)`` read with the sub-group it has just yielded (scratch: the
@@ -162,12 +248,15 @@ class NvmeOptimizerSwapper:
         subs: list[SubGroup],
         with_grad: frozenset[int] = frozenset(),
         written: Optional[Callable[[SubGroup], None]] = None,
+        into_shadow: bool = False,
     ) -> Iterator[SubGroup]:
         """Yield each sub-group with its master weights and ``optimizer``'s state for it in memory (and, for those
         whose ``id(sub.param)`` is in ``with_grad``, its gradient: :meth:`staged_grad`), reading ahead up to
-        ``buffer_count - 1`` sub-groups and writing each back as soon as it has been stepped; ``written`` is called
-        with each sub-group once its writes are submitted (a later read of its regions, from any thread, sees them)."""
-        self.finish_writes()  # gradients written behind during backward land before any region is read
+        ``buffer_count - 1`` sub-groups and writing each back as soon as it has been stepped (``into_shadow``: to
+        the twins, see the module docstring); ``written`` is called with each sub-group once its writes are
+        submitted (a later read of its regions, from any thread, sees them)."""
+        for slot in self.slots:  # the gradients each sub-group reads land first too (``_read``)
+            slot.finish_writes()
         ahead = max(1, len(self.slots) - 1)
         free = deque(self.slots)
         queued: deque[tuple[SubGroup, _Slot]] = deque()
@@ -182,13 +271,17 @@ class NvmeOptimizerSwapper:
                 current, slot = queued.popleft()
                 if current is not sub:
                     raise AssertionError("sub-groups must be stepped in the order they were read")
-                self._bind(optimizer, sub, slot)
+                self._bind(optimizer, sub, slot, into_shadow)
                 yield sub
-                self._unbind_and_write(optimizer, sub, slot)
+                self._unbind_and_write(optimizer, sub, slot, into_shadow)
                 free.append(slot)
                 if written is not None:
                     written(sub)
         finally:
+            for sub, *_ in list(self._set_aside.values()):  # a shadow step that failed half-way
+                sub.param.data = _SWAPPED_OUT
+                self.state_keys[id(sub.param)] = self._put_back(optimizer, sub)
+                self._stepping = None
             for slot in self.slots:
                 if slot.reading is not None:
                     slot.reading.wait()
@@ -211,16 +304,19 @@ class NvmeOptimizerSwapper:
     def write_grad(self, sub: SubGroup, values: torch.Tensor) -> None:
         """Write the sub-group's gradient behind: staged in the slots in turn, so at most ``buffer_count`` writes
         are in flight and the caller's ``values`` are free to reuse at once."""
-        slot = self.slots[self._spill_turn]
-        self._spill_turn = (self._spill_turn + 1) % len(self.slots)
+        slot = self._spill_slots[self._spill_turn]
+        self._spill_turn = (self._spill_turn + 1) % len(self._spill_slots)
         slot.finish_writes()
         self._view(slot, GRAD, sub.numel).copy_(values)
-        slot.writing.extend(self._io(True, sub, slot, [GRAD]))
+        pendings = self._io(True, sub, slot, [GRAD])
+        slot.writing.extend(pendings)
+        self._grad_writes[id(sub.param)] = pendings
 
     def read_grad(self, sub: SubGroup, out: torch.Tensor) -> None:
         """Read the sub-group's gradient into ``out`` (synchronously: an accumulation's next micro-batch)."""
-        self.finish_writes()
-        slot = self.slots[0]
+        for spilling in self._spill_slots:
+            spilling.finish_writes()
+        slot = self._spill_slots[0]
         self._view(slot, GRAD, sub.numel)
         for pending in self._io(False, sub, slot, [GRAD]):
             pending.wait()

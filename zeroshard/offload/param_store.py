@@ -151,6 +151,13 @@ class NvmeShard:
         self.is_master = True
         return self.file, self.offset
 
+    def master_moved(self, file: SwapFile, offset: int) -> None:
+        """The optimizer committed a speculated step whose master (this shard's new values) it wrote to another
+        region (``NvmeOptimizerSwapper.commit``): read from there from now on; a copy staged from the old region is
+        dropped."""
+        self.file, self.offset = file, offset
+        self.write(0, torch.empty(0, dtype=self.dtype))  # as any update of a shared master: drop the staged copy
+
     def _io_view(self) -> torch.Tensor:
         return self._buffer[: align_up(self.nbytes)]
 

@@ -61,6 +61,9 @@ class OffloadPlan:
     max_in_cpu: int = 1_000_000_000
     aio: AioSettings = AioSettings()
     rank: int = 0
+    speculate: Optional[bool] = None  # offload_optimizer.super_offload: step during backward (None: where it helps)
+    speculation_cores: float = 0.8  # offload_optimizer.cpuadam_cores_perc
+    speculation_host_bytes: Optional[int] = None  # host memory for its shadows (None: no bound)
 
     @classmethod
     def from_config(cls, zero_cfg, aio_cfg, rank: int, can_pin: bool) -> "OffloadPlan":
@@ -76,6 +79,9 @@ class OffloadPlan:
                 optimizer_device=OffloadDevice(opt.device.value),
                 optimizer_nvme_path=str(opt.nvme_path) if opt.nvme_path is not None else None,
                 optimizer_buffer_count=opt.buffer_count,
+                speculate=opt.super_offload,
+                speculation_cores=opt.cpuadam_cores_perc,
+                speculation_host_bytes=opt.speculation_host_bytes,
             )
             pin |= opt.pin_memory and can_pin
         if par is not None and par.device.value != "none":

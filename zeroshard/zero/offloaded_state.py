@@ -24,6 +24,7 @@ from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .grad_home import GradHome, SpilledGrad
 from .optimizer_state import DeviceState, MakeOptimizer, OptimizerState, copied
+from .speculation import Speculation
 from .step_behind import StepBehind, frozen_groups
 
 
@@ -33,6 +34,10 @@ class HostState(OptimizerState):
     def __init__(self, *args, sub_group_size: int, pin_memory: bool, **kwargs):
         self.sub_group_size = sub_group_size
         self.pin_memory = pin_memory
+        self.shadow_budget: Optional[int] = None  # bytes of host shadows speculation may hold (None: no bound)
+        self.shadow_bytes = 0  # bytes of host shadows allocated
+        self._shadows: dict[int, tuple[torch.Tensor, Optional[dict]]] = {}  # id(sub.param) -> speculated step
+        self._spares: dict[int, dict[str, torch.Tensor]] = {}  # id(sub.param) -> buffers for its next shadow
         super().__init__(*args, **kwargs)
 
     @property
@@ -111,6 +116,107 @@ class HostState(OptimizerState):
         self.behind.launch(label, work, [self.flats[k] for k in rest])
 
 
+    # -- the step during backward (:mod:`.speculation`) ----------------------------------------------
+    def enable_speculation(self, speculation: Speculation, shadow_budget: Optional[int]) -> None:
+        """Step flat groups during backward, into shadows of at most ``shadow_budget`` bytes of host memory (None:
+        as many as the state; a flat group that does not fit is stepped after the verdict)."""
+        self.speculation, self.shadow_budget = speculation, shadow_budget
+
+    def speculate(self, index: int, coef: float, optimizer: torch.optim.Optimizer) -> Optional[int]:
+        home, subs = self._grad_homes[index], self._subgroups_of[index]
+        if not self._room_for_shadows(subs, optimizer):
+            return None
+        try:
+            for sub in self._shadowed(subs, home, optimizer):
+                sub.param.grad = self._master_grad(self._speculative_grad(sub, home), coef)
+                optimizer.step()
+                sub.param.grad = None
+        except BaseException:
+            for sub in subs:
+                sub.param.grad = None
+            self.discard(index)  # the sub-groups it had stepped; the state they came from is untouched
+            raise
+        return len(subs)
+
+    def _speculative_grad(self, sub: SubGroup, home: GradHome) -> torch.Tensor:
+        """The gradient range as the step reads it, in a copy: the replay needs the original."""
+        return self._grad_of(sub, home).to(self.master_dtype, copy=True)
+
+    def _room_for_shadows(self, subs: list[SubGroup], optimizer: torch.optim.Optimizer) -> bool:
+        if self.shadow_budget is None:
+            return True
+        need = 0
+        for sub in subs:
+            spare = self._spares.get(id(sub.param), {})
+            state = optimizer.state.get(sub.param) or {}
+            values = {MASTER: sub.param, **{k: v for k, v in state.items() if _elementwise(v, sub)}}
+            need += sum(v.numel() * v.element_size() for k, v in values.items() if k not in spare)
+        return self.shadow_bytes + need <= self.shadow_budget
+
+    def _shadowed(self, subs: list[SubGroup], home: GradHome, optimizer: torch.optim.Optimizer):
+        """Yield each sub-group with its parameter and state pointed at copies (its shadow), then point them back
+        and keep the shadow for the verdict."""
+        for sub in subs:
+            master, state = sub.param.data, optimizer.state.get(sub.param)
+            spare = self._spares.pop(id(sub.param), {})
+            sub.param.data = self._copy_into(spare.get(MASTER), master)
+            if state is not None:
+                optimizer.state[sub.param] = {
+                    key: self._copy_into(spare.get(key), v) if _elementwise(v, sub) else _cloned(v)
+                    for key, v in state.items()
+                }
+            try:
+                yield sub
+            finally:
+                self._shadows[id(sub.param)] = (sub.param.data, optimizer.state.get(sub.param))
+                sub.param.data = master
+                if state is None:
+                    optimizer.state.pop(sub.param, None)
+                else:
+                    optimizer.state[sub.param] = state
+
+    def _copy_into(self, buffer: Optional[torch.Tensor], values: torch.Tensor) -> torch.Tensor:
+        if buffer is None or buffer.shape != values.shape or buffer.dtype != values.dtype:
+            buffer = torch.empty(values.shape, dtype=values.dtype, pin_memory=self.pin_memory)
+            self.shadow_bytes += buffer.numel() * buffer.element_size()
+        return buffer.copy_(values)
+
+    def commit(self, index: int) -> None:
+        """The speculated steps of flat group ``index`` become its state (the old buffers the next shadows), and
+        its parameters are published."""
+        for sub in self._subgroups_of[index]:
+            master, state = self._shadows.pop(id(sub.param))
+            self._spares[id(sub.param)] = self._buffers_of(sub, sub.param.data, self.optimizer.state.get(sub.param))
+            sub.param.data = master
+            if state is None:
+                self.optimizer.state.pop(sub.param, None)
+            else:
+                self.optimizer.state[sub.param] = state
+            self._stepped(sub)
+
+    def discard(self, index: int) -> None:
+        """Drop the speculated steps of flat group ``index`` (those it has: a failed one stopped half-way)."""
+        for sub in self._subgroups_of[index]:
+            if (shadow := self._shadows.pop(id(sub.param), None)) is not None:
+                self._spares[id(sub.param)] = self._buffers_of(sub, *shadow)
+
+    def _buffers_of(self, sub: SubGroup, master: torch.Tensor, state: Optional[dict]) -> dict[str, torch.Tensor]:
+        return {MASTER: master, **{k: v for k, v in (state or {}).items() if _elementwise(v, sub)}}
+
+    def bytes_held(self) -> dict[str, dict[str, int]]:
+        held = super().bytes_held()
+        held["optimizer_state"]["host"] = held["optimizer_state"].get("host", 0) + self.shadow_bytes
+        return held
+
+
+def _elementwise(value, sub: SubGroup) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == sub.numel
+
+
+def _cloned(value):
+    return value.clone() if torch.is_tensor(value) else value
+
+
 class NvmeState(HostState):
     """Master weights and elementwise optimizer state in a swap file (see ``NvmeOptimizerSwapper``)."""
 
@@ -154,7 +260,8 @@ class NvmeState(HostState):
         exact = needs_of(self.optimizer).gradient_exchange == "exact"
         if not exact or not isinstance(self.flats[index].home, NvmeShard):
             return super().grad_home(index, dtype, pin, buffers)
-        return SpilledGrad(self._subgroups_of[index], self.swapper, buffers, dtype)
+        home = self._grad_homes[index] = SpilledGrad(self._subgroups_of[index], self.swapper, buffers, dtype)
+        return home
 
     @property
     def can_step_behind(self) -> bool:
@@ -183,6 +290,37 @@ class NvmeState(HostState):
 
     def _layout(self) -> Optional[ShardLayout]:
         return None  # the master tensors exist only while a sub-group is staged
+
+    def enable_speculation(self, speculation: Speculation, shadow_budget: Optional[int]) -> None:
+        """Shadows are twin regions of the swap file (reserved now; twice the optimizer's disk space), not host
+        memory: ``shadow_budget`` does not apply."""
+        self.swapper.enable_shadow(self.subgroups)
+        self.speculation = speculation
+
+    def _speculative_grad(self, sub: SubGroup, home: GradHome) -> torch.Tensor:
+        if isinstance(home, SpilledGrad):
+            return self._grad_of(sub, home)  # staged with the sub-group: a copy already
+        return super()._speculative_grad(sub, home)
+
+    def _room_for_shadows(self, subs: list[SubGroup], optimizer: torch.optim.Optimizer) -> bool:
+        return True
+
+    def _shadowed(self, subs: list[SubGroup], home: GradHome, optimizer: torch.optim.Optimizer):
+        with_grad = frozenset(id(sub.param) for sub in subs) if isinstance(home, SpilledGrad) else frozenset()
+        return self.swapper.steps(optimizer, subs, with_grad=with_grad, into_shadow=True)
+
+    def commit(self, index: int) -> None:
+        for sub in self._subgroups_of[index]:
+            file, offset = self.swapper.commit(sub, self.optimizer)
+            if id(sub.param) in self._master_is_shard:
+                self.flats[index].home.master_moved(file, offset)
+                self._write_back(sub, sub.param.detach())  # nothing to copy: the home reads the new region
+            else:
+                self._write_back(sub, self._master_values(sub))
+
+    def discard(self, index: int) -> None:
+        for sub in self._subgroups_of[index]:
+            self.swapper.discard(sub)
 
     def _master_values(self, sub: SubGroup) -> torch.Tensor:
         return self.swapper.read(sub, [MASTER])[MASTER]
@@ -213,6 +351,11 @@ class NvmeState(HostState):
             sub.numel * 4 * len(keys.get(id(sub.param), [])) for sub in self.subgroups
         )
         held["optimizer_state"]["host"] += self.swapper.bytes_in_memory()  # the staging buffers
+        twins = self.swapper.twins  # speculation's second copy of each region (a shared master's too)
+        for sub in self.subgroups:
+            for key in [MASTER, *keys.get(id(sub.param), [])]:
+                if (id(sub.param), key) in twins:
+                    held["master" if key == MASTER else "optimizer_state"]["nvme"] += sub.numel * 4
         return held
 
 

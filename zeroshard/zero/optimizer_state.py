@@ -24,6 +24,7 @@ from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .grad_home import GradHome, ResidentGrad
 from .shard_layout import FlatShardLayout
+from .speculation import Speculation
 from .step_behind import StepBehind
 
 MakeOptimizer = Callable[[list[dict], Optional[ShardLayout]], torch.optim.Optimizer]
@@ -75,11 +76,20 @@ class OptimizerState:
         if reason is not None:
             raise NotImplementedError(reason)
         self.behind: Optional[StepBehind] = None  # the worker running a step behind the forward, once one ran
+        self.speculation: Optional[Speculation] = None  # the step during backward (offloaded homes that enable it)
+        self._grad_homes: dict[int, GradHome] = {}  # flat index -> where its reduced gradient waits (grad_home)
 
     def settle(self) -> None:
-        """Wait for a step running behind the forward, if one is (raising its error if it failed)."""
+        """Wait for a step running behind the forward, and for steps speculated during backward, if any are
+        (raising the error of one that failed)."""
         if self.behind is not None:
             self.behind.wait()
+        if self.speculation is not None:
+            try:
+                self.speculation.wait()
+            except BaseException:
+                self.abandon_speculation()  # the flat groups stepped before the failure
+                raise
 
     @property
     def stepping_behind(self) -> bool:
@@ -93,8 +103,59 @@ class OptimizerState:
 
     def close(self) -> None:
         """Finish a step running behind and stop its worker thread."""
-        if self.behind is not None:
-            self.behind.close()
+        try:
+            if self.behind is not None:
+                self.behind.close()
+        finally:
+            if self.speculation is not None:
+                self.speculation.close()
+
+    # -- the step during backward (:mod:`.speculation`) --------------------------------------------
+    def arm_speculation(self, scale: float) -> None:
+        """Before the backward that ends an accumulation (``scale``: the loss scale it runs under)."""
+        if self.speculation is not None:
+            self.speculation.arm(scale, self.optimizer)
+
+    def gradient_final(self, index: int) -> None:
+        """Flat group ``index``'s reduced gradient is final for this step (the reducer's call)."""
+        if self.speculation is not None:
+            self.speculation.offer(index)
+
+    def resolve_speculation(self, clean: bool, scale: float) -> list[int]:
+        """The step's verdict on what was speculated (``clean``: on the gradients alone): the flat groups to
+        :meth:`commit`, in order; a speculation that does not commit is discarded here."""
+        if self.speculation is None:
+            return []
+        done, commit = self.speculation.resolve(clean, scale, self.optimizer, self._step_bytes)
+        if commit:
+            return sorted(done)
+        for index in done:
+            self.discard(index)
+        return []
+
+    def abandon_speculation(self) -> None:
+        """A gradient, master weight or optimizer state is about to be written: steps speculated from the old
+        values are discarded (the step runs after the verdict, as without speculation)."""
+        if self.speculation is not None:
+            for index in self.speculation.abandon():
+                self.discard(index)
+
+    def _step_bytes(self, index: int) -> int:
+        """Bytes of master weights and state one step of flat group ``index`` reads and writes."""
+        numel = self.flats[index].layout.shard_numel
+        return 2 * numel * 4 * (1 + len(self.state_keys(index)))
+
+    def speculate(self, index: int, coef: float, optimizer: torch.optim.Optimizer) -> Optional[int]:
+        """Step flat group ``index`` into shadow slots (on the speculation's worker); the sub-groups stepped, or
+        None when there is no room for its shadows. Homes that speculate override it, with :meth:`commit` and
+        :meth:`discard`."""
+        raise NotImplementedError
+
+    def commit(self, index: int) -> None:
+        raise NotImplementedError
+
+    def discard(self, index: int) -> None:
+        raise NotImplementedError
 
     @property
     def device(self) -> torch.device:
@@ -118,7 +179,8 @@ class OptimizerState:
         """Where flat group ``index``'s reduced gradient shard waits for the step: beside this state's master weights
         (``dtype``: the policy's gradient dtype; ``buffers``: the engine's reusable ones, for transient work)."""
         numel = self.flats[index].layout.shard_numel
-        return ResidentGrad.zeros(numel, dtype, self.device, pin, self.location)
+        home = self._grad_homes[index] = ResidentGrad.zeros(numel, dtype, self.device, pin, self.location)
+        return home
 
     def step(self, grads: list[GradHome], coef: float = 1.0) -> None:
         """Apply the gradient shards, one per flat group, times ``coef`` (unscaling and clipping), and publish
@@ -156,6 +218,7 @@ class OptimizerState:
         """Replace one flat group's shard, compute and master copies, with new values (``GatheredParameters``
         with a modifier rank)."""
         self.settle()
+        self.abandon_speculation()
         flat.write_shard(0, values)
         if flat.home is not None:
             flat.home.flush()
@@ -186,6 +249,7 @@ class OptimizerState:
     def write_flat(self, index: int, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
         """Replace one flat group's master shard and (when given) its optimizer state."""
         self.settle()
+        self.abandon_speculation()
         for sub in self._subgroups_of[index]:
             self._write_sub(sub, {key: value[sub.start : sub.stop] for key, value in tensors.items()}, scalars)
 

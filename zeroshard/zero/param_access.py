@@ -116,8 +116,11 @@ class ParamAccess:
         return lo + fragment.shard_start
 
     def _write_local_grad(self, fragment: _Fragment, values: torch.Tensor) -> None:
-        home = self.buckets[id(fragment.flat)].home
-        home.write(self._local_grad_start(fragment), values.to(home.dtype).reshape(-1))
+        self._write_grad(self.buckets[id(fragment.flat)].home, self._local_grad_start(fragment), values)
+
+    def _write_grad(self, home, start: int, values: torch.Tensor) -> None:
+        self.state.abandon_speculation()  # a step speculated from the gradient before this write is void
+        home.write(start, values.to(home.dtype).reshape(-1))
 
     def local_optimizer_state(self, param: torch.nn.Parameter, key: str) -> Optional[torch.Tensor]:
         fragment = self._fragment(param)
@@ -161,7 +164,7 @@ class ParamAccess:
         whole = self._whole_value(fragment, value)
         if bucket.holds_whole:
             slot = next(s for s, p in zip(flat.layout.slots, flat.params) if p is param)
-            bucket.home.write(slot.offset, whole.to(bucket.home.dtype).reshape(-1))
+            self._write_grad(bucket.home, slot.offset, whole)
             return
         self._write_local_grad(fragment, whole[fragment.param_start : fragment.param_start + fragment.numel])
 

@@ -210,7 +210,8 @@ class GradientReducer:
     (stages 2-3), as backward produces them; see Note [gradient contributions] for when a bucket is complete.
 
     ``on_bucket_complete`` (stage 3) is told when a flat group's gradients are all in, so its gathered
-    parameters can be freed before the reduction finishes."""
+    parameters can be freed before the reduction finishes; ``on_gradient_final`` (an offloaded optimizer that steps
+    during backward, :mod:`.speculation`) is told a bucket's index once its reduced gradient is final for the step."""
 
     def __init__(
         self,
@@ -223,6 +224,7 @@ class GradientReducer:
         predivide: float = 1.0,
         ignore_unused_parameters: bool = True,
         on_bucket_complete: Optional[Callable[[FlatGroup], None]] = None,
+        on_gradient_final: Optional[Callable[[int], None]] = None,
         check: Optional[GradientCheck] = None,
     ):
         self.buckets = buckets
@@ -234,6 +236,8 @@ class GradientReducer:
         self.predivide = predivide
         self.ignore_unused_parameters = ignore_unused_parameters
         self.on_bucket_complete = on_bucket_complete
+        self.on_gradient_final = on_gradient_final
+        self._index = {id(bucket): index for index, bucket in enumerate(buckets)}
         self._owner = {param: (k, pos) for k, b in enumerate(buckets) for pos, param in enumerate(b.flat.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._owner]
         self._reducing = False
@@ -325,7 +329,10 @@ class GradientReducer:
 
     def _finish_oldest(self) -> None:
         summed_over = 1 if self.reduction is Reduction.LOCAL else self.gradient_group.size
-        self._in_flight.popleft().finish_reduce(self.predivide / summed_over, final=self._boundary)
+        bucket = self._in_flight.popleft()
+        bucket.finish_reduce(self.predivide / summed_over, final=self._boundary)
+        if self._boundary and self.on_gradient_final is not None:
+            self.on_gradient_final(self._index[id(bucket)])
 
     def end_backward(self) -> None:
         if self._root_hook is not None:
@@ -384,6 +391,7 @@ class GradientReducer:
 
     def destroy(self) -> None:
         """Finish the reductions still in flight and remove the gradient hooks."""
+        self.on_gradient_final = None  # no step follows
         while self._in_flight:
             self._finish_oldest()
         for hook in self._hooks:

@@ -15,7 +15,9 @@ tensor-sharded flat groups' part over the tensor group), fp16 overflow and the l
 multiply as unscaling, the exchange's transform, then the optimizer state steps and publishes. With an offloaded
 optimizer at stage 3 that last part runs behind the next forward (:mod:`.step_behind`): the verdict and the
 coefficient are this thread's, the update the worker's; the next backward, step, checkpoint and every other use of
-the state wait for it (:meth:`ZeroStack.settle`).
+the state wait for it (:meth:`ZeroStack.settle`). An offloaded optimizer can also step during backward, before the
+verdict, into shadow slots (:mod:`.speculation`): the verdict then commits those steps, or discards them and the
+step runs as above.
 
 An engine without an optimizer holds a stack with no flat groups (:meth:`ZeroStack.without_optimizer`), whose
 training calls say what is missing.
@@ -43,6 +45,7 @@ from .optimizer_state import OptimizerState
 from .param_access import ParamAccess
 from .reducer import GradientReducer
 from .sharded_param import ParamRecords
+from .speculation import would_commit
 from .stage3 import Stage3Runtime
 from .state_offload import COMPUTE, TRAINING, StateOffload
 
@@ -144,6 +147,8 @@ class ZeroStack:
     def begin_backward(self, boundary: bool, scaled_loss: torch.Tensor) -> None:
         """Before the user's backward: whether it ends an accumulation, and the loss autograd starts from."""
         self.settle()  # the gradients it accumulates into are the previous step's until that step is done
+        if boundary:  # the step's last micro-batch: its final gradients may be stepped as they come
+            self.optimizer_state.arm_speculation(self.loss_scaler.scale)
         self.reducer.begin_backward(boundary, scaled_loss)
 
     def end_backward(self, graph_retained: bool = False) -> None:
@@ -164,6 +169,9 @@ class ZeroStack:
         norm = math.sqrt(self.gradient_norm.squared(grads, average_over).item()) / scale
         overflow = self.overflow = not math.isfinite(norm)
         self.global_grad_norm = math.inf if overflow else norm  # NaN gradients report inf too, as DeepSpeed's
+        clip = self.settings.gradient_clipping
+        # what was stepped during backward is committed only if this step applies it as it was computed
+        committed = self.optimizer_state.resolve_speculation(would_commit(norm, clip), scale)
         self.steps_taken += 1
         self.loss_scaler.update(overflow)
         if overflow:
@@ -181,15 +189,21 @@ class ZeroStack:
             return False
         self.consecutive_skipped = 0
         coef = 1.0 / scale
-        clip = self.settings.gradient_clipping
         if clip > 0 and norm > clip:
             coef *= clip / (norm + 1e-6)
         grads, coef = self.exchange.transform(grads, coef, lambda index: self.read_flat(index).get("exp_avg"))
-        if self.steps_behind:
+        for index in committed:
+            self.optimizer_state.commit(index)
+        rest = [index for index in range(len(self.flat_groups)) if index not in committed]
+        if self.steps_behind and rest:
             label = f"optimizer step {self.steps_taken}"
-            self.optimizer_state.step_behind(grads, coef, self._forward_order(), self.reducer.zero_grad, label)
+            order = [index for index in self._forward_order() if index not in committed]
+            self.optimizer_state.step_behind(grads, coef, order, self.reducer.zero_grad, label)
         else:
-            self.optimizer_state.step(grads, coef)
+            if committed:
+                self.optimizer_state.step(grads, coef, rest)  # an offloaded home: the flat groups not speculated
+            else:
+                self.optimizer_state.step(grads, coef)
             self.reducer.zero_grad()
         self.exchange.choose_reduction(self.steps_taken)
         return True
@@ -224,6 +238,7 @@ class ZeroStack:
     def zero_grad(self, module: Optional[torch.nn.Module] = None) -> None:
         if self.optimizer_state.stepping_behind:
             return  # the step running behind clears the gradients once it has used them
+        self.optimizer_state.abandon_speculation()  # steps speculated from the gradients cleared now
         self.reducer.zero_grad()
 
     def learning_rates(self) -> list[float]:

@@ -1,0 +1,185 @@
+"""The offloaded step during backward (``offload_optimizer.super_offload``, zeroshard/zero/speculation.py): bit for
+bit the synchronous step, whatever the verdict.
+
+Each case trains twice in one 2-rank spawn, speculating and not, and compares the weights, every flat group's master
+shard, optimizer state and step counters, and the checkpoints saved right after a commit and right after a replay
+(every tensor of them). The counters prove which path ran: a case meant to commit commits, one meant to replay
+replays."""
+
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+
+from zeroshard.testing import run_distributed
+from zeroshard.testing.parity import ParityCase, make_batches, make_model
+
+SWAP = tempfile.gettempdir()
+UNITS = (("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshold", 0))
+WHOLE = 10**9
+
+
+def offload(optimizer, param=None, sub_group=1000, stage=2):
+    zero = [("sub_group_size", sub_group)] + list(UNITS if stage == 3 else ())
+    if optimizer == "cpu":
+        zero.append(("offload_optimizer", {"device": "cpu"}))
+    else:
+        zero.append(("offload_optimizer", {"device": "nvme", "nvme_path": SWAP, "buffer_count": 2}))
+    if param == "nvme":
+        zero.append(("offload_param", {"device": "nvme", "nvme_path": SWAP, "max_in_cpu": 0, "buffer_count": 3}))
+    return tuple(zero)
+
+
+FP16 = (("fp16", {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2}),)
+WARMUP = (("scheduler", {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 10}}),)
+NAN_AT = 2  # the NaN case: the loss of this step's first micro-batch on rank 1 is NaN
+
+
+def case(stage, where, *, clip=0.0, gas=1, dtype="fp32", optimizer="AdamW", param=None, sub_group=1000, extra=(),
+         steps=5, params=()):  # fmt: skip
+    return ParityCase(
+        stage, dtype, gas, lr=1e-3, clip=clip, steps=steps, optimizer=optimizer, optimizer_params=params,
+        extra=extra, zero=offload(where, param, sub_group, stage),
+    )  # fmt: skip
+
+
+# name -> (case, what must have happened: "commit" every step, "mixed" both, "replay" at least one, "nan")
+CASES = {
+    "stage 2, NVMe, no clipping": (case(2, "nvme"), "commit"),
+    "stage 2, CPU, clip between the norms, 4 micro-batches, Adam": (
+        case(2, "cpu", clip=0.9, gas=4, optimizer="Adam", steps=8), "mixed"),
+    "stage 3, NVMe shards their own masters, clip always": (
+        case(3, "nvme", param="nvme", sub_group=WHOLE, clip=1e-3), "replay"),
+    "stage 3, NVMe shards and bf16, clip between the norms": (
+        case(3, "nvme", param="nvme", dtype="bf16", clip=2.0, steps=8), "mixed"),
+    "stage 3, CPU, fp16 overflowing, 2 micro-batches": (case(3, "cpu", dtype="fp16", gas=2, extra=FP16, steps=10),
+                                                        "mixed"),
+    "stage 2, NVMe, a NaN gradient": (case(2, "nvme", steps=4), "nan"),
+    "stage 1, CPU, a scheduler every step, Lion": (case(1, "cpu", optimizer="Lion", extra=WARMUP), "commit"),
+    "stage 3, NVMe, SGD with momentum, scheduler": (
+        case(3, "nvme", optimizer="SGD", params=(("momentum", 0.9),), extra=WARMUP), "commit"),
+    "stage 2, CPU, Adagrad, 4 micro-batches": (case(2, "cpu", optimizer="Adagrad", gas=4), "commit"),
+}  # fmt: skip
+
+
+def train(case: ParityCase, speculate: bool, nan: bool, checkpoints: dict, save_at: dict) -> dict:
+    """One run; ``save_at``: step -> tag (checkpoints saved right after those steps, into ``checkpoints[tag]``)."""
+    import zeroshard
+    from zeroshard import comm
+
+    config = case.config()
+    config["zero_optimization"]["offload_optimizer"]["super_offload"] = speculate
+    engine, *_ = zeroshard.initialize(model=make_model(), config=config)
+    stack = engine.stack
+    speculation = stack.optimizer_state.speculation
+    assert (speculation is not None) == speculate
+    rank, world = comm.get_rank(), comm.get_world_size()
+    events, b = [], case.micro_batch
+    for step, (x, y) in enumerate(make_batches(case.steps, world * b * case.gas), start=1):
+        for k in range(case.gas):
+            rows = slice((k * world + rank) * b, (k * world + rank + 1) * b)
+            loss = engine(x[rows], y[rows])
+            if nan and step == NAN_AT and k == 0 and rank == 1:
+                loss = loss * math.nan
+            engine.backward(loss)
+            engine.step()
+        if speculation is not None:
+            s = speculation.stats
+            events.append((s.last_speculated, s.last_committed, s.last_replayed, s.last_replay_bytes))
+        if step in save_at:
+            engine.save_checkpoint(checkpoints[save_at[step]], tag="t")
+    state = [
+        ({k: v.clone() for k, v in stack.read_flat(i).items()}, _scalars(stack.flat_scalars(i)))
+        for i in range(len(stack.flat_groups))
+    ]
+    out = {
+        "params": {k: v.float() for k, v in engine.consolidated_state_dict(rank0_only=False).items()},
+        "state": state,
+        "events": events,
+        "skipped": engine.skipped_steps,
+        "stats": speculation.stats if speculation is not None else None,
+        "io": engine.disk_io(),
+    }
+    engine.destroy()
+    return out
+
+
+def _scalars(scalars: dict) -> dict:
+    return {k: v.item() if torch.is_tensor(v) else v for k, v in scalars.items()}
+
+
+def _checkpoint_tensors(directory: str) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for root, _, files in os.walk(directory):
+        for name in sorted(files):
+            if name.endswith(".safetensors"):
+                for key, value in load_file(os.path.join(root, name)).items():
+                    tensors[f"{os.path.relpath(os.path.join(root, name), directory)}:{key}"] = value
+    return tensors
+
+
+def speculation_worker(names: list[str], directory: str) -> dict:
+    from zeroshard import comm
+
+    results = {}
+    for name in names:
+        case_, expect = CASES[name]
+        nan = expect == "nan"
+        dirs = {tag: os.path.join(directory, f"{len(results)}-{tag}") for tag in ("spec-commit", "spec-replay",
+                                                                               "sync-commit", "sync-replay")}
+        speculated = train(case_, True, nan, dirs, {})
+        # checkpoints right after the first commit and the first replay, in both runs
+        first = {}
+        for step, (_, committed, replayed, _) in enumerate(speculated["events"], start=1):
+            first.setdefault("commit", step) if committed else None
+            first.setdefault("replay", step) if replayed else None
+        save_at = {step: kind for kind, step in first.items()}
+        speculated = train(case_, True, nan, {k: dirs[f"spec-{k}"] for k in ("commit", "replay")}, save_at)
+        synchronous = train(case_, False, nan, {k: dirs[f"sync-{k}"] for k in ("commit", "replay")}, save_at)
+        comm.barrier(comm.world_group())
+        saved = {kind: (_checkpoint_tensors(dirs[f"spec-{kind}"]), _checkpoint_tensors(dirs[f"sync-{kind}"]))
+                 for kind in first}  # fmt: skip
+        results[name] = (speculated, synchronous, saved)
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("speculation"))
+    return run_distributed(speculation_worker, 2, list(CASES), directory, timeout_s=600)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_step_during_backward_is_the_synchronous_step_bit_for_bit(runs, name):
+    expect = CASES[name][1]
+    for rank_results in runs:
+        speculated, synchronous, saved = rank_results[name]
+        assert speculated["skipped"] == synchronous["skipped"]
+        for key, value in synchronous["params"].items():
+            assert torch.equal(speculated["params"][key], value), (name, key)
+        for (tensors, scalars), (expected, expected_scalars) in zip(speculated["state"], synchronous["state"]):
+            assert tensors.keys() == expected.keys() and scalars == expected_scalars, name
+            for key, value in expected.items():
+                assert torch.equal(tensors[key], value), (name, key)
+        for kind, (spec, sync) in saved.items():
+            assert spec.keys() == sync.keys() and spec, (name, kind)
+            for key, value in sync.items():
+                assert torch.equal(spec[key], value), (name, kind, key)
+        stats, events = speculated["stats"], speculated["events"]
+        commits = sum(1 for e in events if e[1])
+        replays = sum(1 for e in events if e[2])
+        assert stats.speculated == stats.committed + stats.replayed
+        assert all(e[3] > 0 for e in events if e[2]) and all(e[3] == 0 for e in events if not e[2])
+        if expect == "commit":  # clipping never clips: every step committed, nothing replayed
+            assert commits == len(events) and stats.replayed == 0 and stats.replay_bytes == 0, events
+            assert set(saved) == {"commit"}
+        if expect == "mixed":
+            assert commits and replays and set(saved) == {"commit", "replay"}, events
+        if expect == "replay":  # clipping on every step: one replay, then the policy stops speculating
+            assert replays == 1 and commits == 0 and events[0][2] and not any(e[0] for e in events[1:]), events
+        if expect == "nan":  # the NaN step is skipped, its speculation replayed (skipped as the synchronous one)
+            assert speculated["skipped"] == 1 and events[NAN_AT - 1][2] and commits, events
