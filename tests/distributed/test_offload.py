@@ -253,6 +253,8 @@ BAD = [
     ({"offload_optimizer": {"device": "cpu"}, "sub_group_size": 16}, "Lamb", "sub_group_size"),
     ({"offload_optimizer": NVME}, "Adagrad", "creates its state when constructed"),
     ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "AdamW", "zero_optimization.offload_optimizer.ratio"),
+    # the step during backward needs an elementwise optimizer (Lamb's trust ratio reads whole parameters)
+    ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "Lamb", "super_offload with Lamb"),
     (
         {
             "stage": 3,

@@ -6,6 +6,8 @@ shard, optimizer state and step counters, and the checkpoints saved right after 
 (every tensor of them). The counters prove which path ran: a case meant to commit commits, one meant to replay
 replays."""
 
+import contextlib
+import io
 import math
 import os
 import tempfile
@@ -21,10 +23,10 @@ UNITS = (("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshol
 WHOLE = 10**9
 
 
-def offload(optimizer, param=None, sub_group=1000, stage=2):
+def offload(optimizer, param=None, sub_group=1000, stage=2, host_bytes=None):
     zero = [("sub_group_size", sub_group)] + list(UNITS if stage == 3 else ())
     if optimizer == "cpu":
-        zero.append(("offload_optimizer", {"device": "cpu"}))
+        zero.append(("offload_optimizer", {"device": "cpu", "speculation_host_bytes": host_bytes}))
     else:
         zero.append(("offload_optimizer", {"device": "nvme", "nvme_path": SWAP, "buffer_count": 2}))
     if param == "nvme":
@@ -34,14 +36,15 @@ def offload(optimizer, param=None, sub_group=1000, stage=2):
 
 FP16 = (("fp16", {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2}),)
 WARMUP = (("scheduler", {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 10}}),)
+HOST_BYTES = 40_000  # shadows for some of the tiny model's flat groups, not all
 NAN_AT = 2  # the NaN case: the loss of this step's first micro-batch on rank 1 is NaN
 
 
 def case(stage, where, *, clip=0.0, gas=1, dtype="fp32", optimizer="AdamW", param=None, sub_group=1000, extra=(),
-         steps=5, params=()):  # fmt: skip
+         steps=5, params=(), host_bytes=None):  # fmt: skip
     return ParityCase(
         stage, dtype, gas, lr=1e-3, clip=clip, steps=steps, optimizer=optimizer, optimizer_params=params,
-        extra=extra, zero=offload(where, param, sub_group, stage),
+        extra=extra, zero=offload(where, param, sub_group, stage, host_bytes),
     )  # fmt: skip
 
 
@@ -61,6 +64,9 @@ CASES = {
     "stage 3, NVMe, SGD with momentum, scheduler": (
         case(3, "nvme", optimizer="SGD", params=(("momentum", 0.9),), extra=WARMUP), "commit"),
     "stage 2, CPU, Adagrad, 4 micro-batches": (case(2, "cpu", optimizer="Adagrad", gas=4), "commit"),
+    # host shadows bounded below the state: the flat groups that fit are stepped during backward, the rest after
+    "stage 3, CPU, shadows bounded, clip between the norms": (
+        case(3, "cpu", clip=2.0, steps=8, host_bytes=HOST_BYTES), "bounded"),
 }  # fmt: skip
 
 
@@ -71,12 +77,13 @@ def train(case: ParityCase, speculate: bool, nan: bool, checkpoints: dict, save_
 
     config = case.config()
     config["zero_optimization"]["offload_optimizer"]["super_offload"] = speculate
+    config["steps_per_print"] = case.steps  # one report, at the end
     engine, *_ = zeroshard.initialize(model=make_model(), config=config)
     stack = engine.stack
     speculation = stack.optimizer_state.speculation
     assert (speculation is not None) == speculate
     rank, world = comm.get_rank(), comm.get_world_size()
-    events, b = [], case.micro_batch
+    events, b, log = [], case.micro_batch, io.StringIO()
     for step, (x, y) in enumerate(make_batches(case.steps, world * b * case.gas), start=1):
         for k in range(case.gas):
             rows = slice((k * world + rank) * b, (k * world + rank + 1) * b)
@@ -84,7 +91,8 @@ def train(case: ParityCase, speculate: bool, nan: bool, checkpoints: dict, save_
             if nan and step == NAN_AT and k == 0 and rank == 1:
                 loss = loss * math.nan
             engine.backward(loss)
-            engine.step()
+            with contextlib.redirect_stdout(log):
+                engine.step()
         if speculation is not None:
             s = speculation.stats
             events.append((s.last_speculated, s.last_committed, s.last_replayed, s.last_replay_bytes))
@@ -100,7 +108,10 @@ def train(case: ParityCase, speculate: bool, nan: bool, checkpoints: dict, save_
         "events": events,
         "skipped": engine.skipped_steps,
         "stats": speculation.stats if speculation is not None else None,
+        "subgroups": len(stack.optimizer_state.subgroups),
+        "shadow_bytes": getattr(stack.optimizer_state, "shadow_bytes", 0),
         "io": engine.disk_io(),
+        "log": log.getvalue(),
     }
     engine.destroy()
     return out
@@ -156,7 +167,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_step_during_backward_is_the_synchronous_step_bit_for_bit(runs, name):
     expect = CASES[name][1]
-    for rank_results in runs:
+    for rank, rank_results in enumerate(runs):
         speculated, synchronous, saved = rank_results[name]
         assert speculated["skipped"] == synchronous["skipped"]
         for key, value in synchronous["params"].items():
@@ -173,6 +184,13 @@ def test_the_step_during_backward_is_the_synchronous_step_bit_for_bit(runs, name
         commits = sum(1 for e in events if e[1])
         replays = sum(1 for e in events if e[2])
         assert stats.speculated == stats.committed + stats.replayed
+        if rank == 0:  # the report every steps_per_print steps says the same
+            line = f"{stats.speculated} sub-groups speculated in {len(events)} steps, {stats.committed} committed, "
+            assert f"optimizer step during backward (rank 0): {line}" in speculated["log"], speculated["log"]
+        counts = speculated["io"]  # engine.disk_io() reports the same counts
+        assert (counts["speculated"], counts["committed"], counts["replayed"]) == (stats.speculated,
+                                                                                   stats.committed, stats.replayed)
+        assert counts["replay_bytes"] == stats.replay_bytes and counts["speculation_wait_s"] >= 0
         assert all(e[3] > 0 for e in events if e[2]) and all(e[3] == 0 for e in events if not e[2])
         if expect == "commit":  # clipping never clips: every step committed, nothing replayed
             assert commits == len(events) and stats.replayed == 0 and stats.replay_bytes == 0, events
@@ -181,5 +199,153 @@ def test_the_step_during_backward_is_the_synchronous_step_bit_for_bit(runs, name
             assert commits and replays and set(saved) == {"commit", "replay"}, events
         if expect == "replay":  # clipping on every step: one replay, then the policy stops speculating
             assert replays == 1 and commits == 0 and events[0][2] and not any(e[0] for e in events[1:]), events
+        if expect == "bounded":
+            assert speculated["shadow_bytes"] <= HOST_BYTES and commits, events
+            assert all(0 < e[0] < speculated["subgroups"] for e in events if e[0]), events
         if expect == "nan":  # the NaN step is skipped, its speculation replayed (skipped as the synchronous one)
             assert speculated["skipped"] == 1 and events[NAN_AT - 1][2] and commits, events
+
+
+KILLED_BEFORE_COMMIT = """
+import os, signal, sys, torch, zeroshard
+from zeroshard.testing.parity import ParityCase, make_model
+swap, checkpoint = sys.argv[1], sys.argv[2]
+nvme = {"device": "nvme", "nvme_path": swap}
+zero = (("stage3_param_persistence_threshold", 0), ("sub_group_size", 700), ("offload_param", {**nvme, "max_in_cpu": 0}))
+x = torch.randint(0, 64, (2, 8))
+
+def engine_with(speculate):
+    optimizer = {**nvme, "super_offload": speculate}
+    case = ParityCase(stage=3, lr=1e-3, micro_batch=2, zero=zero + (("offload_optimizer", optimizer),))
+    engine, *_ = zeroshard.initialize(model=make_model(), config=case.config())
+    engine.backward(engine(x, x))
+    engine.step()
+    return engine
+
+def state(engine):
+    flats = [engine.stack.read_flat(i) for i in range(len(engine.stack.flat_groups))]
+    return engine.consolidated_state_dict(rank0_only=False), flats
+
+synchronous = engine_with(False)  # one step, the step after backward
+torch.save(state(synchronous), os.path.join(swap, "..", "expected.pt"))
+synchronous.destroy()
+engine = engine_with(True)
+engine.backward(engine(x, x))  # the second step is stepped into the shadows during this backward
+engine.stack.optimizer_state.settle()
+assert engine.stack.optimizer_state.speculation.armed  # speculated, not yet committed
+engine.save_checkpoint(checkpoint)  # between the speculation and its commit: the state of one step
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+RELOAD = """
+import os, sys, torch, zeroshard
+from zeroshard.testing.parity import ParityCase, make_model
+checkpoint = sys.argv[1]
+case = ParityCase(stage=3, lr=1e-3, micro_batch=2, zero=(("stage3_param_persistence_threshold", 0),))
+engine, *_ = zeroshard.initialize(model=make_model(seed=3), config=case.config())
+engine.load_checkpoint(checkpoint)
+params, flats = torch.load(os.path.join(checkpoint, "..", "expected.pt"))
+got = engine.consolidated_state_dict(rank0_only=False)
+same = all(torch.equal(got[k], v) for k, v in params.items())
+for i, expected in enumerate(flats):
+    loaded = engine.stack.read_flat(i)
+    same = same and all(torch.equal(loaded[k], v) for k, v in expected.items())
+print("EQUAL", same)
+"""
+
+
+def test_sigkill_between_a_speculation_and_its_commit_resumes_from_the_committed_state(tmp_path):
+    """A checkpoint saved after a backward that speculated the step, then SIGKILL before ``engine.step()``: the
+    checkpoint holds the state before that step (equal, master weights and moments included, to a run that never
+    speculated), never the shadows, and loads into a fresh run without offload."""
+    import signal
+    import subprocess
+    import sys
+
+    swap, checkpoint = tmp_path / "swap", tmp_path / "checkpoint"
+    swap.mkdir()
+    env = {**os.environ, "ZEROSHARD_ACCELERATOR": "cpu"}
+    killed = subprocess.run([sys.executable, "-c", KILLED_BEFORE_COMMIT, str(swap), str(checkpoint)], env=env,
+                            capture_output=True, timeout=300)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert os.listdir(swap) == []  # the swap files (shadows included) went with the process
+    reloaded = subprocess.run([sys.executable, "-c", RELOAD, str(checkpoint)], env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+    assert "EQUAL True" in reloaded.stdout, reloaded.stderr[-2000:]
+
+
+def replay_failure_worker(checkpoint_dir: str):
+    """The disk loses the swap file's contents after a speculation that must replay (clipping on every step): the
+    replay's first read fails by name, and the checkpoint saved before loads into a fresh run, equal."""
+    import zeroshard
+    from zeroshard.offload import OffloadIOError
+
+    config = case(2, "nvme", clip=1e-3).config()
+    config["zero_optimization"]["offload_optimizer"]["super_offload"] = True
+    engine, *_ = zeroshard.initialize(model=make_model(), config=config)
+    x = torch.randint(0, 64, (2, 8))
+    engine.backward(engine(x, x))
+    engine.step()
+    engine.save_checkpoint(checkpoint_dir)
+    saved = engine.consolidated_state_dict(rank0_only=False)
+    speculation = engine.stack.optimizer_state.speculation
+    while not speculation.policy.speculating:  # the replay above paused it; let it speculate the next step
+        speculation.policy.record(False, True)
+    engine.backward(engine(x, x))
+    engine.stack.optimizer_state.settle()
+    os.ftruncate(engine.stack.optimizer_state.swapper.file.fd, 0)  # after the shadows were written
+    try:
+        engine.step()  # clipped: the speculation is discarded and the step replayed from the (lost) state
+        failure = None
+    except OffloadIOError as error:
+        failure = str(error)
+    replayed = speculation.stats.last_replayed
+    fresh, *_ = zeroshard.initialize(model=make_model(seed=5), config=config)
+    fresh.load_checkpoint(checkpoint_dir)
+    restored = fresh.consolidated_state_dict(rank0_only=False)
+    return failure, replayed, all(torch.equal(saved[k], restored[k]) for k in saved)
+
+
+def test_a_disk_fault_mid_replay_is_named_and_the_checkpoint_loads(tmp_path):
+    for failure, replayed, restored in run_distributed(replay_failure_worker, 2, str(tmp_path)):
+        assert replayed > 0 and failure is not None and "swap file" in failure and "truncated" in failure
+        assert restored
+
+
+def disk_room_worker(directory: str) -> list:
+    """With and without the step during backward, on a disk with room for one copy of the optimizer state only."""
+    import zeroshard
+    from zeroshard.offload import OffloadIOError
+
+    results = []
+    for speculate in (True, False):
+        nvme = {"device": "nvme", "nvme_path": directory, "super_offload": speculate}
+        config = ParityCase(stage=2, lr=1e-3, zero=(("offload_optimizer", nvme),)).config()
+        try:
+            engine, *_ = zeroshard.initialize(model=make_model(), config=config)
+            x = torch.randint(0, 64, (2, 8))
+            engine.backward(engine(x, x))
+            engine.step()
+            engine.destroy()
+            results.append(None)
+        except OffloadIOError as error:
+            results.append(str(error))
+    return results
+
+
+def test_a_disk_too_small_for_the_twins_is_refused_at_initialize_with_the_bytes(tmp_path):
+    """400 KiB of disk: one rank's optimizer state takes 336 KiB after its first step (112 KiB of master weights and
+    gradients reserved at initialize, the moments with the first step); the twins would take 672 KiB. With the step
+    during backward, initialize refuses, naming the bytes it needs; without it, training runs."""
+    from .test_offload import small_tmpfs
+
+    disk = tmp_path / "disk"
+    small_tmpfs(disk, "size=400k")
+    try:
+        speculating, synchronous = run_distributed(disk_room_worker, 1, str(disk))[0]
+        assert synchronous is None
+        assert speculating is not None and "needs 458752 more bytes" in speculating and "super_offload" in speculating
+    finally:
+        import subprocess
+
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -118,7 +118,8 @@ class Reporting:
         """Seconds the training thread waited per kind of transfer so far (``engine.exposed_wait``)."""
         waits = self.mesh.context.ledger.waited_by_op()
         io = self.stack.disk_io()
-        waits.update(nvme_read=io["read_wait_s"], nvme_write=io["write_wait_s"], step_behind=io["behind_wait_s"])
+        waits.update(nvme_read=io["read_wait_s"], nvme_write=io["write_wait_s"], step_behind=io["behind_wait_s"],
+                     speculation=io["speculation_wait_s"])  # fmt: skip
         return {kind: seconds for kind, seconds in waits.items() if seconds > 0}
 
     def _waits_since(self, before: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
@@ -195,14 +196,22 @@ class Reporting:
         self._window_start = time.perf_counter()
 
     def _report_disk(self) -> None:
-        """Offload to NVMe: what the swap files moved per step since the last report, at what bandwidth, and how
-        long training waited for it (rank 0's files)."""
+        """Offload: what the optimizer step during backward did since the last report (speculated, committed,
+        replayed), and, to NVMe, what the swap files moved per step, at what bandwidth, and how long training waited
+        for it (rank 0's)."""
         now = self.stack.disk_io()
         last, self._disk_seen = self._disk_seen, now
         moved = {k: now[k] - last.get(k, 0) for k in now}
+        steps = self.settings.steps_per_print
+        if moved["speculated"]:
+            log_rank0(
+                f"optimizer step during backward (rank 0): {moved['speculated']} sub-groups speculated in "
+                f"{steps} steps, {moved['committed']} committed, {moved['replayed']} replayed "
+                f"({moved['replay_bytes'] / 1e9:.3f} GB of state stepped again); training waited "
+                f"{moved['speculation_wait_s'] / steps:.3f} s per step for it"
+            )
         if not (moved["read"] or moved["written"]):
             return
-        steps = self.settings.steps_per_print
 
         def rate(nbytes, seconds):
             return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds else "-"

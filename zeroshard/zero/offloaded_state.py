@@ -13,12 +13,15 @@ included.
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
 from .. import comm
-from ..offload import MASTER, NvmeShard, OffloadPlan, SubGroup, optimizer_swapper
+from ..offload import MASTER, NvmeShard, OffloadIOError, OffloadPlan, SubGroup, optimizer_swapper
+from ..offload.aio import align_up
 from ..optim.contract import ShardLayout, needs_of
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
@@ -292,9 +295,21 @@ class NvmeState(HostState):
         return None  # the master tensors exist only while a sub-group is staged
 
     def enable_speculation(self, speculation: Speculation, shadow_budget: Optional[int]) -> None:
-        """Shadows are twin regions of the swap file (reserved now; twice the optimizer's disk space), not host
-        memory: ``shadow_budget`` does not apply."""
+        """Shadows are twin regions of the swap file (twice the optimizer's disk space), not host memory:
+        ``shadow_budget`` does not apply. The masters' twins are reserved now; the moments' regions, both copies,
+        with the first step, so the disk must have room for them now: else this is refused, naming the bytes."""
+        per_key = sum(align_up(sub.numel * 4) for sub in self.subgroups)
         self.swapper.enable_shadow(self.subgroups)
+        need = 2 * self.state_keys_per_element() * per_key
+        directory = os.path.dirname(self.swapper.file.path)
+        free = shutil.disk_usage(directory).free
+        if need > free:
+            self.swapper.file.close()  # its reserved space goes back now, not when a collector finds this state
+            raise OffloadIOError(
+                f"offload_optimizer.super_offload: the optimizer state needs {need} more bytes in {directory} "
+                f"(its moments and their twins, which the step during backward writes), and the disk has {free} "
+                "free: free space, point nvme_path at a larger disk, or set super_offload to false (half the bytes)"
+            )
         self.speculation = speculation
 
     def _speculative_grad(self, sub: SubGroup, home: GradHome) -> torch.Tensor:

@@ -66,6 +66,7 @@ class OptimizerState:
             master_groups[group_of_flat[sub.flat_index]]["params"].append(sub.param)
         layout = self._layout()
         self.optimizer = make_optimizer(master_groups, layout)
+        self._make_optimizer = make_optimizer  # for :meth:`state_keys_per_element`
         reason = refusal(
             type(self.optimizer).__name__,
             needs_of(self.optimizer),
@@ -139,6 +140,19 @@ class OptimizerState:
         if self.speculation is not None:
             for index in self.speculation.abandon():
                 self.discard(index)
+
+    def state_keys_per_element(self) -> int:
+        """How many elementwise state tensors the optimizer makes (Adam 2, Lion 1, ...), before its first step: one
+        step of a copy of it (the same builder and hyperparameters) over 64 elements; 2 when that fails."""
+        probe = torch.nn.Parameter(torch.zeros(64, dtype=self.master_dtype))
+        hyperparameters = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        try:
+            optimizer = self._make_optimizer([{**hyperparameters, "params": [probe]}], None)
+            probe.grad = torch.ones_like(probe)
+            optimizer.step()
+        except Exception:  # a client's optimizer the builder cannot copy: assume Adam's two moments
+            return 2
+        return len(elementwise_keys(optimizer.state.get(probe, {}), probe))
 
     def _step_bytes(self, index: int) -> int:
         """Bytes of master weights and state one step of flat group ``index`` reads and writes."""

@@ -45,7 +45,7 @@ from .optimizer_state import OptimizerState
 from .param_access import ParamAccess
 from .reducer import GradientReducer
 from .sharded_param import ParamRecords
-from .speculation import would_commit
+from .speculation import SpeculationStats, would_commit
 from .stage3 import Stage3Runtime
 from .state_offload import COMPUTE, TRAINING, StateOffload
 
@@ -361,12 +361,19 @@ class ZeroStack:
     def disk_io(self) -> dict[str, float]:
         """Bytes the swap files (optimizer state, stage-3 parameter shards) read and wrote, the seconds the training
         thread waited for them (``wait_s``) and for steps running behind the forward (``behind_wait_s``); counted so
-        far, a step still running included (:meth:`settle` first for a whole one)."""
+        far, a step still running included (:meth:`settle` first for a whole one). With the step during backward
+        (:mod:`.speculation`) also the sub-groups it ``speculated``, ``committed`` and ``replayed``, the bytes of
+        state the replays stepped again (``replay_bytes``), the same for the last step (``last_*``), and the
+        training thread's wait for it at the verdict (``speculation_wait_s``)."""
         total = IOStats()
         for file in self.optimizer_state.swap_files() + (self.shard_homes.swap_files() if self.shard_homes else []):
             total = total.add(file.stats)
-        behind = self.optimizer_state.behind
-        return {**asdict(total), "behind_wait_s": behind.waited_s if behind is not None else 0.0}
+        behind, speculation = self.optimizer_state.behind, self.optimizer_state.speculation
+        return {
+            **asdict(total),
+            "behind_wait_s": behind.waited_s if behind is not None else 0.0,
+            **speculation_counts(speculation.stats if speculation is not None else None),
+        }
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds per role, wherever it lives."""
@@ -420,7 +427,14 @@ class NoOptimizerStack:
         return dict.fromkeys(ROLES, 0)
 
     def disk_io(self) -> dict[str, float]:
-        return {**asdict(IOStats()), "behind_wait_s": 0.0}
+        return {**asdict(IOStats()), "behind_wait_s": 0.0, **speculation_counts(None)}
 
     def settle(self) -> None:
         pass
+
+
+def speculation_counts(stats: Optional[SpeculationStats]) -> dict[str, float]:
+    """The step during backward's counts as ``disk_io`` reports them (zeros without it)."""
+    counts = asdict(stats if stats is not None else SpeculationStats())
+    counts["speculation_wait_s"] = counts.pop("wait_s")
+    return counts

@@ -66,7 +66,6 @@ def test_no_key_inside_deepspeeds_sections_is_unknown(key):
     [
         ("zero_optimization.zenflow", {"topk_ratio": 0.1}, "ZenFlow"),
         ("zero_optimization.parameter_alignment", True, "16-byte aligned"),
-        ("zero_optimization.offload_optimizer.super_offload", True, "SuperOffload"),
         ("checkpoint.writer", {"type": "fast"}, "FastPersist"),
         ("bf16.bf16_master_weights_and_grads", True, "fp32 master weights"),
         ("tensor_parallel.kernel_inject", True, "inference kernels"),
@@ -76,6 +75,36 @@ def test_no_key_inside_deepspeeds_sections_is_unknown(key):
 def test_deepspeed_keys_zeroshard_lacks_are_refused_with_their_meaning(key, value, meaning):
     with pytest.raises(NotImplementedError, match=f"config key '{key}'.*{meaning}"):
         parse_config({"train_batch_size": 2, **_nested(key, value)})
+
+
+def test_super_offload_and_its_cores_are_honoured():
+    """SuperOffload's keys mean zeroshard's exact step during backward (zeroshard/zero/speculation.py)."""
+    zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "super_offload": True,
+                                              "cpuadam_cores_perc": 0.5, "speculation_host_bytes": 2**30}}  # fmt: skip
+    opt = parse_config({"train_batch_size": 2, "zero_optimization": zero}).zero_optimization.offload_optimizer
+    assert (opt.super_offload, opt.cpuadam_cores_perc, opt.speculation_host_bytes) == (True, 0.5, 2**30)
+    default = parse_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert default.zero_optimization.offload_optimizer.super_offload is None  # zeroshard decides: where it helps
+
+
+@pytest.mark.parametrize(
+    "offload,match",
+    [
+        ({"device": "none", "super_offload": True}, "super_offload: true needs the optimizer offloaded"),
+        ({"device": "cpu", "super_offload": "yes"}, "super_offload"),
+        ({"device": "cpu", "super_offload": 1.5}, "super_offload"),
+        ({"device": "cpu", "cpuadam_cores_perc": 0}, "cpuadam_cores_perc"),
+        ({"device": "cpu", "cpuadam_cores_perc": 80}, "cpuadam_cores_perc"),
+        ({"device": "cpu", "cpuadam_cores_perc": float("nan")}, "cpuadam_cores_perc"),
+        ({"device": "cpu", "cpuadam_cores_perc": "0.8; rm -rf /"}, "cpuadam_cores_perc"),
+        ({"device": "cpu", "speculation_host_bytes": -1}, "speculation_host_bytes"),
+        ({"device": "cpu", "speculation_host_bytes": 1e400}, "speculation_host_bytes"),
+        ({"device": "cpu", "speculation_host_bytes": "1GB"}, "speculation_host_bytes"),
+    ],
+)
+def test_careless_super_offload_values_are_named(offload, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        parse_config({"zero_optimization": {"stage": 2, "offload_optimizer": offload}})
 
 
 @pytest.mark.parametrize("key", sorted(REMOVED_IN_DEEPSPEED))
