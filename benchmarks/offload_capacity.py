@@ -42,7 +42,10 @@ SEQ = 64
 VOCAB = 8192
 
 
-def config(mode: str, knobs: str, nvme_path: str, block_numel: int, verify_reads: bool = False) -> dict:
+def config(
+    mode: str, knobs: str, nvme_path: str, block_numel: int, verify_reads: bool = False, super_offload=None,
+    clip: float = 1.0,
+) -> dict:
     zero: dict = {"stage": 3, "stage3_param_persistence_threshold": 0, "gather_unit_classes": ["Block"]}
     if knobs == "large":
         zero.update(
@@ -53,12 +56,12 @@ def config(mode: str, knobs: str, nvme_path: str, block_numel: int, verify_reads
         )
     if mode in ("cpu", "nvme"):
         extra = {"nvme_path": nvme_path} if mode == "nvme" else {}
-        zero["offload_optimizer"] = {"device": mode, **extra}
+        zero["offload_optimizer"] = {"device": mode, **extra, "super_offload": super_offload}
         zero["offload_param"] = {"device": mode, **extra, **({"max_in_cpu": 0} if knobs == "large" else {})}
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": zero,
         "aio": {"verify_reads": verify_reads},  # the swap checksums (off by default): --verify_reads on for an A/B
@@ -79,7 +82,10 @@ def worker(args) -> None:
 
     cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=args.layers, n_head=16, n_embd=args.width)
     block_numel = 12 * args.width**2 + 10 * args.width  # attention and MLP weights, their biases, two LayerNorms
-    ds_config = config(args.mode, args.knobs, args.nvme_path, block_numel, args.verify_reads == "on")
+    super_offload = {"on": True, "off": False, "default": None}[args.super_offload]
+    ds_config = config(
+        args.mode, args.knobs, args.nvme_path, block_numel, args.verify_reads == "on", super_offload, args.clip
+    )
     remote = {"nvme": "nvme", "cpu": "cpu"}.get(args.mode)
     with zeroshard.zero.Init(remote_device=remote, config_dict_or_path=ds_config):  # as DeepSpeed's Megatron example
         model = GPT(cfg)
@@ -113,7 +119,10 @@ def worker(args) -> None:
         json.dump(result, f)
 
 
-def launch(mode: str, knobs: str, layers: int, width: int, steps: int, nvme_path: str, verify: str = "off") -> dict:
+def launch(
+    mode: str, knobs: str, layers: int, width: int, steps: int, nvme_path: str, verify: str = "off",
+    super_offload: str = "default", clip: float = 1.0,
+) -> dict:
     """Both ranks' results, started as a user starts them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     with tempfile.TemporaryDirectory() as out:
@@ -121,6 +130,7 @@ def launch(mode: str, knobs: str, layers: int, width: int, steps: int, nvme_path
             sys.executable, "-m", "zeroshard", "--num_gpus", "2", os.path.abspath(__file__), "--worker",
             "--mode", mode, "--knobs", knobs, "--layers", str(layers), "--width", str(width),
             "--steps", str(steps), "--nvme_path", nvme_path, "--out", out, "--verify_reads", verify,
+            "--super_offload", super_offload, "--clip", str(clip),
         ]  # fmt: skip
         subprocess.run(command, env=env, check=True)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
@@ -145,6 +155,13 @@ def main():
     parser.add_argument(
         "--verify_reads", choices=["on", "off"], default="off", help="aio.verify_reads: the swap files' checksums"
     )
+    parser.add_argument(
+        "--super_offload", choices=["on", "off", "default"], default="default",
+        help="offload_optimizer.super_offload: the optimizer step during backward (default: zeroshard's choice)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--clip", type=float, default=1.0, help="gradient_clipping (1.0 clips this model; 1e9 never; 1e-6 always)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -167,7 +184,8 @@ def main():
         for mode in args.modes:
             points = []
             for layers in [args.check] if args.check else args.layers:
-                r = launch(mode, knobs, layers, args.width, args.steps, args.nvme_path, args.verify_reads)
+                r = launch(mode, knobs, layers, args.width, args.steps, args.nvme_path, args.verify_reads,
+                           args.super_offload, args.clip)  # fmt: skip
                 points.append(r)
                 disk = r["disk_per_step"]
                 print(
@@ -181,6 +199,11 @@ def main():
                     share = disk["checksum_s"] / 2 / r["step_s"]  # per rank: both ranks' seconds summed above
                     print(f"  swap checksums (aio.verify_reads): {disk['checksum_s'] / 2:.3f} s of I/O-thread time "
                           f"per rank per step, {100 * share:.1f}% of the step", flush=True)  # fmt: skip
+                if mode != "none":  # per rank and step (both ranks' counts summed above)
+                    print(f"  step during backward (super_offload {args.super_offload}): sub-groups "
+                          f"{disk['speculated'] / 2:.1f} speculated, {disk['committed'] / 2:.1f} committed, "
+                          f"{disk['replayed'] / 2:.1f} replayed; training waited {disk['speculation_wait_s'] / 2:.3f} "
+                          f"s for it and {disk['wait_s'] / 2:.3f} s for the disk", flush=True)  # fmt: skip
             if len(points) == 2:
                 small, large = points
                 span = large["params"] - small["params"]

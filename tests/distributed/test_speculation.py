@@ -34,7 +34,7 @@ def offload(optimizer, param=None, sub_group=1000, stage=2, host_bytes=None):
     return tuple(zero)
 
 
-FP16 = (("fp16", {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2}),)
+FP16 = (("fp16", {"enabled": True, "initial_scale_power": 18, "loss_scale_window": 100}),)
 WARMUP = (("scheduler", {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 10}}),)
 HOST_BYTES = 40_000  # shadows for some of the tiny model's flat groups, not all
 NAN_AT = 2  # the NaN case: the loss of this step's first micro-batch on rank 1 is NaN
@@ -57,7 +57,7 @@ CASES = {
         case(3, "nvme", param="nvme", sub_group=WHOLE, clip=1e-3), "replay"),
     "stage 3, NVMe shards and bf16, clip between the norms": (
         case(3, "nvme", param="nvme", dtype="bf16", clip=2.0, steps=8), "mixed"),
-    "stage 3, CPU, fp16 overflowing, 2 micro-batches": (case(3, "cpu", dtype="fp16", gas=2, extra=FP16, steps=10),
+    "stage 3, CPU, fp16 overflowing, 2 micro-batches": (case(3, "cpu", dtype="fp16", gas=2, extra=FP16, steps=8),
                                                         "mixed"),
     "stage 2, NVMe, a NaN gradient": (case(2, "nvme", steps=4), "nan"),
     "stage 1, CPU, a scheduler every step, Lion": (case(1, "cpu", optimizer="Lion", extra=WARMUP), "commit"),
@@ -197,8 +197,9 @@ def test_the_step_during_backward_is_the_synchronous_step_bit_for_bit(runs, name
             assert set(saved) == {"commit"}
         if expect == "mixed":
             assert commits and replays and set(saved) == {"commit", "replay"}, events
-        if expect == "replay":  # clipping on every step: one replay, then the policy stops speculating
-            assert replays == 1 and commits == 0 and events[0][2] and not any(e[0] for e in events[1:]), events
+        if expect == "replay":  # clipping on every step: three replays, then the policy stops speculating
+            assert replays == 3 and commits == 0 and all(e[2] for e in events[:3]), events
+            assert not any(e[0] for e in events[3:]), events
         if expect == "bounded":
             assert speculated["shadow_bytes"] <= HOST_BYTES and commits, events
             assert all(0 < e[0] < speculated["subgroups"] for e in events if e[0]), events

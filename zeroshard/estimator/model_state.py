@@ -133,17 +133,8 @@ class ModelState:
             read += keys * regions(shards) + regions(spilled)
             written += keys * regions(shards) + regions(spilled)
             if offload.speculate is not False:  # the step during backward (on by default with NVMe)
-                # a twin of every master and moment region; the gradients' own two staging slots while it runs
-                twins = keys * 4 * sum(shards)
-                b["optimizer_state"]["nvme"] += twins
-                b["optimizer_state"]["host"] += 2 * bool(spilled) * align_up(sub * 4)
-                # a committed step publishes a master that is not the parameter shard by reading it back
-                read += regions([n for n, shared in zip(shards, self.shared_master) if not shared])
-                out.notes.append(
-                    f"offload_optimizer.super_offload (on by default with NVMe): the optimizer step runs during "
-                    f"backward into twin regions of the swap file, {twins / 2**30:.2f} GiB more disk (twice the "
-                    "optimizer state); set super_offload to false to keep one copy"
-                )
+                own = [n for n, shared in zip(shards, self.shared_master) if not shared]
+                read += self._count_twins(out, keys * 4 * sum(shards), 2 * bool(spilled) * align_up(sub * 4), own)
             if offload.sub_group_size >= 1e8 and staging > 2**30:
                 out.notes.append(
                     f"sub_group_size ({offload.sub_group_size:.3g}) sizes the NVMe optimizer staging: "
@@ -171,6 +162,22 @@ class ModelState:
                 "stage3_max_live_parameters / stage3_max_reuse_distance (1e9) let gathered units stay in memory "
                 "between their uses; a model above 1e9 parameters wants a few units' worth of each"
             )
+
+    def _count_twins(self, out: MemoryEstimate, twins: int, staging: int, own_masters: list[int]) -> int:
+        """``super_offload`` with NVMe: a twin of every master and moment region (``twins`` bytes), the gradients'
+        own staging slots while the step runs during backward; returns the bytes a committed step reads more: a
+        master that is not its parameter shard is read back to publish it."""
+        from ..offload.aio import align_up
+
+        out.bytes["optimizer_state"]["nvme"] += twins
+        out.bytes["optimizer_state"]["host"] += staging
+        out.notes.append(
+            f"offload_optimizer.super_offload (on by default with NVMe): the optimizer step runs during backward into "
+            f"twin regions of the swap file, {twins / 2**30:.2f} GiB more disk (twice the optimizer state); set "
+            "super_offload to false to keep one copy"
+        )
+        step = self.offload.sub_group_size
+        return sum(align_up(min(step, n - start) * 4) for n in own_masters for start in range(0, n, step))
 
     def count_compression(self, out: MemoryEstimate) -> None:
         """A 1-bit optimizer's compression state after its warm-up (Note [1-bit reduction]): a worker and a

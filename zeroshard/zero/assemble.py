@@ -18,20 +18,18 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..comm.compression import Codec
 from ..log import log_rank0
-from ..optim.contract import needs_of
 from ..offload import OffloadDevice, OffloadPlan, shard_homes
 from ..precision import LossScaler, PrecisionPolicy
 from .buffers import ReusableBuffers
-from .exchange import ExactExchange, exchange_for
+from .exchange import exchange_for
 from .flat_group import FlatGroup
 from .grad_norm import NormAxes
 from .gradient_check import GradientCheck
-from .offloaded_state import HostState, build_optimizer_state
+from .offloaded_state import build_optimizer_state
 from .optimizer_state import MakeOptimizer, OptimizerState
 from .planning import ModelPlan, QuantizedComm, StagePolicy, build_flat_groups, plan_model
 from .reducer import GradBucket, GradientReducer
 from .sharded_param import ParamRecords
-from .speculation import Speculation, SpeculationPolicy
 from .stack import StepSettings, ZeroStack
 from .stage3 import Stage3Runtime, build_units
 
@@ -111,8 +109,6 @@ def build_zero_stack(
     )  # fmt: skip
     stage3, reducer = _gradient_side(model, plan, flats, frozen, state, mesh=mesh, placement=placement, stage=stage,
                                      config=config, buffers=buffers)  # fmt: skip
-    exchange = exchange_for(state.optimizer, flats, reducer, state.group_of_flat)
-    _enable_speculation(state, exchange, placement)
     return ZeroStack(
         records=records,
         buffers=buffers,
@@ -120,7 +116,7 @@ def build_zero_stack(
         frozen_groups=frozen,
         optimizer_state=state,
         reducer=reducer,
-        exchange=exchange,
+        exchange=exchange_for(state.optimizer, flats, reducer, state.group_of_flat),
         loss_scaler=LossScaler.from_config(config.fp16),
         norm=_norm_axes(mesh, stage),
         ties=[tied.get(flat.params[0]) for flat in flats],
@@ -128,29 +124,6 @@ def build_zero_stack(
         stage3=stage3,
         shard_homes=homes,
     )
-
-
-def _enable_speculation(state: OptimizerState, exchange, placement: Placement) -> None:
-    """``offload_optimizer.super_offload``: the offloaded step during backward (:mod:`.speculation`). Possible for
-    an elementwise optimizer exchanged exactly (its step is per sub-group, nothing in it a collective). By default on
-    where it overlaps something: the disk's transfers (NVMe), or the CPU's step with an accelerator's backward
-    (``cpu``; on a CPU-only machine the two would take turns on the same cores)."""
-    plan = placement.offload
-    if not isinstance(state, HostState) or plan.speculate is False:
-        return
-    possible = type(exchange) is ExactExchange and needs_of(state.optimizer).elementwise
-    if not possible:
-        if plan.speculate:
-            raise NotImplementedError(
-                f"offload_optimizer.super_offload with {type(state.optimizer).__name__}: the step during backward "
-                "needs an elementwise optimizer exchanged exactly (Adam, AdamW, Lion, SGD, Adagrad, ...); its "
-                "step reads more than one sub-group or communicates. Set super_offload to false"
-            )
-        return
-    helps = plan.optimizer_device is OffloadDevice.NVME or placement.device.type != "cpu"
-    if plan.speculate or helps:
-        speculation = Speculation(comm.get_rank(), state.speculate, plan.speculation_cores, SpeculationPolicy())
-        state.enable_speculation(speculation, plan.speculation_host_bytes)
 
 
 def _gradient_side(model, plan, flats, frozen, state, *, mesh, placement, stage, config, buffers) -> tuple:

@@ -27,7 +27,7 @@ from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .grad_home import GradHome, SpilledGrad
 from .optimizer_state import DeviceState, MakeOptimizer, OptimizerState, copied
-from .speculation import Speculation
+from .speculation import Speculation, SpeculationPolicy
 from .step_behind import StepBehind, frozen_groups
 
 
@@ -389,13 +389,37 @@ def build_optimizer_state(
     over which optimizers that read whole parameters complete them)."""
     args = (flats, group_of_flat, param_groups, make_optimizer)
     if offload.optimizer_device == "nvme":
-        return NvmeState(*args, master_dtype=master_dtype, offload=offload, synchronize=synchronize, pieces=pieces)
-    if offload.optimizer_device == "cpu":
-        return HostState(
+        state = NvmeState(*args, master_dtype=master_dtype, offload=offload, synchronize=synchronize, pieces=pieces)
+    elif offload.optimizer_device == "cpu":
+        state = HostState(
             *args,
             master_dtype=master_dtype,
             sub_group_size=offload.sub_group_size,
             pin_memory=offload.pin_memory,
             pieces=pieces,
         )
-    return DeviceState(*args, master_dtype=master_dtype, pieces=pieces)
+    else:
+        return DeviceState(*args, master_dtype=master_dtype, pieces=pieces)
+    _enable_speculation(state, offload)
+    return state
+
+
+def _enable_speculation(state: HostState, offload: OffloadPlan) -> None:
+    """``offload_optimizer.super_offload``: the offloaded step during backward (:mod:`.speculation`). Possible for
+    an elementwise optimizer exchanged exactly (its step is per sub-group, nothing in it a collective). By default on
+    where it overlaps something: the disk's transfers (NVMe), or the CPU's step with an accelerator's backward
+    (``cpu``; on a CPU-only machine the two would take turns on the same cores)."""
+    if offload.speculate is False:
+        return
+    needs = needs_of(state.optimizer)
+    if not (needs.elementwise and needs.gradient_exchange == "exact"):
+        if offload.speculate:
+            raise NotImplementedError(
+                f"offload_optimizer.super_offload with {type(state.optimizer).__name__}: the step during backward "
+                "needs an elementwise optimizer exchanged exactly (Adam, AdamW, Lion, SGD, Adagrad, ...); its "
+                "step reads more than one sub-group or communicates. Set super_offload to false"
+            )
+        return
+    if offload.speculate or offload.optimizer_device == "nvme" or state.can_step_behind:
+        speculation = Speculation(comm.get_rank(), state.speculate, offload.speculation_cores, SpeculationPolicy())
+        state.enable_speculation(speculation, offload.speculation_host_bytes)

@@ -17,9 +17,9 @@ computed from. After backward the step's verdict decides (Note [exact speculatio
   unlike DeepSpeed's SuperOffload, whose rollback recomputes the old moments from the new ones in floating point and
   gets them back only approximately) and the step runs as it always did: clipped, or skipped.
 
-A run that clips every step would replay every step: :class:`SpeculationPolicy` stops speculating after a replay and
-starts again once the verdicts of enough steps in a row would have committed (a count that doubles with each replay
-that follows, and resets after a long run of commits). What speculation did is counted per step in
+A run that clips every step would replay every step: :class:`SpeculationPolicy` speculates while most recent verdicts
+committed (or would have), an average of them that stops it after a few replays and starts it again after a few
+clean steps. What speculation did is counted per step in
 :class:`SpeculationStats` (``engine.disk_io()``, the step report).
 
 The home (:mod:`.offloaded_state`) does the stepping into shadows, the commit and the discard; this module owns the
@@ -39,44 +39,32 @@ import torch
 from ..offload import hidden_waits
 from .step_behind import frozen_groups
 
-# longest pause after a replay, in steps whose verdict would have committed; and the commits in a row that forgive
-# the replays before them (the pause starts again at 1)
-MAX_PAUSE = 64
+# the policy's memory: each step's verdict moves the clean rate this far towards 1 (clean) or 0 (not)
+RATE_STEP = 0.25
+# speculate while the clean rate is at least this: a commit saves about what a replay wastes (the speculated
+# transfers ran beside backward; the step after the verdict is what would have run anyway)
+RATE_FLOOR = 0.5
 
 
 class SpeculationPolicy:
-    """When to speculate (pure). Speculate until a replay; then wait for ``pause`` steps in a row whose verdict
-    would have committed (each measured on the synchronous step: finite, not clipped), and speculate again. Each
-    replay doubles the next pause (up to :data:`MAX_PAUSE`); :data:`MAX_PAUSE` commits in a row reset it to 1. A run
-    that clips on every step therefore replays once and then never speculates; one that clips on a random half of
-    its steps replays ever more rarely (a pause of k clean steps in a row comes by chance once in 2^k)."""
+    """When to speculate (pure): while the rate of steps whose verdict commits (or would have: finite and not
+    clipped, known on every step, speculated or not) is at least :data:`RATE_FLOOR`. The rate is an exponential
+    average that starts at 1 and moves :data:`RATE_STEP` of the way to each verdict. A run that clips on every step
+    replays 3 times and then never speculates; one that stopped starts again after 3 clean steps in a row; one
+    that clips on 1 step in 10 at random speculates on 99% of its steps and replays about 1 in 10 of them
+    (``tests/unit/zero/test_speculation.py`` measures each over 10000 steps)."""
 
-    def __init__(self, max_pause: int = MAX_PAUSE):
-        self.max_pause = max_pause
-        self.pause = 1  # the clean steps in a row the next replay will ask for
-        self.waiting = 0  # clean steps in a row still needed before speculating again (0: speculating)
-        self._asked = 0  # what the last replay asked for (a step that would not commit restarts the count)
-        self.commits_in_row = 0
+    def __init__(self, rate_step: float = RATE_STEP, floor: float = RATE_FLOOR):
+        self.rate_step, self.floor = rate_step, floor
+        self.clean_rate = 1.0
 
     @property
     def speculating(self) -> bool:
-        return self.waiting == 0
+        return self.clean_rate >= self.floor
 
     def record(self, speculated: bool, clean: bool) -> None:
         """The verdict of one step: whether it was speculated, and whether it was (or would have been) clean."""
-        if speculated and clean:
-            self.commits_in_row += 1
-            if self.commits_in_row >= self.max_pause:
-                self.pause, self.commits_in_row = 1, 0
-        elif speculated:  # a replay
-            self.waiting = self._asked = self.pause
-            self.pause = min(2 * self.pause, self.max_pause)
-            self.commits_in_row = 0
-        elif not self.speculating:
-            self.waiting = self.waiting - 1 if clean else self._asked
-
-    def state_dict(self) -> dict:
-        return {"pause": self.pause, "waiting": self.waiting, "asked": self._asked, "commits": self.commits_in_row}
+        self.clean_rate += self.rate_step * (float(clean) - self.clean_rate)
 
 
 def would_commit(norm: float, clip: float) -> bool:
