@@ -252,7 +252,9 @@ BAD = [
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "AdamW", "set stage to 1, 2 or 3"),
     ({"offload_optimizer": {"device": "cpu"}, "sub_group_size": 16}, "Lamb", "sub_group_size"),
     ({"offload_optimizer": NVME}, "Adagrad", "creates its state when constructed"),
-    ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "AdamW", "zero_optimization.offload_optimizer.ratio"),
+    ({"offload_optimizer": {"device": "cpu", "ratio": 1.5}}, "AdamW", "zero_optimization.offload_optimizer.ratio"),
+    ({"offload_optimizer": {"device": "cpu", "ratio": "auto", "keep_on_device_bytes": 0}}, "AdamW",
+     "keeps none of the optimizer state"),
     # the step during backward needs an elementwise optimizer (Lamb's trust ratio reads whole parameters)
     ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "Lamb", "super_offload with Lamb"),
     (
@@ -501,3 +503,60 @@ def test_the_step_behind_the_forward_is_the_synchronous_step():
         assert waited >= 0
         for name, value in expected.items():
             assert torch.equal(params[name], value), (variant, name)
+
+
+RATIOS = (0.0, 0.25, 0.5, 0.75, "auto", 1.0)
+KEEP_ON_DEVICE = 130_000  # ratio "auto": at 16 bytes per element (AdamW), the two flat groups reduced last fit
+
+
+def ratio_cases(where):
+    """Stage 3, one flat group per block (so each ratio keeps a different number on the device), clipping that
+    clips, 2 micro-batches."""
+    target = {"device": where, "keep_on_device_bytes": KEEP_ON_DEVICE, **({"nvme_path": SWAP} if where == "nvme" else {})}
+    return [
+        ParityCase(3, "fp32", 2, lr=1e-3, clip=0.05, steps=3,
+                   zero=UNITS + (("sub_group_size", SUB_GROUP), ("offload_optimizer", {**target, "ratio": ratio})))
+        for ratio in RATIOS
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["cpu", "nvme"])
+def test_partial_offload_is_the_same_arithmetic_at_every_ratio(where):
+    """``offload_optimizer.ratio`` (Twin-Flow): the flat groups reduced last stay on the device, the rest are
+    offloaded; bit for bit at every ratio (the same arithmetic, wherever it runs), and the bytes per location are
+    the analytic count: kept flat groups hold their gradient and moments on the device (the fp32 master is the shard
+    itself there), offloaded ones in host memory or on disk (twice the master and the moments with the step during
+    backward, on by default with NVMe)."""
+    import zeroshard
+    from zeroshard.offload import choose_kept
+
+    cases = ratio_cases(where)
+    results = run_distributed(engine_train_many, 2, cases)[0]
+    everything = results[-1]  # ratio 1: all offloaded, the run test_offload_matches_... compares with no offload
+    for ratio, result, case in zip(RATIOS, results, cases):
+        for name, value in everything["params"].items():
+            assert torch.equal(result["params"][name], value), (ratio, name)
+        shards = [numel // 2 for numel, _ in result["flat_numels"]]
+        kept = choose_kept(shards, ratio, 16, KEEP_ON_DEVICE)
+        on_device = sum(n for k, n in enumerate(shards) if k in kept)
+        offloaded = sum(shards) - on_device
+        if ratio == "auto":
+            assert 16 * on_device <= KEEP_ON_DEVICE and 0 < on_device < sum(shards)
+        else:
+            assert on_device <= (1 - ratio) * sum(shards) and (ratio < 1 or on_device == 0)
+            assert kept or ratio == 1.0  # at least the last flat group fits each ratio here
+        device, host, nvme = (result["state_bytes_by_location"][where] for where in ("device", "host", "nvme"))
+        assert device["optimizer_state"] == 8 * on_device and device["grad_shard"] == 4 * on_device, ratio
+        assert device["master"] == 0  # the kept masters are the fp32 shards themselves (counted as params)
+        if where == "cpu":
+            assert host["master"] == 4 * offloaded and host["optimizer_state"] >= 8 * offloaded
+            assert host["grad_shard"] == 4 * offloaded
+        else:
+            assert nvme["master"] == 8 * offloaded and nvme["optimizer_state"] == 16 * offloaded
+        # zeroshard estimate chooses the same flat groups: its optimizer side per location within 10%
+        predicted = zeroshard.estimate(make_model, case.config(), world_size=2)
+        assert any(f"offload_optimizer.ratio {ratio}" in note for note in predicted.notes) or ratio == 1.0
+        for location, held in (("device", device), ("host", host), ("nvme", nvme)):
+            measured = held["master"] + held["optimizer_state"] + held["grad_shard"]
+            expected = predicted.bytes["optimizer_state"][location] + predicted.bytes["gradients"][location]
+            assert abs(expected - measured) <= 0.1 * max(measured, 1), (ratio, location, expected, measured)

@@ -161,7 +161,12 @@ def _auto_value(key: str, ctx: AutoContext) -> tuple[bool, Any, str]:
 
 
 # keys whose "auto" is a setting of its own (DeepSpeed's default there), not a value to work out
-AUTO_IS_A_SETTING = frozenset({"data_types.keep_in_fp32_modules"})  # the model's own fp32 lists
+AUTO_IS_A_SETTING = frozenset(
+    {
+        "data_types.keep_in_fp32_modules",  # the model's own fp32 lists
+        "zero_optimization.offload_optimizer.ratio",  # as much optimizer state kept on the device as fits
+    }
+)
 
 
 def _resolve_autos(node: dict, prefix: str, ctx: AutoContext, derived: list) -> None:

@@ -90,12 +90,25 @@ class OffloadOptimizerConfig(_OffloadBase):
     pipeline_read: bool = satisfied(False, "NVMe reads always run ahead of the sub-group being stepped")
     pipeline_write: bool = satisfied(False, "NVMe writes always run behind the sub-group being stepped")
     fast_init: bool = satisfied(False, "a start-up speed hint")
-    ratio: float = refused(1.0, "partial offload (ratio < 1) is not supported", ge=0.0, le=1.0)
+    # the share of the optimizer state offloaded (DeepSpeed's Twin-Flow); the rest stays on the compute device.
+    # "auto" (zeroshard's): the largest share kept that fits keep_on_device_bytes, or the device's free memory
+    ratio: Union[Auto, float] = 1.0
+    keep_on_device_bytes: Optional[int] = Field(None, ge=0)  # ratio "auto": the device memory it may keep
     # the offloaded step during backward, exact (zeroshard.zero.speculation): True on, False off, None (the default)
     # on where it overlaps something: NVMe optimizer state, or CPU optimizer state beside an accelerator's compute
     super_offload: Optional[bool] = None
     cpuadam_cores_perc: float = Field(0.8, gt=0.0, le=1.0)  # the share of cores the step during backward uses
     speculation_host_bytes: Optional[int] = Field(None, ge=0)  # host memory for its shadows (cpu; None: no bound)
+
+    @field_validator("ratio", mode="before")
+    @classmethod
+    def _a_share(cls, value: Any) -> Any:
+        share = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
+        if value != "auto" and not share:  # NaN compares false too
+            raise ValueError(
+                f"ratio={value!r}: the share of the optimizer state to offload, a number from 0 to 1, or 'auto'"
+            )
+        return value
 
     @model_validator(mode="after")
     def _speculation_needs_offload(self):

@@ -57,20 +57,20 @@ class ModelState:
         opt_home = "host" if self.offload.optimizer_device == "cpu" else self.offload.optimizer_device
         opt_home = "device" if opt_home == "none" else opt_home
         param_home = {"none": "device", "cpu": "host", "nvme": "nvme"}[self.offload.param_device]
-        fp32_aliased = self.policy.compute == torch.float32 and self.offload.optimizer_device == "none"
+        kept = self.kept = self._kept_on_device(out)  # offload_optimizer.ratio: their optimizer state stays here
         b = out.bytes
         in_cpu = 0  # offload_param nvme: shards are kept in host memory while they fit max_in_cpu (ShardHomes.place)
         # the shards placed in the parameter swap file: (elements, read once a step, the optimizer's master)
         self.nvme_shards: list[tuple[int, bool, bool]] = []
 
-        def shard_home(numel: int, plan, trainable: bool) -> str:
+        def shard_home(numel: int, plan, offloaded: bool) -> str:
             nonlocal in_cpu
             if param_home == "nvme" and in_cpu + numel <= self.offload.max_in_cpu:
                 in_cpu += numel
                 return "host"
             if param_home == "nvme":
                 # NvmeState: an fp32 shard on NVMe that is one optimizer sub-group is its own master
-                master = trainable and opt_home == "nvme" and self.policy.compute == torch.float32
+                master = offloaded and opt_home == "nvme" and self.policy.compute == torch.float32
                 master = master and numel <= self.offload.sub_group_size
                 unit = self.unit_of[plan.params[0]]
                 self.nvme_shards.append((numel, unit == 0 or unit in self.kept_units, master))
@@ -78,22 +78,23 @@ class ModelState:
 
         self.spilled: list[bool] = []  # per trainable flat group: its gradient waits in the optimizer swap file
         self.shared_master: list[bool] = []  # per trainable flat group: its NVMe shard is the optimizer's master
-        for plan, layout in zip(self.plans, self.layouts):
-            shard = layout.shard_numel
-            home = "device" if plan.resident else shard_home(shard, plan, True)
+        for index, (plan, layout) in enumerate(zip(self.plans, self.layouts)):
+            shard, where = layout.shard_numel, "device" if index in kept else opt_home
+            home = "device" if plan.resident else shard_home(shard, plan, where != "device")
             b["parameters"][home] += (layout.padded_numel if plan.resident else shard) * compute
-            master_aliased = fp32_aliased and (plan.resident or self.offload.param_device == "none")
-            self.shared_master.append(home == "nvme" and self.nvme_shards[-1][2])
-            master_aliased |= self.shared_master[-1]
-            if not master_aliased:
-                b["optimizer_state"][opt_home] += shard * 4
+            # on the device an fp32 master is the shard itself, unless the shard lives elsewhere (offload_param)
+            master_aliased = where == "device" and self.policy.compute == torch.float32
+            master_aliased = master_aliased and (plan.resident or self.offload.param_device == "none")
+            self.shared_master.append(home == "nvme" and where == "nvme" and self.nvme_shards[-1][2])
+            if not (master_aliased or self.shared_master[-1]):
+                b["optimizer_state"][where] += shard * 4
             # NvmeState.grad_home: the gradient goes where the parameter shard is (on disk in fp32), else host memory
-            self.spilled.append(opt_home == "nvme" and home == "nvme")
+            self.spilled.append(where == "nvme" and home == "nvme")
             if self.spilled[-1]:
                 b["gradients"]["nvme"] += shard * 4
             else:
-                b["gradients"]["host" if opt_home == "nvme" else opt_home] += shard * grad
-            b["optimizer_state"][opt_home] += shard * 4 * self.state_tensors
+                b["gradients"]["host" if where == "nvme" else where] += shard * grad
+            b["optimizer_state"][where] += shard * 4 * self.state_tensors
         quantized = QuantizedComm.from_config(self.cfg.zero_optimization)
         for plan, layout in zip(self.frozen_plans, self.frozen_layouts):
             if quantized.keeps_int8(plan):  # zero_quantized_nontrainable_weights: int8 plus block scales
@@ -115,7 +116,10 @@ class ModelState:
 
         offload, b = self.offload, out.bytes
         compute, keys = element_size(self.policy.compute), 1 + self.state_tensors  # master and the moments
-        shards = [layout.shard_numel for layout in self.layouts]
+        offloaded = [k not in self.kept for k in range(len(self.layouts))]  # offload_optimizer.ratio
+        shards = [layout.shard_numel for layout, away in zip(self.layouts, offloaded) if away]
+        spilled_of = [on_disk for on_disk, away in zip(self.spilled, offloaded) if away]
+        shared_of = [shared for shared, away in zip(self.shared_master, offloaded) if away]
         read = written = 0
 
         def regions(numels: list[int]) -> int:  # bytes of one key's regions over the sub-groups of these shards
@@ -124,7 +128,7 @@ class ModelState:
 
         if offload.optimizer_device == "nvme" and shards:
             sub = min(max(shards), offload.sub_group_size)
-            spilled = [n for n, on_disk in zip(shards, self.spilled) if on_disk]
+            spilled = [n for n, on_disk in zip(shards, spilled_of) if on_disk]
             staging = offload.optimizer_buffer_count * (keys + bool(spilled)) * align_up(sub * 4)  # + the gradient
             b["optimizer_state"]["host"] += staging
             # the bucket's gradient accumulated before it is written behind: the pool keeps one per shard size
@@ -133,7 +137,7 @@ class ModelState:
             read += keys * regions(shards) + regions(spilled)
             written += keys * regions(shards) + regions(spilled)
             if offload.speculate is not False:  # the step during backward (on by default with NVMe)
-                own = [n for n, shared in zip(shards, self.shared_master) if not shared]
+                own = [n for n, shared in zip(shards, shared_of) if not shared]
                 read += self._count_twins(out, keys * 4 * sum(shards), 2 * bool(spilled) * align_up(sub * 4), own)
             if offload.sub_group_size >= 1e8 and staging > 2**30:
                 out.notes.append(
@@ -142,7 +146,7 @@ class ModelState:
                     f"{keys + bool(spilled)} tensors x {sub * 4 / 2**20:.0f} MiB); a smaller sub-group needs less"
                 )
             if len(spilled) < len(shards):
-                kept = sum(n for n, on_disk in zip(shards, self.spilled) if not on_disk)
+                kept = sum(n for n, on_disk in zip(shards, spilled_of) if not on_disk)
                 out.notes.append(
                     f"{kept * element_size(self.policy.grad) / 2**30:.2f} GiB of gradient shards wait in host memory "
                     "beside parameter shards kept there (offload_param nvme with max_in_cpu 0 puts both on disk)"
@@ -162,6 +166,28 @@ class ModelState:
                 "stage3_max_live_parameters / stage3_max_reuse_distance (1e9) let gathered units stay in memory "
                 "between their uses; a model above 1e9 parameters wants a few units' worth of each"
             )
+
+    def _kept_on_device(self, out: MemoryEstimate) -> frozenset[int]:
+        """``offload_optimizer.ratio``: the flat groups whose optimizer state stays on the device, chosen as the
+        engine chooses them (``offload.choose_kept``; ``"auto"``: within ``keep_on_device_bytes``, else half of this
+        machine's device memory free now), with a note saying so."""
+        from ..accelerator import get_accelerator
+        from ..offload import choose_kept
+
+        offload = self.offload
+        if offload.optimizer_device == "none" or offload.ratio == 1.0:
+            return frozenset()
+        numels = [layout.shard_numel for layout in self.layouts]
+        budget = offload.keep_on_device_bytes
+        if budget is None and offload.ratio == "auto":
+            budget = get_accelerator().available_memory() // 2
+        kept = choose_kept(numels, offload.ratio, 4 * (2 + self.state_tensors), budget or 0)
+        share = 1 - sum(numels[k] for k in kept) / max(1, sum(numels))
+        out.notes.append(
+            f"offload_optimizer.ratio {offload.ratio}: {len(kept)} of {len(numels)} flat groups keep their optimizer "
+            f"state on the device, the ones reduced last in backward; {share:.3f} of it is offloaded"
+        )
+        return kept
 
     def _count_twins(self, out: MemoryEstimate, twins: int, staging: int, own_masters: list[int]) -> int:
         """``super_offload`` with NVMe: a twin of every master and moment region (``twins`` bytes), the gradients'

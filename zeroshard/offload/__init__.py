@@ -4,7 +4,17 @@ or in swap files on NVMe, moved with asynchronous positioned I/O from Python thr
 from .aio import IOStats, OffloadIOError, SwapChecksumError, SwapFile, hidden_waits
 from .optimizer_swap import MASTER, NvmeOptimizerSwapper, SubGroup, elementwise_keys
 from .param_store import NvmeShard
-from .plan import OffloadDevice, OffloadPlan, ShardHome, ShardHomes, optimizer_swapper, shard_homes
+from .plan import (
+    OffloadDevice,
+    OffloadPlan,
+    ShardHome,
+    ShardHomes,
+    choose_kept,
+    kept_on_device,
+    kept_within,
+    optimizer_swapper,
+    shard_homes,
+)
 
 __all__ = [
     "IOStats",
@@ -20,7 +30,10 @@ __all__ = [
     "SubGroup",
     "SwapFile",
     "elementwise_keys",
+    "choose_kept",
     "hidden_waits",
+    "kept_on_device",
+    "kept_within",
     "optimizer_swapper",
     "shard_homes",
 ]

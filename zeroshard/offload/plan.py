@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Union
 
 import torch
 
@@ -64,6 +64,8 @@ class OffloadPlan:
     speculate: Optional[bool] = None  # offload_optimizer.super_offload: step during backward (None: where it helps)
     speculation_cores: float = 0.8  # offload_optimizer.cpuadam_cores_perc
     speculation_host_bytes: Optional[int] = None  # host memory for its shadows (None: no bound)
+    ratio: Union[float, str] = 1.0  # offload_optimizer.ratio: the share offloaded (or "auto")
+    keep_on_device_bytes: Optional[int] = None  # ratio "auto": the device memory the kept state may use
 
     @classmethod
     def from_config(cls, zero_cfg, aio_cfg, rank: int, can_pin: bool) -> "OffloadPlan":
@@ -82,6 +84,8 @@ class OffloadPlan:
                 speculate=opt.super_offload,
                 speculation_cores=opt.cpuadam_cores_perc,
                 speculation_host_bytes=opt.speculation_host_bytes,
+                ratio=opt.ratio,
+                keep_on_device_bytes=opt.keep_on_device_bytes,
             )
             pin |= opt.pin_memory and can_pin
         if par is not None and par.device.value != "none":
@@ -106,6 +110,42 @@ class OffloadPlan:
 
     def swap_file(self, directory: str, kind: str) -> SwapFile:
         return SwapFile(directory, f"zeroshard-{kind}-rank{self.rank}-pid{os.getpid()}.swap", self.aio)
+
+
+def kept_on_device(numels: list[int], ratio: float) -> frozenset[int]:
+    """Under ``offload_optimizer.ratio`` (the share offloaded), the flat groups (by their shard's ``numels``, in
+    reduction order) whose optimizer state stays on the compute device: those reduced last in backward, as many as fit
+    ``1 - ratio`` of the elements. Their gradients come last, where a step during backward would have the least time
+    to run; kept, they step on the device right after the verdict while the offloaded ones, stepped during backward,
+    only commit. A share between two flat groups rounds down (the kept part never exceeds it)."""
+    return kept_within(numels, [float(n) for n in numels], (1.0 - ratio) * sum(numels))
+
+
+def choose_kept(numels: list[int], ratio: Union[float, str], per_element: int, budget: int) -> frozenset[int]:
+    """``offload_optimizer.ratio``: a share (:func:`kept_on_device`), or ``"auto"``: as many flat groups as fit
+    ``budget`` bytes of device memory at ``per_element`` bytes per element (the master weights, the gradient and
+    each state tensor); none fitting is an error naming the budget."""
+    if ratio != "auto":
+        return kept_on_device(numels, float(ratio))
+    kept = kept_within(numels, [float(n * per_element) for n in numels], budget)
+    if numels and not kept:
+        raise ValueError(
+            f"offload_optimizer.ratio 'auto': a budget of {budget} bytes of device memory keeps none of the optimizer "
+            f"state there (the flat group reduced last needs {numels[-1] * per_element} bytes); set ratio to 1 to "
+            "offload all of it, or raise offload_optimizer.keep_on_device_bytes"
+        )
+    return kept
+
+
+def kept_within(numels: list[int], cost: list[float], budget: float) -> frozenset[int]:
+    """The flat groups reduced last whose ``cost`` together fits ``budget`` (stopping at the first that does not)."""
+    kept, total = set(), 0.0
+    for index in reversed(range(len(numels))):
+        if total + cost[index] > budget:
+            break
+        kept.add(index)
+        total += cost[index]
+    return frozenset(kept)
 
 
 def optimizer_swapper(plan: OffloadPlan, max_numel: int, synchronize: Callable[[], None]) -> NvmeOptimizerSwapper:

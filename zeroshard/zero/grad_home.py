@@ -9,12 +9,11 @@
   host memory holds one bucket's gradient at a time, never the model's; the step reads each sub-group's gradient
   together with its state.
 
-Why the gradient waits on disk rather than being consumed by an early optimizer step: the clip coefficient and the
-fp16 overflow verdict are known only after the last gradient, and the step must equal the one that waits for them
-bit for bit. Stepping early and rolling back needs the old state *and* the gradient kept until the verdict (more
-bytes than this), and speculating on the coefficient is wrong whenever clipping clips -- at DeepSpeed's default of
-1.0, most early steps. The cost is 4 bytes per parameter written during backward (overlapped with it) and read in
-the step, beside the 24 the step moves anyway (``docs/tutorials/offload.md``).
+The gradient waits until the step's verdict (the clip coefficient and the fp16 overflow, known only after the last
+gradient) even when the step runs during backward (:mod:`.speculation`): a speculated step reads it as it becomes
+final, and a step the verdict replays reads it again, from the same place. The cost is 4 bytes per parameter written
+during backward (overlapped with it) and read in the step, beside the 24 the step moves anyway
+(``docs/tutorials/offload.md``).
 
 Both homes do the same arithmetic in the same order (``zero_``, ``add_(reduced, alpha)``, then the step's
 ``mul_(coef)`` on a range), so a spilled gradient yields the same bits as a resident one; the squared norm is taken

@@ -20,23 +20,44 @@ from typing import Callable, Iterable, Mapping, Optional
 import torch
 
 from .. import comm
-from ..offload import MASTER, NvmeShard, OffloadIOError, OffloadPlan, SubGroup, optimizer_swapper
+from ..accelerator import get_accelerator
+from ..offload import (
+    MASTER,
+    NvmeShard,
+    OffloadIOError,
+    OffloadPlan,
+    SubGroup,
+    choose_kept,
+    optimizer_swapper,
+)
 from ..offload.aio import align_up
 from ..optim.contract import ShardLayout, needs_of
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
-from .grad_home import GradHome, SpilledGrad
-from .optimizer_state import DeviceState, MakeOptimizer, OptimizerState, copied
+from .grad_home import GradHome, ResidentGrad, SpilledGrad
+from .optimizer_state import (
+    DeviceState,
+    MakeOptimizer,
+    OptimizerState,
+    copied,
+    device_master,
+    probe_state_keys,
+)
 from .speculation import Speculation, SpeculationPolicy
 from .step_behind import StepBehind, frozen_groups
 
 
 class HostState(OptimizerState):
+    """See the module docstring. ``kept``: the flat groups ``offload_optimizer.ratio`` keeps on the compute device
+    (master, state and gradient there, one sub-group each, stepped right after the verdict as :class:`DeviceState`
+    steps them); the others are offloaded."""
+
     location = "host"
 
-    def __init__(self, *args, sub_group_size: int, pin_memory: bool, **kwargs):
+    def __init__(self, *args, sub_group_size: int, pin_memory: bool, kept: frozenset[int] = frozenset(), **kwargs):
         self.sub_group_size = sub_group_size
         self.pin_memory = pin_memory
+        self.kept = kept
         self.shadow_budget: Optional[int] = None  # bytes of host shadows speculation may hold (None: no bound)
         self.shadow_bytes = 0  # bytes of host shadows allocated
         self._shadows: dict[int, tuple[torch.Tensor, Optional[dict]]] = {}  # id(sub.param) -> speculated step
@@ -52,6 +73,8 @@ class HostState(OptimizerState):
 
     def _subgroups(self, index: int, flat: FlatGroup) -> list[SubGroup]:
         numel = flat.layout.shard_numel
+        if index in self.kept:
+            return [SubGroup(index, 0, numel, device_master(flat, self.master_dtype))]
         master = torch.empty(numel, dtype=self.master_dtype, pin_memory=self.pin_memory)
         master.copy_(flat.shard_values())
         return [SubGroup(index, start, stop, master[start:stop]) for start, stop in self._ranges(numel)]
@@ -81,11 +104,27 @@ class HostState(OptimizerState):
         (all, in their order, by default); ``optimizer``: the handle to step through (:func:`.frozen_groups`)."""
         optimizer = optimizer or self.optimizer
         subs = self.subgroups if order is None else [sub for k in order for sub in self._subgroups_of[k]]
-        for sub in self._ordered(grads, subs, optimizer):
+        for sub in [sub for sub in subs if sub.flat_index in self.kept]:  # on the device, first: it is fast
+            sub.param.grad = self._master_grad(grads[sub.flat_index].read(), coef)
+            optimizer.step()
+            sub.param.grad = None
+            self._write_back(sub, sub.param.detach())
+        for sub in self._ordered(grads, [sub for sub in subs if sub.flat_index not in self.kept], optimizer):
             sub.param.grad = self._master_grad(self._grad_of(sub, grads[sub.flat_index]), coef)
             optimizer.step()
             sub.param.grad = None
             self._stepped(sub)
+
+    def grad_home(self, index: int, dtype: torch.dtype, pin: bool, buffers: ReusableBuffers) -> GradHome:
+        if index not in self.kept:
+            return super().grad_home(index, dtype, pin, buffers)
+        flat = self.flats[index]
+        home = ResidentGrad.zeros(flat.layout.shard_numel, dtype, flat.device, False, "device")
+        self._grad_homes[index] = home
+        return home
+
+    def _location_of(self, sub: SubGroup) -> str:
+        return "device" if sub.flat_index in self.kept else self.location
 
     def _stepped(self, sub: SubGroup) -> None:
         """``sub`` has just been stepped: its update goes to the compute parameters."""
@@ -118,7 +157,6 @@ class HostState(OptimizerState):
 
         self.behind.launch(label, work, [self.flats[k] for k in rest])
 
-
     # -- the step during backward (:mod:`.speculation`) ----------------------------------------------
     def enable_speculation(self, speculation: Speculation, shadow_budget: Optional[int]) -> None:
         """Step flat groups during backward, into shadows of at most ``shadow_budget`` bytes of host memory (None:
@@ -127,8 +165,8 @@ class HostState(OptimizerState):
 
     def speculate(self, index: int, coef: float, optimizer: torch.optim.Optimizer) -> Optional[int]:
         home, subs = self._grad_homes[index], self._subgroups_of[index]
-        if not self._room_for_shadows(subs, optimizer):
-            return None
+        if index in self.kept or not self._room_for_shadows(subs, optimizer):
+            return None  # kept on the device: stepped right after the verdict
         try:
             for sub in self._shadowed(subs, home, optimizer):
                 sub.param.grad = self._master_grad(self._speculative_grad(sub, home), coef)
@@ -226,7 +264,8 @@ class NvmeState(HostState):
     location = "host"
 
     def __init__(self, flats: list[FlatGroup], *args, offload: OffloadPlan, synchronize: Callable[[], None], **kwargs):
-        largest = max((flat.layout.shard_numel for flat in flats), default=1)
+        kept = kwargs.get("kept", frozenset())
+        largest = max((flat.layout.shard_numel for k, flat in enumerate(flats) if k not in kept), default=1)
         self.swapper = optimizer_swapper(offload, min(largest, offload.sub_group_size), synchronize)
         self._master_is_shard: set[int] = set()  # id(sub.param) of the sub-groups whose master is the shard
         super().__init__(flats, *args, sub_group_size=offload.sub_group_size, pin_memory=offload.pin_memory, **kwargs)
@@ -240,6 +279,8 @@ class NvmeState(HostState):
         """The master leaves memory here: one flat group's fp32 values at a time go to the swap file. An fp32 shard
         on NVMe that is one sub-group *is* its master: the sub-group keeps its master in the shard's region (the
         step's write of it updates the parameter), 4 bytes per element less on disk and per step."""
+        if index in self.kept:
+            return super()._subgroups(index, flat)
         ranges = self._ranges(flat.layout.shard_numel)
         if isinstance(flat.home, NvmeShard) and flat.dtype == self.master_dtype and len(ranges) == 1:
             sub = SubGroup(index, *ranges[0], torch.empty(0))
@@ -261,7 +302,7 @@ class NvmeState(HostState):
         take model-sized room and the step reads 4 bytes per parameter less. In memory also for an optimizer that
         exchanges its own gradients (1-bit: each rank keeps its whole gradient between steps)."""
         exact = needs_of(self.optimizer).gradient_exchange == "exact"
-        if not exact or not isinstance(self.flats[index].home, NvmeShard):
+        if not exact or not isinstance(self.flats[index].home, NvmeShard) or index in self.kept:
             return super().grad_home(index, dtype, pin, buffers)
         home = self._grad_homes[index] = SpilledGrad(self._subgroups_of[index], self.swapper, buffers, dtype)
         return home
@@ -298,8 +339,9 @@ class NvmeState(HostState):
         """Shadows are twin regions of the swap file (twice the optimizer's disk space), not host memory:
         ``shadow_budget`` does not apply. The masters' twins are reserved now; the moments' regions, both copies,
         with the first step, so the disk must have room for them now: else this is refused, naming the bytes."""
-        per_key = sum(align_up(sub.numel * 4) for sub in self.subgroups)
-        self.swapper.enable_shadow(self.subgroups)
+        offloaded = [sub for sub in self.subgroups if sub.flat_index not in self.kept]
+        per_key = sum(align_up(sub.numel * 4) for sub in offloaded)
+        self.swapper.enable_shadow(offloaded)
         need = 2 * self.state_keys_per_element() * per_key
         directory = os.path.dirname(self.swapper.file.path)
         free = shutil.disk_usage(directory).free
@@ -338,16 +380,22 @@ class NvmeState(HostState):
             self.swapper.discard(sub)
 
     def _master_values(self, sub: SubGroup) -> torch.Tensor:
+        if sub.flat_index in self.kept:
+            return super()._master_values(sub)
         return self.swapper.read(sub, [MASTER])[MASTER]
 
     def state_keys(self, index: int) -> list[str]:
+        if index in self.kept:
+            return super().state_keys(index)
         self.settle()
         return sorted(self.swapper.state_keys.get(id(self._subgroups_of[index][0].param), []))
 
     def _read_sub(self, sub: SubGroup) -> dict[str, torch.Tensor]:
-        return self.swapper.read(sub)
+        return super()._read_sub(sub) if sub.flat_index in self.kept else self.swapper.read(sub)
 
     def _write_sub(self, sub: SubGroup, part: dict[str, torch.Tensor], scalars: dict) -> None:
+        if sub.flat_index in self.kept:
+            return super()._write_sub(sub, part, scalars)
         self.swapper.write(sub, part)
         if len(part) > 1:
             self.optimizer.state[sub.param] = copied(scalars)
@@ -355,22 +403,26 @@ class NvmeState(HostState):
     def swap_files(self) -> list:
         return [self.swapper.file]
 
+    def _location_of(self, sub: SubGroup) -> str:
+        return "device" if sub.flat_index in self.kept else "nvme"
+
+    def _master_bytes_of(self, sub: SubGroup) -> int:
+        """On disk: a master that is the parameter shard is counted once, as parameters (as on the device); a
+        twin (the step during backward's) is counted."""
+        if sub.flat_index in self.kept:
+            return super()._master_bytes_of(sub)
+        own = 0 if id(sub.param) in self._master_is_shard else sub.numel * 4
+        return own + (sub.numel * 4 if (id(sub.param), MASTER) in self.swapper.twins else 0)
+
+    def _state_bytes_of(self, sub: SubGroup) -> int:
+        if sub.flat_index in self.kept:
+            return super()._state_bytes_of(sub)
+        keys = self.swapper.state_keys.get(id(sub.param), [])
+        return sub.numel * 4 * sum(1 + ((id(sub.param), key) in self.swapper.twins) for key in keys)
+
     def bytes_held(self) -> dict[str, dict[str, int]]:
         held = super().bytes_held()
-        keys = self.swapper.state_keys
-        # a master that is the parameter shard is counted once, as parameters (as on the device)
-        held["master"] = {
-            "nvme": sum(sub.numel * 4 for sub in self.subgroups if id(sub.param) not in self._master_is_shard)
-        }
-        held["optimizer_state"]["nvme"] = sum(
-            sub.numel * 4 * len(keys.get(id(sub.param), [])) for sub in self.subgroups
-        )
-        held["optimizer_state"]["host"] += self.swapper.bytes_in_memory()  # the staging buffers
-        twins = self.swapper.twins  # speculation's second copy of each region (a shared master's too)
-        for sub in self.subgroups:
-            for key in [MASTER, *keys.get(id(sub.param), [])]:
-                if (id(sub.param), key) in twins:
-                    held["master" if key == MASTER else "optimizer_state"]["nvme"] += sub.numel * 4
+        held["optimizer_state"]["host"] = held["optimizer_state"].get("host", 0) + self.swapper.bytes_in_memory()
         return held
 
 
@@ -388,8 +440,12 @@ def build_optimizer_state(
     """The optimizer state in the home ``offload_optimizer`` names (``pieces``: the group along each split axis,
     over which optimizers that read whole parameters complete them)."""
     args = (flats, group_of_flat, param_groups, make_optimizer)
+    if offload.optimizer_device in ("nvme", "cpu"):
+        kept = _kept_on_device(flats, offload, make_optimizer, param_groups, master_dtype)
     if offload.optimizer_device == "nvme":
-        state = NvmeState(*args, master_dtype=master_dtype, offload=offload, synchronize=synchronize, pieces=pieces)
+        state = NvmeState(
+            *args, master_dtype=master_dtype, offload=offload, synchronize=synchronize, pieces=pieces, kept=kept
+        )
     elif offload.optimizer_device == "cpu":
         state = HostState(
             *args,
@@ -397,11 +453,26 @@ def build_optimizer_state(
             sub_group_size=offload.sub_group_size,
             pin_memory=offload.pin_memory,
             pieces=pieces,
+            kept=kept,
         )
     else:
         return DeviceState(*args, master_dtype=master_dtype, pieces=pieces)
     _enable_speculation(state, offload)
     return state
+
+
+def _kept_on_device(flats, offload: OffloadPlan, make_optimizer, param_groups, master_dtype) -> frozenset[int]:
+    """``offload_optimizer.ratio``: the flat groups kept on the compute device (:func:`choose_kept`). ``"auto"``'s
+    budget: ``keep_on_device_bytes``, else half the device's free memory now (the other half left to activations
+    and gathered parameters)."""
+    numels = [flat.layout.shard_numel for flat in flats]
+    if offload.ratio != "auto":
+        return choose_kept(numels, offload.ratio, 0, 0)
+    per_element = 4 * (2 + probe_state_keys(make_optimizer, param_groups[0], master_dtype))
+    budget = offload.keep_on_device_bytes
+    if budget is None:
+        budget = get_accelerator().available_memory() // 2
+    return choose_kept(numels, "auto", per_element, budget)
 
 
 def _enable_speculation(state: HostState, offload: OffloadPlan) -> None:

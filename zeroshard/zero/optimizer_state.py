@@ -142,17 +142,8 @@ class OptimizerState:
                 self.discard(index)
 
     def state_keys_per_element(self) -> int:
-        """How many elementwise state tensors the optimizer makes (Adam 2, Lion 1, ...), before its first step: one
-        step of a copy of it (the same builder and hyperparameters) over 64 elements; 2 when that fails."""
-        probe = torch.nn.Parameter(torch.zeros(64, dtype=self.master_dtype))
-        hyperparameters = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        try:
-            optimizer = self._make_optimizer([{**hyperparameters, "params": [probe]}], None)
-            probe.grad = torch.ones_like(probe)
-            optimizer.step()
-        except Exception:  # a client's optimizer the builder cannot copy: assume Adam's two moments
-            return 2
-        return len(elementwise_keys(optimizer.state.get(probe, {}), probe))
+        """How many elementwise state tensors the optimizer makes (Adam 2, Lion 1, ...), before its first step."""
+        return probe_state_keys(self._make_optimizer, self.optimizer.param_groups[0], self.master_dtype)
 
     def _step_bytes(self, index: int) -> int:
         """Bytes of master weights and state one step of flat group ``index`` reads and writes."""
@@ -284,36 +275,67 @@ class OptimizerState:
     # -- memory -----------------------------------------------------------------------------------
     def bytes_held(self) -> dict[str, dict[str, int]]:
         """Bytes of master weights and optimizer state per location. Without waiting for a step running behind
-        (the engine samples this after every step): the dicts are copied first (one C call each, which the step's
-        thread cannot interleave), and the sizes do not change once the first step has made the state."""
-        state = sum(
-            value.numel() * value.element_size()
-            for per_param in list(self.optimizer.state.values())
-            for value in list(per_param.values())
-            if torch.is_tensor(value) and value.dim() > 0
-        )
-        return {"master": {self.location: self._master_bytes()}, "optimizer_state": {self.location: state}}
+        (the engine samples this after every step): each dict is copied first (one C call, which the step's thread
+        cannot interleave), and the sizes do not change once the first step has made the state."""
+        held: dict[str, dict[str, int]] = {"master": {}, "optimizer_state": {}}
+        for sub in self.subgroups:
+            where = self._location_of(sub)
+            held["master"][where] = held["master"].get(where, 0) + self._master_bytes_of(sub)
+            held["optimizer_state"][where] = held["optimizer_state"].get(where, 0) + self._state_bytes_of(sub)
+        return held
 
-    def _master_bytes(self) -> int:
-        return sum(sub.numel * 4 for sub in self.subgroups)
+    def _location_of(self, sub: SubGroup) -> str:
+        """Where a sub-group's master weights and state live (``location``; a flat group ``ratio`` keeps on the
+        compute device says so)."""
+        return self.location
+
+    def _state_bytes_of(self, sub: SubGroup) -> int:
+        state = dict(self.optimizer.state.get(sub.param) or {})
+        return sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+
+    def _master_bytes_of(self, sub: SubGroup) -> int:
+        # a stage-3 shard that is its own master is counted once, as parameters
+        return 0 if self._aliased(sub) and not self.flats[sub.flat_index].resident else sub.numel * 4
+
+    def _aliased(self, sub: SubGroup) -> bool:
+        """Whether the sub-group's master is the flat group's compute shard itself (fp32 on the device)."""
+        shard = self.flats[sub.flat_index].shard
+        return shard is not None and shard.data_ptr() == sub.param.data_ptr() and sub.param.numel() > 0
 
     def master_bytes_shared_with_params(self) -> int:
         """Bytes counted both as ``master`` and as ``params`` because they are one tensor (fp32 compute)."""
-        return 0
+        return sum(
+            sub.numel * 4 for sub in self.subgroups if self._aliased(sub) and self.flats[sub.flat_index].resident
+        )
+
+
+def probe_state_keys(make_optimizer: MakeOptimizer, group: dict, master_dtype: torch.dtype) -> int:
+    """How many elementwise state tensors the optimizer ``make_optimizer`` builds makes: one step of one over 64
+    elements with ``group``'s hyperparameters; 2 (Adam's moments) when that fails (a client's optimizer the builder
+    cannot copy)."""
+    probe = torch.nn.Parameter(torch.zeros(64, dtype=master_dtype))
+    hyperparameters = {k: v for k, v in group.items() if k != "params"}
+    try:
+        optimizer = make_optimizer([{**hyperparameters, "params": [probe]}], None)
+        probe.grad = torch.ones_like(probe)
+        optimizer.step()
+    except Exception:
+        return 2
+    return len(elementwise_keys(optimizer.state.get(probe, {}), probe))
+
+
+def device_master(flat: FlatGroup, master_dtype: torch.dtype) -> torch.Tensor:
+    """A flat group's master shard on the compute device: the shard itself with fp32 compute (updated in place by
+    the step), else an fp32 copy."""
+    if flat.home is None and flat.dtype == master_dtype:
+        return flat.shard
+    master = torch.empty(flat.layout.shard_numel, dtype=master_dtype, device=flat.device)
+    return master.copy_(flat.shard_values())
 
 
 class DeviceState(OptimizerState):
     def _subgroups(self, index: int, flat: FlatGroup) -> list[SubGroup]:
-        if flat.home is None and flat.dtype == self.master_dtype:
-            master = flat.shard  # fp32 compute: the shard is the master (updated in place by the step)
-        else:
-            master = torch.empty(flat.layout.shard_numel, dtype=self.master_dtype, device=flat.device)
-            master.copy_(flat.shard_values())
-        return [SubGroup(index, 0, master.numel(), master)]
-
-    def _aliased(self, sub: SubGroup) -> bool:
-        shard = self.flats[sub.flat_index].shard
-        return shard is not None and shard.data_ptr() == sub.param.data_ptr()
+        return [SubGroup(index, 0, flat.layout.shard_numel, device_master(flat, self.master_dtype))]
 
     def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
         """One fused optimizer call over every master shard when the gradients are in the master dtype; one per
@@ -328,18 +350,6 @@ class DeviceState(OptimizerState):
             for sub in batch:
                 sub.param.grad = None
         self.publish()
-
-    def _master_bytes(self) -> int:
-        # a stage-3 shard that is its own master is counted once, as parameters
-        return sum(
-            0 if self._aliased(sub) and not self.flats[sub.flat_index].resident else sub.numel * 4
-            for sub in self.subgroups
-        )
-
-    def master_bytes_shared_with_params(self) -> int:
-        return sum(
-            sub.numel * 4 for sub in self.subgroups if self._aliased(sub) and self.flats[sub.flat_index].resident
-        )
 
 
 def copied(scalars: dict) -> dict:

@@ -140,6 +140,8 @@ class Speculation:
         self._armed: Optional[_Armed] = None
         self._jobs: list[tuple[int, Future]] = []
         self._done: dict[int, int] = {}  # flat index -> sub-groups speculated into shadows, awaiting the verdict
+        # flat groups whose gradient changes after backward: pipeline ties, summed over the stages in the step
+        self.excluded: set[int] = set()
         self.stats = SpeculationStats()
 
     @property
@@ -153,7 +155,7 @@ class Speculation:
 
     def offer(self, index: int) -> None:
         """Flat group ``index``'s gradient is final: step it into its shadows on the worker."""
-        if self._armed is not None:
+        if self._armed is not None and index not in self.excluded:
             armed = self._armed
             if index in armed.offered:
                 armed.spoiled = True

@@ -121,6 +121,8 @@ class ZeroStack:
         # an elementwise optimizer's (norms or whole matrices are collectives, optim.contract), exchanged exactly
         exact = type(exchange) is ExactExchange and needs_of(optimizer_state.optimizer).elementwise
         self.steps_behind = stage3 is not None and exact and optimizer_state.can_step_behind
+        if optimizer_state.speculation is not None:  # tied gradients are summed over the stages after backward
+            optimizer_state.speculation.excluded.update(k for k, tie in enumerate(ties or []) if tie is not None)
 
     def settle(self) -> None:
         """Wait for an optimizer step running behind the forward (raising its error, if it failed)."""

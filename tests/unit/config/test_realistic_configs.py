@@ -156,8 +156,10 @@ def test_shipped_example_configs_parse(path):
 
 
 def test_offload_keys_are_checked():
-    with pytest.raises(NotImplementedError, match="'zero_optimization.offload_optimizer.ratio' = 0.3"):
-        parse_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
+    twin_flow = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}
+    assert parse_config(twin_flow).zero_optimization.offload_optimizer.ratio == 0.3  # honoured: partial offload
+    with pytest.raises(ValueError, match="'zero_optimization.offload_optimizer.ratio' = 1.3"):
+        parse_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1.3}}})
     with pytest.raises(NotImplementedError, match="use_gds"):
         parse_config({"aio": {"use_gds": True}})
     with pytest.raises(ValueError, match="set stage to 1, 2 or 3"):
