@@ -512,7 +512,8 @@ KEEP_ON_DEVICE = 130_000  # ratio "auto": at 16 bytes per element (AdamW), the t
 def ratio_cases(where):
     """Stage 3, one flat group per block (so each ratio keeps a different number on the device), clipping that
     clips, 2 micro-batches."""
-    target = {"device": where, "keep_on_device_bytes": KEEP_ON_DEVICE, **({"nvme_path": SWAP} if where == "nvme" else {})}
+    target = {"device": where, "keep_on_device_bytes": KEEP_ON_DEVICE}
+    target.update({"nvme_path": SWAP} if where == "nvme" else {})
     return [
         ParityCase(3, "fp32", 2, lr=1e-3, clip=0.05, steps=3,
                    zero=UNITS + (("sub_group_size", SUB_GROUP), ("offload_optimizer", {**target, "ratio": ratio})))

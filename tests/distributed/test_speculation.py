@@ -212,7 +212,8 @@ import os, signal, sys, torch, zeroshard
 from zeroshard.testing.parity import ParityCase, make_model
 swap, checkpoint = sys.argv[1], sys.argv[2]
 nvme = {"device": "nvme", "nvme_path": swap}
-zero = (("stage3_param_persistence_threshold", 0), ("sub_group_size", 700), ("offload_param", {**nvme, "max_in_cpu": 0}))
+zero = (("stage3_param_persistence_threshold", 0), ("sub_group_size", 700))
+zero += (("offload_param", {**nvme, "max_in_cpu": 0}),)
 x = torch.randint(0, 64, (2, 8))
 
 def engine_with(speculate):

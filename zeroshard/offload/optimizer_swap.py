@@ -83,12 +83,12 @@ class NvmeOptimizerSwapper:
         self.slots = [_Slot() for _ in range(buffer_count)]
         self.twins: dict[tuple[int, str], tuple[SwapFile, int]] = {}  # the regions a speculated step writes
         self._spill_slots = self.slots  # the slots gradients stage through (their own once shadowed)
-        self._spill_turn = 0
+        self._spill_turn = 0  # the slot the next gradient write stages through
         self._grad_writes: dict[int, list[IOPending]] = {}  # id(sub.param) -> its last gradient write
-        # speculation: id(sub.param) -> (its state before, its state keys before) while a shadow step runs, then
-        # -> (the state the step made, the keys before) until commit or discard
+        # speculation, per id(sub.param): (the sub-group, its state before, its state keys before) while a shadow step
+        # runs; then (the state the step made, the keys before) until commit or discard
         self._set_aside: dict[int, tuple[SubGroup, Optional[dict], list[str]]] = {}
-        self._speculated: dict[int, tuple[Optional[dict], list[str]]] = {}  # the slot the next gradient write stages through
+        self._speculated: dict[int, tuple[Optional[dict], list[str]]] = {}
         self._stepping: Optional[tuple[SubGroup, _Slot]] = None  # the sub-group ``steps`` has yielded, and its slot
 
     # -- staging buffers and file regions -------------------------------------------------------

@@ -6,9 +6,12 @@
 - :class:`NvmeState` (``offload_optimizer.device: nvme``): as the host state, but the sub-groups live in a
   swap file and stream through a few host buffers around their turn (:mod:`zeroshard.offload`).
 
-Both can run their step behind the next forward (:meth:`HostState.step_behind`, :mod:`.step_behind`).
-:func:`build_optimizer_state` picks the home ``offload_optimizer`` names, :class:`~.optimizer_state.DeviceState`
-included.
+Both can run their step behind the next forward (:meth:`HostState.step_behind`, :mod:`.step_behind`), or during
+backward, before its verdict, into shadow slots (:meth:`HostState.speculate`, :mod:`.speculation`). Under
+``offload_optimizer.ratio`` some flat groups stay on the compute device (``kept``: master, gradient and state there,
+stepped as :class:`~.optimizer_state.DeviceState` steps them). :func:`build_optimizer_state` picks the home
+``offload_optimizer`` names, :class:`~.optimizer_state.DeviceState` included, the flat groups kept, and whether the
+step runs during backward.
 """
 
 from __future__ import annotations

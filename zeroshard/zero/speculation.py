@@ -201,7 +201,8 @@ class Speculation:
         done, self._done = self._done, {}
         speculated = armed is not None
         if speculated:
-            clean = clean and not armed.spoiled and scale == armed.scale and _same(armed.groups, _hyperparameters(optimizer))
+            same = scale == armed.scale and _same(armed.groups, _hyperparameters(optimizer))
+            clean = clean and same and not armed.spoiled
         self.policy.record(speculated, clean)
         stats = self.stats
         stats.last_speculated = sum(done.values())
