@@ -538,7 +538,7 @@ def test_partial_offload_is_the_same_arithmetic_at_every_ratio(where):
         for name, value in everything["params"].items():
             assert torch.equal(result["params"][name], value), (ratio, name)
         shards = [numel // 2 for numel, _ in result["flat_numels"]]
-        kept = choose_kept(shards, ratio, 16, KEEP_ON_DEVICE)
+        kept = choose_kept(shards, ratio, KEEP_ON_DEVICE)
         on_device = sum(n for k, n in enumerate(shards) if k in kept)
         offloaded = sum(shards) - on_device
         if ratio == "auto":

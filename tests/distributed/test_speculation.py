@@ -23,8 +23,10 @@ UNITS = (("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshol
 WHOLE = 10**9
 
 
-def offload(optimizer, param=None, sub_group=1000, stage=2, host_bytes=None):
+def offload(optimizer, param=None, sub_group=1000, stage=2, host_bytes=None, persistent=False):
     zero = [("sub_group_size", sub_group)] + list(UNITS if stage == 3 else ())
+    if persistent:  # every parameter persistent: stage 3 with resident flat groups, as a small model has them
+        zero = [("sub_group_size", sub_group), ("stage3_param_persistence_threshold", 10**9)]
     if optimizer == "cpu":
         zero.append(("offload_optimizer", {"device": "cpu", "speculation_host_bytes": host_bytes}))
     else:
@@ -41,10 +43,10 @@ NAN_AT = 2  # the NaN case: the loss of this step's first micro-batch on rank 1 
 
 
 def case(stage, where, *, clip=0.0, gas=1, dtype="fp32", optimizer="AdamW", param=None, sub_group=1000, extra=(),
-         steps=5, params=(), host_bytes=None):  # fmt: skip
+         steps=5, params=(), host_bytes=None, persistent=False):  # fmt: skip
     return ParityCase(
         stage, dtype, gas, lr=1e-3, clip=clip, steps=steps, optimizer=optimizer, optimizer_params=params,
-        extra=extra, zero=offload(where, param, sub_group, stage, host_bytes),
+        extra=extra, zero=offload(where, param, sub_group, stage, host_bytes, persistent),
     )  # fmt: skip
 
 
@@ -53,6 +55,10 @@ CASES = {
     "stage 2, NVMe, no clipping": (case(2, "nvme"), "commit"),
     "stage 2, CPU, clip between the norms, 4 micro-batches, Adam": (
         case(2, "cpu", clip=0.9, gas=4, optimizer="Adam", steps=8), "mixed"),
+    "stage 3, NVMe shards their own masters, no clipping, 2 micro-batches": (
+        case(3, "nvme", param="nvme", sub_group=WHOLE, gas=2), "commit"),
+    "stage 3, NVMe, every parameter persistent, clip between the norms": (
+        case(3, "nvme", param="nvme", sub_group=WHOLE, persistent=True, clip=2.0, steps=8), "mixed"),
     "stage 3, NVMe shards their own masters, clip always": (
         case(3, "nvme", param="nvme", sub_group=WHOLE, clip=1e-3), "replay"),
     "stage 3, NVMe shards and bf16, clip between the norms": (
@@ -351,3 +357,39 @@ def test_a_disk_too_small_for_the_twins_is_refused_at_initialize_with_the_bytes(
         import subprocess
 
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def client_optimizer_worker() -> list:
+    """A client's optimizer object with a torch LR scheduler bound to it before ``initialize`` (Accelerate's and the
+    HF Trainer's order): zeroshard steps that object over the master shards. Before: probing it for its state
+    tensors (the NVMe disk check) re-pointed its groups at the probe, and nothing trained."""
+    import zeroshard
+    from zeroshard.ops.adam import CPUAdam
+
+    out = []
+    for speculate in (True, False):
+        model = make_model()
+        optimizer = CPUAdam(model.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        nvme = {"device": "nvme", "nvme_path": SWAP, "super_offload": speculate}
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+                  "zero_optimization": {"stage": 3, "offload_optimizer": nvme, **dict(UNITS)}}  # fmt: skip
+        engine, *_ = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
+        numels = sorted(p.numel() for group in optimizer.param_groups for p in group["params"])
+        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            engine.backward(engine(x, x))
+            engine.step()
+            scheduler.step()
+        stats = engine.stack.optimizer_state.speculation.stats if speculate else None
+        params = {k: v.clone() for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
+        out.append((params, numels, stats.committed if stats else None))
+        engine.destroy()
+    return out
+
+
+def test_a_client_optimizer_with_its_scheduler_speculates_exactly():
+    for (spec, numels, committed), (sync, sync_numels, _) in run_distributed(client_optimizer_worker, 2):
+        assert numels == sync_numels and 64 not in numels and committed > 0
+        for key, value in sync.items():
+            assert torch.equal(spec[key], value), key

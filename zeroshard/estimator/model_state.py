@@ -181,7 +181,7 @@ class ModelState:
         budget = offload.keep_on_device_bytes
         if budget is None and offload.ratio == "auto":
             budget = get_accelerator().available_memory() // 2
-        kept = choose_kept(numels, offload.ratio, 4 * (2 + self.state_tensors), budget or 0)
+        kept = choose_kept(numels, offload.ratio, budget or 0)
         share = 1 - sum(numels[k] for k in kept) / max(1, sum(numels))
         out.notes.append(
             f"offload_optimizer.ratio {offload.ratio}: {len(kept)} of {len(numels)} flat groups keep their optimizer "

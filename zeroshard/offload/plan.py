@@ -121,10 +121,15 @@ def kept_on_device(numels: list[int], ratio: float) -> frozenset[int]:
     return kept_within(numels, [float(n) for n in numels], (1.0 - ratio) * sum(numels))
 
 
-def choose_kept(numels: list[int], ratio: Union[float, str], per_element: int, budget: int) -> frozenset[int]:
+# ratio "auto" counts Adam's bytes per element kept on the device: the fp32 master, the gradient, two moments
+AUTO_BYTES_PER_ELEMENT = 16
+
+
+def choose_kept(numels: list[int], ratio: Union[float, str], budget: int) -> frozenset[int]:
     """``offload_optimizer.ratio``: a share (:func:`kept_on_device`), or ``"auto"``: as many flat groups as fit
-    ``budget`` bytes of device memory at ``per_element`` bytes per element (the master weights, the gradient and
-    each state tensor); none fitting is an error naming the budget."""
+    ``budget`` bytes of device memory at :data:`AUTO_BYTES_PER_ELEMENT` (decided before the optimizer exists: an
+    optimizer with fewer state tensors keeps less than it could); none fitting is an error naming the budget."""
+    per_element = AUTO_BYTES_PER_ELEMENT
     if ratio != "auto":
         return kept_on_device(numels, float(ratio))
     kept = kept_within(numels, [float(n * per_element) for n in numels], budget)

@@ -44,7 +44,6 @@ from .optimizer_state import (
     OptimizerState,
     copied,
     device_master,
-    probe_state_keys,
 )
 from .speculation import Speculation, SpeculationPolicy
 from .step_behind import StepBehind, frozen_groups
@@ -444,7 +443,7 @@ def build_optimizer_state(
     over which optimizers that read whole parameters complete them)."""
     args = (flats, group_of_flat, param_groups, make_optimizer)
     if offload.optimizer_device in ("nvme", "cpu"):
-        kept = _kept_on_device(flats, offload, make_optimizer, param_groups, master_dtype)
+        kept = _kept_on_device(flats, offload)
     if offload.optimizer_device == "nvme":
         state = NvmeState(
             *args, master_dtype=master_dtype, offload=offload, synchronize=synchronize, pieces=pieces, kept=kept
@@ -464,18 +463,14 @@ def build_optimizer_state(
     return state
 
 
-def _kept_on_device(flats, offload: OffloadPlan, make_optimizer, param_groups, master_dtype) -> frozenset[int]:
+def _kept_on_device(flats: list[FlatGroup], offload: OffloadPlan) -> frozenset[int]:
     """``offload_optimizer.ratio``: the flat groups kept on the compute device (:func:`choose_kept`). ``"auto"``'s
     budget: ``keep_on_device_bytes``, else half the device's free memory now (the other half left to activations
     and gathered parameters)."""
-    numels = [flat.layout.shard_numel for flat in flats]
-    if offload.ratio != "auto":
-        return choose_kept(numels, offload.ratio, 0, 0)
-    per_element = 4 * (2 + probe_state_keys(make_optimizer, param_groups[0], master_dtype))
     budget = offload.keep_on_device_bytes
-    if budget is None:
+    if budget is None and offload.ratio == "auto":
         budget = get_accelerator().available_memory() // 2
-    return choose_kept(numels, "auto", per_element, budget)
+    return choose_kept([flat.layout.shard_numel for flat in flats], offload.ratio, budget or 0)
 
 
 def _enable_speculation(state: HostState, offload: OffloadPlan) -> None:

@@ -13,6 +13,7 @@ Gradients come in from the reducer (:mod:`zeroshard.zero.reducer`).
 
 from __future__ import annotations
 
+from collections import OrderedDict, defaultdict
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -66,7 +67,6 @@ class OptimizerState:
             master_groups[group_of_flat[sub.flat_index]]["params"].append(sub.param)
         layout = self._layout()
         self.optimizer = make_optimizer(master_groups, layout)
-        self._make_optimizer = make_optimizer  # for :meth:`state_keys_per_element`
         reason = refusal(
             type(self.optimizer).__name__,
             needs_of(self.optimizer),
@@ -143,7 +143,7 @@ class OptimizerState:
 
     def state_keys_per_element(self) -> int:
         """How many elementwise state tensors the optimizer makes (Adam 2, Lion 1, ...), before its first step."""
-        return probe_state_keys(self._make_optimizer, self.optimizer.param_groups[0], self.master_dtype)
+        return probe_state_keys(self.optimizer, self.master_dtype)
 
     def _step_bytes(self, index: int) -> int:
         """Bytes of master weights and state one step of flat group ``index`` reads and writes."""
@@ -309,19 +309,23 @@ class OptimizerState:
         )
 
 
-def probe_state_keys(make_optimizer: MakeOptimizer, group: dict, master_dtype: torch.dtype) -> int:
-    """How many elementwise state tensors the optimizer ``make_optimizer`` builds makes: one step of one over 64
-    elements with ``group``'s hyperparameters; 2 (Adam's moments) when that fails (a client's optimizer the builder
-    cannot copy)."""
+def probe_state_keys(optimizer: torch.optim.Optimizer, master_dtype: torch.dtype) -> int:
+    """How many elementwise state tensors ``optimizer`` makes per parameter (Adam 2, Lion 1, ...), before its first
+    step: one step of a copy of it (its class, its first group's hyperparameters, a state of its own, no hooks) over
+    64 elements; the optimizer itself is untouched. 2 (Adam's moments) when the copy cannot step."""
     probe = torch.nn.Parameter(torch.zeros(64, dtype=master_dtype))
-    hyperparameters = {k: v for k, v in group.items() if k != "params"}
+    probe.grad = torch.ones_like(probe)
+    copy = object.__new__(type(optimizer))
+    copy.__dict__.update(optimizer.__dict__)
+    copy.__dict__.pop("step", None)  # an LR scheduler's wrapper would step the original
+    copy.param_groups = [{**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}, "params": [probe]}]
+    copy.state = defaultdict(dict)
+    copy._optimizer_step_pre_hooks, copy._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
     try:
-        optimizer = make_optimizer([{**hyperparameters, "params": [probe]}], None)
-        probe.grad = torch.ones_like(probe)
-        optimizer.step()
+        type(optimizer).step(copy)
     except Exception:
         return 2
-    return len(elementwise_keys(optimizer.state.get(probe, {}), probe))
+    return len(elementwise_keys(copy.state.get(probe, {}), probe))
 
 
 def device_master(flat: FlatGroup, master_dtype: torch.dtype) -> torch.Tensor:

@@ -41,6 +41,10 @@ def frozen_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     its hyperparameters now: a step through it is unaffected by later changes to ``optimizer.param_groups``."""
     frozen = object.__new__(type(optimizer))
     frozen.__dict__.update(optimizer.__dict__)
+    if frozen.__dict__.pop("step", None) is not None:
+        # a torch LR scheduler bound to the client's optimizer wraps its step: the wrapper would step the original,
+        # with its live groups. The class's step runs on this handle; the flag the wrapper sets is set here
+        optimizer._opt_called = True
     frozen.param_groups = [dict(group) for group in optimizer.param_groups]
     return frozen
 
