@@ -137,12 +137,14 @@ def check_memory(variant, result, dtype):
         assert nvme["master"] == (4 * shard if shared else 8 * shard) and nvme["optimizer_state"] == 16 * shard
         if param == "nvme":  # with the parameter shards: on disk, in fp32
             assert host["grad_shard"] == 0 and nvme["grad_shard"] == 4 * shard
-        # host copies of NVMe state: at most buffer_count staging buffers of one sub-group (master, m, v, gradient),
-        # and two for the gradients the training thread writes while the step runs during backward
+        # host copies of NVMe state: at most buffer_count staging buffers of one sub-group (master, m, v, gradient);
+        # gradients on disk add the training thread's two slots and buffer_count + 1 hand-off buffers while the step
+        # runs during backward
         assert host["master"] == 0
         largest = max(n for n, _ in result["flat_numels"]) // 2
         sub = min((sub_group or [SUB_GROUP])[0], largest)
-        assert host["optimizer_state"] <= (NVME_BUFFERS * 4 + 2) * align_up(sub * 4)
+        spilled = 2 + NVME_BUFFERS + 1 if param == "nvme" else 0
+        assert host["optimizer_state"] <= (NVME_BUFFERS * 4 + spilled) * align_up(sub * 4)
     if param == "cpu":
         assert device["params"] == 0 and host["params"] == compute * shard  # only gathered units on device
     if param == "nvme":
@@ -163,7 +165,10 @@ def swap_hygiene_worker(swap_dir):
         zero=UNITS
         + (
             ("sub_group_size", 700),
-            ("offload_optimizer", {"device": "nvme", "nvme_path": swap_dir, "buffer_count": 1}),
+            # the step after backward: the ledger below is exact (with the step during backward, gradients handed
+            # off in memory are not read back, as many as its lag allows: the second run)
+            ("offload_optimizer", {"device": "nvme", "nvme_path": swap_dir, "buffer_count": 1,
+                                   "super_offload": False}),
             ("offload_param", {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0, "buffer_count": 1}),
         ),
     )
@@ -212,18 +217,20 @@ def test_swap_files_leave_nothing_behind(tmp_path):
     for *_, (moved, state, shards), independent, predicted, (shared, shared_predicted) in results:
         assert independent  # another engine on the same nvme_path changed nothing of this one's state
         assert (predicted["read"], predicted["written"]) == moved[1]  # zeroshard estimate's disk bytes per step
-        assert (shared_predicted["read"], shared_predicted["written"]) == shared
+        # the second run steps during backward (the default): estimate's read bytes are the most it reads, less
+        # at most its gradients, each handed off in memory rather than read back
+        grads = sum(shards)  # one gradient region per flat group there (whole-shard sub-groups), as large
+        assert shared_predicted["written"] == shared[1]
+        assert shared_predicted["read"] - grads <= shared[0] <= shared_predicted["read"], (shared, shared_predicted)
         assert shared[1] < moved[1][1]  # the parameter shards were not written a second time
         # the disk ledger, exactly: the step reads master, exp_avg, exp_avg_sq and the gradient of every sub-group
         # and writes the first three back, backward wrote the gradient; each unit's parameter shard is read for
         # its forward and again for its backward, the root unit's once (gathered throughout), and from the second
         # step on the last block's once (kept from its forward into its backward); all are written after the step.
-        # The first step has no moments to read yet. The step runs during backward (super_offload, on by default
-        # with NVMe) and, committed, publishes each shard from its master, read back once more (the shards here are
-        # not their own masters: several sub-groups each).
+        # The first step has no moments to read yet.
         params_read = 2 * sum(shards[:-1]) + shards[-1]
-        assert moved[0] == (3 * state + params_read, 4 * state + sum(shards))
-        assert moved[1] == moved[2] == (5 * state + params_read - shards[-2], 4 * state + sum(shards))
+        assert moved[0] == (2 * state + params_read, 4 * state + sum(shards))
+        assert moved[1] == moved[2] == (4 * state + params_read - shards[-2], 4 * state + sum(shards))
     for listed, on_disk, params, *_ in results:
         assert listed == [] and on_disk > 0
         assert all(torch.isfinite(v).all() for v in params.values())
@@ -397,8 +404,8 @@ engine.save_checkpoint(checkpoint)
 torch.save(engine.consolidated_state_dict(rank0_only=False), os.path.join(checkpoint, "expected.pt"))
 swapper = engine.stack.optimizer_state.swapper
 write_grad = swapper.write_grad
-def write_then_die(sub, values):  # SIGKILL right after a gradient write was submitted behind
-    write_grad(sub, values)
+def write_then_die(sub, values, final=False):  # SIGKILL right after a gradient write was submitted behind
+    write_grad(sub, values, final)
     os.kill(os.getpid(), signal.SIGKILL)
 swapper.write_grad = write_then_die
 engine.backward(engine(x, x))

@@ -138,7 +138,9 @@ class ModelState:
             written += keys * regions(shards) + regions(spilled)
             if offload.speculate is not False:  # the step during backward (on by default with NVMe)
                 own = [n for n, shared in zip(shards, shared_of) if not shared]
-                read += self._count_twins(out, keys * 4 * sum(shards), 2 * bool(spilled) * align_up(sub * 4), own)
+                # the gradients' own 2 staging slots and buffer_count hand-off buffers (one more kept back)
+                staging_more = (3 + offload.optimizer_buffer_count) * bool(spilled) * align_up(sub * 4)
+                read += self._count_twins(out, keys * 4 * sum(shards), staging_more, own)
             if offload.sub_group_size >= 1e8 and staging > 2**30:
                 out.notes.append(
                     f"sub_group_size ({offload.sub_group_size:.3g}) sizes the NVMe optimizer staging: "
@@ -191,8 +193,9 @@ class ModelState:
 
     def _count_twins(self, out: MemoryEstimate, twins: int, staging: int, own_masters: list[int]) -> int:
         """``super_offload`` with NVMe: a twin of every master and moment region (``twins`` bytes), the gradients'
-        own staging slots while the step runs during backward; returns the bytes a committed step reads more: a
-        master that is not its parameter shard is read back to publish it."""
+        own staging slots and hand-off buffers while the step runs during backward (``staging``); returns the bytes a
+        committed step reads more: a master that is not its parameter shard is read back to publish it. The disk
+        bytes stay an upper bound: a gradient handed off in memory is not read back (Note [gradient hand-off])."""
         from ..offload.aio import align_up
 
         out.bytes["optimizer_state"]["nvme"] += twins

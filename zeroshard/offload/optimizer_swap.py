@@ -28,6 +28,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from .aio import IOPending, SwapFile, align_up, aligned_empty
+from .param_store import BufferPool
 
 MASTER = "master"  # the key of the fp32 master weights beside the optimizer's state keys
 GRAD = "grad"  # the key of a sub-group's fp32 gradient, when it waits in the file for the step
@@ -85,6 +86,8 @@ class NvmeOptimizerSwapper:
         self._spill_slots = self.slots  # the slots gradients stage through (their own once shadowed)
         self._spill_turn = 0  # the slot the next gradient write stages through
         self._grad_writes: dict[int, list[IOPending]] = {}  # id(sub.param) -> its last gradient write
+        self._handoff: Optional[BufferPool] = None  # with shadows: final gradients kept for the step to take them
+        self._handed: dict[int, torch.Tensor] = {}  # id(sub.param) -> its hand-off buffer, until a step takes it
         # speculation, per id(sub.param): (the sub-group, its state before, its state keys before) while a shadow step
         # runs; then (the state the step made, the keys before) until commit or discard
         self._set_aside: dict[int, tuple[SubGroup, Optional[dict], list[str]]] = {}
@@ -178,18 +181,23 @@ class NvmeOptimizerSwapper:
 
     def bytes_in_memory(self) -> int:
         slots = self.slots + (self._spill_slots if self.shadowed else [])
-        return sum(b.numel() for slot in slots for b in list(slot.buffers.values()))  # a step may be adding
+        handoff = self._handoff.bytes_in_memory if self._handoff is not None else 0
+        return handoff + sum(b.numel() for slot in slots for b in list(slot.buffers.values()))  # a step may be adding
 
     # -- moving one sub-group in and out ----------------------------------------------------------
     def _read(self, sub: SubGroup, slot: _Slot, with_grad: bool) -> None:
         slot.finish_writes()
-        if with_grad:
+        handed = self._handed.pop(id(sub.param), None) if with_grad else None
+        if with_grad and handed is None:
             for pending in self._grad_writes.pop(id(sub.param), []):
                 pending.wait()  # its gradient is in the file (written by the training thread, maybe in flight)
         self.synchronize()
-        keys = self._keys(sub) + ([GRAD] if with_grad else [])
-        for key in keys:
+        keys = self._keys(sub) + ([GRAD] if with_grad and handed is None else [])
+        for key in keys + ([GRAD] if handed is not None else []):
             self._view(slot, key, sub.numel)
+        if handed is not None:  # the gradient from memory, as the training thread wrote it: not read back
+            self._view(slot, GRAD, sub.numel).copy_(handed[: sub.numel * 4].view(torch.float32))
+            self._handoff.give_back(handed, self._grad_writes.get(id(sub.param), [None])[0])
         pendings = self._io(False, sub, slot, keys)
         slot.reading = IOPending.all_of(pendings)
 
@@ -301,9 +309,23 @@ class NvmeOptimizerSwapper:
             pending.wait()
         return {key: self._view(slot, key, sub.numel).clone() for key in keys}
 
-    def write_grad(self, sub: SubGroup, values: torch.Tensor) -> None:
+    def write_grad(self, sub: SubGroup, values: torch.Tensor, final: bool = False) -> None:
         """Write the sub-group's gradient behind: staged in the slots in turn, so at most ``buffer_count`` writes
-        are in flight and the caller's ``values`` are free to reuse at once."""
+        are in flight and the caller's ``values`` are free to reuse at once. ``final`` (the step's gradient) with
+        shadows on: staged in a hand-off buffer when one is free, which the next step to read the sub-group's
+        gradient (the one during backward, as a rule) takes from memory instead of reading it back (Note [gradient
+        hand-off])."""
+        stale = self._handed.pop(id(sub.param), None)  # a hand-off no step took (a skipped step's)
+        if stale is not None:
+            self._handoff.give_back(stale, self._grad_writes.get(id(sub.param), [None])[0])
+        if final and self.shadowed and self._handoff is None:  # made with the first: only spilled gradients use it
+            self._handoff = BufferPool(len(self.slots) + 1, self.max_numel * 4, self.pin)  # one is kept back
+        if final and self.shadowed and (buffer := self._handoff.try_acquire()) is not None:
+            buffer[: sub.numel * 4].view(torch.float32).copy_(values)
+            file, offset = self.regions[(id(sub.param), GRAD)]
+            self._grad_writes[id(sub.param)] = [file.submit(True, buffer[: align_up(sub.numel * 4)], offset)]
+            self._handed[id(sub.param)] = buffer
+            return
         slot = self._spill_slots[self._spill_turn]
         self._spill_turn = (self._spill_turn + 1) % len(self._spill_slots)
         slot.finish_writes()
@@ -316,6 +338,8 @@ class NvmeOptimizerSwapper:
         """Read the sub-group's gradient into ``out`` (synchronously: an accumulation's next micro-batch)."""
         for spilling in self._spill_slots:
             spilling.finish_writes()
+        for pending in self._grad_writes.get(id(sub.param), []):
+            pending.wait()  # written from a hand-off buffer
         slot = self._spill_slots[0]
         self._view(slot, GRAD, sub.numel)
         for pending in self._io(False, sub, slot, [GRAD]):

@@ -120,9 +120,9 @@ class SpilledGrad:
         for sub in self.subs:
             self.swapper.read_grad(sub, into[sub.start : sub.stop])
 
-    def _store(self, values: torch.Tensor) -> None:
+    def _store(self, values: torch.Tensor, final: bool = False) -> None:
         for sub in self.subs:
-            self.swapper.write_grad(sub, values[sub.start : sub.stop])
+            self.swapper.write_grad(sub, values[sub.start : sub.stop], final)
         self.empty = False
 
     def accumulate(self, reduced: torch.Tensor, alpha: float, final: bool) -> None:
@@ -135,7 +135,7 @@ class SpilledGrad:
                 self._load(work)
             work.add_(reduced.to(work.device), alpha=alpha)
             self._norm = shard_norm(work) if final else None
-            self._store(work)
+            self._store(work, final)
         finally:
             self.buffers.release(work)
 
