@@ -7,8 +7,9 @@ from .flat_group import FlatGroup, ParamState
 from .gathered import GatheredParameters, consolidated_state_dict
 from .init import Init, parameters_replaced
 from .materialize import reset_parameters
-from .offloaded_state import HostState, NvmeState, build_optimizer_state
+from .offloaded_state import HostState, NvmeState
 from .optimizer import ZeroOptimizer
+from .optimizer_home import build_optimizer_state
 from .optimizer_state import DeviceState, OptimizerState
 from .param_access import ParamAccess
 from .planning import StagePolicy, leaf_paths_of

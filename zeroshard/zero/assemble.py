@@ -25,7 +25,7 @@ from .exchange import exchange_for
 from .flat_group import FlatGroup
 from .grad_norm import NormAxes
 from .gradient_check import GradientCheck
-from .offloaded_state import build_optimizer_state
+from .optimizer_home import build_optimizer_state
 from .optimizer_state import MakeOptimizer, OptimizerState
 from .planning import ModelPlan, QuantizedComm, StagePolicy, build_flat_groups, plan_model
 from .reducer import GradBucket, GradientReducer

@@ -1,4 +1,4 @@
-"""The optimizer state off the compute device, and the choice of home.
+"""The optimizer state off the compute device.
 
 - :class:`HostState` (``offload_optimizer.device: cpu``): in (pinned) host memory, cut into sub-groups of at
   most ``sub_group_size`` elements stepped one at a time, each one's update copied to the compute parameters
@@ -9,28 +9,25 @@
 Both can run their step behind the next forward (:meth:`HostState.step_behind`, :mod:`.step_behind`), or during
 backward, before its verdict, into shadow slots (:meth:`HostState.speculate`, :mod:`.speculation`). Under
 ``offload_optimizer.ratio`` some flat groups stay on the compute device (``kept``: master, gradient and state there,
-stepped as :class:`~.optimizer_state.DeviceState` steps them). :func:`build_optimizer_state` picks the home
-``offload_optimizer`` names, :class:`~.optimizer_state.DeviceState` included, the flat groups kept, and whether the
-step runs during backward.
+stepped as :class:`~.optimizer_state.DeviceState` steps them). :mod:`.optimizer_home` picks the home
+``offload_optimizer`` names, the flat groups kept, and whether the step runs during backward.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
 from .. import comm
-from ..accelerator import get_accelerator
 from ..offload import (
     MASTER,
     NvmeShard,
     OffloadIOError,
     OffloadPlan,
     SubGroup,
-    choose_kept,
     optimizer_swapper,
 )
 from ..offload.aio import align_up
@@ -38,14 +35,8 @@ from ..optim.contract import ShardLayout, needs_of
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .grad_home import GradHome, ResidentGrad, SpilledGrad
-from .optimizer_state import (
-    DeviceState,
-    MakeOptimizer,
-    OptimizerState,
-    copied,
-    device_master,
-)
-from .speculation import Speculation, SpeculationPolicy
+from .optimizer_state import OptimizerState, copied, device_master
+from .speculation import Speculation
 from .step_behind import StepBehind, frozen_groups
 
 
@@ -426,69 +417,3 @@ class NvmeState(HostState):
         held = super().bytes_held()
         held["optimizer_state"]["host"] = held["optimizer_state"].get("host", 0) + self.swapper.bytes_in_memory()
         return held
-
-
-def build_optimizer_state(
-    flats: list[FlatGroup],
-    *,
-    group_of_flat: list[int],
-    param_groups: list[dict],
-    make_optimizer: MakeOptimizer,
-    master_dtype: torch.dtype,
-    offload: OffloadPlan,
-    synchronize: Callable[[], None],
-    pieces: Optional[Mapping[str, comm.Group]] = None,
-) -> OptimizerState:
-    """The optimizer state in the home ``offload_optimizer`` names (``pieces``: the group along each split axis,
-    over which optimizers that read whole parameters complete them)."""
-    args = (flats, group_of_flat, param_groups, make_optimizer)
-    if offload.optimizer_device in ("nvme", "cpu"):
-        kept = _kept_on_device(flats, offload)
-    if offload.optimizer_device == "nvme":
-        state = NvmeState(
-            *args, master_dtype=master_dtype, offload=offload, synchronize=synchronize, pieces=pieces, kept=kept
-        )
-    elif offload.optimizer_device == "cpu":
-        state = HostState(
-            *args,
-            master_dtype=master_dtype,
-            sub_group_size=offload.sub_group_size,
-            pin_memory=offload.pin_memory,
-            pieces=pieces,
-            kept=kept,
-        )
-    else:
-        return DeviceState(*args, master_dtype=master_dtype, pieces=pieces)
-    _enable_speculation(state, offload)
-    return state
-
-
-def _kept_on_device(flats: list[FlatGroup], offload: OffloadPlan) -> frozenset[int]:
-    """``offload_optimizer.ratio``: the flat groups kept on the compute device (:func:`choose_kept`). ``"auto"``'s
-    budget: ``keep_on_device_bytes``, else half the device's free memory now (the other half left to activations
-    and gathered parameters)."""
-    budget = offload.keep_on_device_bytes
-    if budget is None and offload.ratio == "auto":
-        budget = get_accelerator().available_memory() // 2
-    return choose_kept([flat.layout.shard_numel for flat in flats], offload.ratio, budget or 0)
-
-
-def _enable_speculation(state: HostState, offload: OffloadPlan) -> None:
-    """``offload_optimizer.super_offload``: the offloaded step during backward (:mod:`.speculation`). Possible for
-    an elementwise optimizer exchanged exactly (its step is per sub-group, nothing in it a collective). By default on
-    where it overlaps something: the disk's transfers (NVMe), or the CPU's step with an accelerator's backward
-    (``cpu``; on a CPU-only machine the two would take turns on the same cores)."""
-    if offload.speculate is False:
-        return
-    needs = needs_of(state.optimizer)
-    if not (needs.elementwise and needs.gradient_exchange == "exact"):
-        if offload.speculate:
-            raise NotImplementedError(
-                f"offload_optimizer.super_offload with {type(state.optimizer).__name__}: the step during backward "
-                "needs an elementwise optimizer exchanged exactly (Adam, AdamW, Lion, SGD, Adagrad, ...); its "
-                "step reads more than one sub-group or communicates. Set super_offload to false"
-            )
-        return
-    if offload.speculate or offload.optimizer_device == "nvme" or state.can_step_behind:
-        speculation = Speculation(comm.get_rank(), state.speculate, offload.speculation_cores, SpeculationPolicy())
-        state.enable_speculation(speculation, offload.speculation_host_bytes)
