@@ -320,6 +320,8 @@ class NvmeOptimizerSwapper:
             self._handoff.give_back(stale, self._grad_writes.get(id(sub.param), [None])[0])
         if final and self.shadowed and self._handoff is None:  # made with the first: only spilled gradients use it
             self._handoff = BufferPool(len(self.slots) + 1, self.max_numel * 4, self.pin)  # one is kept back
+            for spilling in self._spill_slots:  # the fallback's buffers now too: host memory fixed from here on
+                self._view(spilling, GRAD, self.max_numel)
         if final and self.shadowed and (buffer := self._handoff.try_acquire()) is not None:
             buffer[: sub.numel * 4].view(torch.float32).copy_(values)
             file, offset = self.regions[(id(sub.param), GRAD)]
