@@ -171,19 +171,15 @@ class ModelState:
 
     def _kept_on_device(self, out: MemoryEstimate) -> frozenset[int]:
         """``offload_optimizer.ratio``: the flat groups whose optimizer state stays on the device, chosen as the
-        engine chooses them (``offload.choose_kept``; ``"auto"``: within ``keep_on_device_bytes``, else half of this
-        machine's device memory free now), with a note saying so."""
-        from ..accelerator import get_accelerator
-        from ..offload import choose_kept
+        engine chooses them (``zero.optimizer_home.kept_on_device``; ``"auto"`` against this machine's device),
+        with a note saying so."""
+        from ..zero.optimizer_home import kept_on_device
 
         offload = self.offload
         if offload.optimizer_device == "none" or offload.ratio == 1.0:
             return frozenset()
         numels = [layout.shard_numel for layout in self.layouts]
-        budget = offload.keep_on_device_bytes
-        if budget is None and offload.ratio == "auto":
-            budget = get_accelerator().available_memory() // 2
-        kept = choose_kept(numels, offload.ratio, budget or 0)
+        kept = kept_on_device(numels, offload)
         share = 1 - sum(numels[k] for k in kept) / max(1, sum(numels))
         out.notes.append(
             f"offload_optimizer.ratio {offload.ratio}: {len(kept)} of {len(numels)} flat groups keep their optimizer "

@@ -33,7 +33,7 @@ def build_optimizer_state(
     over which optimizers that read whole parameters complete them)."""
     args = (flats, group_of_flat, param_groups, make_optimizer)
     if offload.optimizer_device in ("nvme", "cpu"):
-        kept = _kept_on_device(flats, offload)
+        kept = kept_on_device([flat.layout.shard_numel for flat in flats], offload)
     if offload.optimizer_device == "nvme":
         state = NvmeState(
             *args, master_dtype=master_dtype, offload=offload, synchronize=synchronize, pieces=pieces, kept=kept
@@ -53,14 +53,15 @@ def build_optimizer_state(
     return state
 
 
-def _kept_on_device(flats: list[FlatGroup], offload: OffloadPlan) -> frozenset[int]:
-    """``offload_optimizer.ratio``: the flat groups kept on the compute device (:func:`choose_kept`). ``"auto"``'s
-    budget: ``keep_on_device_bytes``, else half the device's free memory now (the other half left to activations
-    and gathered parameters)."""
+def kept_on_device(numels: list[int], offload: OffloadPlan) -> frozenset[int]:
+    """``offload_optimizer.ratio``: the flat groups (by their shard's ``numels``) kept on the compute device
+    (:func:`~zeroshard.offload.choose_kept`); ``zeroshard estimate`` chooses through it too. ``"auto"``'s budget:
+    ``keep_on_device_bytes``, else half the device's free memory now (the other half left to activations and
+    gathered parameters)."""
     budget = offload.keep_on_device_bytes
     if budget is None and offload.ratio == "auto":
         budget = get_accelerator().available_memory() // 2
-    return choose_kept([flat.layout.shard_numel for flat in flats], offload.ratio, budget or 0)
+    return choose_kept(numels, offload.ratio, budget or 0)
 
 
 def _enable_speculation(state: HostState, offload: OffloadPlan) -> None:

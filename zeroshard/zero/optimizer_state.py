@@ -26,7 +26,7 @@ from .flat_group import FlatGroup
 from .grad_home import GradHome, ResidentGrad
 from .shard_layout import FlatShardLayout
 from .speculation import Speculation
-from .step_behind import StepBehind
+from .step_behind import StepBehind, second_handle
 
 MakeOptimizer = Callable[[list[dict], Optional[ShardLayout]], torch.optim.Optimizer]
 
@@ -315,14 +315,12 @@ def probe_state_keys(optimizer: torch.optim.Optimizer, master_dtype: torch.dtype
     64 elements; the optimizer itself is untouched. 2 (Adam's moments) when the copy cannot step."""
     probe = torch.nn.Parameter(torch.zeros(64, dtype=master_dtype))
     probe.grad = torch.ones_like(probe)
-    copy = object.__new__(type(optimizer))
-    copy.__dict__.update(optimizer.__dict__)
-    copy.__dict__.pop("step", None)  # an LR scheduler's wrapper would step the original
+    copy = second_handle(optimizer)
     copy.param_groups = [{**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}, "params": [probe]}]
     copy.state = defaultdict(dict)
     copy._optimizer_step_pre_hooks, copy._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
     try:
-        type(optimizer).step(copy)
+        copy.step()
     except Exception:
         return 2
     return len(elementwise_keys(copy.state.get(probe, {}), probe))

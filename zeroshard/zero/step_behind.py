@@ -39,14 +39,21 @@ class StepBehindError(RuntimeError):
 def frozen_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A second handle on ``optimizer`` (the same class, state and parameters) whose parameter groups are copies of
     its hyperparameters now: a step through it is unaffected by later changes to ``optimizer.param_groups``."""
-    frozen = object.__new__(type(optimizer))
-    frozen.__dict__.update(optimizer.__dict__)
-    if frozen.__dict__.pop("step", None) is not None:
-        # a torch LR scheduler bound to the client's optimizer wraps its step: the wrapper would step the original,
-        # with its live groups. The class's step runs on this handle; the flag the wrapper sets is set here
+    frozen = second_handle(optimizer)
+    if "step" in optimizer.__dict__:  # a torch LR scheduler's wrapper: the flag it sets when the optimizer steps
         optimizer._opt_called = True
     frozen.param_groups = [dict(group) for group in optimizer.param_groups]
     return frozen
+
+
+def second_handle(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Another object of ``optimizer``'s class sharing its attributes (state, groups, hooks), whose ``step`` is the
+    class's own: a torch LR scheduler bound to a client's optimizer wraps its ``step`` on the instance, and that
+    wrapper would step the original."""
+    handle = object.__new__(type(optimizer))
+    handle.__dict__.update(optimizer.__dict__)
+    handle.__dict__.pop("step", None)
+    return handle
 
 
 class _Publish(Future):

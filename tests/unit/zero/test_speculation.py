@@ -76,54 +76,57 @@ class Adam:
         return 2
 
 
-def test_hyperparameters_changed_after_backward_replay_instead_of_committing():
+@pytest.fixture
+def home():
+    return Adam()
+
+
+@pytest.fixture
+def speculation(home):
+    """A real worker thread over ``home`` (rank 3), closed after the test."""
+    speculation = Speculation(3, home.speculate, 0.5, SpeculationPolicy())
+    yield speculation
+    speculation.close()
+
+
+def test_hyperparameters_changed_after_backward_replay_instead_of_committing(home, speculation):
     """A learning rate set between backward and step (as a client may do by hand): the speculation used the old
     one, so the verdict replays it."""
-    home = Adam()
-    speculation = Speculation(0, home.speculate, 0.5, SpeculationPolicy())
-    try:
-        speculation.arm(4.0, home.optimizer)
-        speculation.offer(0)
-        speculation.offer(1)
-        home.optimizer.param_groups[0]["lr"] = 0.2
-        done, commit = speculation.resolve(True, 4.0, home.optimizer, lambda index: 100)
-        assert done == {0: 2, 1: 2} and not commit
-        assert speculation.stats.replayed == 4 and speculation.stats.replay_bytes == 200
-        assert home.stepped == [(0, 0.25), (1, 0.25)]
+    speculation.arm(4.0, home.optimizer)
+    speculation.offer(0)
+    speculation.offer(1)
+    home.optimizer.param_groups[0]["lr"] = 0.2
+    done, commit = speculation.resolve(True, 4.0, home.optimizer, lambda index: 100)
+    assert done == {0: 2, 1: 2} and not commit
+    assert speculation.stats.replayed == 4 and speculation.stats.replay_bytes == 200
+    assert home.stepped == [(0, 0.25), (1, 0.25)]
 
-        def clean_steps_until_it_speculates():  # the policy's pause after each replay
-            while not speculation.policy.speculating:
-                speculation.resolve(True, 4.0, home.optimizer, lambda index: 1)
+    def clean_steps_until_it_speculates():  # the policy's pause after each replay
+        while not speculation.policy.speculating:
+            speculation.resolve(True, 4.0, home.optimizer, lambda index: 1)
 
-        clean_steps_until_it_speculates()
-        # unchanged and clean: committed
-        speculation.arm(4.0, home.optimizer)
-        speculation.offer(0)
-        done, commit = speculation.resolve(True, 4.0, home.optimizer, lambda index: 100)
-        assert done == {0: 2} and commit and speculation.stats.committed == 2
-        # a changed loss scale, or a flat group offered twice (a second backward), replays too
-        speculation.arm(4.0, home.optimizer)
-        speculation.offer(0)
-        assert not speculation.resolve(True, 2.0, home.optimizer, lambda index: 1)[1]
-        clean_steps_until_it_speculates()
-        speculation.arm(4.0, home.optimizer)
-        speculation.offer(0)
-        speculation.offer(0)
-        assert not speculation.resolve(True, 4.0, home.optimizer, lambda index: 1)[1]
-    finally:
-        speculation.close()
+    clean_steps_until_it_speculates()
+    # unchanged and clean: committed
+    speculation.arm(4.0, home.optimizer)
+    speculation.offer(0)
+    done, commit = speculation.resolve(True, 4.0, home.optimizer, lambda index: 100)
+    assert done == {0: 2} and commit and speculation.stats.committed == 2
+    # a changed loss scale, or a flat group offered twice (a second backward), replays too
+    speculation.arm(4.0, home.optimizer)
+    speculation.offer(0)
+    assert not speculation.resolve(True, 2.0, home.optimizer, lambda index: 1)[1]
+    clean_steps_until_it_speculates()
+    speculation.arm(4.0, home.optimizer)
+    speculation.offer(0)
+    speculation.offer(0)
+    assert not speculation.resolve(True, 4.0, home.optimizer, lambda index: 1)[1]
 
 
-def test_a_failed_speculation_raises_its_own_error_naming_rank_and_flat_group():
-    home = Adam()
-    speculation = Speculation(3, home.speculate, 0.5, SpeculationPolicy())
-    try:
-        speculation.arm(1.0, home.optimizer)
-        speculation.offer(0)
-        speculation.offer(99)
-        with pytest.raises(OSError, match="disk gone") as raised:
-            speculation.wait()
-        assert "rank 3" in "".join(raised.value.__notes__) and "flat group 99" in "".join(raised.value.__notes__)
-        assert not speculation.armed and speculation.abandon() == {0: 2}  # what it stepped, to discard
-    finally:
-        speculation.close()
+def test_a_failed_speculation_raises_its_own_error_naming_rank_and_flat_group(home, speculation):
+    speculation.arm(1.0, home.optimizer)
+    speculation.offer(0)
+    speculation.offer(99)
+    with pytest.raises(OSError, match="disk gone") as raised:
+        speculation.wait()
+    assert "rank 3" in "".join(raised.value.__notes__) and "flat group 99" in "".join(raised.value.__notes__)
+    assert not speculation.armed and speculation.abandon() == {0: 2}  # what it stepped, to discard
