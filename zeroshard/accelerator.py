@@ -5,8 +5,9 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -258,6 +259,48 @@ _CPU_RANDOM = _CpuRandom()
 
 class GraphCaptureUnavailable(NotImplementedError):
     """A graph-capture call on a device without graphs (a CPU)."""
+
+
+# -- the link between the compute device and host memory ---------------------------------------------------------
+# The copies of a training step that cross it (gradients to the host optimizer, updates and offloaded shards to the
+# device, activations checkpointed on the host, offload_states) go through :func:`copy_across` or :func:`moved_across`,
+# which tell the seam set here how many bytes crossed, which way, and when the copy was issued. The seam is for tests
+# and benchmarks (``zeroshard.testing.slow_host_link``: a link of a given bandwidth, on a machine whose "device" is its
+# host); without one, crossing costs nothing beyond the copy.
+HostLinkSeam = Callable[[int, bool, float], None]  # (bytes, towards the host, time.perf_counter() at issue)
+_host_link_seam: Optional[HostLinkSeam] = None
+
+
+def set_host_link_seam(seam: Optional[HostLinkSeam]) -> Optional[HostLinkSeam]:
+    """Make ``seam`` see every crossing copy of this process from now (None: none); returns the seam it replaces."""
+    global _host_link_seam
+    previous, _host_link_seam = _host_link_seam, seam
+    return previous
+
+
+def crossed(nbytes: int, to_host: bool, started: float) -> None:
+    """``nbytes`` crossed between the compute device and host memory in a copy issued at ``started``."""
+    if _host_link_seam is not None:
+        _host_link_seam(nbytes, to_host, started)
+
+
+def copy_across(dst: torch.Tensor, src: torch.Tensor, to_host: bool, non_blocking: bool = False) -> torch.Tensor:
+    """``dst.copy_(src)`` where one of them is on the compute device and the other in host memory."""
+    started = time.perf_counter()
+    dst.copy_(src, non_blocking=non_blocking)
+    crossed(src.numel() * src.element_size(), to_host, started)
+    return dst
+
+
+def moved_across(
+    values: torch.Tensor, device: torch.device, to_host: bool, copy: bool = False, non_blocking: bool = False
+) -> torch.Tensor:
+    """``values.to(device)`` where that crosses between the compute device and host memory (``copy``: a new tensor
+    even where ``values`` is on ``device`` already, as on a machine whose device is its host)."""
+    started = time.perf_counter()
+    moved = values.to(device, copy=copy, non_blocking=non_blocking)
+    crossed(values.numel() * values.element_size(), to_host, started)
+    return moved
 
 
 def proc_field_kib(path: str, field: str) -> Optional[int]:

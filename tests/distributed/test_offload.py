@@ -568,3 +568,64 @@ def test_partial_offload_is_the_same_arithmetic_at_every_ratio(where):
             measured = held["master"] + held["optimizer_state"] + held["grad_shard"]
             expected = predicted.bytes["optimizer_state"][location] + predicted.bytes["gradients"][location]
             assert abs(expected - measured) <= 0.1 * max(measured, 1), (ratio, location, expected, measured)
+
+
+def host_link_worker(cases: list[ParityCase]) -> list[dict]:
+    """Each case's bytes across the host link in its second step (the first makes the optimizer state), counted
+    by the seam that slows the link (here at a bandwidth that slows nothing), with its flat groups and its
+    all-gathers' bytes in that step."""
+    import zeroshard
+    from zeroshard import comm
+    from zeroshard.testing import slow_host_link
+
+    results = []
+    with slow_host_link(1e15) as link:
+        for case in cases:
+            engine, *_ = zeroshard.initialize(model=make_model(), config=case.config())
+            x, y = next(iter(make_batches(1, 2 * case.micro_batch, vocab_size=case.model.vocab_size)))
+            rows = slice(comm.get_rank() * case.micro_batch, (comm.get_rank() + 1) * case.micro_batch)
+            engine.backward(engine(x[rows], y[rows]))
+            engine.step()
+            engine.comm_ledger.reset()
+            before = dict(link.moved)
+            engine.backward(engine(x[rows], y[rows]))
+            engine.step()
+            gathered = sum(t.bytes for (op, _), t in engine.comm_ledger.summary().items() if op == "all_gather")
+            results.append({
+                "moved": {k: link.moved[k] - before[k] for k in before},
+                "shards": [f.layout.shard_numel for f in engine.stack.flat_groups],
+                "kept": sorted(getattr(engine.stack.optimizer_state, "kept", ())),
+                "gathered": gathered,
+            })  # fmt: skip
+    return results
+
+
+def test_the_host_link_carries_the_gradient_out_and_the_update_back():
+    """The copies that cross between the compute device and host memory (``zeroshard.testing.slow_host_link``
+    counts them, and slows them to a PCIe bandwidth in ``benchmarks/offload_capacity.py --host_link_gbps``), per
+    step and rank, are the analytic ones: with the optimizer on the host, each offloaded flat group's fp32 gradient
+    shard goes out once and its updated shard comes back once (a flat group ``ratio`` keeps on the device crosses
+    nothing); with the parameters on the host too, each gather brings its shard to the device and the update stays
+    on the host; without offload nothing crosses."""
+    cpu = {"device": "cpu"}
+    zeros = {
+        "stage 2": (2, (("offload_optimizer", cpu),)),
+        "stage 3": (3, UNITS + (("offload_optimizer", cpu),)),
+        "stage 3, ratio 0.5": (3, UNITS + (("offload_optimizer", {**cpu, "ratio": 0.5}),)),
+        "stage 3, params too": (3, UNITS + (("offload_optimizer", cpu), ("offload_param", cpu))),
+        "stage 3, no offload": (3, UNITS),
+    }
+    cases = [ParityCase(stage, "fp32", 2, lr=1e-3, steps=2, zero=zero) for stage, zero in zeros.values()]
+    results = run_distributed(host_link_worker, 2, cases)
+    for rank_results in results:
+        for name, result in zip(zeros, rank_results):
+            shard_bytes = [4 * n for k, n in enumerate(result["shards"]) if k not in result["kept"]]
+            moved = result["moved"]
+            if name == "stage 3, no offload":
+                assert moved == {"to_host": 0, "to_device": 0}, name
+            elif name == "stage 3, params too":
+                assert moved["to_host"] == sum(shard_bytes), name
+                assert moved["to_device"] == result["gathered"] // 2 >= sum(shard_bytes), name  # each gathered once or more
+            else:
+                assert moved == {"to_host": sum(shard_bytes), "to_device": sum(shard_bytes)}, name
+                assert (name == "stage 3, ratio 0.5") == bool(result["kept"]), name

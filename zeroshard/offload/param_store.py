@@ -18,6 +18,8 @@ from .aio import IOPending, SwapFile, align_up, aligned_empty
 
 
 class HostShard:
+    on_host = True
+
     def __init__(self, values: torch.Tensor, pin: bool):
         self.tensor = torch.empty(values.shape, dtype=values.dtype, pin_memory=pin)
         self.tensor.copy_(values)
@@ -45,6 +47,8 @@ class QuantizedShard:
     """``zero_quantized_nontrainable_weights``: a frozen shard kept on the device as block-quantized int8 (ZeRO++'s
     MixZ++: 1 byte per element plus an fp32 scale per block, instead of 2 or 4), dequantized for each gather.
     Writes (a checkpoint load, ``GatheredParameters`` with a modifier) are staged whole and quantized at ``flush``."""
+
+    on_host = False
 
     def __init__(self, values: torch.Tensor, codec):
         self.codec, self.dtype, self.numel = codec, values.dtype, values.numel()
@@ -133,6 +137,8 @@ def _after(buffer: torch.Tensor, pending: Optional[IOPending]) -> torch.Tensor:
 
 
 class NvmeShard:
+    on_host = True
+
     def __init__(self, values: torch.Tensor, file: SwapFile, pool: BufferPool):
         self.numel, self.dtype = values.numel(), values.dtype
         self.nbytes = self.numel * values.element_size()

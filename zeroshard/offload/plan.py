@@ -28,6 +28,8 @@ class OffloadDevice(str, Enum):
 class ShardHome(Protocol):
     """Where one stage-3 shard lives between gathers (``HostShard``, ``NvmeShard``, ZeRO++'s ``QuantizedShard``)."""
 
+    on_host: bool  # its values cross the host link on their way to and from the compute device
+
     def fetch(self) -> None: ...  # start reading it (a hint; NVMe reads ahead)
 
     def get(self) -> torch.Tensor: ...  # the shard, valid until release

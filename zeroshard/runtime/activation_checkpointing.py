@@ -37,7 +37,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.utils.checkpoint
 
-from ..accelerator import get_accelerator
+from ..accelerator import copy_across, get_accelerator, moved_across
 from ..log import log_rank0
 
 
@@ -171,7 +171,7 @@ def _to_host(value: Any, pin: bool) -> Any:
     if not torch.is_tensor(value):
         return value
     host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
-    return host.copy_(value, non_blocking=pin)
+    return copy_across(host, value, to_host=True, non_blocking=pin)
 
 
 class _Segment:
@@ -185,7 +185,10 @@ class _Segment:
 
     def __call__(self, *args):
         if self.device is not None:
-            args = tuple(a.to(self.device, non_blocking=True) if torch.is_tensor(a) else a for a in args)
+            args = tuple(
+                moved_across(a, self.device, to_host=False, non_blocking=True) if torch.is_tensor(a) else a
+                for a in args
+            )
         accel = get_accelerator()
         if self.options.synchronize:
             accel.synchronize()

@@ -1,13 +1,17 @@
 """Collectives changed on purpose: delayed at random, to expose code that uses a result before its collective
 completes; made slower from their issue, to measure what overlapping them with compute hides; or kept on the rank,
-to measure the step without communication (the compute-only limit)."""
+to measure the step without communication (the compute-only limit). And the link between the compute device and
+host memory made as slow as a given bandwidth, to measure offload's copies on a machine whose device is its host."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import random
+import threading
 import time
 
+from ..accelerator import set_host_link_seam
 from ..comm import DEFAULT_CONTEXT, get_rank
 
 
@@ -75,3 +79,48 @@ def compute_only():
         yield
     finally:
         DEFAULT_CONTEXT.compute_only -= 1
+
+
+def slow_host_link(bytes_per_second: float) -> "SlowHostLink":
+    """Make every copy between the compute device and host memory in this process (the gradients to an offloaded
+    optimizer, the updates and offloaded shards back, checkpointed activations, ``offload_states``: each call of
+    :func:`zeroshard.accelerator.copy_across` / ``moved_across``) take as long as ``bytes_per_second`` allows, as a
+    PCIe link would. Each direction is one link, busy with one copy at a time; the thread that issued a copy waits
+    until the link has carried it (on a GPU a pinned non-blocking copy leaves the thread free, so this errs towards
+    a slower step). Returns the seam, which counts the bytes each way and the seconds waited. In effect from the
+    call until leaving ``with slow_host_link(...)`` or ``bytes_per_second`` 0."""
+    if isinstance(bytes_per_second, bool) or not isinstance(bytes_per_second, (int, float)):
+        raise TypeError(f"slow_host_link: bytes_per_second must be a number, got {type(bytes_per_second).__name__}")
+    if not math.isfinite(bytes_per_second) or bytes_per_second < 0:
+        raise ValueError(f"slow_host_link: bytes_per_second must be finite and >= 0 (0 stops), got {bytes_per_second}")
+    link = SlowHostLink(bytes_per_second)
+    link.previous = set_host_link_seam(link if bytes_per_second > 0 else None)
+    return link
+
+
+class SlowHostLink:
+    """The host link seam: copies each way queue on a link of ``bytes_per_second``."""
+
+    def __init__(self, bytes_per_second: float):
+        self.bytes_per_second = bytes_per_second
+        self.previous = None  # the seam in place before this one: back when a with block is left
+        self.moved = {"to_host": 0, "to_device": 0}  # bytes carried each way
+        self.waited_s = 0.0  # seconds the issuing threads waited beyond the copies themselves
+        self._free_at = {True: 0.0, False: 0.0}  # when each direction's link finishes what it was given
+        self._lock = threading.Lock()  # the training thread and a step's worker both copy
+
+    def __enter__(self) -> "SlowHostLink":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        set_host_link_seam(self.previous)
+
+    def __call__(self, nbytes: int, to_host: bool, started: float) -> None:
+        with self._lock:
+            done = max(started, self._free_at[to_host]) + nbytes / self.bytes_per_second
+            self._free_at[to_host] = done
+            self.moved["to_host" if to_host else "to_device"] += nbytes
+            left = max(0.0, done - time.perf_counter())
+            self.waited_s += left
+        if left > 0:
+            time.sleep(left)

@@ -16,6 +16,7 @@ optimizer state the optimizer state's (:mod:`zeroshard.zero.optimizer_state`).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from enum import Enum
 from typing import Callable, Optional
@@ -23,6 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import comm
+from ..accelerator import copy_across, crossed, moved_across
 from ..comm.compression import Codec
 from ..offload import ShardHome
 from ..partition import FlatLayout
@@ -116,7 +118,8 @@ class FlatGroup:
         shard = self.shard
         if self.home is not None:
             shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
-            shard.copy_(self.home.get())  # blocking: the home's staging buffer is reused after release
+            # blocking: the home's staging buffer is reused after release
+            copy_across(shard, self.home.get(), to_host=False) if self.home.on_host else shard.copy_(self.home.get())
             self.home.release()
         if self.gather_codec is not None and not exact:
             self._gather = comm.compressed_all_gather(
@@ -160,14 +163,22 @@ class FlatGroup:
         self.await_update()
         if self.home is None:
             return self.shard
-        values = self.home.get().to(self.device, copy=True)
+        stored = self.home.get()
+        values = moved_across(stored, self.device, False, copy=True) if self.home.on_host else stored.clone()
         self.home.release()
         return values
 
-    def write_shard(self, start: int, values: torch.Tensor) -> None:
-        """Write updated values (a range of this rank's shard) into the compute-precision shard."""
+    def write_shard(self, start: int, values: torch.Tensor, from_host: bool = False) -> None:
+        """Write updated values (a range of this rank's shard) into the compute-precision shard. ``from_host``: the
+        values are in host memory (an offloaded optimizer's), so the copy crosses the host link unless the shard's
+        home is there too."""
         if self.home is not None:
+            started = time.perf_counter()
             self.home.write(start, values)
+            if self.home.on_host != from_host:
+                crossed(values.numel() * values.element_size(), self.home.on_host, started)
+        elif from_host:
+            copy_across(self.shard[start : start + values.numel()], values, to_host=False, non_blocking=True)
         elif values.data_ptr() != self.shard[start:].data_ptr():
             self.shard[start : start + values.numel()].copy_(values, non_blocking=True)
 

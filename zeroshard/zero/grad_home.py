@@ -22,10 +22,12 @@ of the same values, once, when the last contribution of a step arrived.
 
 from __future__ import annotations
 
+import time
 from typing import Optional, Protocol
 
 import torch
 
+from ..accelerator import crossed, moved_across
 from ..offload import NvmeOptimizerSwapper, SubGroup
 from .buffers import ReusableBuffers
 
@@ -76,6 +78,8 @@ class ResidentGrad:
             self.tensor = torch.zeros(numel, dtype=self.dtype, device=self.device, pin_memory=self.pin)
 
     def accumulate(self, reduced: torch.Tensor, alpha: float, final: bool) -> None:
+        if self.location == "host":  # the reduced gradient crosses to the host optimizer
+            reduced = moved_across(reduced, self.tensor.device, to_host=True)
         self.tensor.add_(reduced.to(self.tensor.device), alpha=alpha)
 
     def norm(self) -> torch.Tensor:
@@ -118,11 +122,15 @@ class SpilledGrad:
 
     def _load(self, into: torch.Tensor) -> None:
         for sub in self.subs:
-            self.swapper.read_grad(sub, into[sub.start : sub.stop])
+            started = time.perf_counter()
+            self.swapper.read_grad(sub, into[sub.start : sub.stop])  # staged on the host, copied to the device
+            crossed(sub.numel * into.element_size(), False, started)
 
     def _store(self, values: torch.Tensor, final: bool = False) -> None:
         for sub in self.subs:
-            self.swapper.write_grad(sub, values[sub.start : sub.stop], final)
+            started = time.perf_counter()
+            self.swapper.write_grad(sub, values[sub.start : sub.stop], final)  # copied to a host buffer
+            crossed(sub.numel * values.element_size(), True, started)
         self.empty = False
 
     def accumulate(self, reduced: torch.Tensor, alpha: float, final: bool) -> None:

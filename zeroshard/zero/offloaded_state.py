@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from .. import comm
+from ..accelerator import copy_across
 from ..offload import (
     MASTER,
     NvmeShard,
@@ -69,7 +70,7 @@ class HostState(OptimizerState):
         if index in self.kept:
             return [SubGroup(index, 0, numel, device_master(flat, self.master_dtype))]
         master = torch.empty(numel, dtype=self.master_dtype, pin_memory=self.pin_memory)
-        master.copy_(flat.shard_values())
+        copy_across(master, flat.shard_values(), to_host=True)
         return [SubGroup(index, start, stop, master[start:stop]) for start, stop in self._ranges(numel)]
 
     def _ordered(

@@ -215,7 +215,7 @@ class OptimizerState:
         """Updated master values into the compute parameters; a flat group is finished (its offload home
         written, a resident group gathered) with its last sub-group, freeing its staging at once."""
         flat = self.flats[sub.flat_index]
-        flat.write_shard(sub.start, values)
+        flat.write_shard(sub.start, values, from_host=self._location_of(sub) != "device")
         if sub.stop == flat.layout.shard_numel:
             flat.finish_publish()
 

@@ -23,7 +23,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from ..accelerator import get_accelerator
+from ..accelerator import copy_across, get_accelerator
 from .buffers import ReusableBuffers
 from .flat_group import FlatGroup
 from .optimizer_state import OptimizerState
@@ -93,7 +93,7 @@ class StateOffload:
             if id(storage) in already or storage.nbytes() == 0 or not holders <= self.offloaded:
                 continue
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-            host.copy_(_bytes_of(storage, self.device), non_blocking=non_blocking)
+            copy_across(host, _bytes_of(storage, self.device), to_host=True, non_blocking=non_blocking)
             self._moved.append((storage, host))
         if non_blocking:
             get_accelerator().synchronize()  # the copies must land before the storages are freed
@@ -116,7 +116,7 @@ class StateOffload:
     def reload(self, non_blocking: bool) -> None:
         for storage, host in self._moved:
             storage.resize_(host.numel())
-            _bytes_of(storage, self.device).copy_(host, non_blocking=non_blocking)
+            copy_across(_bytes_of(storage, self.device), host, to_host=False, non_blocking=non_blocking)
         if not non_blocking:
             get_accelerator().synchronize()
         self._moved.clear()
