@@ -111,6 +111,7 @@ def worker(args) -> None:
     comm.barrier(engine.mesh.world)
     before = engine.disk_io()  # waits for a step running behind the forward
     moved_before, waited_before = dict(link.moved), link.waited_s
+    cpu_before = os.times()
     started = time.perf_counter()
     timed = max(1, args.steps - 1)
     for _ in range(timed):  # back to back: a step running behind the next forward is timed where it is waited for
@@ -118,10 +119,14 @@ def worker(args) -> None:
         engine.step()
     after = engine.disk_io()  # ... and the last one here
     elapsed = time.perf_counter() - started
+    cpu_after = os.times()
     where = engine.state_bytes_by_location()
     result = {
         "params": sum(p.numel() for p in model.parameters()),
         "step_s": elapsed / timed,
+        # CPU seconds of all the rank's threads (compute, I/O, the step's worker) per step: with as many ranks as
+        # cores, a step cannot take less than the ranks' sum over the cores
+        "cpu_s": (cpu_after.user + cpu_after.system - cpu_before.user - cpu_before.system) / timed,
         "init_peak_rss": init_peak,
         "step_peak_rss": host_peak_rss(),
         "ram_state": sum(where["device"].values()) + sum(where["host"].values()),
@@ -159,6 +164,7 @@ def launch(
     result["disk_per_step"] = {k: sum(r["disk_per_step"][k] for r in ranks) for k in ranks[0]["disk_per_step"]}
     result["link_per_step"] = {k: max(r["link_per_step"][k] for r in ranks) for k in ranks[0]["link_per_step"]}
     result["step_s"] = max(r["step_s"] for r in ranks)
+    result["cpu_s"] = sum(r["cpu_s"] for r in ranks)  # both ranks
     return result
 
 
@@ -222,6 +228,8 @@ def main():
                 f"{disk['read'] / 1e9:.2f} + {disk['written'] / 1e9:.2f} |",
                 flush=True,
             )
+            print(f"  CPU seconds per step, both ranks' threads: {r['cpu_s']:.2f} ({os.cpu_count()} cores: at least "
+                  f"{r['cpu_s'] / os.cpu_count():.2f} s per step)", flush=True)  # fmt: skip
             if args.host_link_gbps and mode != "none":
                 link = r["link_per_step"]
                 print(f"  host link at {args.host_link_gbps:g} GB/s: {link['to_host'] / 1e9:.3f} GB to the host, "
