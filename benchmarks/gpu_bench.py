@@ -1,9 +1,13 @@
 """bf16 training throughput of a ~1B-parameter GPT under zeroshard stages 0-3 on the visible GPUs (NCCL).
 
     python benchmarks/gpu_bench.py [--layers 20] [--width 2048] [--micro 8] [--seq 1024] [--steps 8]
+    python benchmarks/gpu_bench.py --stages 2 3 --offload cpu --layers 12     # CPU offload, the step during backward
 
 Prints per stage: median step time, tokens/s, model FLOPs utilization (6 x parameters x tokens/s over
-the GPU's dense bf16 peak, ``--peak_tflops``, default H200/H100 SXM 989) and peak device memory.
+the GPU's dense bf16 peak, ``--peak_tflops``, default H200/H100 SXM 989) and peak device memory. With ``--offload
+cpu`` each stage runs three ways: without offload, with ``offload_optimizer: cpu`` and its step during the GPU's
+backward (``super_offload`` on, zeroshard's default beside a GPU), and with the step after backward (off); the ratio
+column is each step over the same stage's without offload. Without a GPU it runs on the CPU (a smoke test).
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from zeroshard.testing import run_distributed
 from zeroshard.testing.models import GPT, GPTConfig
 
 
-def worker(cfg: GPTConfig, stage: int, micro: int, steps: int) -> dict:
+def worker(cfg: GPTConfig, stage: int, micro: int, steps: int, super_offload=None) -> dict:
+    """``super_offload``: None without offload, else ``offload_optimizer: cpu`` with this ``super_offload``."""
     import zeroshard
     from zeroshard import comm
+    from zeroshard.accelerator import get_accelerator
 
-    torch.cuda.reset_peak_memory_stats()
+    accelerator = get_accelerator()
+    accelerator.reset_peak_memory_stats()
     config = {
         "train_micro_batch_size_per_gpu": micro,
         "steps_per_print": 10**9,
@@ -35,22 +42,25 @@ def worker(cfg: GPTConfig, stage: int, micro: int, steps: int) -> dict:
             "stage3_param_persistence_threshold": 0,
         },
     }
+    if super_offload is not None:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "super_offload": super_offload}
     with zeroshard.zero.Init(enabled=stage == 3):
         model = GPT(cfg)
     engine, *_ = zeroshard.initialize(model=model, config=config)
     x = torch.randint(0, cfg.vocab_size, (micro, cfg.block_size), device=engine.device)
     times = []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        accelerator.synchronize()
         started = time.perf_counter()
         engine.backward(engine(x, x))
         engine.step()
-        torch.cuda.synchronize()
+        engine.disk_io()  # waits for an offloaded step still running behind the next forward
+        accelerator.synchronize()
         times.append(time.perf_counter() - started)
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "step_s": statistics.median(times[2:]),
-        "peak_bytes": torch.cuda.max_memory_allocated(),
+        "peak_bytes": accelerator.max_memory_allocated(),
         "world": comm.get_world_size(),
     }
 
@@ -64,21 +74,30 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--peak_tflops", type=float, default=989.0)
+    parser.add_argument("--offload", choices=["none", "cpu"], default="none")
     args = parser.parse_args()
-    world = torch.cuda.device_count()
+    gpu = torch.cuda.is_available()
+    world = torch.cuda.device_count() if gpu else 1
+    env = {"ZEROSHARD_ACCELERATOR": "cuda"} if gpu else {}
     cfg = GPTConfig(vocab_size=32000, block_size=args.seq, n_layer=args.layers, n_head=16, n_embd=args.width)
-    print("| stage | parameters | GPUs | step s | tokens/s | MFU | peak device GiB |")
-    print("|---|---|---|---|---|---|---|")
+    ways = {"no offload": None} if args.offload == "none" else {"no offload": None, "cpu, step during backward":
+                                                                 True, "cpu, step after backward": False}  # fmt: skip
+    print("| stage | optimizer | parameters | GPUs | step s | step / no offload | tokens/s | MFU | peak device GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for stage in args.stages:
-        r = run_distributed(
-            worker, world, cfg, stage, args.micro, args.steps, env={"ZEROSHARD_ACCELERATOR": "cuda"}, timeout_s=600
-        )[0]
-        tokens_per_s = args.micro * args.seq * r["world"] / r["step_s"]
-        mfu = 6 * r["params"] * tokens_per_s / (args.peak_tflops * 1e12 * r["world"])
-        print(
-            f"| {stage} | {r['params'] / 1e9:.2f}B | {r['world']} | {r['step_s']:.3f} | {tokens_per_s:,.0f} | "
-            f"{mfu:.1%} | {r['peak_bytes'] / 2**30:.1f} |"
-        )
+        base = None
+        for way, super_offload in ways.items():
+            r = run_distributed(
+                worker, world, cfg, stage, args.micro, args.steps, super_offload, env=env, timeout_s=600
+            )[0]  # fmt: skip
+            base = base or r["step_s"]
+            tokens_per_s = args.micro * args.seq * r["world"] / r["step_s"]
+            mfu = 6 * r["params"] * tokens_per_s / (args.peak_tflops * 1e12 * r["world"])
+            print(
+                f"| {stage} | {way} | {r['params'] / 1e9:.2f}B | {r['world']} | {r['step_s']:.3f} | "
+                f"{r['step_s'] / base:.3f} | {tokens_per_s:,.0f} | {mfu:.1%} | {r['peak_bytes'] / 2**30:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
