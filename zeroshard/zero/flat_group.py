@@ -118,8 +118,10 @@ class FlatGroup:
         shard = self.shard
         if self.home is not None:
             shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
-            # blocking: the home's staging buffer is reused after release
-            copy_across(shard, self.home.get(), to_host=False) if self.home.on_host else shard.copy_(self.home.get())
+            if self.home.on_host:  # blocking: the home's staging buffer is reused after release
+                copy_across(shard, self.home.get(), to_host=False)
+            else:
+                shard.copy_(self.home.get())
             self.home.release()
         if self.gather_codec is not None and not exact:
             self._gather = comm.compressed_all_gather(
