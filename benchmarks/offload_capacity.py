@@ -5,8 +5,8 @@ user starts the run: ``zeroshard --num_gpus 2 <this file> --worker ...``, with n
     python benchmarks/offload_capacity.py [--layers 4 16] [--width 1024] [--knobs large defaults] [--nvme_path /tmp]
     python benchmarks/offload_capacity.py --check 300 --width 1024 --modes nvme --steps 2   # one size, measured
 
-Every run is ZeRO stage 3 (or ``--stage 2``) with the model built under ``zero.Init`` (at stage 3) (no rank ever holds the whole model), fp32,
-AdamW, one micro-batch of 1 x 64 tokens, gradient clipping 1.0 (DeepSpeed's HF default). Modes:
+Every run is ZeRO stage 3 with the model built under ``zero.Init`` (no rank ever holds the whole model), or stage 2
+(``--stage 2``), fp32, AdamW, one micro-batch of 1 x 64 tokens, gradient clipping 1.0 (DeepSpeed's HF default). Modes:
 
 - none: everything in RAM (16 bytes per parameter over the ranks);
 - cpu: ``offload_optimizer`` + ``offload_param`` to ``cpu`` (``--stage 2``: the optimizer alone; on a machine without
@@ -86,7 +86,6 @@ def worker(args) -> None:
     import zeroshard
     from zeroshard import comm
     from zeroshard.accelerator import host_peak_rss
-
     from zeroshard.testing import slow_host_link
 
     cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=args.layers, n_head=16, n_embd=args.width)
