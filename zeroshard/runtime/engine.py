@@ -7,7 +7,7 @@ import contextlib
 import inspect
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils._pytree import tree_map
@@ -25,11 +25,23 @@ from .batch_check import check_same_batch
 from .engine_api import DeepSpeedAccessors
 from .engine_export import CheckpointAndExport
 from .reporting import Reporting
+from .sampler import RepeatingLoader
 
 
 class NoSyncError(RuntimeError, AssertionError):
     """``no_sync()`` misused (under ZeRO 2-3, nested, or around ``step()``). An ``AssertionError`` too, because
     DeepSpeed asserts there and its clients' tests expect that class."""
+
+
+class DataExhausted(RuntimeError, StopIteration):
+    """``train_batch``'s data iterator ended. At a batch boundary on every rank it is the end of the data (a
+    ``StopIteration`` too, so a loop that stops on one stops); anywhere else the batch is refused on every rank,
+    naming the ranks whose data ended, before anything is computed."""
+
+
+class TrainBatchError(RuntimeError):
+    """``train_batch`` cannot run this batch: no data, a step already begun with ``forward``/``backward``, or a
+    model output without a loss."""
 
 
 class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
@@ -83,6 +95,9 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary
         self._in_no_sync = False
         self._last_loss: Optional[torch.Tensor] = None  # on the device; read only when reported
+        self._backward_since_step = False  # a backward ran and its step() has not: a step is under way
+        self._train_iterator: Optional[Any] = None  # train_batch()'s reading of training_dataloader, forever
+        self.agg_train_loss: Optional[torch.Tensor] = None  # train_batch()'s last mean loss (DeepSpeed's name)
         self.reporting = Reporting(self.settings, module, stack, mesh, self.counters, self.batch)
         self._compiled: Optional[Callable] = None  # the module compiled by compile(), called by forward
         self._batch_checked = mesh.tensor.size == 1  # tensor parallelism: checked at the first forward
@@ -175,6 +190,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         if scale_wrt_gas:
             scale /= self.batch.gradient_accumulation_steps
         self._last_loss = loss.detach()
+        self._backward_since_step = True
         self._backward_from([loss.float() * scale], None, self.is_gradient_accumulation_boundary(), retain_graph)
         return loss
 
@@ -199,6 +215,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
             )
         self.stack.refuse_if_offloaded("step")
         self._step_applied = False
+        self._backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._optimizer_step()
@@ -206,6 +223,94 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         if boundary:
             self.reporting.print_flops_profile()
             self._save_periodically()
+
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        """One optimizer step over the next ``gradient_accumulation_steps`` micro-batches of ``data_iter`` (DeepSpeed's
+        pipeline-engine call, on any engine): each micro-batch runs forward, backward and ``step()`` as a loop written
+        against the engine would run it, and the mean loss over the micro-batches and data-parallel ranks comes back
+        on every rank. Without ``data_iter``: the ``training_data`` given to ``initialize``, read forever. A
+        micro-batch is called as the model takes it (a tuple or list as positional arguments, a dict as keyword
+        arguments, anything else as the one argument); the model returns the loss (a one-element tensor, an output
+        with ``.loss``, a dict with ``"loss"``, or a tuple starting with it). Every micro-batch is read before any
+        runs, and the ranks agree that each has all of them (one small collective), so data that ends early on one
+        rank is an error on every rank, not a wait."""
+        if self._in_no_sync or self._boundary_override is not None:
+            raise TrainBatchError(
+                f"rank {comm.get_rank()}: train_batch() ends the accumulation itself; it cannot run inside no_sync() "
+                "or after set_gradient_accumulation_boundary()"
+            )
+        gas = self.batch.gradient_accumulation_steps
+        if self.micro_steps % gas or self._backward_since_step:
+            raise TrainBatchError(
+                f"rank {comm.get_rank()}: train_batch() while a step is under way ({self.micro_steps % gas} of {gas} "
+                "micro-batches stepped through forward/backward/step"
+                + (", and a backward without its step()" if self._backward_since_step else "")
+                + "); finish it with engine.step() first, or use train_batch() for whole steps only"
+            )
+        started = time.perf_counter()
+        batches = self._read_batches(data_iter, gas)
+        losses = []
+        for micro, batch in enumerate(batches):
+            try:
+                out = self(*batch) if isinstance(batch, (tuple, list)) else (
+                    self(**batch) if isinstance(batch, dict) else self(batch)
+                )  # fmt: skip
+                loss = _loss_of(out)
+            except Exception as error:
+                # the micro-batches before it accumulated gradients no step will use: dropped, and the count of
+                # micro-batches is back at the boundary, so the engine is as it was before this batch
+                self.zero_grad()
+                self.counters.micro_steps -= micro
+                self._backward_since_step = False
+                error.add_note(
+                    f"rank {comm.get_rank()}: in train_batch(), micro-batch {micro + 1} of {gas} ({_describe(batch)}); "
+                    "the batch was not applied: the gradients of the micro-batches before it were dropped"
+                )
+                raise
+            self.backward(loss)
+            self.step()
+            losses.append(loss.detach())
+        self.agg_train_loss = self._batch_mean(losses, gas)
+        self.reporting.timers["train_batch"] += time.perf_counter() - started
+        return self.agg_train_loss
+
+    def _read_batches(self, data_iter: Optional[Iterator], count: int) -> list:
+        if data_iter is None:
+            if self.training_dataloader is None:
+                raise TrainBatchError(
+                    f"rank {comm.get_rank()}: train_batch() has no data: pass train_batch(data_iter) or "
+                    "training_data= to initialize"
+                )
+            if self._train_iterator is None:
+                self._train_iterator = RepeatingLoader(self.training_dataloader)
+            data_iter = self._train_iterator
+        batches = []
+        try:
+            while len(batches) < count:
+                batches.append(next(data_iter))
+        except StopIteration:
+            pass
+        read = torch.tensor([len(batches)], dtype=torch.int64, device=self.device)
+        counts = torch.empty(self.mesh.world.size, dtype=torch.int64, device=self.device)
+        comm.all_gather(counts, read, self.mesh.world)
+        short = {rank: int(n) for rank, n in zip(self.mesh.world.ranks, counts.tolist()) if n < count}
+        if short:
+            where = "every rank" if len(short) == self.mesh.world.size else f"ranks {sorted(short)}"
+            raise DataExhausted(
+                f"rank {comm.get_rank()}: train_batch(): the data iterator ended on {where} before the "
+                f"{count} micro-batches of a step (micro-batches read per rank: {short}); nothing was trained on "
+                "them. Wrap the iterator in RepeatingLoader (deepspeed.utils) or stop the loop at the end of an epoch"
+            )
+        return batches
+
+    def _batch_mean(self, values: list, micro_batches: int) -> torch.Tensor:
+        """Per-micro-batch losses (or outputs, elementwise) summed over micro-batches, divided by their count and
+        averaged over the data-parallel ranks, as DeepSpeed's pipeline engine reduces them."""
+        total = torch.stack([v.detach().float() for v in values]).sum(0) / micro_batches
+        if self.mesh.batch.size > 1:
+            comm.all_reduce(total, self.mesh.batch)
+            total /= self.mesh.batch.size
+        return total
 
     def _optimizer_step(self) -> None:
         started = time.perf_counter()
@@ -278,6 +383,30 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         self.stack.destroy()
         comm.destroy_mesh(self.mesh)
         self.reporting.close()
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    """The loss in what a model returned (see ``train_batch``)."""
+    if isinstance(out, dict) and "loss" in out:
+        out = out["loss"]
+    elif not torch.is_tensor(out) and getattr(out, "loss", None) is not None:
+        out = out.loss
+    elif isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
+        out = out[0]
+    if not torch.is_tensor(out) or out.numel() != 1 or not out.requires_grad:
+        got = f"a tensor of shape {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
+        raise TrainBatchError(
+            f"rank {comm.get_rank()}: train_batch() needs the model to return its loss (a one-element tensor that "
+            f"requires grad, an output with .loss, a dict with 'loss', or a tuple starting with it); it returned {got}"
+        )
+    return out
+
+
+def _describe(batch: Any) -> str:
+    """A micro-batch's tensors by shape, for an error."""
+    shapes = []
+    tree_map(lambda v: shapes.append(tuple(v.shape)) if torch.is_tensor(v) else None, batch)
+    return f"{type(batch).__name__} of tensors shaped {shapes[:8]}" if shapes else type(batch).__name__
 
 
 def _weak_call(method: weakref.WeakMethod):

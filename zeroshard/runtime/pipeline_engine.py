@@ -30,13 +30,13 @@ from ..accelerator import get_accelerator
 from ..checkpoint.view import PipelinePlacement, TrainingState
 from ..pipe import Announcement, PipelineModule, Step, eval_steps, train_steps
 from .activation_checkpointing import in_effect as checkpointing_in_effect
-from .engine import ZeroshardEngine
+from .engine import DataExhausted, ZeroshardEngine
 from .pipeline_exchange import PipelineError, StageAborted, StageExchange
 from .pipeline_grid import PipelineGrid
 from .sampler import RepeatingLoader
 
 
-class PipelineDataExhausted(PipelineError, StopIteration):
+class PipelineDataExhausted(PipelineError, DataExhausted):
     """A data iterator ended (a ``StopIteration`` too, as DeepSpeed's engine lets the iterator's own escape). At a
     batch boundary every rank raises it and the engine goes on with the next iterator, so loops that stop on it
     keep working; inside a batch the rank whose data ended raises it and the batch has failed."""
@@ -290,11 +290,7 @@ class PipelineEngine(ZeroshardEngine):
                 f"rank {comm.get_rank()}: reduce_output='avg' averages tensors of one shape; the last stage returned "
                 f"{[tuple(v.shape) if torch.is_tensor(v) else type(v).__name__ for v in values][:4]}"
             )
-        total = torch.stack([v.detach().float() for v in values]).sum(0) / micro_batches
-        if self.mesh.batch.size > 1:
-            comm.all_reduce(total, self.mesh.batch)
-            total /= self.mesh.batch.size
-        return total
+        return self._batch_mean(values, micro_batches)
 
     def _next_batch(self, micro: int, micro_batches: int) -> Any:
         if self.data_iterator is None:

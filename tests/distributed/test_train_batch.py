@@ -1,0 +1,145 @@
+"""``engine.train_batch(data_iter)`` on the ZeRO engine (DeepSpeed's pipeline-engine call): the same step, bit for
+bit, as the loop a user writes against the engine (forward, backward, step per micro-batch) at stages 0-3 and 1 or 4
+micro-batches, the mean loss over micro-batches and ranks returned on every rank; and its hostile inputs, each a
+named error on every rank with the engine left as it was: data that ends at a batch boundary (a ``StopIteration``),
+data that ends early on one rank, a step begun with ``forward``/``backward``, micro-batches the model cannot take,
+a model that returns no loss, no data at all."""
+
+import pytest
+import torch
+
+from zeroshard.testing import run_distributed
+from zeroshard.testing.parity import ParityCase, make_batches, make_model
+
+MICRO = 2
+CASES = [(stage, gas) for stage in (0, 1, 2, 3) for gas in (1, 4)]
+
+
+def _case(stage: int, gas: int) -> ParityCase:
+    units = (("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshold", 0)) if stage == 3 else ()
+    return ParityCase(stage, "fp32", gas=gas, micro_batch=MICRO, lr=1e-3, clip=0.05, steps=2, zero=units)
+
+
+def _engine(case: ParityCase):
+    import zeroshard
+
+    engine, *_ = zeroshard.initialize(model=make_model(), config=case.config())
+    return engine
+
+
+def _micro_batches(case: ParityCase, steps: int) -> list:
+    """This rank's micro-batches, in order, for ``steps`` steps."""
+    from zeroshard import comm
+
+    rank, world, b = comm.get_rank(), comm.get_world_size(), case.micro_batch
+    out = []
+    for x, y in make_batches(steps, world * b * case.gas, vocab_size=case.model.vocab_size):
+        for k in range(case.gas):
+            rows = slice((k * world + rank) * b, (k * world + rank + 1) * b)
+            out.append((x[rows], y[rows]))
+    return out
+
+
+def _weights(engine) -> dict:
+    return {k: v.clone() for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 -- the class, message and notes are what the test compares
+        notes = " ".join(getattr(error, "__notes__", []))
+        return f"{type(error).__name__}|{isinstance(error, StopIteration)}|{error}|{notes}"
+    return "no error"
+
+
+def worker() -> dict:
+    from zeroshard import comm
+
+    result = {"parity": {}, "errors": {}}
+    for stage, gas in CASES:
+        case = _case(stage, gas)
+        batches = _micro_batches(case, case.steps)
+        loop, losses = _engine(case), []
+        for x, y in batches:
+            loss = loop(x, y)
+            loop.backward(loss)
+            loop.step()
+            losses.append(loss.detach())
+        batched, returned = _engine(case), []
+        data = iter(batches)
+        for _ in range(case.steps):
+            returned.append(batched.train_batch(data))
+        expected = []
+        for step in range(case.steps):
+            mean = torch.stack(losses[step * gas : (step + 1) * gas]).sum() / gas
+            comm.all_reduce(mean, loop.mesh.batch)
+            expected.append(mean / comm.get_world_size())
+        a, b = _weights(loop), _weights(batched)
+        result["parity"][(stage, gas)] = {
+            "weights_equal": all(torch.equal(a[k], b[k]) for k in a),
+            "losses": [(float(r), float(e)) for r, e in zip(returned, expected)],
+            "steps": (loop.global_steps, batched.global_steps, loop.micro_steps, batched.micro_steps),
+        }
+        loop.destroy()
+        batched.destroy()
+
+    case = _case(3, 2)
+    engine = _engine(case)
+    batches = _micro_batches(case, 2)
+    before = _weights(engine)
+    errors = result["errors"]
+    errors["boundary"] = _error(lambda: engine.train_batch(iter([])))
+    mine = batches[:2] if comm.get_rank() == 0 else batches[:1]  # rank 1's data ends after one micro-batch
+    errors["one_rank_short"] = _error(lambda: engine.train_batch(iter(mine)))
+    x, y = batches[0]
+    too_long = torch.randint(0, case.model.vocab_size, (MICRO, case.model.block_size * 2))
+    errors["shape"] = _error(lambda: engine.train_batch(iter([batches[0], (too_long, too_long)])))
+    errors["no_loss"] = _error(lambda: engine.train_batch(iter([(x,), (x,)])))
+    errors["no_data"] = _error(lambda: engine.train_batch())
+    result["unchanged"] = all(torch.equal(before[k], v) for k, v in _weights(engine).items())
+    result["counts_after_errors"] = (engine.global_steps, engine.micro_steps)
+    engine.backward(engine(x, y))  # a step begun by hand
+    errors["mixed"] = _error(lambda: engine.train_batch(iter(batches)))
+    engine.step()  # ... and finished by hand
+    engine.backward(engine(*batches[1]))
+    engine.step()
+    # the engine goes on: a whole batch as a dict of keyword arguments
+    dict_batches = [{"idx": x, "targets": y} for x, y in batches[2:4]]
+    result["dict_loss"] = float(engine.train_batch(iter(dict_batches)))
+    result["counts_after"] = (engine.global_steps, engine.micro_steps)
+    engine.destroy()
+    return result
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(worker, 2)
+
+
+@pytest.mark.parametrize("stage,gas", CASES)
+def test_train_batch_is_the_loop_a_user_writes(results, stage, gas):
+    for rank in results:
+        parity = rank["parity"][(stage, gas)]
+        assert parity["weights_equal"], (stage, gas)
+        for returned, expected in parity["losses"]:
+            assert returned == expected, (stage, gas, parity["losses"])
+        assert parity["steps"] == (2, 2, 2 * gas, 2 * gas)
+
+
+def test_bad_batches_are_named_errors_on_every_rank_and_change_nothing(results):
+    for rank, result in enumerate(results):
+        errors = result["errors"]
+        assert errors["boundary"].startswith("DataExhausted|True|") and "ended on every rank" in errors["boundary"]
+        assert errors["one_rank_short"].startswith("DataExhausted|True|")
+        assert "ended on ranks [1]" in errors["one_rank_short"] and "{1: 1}" in errors["one_rank_short"]
+        assert errors["mixed"].startswith("TrainBatchError|False|") and "a backward without its step()" in errors[
+            "mixed"]  # fmt: skip
+        assert "micro-batch 2 of 2" in errors["shape"] and "the batch was not applied" in errors["shape"], errors[
+            "shape"]  # fmt: skip
+        assert errors["no_loss"].startswith("TrainBatchError|False|") and "returned a tensor of shape" in errors[
+            "no_loss"]  # fmt: skip
+        assert errors["no_data"].startswith("TrainBatchError|False|") and "has no data" in errors["no_data"]
+        assert result["unchanged"], rank
+        assert result["counts_after_errors"] == (0, 0)
+        assert result["counts_after"] == (2, 4) and result["dict_loss"] > 0
