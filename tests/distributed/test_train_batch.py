@@ -143,3 +143,103 @@ def test_bad_batches_are_named_errors_on_every_rank_and_change_nothing(results):
         assert result["unchanged"], rank
         assert result["counts_after_errors"] == (0, 0)
         assert result["counts_after"] == (2, 4) and result["dict_loss"] > 0
+
+
+# Note [layer-major]: each case trains 2 steps with the micro-batch loop and with layer_major, from the same data
+SWAP = "/tmp"
+NVME = (
+    ("offload_optimizer", {"device": "nvme", "nvme_path": SWAP}),
+    ("offload_param", {"device": "nvme", "nvme_path": SWAP, "max_in_cpu": 0}),
+)
+LAYER_MAJOR = {  # name: (gas, dtype, zero keys, how the model is built)
+    "gas 1": (1, "fp32", (), "gpt"),
+    "gas 2": (2, "fp32", (), "gpt"),
+    "gas 8": (8, "fp32", (), "gpt"),
+    "nvme, gas 1": (1, "fp32", NVME, "gpt"),
+    "nvme, gas 8": (8, "fp32", NVME, "gpt"),
+    "bf16, gas 4": (4, "bf16", (), "gpt"),
+    "activation checkpointing, gas 4": (4, "fp32", (), "recomputed"),
+    "a unit run twice, gas 4": (4, "fp32", (), "repeated"),
+    "frozen base (LoRA), gas 4": (4, "fp32", (), "frozen"),
+}
+FROZEN = ("wte.weight", "wpe.weight", "blocks.0.qkv.weight", "blocks.0.fc.weight", "blocks.1.qkv.weight")
+
+
+def _layer_major_model(kind: str):
+    import dataclasses
+
+    from zeroshard.testing.models import recompute_blocks
+    from zeroshard.testing.parity import MODEL
+
+    if kind == "repeated":
+        return make_model(model=dataclasses.replace(MODEL, repeat_first_block=True))
+    if kind == "frozen":
+        return make_model(frozen=FROZEN)
+    model = make_model()
+    return recompute_blocks(model) if kind == "recomputed" else model
+
+
+def layer_major_worker(names: list) -> dict:
+    import zeroshard
+
+    out = {}
+    for name in names:
+        gas, dtype, zero, kind = LAYER_MAJOR[name]
+        units = (("gather_unit_classes", ["Block"]), ("stage3_param_persistence_threshold", 0))
+        runs = {}
+        for layer_major in (False, True):
+            case = ParityCase(3, dtype, gas=gas, micro_batch=MICRO, lr=1e-3, clip=0.05, steps=2,
+                              zero=units + zero + (("layer_major", layer_major),))  # fmt: skip
+            engine, *_ = zeroshard.initialize(model=_layer_major_model(kind), config=case.config())
+            data, losses = iter(_micro_batches(case, 2)), []
+            for _ in range(2):
+                engine.comm_ledger.reset()
+                read_before = engine.disk_io()["read"]
+                losses.append(float(engine.train_batch(data)))
+                read = engine.disk_io()["read"] - read_before
+            summary = engine.comm_ledger.summary().items()
+            ledger = {op: (t.calls, t.bytes) for (op, group), t in summary if group == "shard"}
+            runs[layer_major] = {"weights": _weights(engine), "losses": losses, "ledger": ledger, "read": read}
+            engine.destroy()
+        a, b = runs[False]["weights"], runs[True]["weights"]
+        diff = sum(((a[k].float() - b[k].float()).norm() ** 2).item() for k in a) ** 0.5
+        norm = sum((a[k].float().norm() ** 2).item() for k in a) ** 0.5
+        out[name] = {
+            "relative": diff / norm,
+            "bitwise": all(torch.equal(a[k], b[k]) for k in a),
+            "losses": (runs[False]["losses"], runs[True]["losses"]),
+            "ledger": (runs[False]["ledger"], runs[True]["ledger"]),
+            "read": (runs[False]["read"], runs[True]["read"]),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def layer_major():
+    return run_distributed(layer_major_worker, 2, list(LAYER_MAJOR))
+
+
+def test_layer_major_equals_the_micro_batch_loop(layer_major):
+    """The same weights within fp32 rounding (1e-6 relative; bit for bit with one micro-batch, where nothing is
+    summed in another order), the same losses, in every case: tied embeddings (the GPT's), NVMe offload, bf16,
+    activation checkpointing, a unit the forward runs twice, frozen parameters; clipping clips in each (0.05)."""
+    for rank in layer_major:
+        for name, result in rank.items():
+            tolerance = 1e-2 if name.startswith("bf16") else 1e-6  # bf16 rounds each sum to 8 bits
+            assert result["relative"] <= tolerance, (name, result["relative"])
+            assert result["bitwise"] or not name.endswith("gas 1"), name
+            for loop, major in zip(*result["losses"]):
+                assert abs(loop - major) <= 1e-5 * abs(loop) or name.startswith("bf16"), (name, result["losses"])
+
+
+def test_layer_major_gathers_reduces_and_reads_once_per_step(layer_major):
+    """Per step, layer-major gathers and reduce-scatters each unit as often as one micro-batch does (the ledger),
+    and reads the NVMe shards once: the micro-batch loop does it once per micro-batch."""
+    for rank in layer_major:
+        for gas, name in ((2, "gas 2"), (8, "gas 8"), (8, "nvme, gas 8"), (4, "a unit run twice, gas 4")):
+            loop, major = rank[name]["ledger"]
+            for op in ("all_gather", "reduce_scatter"):
+                assert loop[op] == (gas * major[op][0], gas * major[op][1]), (name, op, loop[op], major[op])
+        one, eight = rank["nvme, gas 1"], rank["nvme, gas 8"]
+        assert eight["ledger"][1] == one["ledger"][1]
+        assert eight["read"][1] == one["read"][1] < eight["read"][0], (one["read"], eight["read"])

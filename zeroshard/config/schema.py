@@ -186,6 +186,10 @@ class ZeroConfig(Section):
     # (Note [reuse distance] in zero/stage3/schedule.py); zeroshard's default 0 keeps only the last unit of forward,
     # DeepSpeed's 1e9 (what "auto" gives) every unit of a model under about 5e8 parameters, as DeepSpeed does
     max_reuse_distance: Union[int, Auto] = Field(0, alias="stage3_max_reuse_distance")
+    # zeroshard's: engine.train_batch() runs each gather unit over every micro-batch of the step before the next
+    # unit (Note [layer-major] in zero/stage3/layer_major.py): one gather per unit in forward and one in backward per
+    # step, one reduce-scatter, one read of an NVMe shard, however many micro-batches
+    layer_major: bool = False
     gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
     # stage 3: modules whose parameters per layer are at most this many are gathered as one unit (DeepSpeed's rule)
     module_granularity_threshold: int = Field(0, ge=0, alias="stage3_module_granularity_threshold")
@@ -269,6 +273,11 @@ class ZeroConfig(Section):
         if self.offload_optimizer is not None and self.offload_optimizer.device is not OffloadDevice.none:
             if self.stage == 0:
                 raise ValueError("offload_optimizer needs a sharded optimizer: set stage to 1, 2 or 3")
+        if self.layer_major and self.stage != 3:
+            raise ValueError(
+                f"layer_major schedules stage 3's gather units over a step's micro-batches; it needs stage 3 (stage is "
+                f"{self.stage}), where each micro-batch would otherwise gather every unit again"
+            )
         if self.zero_hpz_partition_size > 1 and self.mics_shard_size > 0:
             raise ValueError("set either zero_hpz_partition_size or mics_shard_size, not both")
         quantized = [k for k in ZEROPP_QUANTIZED if getattr(self, k)]

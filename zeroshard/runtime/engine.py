@@ -249,30 +249,64 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
             )
         started = time.perf_counter()
         batches = self._read_batches(data_iter, gas)
-        losses = []
-        for micro, batch in enumerate(batches):
-            try:
-                out = self(*batch) if isinstance(batch, (tuple, list)) else (
-                    self(**batch) if isinstance(batch, dict) else self(batch)
-                )  # fmt: skip
-                loss = _loss_of(out)
-            except Exception as error:
-                # the micro-batches before it accumulated gradients no step will use: dropped, and the count of
-                # micro-batches is back at the boundary, so the engine is as it was before this batch
-                self.zero_grad()
-                self.counters.micro_steps -= micro
-                self._backward_since_step = False
-                error.add_note(
-                    f"rank {comm.get_rank()}: in train_batch(), micro-batch {micro + 1} of {gas} ({_describe(batch)}); "
-                    "the batch was not applied: the gradients of the micro-batches before it were dropped"
-                )
-                raise
-            self.backward(loss)
-            self.step()
-            losses.append(loss.detach())
+        if self.settings.zero_optimization.layer_major:
+            losses = self._layer_major(batches)
+        else:
+            losses = []
+            for micro, batch in enumerate(batches):
+                try:
+                    loss = _loss_of(self._call(batch))
+                except Exception as error:
+                    self._undo_batch(error, micro, gas, batch)
+                    raise
+                self.backward(loss)
+                self.step()
+                losses.append(loss.detach())
         self.agg_train_loss = self._batch_mean(losses, gas)
         self.reporting.timers["train_batch"] += time.perf_counter() - started
         return self.agg_train_loss
+
+    def _call(self, batch: Any) -> Any:
+        if isinstance(batch, (tuple, list)):
+            return self(*batch)
+        return self(**batch) if isinstance(batch, dict) else self(batch)
+
+    def _undo_batch(self, error: Exception, micro: int, gas: int, batch: Any) -> None:
+        """A micro-batch failed: the ones before it accumulated gradients no step will use. They are dropped and the
+        count of micro-batches is back at the step's start, so the engine is as it was before ``train_batch``."""
+        self.zero_grad()
+        if self.stack.stage3 is not None:
+            self.stack.stage3.release_all()
+        self.counters.micro_steps -= micro
+        self._backward_since_step = False
+        error.add_note(
+            f"rank {comm.get_rank()}: in train_batch(), micro-batch {micro + 1} of {gas} ({_describe(batch)}); the "
+            "batch was not applied: the gradients of the micro-batches before it were dropped"
+        )
+
+    def _layer_major(self, batches: list) -> list:
+        """``zero_optimization.layer_major`` (Note [layer-major] in zero/stage3/layer_major.py): the micro-batches'
+        forwards unit by unit, one backward of their scaled losses summed in order, then the step."""
+        from ..zero.stage3.layer_major import Fibers
+
+        gas, fibers = len(batches), Fibers()
+        try:
+            with self.stack.stage3.layer_major(fibers):
+                outs = fibers.run([lambda batch=batch: self._call(batch) for batch in batches])
+            losses = [_loss_of(out) for out in outs]
+        except Exception as error:
+            failed = fibers.failed if fibers.failed is not None else 0
+            self._undo_batch(error, 0, gas, batches[failed])
+            raise
+        scale = self.stack.loss_scale / gas
+        total = losses[0].float() * scale
+        for loss in losses[1:]:
+            total = total + loss.float() * scale
+        self._last_loss = losses[-1].detach()
+        self._backward_from([total], None, boundary=True)
+        self.counters.micro_steps += gas - 1  # the step below counts the last one and ends the accumulation
+        self.step()
+        return [loss.detach() for loss in losses]
 
     def _read_batches(self, data_iter: Optional[Iterator], count: int) -> list:
         if data_iter is None:

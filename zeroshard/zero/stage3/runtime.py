@@ -21,6 +21,7 @@ unit's forward) is a graph of its own. The parameters it reads are gathered by t
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -30,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 from ..buffers import ReusableBuffers
 from ..flat_group import FlatGroup, ParamState
 from ..reducer import GradBucket
+from .layer_major import Fibers
 from .schedule import GatherSchedule
 from .units import trigger_modules
 
@@ -105,6 +107,10 @@ class Stage3Runtime:
         self.peak_live_numel = 0
         self._gather_seconds = 0.0
         self._backward_hooks: list = []  # on this forward's unit outputs; removed when backward is over
+        # Note [layer-major]: the micro-batch forwards running unit by unit, while :meth:`layer_major` is entered;
+        # the first one records the units, and a unit is freed (or kept) when the last one leaves it
+        self.fibers: Optional[Fibers] = None
+        self._positions: dict[int, list[int]] = {}  # id(unit) -> positions the first fiber ran it at, not yet left
         self._handles = [
             root.register_forward_pre_hook(self._root_pre_forward),
             root.register_forward_hook(self._root_post_forward, always_call=True),
@@ -172,31 +178,62 @@ class Stage3Runtime:
 
     @torch.compiler.disable  # Note [hooks outside compiled graphs]
     def _root_pre_forward(self, module, args) -> None:
-        self._recording, self._running = [], []
-        self._on_schedule = len(self.schedule) > 0
-        self._save_views_by_position()
+        if self.fibers is None:  # a layer-major step started its recording in layer_major()
+            self._start_recording()
+            self._save_views_by_position()
         self._gather(self.root_unit, async_op=False)
+
+    def _start_recording(self) -> None:
+        self._recording, self._running, self._positions = [], [], {}
+        self._on_schedule = len(self.schedule) > 0
+
+    def _adopt_recording(self) -> None:
+        if self._recording and tuple(self._recording) != self.schedule.order:  # a changed order is picked up
+            self.schedule = GatherSchedule(self._recording, self._numel, self.max_reuse_distance)
 
     @torch.compiler.disable
     def _root_post_forward(self, module, args, output) -> Any:
         if self._saving is not None and self._saving_owner is module:
             self._saving.__exit__(None, None, None)
             self._saving = None
-        if self._recording and tuple(self._recording) != self.schedule.order:  # a changed order is picked up
-            self.schedule = GatherSchedule(self._recording, self._numel, self.max_reuse_distance)
+        if self.fibers is None:
+            self._adopt_recording()
         if not torch.is_grad_enabled():
             self.release_all()  # no backward follows
         return output
+
+    @contextlib.contextmanager
+    def layer_major(self, fibers: Fibers):
+        """Run the micro-batch forwards that ``fibers`` runs inside, unit by unit (Note [layer-major]): the units'
+        order is recorded from the first, the saved-tensor hooks cover all of them, and each unit is freed (or kept
+        for its reuse) once the last micro-batch has left it."""
+        self._start_recording()
+        self.fibers = fibers
+        self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saving_owner = None  # this context's: no module's post-forward exits it
+        self._saving.__enter__()
+        try:
+            yield
+        finally:
+            saving, self._saving = self._saving, None
+            saving.__exit__(None, None, None)
+            self.fibers = None
+            self._adopt_recording()
 
     @torch.compiler.disable
     def _pre_forward(self, unit: GatherUnit, module: torch.nn.Module, args, kwargs) -> None:
         if torch._C._current_graph_task_id() != -1:
             self._gather(unit, async_op=False)  # recomputed inside backward (activation checkpointing)
             return
+        if self.fibers is not None:
+            self.fibers.at_unit()  # the other micro-batches run to here first (Note [layer-major])
         if self._saving is None:
             self._save_views_by_position(module)  # the model's forward did not enter through its root
         if unit.frozen and torch.is_grad_enabled():
             self._watch_inputs(unit, (args, kwargs))
+        if self.fibers is not None and not self.fibers.first:
+            self._gather(unit, async_op=False)  # gathered by the first micro-batch, unless freed since
+            return
         self._recording.append(unit)
         position = len(self._recording) - 1
         self._on_schedule = self._on_schedule and self.schedule.follows(self._recording)
@@ -212,16 +249,30 @@ class Stage3Runtime:
             self._saving = None
         if torch._C._current_graph_task_id() != -1:
             return output  # activation checkpointing recomputes inside backward: the unit is still needed
-        position = next((p for u, p in reversed(self._running) if u is unit), None)
-        self._running = [(u, p) for u, p in self._running if p != position]
+        if self.fibers is None or self.fibers.first:
+            position = next((p for u, p in reversed(self._running) if u is unit), None)
+            self._running = [(u, p) for u, p in self._running if p != position]
+            if self.fibers is not None:
+                self._positions.setdefault(id(unit), []).append(position)
+        if self.fibers is not None:
+            if not self.fibers.last:  # later micro-batches run this unit next: it stays gathered for them
+                self._hook_outputs(unit, output)
+                return output
+            left = self._positions.get(id(unit), [])
+            position = left.pop(0) if left else None
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
-            for tensor in tensors:
-                self._backward_hooks.append(tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit)))
+            self._hook_outputs(unit, output)
             if position is not None and self._keeps(position):
                 return output
         self._free(unit)
         return output
+
+    def _hook_outputs(self, unit: GatherUnit, output) -> None:
+        """Gather ``unit`` again when the gradient of one of its outputs arrives in backward."""
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            for tensor in tensors:
+                self._backward_hooks.append(tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit)))
 
     def _keeps(self, position: int) -> bool:
         """Whether the unit that ran at ``position`` stays gathered for its next use: the schedule says it is
