@@ -5,6 +5,8 @@ named error on every rank with the engine left as it was: data that ends at a ba
 data that ends early on one rank, a step begun with ``forward``/``backward``, micro-batches the model cannot take,
 a model that returns no loss, no data at all."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -109,6 +111,25 @@ def worker() -> dict:
     result["dict_loss"] = float(engine.train_batch(iter(dict_batches)))
     result["counts_after"] = (engine.global_steps, engine.micro_steps)
     engine.destroy()
+
+    # the same refusals with layer_major: a micro-batch fails inside its fiber, the others are ended
+    case = dataclasses.replace(case, zero=case.zero + (("layer_major", True),))
+    engine = _engine(case)
+    before = _weights(engine)
+    layer = result["layer_major"] = {}
+    layer["shape"] = _error(lambda: engine.train_batch(iter([batches[0], (too_long, too_long)])))
+    layer["no_loss"] = _error(lambda: engine.train_batch(iter([(x,), (x,)])))
+    layer["short"] = _error(lambda: engine.train_batch(iter(mine)))
+    layer["unchanged"] = all(torch.equal(before[k], v) for k, v in _weights(engine).items())
+    layer["counts_after_errors"] = (engine.global_steps, engine.micro_steps)
+    engine.backward(engine(x, y))
+    layer["mixed"] = _error(lambda: engine.train_batch(iter(batches)))
+    engine.step()
+    engine.backward(engine(*batches[1]))
+    engine.step()
+    layer["loss"] = float(engine.train_batch(iter(batches[2:4])))
+    layer["counts_after"] = (engine.global_steps, engine.micro_steps)
+    engine.destroy()
     return result
 
 
@@ -143,6 +164,14 @@ def test_bad_batches_are_named_errors_on_every_rank_and_change_nothing(results):
         assert result["unchanged"], rank
         assert result["counts_after_errors"] == (0, 0)
         assert result["counts_after"] == (2, 4) and result["dict_loss"] > 0
+        layer = result["layer_major"]
+        assert "micro-batch 2 of 2" in layer["shape"] and "the batch was not applied" in layer["shape"], layer
+        assert layer["no_loss"].startswith("TrainBatchError|False|") and "returned a tensor of shape" in layer[
+            "no_loss"]  # fmt: skip
+        assert layer["short"].startswith("DataExhausted|True|") and "ended on ranks [1]" in layer["short"]
+        assert layer["mixed"].startswith("TrainBatchError|False|")
+        assert layer["unchanged"] and layer["counts_after_errors"] == (0, 0)
+        assert layer["counts_after"] == (2, 4) and layer["loss"] > 0
 
 
 # Note [layer-major]: each case trains 2 steps with the micro-batch loop and with layer_major, from the same data

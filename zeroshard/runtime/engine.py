@@ -257,7 +257,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
                 try:
                     loss = _loss_of(self._call(batch))
                 except Exception as error:
-                    self._undo_batch(error, micro, gas, batch)
+                    self._undo_batch(error, micro, micro, batches)
                     raise
                 self.backward(loss)
                 self.step()
@@ -271,17 +271,19 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
             return self(*batch)
         return self(**batch) if isinstance(batch, dict) else self(batch)
 
-    def _undo_batch(self, error: Exception, micro: int, gas: int, batch: Any) -> None:
-        """A micro-batch failed: the ones before it accumulated gradients no step will use. They are dropped and the
-        count of micro-batches is back at the step's start, so the engine is as it was before ``train_batch``."""
+    def _undo_batch(self, error: Exception, stepped: int, failed: int, batches: list) -> None:
+        """Micro-batch ``failed`` failed after ``stepped`` ran their backward and step(): their gradients, which no
+        step will use, are dropped and the count of micro-batches is back at the step's start, so the engine is as it
+        was before ``train_batch``."""
         self.zero_grad()
         if self.stack.stage3 is not None:
             self.stack.stage3.release_all()
-        self.counters.micro_steps -= micro
+        self.counters.micro_steps -= stepped
         self._backward_since_step = False
         error.add_note(
-            f"rank {comm.get_rank()}: in train_batch(), micro-batch {micro + 1} of {gas} ({_describe(batch)}); the "
-            "batch was not applied: the gradients of the micro-batches before it were dropped"
+            f"rank {comm.get_rank()}: in train_batch(), micro-batch {failed + 1} of {len(batches)} "
+            f"({_describe(batches[failed])}); the batch was not applied: the gradients of the micro-batches before it "
+            "were dropped"
         )
 
     def _layer_major(self, batches: list) -> list:
@@ -295,8 +297,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
                 outs = fibers.run([lambda batch=batch: self._call(batch) for batch in batches])
             losses = [_loss_of(out) for out in outs]
         except Exception as error:
-            failed = fibers.failed if fibers.failed is not None else 0
-            self._undo_batch(error, 0, gas, batches[failed])
+            self._undo_batch(error, 0, fibers.failed if fibers.failed is not None else 0, batches)
             raise
         scale = self.stack.loss_scale / gas
         total = losses[0].float() * scale

@@ -107,6 +107,31 @@ def test_careless_super_offload_values_are_named(offload, match):
         parse_config({"zero_optimization": {"stage": 2, "offload_optimizer": offload}})
 
 
+def test_layer_major_is_a_stage_3_switch():
+    """zeroshard's ``layer_major`` (engine.train_batch unit by unit, Note [layer-major]): off by default, on at stage 3,
+    refused below it and for anything but a boolean."""
+    assert parse_config({"zero_optimization": {"stage": 3}}).zero_optimization.layer_major is False
+    on = parse_config({"zero_optimization": {"stage": 3, "layer_major": True}})
+    assert on.zero_optimization.layer_major is True
+
+
+@pytest.mark.parametrize(
+    "zero,match",
+    [
+        ({"stage": 2, "layer_major": True}, "layer_major .* needs stage 3"),
+        ({"stage": 0, "layer_major": True}, "layer_major .* needs stage 3"),
+        ({"stage": 3, "layer_major": "yes"}, "layer_major"),
+        ({"stage": 3, "layer_major": 2}, "layer_major"),
+        ({"stage": 3, "layer_major": float("nan")}, "layer_major"),
+        ({"stage": 3, "layer_major": "true; rm -rf /"}, "layer_major"),
+        ({"stage": 3, "layer_major": None}, "layer_major"),
+    ],
+)
+def test_careless_layer_major_values_are_named(zero, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        parse_config({"zero_optimization": zero})
+
+
 @pytest.mark.parametrize("key", sorted(REMOVED_IN_DEEPSPEED))
 def test_blocks_deepspeed_removed_are_refused_with_the_reason(key):
     assert key in KEYS["removed"]
