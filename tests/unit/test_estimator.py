@@ -106,6 +106,27 @@ def test_activations_follow_micro_batch_and_checkpointing():
     assert blocks_activations(True) < 0.25 * blocks_activations(False)
 
 
+def test_layer_major_keeps_every_micro_batch_of_the_step():
+    """``layer_major`` runs the forward of all ``gradient_accumulation_steps`` micro-batches before backward: their
+    saved activations add up (what one micro-batch keeps, times their number), and the estimate says so; checkpointing
+    keeps that to each block's input per micro-batch."""
+
+    def activations(gas, layer_major, recompute=False):
+        cfg = {**config(3, 4, layer_major=layer_major), "gradient_accumulation_steps": gas}
+        est = zeroshard.estimate(lambda: tiny_gpt(recompute), cfg, 2, tiny_inputs(4, 32), runtime_bytes=0)
+        return est.bytes["activations"]["device"], est.notes
+
+    one, _ = activations(1, True)
+    loop, _ = activations(8, False)
+    major, notes = activations(8, True)
+    assert loop == one  # the micro-batch loop holds one micro-batch's at a time
+    two, _ = activations(2, True)
+    assert two > one and major - one == 7 * (two - one)  # one micro-batch's saved activations more per micro-batch
+    assert any("layer_major: the activations of the step's 8 micro-batches" in note for note in notes)
+    checkpointed, _ = activations(8, True, recompute=True)
+    assert checkpointed < 0.6 * major
+
+
 def test_bf16_halves_parameters_and_activations():
     fp32 = zeroshard.estimate(tiny_gpt, config(3), 2, tiny_inputs(2, 32), runtime_bytes=0)
     bf16 = zeroshard.estimate(

@@ -19,9 +19,9 @@ Per rank, in bytes and by location (``device``: the accelerator, or the compute 
 - ``gathered_units`` (stage 3): the root unit, the running unit and the prefetched ones;
 - ``communication_buffers``: gradient staging (one bucket staging, one in flight) and, on Gloo, the chunks the
   reduction in flight receives;
-- ``activations``: what forward keeps for backward (traced), backward's first working set (the gradients of the
-  largest saved tensor and of its input, and the largest parameter's fresh gradient), and under activation
-  checkpointing one block's recomputation;
+- ``activations``: what forward keeps for backward (traced; under ``layer_major`` that of every micro-batch of the
+  step, kept together), backward's first working set (the gradients of the largest saved tensor and of its input,
+  and the largest parameter's fresh gradient), and under activation checkpointing one block's recomputation;
 - ``runtime``: a training process without its model (CPU: torch, zeroshard, a Gloo group and one training step
   of a tiny model, probed once in a child process; 0 on GPU, where ``max_memory_allocated`` is compared);
 - ``allocator``: freed memory glibc keeps resident on a CPU run (``allocator_retention``).
@@ -92,16 +92,21 @@ def estimate(
     plan.count_offload(result)
     plan.count_buffers(result, gloo=cpu_only())
     plan.count_compression(result)
-    largest_transient = _count_activations(result, model, sample_inputs, element_size(policy.compute))
+    # layer_major (Note [layer-major]): the forward of every micro-batch of the step runs before the backward
+    at_once = resolution.batch.gradient_accumulation_steps if z.stage == 3 and z.layer_major else 1
+    largest_transient = _count_activations(result, model, sample_inputs, element_size(policy.compute), at_once)
     result.bytes["runtime"]["device"] = sum(runtime_baseline()) if runtime_bytes is None else runtime_bytes
     # NVMe offload bounds glibc's heap (zeroshard.accelerator.bound_host_heap): nothing freed stays resident
     result.bytes["allocator"]["device"] = 0 if offload.on_nvme else allocator_retention(largest_transient)
     return result
 
 
-def _count_activations(result: MemoryEstimate, model: nn.Module, sample_inputs: Any, compute_bytes: int) -> int:
-    """Count the activations of one micro-batch (``sample_inputs``) into ``result``; returns the largest transient
-    tensor (the largest parameter's gradient, or the largest saved activation) the allocator may keep."""
+def _count_activations(
+    result: MemoryEstimate, model: nn.Module, sample_inputs: Any, compute_bytes: int, at_once: int = 1
+) -> int:
+    """Count the activations of ``at_once`` micro-batches like ``sample_inputs`` kept together for backward (more
+    than one under ``layer_major``) into ``result``; returns the largest transient tensor (the largest parameter's
+    gradient, or the largest saved activation) the allocator may keep."""
     largest_grad = max((p.numel() for p in model.parameters() if p.requires_grad), default=0) * compute_bytes
     if sample_inputs is None:
         result.notes.append("no sample_inputs: activations not counted")
@@ -110,7 +115,13 @@ def _count_activations(result: MemoryEstimate, model: nn.Module, sample_inputs: 
     # backward's first working set: the gradient of the largest saved tensor (the logits, in a language model) and
     # of its input, while the largest parameter's fresh gradient waits to be staged
     working = 2 * traced.largest_saved + largest_grad
-    result.bytes["activations"]["device"] = traced.saved + traced.recompute + working
+    result.bytes["activations"]["device"] = at_once * traced.saved + traced.recompute + working
+    if at_once > 1:
+        result.notes.append(
+            f"layer_major: the activations of the step's {at_once} micro-batches are kept together for backward "
+            f"({at_once} x {traced.saved / 2**20:.1f} MiB); activation checkpointing keeps only each checkpointed "
+            "unit's input of each"
+        )
     return max(largest_grad, traced.largest_saved)
 
 
