@@ -24,6 +24,7 @@ from .activation_checkpointing import in_effect as checkpointing_in_effect
 from .batch_check import check_same_batch
 from .engine_api import DeepSpeedAccessors
 from .engine_export import CheckpointAndExport
+from .micro_batches import TrainBatchError, describe, loss_of, read_step
 from .reporting import Reporting
 from .sampler import RepeatingLoader
 
@@ -31,17 +32,6 @@ from .sampler import RepeatingLoader
 class NoSyncError(RuntimeError, AssertionError):
     """``no_sync()`` misused (under ZeRO 2-3, nested, or around ``step()``). An ``AssertionError`` too, because
     DeepSpeed asserts there and its clients' tests expect that class."""
-
-
-class DataExhausted(RuntimeError, StopIteration):
-    """``train_batch``'s data iterator ended. At a batch boundary on every rank it is the end of the data (a
-    ``StopIteration`` too, so a loop that stops on one stops); anywhere else the batch is refused on every rank,
-    naming the ranks whose data ended, before anything is computed."""
-
-
-class TrainBatchError(RuntimeError):
-    """``train_batch`` cannot run this batch: no data, a step already begun with ``forward``/``backward``, or a
-    model output without a loss."""
 
 
 class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
@@ -255,7 +245,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
             losses = []
             for micro, batch in enumerate(batches):
                 try:
-                    loss = _loss_of(self._call(batch))
+                    loss = loss_of(self._call(batch))
                 except Exception as error:
                     self._undo_batch(error, micro, micro, batches)
                     raise
@@ -282,7 +272,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         self._backward_since_step = False
         error.add_note(
             f"rank {comm.get_rank()}: in train_batch(), micro-batch {failed + 1} of {len(batches)} "
-            f"({_describe(batches[failed])}); the batch was not applied: the gradients of the micro-batches before it "
+            f"({describe(batches[failed])}); the batch was not applied: the gradients of the micro-batches before it "
             "were dropped"
         )
 
@@ -295,7 +285,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         try:
             with self.stack.stage3.layer_major(fibers):
                 outs = fibers.run([lambda batch=batch: self._call(batch) for batch in batches])
-            losses = [_loss_of(out) for out in outs]
+            losses = [loss_of(out) for out in outs]
         except Exception as error:
             self._undo_batch(error, 0, fibers.failed if fibers.failed is not None else 0, batches)
             raise
@@ -319,24 +309,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
             if self._train_iterator is None:
                 self._train_iterator = RepeatingLoader(self.training_dataloader)
             data_iter = self._train_iterator
-        batches = []
-        try:
-            while len(batches) < count:
-                batches.append(next(data_iter))
-        except StopIteration:
-            pass
-        read = torch.tensor([len(batches)], dtype=torch.int64, device=self.device)
-        counts = torch.empty(self.mesh.world.size, dtype=torch.int64, device=self.device)
-        comm.all_gather(counts, read, self.mesh.world)
-        short = {rank: int(n) for rank, n in zip(self.mesh.world.ranks, counts.tolist()) if n < count}
-        if short:
-            where = "every rank" if len(short) == self.mesh.world.size else f"ranks {sorted(short)}"
-            raise DataExhausted(
-                f"rank {comm.get_rank()}: train_batch(): the data iterator ended on {where} before the "
-                f"{count} micro-batches of a step (micro-batches read per rank: {short}); nothing was trained on "
-                "them. Wrap the iterator in RepeatingLoader (deepspeed.utils) or stop the loop at the end of an epoch"
-            )
-        return batches
+        return read_step(data_iter, count, self.mesh.world, self.device)
 
     def _batch_mean(self, values: list, micro_batches: int) -> torch.Tensor:
         """Per-micro-batch losses (or outputs, elementwise) summed over micro-batches, divided by their count and
@@ -418,30 +391,6 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         self.stack.destroy()
         comm.destroy_mesh(self.mesh)
         self.reporting.close()
-
-
-def _loss_of(out: Any) -> torch.Tensor:
-    """The loss in what a model returned (see ``train_batch``)."""
-    if isinstance(out, dict) and "loss" in out:
-        out = out["loss"]
-    elif not torch.is_tensor(out) and getattr(out, "loss", None) is not None:
-        out = out.loss
-    elif isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
-        out = out[0]
-    if not torch.is_tensor(out) or out.numel() != 1 or not out.requires_grad:
-        got = f"a tensor of shape {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
-        raise TrainBatchError(
-            f"rank {comm.get_rank()}: train_batch() needs the model to return its loss (a one-element tensor that "
-            f"requires grad, an output with .loss, a dict with 'loss', or a tuple starting with it); it returned {got}"
-        )
-    return out
-
-
-def _describe(batch: Any) -> str:
-    """A micro-batch's tensors by shape, for an error."""
-    shapes = []
-    tree_map(lambda v: shapes.append(tuple(v.shape)) if torch.is_tensor(v) else None, batch)
-    return f"{type(batch).__name__} of tensors shaped {shapes[:8]}" if shapes else type(batch).__name__
 
 
 def _weak_call(method: weakref.WeakMethod):

@@ -30,7 +30,8 @@ from ..accelerator import get_accelerator
 from ..checkpoint.view import PipelinePlacement, TrainingState
 from ..pipe import Announcement, PipelineModule, Step, eval_steps, train_steps
 from .activation_checkpointing import in_effect as checkpointing_in_effect
-from .engine import DataExhausted, ZeroshardEngine
+from .engine import ZeroshardEngine
+from .micro_batches import DataExhausted
 from .pipeline_exchange import PipelineError, StageAborted, StageExchange
 from .pipeline_grid import PipelineGrid
 from .sampler import RepeatingLoader
