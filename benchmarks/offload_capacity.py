@@ -97,8 +97,9 @@ def worker(args) -> None:
     )  # fmt: skip
     link = slow_host_link(args.host_link_gbps * 1e9)  # 0: the copies take what they take
     remote = ds_config["zero_optimization"].get("offload_param", {}).get("device")
-    build = zeroshard.zero.Init if args.stage == 3 else contextlib.nullcontext  # zero.Init: DeepSpeed's Megatron way
-    with build(remote_device=remote, config_dict_or_path=ds_config) if args.stage == 3 else build():
+    # stage 3: built under zero.Init, as DeepSpeed's Megatron example does
+    build = zeroshard.zero.Init(remote_device=remote, config_dict_or_path=ds_config) if args.stage == 3 else None
+    with build or contextlib.nullcontext():
         model = GPT(cfg)
     assert block_numel == sum(p.numel() for p in model.blocks[0].parameters())
     engine, *_ = zeroshard.initialize(model=model, config=ds_config)

@@ -19,6 +19,7 @@ from ..config import Resolution
 from ..log import log_rank0, logger
 from ..precision import PrecisionPolicy
 from ..zero import ZeroOptimizer, ZeroStack
+from ..zero.stage3.layer_major import Fibers
 from .activation_checkpointing import CheckpointingOptions
 from .activation_checkpointing import in_effect as checkpointing_in_effect
 from .batch_check import check_same_batch
@@ -279,8 +280,6 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
     def _layer_major(self, batches: list) -> list:
         """``zero_optimization.layer_major`` (Note [layer-major] in zero/stage3/layer_major.py): the micro-batches'
         forwards unit by unit, one backward of their scaled losses summed in order, then the step."""
-        from ..zero.stage3.layer_major import Fibers
-
         gas, fibers = len(batches), Fibers()
         try:
             with self.stack.stage3.layer_major(fibers):

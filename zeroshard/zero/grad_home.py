@@ -80,7 +80,9 @@ class ResidentGrad:
     def accumulate(self, reduced: torch.Tensor, alpha: float, final: bool) -> None:
         if self.location == "host":  # the reduced gradient crosses to the host optimizer
             reduced = moved_across(reduced, self.tensor.device, to_host=True)
-        self.tensor.add_(reduced.to(self.tensor.device), alpha=alpha)
+        else:
+            reduced = reduced.to(self.tensor.device)
+        self.tensor.add_(reduced, alpha=alpha)
 
     def norm(self) -> torch.Tensor:
         return shard_norm(self.tensor)
