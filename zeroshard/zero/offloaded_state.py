@@ -15,7 +15,6 @@ stepped as :class:`~.optimizer_state.DeviceState` steps them). :mod:`.optimizer_
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 from typing import Callable, Iterable, Optional
@@ -132,38 +131,22 @@ class HostState(OptimizerState):
         return bool(self.flats) and self.flats[0].device.type != "cpu"
 
     def step_behind(
-        self,
-        grads: list[GradHome],
-        coef: float,
-        order: list[int],
-        then: Callable[[], None],
-        label: str,
-        committed: frozenset[int] = frozenset(),
+        self, grads: list[GradHome], coef: float, order: list[int], then: Callable[[], None], label: str
     ) -> None:
         """:meth:`step` over every flat group, the forward's first ones first (``order``), on the worker thread
-        (:mod:`.step_behind`), then ``then`` there (the gradients' clearing). The flat groups in ``committed`` were
-        stepped during backward: they are committed instead, behind too (publishing a master that is not the shard
-        reads it back from the swap file). The resident flat groups are stepped or committed here first: their
-        publish is a collective, which only the training thread issues."""
+        (:mod:`.step_behind`), then ``then`` there (the gradients' clearing). The resident flat groups are stepped
+        here first: their publish is a collective, which only the training thread issues."""
         self.settle()
         if self.behind is None:
             self.behind = StepBehind(comm.get_rank())
         resident = [k for k in order if self.flats[k].resident]
-        for k in resident:
-            if k in committed:
-                self.commit(k)
-        if stepped := [k for k in resident if k not in committed]:
-            self.step(grads, coef, stepped)
+        if resident:
+            self.step(grads, coef, resident)
         rest = [k for k in order if not self.flats[k].resident]
         frozen = frozen_groups(self.optimizer)  # the hyperparameters of now, whatever a scheduler does next
 
         def work() -> None:
-            for is_committed, run in itertools.groupby(rest, key=committed.__contains__):
-                if is_committed:  # in the forward's order, each run of steps one pipeline through the swap file
-                    for k in run:
-                        self.commit(k)
-                else:
-                    self.step(grads, coef, list(run), frozen)
+            self.step(grads, coef, rest, frozen)
             then()
 
         self.behind.launch(label, work, [self.flats[k] for k in rest])

@@ -194,14 +194,14 @@ class ZeroStack:
         if clip > 0 and norm > clip:
             coef *= clip / (norm + 1e-6)
         grads, coef = self.exchange.transform(grads, coef, lambda index: self.read_flat(index).get("exp_avg"))
-        if self.steps_behind:  # the commits' publishes (a master read back from disk) run behind too
+        for index in committed:
+            self.optimizer_state.commit(index)
+        rest = [index for index in range(len(self.flat_groups)) if index not in committed]
+        if self.steps_behind and rest:
             label = f"optimizer step {self.steps_taken}"
-            order = self._forward_order()
-            self.optimizer_state.step_behind(grads, coef, order, self.reducer.zero_grad, label, frozenset(committed))
+            order = [index for index in self._forward_order() if index not in committed]
+            self.optimizer_state.step_behind(grads, coef, order, self.reducer.zero_grad, label)
         else:
-            for index in committed:
-                self.optimizer_state.commit(index)
-            rest = [index for index in range(len(self.flat_groups)) if index not in committed]
             if committed:
                 self.optimizer_state.step(grads, coef, rest)  # an offloaded home: the flat groups not speculated
             else:
