@@ -120,6 +120,15 @@ class Accelerator:
             return free
         return (proc_field_kib("/proc/meminfo", "MemAvailable") or 0) * 1024
 
+    def allocatable_memory(self) -> int:
+        """What this rank can still allocate on its device: on a GPU the driver's free bytes and what torch's
+        caching allocator holds unused; on CPU the machine's available memory, shared by the node's ranks
+        (``LOCAL_WORLD_SIZE``, which torchrun and ``zeroshard`` set)."""
+        if self.name == "cuda":
+            return self.available_memory() + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        return self.available_memory() // (int(local) if local.isdigit() and int(local) > 0 else 1)
+
     # -- RNG -------------------------------------------------------------------------------------------------
     def random(self):
         """torch's RNG module (``get_accelerator().random().fork_rng(...)``); on CPU one whose ``fork_rng`` also

@@ -6,6 +6,8 @@ data that ends early on one rank, a step begun with ``forward``/``backward``, mi
 a model that returns no loss, no data at all."""
 
 import dataclasses
+import math
+import re
 
 import pytest
 import torch
@@ -130,7 +132,67 @@ def worker() -> dict:
     layer["loss"] = float(engine.train_batch(iter(batches[2:4])))
     layer["counts_after"] = (engine.global_steps, engine.micro_steps)
     engine.destroy()
+    result["fit"] = _activations_that_do_not_fit()
     return result
+
+
+class Widening(torch.nn.Module):
+    """A loss whose activations grow with an input's shape: ``widen`` is a stride-0 view of one float, so a 4-byte
+    micro-batch makes forward save ``widen.numel()`` floats (``exp`` keeps its result). ``masked``: a forward that
+    reads values (boolean indexing), which meta tensors cannot trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x, widen, masked=False):
+        loss = self.linear(x).pow(2).mean() + (widen * self.linear.weight[0, 0]).exp().mean()
+        return loss + self.linear(x)[x > 0].sum() if masked else loss
+
+
+HUGE = 2**34  # floats: 64 GiB per micro-batch (were the check to fail, the allocation would fail, not swap)
+
+
+def _activations_that_do_not_fit() -> dict:
+    """A layer-major step whose micro-batches keep more activations than a rank can allocate: refused on every rank
+    before anything runs (rank 1's alone, then both), the bytes named; the engine then trains on micro-batches that
+    fit; a forward meta tensors cannot trace is warned about once and trains unmeasured."""
+    import warnings
+
+    import zeroshard
+    from zeroshard import comm
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "layer_major": True},
+    }
+    engine, *_ = zeroshard.initialize(model=Widening(), config=config)
+    before = _weights(engine)
+    x = torch.randn(2, 16)
+
+    def batch(width: int, masked: bool = False) -> tuple:
+        return (x, torch.zeros(()).expand(width), masked)
+
+    out = {}
+    rank_1_huge = batch(HUGE if comm.get_rank() == 1 else 16)
+    out["rank 1"] = _error(lambda: engine.train_batch(iter([rank_1_huge, rank_1_huge])))
+    out["both"] = _error(lambda: engine.train_batch(iter([batch(16), batch(HUGE)])))
+    out["unchanged"] = all(torch.equal(before[k], v) for k, v in _weights(engine).items())
+    out["counts_after_errors"] = (engine.global_steps, engine.micro_steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["fits"] = float(engine.train_batch(iter([batch(16), batch(64)])))
+        out["fits warnings"] = [str(w.message) for w in caught]
+        caught.clear()
+        out["masked"] = float(engine.train_batch(iter([batch(16, True), batch(16, True)])))
+        out["masked warnings"] = [str(w.message) for w in caught]
+    out["counts_after"] = (engine.global_steps, engine.micro_steps)
+    engine.destroy()
+    predicted = zeroshard.estimate(Widening, config, 2, sample_inputs=batch(HUGE))
+    out["predicted activations"] = predicted.bytes["activations"]["device"]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +236,33 @@ def test_bad_batches_are_named_errors_on_every_rank_and_change_nothing(results):
         assert layer["counts_after"] == (2, 4) and layer["loss"] > 0
 
 
+def test_a_layer_major_step_that_does_not_fit_is_refused_before_it_runs(results):
+    """Measured on meta tensors before the step: the step's bytes named for the rank they do not fit on, on every
+    rank, as a ``StepDoesNotFit`` (a ``MemoryError`` too); the activations named are ``zeroshard estimate``'s for
+    the same micro-batches; the engine as it was, and training on afterwards."""
+    from zeroshard.runtime.micro_batches import StepDoesNotFit
+
+    assert issubclass(StepDoesNotFit, MemoryError)
+    for result in results:
+        fit = result["fit"]
+        for case in ("rank 1", "both"):
+            assert fit[case].startswith("StepDoesNotFit|False|"), fit[case]
+            assert "keeps the activations of the step's 2 micro-batches" in fit[case] and "Nothing ran" in fit[case]
+            assert "activation checkpointing" in fit[case] and "layer_major to false" in fit[case]
+        assert "rank 1 needs " in fit["rank 1"] and "rank 0 needs" not in fit["rank 1"], fit["rank 1"]
+        assert "rank 0 needs " in fit["both"] and "rank 1 needs " in fit["both"]
+        gib = re.search(r"rank 1 needs ([0-9.]+) GiB and can allocate ([0-9.]+) GiB", fit["rank 1"])
+        assert float(gib.group(1)) >= 2 * 2 * HUGE * 4 / 2**30 > float(gib.group(2)), fit["rank 1"]  # saved + working
+        assert fit["unchanged"] and fit["counts_after_errors"] == (0, 0)
+        assert fit["fits"] > 0 and not fit["fits warnings"], fit["fits warnings"]
+        assert math.isfinite(fit["masked"])
+        assert any("could not be measured on meta tensors" in w for w in fit["masked warnings"]), fit["masked warnings"]
+        assert fit["counts_after"] == (2, 4)
+    rank_1 = results[1]["fit"]
+    here = re.search(r"here: ([0-9.]+) GiB of activations for 2 micro-batches", rank_1["rank 1"])
+    assert here and float(here.group(1)) == round(rank_1["predicted activations"] / 2**30, 2), rank_1["rank 1"]
+
+
 # Note [layer-major]: each case trains 2 steps with the micro-batch loop and with layer_major, from the same data
 SWAP = "/tmp"
 NVME = (
@@ -209,6 +298,8 @@ def _layer_major_model(kind: str):
 
 
 def layer_major_worker(names: list) -> dict:
+    import warnings
+
     import zeroshard
 
     out = {}
@@ -221,14 +312,18 @@ def layer_major_worker(names: list) -> dict:
                               zero=units + zero + (("layer_major", layer_major),))  # fmt: skip
             engine, *_ = zeroshard.initialize(model=_layer_major_model(kind), config=case.config())
             data, losses = iter(_micro_batches(case, 2)), []
-            for _ in range(2):
-                engine.comm_ledger.reset()
-                read_before = engine.disk_io()["read"]
-                losses.append(float(engine.train_batch(data)))
-                read = engine.disk_io()["read"] - read_before
+            with warnings.catch_warnings(record=True) as caught:  # the step measured before it runs (no warning)
+                warnings.simplefilter("always")
+                for _ in range(2):
+                    engine.comm_ledger.reset()
+                    read_before = engine.disk_io()["read"]
+                    losses.append(float(engine.train_batch(data)))
+                    read = engine.disk_io()["read"] - read_before
+            unmeasured = [str(w.message) for w in caught if "could not be measured" in str(w.message)]
             summary = engine.comm_ledger.summary().items()
             ledger = {op: (t.calls, t.bytes) for (op, group), t in summary if group == "shard"}
-            runs[layer_major] = {"weights": _weights(engine), "losses": losses, "ledger": ledger, "read": read}
+            runs[layer_major] = {"weights": _weights(engine), "losses": losses, "ledger": ledger, "read": read,
+                                 "unmeasured": unmeasured}  # fmt: skip
             engine.destroy()
         a, b = runs[False]["weights"], runs[True]["weights"]
         diff = sum(((a[k].float() - b[k].float()).norm() ** 2).item() for k in a) ** 0.5
@@ -239,6 +334,7 @@ def layer_major_worker(names: list) -> dict:
             "losses": (runs[False]["losses"], runs[True]["losses"]),
             "ledger": (runs[False]["ledger"], runs[True]["ledger"]),
             "read": (runs[False]["read"], runs[True]["read"]),
+            "unmeasured": runs[True]["unmeasured"],
         }
     return out
 
@@ -257,6 +353,7 @@ def test_layer_major_equals_the_micro_batch_loop(layer_major):
             tolerance = 1e-2 if name.startswith("bf16") else 1e-6  # bf16 rounds each sum to 8 bits
             assert result["relative"] <= tolerance, (name, result["relative"])
             assert result["bitwise"] or not name.endswith("gas 1"), name
+            assert not result["unmeasured"], (name, result["unmeasured"])
             for loop, major in zip(*result["losses"]):
                 assert abs(loop - major) <= 1e-5 * abs(loop) or name.startswith("bf16"), (name, result["losses"])
 

@@ -16,17 +16,32 @@ class Activations:
     recompute: int  # under activation checkpointing: what one block allocates when backward recomputes it
 
 
-def trace_activations(model: nn.Module, sample_inputs: Any) -> Activations:
+def activation_peak(micro_batches: list[Activations], largest_grad: int) -> int:
+    """The activation bytes of a step whose ``micro_batches`` all finish forward before backward starts (one, or
+    every micro-batch of a ``layer_major`` step): what each keeps, one block's recomputation, and backward's first
+    working set (the gradients of the largest saved tensor, the logits in a language model, and of its input, while
+    the largest parameter's fresh gradient, ``largest_grad`` bytes, waits to be staged)."""
+    return (
+        sum(a.saved for a in micro_batches)
+        + max((a.recompute for a in micro_batches), default=0)
+        + 2 * max((a.largest_saved for a in micro_batches), default=0)
+        + largest_grad
+    )
+
+
+def trace_activations(model: nn.Module, sample_inputs: Any, stand_ins: Optional[dict] = None) -> Activations:
     """One forward on meta tensors. Saved-tensor hooks count what autograd keeps for backward; a dispatch mode
     counts what each repeated block allocates. A block that saves no more than its inputs runs under activation
     checkpointing (``torch.utils.checkpoint`` installs its own hooks inside and keeps only the block's inputs):
-    backward recomputes it, re-allocating its forward at once."""
+    backward recomputes it, re-allocating its forward at once. ``stand_ins``: meta tensors by name for the
+    parameters and buffers of a model that is not on the meta device (a training engine's, whose stage-3
+    parameters hold no data between steps); the forward runs on them through ``torch.func.functional_call``."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
     from ..zero.stage3.units import repeated_block_classes
 
-    params = {id(p) for p in model.parameters()}
+    params = {id(p) for p in (model.parameters() if stand_ins is None else stand_ins.values())}
     seen: set[int] = set()
     saved, largest = [0], [0]
     block_saved: dict[int, int] = {}
@@ -76,7 +91,10 @@ def trace_activations(model: nn.Module, sample_inputs: Any) -> Activations:
     kwargs = {k: to_meta(v) for k, v in kwargs.items()}
     try:
         with CountAllocations(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = model(*args, **kwargs)
+            if stand_ins is None:
+                output = model(*args, **kwargs)
+            else:
+                output = torch.func.functional_call(model, stand_ins, args, kwargs)
     finally:
         for handle in handles:
             handle.remove()

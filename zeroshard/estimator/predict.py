@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn as nn
 
-from .activations import trace_activations
+from .activations import activation_peak, trace_activations
 from .model_state import ModelState, element_size
 from .process import allocator_retention, runtime_baseline
 from .result import CATEGORIES, LOCATIONS, MemoryEstimate, cpu_only
@@ -112,10 +112,7 @@ def _count_activations(
         result.notes.append("no sample_inputs: activations not counted")
         return largest_grad
     traced = trace_activations(model, sample_inputs)
-    # backward's first working set: the gradient of the largest saved tensor (the logits, in a language model) and
-    # of its input, while the largest parameter's fresh gradient waits to be staged
-    working = 2 * traced.largest_saved + largest_grad
-    result.bytes["activations"]["device"] = at_once * traced.saved + traced.recompute + working
+    result.bytes["activations"]["device"] = activation_peak([traced] * at_once, largest_grad)
     if at_once > 1:
         result.notes.append(
             f"layer_major: the activations of the step's {at_once} micro-batches are kept together for backward "

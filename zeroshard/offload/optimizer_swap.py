@@ -100,9 +100,7 @@ class NvmeOptimizerSwapper:
             slot.buffers[key] = aligned_empty(self.max_numel * 4, self.pin)
         return slot.buffers[key][: numel * 4].view(torch.float32)
 
-    def _io(
-        self, write: bool, sub: SubGroup, slot: _Slot, keys: list[str], shadow: bool = False
-    ) -> list[IOPending]:
+    def _io(self, write: bool, sub: SubGroup, slot: _Slot, keys: list[str], shadow: bool = False) -> list[IOPending]:
         pendings = []
         for key in keys:
             region = (id(sub.param), key)

@@ -22,10 +22,11 @@ from ..zero import ZeroOptimizer, ZeroStack
 from ..zero.stage3.layer_major import Fibers
 from .activation_checkpointing import CheckpointingOptions
 from .activation_checkpointing import in_effect as checkpointing_in_effect
+from .activation_fit import ActivationFit
 from .batch_check import check_same_batch
 from .engine_api import DeepSpeedAccessors
 from .engine_export import CheckpointAndExport
-from .micro_batches import TrainBatchError, describe, loss_of, read_step
+from .micro_batches import StepMemory, TrainBatchError, describe, loss_of, read_step
 from .reporting import Reporting
 from .sampler import RepeatingLoader
 
@@ -89,6 +90,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         self._backward_since_step = False  # a backward ran and its step() has not: a step is under way
         self._train_iterator: Optional[Any] = None  # train_batch()'s reading of training_dataloader, forever
         self.agg_train_loss: Optional[torch.Tensor] = None  # train_batch()'s last mean loss (DeepSpeed's name)
+        self._activation_fit: Optional[ActivationFit] = None  # layer_major: a step measured before it runs
         self.reporting = Reporting(self.settings, module, stack, mesh, self.counters, self.batch)
         self._compiled: Optional[Callable] = None  # the module compiled by compile(), called by forward
         self._batch_checked = mesh.tensor.size == 1  # tensor parallelism: checked at the first forward
@@ -308,7 +310,16 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
             if self._train_iterator is None:
                 self._train_iterator = RepeatingLoader(self.training_dataloader)
             data_iter = self._train_iterator
-        return read_step(data_iter, count, self.mesh.world, self.device)
+        return read_step(data_iter, count, self.mesh.world, self.device, self._measure_step)
+
+    def _measure_step(self, batches: list) -> Optional[StepMemory]:
+        """Under ``layer_major``, the memory the step's micro-batches need together (``activation_fit.py``)."""
+        if not self.settings.zero_optimization.layer_major or len(batches) < 2:
+            return None
+        if self._activation_fit is None:
+            self._activation_fit = ActivationFit(self.module, self.stack.stage3, self.policy.compute)
+        with checkpointing_in_effect(self.activation_checkpointing):
+            return self._activation_fit.measure(batches)
 
     def _batch_mean(self, values: list, micro_batches: int) -> torch.Tensor:
         """Per-micro-batch losses (or outputs, elementwise) summed over micro-batches, divided by their count and

@@ -3,7 +3,7 @@ ranks, and the loss in what the model returns."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch.utils._pytree import tree_map
@@ -22,20 +22,44 @@ class TrainBatchError(RuntimeError):
     model output without a loss."""
 
 
-def read_step(data_iter: Iterator, count: int, world: comm.Group, device: torch.device) -> list:
-    """The next ``count`` micro-batches of ``data_iter``. The ranks of ``world`` compare how many they read (one
-    all-gather of a count), so data that ends early on some rank is a :class:`DataExhausted` on every rank, naming
-    the ranks, before any collective of the step could wait for the rank that stopped."""
+class StepDoesNotFit(TrainBatchError, MemoryError):
+    """A ``layer_major`` step's micro-batches keep more activations than some rank can allocate, measured before the
+    step (``runtime/activation_fit.py``); refused on every rank, with the bytes, before anything runs."""
+
+
+class StepMemory(NamedTuple):
+    """One rank's count for a layer-major step: the bytes it needs (activations and gathered parameters), the bytes
+    it can allocate, and of the first the activations, of this many micro-batches."""
+
+    needed: int
+    free: int
+    activations: int
+    micro_batches: int
+
+
+def read_step(
+    data_iter: Iterator,
+    count: int,
+    world: comm.Group,
+    device: torch.device,
+    measure: Optional[Callable[[list], Optional[StepMemory]]] = None,
+) -> list:
+    """The next ``count`` micro-batches of ``data_iter``. The ranks of ``world`` compare how many they read, and
+    what ``measure`` says the step needs and can allocate (one all-gather of three numbers), so data that ends early
+    on some rank is a :class:`DataExhausted`, and a step that does not fit some rank is a :class:`StepDoesNotFit`,
+    on every rank, naming the ranks, before any collective of the step could wait for the rank that stopped."""
     batches = []
     try:
         while len(batches) < count:
             batches.append(next(data_iter))
     except StopIteration:
         pass
-    read = torch.tensor([len(batches)], dtype=torch.int64, device=device)
-    counts = torch.empty(world.size, dtype=torch.int64, device=device)
-    comm.all_gather(counts, read, world)
-    short = {rank: int(n) for rank, n in zip(world.ranks, counts.tolist()) if n < count}
+    memory = measure(batches) if measure is not None and len(batches) == count else None
+    mine = torch.tensor([len(batches), *(memory[:2] if memory is not None else (0, 0))], dtype=torch.int64)
+    table = torch.empty(world.size * 3, dtype=torch.int64, device=device)
+    comm.all_gather(table, mine.to(device), world)
+    rows = {rank: row for rank, row in zip(world.ranks, table.view(world.size, 3).tolist())}
+    short = {rank: n for rank, (n, _, _) in rows.items() if n < count}
     if short:
         where = "every rank" if len(short) == world.size else f"ranks {sorted(short)}"
         raise DataExhausted(
@@ -43,7 +67,28 @@ def read_step(data_iter: Iterator, count: int, world: comm.Group, device: torch.
             f"micro-batches of a step (micro-batches read per rank: {short}); nothing was trained on them. Wrap the "
             "iterator in RepeatingLoader (deepspeed.utils) or stop the loop at the end of an epoch"
         )
+    over = {rank: (needed, free) for rank, (_, needed, free) in rows.items() if needed > free}
+    if over:
+        raise StepDoesNotFit(_does_not_fit(over, memory, count))
     return batches
+
+
+def _does_not_fit(over: dict, memory: Optional[StepMemory], count: int) -> str:
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    ranks = "; ".join(f"rank {r} needs {gib(need)} and can allocate {gib(free)}" for r, (need, free) in over.items())
+    here = (
+        f" (here: {gib(memory.activations)} of activations for {memory.micro_batches} micro-batches, the rest "
+        "gathered parameters)"
+        if memory is not None and comm.get_rank() in over
+        else ""
+    )
+    return (
+        f"rank {comm.get_rank()}: train_batch(): zero_optimization.layer_major keeps the activations of the step's "
+        f"{count} micro-batches for backward at once, and they do not fit: {ranks}{here}. Nothing ran. Turn on "
+        "activation checkpointing (each micro-batch then keeps only each checkpointed unit's input), lower "
+        "gradient_accumulation_steps or train_micro_batch_size_per_gpu, or set layer_major to false (the "
+        "micro-batch loop keeps one micro-batch's activations at a time)"
+    )
 
 
 def loss_of(out: Any) -> torch.Tensor:

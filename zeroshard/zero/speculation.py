@@ -234,4 +234,3 @@ class Speculation:
                 job.exception()
         finally:
             self._worker.shutdown(wait=True)
-

@@ -17,6 +17,9 @@ micro-batches (autograd adds them in its input buffer, the last micro-batch's fi
 once per step. That sum is in another order than the micro-batch loop's (a reduce-scatter per micro-batch, added in
 micro-batch order): equal within float rounding, not bit for bit.
 
+The price is memory: every micro-batch's activations are alive together when backward starts. The engine measures
+a step before running it (``runtime/activation_fit.py``) and refuses one that does not fit, on every rank.
+
 Greenlets share their thread's state, and torch keeps some of it per thread: whether gradients are enabled, and the
 stack of saved-tensor hooks (activation checkpointing pushes its own around each checkpointed region, which a fiber
 may leave at a unit's start). A fiber that gives the turn back takes its part of that state with it and puts it

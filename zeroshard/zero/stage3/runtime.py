@@ -111,6 +111,7 @@ class Stage3Runtime:
         # the first one records the units, and a unit is freed (or kept) when the last one leaves it
         self.fibers: Optional[Fibers] = None
         self._positions: dict[int, list[int]] = {}  # id(unit) -> positions the first fiber ran it at, not yet left
+        self._paused = False  # a forward on stand-in tensors runs (:meth:`paused`): the hooks do nothing
         self._handles = [
             root.register_forward_pre_hook(self._root_pre_forward),
             root.register_forward_hook(self._root_post_forward, always_call=True),
@@ -178,6 +179,8 @@ class Stage3Runtime:
 
     @torch.compiler.disable  # Note [hooks outside compiled graphs]
     def _root_pre_forward(self, module, args) -> None:
+        if self._paused:
+            return
         if self.fibers is None:  # a layer-major step started its recording in layer_major()
             self._start_recording()
             self._save_views_by_position()
@@ -193,6 +196,8 @@ class Stage3Runtime:
 
     @torch.compiler.disable
     def _root_post_forward(self, module, args, output) -> Any:
+        if self._paused:
+            return output
         if self._saving is not None and self._saving_owner is module:
             self._saving.__exit__(None, None, None)
             self._saving = None
@@ -201,6 +206,23 @@ class Stage3Runtime:
         if not torch.is_grad_enabled():
             self.release_all()  # no backward follows
         return output
+
+    def gathered_bytes_at_most(self) -> int:
+        """The most bytes of gathered parameters a step holds at once, besides the root unit: the live budget
+        (``stage3_max_live_parameters``), or every unit if they are fewer."""
+        flats = [flat for unit in self.units for flat in unit.flats if not flat.resident]
+        numel = min(self.max_live_numel, sum(flat.layout.padded_numel for flat in flats))
+        return numel * max((flat.dtype.itemsize for flat in flats), default=0)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Hooks that do nothing, for a forward that runs on stand-in parameters (the meta-tensor trace that
+        measures a micro-batch's activations before a layer-major step): nothing is gathered, recorded or freed."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     @contextlib.contextmanager
     def layer_major(self, fibers: Fibers):
@@ -222,6 +244,8 @@ class Stage3Runtime:
 
     @torch.compiler.disable
     def _pre_forward(self, unit: GatherUnit, module: torch.nn.Module, args, kwargs) -> None:
+        if self._paused:
+            return
         if torch._C._current_graph_task_id() != -1:
             self._gather(unit, async_op=False)  # recomputed inside backward (activation checkpointing)
             return
@@ -244,6 +268,8 @@ class Stage3Runtime:
 
     @torch.compiler.disable
     def _post_forward(self, unit: GatherUnit, module: torch.nn.Module, output) -> Any:
+        if self._paused:
+            return output
         if self._saving is not None and self._saving_owner is module:
             self._saving.__exit__(None, None, None)
             self._saving = None
