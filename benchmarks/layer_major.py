@@ -3,11 +3,16 @@
 
     python benchmarks/layer_major.py [--width 768] [--layers 8] [--gas 1 8]      # the 69.4M GPT
     python benchmarks/layer_major.py --width 1024 --layers 16 --vocab 8192 --seq 64 --offload nvme   # 210M on NVMe
+    python benchmarks/layer_major.py --gas 8 --reuse_distance 1000000000   # each unit gathered once per step in all
 
-Per run (one engine per rank, fp32, AdamW, micro-batches of one sequence, ``train_batch`` for every step): the step
-time (the steps after the first), the bytes all-gathered per step and rank (the ledger), the bytes read from disk per
-step and rank (``engine.disk_io()`` and the process's own ``/proc/self/io`` read count), and the compute-only limit:
-the same engine's step inside ``zeroshard.testing.compute_only()`` (nothing communicated) without offload.
+Per run (one engine per rank, fp32, AdamW, micro-batches of one sequence, ``train_batch`` for every step): the median
+step time (the steps after the first), the bytes all-gathered per step and rank (the ledger), the bytes read from disk
+per step and rank (``engine.disk_io()`` and the process's own ``/proc/self/io`` read count), and without offload the
+compute-only limit: the same engine's step inside ``zeroshard.testing.compute_only()`` (nothing communicated), taken
+in turns with the real steps so that the machine's drift hits both; and the wire time of the step's collectives at
+the link's speed measured in the same process group (``benchmarks/axes.py``'s probes: latency per call plus wire
+bytes over bandwidth). On a machine whose transfers cannot hide behind compute (2 cores, one per rank: a Gloo
+transfer is CPU work), limit + wire is the step's physical floor.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,14 +28,18 @@ import time
 
 import torch
 
-from zeroshard.testing.models import GPT, GPTConfig
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import axes  # noqa: E402
+
+from zeroshard.testing.models import GPT, GPTConfig  # noqa: E402
 
 
-def config(gas: int, layer_major: bool, offload: str, nvme_path: str) -> dict:
+def config(gas: int, layer_major: bool, offload: str, nvme_path: str, reuse_distance: int = 0) -> dict:
     zero: dict = {
         "stage": 3,
         "gather_unit_classes": ["Block"],
         "stage3_param_persistence_threshold": 0,
+        "stage3_max_reuse_distance": reuse_distance,
         "layer_major": layer_major,
     }
     if offload == "nvme":
@@ -61,7 +71,7 @@ def worker(args) -> None:
 
     heads = 12 if args.width % 12 == 0 else 16
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=heads, n_embd=args.width)
-    ds_config = config(args.gas, args.layer_major == "on", args.offload, args.nvme_path)
+    ds_config = config(args.gas, args.layer_major == "on", args.offload, args.nvme_path, args.reuse_distance)
     torch.manual_seed(0)
     engine, *_ = zeroshard.initialize(model=GPT(cfg), config=ds_config)
     rank = comm.get_rank()
@@ -74,27 +84,30 @@ def worker(args) -> None:
     engine.comm_ledger.reset()
     disk_before, io_before = engine.disk_io()["read"], _disk_reads()
     timed = args.steps - 1
-    started = time.perf_counter()
-    for _ in range(timed):
+    steps, limits, compute_data = [], [], iter([(x, x) for x in data[: timed * args.gas]])
+    for _ in range(timed):  # the step, then (without offload) its compute-only limit: in turns, so drift hits both
+        comm.barrier(engine.mesh.world)
+        started = time.perf_counter()
         engine.train_batch(batches)
+        steps.append(time.perf_counter() - started)
+        if args.offload == "none":
+            with compute_only():  # its collectives stay on the rank, uncounted
+                started = time.perf_counter()
+                engine.train_batch(compute_data)
+                limits.append(time.perf_counter() - started)
     disk = engine.disk_io()["read"] - disk_before
-    elapsed = time.perf_counter() - started
-    gathered = sum(t.bytes for (op, _), t in engine.comm_ledger.summary().items() if op == "all_gather")
+    summary = engine.comm_ledger.summary()
+    gathered = sum(t.bytes for (op, _), t in summary.items() if op == "all_gather")
     result = {
         "params": sum(p.numel() for p in GPT(cfg).parameters()),
-        "step_s": elapsed / timed,
+        "step_s": statistics.median(steps),
         "gathered_per_step": gathered / timed,
         "disk_read_per_step": disk / timed,
         "proc_read_per_step": (_disk_reads() - io_before) / timed,
     }
-    if args.offload == "none":  # the compute-only limit of this layout: the same steps with nothing communicated
-        limit_data = iter([(x, x) for x in data[: timed * args.gas]])
-        comm.barrier(engine.mesh.world)
-        with compute_only():
-            started = time.perf_counter()
-            for _ in range(timed):
-                engine.train_batch(limit_data)
-            result["limit_s"] = (time.perf_counter() - started) / timed
+    if limits:  # the compute-only limit of this layout, and the step's wire time at the link's measured speed
+        result["limit_s"] = statistics.median(limits)
+        result["wire_s"] = axes.analytic_seconds(summary, axes.probe_link(engine.mesh.world)) / timed
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
@@ -106,7 +119,7 @@ def launch(args, gas: int, layer_major: str) -> dict:
             sys.executable, "-m", "zeroshard", "--num_gpus", "2", os.path.abspath(__file__), "--worker",
             "--gas", str(gas), "--layer_major", layer_major, "--offload", args.offload, "--width", str(args.width),
             "--layers", str(args.layers), "--steps", str(args.steps), "--nvme_path", args.nvme_path, "--out", out,
-            "--vocab", str(args.vocab), "--seq", str(args.seq),
+            "--vocab", str(args.vocab), "--seq", str(args.seq), "--reuse_distance", str(args.reuse_distance),
         ]  # fmt: skip
         subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
@@ -114,6 +127,7 @@ def launch(args, gas: int, layer_major: str) -> dict:
     result["step_s"] = max(r["step_s"] for r in ranks)
     if "limit_s" in ranks[0]:
         result["limit_s"] = max(r["limit_s"] for r in ranks)
+        result["wire_s"] = max(r["wire_s"] for r in ranks)
     return result
 
 
@@ -127,6 +141,8 @@ def main():
     parser.add_argument("--offload", choices=["none", "nvme"], default="none")
     parser.add_argument("--nvme_path", default="/tmp")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--reuse_distance", type=int, default=0, help="stage3_max_reuse_distance (1e9: every unit "
+                        "kept from its forward to its backward, gathered once per step in all)")  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layer_major", choices=["on", "off"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -135,23 +151,28 @@ def main():
         args.gas = args.gas[0]
         return worker(args)
     print(f"2 ranks (zeroshard --num_gpus 2), stage 3, fp32, width {args.width}, {args.layers} blocks, offload "
-          f"{args.offload}, vocabulary {args.vocab}, micro-batch 1 x {args.seq} tokens\n")  # fmt: skip
-    print("| schedule | GAS | parameters | step s | compute-only limit s | step / limit | all-gathered MB per step "
-          "and rank | disk read MB per step and rank (ledger / process) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          f"{args.offload}, vocabulary {args.vocab}, micro-batch 1 x {args.seq} tokens, stage3_max_reuse_distance "
+          f"{args.reuse_distance}\n")  # fmt: skip
+    print("| schedule | GAS | parameters | step s | compute-only limit s | step / limit | wire s at the link's speed | "
+          "step / (limit + wire) | all-gathered MB per step and rank | disk read MB per step and rank (ledger / "
+          "process) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for gas in args.gas:
         for layer_major in ("off", "on") if gas > 1 else ("off",):
             r = launch(args, gas, layer_major)
-            limit = r.get("limit_s")
-            limit_s, ratio = (f"{limit:.3f}", f"{r['step_s'] / limit:.3f}") if limit else ("-", "-")
+            limit, wire = r.get("limit_s"), r.get("wire_s")
+            limits = (
+                f"{limit:.3f} | {r['step_s'] / limit:.3f} | {wire:.3f} | {r['step_s'] / (limit + wire):.3f}"
+                if limit
+                else "- | - | - | -"
+            )
             schedule = "layer-major" if layer_major == "on" else "micro-batch loop"
             print(
-                f"| {schedule} | {gas} | {r['params'] / 1e6:.1f}M | {r['step_s']:.3f} | {limit_s} | {ratio} | "
+                f"| {schedule} | {gas} | {r['params'] / 1e6:.1f}M | {r['step_s']:.3f} | {limits} | "
                 f"{r['gathered_per_step'] / 1e6:.1f} | {r['disk_read_per_step'] / 1e6:.1f} / "
                 f"{r['proc_read_per_step'] / 1e6:.1f} |",
                 flush=True,
             )
-
 
 if __name__ == "__main__":
     main()

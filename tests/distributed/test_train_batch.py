@@ -279,7 +279,10 @@ LAYER_MAJOR = {  # name: (gas, dtype, zero keys, how the model is built)
     "activation checkpointing, gas 4": (4, "fp32", (), "recomputed"),
     "a unit run twice, gas 4": (4, "fp32", (), "repeated"),
     "frozen base (LoRA), gas 4": (4, "fp32", (), "frozen"),
+    "reuse distance, gas 4": (4, "fp32", (("stage3_max_reuse_distance", 10**9),), "gpt"),
+    "bf16 autocast around the blocks, gas 4": (4, "fp32", (), "autocast"),
 }
+UNITS = 3  # the GPT's gather units: the root (embeddings, final norm, tied head) and its 2 blocks
 FROZEN = ("wte.weight", "wpe.weight", "blocks.0.qkv.weight", "blocks.0.fc.weight", "blocks.1.qkv.weight")
 
 
@@ -293,8 +296,36 @@ def _layer_major_model(kind: str):
         return make_model(model=dataclasses.replace(MODEL, repeat_first_block=True))
     if kind == "frozen":
         return make_model(frozen=FROZEN)
+    if kind == "autocast":
+        return Autocast(make_model())
     model = make_model()
     return recompute_blocks(model) if kind == "recomputed" else model
+
+
+class Autocast(torch.nn.Module):
+    """A model whose forward runs its blocks under ``torch.autocast``: each fiber's autocast state is its own."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx, targets):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.gpt(idx, targets)
+
+
+def _watch_autocast(model) -> list:
+    """Whether autocast is on at the end of each block's forward, in order (appended to the list returned); not in
+    the forward on meta tensors that measures a layer-major step's activations first."""
+    seen: list = []
+
+    def hook(module, args, out):
+        if not out.is_meta:
+            seen.append(torch.is_autocast_enabled("cpu"))
+
+    for block in model.gpt.blocks:
+        block.register_forward_hook(hook)
+    return seen
 
 
 def layer_major_worker(names: list) -> dict:
@@ -311,6 +342,7 @@ def layer_major_worker(names: list) -> dict:
             case = ParityCase(3, dtype, gas=gas, micro_batch=MICRO, lr=1e-3, clip=0.05, steps=2,
                               zero=units + zero + (("layer_major", layer_major),))  # fmt: skip
             engine, *_ = zeroshard.initialize(model=_layer_major_model(kind), config=case.config())
+            seen = _watch_autocast(engine.module) if kind == "autocast" else []
             data, losses = iter(_micro_batches(case, 2)), []
             with warnings.catch_warnings(record=True) as caught:  # the step measured before it runs (no warning)
                 warnings.simplefilter("always")
@@ -318,12 +350,13 @@ def layer_major_worker(names: list) -> dict:
                     engine.comm_ledger.reset()
                     read_before = engine.disk_io()["read"]
                     losses.append(float(engine.train_batch(data)))
+                    seen.append(torch.is_autocast_enabled("cpu"))  # after the step: off, as before it
                     read = engine.disk_io()["read"] - read_before
             unmeasured = [str(w.message) for w in caught if "could not be measured" in str(w.message)]
             summary = engine.comm_ledger.summary().items()
             ledger = {op: (t.calls, t.bytes) for (op, group), t in summary if group == "shard"}
             runs[layer_major] = {"weights": _weights(engine), "losses": losses, "ledger": ledger, "read": read,
-                                 "unmeasured": unmeasured}  # fmt: skip
+                                 "unmeasured": unmeasured, "autocast": seen}  # fmt: skip
             engine.destroy()
         a, b = runs[False]["weights"], runs[True]["weights"]
         diff = sum(((a[k].float() - b[k].float()).norm() ** 2).item() for k in a) ** 0.5
@@ -335,6 +368,7 @@ def layer_major_worker(names: list) -> dict:
             "ledger": (runs[False]["ledger"], runs[True]["ledger"]),
             "read": (runs[False]["read"], runs[True]["read"]),
             "unmeasured": runs[True]["unmeasured"],
+            "autocast": (runs[False]["autocast"], runs[True]["autocast"]),
         }
     return out
 
@@ -354,18 +388,24 @@ def test_layer_major_equals_the_micro_batch_loop(layer_major):
             assert result["relative"] <= tolerance, (name, result["relative"])
             assert result["bitwise"] or not name.endswith("gas 1"), name
             assert not result["unmeasured"], (name, result["unmeasured"])
+            assert result["autocast"][0] == result["autocast"][1], (name, result["autocast"])
             for loop, major in zip(*result["losses"]):
                 assert abs(loop - major) <= 1e-5 * abs(loop) or name.startswith("bf16"), (name, result["losses"])
 
 
 def test_layer_major_gathers_reduces_and_reads_once_per_step(layer_major):
     """Per step, layer-major gathers and reduce-scatters each unit as often as one micro-batch does (the ledger),
-    and reads the NVMe shards once: the micro-batch loop does it once per micro-batch."""
+    and reads the NVMe shards once: the micro-batch loop does it once per micro-batch. With
+    ``stage3_max_reuse_distance`` covering the model, each unit is gathered once per step in all."""
     for rank in layer_major:
-        for gas, name in ((2, "gas 2"), (8, "gas 8"), (8, "nvme, gas 8"), (4, "a unit run twice, gas 4")):
+        for gas, name in ((2, "gas 2"), (8, "gas 8"), (8, "nvme, gas 8"), (4, "a unit run twice, gas 4"),
+                          (4, "reuse distance, gas 4")):  # fmt: skip
             loop, major = rank[name]["ledger"]
             for op in ("all_gather", "reduce_scatter"):
                 assert loop[op] == (gas * major[op][0], gas * major[op][1]), (name, op, loop[op], major[op])
+        # with a reuse distance that keeps every unit from its forward to its backward: one gather per unit per step
+        assert rank["reuse distance, gas 4"]["ledger"][1]["all_gather"][0] == UNITS
+        assert rank["gas 2"]["ledger"][1]["all_gather"][0] > UNITS  # without it, gathered again in backward
         one, eight = rank["nvme, gas 1"], rank["nvme, gas 8"]
         assert eight["ledger"][1] == one["ledger"][1]
         assert eight["read"][1] == one["read"][1] < eight["read"][0], (one["read"], eight["read"])

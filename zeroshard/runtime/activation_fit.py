@@ -31,6 +31,8 @@ class ActivationFit:
         self.module, self.stage3, self.compute, self.remembered = module, stage3, compute, remembered
         self._traced: dict[tuple, Activations] = {}
         self._untraceable = False  # a trace failed once: the model's forward cannot run on meta tensors
+        trained = [p for p in self._stand_ins().values() if p.requires_grad]
+        self._largest_grad = max((p.numel() * p.element_size() for p in trained), default=0)  # a fresh gradient
 
     def measure(self, batches: list) -> Optional[StepMemory]:
         """The step's bytes against this rank's free memory; None when the forward cannot be traced on meta tensors
@@ -47,8 +49,7 @@ class ActivationFit:
                 stacklevel=3,
             )
             return None
-        trained = [t for t in self._stand_ins().values() if t.requires_grad]
-        activations = activation_peak(traces, max((t.numel() * t.element_size() for t in trained), default=0))
+        activations = activation_peak(traces, self._largest_grad)
         needed = activations + self.stage3.gathered_bytes_at_most()
         return StepMemory(needed, get_accelerator().allocatable_memory(), activations, len(batches))
 

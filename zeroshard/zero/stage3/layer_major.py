@@ -20,10 +20,11 @@ micro-batch order): equal within float rounding, not bit for bit.
 The price is memory: every micro-batch's activations are alive together when backward starts. The engine measures
 a step before running it (``runtime/activation_fit.py``) and refuses one that does not fit, on every rank.
 
-Greenlets share their thread's state, and torch keeps some of it per thread: whether gradients are enabled, and the
-stack of saved-tensor hooks (activation checkpointing pushes its own around each checkpointed region, which a fiber
-may leave at a unit's start). A fiber that gives the turn back takes its part of that state with it and puts it
-back when it resumes (:class:`_ParkedState`), so each fiber sees only its own.
+Greenlets share their thread's state, and torch keeps some of it per thread: whether gradients are enabled, whether
+autocast is on (and to which dtype), and the stack of saved-tensor hooks (activation checkpointing pushes its own
+around each checkpointed region, which a fiber may leave at a unit's start). A fiber that gives the turn back takes
+its part of that state with it and puts it back when it resumes (:class:`_ParkedState`), so each fiber sees only its
+own.
 """
 
 from __future__ import annotations
@@ -100,16 +101,17 @@ class Fibers:
 
 
 class _ParkedState:
-    """A fiber's share of its thread's torch state while it waits: its grad mode, and the saved-tensor hooks it
-    pushed above the scheduler's."""
+    """A fiber's share of its thread's torch state while it waits: its grad mode, its autocast settings (a forward
+    may enter ``torch.autocast`` around several units, and its exit restores what it found on entry), and the
+    saved-tensor hooks it pushed above the scheduler's."""
 
-    def __init__(self, grad_enabled: bool, hooks: list, base_pack: Any):
-        self.grad_enabled, self.hooks, self.base_pack = grad_enabled, hooks, base_pack
+    def __init__(self, grad_enabled: bool, autocast: tuple, hooks: list, base_pack: Any):
+        self.grad_enabled, self.autocast, self.hooks, self.base_pack = grad_enabled, autocast, hooks, base_pack
 
     @classmethod
     def of_scheduler(cls) -> "_ParkedState":
         top = _top_hooks(False)
-        return cls(torch.is_grad_enabled(), [], top[0] if top is not None else None)
+        return cls(torch.is_grad_enabled(), _autocast_state(), [], top[0] if top is not None else None)
 
     @classmethod
     def park(cls, base: "_ParkedState") -> "_ParkedState":
@@ -118,11 +120,26 @@ class _ParkedState:
         while (top := _top_hooks(False)) is not None and top[0] is not base.base_pack:
             hooks.append(top)
             _pop_hooks()
-        parked = cls(torch.is_grad_enabled(), hooks[::-1], base.base_pack)
+        parked = cls(torch.is_grad_enabled(), _autocast_state(), hooks[::-1], base.base_pack)
         torch._C._set_grad_enabled(base.grad_enabled)
+        _set_autocast_state(base.autocast)
         return parked
 
     def restore(self) -> None:
         for pack, unpack in self.hooks:
             _push_hooks(pack, unpack)
         torch._C._set_grad_enabled(self.grad_enabled)
+        _set_autocast_state(self.autocast)
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_state() -> tuple:
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
+
+
+def _set_autocast_state(state: tuple) -> None:
+    for device, (enabled, dtype) in zip(_AUTOCAST_DEVICES, state):
+        torch.set_autocast_enabled(device, enabled)
+        torch.set_autocast_dtype(device, dtype)
