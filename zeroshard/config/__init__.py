@@ -2,8 +2,9 @@
 
 from .parse import ConfigSource, parse_config
 from .resolve import AutoContext, BatchTriad, Resolution, model_hidden_size, resolve_batch_triad, resolve_config
-from .schema import OffloadDevice, ZeroConfig, ZeroshardConfig
+from .schema import ZeroshardConfig
 from .section import ConfigError
+from .zero_optimization import OffloadDevice, ZeroConfig
 
 __all__ = [
     "AutoContext",

@@ -8,9 +8,12 @@ from __future__ import annotations
 import math
 import typing
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Auto = Literal["auto"]  # a value "auto" stands for until :mod:`.resolve` fills it in
+DTypeName = Literal["fp32", "fp16", "bf16"]
 
 
 class ConfigError(ValueError):

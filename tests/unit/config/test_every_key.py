@@ -15,8 +15,11 @@ from zeroshard.config import parse_config
 from zeroshard.config.schema import REMOVED_IN_DEEPSPEED, UNSUPPORTED_FEATURE_BLOCKS, ZeroshardConfig
 
 PACKAGE = Path(__file__).resolve().parents[3] / "zeroshard"
-SOURCE = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py") if p.name != "schema.py")
-SCHEMA = (PACKAGE / "config" / "schema.py").read_text()  # its properties and validators read some keys
+SCHEMA_FILES = [
+    PACKAGE / "config" / f"{block}.py" for block in ("schema", "zero_optimization", "parallelism", "monitoring")
+]
+SOURCE = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py") if p not in SCHEMA_FILES)
+SCHEMA = "\n".join(p.read_text() for p in SCHEMA_FILES)  # its properties and validators read some keys
 
 
 def _section_of(annotation) -> type[BaseModel] | None:

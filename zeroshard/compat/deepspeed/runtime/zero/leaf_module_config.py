@@ -2,7 +2,7 @@
 are empty (DeepSpeed 0.19 lists Mixtral's and Qwen's MoE blocks): without leaf modules zeroshard makes an HF MoE
 model's decoder layers its gather units, which already keeps an expert no token reaches from hanging."""
 
-from zeroshard.config.schema import LeafModuleConfig
+from zeroshard.config.zero_optimization import LeafModuleConfig
 
 DeepSpeedZeroLeafModuleConfig = LeafModuleConfig
 DEFAULT_LEAF_MODULE_CLASSES: list[str] = []

@@ -1,6 +1,6 @@
 """``deepspeed.runtime.zero.offload_config``: the offload blocks and offload_states kinds under DeepSpeed's names."""
 
-from zeroshard.config.schema import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig
+from zeroshard.config.zero_optimization import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig
 from zeroshard.zero.state_offload import StateKind
 
 OffloadDeviceEnum = OffloadDevice
