@@ -45,6 +45,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
     def __init__(
         self,
         module: torch.nn.Module,
+        *,
         stack: ZeroStack,
         lr_scheduler: Any,
         resolution: Resolution,
@@ -52,7 +53,6 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         policy: PrecisionPolicy,
         device: torch.device,
         training_dataloader: Any = None,
-        *,
         activation_checkpointing: Optional[CheckpointingOptions] = None,
         tensor_splits: dict,
         optimizer: Optional[ZeroOptimizer] = None,

@@ -47,8 +47,8 @@ class PipelineEngine(ZeroshardEngine):
     """The engine of one pipeline stage (see the module). ``forward`` / ``backward`` / ``step`` are refused as in
     DeepSpeed: ``train_batch`` runs all three for a whole batch."""
 
-    def __init__(self, *args, ties: dict, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, module: PipelineModule, *, ties: dict, **kwargs):
+        super().__init__(module, **kwargs)
         module: PipelineModule = self.module
         self.num_stages, self.stage_id = module.num_stages, self.mesh.pipe.rank
         self.micro_batches = self.batch.gradient_accumulation_steps

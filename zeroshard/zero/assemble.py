@@ -201,11 +201,11 @@ def _stage3_runtime(model, plan: ModelPlan, *, buckets, frozen, buffers, z, offl
     root_unit, units = build_units(plan.units, buckets, frozen)
     return Stage3Runtime(
         model,
-        root_unit,
-        units,
-        buffers,
-        z.prefetch_bucket_size,
-        z.max_live_parameters,
+        root_unit=root_unit,
+        units=units,
+        buffers=buffers,
+        prefetch_numel=z.prefetch_bucket_size,
+        max_live_numel=z.max_live_parameters,
         fetch_ahead=offload.param_buffer_count - 1 if offload.param_device is OffloadDevice.NVME else 0,
         prefetch_depth=z.prefetch_depth,
         max_reuse_distance=z.max_reuse_distance,

@@ -79,6 +79,7 @@ class Stage3Runtime:
     def __init__(
         self,
         root: torch.nn.Module,
+        *,
         root_unit: GatherUnit,
         units: list[GatherUnit],
         buffers: ReusableBuffers,
