@@ -70,12 +70,16 @@ def test_tensor_parallel_inference_example_under_the_launcher():
 TRACE_MARKS = ("Traceback", "frame #", "Broken pipe", "sendBytes", "TCPStore.cpp", "terminate called")
 
 
-@pytest.mark.parametrize("ranks,runs,stage", [(2, 16, 2), (4, 4, 3)])
+@pytest.mark.parametrize(
+    "ranks,runs,stage",
+    [(2, 4, 2), (4, 2, 3), *(pytest.param(*case, marks=pytest.mark.stress) for case in ((2, 16, 2), (4, 8, 3)))],
+)
 def test_clean_runs_exit_zero_every_time_and_print_no_trace(tmp_path, ranks, runs, stage):
     """A finished script exits 0 on every rank, every time (it used to abort at interpreter exit about 3 runs in
-    10, more often with 4 ranks), and prints no trace: 20 launches. Each run also checks at exit that the process
-    group was freed, the cause of those aborts, which it finds every time (the runs were 30 and 10 while only the
-    exit code could tell); every other run has its last rank end 2 s after rank 0, which printed the store's broken
+    10, more often with 4 ranks), and prints no trace: 6 launches per run of the suite, 24 more under the stress
+    marker (``scripts/test.sh --stress``). Each run also checks at exit that the process group was freed, the cause
+    of those aborts, which it finds every time (the runs were 30 and 10 while only the exit code could tell); every
+    other run has its last rank end 2 s after rank 0, which printed the store's broken
     pipe every time (5 in 42 launches while it was left to chance). Two launches at a time, so the ranks also run
     on an oversubscribed machine."""
     script = ROOT / "tests" / "distributed" / "scripts" / "clean_run.py"

@@ -1,5 +1,5 @@
-"""Names DeepSpeed's clients import for features zeroshard does not build (pipeline parallelism, sparse attention,
-DeepSpeed's CUDA kernels, ...).
+"""Names DeepSpeed's clients import for features zeroshard does not build (sparse attention, DeepSpeed's CUDA kernels
+and their builders, its transformer layer, curriculum learning, the DualPipeV schedule, ...).
 
 Importing them works, so a script or a training stack that imports a name and never calls it runs; calling one,
 constructing one (a subclass too), or using it as a context manager raises ``NotImplementedError`` naming the
@@ -12,8 +12,8 @@ from typing import Any
 
 
 class NotBuilt:
-    """Base of the placeholders: a class (clients subclass ``PipelineModule`` and test ``isinstance(m, MoE)``) whose
-    construction is the refusal."""
+    """Base of the placeholders: a class (clients subclass DeepSpeed's classes and test ``isinstance`` against them)
+    whose construction is the refusal."""
 
     deepspeed_path = ""
     reason = ""
