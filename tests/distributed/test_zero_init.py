@@ -126,6 +126,7 @@ def init_semantics_worker() -> dict:
     import zeroshard
     from zeroshard import comm
     from zeroshard.zero import GatheredParameters, Init, ShardedParameterError
+    from zeroshard.zero.materialize import Materializer
     from zeroshard.zero.materialize import pending_recipe as _pending
 
     rank = comm.get_rank()
@@ -184,6 +185,14 @@ def init_semantics_worker() -> dict:
             half = Custom()
         dtypes.append({str(p.dtype) for p in half.parameters()})
 
+    # initialize materializes on its mesh: the gathers of the ranks' pieces count in the mesh's ledger
+    with Init():
+        sharded = Custom()
+    mesh = comm.build_mesh(comm.ParallelDims.for_world(comm.get_world_size()))
+    Materializer(sharded, torch.device("cpu"), 0, world=mesh.world)([sharded.noise])
+    mesh_gathers = {(op, g): (t.calls, t.bytes) for (op, g), t in mesh.context.ledger.summary().items()}
+    comm.destroy_mesh(mesh)
+
     # trains after initialize, and .cpu() on the wrapped module is still a no-op for its shards
     torch.manual_seed(0)
     with Init():
@@ -207,6 +216,7 @@ def init_semantics_worker() -> dict:
         "loaded": loaded,
         "loaded_piece": loaded_piece,
         "fp32_buffers": fp32_buffer_cases(),
+        "mesh_gathers": mesh_gathers,
     }
 
 
@@ -230,6 +240,8 @@ def test_init_keeps_what_init_wrote_in_the_config_dtype_with_rank0_values(per_ra
     assert [r["pieces"]["noise"] for r in per_rank] == [8, 7]
     assert [r["loaded_piece"] for r in per_rank] == [5, 4]
     assert per_rank[0]["losses"] == per_rank[1]["losses"]
+    # the 15-element sharded value, gathered as 2 pieces of 8 fp32 elements on the mesh's world group
+    assert all(r["mesh_gathers"] == {("all_gather", "world"): (1, 64)} for r in per_rank), per_rank[0]["mesh_gathers"]
 
 
 def test_buffers_a_model_names_for_fp32_stay_fp32_under_zero_init_with_bf16(per_rank):

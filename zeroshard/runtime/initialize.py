@@ -123,7 +123,7 @@ def _materializer(model: torch.nn.Module, pretrained: Any, world: comm.Group, de
     seed = torch.tensor([pending_seed(model) or 0], dtype=torch.int64)
     comm.broadcast(seed, src=0, group=world)  # one seed for all ranks
     source = open_source(pretrained, model) if pretrained is not None else None
-    materialize = Materializer(model, device, int(seed.item()), source)
+    materialize = Materializer(model, device, int(seed.item()), world=world, source=source)
     if source is not None:
         missing = materialize.missing()
         if missing:

@@ -199,14 +199,14 @@ class Materializer:
     ``read(name)``, see :mod:`zeroshard.checkpoint.weights`), so each rank reads what it needs itself and keeps
     only its shard once the flat group is built."""
 
-    def __init__(self, root: nn.Module, device: torch.device, seed: int, source: Any = None):
+    def __init__(self, root: nn.Module, device: torch.device, seed: int, *, world: comm.Group, source: Any = None):
         self.root = root
         self.device = device
         self.seed = seed
         self.source = source
         self.owners = _canonical_owners(root)
         self.paths = {id(module): path for path, module in root.named_modules()}
-        self.world = comm.world_group()
+        self.world = world  # the engine's mesh's: the gathers of pieces count in its ledger, under its timeouts
 
     def __call__(self, params) -> None:
         for param in params:
