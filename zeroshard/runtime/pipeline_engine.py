@@ -2,7 +2,7 @@
 engine of one stage.
 
 Each rank runs the stage of a :class:`~zeroshard.pipe.PipelineModule` its pipe coordinate names, through the same
-ZeRO stack as any engine (stages 0 and 1, over the ranks of its stage). A batch is ``gradient_accumulation_steps``
+ZeRO stack as any engine (stages 0-2, over the ranks of its stage). A batch is ``gradient_accumulation_steps``
 micro-batches run in the 1F1B order (:func:`zeroshard.pipe.train_steps`), activations and their gradients passed
 between neighbours (:mod:`.pipeline_exchange`). The arithmetic is one model's: the last stage scales each
 micro-batch's loss by ``1 / micro-batches`` once, the other stages back-propagate the gradients they receive as

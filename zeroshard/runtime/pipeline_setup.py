@@ -30,10 +30,11 @@ def pipeline_stages(model: torch.nn.Module, parsed, *, tp: int, sp: int, ep: int
         return 1
     stages = model.num_stages
     stage = parsed.zero_optimization.stage
-    if stage >= 2:
+    if stage >= 3:
         raise NotImplementedError(
-            f"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (zero_optimization.stage {stage}, as "
-            "DeepSpeed refuses it): each stage's gradients are reduced once per batch; use stage 0 or 1"
+            f"ZeRO-3 with pipeline parallelism (zero_optimization.stage {stage}) is not implemented: the 1F1B order "
+            "keeps several micro-batches' forwards in flight, and stage 3's gathers are scheduled for one at a time; "
+            "use stage 0-2 (ZeRO-2 shards each stage's gradients and optimizer state over its data-parallel ranks)"
         )
     other = {"tensor_parallel.autotp_size": tp, "sequence_parallel_size": sp, "expert parallelism": ep}
     combined = [f"{key} {size}" for key, size in other.items() if size > 1]
@@ -42,7 +43,7 @@ def pipeline_stages(model: torch.nn.Module, parsed, *, tp: int, sp: int, ep: int
     if combined and stages > 1:
         raise NotImplementedError(
             f"pipeline parallelism ({stages} stages) with {', '.join(combined)} is not implemented: pipelines run "
-            "with data parallelism and ZeRO-1; drop the other axis or the pipeline"
+            "with data parallelism and ZeRO 0-2; drop the other axis or the pipeline"
         )
     if block.stages is not None and block.stages != stages:
         raise ValueError(
