@@ -270,24 +270,24 @@ FAILURES = ("stages_not_dividing", "more_stages_than_layers", "not_a_module", "z
             "short_iterator", "vector_loss")  # fmt: skip
 
 
-def resume_case(ckpt_dir: str, stages: int, gas: int, save: bool = False) -> dict:
+def resume_case(ckpt_dir: str, stages: int, gas: int, save: bool = False, zero: int = 1, tag: str = "pp2") -> dict:
     """``save``: PP2 x DP2 trains 3 steps, saves, trains 2 more (the uninterrupted run); otherwise a run of ``stages``
     stages loads that checkpoint and trains the same 2 steps (the same 4 micro-batches per step: ``gas`` per
-    data-parallel rank)."""
+    data-parallel rank). ``zero``: the ZeRO stage of this run."""
     import zeroshard
     from zeroshard.pipe import PipelineModule
 
     module = PipelineModule(specs(), num_stages=stages, loss_fn=cross_entropy, seed_layers=True)
-    engine, *_ = zeroshard.initialize(model=module, config=config(gas, 1))
+    engine, *_ = zeroshard.initialize(model=module, config=config(gas, zero))
     dp = engine.grid.get_data_parallel_rank()
     batches = global_batches(1, 4)  # 4 micro-batches per step, whoever reads them
     out = {"stage": engine.stage_id}
     if save:
         for step in batches[:3]:
             engine.train_batch(iter(step[dp * gas : (dp + 1) * gas]))
-        engine.save_checkpoint(ckpt_dir, tag="pp2")
+        engine.save_checkpoint(ckpt_dir, tag=tag)
     else:
-        engine.load_checkpoint(ckpt_dir, tag="pp2")
+        engine.load_checkpoint(ckpt_dir, tag=tag)
         out["global_steps"] = engine.global_steps
     out["at_save"] = {n: p.detach().clone() for n, p in module.named_parameters()}
     out["losses"] = [engine.train_batch(iter(step[dp * gas : (dp + 1) * gas])).item() for step in batches[3:]]
@@ -300,6 +300,10 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out = {"resume": {"saved": resume_case(ckpt_dir, 2, 2, save=True)}}
     out["resume"]["pp4"] = resume_case(ckpt_dir, 4, 4)
     out["resume"]["pp1_dp4"] = resume_case(ckpt_dir, 1, 1)
+    # saved under ZeRO-2, resumed under ZeRO-1 at 4 stages and under ZeRO-2 without a pipeline
+    out["resume_zero2"] = {"saved": resume_case(ckpt_dir, 2, 2, save=True, zero=2, tag="pp2_zero2")}
+    out["resume_zero2"]["pp4"] = resume_case(ckpt_dir, 4, 4, zero=1, tag="pp2_zero2")
+    out["resume_zero2"]["pp1_dp4"] = resume_case(ckpt_dir, 1, 1, zero=2, tag="pp2_zero2")
     out["cases"] = {}
     for case in CASES_4:
         out["cases"][case] = train_case(*case)
@@ -767,18 +771,22 @@ def test_gpt_neox_model_pipe_trains_as_one_process(four):
         assert got["logits"] == ((MICRO, SEQ, VOCAB) if rank >= 2 else None)
 
 
-def _one_process(ckpt_dir: str) -> dict:
-    return resume_case(ckpt_dir, 1, 4)
+def _one_process(ckpt_dir: str, tag: str) -> dict:
+    return resume_case(ckpt_dir, 1, 4, tag=tag)
 
 
-def test_a_checkpoint_resumes_at_other_stage_counts_data_parallel_degrees_and_one_process(four, checkpoint_dir):
+@pytest.mark.parametrize("zero", [1, 2])
+def test_a_checkpoint_resumes_at_other_stage_counts_data_parallel_degrees_and_one_process(four, checkpoint_dir, zero):
+    """Saved at PP2 x DP2 (ZeRO-1, or ZeRO-2: resumed under ZeRO-1 at PP4 and ZeRO-2 at DP4); loaded at PP4, at DP4
+    without a pipeline and in one process, each continues as the run that went on."""
     from zeroshard.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 
-    saved = {n: t for r in four for n, t in r["resume"]["saved"]["at_save"].items()}  # every stage's parameters
-    uninterrupted = {n: t for r in four for n, t in r["resume"]["saved"]["weights"].items()}
-    losses = four[0]["resume"]["saved"]["losses"]
-    runs = [r["resume"][layout] for layout in ("pp4", "pp1_dp4") for r in four]
-    runs += run_distributed(_one_process, 1, checkpoint_dir)
+    key, tag = ("resume", "pp2") if zero == 1 else ("resume_zero2", "pp2_zero2")
+    saved = {n: t for r in four for n, t in r[key]["saved"]["at_save"].items()}  # every stage's parameters
+    uninterrupted = {n: t for r in four for n, t in r[key]["saved"]["weights"].items()}
+    losses = four[0][key]["saved"]["losses"]
+    runs = [r[key][layout] for layout in ("pp4", "pp1_dp4") for r in four]
+    runs += run_distributed(_one_process, 1, checkpoint_dir, tag)
     for run in runs:
         assert run["global_steps"] == 3
         for name, value in run["at_save"].items():
@@ -786,7 +794,7 @@ def test_a_checkpoint_resumes_at_other_stage_counts_data_parallel_degrees_and_on
         assert max(abs(a - b) for a, b in zip(run["losses"], losses)) <= 1e-6, (run["losses"], losses)
         for name, value in run["weights"].items():
             torch.testing.assert_close(value, uninterrupted[name], rtol=1e-6, atol=1e-6, msg=name)
-    consolidated = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag="pp2")
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag)
     assert set(consolidated) == set(saved)
     for name, value in consolidated.items():
         assert torch.equal(value, saved[name]), name
