@@ -1,7 +1,8 @@
 """Pipeline parallelism against data parallelism on the same ranks: a small GPT as a ``PipelineModule`` (tied
 embedding and head, ``--layers`` transformer blocks), trained on the same global batch by PP over all ranks (1F1B,
-``--micro_batches`` micro-batches), PP2 x DP (4 ranks), DP with ZeRO-1 and DP with ZeRO-3 (a plain module over the
-same layers); DeepSpeed 0.19.8's pipeline engine joins the turns when it imports and runs here.
+``--micro_batches`` micro-batches), PP2 x DP2 with ZeRO-1 and with ZeRO-2 (4 ranks), DP with ZeRO-1 and DP with
+ZeRO-3 (a plain module over the same layers); DeepSpeed 0.19.8's pipeline engine joins the turns when it imports and
+runs here.
 
     python benchmarks/pipeline.py [--world 2] [--hidden 256] [--layers 8] [--micro 4] [--seq 64] [--micro_batches 8]
     PYTHONPATH=/tmp/dsenv DS_ACCELERATOR=cpu python benchmarks/pipeline.py   # with DeepSpeed beside
@@ -106,11 +107,13 @@ def systems(args) -> dict:
     from zeroshard.pipe import PipelineModule
 
     world, m = args.world, args.micro_batches
-    layouts = [(f"PP{world}", world, 1)] + ([("PP2 x DP2", 2, 2)] if world == 4 else [])
+    layouts = [(f"PP{world}", world, 1, 1)]
+    if world == 4:  # with ZeRO-2 (DeepSpeed refuses it) each stage's gradients and Adam state are halved too
+        layouts += [("PP2 x DP2", 2, 2, 1), ("PP2 x DP2 ZeRO-2", 2, 2, 2)]
     out = {}
-    for name, stages, dp in layouts:
+    for name, stages, dp, zero in layouts:
         module = PipelineModule(layers(args), num_stages=stages, loss_fn=loss_fn, seed_layers=True)
-        out[name] = (zeroshard.initialize(model=module, config=config(args, m // dp, 1))[0], dp, stages)
+        out[name] = (zeroshard.initialize(model=module, config=config(args, m // dp, zero))[0], dp, stages)
     module = PipelineModule(layers(args), num_stages=1, loss_fn=loss_fn, seed_layers=True)
     out[f"DP{world} ZeRO-1"] = (zeroshard.initialize(model=module, config=config(args, m // world, 1))[0], world, 1)
     engine = zeroshard.initialize(model=Whole(args), config=config(args, m // world, 3), gather_unit_classes=["Block"])
