@@ -296,6 +296,30 @@ def resume_case(ckpt_dir: str, stages: int, gas: int, save: bool = False, zero: 
     return out
 
 
+def grid_case(zero: dict) -> dict:
+    """PP2 on 4 ranks: where each (stage, data-parallel rank) lives, and what ``grid.stage_to_global`` answers."""
+    import zeroshard
+    from zeroshard import comm
+    from zeroshard.pipe import PipelineModule
+
+    module = PipelineModule(specs(), num_stages=2, loss_fn=cross_entropy)
+    engine, *_ = zeroshard.initialize(model=module, config=config(2, 1, zero_optimization=zero))
+    grid = engine.grid
+    table = torch.zeros(2 * comm.get_world_size(), dtype=torch.int64)
+    mine = torch.tensor([grid.get_stage_id(), grid.get_data_parallel_rank()])
+    comm.all_gather(table, mine, engine.mesh.world)
+    where = {tuple(pair): rank for rank, pair in enumerate(table.view(-1, 2).tolist())}
+    answers = {(s, d): grid.stage_to_global(s, data=d) for s in range(2) for d in range(2)}
+    errors = []
+    for bad in ({"data": 2}, {"data": -1}, {"data": True}, {"model": 0}):
+        try:
+            grid.stage_to_global(0, **bad)
+        except ValueError as error:
+            errors.append(str(error))
+    engine.destroy()
+    return {"where": where, "answers": answers, "errors": errors}
+
+
 def _four_ranks(ckpt_dir: str) -> dict:
     out = {"resume": {"saved": resume_case(ckpt_dir, 2, 2, save=True)}}
     out["resume"]["pp4"] = resume_case(ckpt_dir, 4, 4)
@@ -313,6 +337,8 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out["checked"] = train_case(2, 4, "parameters", 1, extra={"gradient_check": {"enabled": True}})
     speculating = {"stage": 1, "offload_optimizer": {"device": "cpu", "super_offload": True}}
     out["speculated"] = train_case(2, 4, "parameters", 1, extra={"zero_optimization": speculating})
+    out["grid"] = grid_case({"stage": 1})
+    out["grid_replica"] = grid_case({"stage": 1, "mics_shard_size": 1})  # each stage: 2 replicas, no sharding
     out["eval"] = eval_case(3)
     out["gpt_neox"] = gpt_neox_case()
     out["failures"] = {kind: failure_case(kind) for kind in FAILURES}
@@ -328,6 +354,17 @@ def checkpoint_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four(checkpoint_dir):
     return run_distributed(_four_ranks, 4, checkpoint_dir, timeout_s=600)
+
+
+@pytest.mark.parametrize("layout", ["grid", "grid_replica"])
+def test_stage_to_global_names_the_rank_at_that_stage_and_data_parallel_rank(four, layout):
+    """DeepSpeed's ``grid.stage_to_global(stage, data=d)``: the rank whose grid says it is that stage's data-parallel
+    rank ``d``, with or without a replica dimension (shard groups of one); an index out of range, or another
+    coordinate, is a named error."""
+    for result in four:
+        grid = result[layout]
+        assert grid["answers"] == grid["where"], grid
+        assert len(grid["errors"]) == 4 and "data=2 is not an index below 2" in grid["errors"][0], grid["errors"]
 
 
 @pytest.mark.parametrize("case", CASES_4)

@@ -38,10 +38,14 @@ class PipelineGrid:
 
     def stage_to_global(self, stage_id: int, **kwargs) -> int:
         """The rank at pipeline stage ``stage_id`` with this rank's other coordinates (or those ``kwargs`` give:
-        ``data=``)."""
+        ``data=``, a data-parallel rank as ``get_data_parallel_rank`` counts them: over the replica and shard
+        dimensions both, the shard one fastest)."""
+        _check_index("stage_id", stage_id, self.pipe_parallel_size)
         coordinates = {"pp": stage_id}
         if "data" in kwargs:
-            coordinates["dp_shard"] = kwargs.pop("data")
+            data = kwargs.pop("data")
+            _check_index("data", data, self.data_parallel_size)
+            coordinates["dp_replicate"], coordinates["dp_shard"] = divmod(data, self._mesh.dims.dp_shard)
         if kwargs:
             raise ValueError(f"stage_to_global: unknown coordinates {sorted(kwargs)} (this grid has pipe and data)")
         return self._mesh.dims.rank_at(self.global_rank, **coordinates)
@@ -75,3 +79,8 @@ class PipelineGrid:
 
     def get_slice_parallel_world_size(self) -> int:
         return 1
+
+
+def _check_index(name: str, value, size: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
+        raise ValueError(f"stage_to_global: {name}={value!r} is not an index below {size}")
