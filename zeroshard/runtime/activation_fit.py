@@ -33,6 +33,7 @@ class ActivationFit:
         self._untraceable = False  # a trace failed once: the model's forward cannot run on meta tensors
         trained = [p for p in self._stand_ins().values() if p.requires_grad]
         self._largest_grad = max((p.numel() * p.element_size() for p in trained), default=0)  # a fresh gradient
+        self._gathered = stage3.gathered_bytes_at_most()  # fixed by the units and the live budget: counted once
 
     def measure(self, batches: list) -> Optional[StepMemory]:
         """The step's bytes against this rank's free memory; None when the forward cannot be traced on meta tensors
@@ -50,7 +51,7 @@ class ActivationFit:
             )
             return None
         activations = activation_peak(traces, self._largest_grad)
-        needed = activations + self.stage3.gathered_bytes_at_most()
+        needed = activations + self._gathered
         return StepMemory(needed, get_accelerator().allocatable_memory(), activations, len(batches))
 
     def _trace(self, batch: Any) -> Activations:
