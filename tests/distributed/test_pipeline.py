@@ -143,17 +143,25 @@ def config(gas: int, stage: int, **extra) -> dict:
 
 
 def train_case(
-    stages: int, gas: int, partition: str, stage: int, tied: bool = True, interval: int = 0, extra: dict = None
+    stages: int,
+    gas: int,
+    partition: str,
+    stage: int,
+    tied: bool = True,
+    interval: int = 0,
+    extra: dict = None,
+    topology=None,
 ) -> dict:
-    """Train the pipeline STEPS batches; returns its losses, this stage's weights and the tied weight after each
-    step."""
+    """Train the pipeline STEPS batches; returns its losses, this stage's weights (and how the tensor-parallel ones
+    are split) and the tied weight after each step. ``topology``: built on it instead of ``stages``."""
     import zeroshard
     from zeroshard.pipe import PipelineModule
 
     layer_specs = specs(tied=tied)
     module = PipelineModule(
         layer_specs,
-        num_stages=stages,
+        num_stages=None if topology is not None else stages,
+        topology=topology,
         loss_fn=cross_entropy,
         seed_layers=True,
         partition_method=partition,
@@ -172,6 +180,7 @@ def train_case(
     sent = sum(t.wire_bytes for (op, group), t in engine.comm_ledger.summary().items() if group == "pipe_exchange")
     result = {"losses": losses, "weights": weights, "tied": tied_after, "parts": module.parts, "stage": engine.stage_id}
     result["sent_between_stages"] = sent  # the last step's
+    result["splits"], result["tp_rank"] = dict(engine.tensor_splits), engine.mesh.tensor.rank
     engine.destroy()
     return result
 
@@ -184,6 +193,57 @@ CASES_4 = [  # (stages, gas, partition, ZeRO stage)
     (2, 8, "uniform", 0),
     (2, 8, "parameters", 2),  # DeepSpeed refuses ZeRO-2 with pipelines: each stage's gradients and Adam state sharded
 ]
+
+
+# AutoTP over the blocks: fc column-parallel, out row-parallel (the embedding, norms and head stay replicated)
+TENSOR_PARALLEL = {
+    "partition_config": {
+        "use_default_specs": False,
+        "layer_specs": [
+            {"patterns": [r".*\.fc$"], "partition_type": "column"},
+            {"patterns": [r".*\.out$"], "partition_type": "row"},
+        ],
+    }
+}
+
+
+def tensor_parallel_cases() -> dict:
+    """PP2 x TP2 on 4 ranks, both ways clients ask for it: ``num_stages`` with ``tensor_parallel.autotp_size``
+    (ZeRO-1), and gpt-neox's ``PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)`` with no size in the
+    config (ZeRO-2)."""
+    from zeroshard.pipe import PipeModelDataParallelTopology
+
+    autotp = {"tensor_parallel": {**TENSOR_PARALLEL, "autotp_size": 2}}
+    topology = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+    return {
+        "autotp": train_case(2, 4, "parameters", 1, extra=autotp),
+        "topology": train_case(2, 4, "parameters", 2, extra={"tensor_parallel": TENSOR_PARALLEL}, topology=topology),
+    }
+
+
+def tensor_parallel_grid_case() -> dict:
+    """Every getter of ``engine.grid`` on gpt-neox's topology with model=2, and the ranks of each group it returns."""
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard.pipe import PipelineModule, PipeModelDataParallelTopology
+
+    module = PipelineModule(specs(), topology=PipeModelDataParallelTopology(2, 2, 1), loss_fn=cross_entropy)
+    engine, *_ = zeroshard.initialize(model=module, config=config(2, 1, tensor_parallel=TENSOR_PARALLEL))
+    grid = engine.grid
+    names = ("pipe_parallel", "data_parallel", "model_parallel", "slice_parallel", "tensor_model_parallel")
+    out = {name: (getattr(grid, f"get_{name}_rank")(), getattr(grid, f"get_{name}_world_size")()) for name in names}
+    for name in ("pipe_parallel", "data_parallel", "model_parallel", "slice_parallel"):
+        try:
+            out[f"{name}_group"] = sorted(dist.get_process_group_ranks(getattr(grid, f"get_{name}_group")()))
+        except ValueError as error:  # a group of this rank alone has no process group (zeroshard's getters say so)
+            out[f"{name}_group"] = str(error)
+    out["stage_to_global"] = {(s, m): grid.stage_to_global(s, model=m) for s in range(2) for m in range(2)}
+    topology = grid.topology()
+    out["topology"] = (topology.get_axis_names(), [topology.get_dim(a) for a in ("pipe", "data", "model")])
+    out["is_model_parallel"] = engine.is_model_parallel
+    engine.destroy()
+    return out
 
 
 def eval_case(micro_batches: int) -> dict:
@@ -214,8 +274,7 @@ def eval_case(micro_batches: int) -> dict:
 def failure_case(kind: str) -> str:
     """Run one hostile case; returns the error each rank raised, as 'Type: message'."""
     import zeroshard
-    from zeroshard.pipe import PipelineModule
-    from zeroshard.runtime.pipeline_exchange import PipelineError
+    from zeroshard.pipe import PipelineError, PipelineModule
 
     calls = {"n": 0}
 
@@ -234,6 +293,17 @@ def failure_case(kind: str) -> str:
             PipelineModule([*specs(), 42], num_stages=2)
         elif kind == "zero3":
             zeroshard.initialize(model=PipelineModule(specs(), num_stages=2), config=config(2, 3))
+        elif kind == "megatron_split":
+            module = PipelineModule(specs(), num_stages=2, loss_fn=cross_entropy)
+            next(module.parameters()).tensor_model_parallel = True  # split by the client's own (Megatron) layers
+            zeroshard.initialize(model=module, config=config(2, 1))
+        elif kind == "tp_disagrees":
+            from zeroshard.pipe import PipeModelDataParallelTopology
+
+            topology = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+            module = PipelineModule(specs(), topology=topology, loss_fn=cross_entropy)
+            tensor_parallel = {**TENSOR_PARALLEL, "autotp_size": 1}
+            zeroshard.initialize(model=module, config=config(2, 1, tensor_parallel=tensor_parallel))
         elif kind == "stages_mismatch":
             module = PipelineModule(specs(), num_stages=2, loss_fn=cross_entropy)
             zeroshard.initialize(model=module, config=config(2, 1, pipeline={"stages": 4}))
@@ -267,18 +337,21 @@ def failure_case(kind: str) -> str:
 
 
 FAILURES = ("stages_not_dividing", "more_stages_than_layers", "not_a_module", "zero3", "stages_mismatch", "loss_fn",
-            "short_iterator", "vector_loss")  # fmt: skip
+            "short_iterator", "vector_loss", "megatron_split", "tp_disagrees")  # fmt: skip
 
 
-def resume_case(ckpt_dir: str, stages: int, gas: int, save: bool = False, zero: int = 1, tag: str = "pp2") -> dict:
-    """``save``: PP2 x DP2 trains 3 steps, saves, trains 2 more (the uninterrupted run); otherwise a run of ``stages``
-    stages loads that checkpoint and trains the same 2 steps (the same 4 micro-batches per step: ``gas`` per
-    data-parallel rank). ``zero``: the ZeRO stage of this run."""
+def resume_case(
+    ckpt_dir: str, stages: int, gas: int, save: bool = False, zero: int = 1, tag: str = "pp2", tp: int = 1
+) -> dict:
+    """``save``: PP2 x DP2 (or PP2 x TP2) trains 3 steps, saves, trains 2 more (the uninterrupted run); otherwise a
+    run of ``stages`` stages and ``tp`` tensor-parallel ranks loads that checkpoint and trains the same 2 steps (the
+    same 4 micro-batches per step: ``gas`` per data-parallel rank). ``zero``: the ZeRO stage of this run."""
     import zeroshard
     from zeroshard.pipe import PipelineModule
 
     module = PipelineModule(specs(), num_stages=stages, loss_fn=cross_entropy, seed_layers=True)
-    engine, *_ = zeroshard.initialize(model=module, config=config(gas, zero))
+    extra = {"tensor_parallel": {**TENSOR_PARALLEL, "autotp_size": tp}} if tp > 1 else {}
+    engine, *_ = zeroshard.initialize(model=module, config=config(gas, zero, **extra))
     dp = engine.grid.get_data_parallel_rank()
     batches = global_batches(1, 4)  # 4 micro-batches per step, whoever reads them
     out = {"stage": engine.stage_id}
@@ -292,6 +365,7 @@ def resume_case(ckpt_dir: str, stages: int, gas: int, save: bool = False, zero: 
     out["at_save"] = {n: p.detach().clone() for n, p in module.named_parameters()}
     out["losses"] = [engine.train_batch(iter(step[dp * gas : (dp + 1) * gas])).item() for step in batches[3:]]
     out["weights"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    out["splits"], out["tp_rank"] = dict(engine.tensor_splits), engine.mesh.tensor.rank
     engine.destroy()
     return out
 
@@ -328,6 +402,12 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out["resume_zero2"] = {"saved": resume_case(ckpt_dir, 2, 2, save=True, zero=2, tag="pp2_zero2")}
     out["resume_zero2"]["pp4"] = resume_case(ckpt_dir, 4, 4, zero=1, tag="pp2_zero2")
     out["resume_zero2"]["pp1_dp4"] = resume_case(ckpt_dir, 1, 1, zero=2, tag="pp2_zero2")
+    # saved at PP2 x TP2 (ZeRO-1), resumed at PP4, at TP2 x DP2 without a pipeline under ZeRO-2 (and in one process)
+    out["resume_tp"] = {"saved": resume_case(ckpt_dir, 2, 4, save=True, tag="pp2_tp2", tp=2)}
+    out["resume_tp"]["pp4"] = resume_case(ckpt_dir, 4, 4, tag="pp2_tp2")
+    out["resume_tp"]["pp1_dp4"] = resume_case(ckpt_dir, 1, 2, zero=2, tag="pp2_tp2", tp=2)
+    out["tensor_parallel"] = tensor_parallel_cases()
+    out["tensor_parallel_grid"] = tensor_parallel_grid_case()
     out["cases"] = {}
     for case in CASES_4:
         out["cases"][case] = train_case(*case)
@@ -487,6 +567,22 @@ def test_eval_batch_with_other_micro_batch_counts_equals_one_process(four):
         ("more_stages_than_layers", ["ValueError: PipelineModule: 3 layers cannot fill 4 pipeline stages"] * 4),
         ("not_a_module", ["TypeError: PipelineModule layer 9 is int"] * 4),
         ("zero3", ["NotImplementedError: ZeRO-3 with pipeline parallelism (zero_optimization.stage 3)"] * 4),
+        (
+            "megatron_split",
+            [
+                "NotImplementedError: the PipelineModule's parameter tied_modules.embed.weight is marked "
+                "tensor_model_parallel"
+            ]
+            * 4,
+        ),
+        (
+            "tp_disagrees",
+            [
+                "ValueError: the tensor-parallel size disagrees: the PipelineModule's topology has model= 2; the "
+                "config's tensor_parallel.autotp_size is 1"
+            ]
+            * 4,
+        ),
         (
             "stages_mismatch",
             ["ValueError: the config's pipeline.stages is 4 but the PipelineModule was built with 2"] * 4,
@@ -832,6 +928,94 @@ def test_a_checkpoint_resumes_at_other_stage_counts_data_parallel_degrees_and_on
         for name, value in run["weights"].items():
             torch.testing.assert_close(value, uninterrupted[name], rtol=1e-6, atol=1e-6, msg=name)
     consolidated = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag)
+    assert set(consolidated) == set(saved)
+    for name, value in consolidated.items():
+        assert torch.equal(value, saved[name]), name
+
+
+def whole(runs: list[dict]) -> dict:
+    """The whole model's tensors from the runs of every rank: tensor-parallel pieces joined in rank order."""
+    pieces: dict = {}
+    for run in runs:
+        for name, value in run["weights"].items():
+            split = run["splits"].get(name)
+            pieces.setdefault(name, {})[run["tp_rank"] if split is not None else 0] = (value, split)
+    out = {}
+    for name, by_rank in pieces.items():
+        split = by_rank[0][1]
+        if split is None:
+            out[name] = by_rank[0][0]
+            continue
+        assert split.fused == 1 and not split.transposed, (name, split)
+        out[name] = torch.cat([by_rank[r][0] for r in sorted(by_rank)], split.dim)
+    return out
+
+
+def as_held(run: dict, full: dict, name: str) -> torch.Tensor:
+    """What ``run`` holds of the whole tensor ``full[name]``: its piece when split there."""
+    split = run["splits"].get(name)
+    return full[name] if split is None else split.piece(full[name], run["tp_rank"])
+
+
+@pytest.mark.parametrize("route", ["autotp", "topology"])
+def test_pipeline_with_tensor_parallelism_matches_one_process(four, route):
+    """PP2 x TP2: each stage's blocks split over its 2 tensor-parallel ranks (fc column-, out row-parallel), through
+    ``num_stages`` + ``autotp_size`` under ZeRO-1 and through gpt-neox's topology under ZeRO-2: the losses and every
+    rank's pieces equal one process's."""
+    expected = reference(specs(), global_batches(1, 4))
+    for rank, result in enumerate(four):
+        got = result["tensor_parallel"][route]
+        assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"])) <= 1e-6, (rank, got["losses"])
+        assert got["tp_rank"] == rank % 2 and got["stage"] == rank // 2
+        assert len(got["splits"]) == 9, sorted(got["splits"])  # 3 blocks a stage: fc weight and bias, out weight
+        for name, value in got["weights"].items():
+            torch.testing.assert_close(value, as_held(got, expected["weights"], name), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_grid_answers_as_deepspeeds_grid_on_the_same_topology(four):
+    """``engine.grid`` on ``PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)``: each getter is what
+    DeepSpeed's ``PipelineParallelGrid`` computes from that topology (its model-parallel group: the ranks of one
+    data-parallel index; its slice group: the model axis)."""
+    from zeroshard.pipe import PipeModelDataParallelTopology
+
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+    for rank, result in enumerate(four):
+        got, coord = result["tensor_parallel_grid"], topo.get_coord(rank)
+        model_group = sorted(topo.get_axis_list("data", coord.data))
+        assert got["pipe_parallel"] == (coord.pipe, topo.get_dim("pipe"))
+        assert got["data_parallel"] == (coord.data, topo.get_dim("data"))
+        assert got["model_parallel"] == (model_group.index(rank), len(model_group))
+        assert got["slice_parallel"] == got["tensor_model_parallel"] == (coord.model, topo.get_dim("model"))
+        assert got["model_parallel_group"] == model_group
+        assert got["pipe_parallel_group"] == next(g for g in topo.get_axis_comm_lists("pipe") if rank in g)
+        assert got["slice_parallel_group"] == next(g for g in topo.get_axis_comm_lists("model") if rank in g)
+        assert f"the batch group is rank {rank} alone" in got["data_parallel_group"]
+        for (stage, model), answer in got["stage_to_global"].items():
+            assert answer == topo.get_rank(**coord._replace(pipe=stage, model=model)._asdict())
+        assert got["topology"] == (["pipe", "data", "model"], [2, 1, 2]) and got["is_model_parallel"]
+
+
+def test_a_checkpoint_saved_with_tensor_parallelism_resumes_at_other_layouts(four, checkpoint_dir):
+    """Saved at PP2 x TP2 (ZeRO-1); loaded at PP4 without tensor parallelism, at TP2 x DP2 without a pipeline under
+    ZeRO-2 and in one process: each holds exactly what was saved (its pieces, or the joined tensors) and continues as
+    the run that went on; the consolidated weights are the joined tensors."""
+    from zeroshard.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+
+    saved_runs = [r["resume_tp"]["saved"] for r in four]
+    saved = whole([{**run, "weights": run["at_save"]} for run in saved_runs])
+    uninterrupted = whole(saved_runs)
+    losses = saved_runs[0]["losses"]
+    runs = [r["resume_tp"][layout] for layout in ("pp4", "pp1_dp4") for r in four]
+    runs += run_distributed(_one_process, 1, checkpoint_dir, "pp2_tp2")
+    assert any(run["splits"] for run in runs) and not all(run["splits"] for run in runs)
+    for run in runs:
+        assert run["global_steps"] == 3
+        for name, value in run["at_save"].items():
+            assert torch.equal(value, as_held(run, saved, name)), name
+        assert max(abs(a - b) for a, b in zip(run["losses"], losses)) <= 1e-6, (run["losses"], losses)
+        for name, value in run["weights"].items():
+            torch.testing.assert_close(value, as_held(run, uninterrupted, name), rtol=1e-6, atol=1e-6, msg=name)
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag="pp2_tp2")
     assert set(consolidated) == set(saved)
     for name, value in consolidated.items():
         assert torch.equal(value, saved[name]), name

@@ -138,7 +138,7 @@ def _run_case(kind: str, ckpt_dir: str):
         engine = _pipeline(pipeline={"max_activation_bytes": 100})
         return {"first": _error(lambda: engine.train_batch(iter(_batch(engine))))}
     if kind == "rogue_word":
-        from zeroshard.runtime.pipeline_exchange import ACTIVATIONS
+        from zeroshard.pipe.exchange import ACTIVATIONS
 
         engine = _pipeline()
         if rank == 0:  # a stop word naming no rank of this 4-rank world, where stage 1 reads its first word

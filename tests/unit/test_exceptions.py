@@ -49,14 +49,14 @@ def test_every_exception_round_trips_through_pickle(cls):
 
 
 def _raise(index: int):
-    from zeroshard.runtime.pipeline_exchange import StageAborted
+    from zeroshard.pipe import StageAborted
 
     raise StageAborted(f"rank {index}: stopped: rank 0 failed", 0, source=index - 1)
 
 
 def test_a_pool_gets_a_ranks_stage_aborted_back():
     """What DeepSpeed's harness does with a failed test: ``starmap_async(...).get()`` in the parent."""
-    from zeroshard.runtime.pipeline_exchange import StageAborted
+    from zeroshard.pipe import StageAborted
 
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         pending = pool.starmap_async(_raise, [(1,), (2,)])

@@ -35,8 +35,6 @@ from .mesh import (
     build_mesh,
     destroy_mesh,
     planned_group,
-    release_groups,
-    stages_group,
     tensor_parallel_group,
 )
 
@@ -90,9 +88,7 @@ __all__ = [
     "post_send",
     "process_group",
     "recv",
-    "release_groups",
     "send",
-    "stages_group",
     "solo_group",
     "world_group",
     "reduce_scatter",

@@ -52,7 +52,7 @@ stage. Two more groups:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -76,7 +76,9 @@ DERIVED = {
     "expert_gradient": ("dp_replicate", "edp", "sp"),
     "pipe": ("pp",),
     "stage": ("dp_replicate", "dp_shard", "sp", "tp"),
+    "pipe_model": ("pp", "sp", "tp"),  # built on demand (Mesh.derive): DeepSpeed's pipeline grid's model group
 }
+ON_DEMAND = ("pipe_model",)  # derived names only some engines use: built by Mesh.derive, not by build_mesh
 ROUTING_DIFFERENT_TOKENS = ("expert_shard", "expert_gradient")  # take in tp_rest when the expert group spans tp
 
 
@@ -297,6 +299,9 @@ class Mesh:
     stage: Group
     sequence_adopted: bool = False  # built before the mesh (register_with_transformers): its owner tears it down
     registered: bool = False  # built by register_with_transformers for the engines run on it: none tears it down
+    # groups built after the mesh by :meth:`derive` (a pipeline's tie groups, its stage channel), by name; released
+    # with the mesh
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def data_parallel_size(self) -> int:
@@ -318,6 +323,30 @@ class Mesh:
     def context(self) -> CommContext:
         """Where the mesh's collectives are counted (one context for all its groups)."""
         return self.world.context
+
+    def derive(self, name: str, partition: Optional[list[list[int]]] = None) -> Optional[Group]:
+        """This rank's group of ``partition`` (disjoint lists of ranks; by default the on-demand derived
+        dimensions of ``name``, :data:`ON_DEMAND`), built now with process groups of its own (a collective call:
+        every rank makes the same calls in the same order) and kept under ``name`` until :func:`destroy_mesh`
+        releases it with the others. None when no part holds this rank. Deriving a name again returns its group.
+
+        A pipeline derives the groups of the stages sharing a tied module and a channel of its own for the
+        activations (``pipe``'s ranks, apart, so nothing a failed batch left unreceived reaches another group)."""
+        if name in self.extra:
+            return self.extra[name]
+        if partition is None:
+            if name not in ON_DEMAND:
+                raise ValueError(f"mesh.derive({name!r}) needs partition=: only {list(ON_DEMAND)} are derived by name")
+            partition = self.dims.derived(name)
+        parts = tuple(tuple(part) for part in partition)
+        members = [rank for part in parts for rank in part]
+        if len(set(members)) != len(members) or not all(0 <= r < self.world.size for r in members):
+            raise ValueError(f"mesh.derive({name!r}): the parts {partition} are not disjoint ranks of the world")
+        handles = [new_process_group(list(part)) if len(part) > 1 else None for part in parts]
+        mine = next((k for k, part in enumerate(parts) if get_rank() in part), None)
+        group = None if mine is None else Group(name, parts[mine], handles[mine], self.context, partition=parts)
+        self.extra[name] = group
+        return group
 
 
 def build_groups(dims: ParallelDims, names: tuple[str, ...], context: CommContext) -> dict[str, Group]:
@@ -357,7 +386,8 @@ def build_mesh(
             "tp apart (pass tensor_parallel_size= to register_with_transformers)"
         )
     context = context or DEFAULT_CONTEXT.child()
-    groups = build_groups(dims, tuple(name for name in DERIVED if name != "sequence" or sequence is None), context)
+    built = tuple(name for name in DERIVED if name not in ON_DEMAND and (name != "sequence" or sequence is None))
+    groups = build_groups(dims, built, context)
     world = Group("world", tuple(range(world_size)), None, context)
     for name in ("gradient", "expert_gradient", "stage"):
         if groups[name].size == world_size:  # without tensor (expert, pipeline) parallelism it is the world
@@ -370,24 +400,6 @@ def build_mesh(
         registered=registered,
         **groups,
     )
-
-
-def stages_group(mesh: Mesh, stages: tuple[int, ...], name: str) -> Optional[Group]:
-    """The ranks at pipeline ``stages`` of this rank's pipe group (the copies of a module those stages share: a tied
-    embedding), as a group; None when this rank's stage is not among them. A collective call: every rank makes the
-    same calls in the same order (one process group per pipe group). Released by :func:`release_groups`."""
-    parts = tuple(tuple(pipe[s] for s in stages) for pipe in mesh.dims.derived("pipe"))
-    handles = [new_process_group(list(part)) if len(part) > 1 else None for part in parts]
-    mine = next((k for k, part in enumerate(parts) if get_rank() in part), None)
-    return None if mine is None else Group(name, parts[mine], handles[mine], mesh.context, partition=parts)
-
-
-def release_groups(groups) -> None:
-    """Tear down the process groups of ``groups`` (made by :func:`stages_group`; the default group stays)."""
-    if dist.is_initialized():
-        for group in groups:
-            if group is not None and group.handle is not None:
-                dist.destroy_process_group(group.handle)
 
 
 def planned_group(name: str, size: int) -> Group:
@@ -417,8 +429,10 @@ def destroy_mesh(mesh: Mesh) -> None:
             mesh.expert_gradient,
             mesh.pipe,
             mesh.stage,
+            *(g for g in mesh.extra.values() if g is not None),
         )
     }
+    mesh.extra.clear()
     for handle in handles.values():
         if handle is not None and handle is not adopted:
             dist.destroy_process_group(handle)

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from .. import comm
 from .partition import partition_boundaries
 from .spec import LayerSpec, TiedLayerSpec
-from .topology import PipeDataParallelTopology, ProcessTopology
+from .topology import PipeDataParallelTopology, ProcessTopology, parallel_dims
 
 non_reentrant_checkpoint = functools.partial(torch_checkpoint, use_reentrant=False)
 
@@ -67,7 +67,7 @@ class PipelineModule(nn.Module):
         self.local_rank = comm.backend.local_rank()
         self._topo = self._topology(num_stages, topology)
         self.num_stages = self._topo.get_dim("pipe")
-        self.stage_id = self._topo.get_coord(self.global_rank).pipe
+        self.stage_id = parallel_dims(self._topo).coordinate(self.global_rank, "pp")  # the mesh's pp coordinate
         self._layer_specs = list(layers)
         for index, spec in enumerate(self._layer_specs):
             if isinstance(spec, type):  # callable, but calling it would build a module out of the activations
@@ -119,12 +119,7 @@ class PipelineModule(nn.Module):
             raise TypeError(f"topology must be a ProcessTopology with a 'pipe' axis, got {topology!r}")
         if topology.world_size() != self.world_size:
             raise ValueError(f"the topology covers {topology.world_size()} ranks, the world has {self.world_size}")
-        per_stage = self.world_size // topology.get_dim("pipe")
-        if any(topology.get_coord(rank).pipe != rank // per_stage for rank in range(self.world_size)):
-            raise ValueError(
-                f"topology axes {topology.get_axis_names()}: the pipeline axis must be outermost (each stage "
-                "consecutive ranks, as PipeDataParallelTopology and PipeModelDataParallelTopology lay it out)"
-            )
+        parallel_dims(topology)  # laid out as the mesh is, or refused by name
         return topology
 
     def _partition_layers(self, method: str = "parameters") -> None:

@@ -1,4 +1,5 @@
-"""DeepSpeed's process topologies (``deepspeed.runtime.pipe.topology``), pure: a rank grid over named axes.
+"""DeepSpeed's process topologies (``deepspeed.runtime.pipe.topology``), pure: a rank grid over named axes, and the
+mesh dimensions a pipeline topology is (:func:`parallel_dims`) and back (:func:`pipeline_topology`).
 
 Clients of DeepSpeed's pipeline engine build these by hand (gpt-neox builds ``PipeModelDataParallelTopology`` and
 reads ``get_coord``, ``get_axis_comm_lists`` and ``filter_match`` off it), so the names, the axis order and the
@@ -14,6 +15,8 @@ from collections import namedtuple
 from typing import Sequence
 
 import torch
+
+from ..comm import ParallelDims
 
 
 class ProcessTopology:
@@ -103,3 +106,43 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
     def __init__(self, num_pp: int, num_mp: int, num_dp: int):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
+
+
+MESH_AXES = {"pipe": "pp", "data": "dp_shard", "model": "tp"}  # a pipeline topology's axes on the mesh
+
+
+def parallel_dims(topology: ProcessTopology) -> ParallelDims:
+    """The mesh a pipeline topology describes: ``pipe`` stages, ``data``-parallel ranks and ``model`` (tensor-
+    parallel) ranks as the mesh's ``pp``, ``dp_shard`` and ``tp``. Its numbering must be the mesh's (``pipe``
+    outermost, ``model`` innermost, as ``PipeDataParallelTopology`` and gpt-neox's ``PipeModelDataParallelTopology``
+    lay ranks out), so the topology is a view of the mesh and not a second grid."""
+    unknown = [axis for axis in topology.get_axis_names() if axis not in MESH_AXES]
+    if unknown or "pipe" not in topology.get_axis_names():
+        raise ValueError(
+            f"topology axes {topology.get_axis_names()}: a pipeline topology has a 'pipe' axis and may have 'data' "
+            f"and 'model' ones (tensor parallelism); {unknown or ['no pipe axis']} has no place on the mesh"
+        )
+    sizes = {MESH_AXES[axis]: topology.get_dim(axis) for axis in topology.get_axis_names()}
+    dims = ParallelDims(**sizes)
+    for rank in range(topology.world_size()):
+        coord = topology.get_coord(rank)
+        if any(getattr(coord, axis) != dims.coordinate(rank, MESH_AXES[axis]) for axis in topology.get_axis_names()):
+            raise ValueError(
+                f"topology axes {topology.get_axis_names()}: rank {rank} is at {coord} there but elsewhere on the "
+                "mesh; the pipeline axis must be outermost and the model axis innermost (each stage consecutive "
+                "ranks, its tensor-parallel ranks consecutive, as PipeDataParallelTopology and "
+                "PipeModelDataParallelTopology lay them out)"
+            )
+    return dims
+
+
+def pipeline_topology(dims: ParallelDims, model_axis: bool = False) -> ProcessTopology:
+    """The pipeline topology DeepSpeed's clients read off the engine (``engine.grid.topology()``) for a mesh of
+    pipeline, data- and tensor-parallel ranks: ``PipeModelDataParallelTopology`` with tensor parallelism (or
+    ``model_axis``: the client built one, of size 1), else ``PipeDataParallelTopology``."""
+    if dims.sp > 1:
+        raise ValueError(f"a pipeline topology has no sequence-parallel axis (the mesh {dims})")
+    data = dims.dp_replicate * dims.dp_shard
+    if dims.tp > 1 or model_axis:
+        return PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=data)
+    return PipeDataParallelTopology(num_pp=dims.pp, num_dp=data)

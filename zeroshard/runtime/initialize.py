@@ -18,7 +18,6 @@ from ..config import AutoContext, Resolution, model_hidden_size, parse_config, r
 from ..log import log_as_launched, log_rank0, logger
 from ..offload import OffloadPlan
 from ..optim import build_schedule
-from ..pipe import PipelineModule
 from ..precision import PrecisionPolicy, fp32_buffer_rules, fp32_buffers
 from ..zero import Placement, ZeroOptimizer, ZeroStack, build_zero_stack
 from ..zero.materialize import Materializer, has_meta_parameters, pending_seed, release_pending
@@ -27,9 +26,15 @@ from . import activation_checkpointing
 from .batch_check import check_same_batch_settings
 from .engine import ZeroshardEngine
 from .optimizer_recipe import OptimizerArg, optimizer_recipe
-from .parallelize import expert_parallel_size, parallelize, refuse_experts_split_by_transformers, tensor_parallel_size
+from .parallelize import (
+    ParallelPlan,
+    expert_parallel_size,
+    parallelize,
+    pipeline_stages,
+    refuse_experts_split_by_transformers,
+    tensor_parallel_size,
+)
 from .pipeline_engine import PipelineEngine
-from .pipeline_setup import pipeline_stages, start_ties_equal, tie_pipeline_stages
 from .sampler import distributed_loader
 
 
@@ -207,7 +212,7 @@ def _resolve(
     tp_size = tensor_parallel_size(model, parsed.tensor_parallel)
     sp_size, sequence = _sequence_parallel(mpu, parsed)
     ep_size = expert_parallel_size(model, parsed.expert_parallel)
-    pp_size = pipeline_stages(model, parsed, tp=tp_size, sp=sp_size, ep=ep_size)
+    pp_size = pipeline_stages(model, parsed, sp=sp_size, ep=ep_size)
     dims = comm.ParallelDims.for_world(
         comm.get_world_size(),
         tp=tp_size,
@@ -246,7 +251,7 @@ def _resolve(
     return mesh, resolution
 
 
-def _finish_parameters(model, materialize, placement: Placement, stack: ZeroStack, mesh, pieces: dict) -> None:
+def _finish_parameters(model, materialize, placement: Placement, stack: ZeroStack, mesh, pieces) -> None:
     """Parameters outside the flat groups get data (zero.Init); the engine adopts every parameter with the ranks
     holding the same value of it (all of them, or under tensor / expert parallelism those holding the same piece), so
     ``GatheredParameters`` finds its flat group and its copies; under stage 3 every parameter answers DeepSpeed's
@@ -280,12 +285,19 @@ def _build_scheduler(lr_scheduler: Any, cfg, zero: Optional[ZeroOptimizer]):
     return None
 
 
+def _engine_class(plan: ParallelPlan):
+    """The engine a model gets: a pipeline's (with its tie groups) when ``parallelize`` placed a pipeline."""
+    if plan.pipeline is None:
+        return ZeroshardEngine
+    return functools.partial(PipelineEngine, ties=dict(plan.pipeline.groups))
+
+
 def _build_dataloader(
-    training_data, resolution: Resolution, mesh: comm.Mesh, collate_fn, shuffle: bool
+    training_data, resolution: Resolution, mesh: comm.Mesh, collate_fn, plan: ParallelPlan
 ) -> Optional[DataLoader]:
     """A client DataLoader as it is; a Dataset gets zeroshard's resumable distributed sampler, shuffled (DeepSpeed's
-    engine) or in order (``shuffle=False``: its pipeline engine, whose clients rely on consecutive samples sharing a
-    micro-batch)."""
+    engine) or in order (a pipeline, as DeepSpeed's pipeline engine reads it: its clients rely on consecutive samples
+    sharing a micro-batch)."""
     if training_data is None or isinstance(training_data, DataLoader):
         return training_data
     return distributed_loader(
@@ -293,7 +305,7 @@ def _build_dataloader(
         resolution.batch.micro_batch_size,
         mesh.batch.size,
         mesh.batch.rank,
-        shuffle=shuffle,
+        shuffle=plan.pipeline is None,
         drop_last=resolution.config.dataloader_drop_last,
         collate_fn=collate_fn,
     )
@@ -315,23 +327,15 @@ def _auto_resume(engine: ZeroshardEngine) -> None:
     log_rank0(f"auto_resume: resumed from {path} at step {engine.global_steps} ({point.why})")
 
 
-def _engine_class(model: torch.nn.Module, ties: dict):
-    """The engine a model gets: a pipeline's (with its tie groups) for a ``PipelineModule``."""
-    return functools.partial(PipelineEngine, ties=ties) if isinstance(model, PipelineModule) else ZeroshardEngine
-
-
 def _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, units) -> tuple:
     """The model placed, split over the mesh's tensor and expert dimensions and sharded by the ZeRO stack over the
     optimizer the client gave or the config names (``units``: the extra gather-unit classes and leaf modules; a
-    stack without an optimizer when neither names one); returns the stack, each split parameter's split and the
-    placement (device, precision, offload), and a pipeline's tied modules (key -> the group of the stages holding
-    them), started from the first stage's weights."""
+    stack without an optimizer when neither names one); returns the stack, what ``parallelize`` did (each split
+    parameter's split, a pipeline's ties) and the placement (device, precision, offload)."""
     placement = _placement(cfg)
     materialize = _materializer(model, pretrained, mesh.world, placement.device)
     _move_module(model, placement.device, placement.policy)
-    pieces = parallelize(model, cfg, mesh, materialize)
-    ties = tie_pipeline_stages(model, mesh)
-    tied = start_ties_equal(model, ties, mesh)
+    plan = parallelize(model, cfg, mesh, materialize)
     if optimizer is None and cfg.optimizer is None:
         stack = ZeroStack.without_optimizer(placement.device)
     else:
@@ -346,11 +350,11 @@ def _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, unit
             materialize=materialize,
             gather_unit_classes=units[0],
             leaf_modules=units[1],
-            tensor_splits=pieces,
-            tied=tied,
+            tensor_splits=plan.pieces,
+            tied=plan.tied,
         )
-    _finish_parameters(model, materialize, placement, stack, mesh, pieces)
-    return stack, pieces, placement, ties
+    _finish_parameters(model, materialize, placement, stack, mesh, plan.pieces)
+    return stack, plan, placement
 
 
 def initialize(
@@ -392,11 +396,11 @@ def initialize(
     if cfg.log_level is not None:  # DeepSpeed's log_level sets its logger's level; handlers stay the program's
         logger.setLevel(cfg.log_level.upper())
     units = (gather_unit_classes, leaf_modules)
-    stack, pieces, placement, ties = _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, units)
+    stack, plan, placement = _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, units)
     view = ZeroOptimizer(stack) if isinstance(stack, ZeroStack) else None  # the clients' torch.optim view of it
     scheduler = _build_scheduler(lr_scheduler, cfg, view)
-    dataloader = _build_dataloader(training_data, resolution, mesh, collate_fn, not isinstance(model, PipelineModule))
-    engine = _engine_class(model, ties)(
+    dataloader = _build_dataloader(training_data, resolution, mesh, collate_fn, plan)
+    engine = _engine_class(plan)(
         model,
         stack=stack,
         lr_scheduler=scheduler,
@@ -406,7 +410,7 @@ def initialize(
         device=placement.device,
         training_dataloader=dataloader,
         activation_checkpointing=_checkpointing_options(cfg),
-        tensor_splits={name: pieces[p] for name, p in model.named_parameters() if p in pieces},
+        tensor_splits={name: plan.pieces[p] for name, p in model.named_parameters() if p in plan.pieces},
         optimizer=view,
         collate_fn=collate_fn,
     )

@@ -4,7 +4,7 @@ engine of one stage.
 Each rank runs the stage of a :class:`~zeroshard.pipe.PipelineModule` its pipe coordinate names, through the same
 ZeRO stack as any engine (stages 0-2, over the ranks of its stage). A batch is ``gradient_accumulation_steps``
 micro-batches run in the 1F1B order (:func:`zeroshard.pipe.train_steps`), activations and their gradients passed
-between neighbours (:mod:`.pipeline_exchange`). The arithmetic is one model's: the last stage scales each
+between neighbours (:mod:`zeroshard.pipe.exchange`). The arithmetic is one model's: the last stage scales each
 micro-batch's loss by ``1 / micro-batches`` once, the other stages back-propagate the gradients they receive as
 they are (scaling them again was DeepSpeed issue 8152); the gradients are reduced over the data-parallel ranks of
 each stage at the last micro-batch, tied parameters summed over the stages holding them, and the gradient norm
@@ -28,12 +28,21 @@ from torch.utils._pytree import tree_map
 from .. import comm
 from ..accelerator import get_accelerator
 from ..checkpoint.view import PipelinePlacement, TrainingState
-from ..pipe import Announcement, PipelineModule, Step, eval_steps, train_steps
+from ..pipe import (
+    Announcement,
+    PipelineError,
+    PipelineGrid,
+    PipelineModule,
+    StageAborted,
+    StageExchange,
+    Step,
+    eval_steps,
+    parallel_dims,
+    train_steps,
+)
 from .activation_checkpointing import in_effect as checkpointing_in_effect
 from .engine import ZeroshardEngine
 from .micro_batches import DataExhausted
-from .pipeline_exchange import PipelineError, StageAborted, StageExchange
-from .pipeline_grid import PipelineGrid
 from .sampler import RepeatingLoader
 
 
@@ -51,19 +60,19 @@ class PipelineEngine(ZeroshardEngine):
         super().__init__(module, **kwargs)
         module: PipelineModule = self.module
         self.num_stages, self.stage_id = module.num_stages, self.mesh.pipe.rank
+        _check_placed_as_built(module, self.mesh)
         self.micro_batches = self.batch.gradient_accumulation_steps
         self.micro_batch_size = self.batch.micro_batch_size
-        self.grid = PipelineGrid(self.mesh, module.topology())
+        self.grid = PipelineGrid(self.mesh, model_axis="model" in module.topology().get_axis_names())
         self.is_pipe_parallel = self.num_stages > 1
         self.is_data_parallel = self.mesh.batch.size > 1
-        self.is_model_parallel = False
-        # the exchanges run on a process group of their own (one per engine), so nothing a failed batch left
-        # unreceived reaches another engine
-        self._channels = comm.stages_group(self.mesh, tuple(range(self.num_stages)), "pipe_exchange")
+        self.is_model_parallel = self.mesh.tensor.size > 1
+        # the exchanges run on a channel derived on the mesh for this engine (the mesh is the engine's), so nothing a
+        # failed batch left unreceived reaches another group
+        channel = self.mesh.derive("pipe_exchange", self.mesh.dims.derived("pipe"))
         limit = self.settings.pipeline.max_activation_bytes or get_accelerator().total_memory() // 4
-        pipe = self._channels or self.mesh.pipe
-        self.exchange = StageExchange(pipe, self.stage_id, self.num_stages, self.device, limit)
-        self.ties = ties  # tie key -> this rank's tie group (the stages holding the tied module)
+        self.exchange = StageExchange(channel, self.stage_id, self.num_stages, self.device, limit)
+        self.ties = ties  # tie key -> this rank's tie group (the stages holding the tied module), the mesh's
         self.data_iterator: Optional[Iterator] = None
         self.batch_fn = None
         self.agg_train_loss: Optional[torch.Tensor] = None
@@ -74,11 +83,6 @@ class PipelineEngine(ZeroshardEngine):
             # initialize(training_data=...): read forever, as DeepSpeed does; the loader (its resumable sampler,
             # which checkpoints save) stays the engine's
             self.data_iterator = RepeatingLoader(self.training_dataloader)
-
-    def destroy(self) -> None:
-        if not self._destroyed:
-            comm.release_groups([self._channels, *self.ties.values()])
-        super().destroy()
 
     def _training_state(self) -> TrainingState:
         """A checkpoint holds every stage's parameters under the whole model's names; this stage's are these."""
@@ -315,6 +319,18 @@ class PipelineEngine(ZeroshardEngine):
                 + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
             )
         return batch
+
+
+def _check_placed_as_built(module: PipelineModule, mesh: comm.Mesh) -> None:
+    """The module built the layers of the stage its topology names for this rank; the mesh must run it there, with
+    the topology's tensor-parallel ranks (a module built for another world or layout holds other layers)."""
+    built = parallel_dims(module.topology())
+    if built.coordinate(comm.get_rank(), "pp") != mesh.pipe.rank or (built.tp > 1 and built.tp != mesh.tensor.size):
+        raise PipelineError(
+            f"rank {comm.get_rank()}: the PipelineModule was built for stage {module.stage_id} of {module.topology()}, "
+            f"but the engine's mesh ({mesh.dims}) places this rank at stage {mesh.pipe.rank}; build the module after "
+            "init_distributed, with the topology of the world it runs on"
+        )
 
 
 class _Run:

@@ -57,3 +57,49 @@ def test_gpt_neox_reads_coordinates_by_axis_name():
 def test_bad_topology_input_is_a_named_error(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize("record", EXPECTED["topologies"], ids=lambda r: f"{r['kind']}{r['sizes']}")
+def test_a_pipeline_topology_is_a_view_of_the_mesh(record):
+    """DeepSpeed's numbering on every fixture topology is the mesh's: pipe, data and model coordinates are the mesh's
+    pp, dp_shard and tp ones, the groups along each axis the mesh's groups, and the view back is the same topology."""
+    from zeroshard.comm import ParallelDims
+    from zeroshard.pipe import parallel_dims, pipeline_topology
+
+    topo = KINDS[record["kind"]](*record["sizes"])
+    dims = parallel_dims(topo)
+    assert isinstance(dims, ParallelDims) and dims.world_size == topo.world_size()
+    axes = {"pipe": "pp", "data": "dp_shard", "model": "tp"}
+    for rank in range(topo.world_size()):
+        coord = topo.get_coord(rank)
+        assert all(getattr(coord, axis) == dims.coordinate(rank, axes[axis]) for axis in topo.get_axis_names())
+    for axis in topo.get_axis_names():
+        assert topo.get_axis_comm_lists(axis) == dims.groups((axes[axis],))
+    view = pipeline_topology(dims, model_axis="model" in topo.get_axis_names())
+    assert view.get_axis_names() == topo.get_axis_names()
+    assert [view.get_dim(a) for a in view.get_axis_names()] == [topo.get_dim(a) for a in topo.get_axis_names()]
+    assert [list(view.get_coord(r)) for r in range(topo.world_size())] == record["coords"]
+
+
+@pytest.mark.parametrize(
+    "topology, message",
+    [
+        (ProcessTopology(["data", "pipe"], [2, 2]), "pipeline axis must be outermost"),
+        (ProcessTopology(["pipe", "model", "data"], [2, 2, 2]), "model axis innermost"),
+        (ProcessTopology(["pipe", "sequence"], [2, 2]), "has no place on the mesh"),
+        (ProcessTopology(["data", "model"], [2, 2]), "has a 'pipe' axis"),
+    ],
+)
+def test_a_topology_the_mesh_cannot_be_is_refused_by_name(topology, message):
+    from zeroshard.pipe import parallel_dims
+
+    with pytest.raises(ValueError, match=message):
+        parallel_dims(topology)
+
+
+def test_a_mesh_with_sequence_parallelism_has_no_pipeline_topology():
+    from zeroshard.comm import ParallelDims
+    from zeroshard.pipe import pipeline_topology
+
+    with pytest.raises(ValueError, match="no sequence-parallel axis"):
+        pipeline_topology(ParallelDims(pp=2, sp=2))

@@ -45,8 +45,12 @@ def test_a_dataset_gets_the_resumable_sampler():
     mesh = comm.Mesh(
         comm.ParallelDims(), world, alone, alone, world, alone, world, world, alone, world, world, alone, world
     )
-    for shuffle in (True, False):  # the engine's (DeepSpeed's deepspeed_io), a pipeline's (in order)
-        loader = steps._build_dataloader(TensorDataset(torch.arange(10.0)), resolution, mesh, None, shuffle)
+    from zeroshard.runtime.parallelize import ParallelPlan, PipelineTies
+
+    pipeline = PipelineTies(groups={}, tensors={})
+    for shuffle, plan in ((True, ParallelPlan({})), (False, ParallelPlan({}, pipeline))):  # DeepSpeed's deepspeed_io,
+        # and its pipeline engine's (in order)
+        loader = steps._build_dataloader(TensorDataset(torch.arange(10.0)), resolution, mesh, None, plan)
         assert isinstance(loader.sampler, ResumableDistributedSampler) and loader.batch_size == 2
         assert loader.sampler.shuffle is shuffle
 

@@ -27,7 +27,7 @@ from typing import Optional, Union
 import torch
 
 from .. import comm
-from ..pipe import Announcement, announce, encode, parse
+from .messages import Announcement, announce, encode, parse
 
 ACTIVATIONS, GRADIENTS = 21, 22  # point-to-point tags of the two channels
 
