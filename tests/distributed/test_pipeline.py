@@ -131,15 +131,31 @@ def reference(layer_specs: list, batches: list, clip: float = CLIP) -> dict:
     return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+ZERO3 = {  # every parameter sharded (none persistent), each Block a gather unit, gathers prefetched within a budget
+    "stage3_param_persistence_threshold": 0,
+    "gather_unit_classes": ["Block"],
+    "stage3_prefetch_bucket_size": 600,
+    "stage3_max_live_parameters": 2000,
+}
+
+
 def config(gas: int, stage: int, **extra) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(ZERO3 if stage == 3 else {})},
         "gradient_clipping": CLIP,
         **extra,
     }
+
+
+def weights_of(module) -> dict:
+    """This rank's parameters, whole (ZeRO-3 keeps shards only: gathered for the copy; every rank calls it)."""
+    from zeroshard.zero import GatheredParameters
+
+    with GatheredParameters(list(module.parameters())):
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
 def train_case(
@@ -156,6 +172,7 @@ def train_case(
     are split) and the tied weight after each step. ``topology``: built on it instead of ``stages``."""
     import zeroshard
     from zeroshard.pipe import PipelineModule
+    from zeroshard.zero import GatheredParameters
 
     layer_specs = specs(tied=tied)
     module = PipelineModule(
@@ -174,12 +191,16 @@ def train_case(
     for step_batches in batches:
         engine.comm_ledger.reset()
         losses.append(engine.train_batch(iter(step_batches[dp * gas : (dp + 1) * gas])).item())
-        if "embed" in module.tied_modules:
-            tied_after.append(module.tied_modules["embed"].weight.detach().clone())
-    weights = {n: p.detach().clone() for n, p in module.named_parameters()}
-    sent = sum(t.wire_bytes for (op, group), t in engine.comm_ledger.summary().items() if group == "pipe_exchange")
+        with GatheredParameters(list(module.tied_modules.parameters())):  # ZeRO-3 keeps shards; every rank calls it
+            if "embed" in module.tied_modules:
+                tied_after.append(module.tied_modules["embed"].weight.detach().clone())
+    weights = weights_of(module)
+    ledger = engine.comm_ledger.summary()
+    sent = sum(t.wire_bytes for (op, group), t in ledger.items() if group == "pipe_exchange")
+    gathers = sum(t.calls for (op, group), t in ledger.items() if op == "all_gather" and group == "shard")
     result = {"losses": losses, "weights": weights, "tied": tied_after, "parts": module.parts, "stage": engine.stage_id}
     result["sent_between_stages"] = sent  # the last step's
+    result["gathers"] = gathers
     result["splits"], result["tp_rank"] = dict(engine.tensor_splits), engine.mesh.tensor.rank
     engine.destroy()
     return result
@@ -192,6 +213,7 @@ CASES_4 = [  # (stages, gas, partition, ZeRO stage)
     (2, 8, "parameters", 1),
     (2, 8, "uniform", 0),
     (2, 8, "parameters", 2),  # DeepSpeed refuses ZeRO-2 with pipelines: each stage's gradients and Adam state sharded
+    (2, 8, "parameters", 3),  # and ZeRO-3: each stage's parameters too, gathered within the stage, 1F1B interleaved
 ]
 
 
@@ -217,6 +239,7 @@ def tensor_parallel_cases() -> dict:
     topology = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
     return {
         "autotp": train_case(2, 4, "parameters", 1, extra=autotp),
+        "zero3": train_case(2, 4, "parameters", 3, extra=autotp),
         "topology": train_case(2, 4, "parameters", 2, extra={"tensor_parallel": TENSOR_PARALLEL}, topology=topology),
     }
 
@@ -291,8 +314,11 @@ def failure_case(kind: str) -> str:
             PipelineModule(specs()[:3], num_stages=4)
         elif kind == "not_a_module":
             PipelineModule([*specs(), 42], num_stages=2)
-        elif kind == "zero3":
-            zeroshard.initialize(model=PipelineModule(specs(), num_stages=2), config=config(2, 3))
+        elif kind == "layer_major":
+            layer_major = {"stage": 3, "layer_major": True}
+            zeroshard.initialize(
+                model=PipelineModule(specs(), num_stages=2), config=config(2, 3, zero_optimization=layer_major)
+            )
         elif kind == "megatron_split":
             module = PipelineModule(specs(), num_stages=2, loss_fn=cross_entropy)
             next(module.parameters()).tensor_model_parallel = True  # split by the client's own (Megatron) layers
@@ -336,8 +362,8 @@ def failure_case(kind: str) -> str:
     return "no error"
 
 
-FAILURES = ("stages_not_dividing", "more_stages_than_layers", "not_a_module", "zero3", "stages_mismatch", "loss_fn",
-            "short_iterator", "vector_loss", "megatron_split", "tp_disagrees")  # fmt: skip
+FAILURES = ("stages_not_dividing", "more_stages_than_layers", "not_a_module", "layer_major", "stages_mismatch",
+            "loss_fn", "short_iterator", "vector_loss", "megatron_split", "tp_disagrees")  # fmt: skip
 
 
 def resume_case(
@@ -362,9 +388,9 @@ def resume_case(
     else:
         engine.load_checkpoint(ckpt_dir, tag=tag)
         out["global_steps"] = engine.global_steps
-    out["at_save"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    out["at_save"] = weights_of(module)
     out["losses"] = [engine.train_batch(iter(step[dp * gas : (dp + 1) * gas])).item() for step in batches[3:]]
-    out["weights"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    out["weights"] = weights_of(module)
     out["splits"], out["tp_rank"] = dict(engine.tensor_splits), engine.mesh.tensor.rank
     engine.destroy()
     return out
@@ -403,6 +429,10 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out["resume_zero2"]["pp4"] = resume_case(ckpt_dir, 4, 4, zero=1, tag="pp2_zero2")
     out["resume_zero2"]["pp1_dp4"] = resume_case(ckpt_dir, 1, 1, zero=2, tag="pp2_zero2")
     # saved at PP2 x TP2 (ZeRO-1), resumed at PP4, at TP2 x DP2 without a pipeline under ZeRO-2 (and in one process)
+    # saved at PP2 x DP2 under ZeRO-3, resumed at PP4 under ZeRO-1 and at DP4 under ZeRO-3
+    out["resume_zero3"] = {"saved": resume_case(ckpt_dir, 2, 2, save=True, zero=3, tag="pp2_zero3")}
+    out["resume_zero3"]["pp4"] = resume_case(ckpt_dir, 4, 4, zero=1, tag="pp2_zero3")
+    out["resume_zero3"]["pp1_dp4"] = resume_case(ckpt_dir, 1, 1, zero=3, tag="pp2_zero3")
     out["resume_tp"] = {"saved": resume_case(ckpt_dir, 2, 4, save=True, tag="pp2_tp2", tp=2)}
     out["resume_tp"]["pp4"] = resume_case(ckpt_dir, 4, 4, tag="pp2_tp2")
     out["resume_tp"]["pp1_dp4"] = resume_case(ckpt_dir, 1, 2, zero=2, tag="pp2_tp2", tp=2)
@@ -413,6 +443,7 @@ def _four_ranks(ckpt_dir: str) -> dict:
         out["cases"][case] = train_case(*case)
     out["no_tie"] = train_case(2, 4, "uniform", 1, tied=False)
     out["checkpointed"] = train_case(2, 4, "parameters", 1, interval=1)
+    out["checkpointed_zero3"] = train_case(4, 8, "uniform", 3, interval=1)  # recomputed in a backward after forwards
     out["plain"] = train_case(2, 4, "parameters", 1)
     out["checked"] = train_case(2, 4, "parameters", 1, extra={"gradient_check": {"enabled": True}})
     speculating = {"stage": 1, "offload_optimizer": {"device": "cpu", "super_offload": True}}
@@ -449,13 +480,15 @@ def test_stage_to_global_names_the_rank_at_that_stage_and_data_parallel_rank(fou
 
 @pytest.mark.parametrize("case", CASES_4)
 def test_losses_and_weights_match_one_process(four, case):
-    stages, gas, partition, _ = case
+    stages, gas, partition, zero = case
     dp = 4 // stages
     expected = reference(specs(), global_batches(dp, gas))
     for rank, result in enumerate(four):
         got = result["cases"][case]
         assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"])) <= 1e-6 * 10, (rank, got["losses"])
         assert got["weights"], f"rank {rank} holds no parameters"
+        # ZeRO-3 gathers its units within the stage in each micro-batch's forward and backward; ZeRO 0-2 after the step
+        assert got["gathers"] >= 2 * gas if zero == 3 else got["gathers"] <= 4, (zero, got["gathers"])
         for name, value in got["weights"].items():
             torch.testing.assert_close(value, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
 
@@ -509,6 +542,17 @@ def test_untied_head_matches_one_process(four):
 def test_the_runtime_gradient_check_runs_on_every_stage_without_a_false_alarm(four):
     for result in four:
         assert result["checked"]["losses"] == result["plain"]["losses"]
+
+
+def test_zero3_recomputes_checkpointed_layers_inside_backward_after_other_forwards(four):
+    """ZeRO-3 with activation checkpointing at PP4 x 8 micro-batches: 1F1B runs micro-batch k's backward after later
+    forwards, and its recomputed layers gather what those left freed; equal to one process."""
+    expected = reference(specs(), global_batches(1, 8))
+    for rank, result in enumerate(four):
+        got = result["checkpointed_zero3"]
+        assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"])) <= 1e-6, (rank, got["losses"])
+        for name, value in got["weights"].items():
+            torch.testing.assert_close(value, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_activation_checkpointing_inside_stages_is_bit_identical(four):
@@ -566,7 +610,7 @@ def test_eval_batch_with_other_micro_batch_counts_equals_one_process(four):
         ("stages_not_dividing", ["ValueError: num_stages 3 must divide the number of ranks 4"] * 4),
         ("more_stages_than_layers", ["ValueError: PipelineModule: 3 layers cannot fill 4 pipeline stages"] * 4),
         ("not_a_module", ["TypeError: PipelineModule layer 9 is int"] * 4),
-        ("zero3", ["NotImplementedError: ZeRO-3 with pipeline parallelism (zero_optimization.stage 3)"] * 4),
+        ("layer_major", ["NotImplementedError: zero_optimization.layer_major with a PipelineModule"] * 4),
         (
             "megatron_split",
             [
@@ -908,13 +952,13 @@ def _one_process(ckpt_dir: str, tag: str) -> dict:
     return resume_case(ckpt_dir, 1, 4, tag=tag)
 
 
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_a_checkpoint_resumes_at_other_stage_counts_data_parallel_degrees_and_one_process(four, checkpoint_dir, zero):
-    """Saved at PP2 x DP2 (ZeRO-1, or ZeRO-2: resumed under ZeRO-1 at PP4 and ZeRO-2 at DP4); loaded at PP4, at DP4
-    without a pipeline and in one process, each continues as the run that went on."""
+    """Saved at PP2 x DP2 (ZeRO-1; or ZeRO-2 / ZeRO-3, resumed under ZeRO-1 at PP4 and under the same stage at DP4);
+    loaded at PP4, at DP4 without a pipeline and in one process, each continues as the run that went on."""
     from zeroshard.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 
-    key, tag = ("resume", "pp2") if zero == 1 else ("resume_zero2", "pp2_zero2")
+    key, tag = {1: ("resume", "pp2"), 2: ("resume_zero2", "pp2_zero2"), 3: ("resume_zero3", "pp2_zero3")}[zero]
     saved = {n: t for r in four for n, t in r[key]["saved"]["at_save"].items()}  # every stage's parameters
     uninterrupted = {n: t for r in four for n, t in r[key]["saved"]["weights"].items()}
     losses = four[0][key]["saved"]["losses"]
@@ -957,11 +1001,11 @@ def as_held(run: dict, full: dict, name: str) -> torch.Tensor:
     return full[name] if split is None else split.piece(full[name], run["tp_rank"])
 
 
-@pytest.mark.parametrize("route", ["autotp", "topology"])
+@pytest.mark.parametrize("route", ["autotp", "topology", "zero3"])
 def test_pipeline_with_tensor_parallelism_matches_one_process(four, route):
     """PP2 x TP2: each stage's blocks split over its 2 tensor-parallel ranks (fc column-, out row-parallel), through
-    ``num_stages`` + ``autotp_size`` under ZeRO-1 and through gpt-neox's topology under ZeRO-2: the losses and every
-    rank's pieces equal one process's."""
+    ``num_stages`` + ``autotp_size`` under ZeRO-1 and ZeRO-3 and through gpt-neox's topology under ZeRO-2: the losses
+    and every rank's pieces equal one process's."""
     expected = reference(specs(), global_batches(1, 4))
     for rank, result in enumerate(four):
         got = result["tensor_parallel"][route]

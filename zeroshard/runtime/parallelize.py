@@ -213,19 +213,17 @@ def pipeline_stages(model: torch.nn.Module, parsed, *, sp: int, ep: int) -> int:
             )
         return 1
     stages = model.num_stages
-    stage = parsed.zero_optimization.stage
-    if stage >= 3:
+    if parsed.zero_optimization.layer_major:
         raise NotImplementedError(
-            f"ZeRO-3 with pipeline parallelism (zero_optimization.stage {stage}) is not implemented: the 1F1B order "
-            "keeps several micro-batches' forwards in flight, and stage 3's gathers are scheduled for one at a time; "
-            "use stage 0-2 (ZeRO-2 shards each stage's gradients and optimizer state over its data-parallel ranks)"
+            "zero_optimization.layer_major with a PipelineModule: the pipeline engine's train_batch runs its stages' "
+            "micro-batches in the 1F1B order, each stage gathering its own layers; drop layer_major"
         )
     other = {"sequence_parallel_size": sp, "expert parallelism": ep}
     combined = [f"{key} {size}" for key, size in other.items() if size > 1]
     if combined and stages > 1:
         raise NotImplementedError(
             f"pipeline parallelism ({stages} stages) with {', '.join(combined)} is not implemented: pipelines run "
-            "with data and tensor parallelism and ZeRO 0-2; drop the other axis or the pipeline"
+            "with data and tensor parallelism and ZeRO 0-3; drop the other axis or the pipeline"
         )
     split = [
         n

@@ -129,11 +129,11 @@ def plan_flat_groups(
     for unit in reversed(units or []):
         for index in range(len(param_groups)):
             members = [p for p in unit if group_of.get(p) == index and p not in persistent]
-            for run in by_split_axis(members, tensor_splits):
+            for run in by_split_axis(members, tensor_splits, tied):
                 plans.append(FlatGroupPlan(index, run, False))
     for index, params in enumerate(trainable):
         members = [p for p in params if p in persistent]
-        for run in by_split_axis(members, tensor_splits):
+        for run in by_split_axis(members, tensor_splits, tied):
             plans.append(FlatGroupPlan(index, run, True))
     return plans
 

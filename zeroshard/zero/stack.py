@@ -152,6 +152,8 @@ class ZeroStack:
         if boundary:  # the step's last micro-batch: its final gradients may be stepped as they come
             self.optimizer_state.arm_speculation(self.loss_scaler.scale)
         self.reducer.begin_backward(boundary, scaled_loss)
+        if self.stage3 is not None:
+            self.stage3.begin_backward()
 
     def end_backward(self, graph_retained: bool = False) -> None:
         """After it: the remaining reductions are launched and finished, then (stage 3) what is still gathered is

@@ -369,6 +369,13 @@ class Stage3Runtime:
         self._handles = []
         self.release_all()
 
+    def begin_backward(self) -> None:
+        """Backward is starting: the root unit is gathered (a no-op after this micro-batch's forward, which gathered
+        it). It may not be when other forwards ran and a backward freed it since (a pipeline stage's 1F1B order runs
+        micro-batch k's backward after k + 1's forward and k - 1's backward); activation checkpointing then
+        recomputes modules of the root unit inside backward, where no hook of the root's runs."""
+        self._gather(self.root_unit, async_op=False)
+
     def end_backward(self, graph_retained: bool = False) -> None:
         """The engine's backward is over: nothing stays gathered, and unless the graph is kept for another
         backward, no output tensor keeps a hook (and through it this runtime) alive."""
