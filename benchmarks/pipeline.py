@@ -1,8 +1,8 @@
 """Pipeline parallelism against data parallelism on the same ranks: a small GPT as a ``PipelineModule`` (tied
 embedding and head, ``--layers`` transformer blocks), trained on the same global batch by PP over all ranks (1F1B,
-``--micro_batches`` micro-batches), PP2 x DP2 with ZeRO-1 and with ZeRO-2 (4 ranks), DP with ZeRO-1 and DP with
-ZeRO-3 (a plain module over the same layers); DeepSpeed 0.19.8's pipeline engine joins the turns when it imports and
-runs here.
+``--micro_batches`` micro-batches), PP2 x DP2 with ZeRO-1, ZeRO-2 and ZeRO-3 and PP2 x TP2 (4 ranks), DP with ZeRO-1
+and DP with ZeRO-3 (a plain module over the same layers); DeepSpeed 0.19.8's pipeline engine joins the turns when it
+imports and runs here.
 
     python benchmarks/pipeline.py [--world 2] [--hidden 256] [--layers 8] [--micro 4] [--seq 64] [--micro_batches 8]
     PYTHONPATH=/tmp/dsenv DS_ACCELERATOR=cpu python benchmarks/pipeline.py   # with DeepSpeed beside
@@ -11,9 +11,13 @@ The systems take turns step by step in one process group, so machine noise hits 
 time; for pipelines, the bubble: the fraction of the step each stage spent waiting in receives (measured; the
 transfers are in it too), beside the schedule's own (p - 1) / (m + p - 1); the bytes each rank sends per step (the
 engine's ledger: ``send`` on the pipe group, and the data-parallel reductions) against the analytic bytes between
-stages: per micro-batch, the activation (micro x seq x hidden x 4 bytes) and a word forward (the announcement goes
-once, and again when it changes), the gradient and a status word back; model-state bytes per rank; the final loss
-(every system the same). ``--only NAME`` runs one system alone and adds its peak RSS.
+stages: per micro-batch, the activation (micro x seq x hidden x 4 bytes; a tensor-parallel rank sends half of it) and
+a word forward (the announcement goes once, and again when it changes), the gradient and a status word back;
+model-state bytes per rank between steps against the analytic count (``analytic_state``); the compute-only limit of
+each pipeline layout: a second engine built alike runs the stage's own work (each micro-batch's forward and backward
+on stand-in activations, then the step) inside ``zeroshard.testing.compute_only``, nothing communicated and no stage
+waiting for another; the final loss (every system the same). ``--only NAME`` runs one system alone and adds its peak
+RSS.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def layers(args) -> list:
 
 
 class Whole(nn.Module):
-    """The same layers as one module (ZeRO-3 runs it: pipelines refuse stages 2-3, as DeepSpeed does)."""
+    """The same layers as one module (DP runs it, ZeRO-3 gathering each block)."""
 
     def __init__(self, args):
         super().__init__()
@@ -90,38 +94,72 @@ class Whole(nn.Module):
         return loss_fn(self.layers(ids), labels)
 
 
-def config(args, micro_batches: int, stage: int) -> dict:
+# AutoTP inside the stages (PP2 x TP2): each block's MLP split, column then row (the attention stays replicated)
+TENSOR_PARALLEL = {
+    "autotp_size": 2,
+    "partition_config": {
+        "use_default_specs": False,
+        "layer_specs": [
+            {"patterns": [r".*\.mlp\.0$"], "partition_type": "column"},
+            {"patterns": [r".*\.mlp\.2$"], "partition_type": "row"},
+        ],
+    },
+}
+
+
+def config(args, micro_batches: int, stage: int, tp: int = 1) -> dict:
     return {
         "train_micro_batch_size_per_gpu": args.micro,
         "gradient_accumulation_steps": micro_batches,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            "gather_unit_classes": ["Block"],
+        },
         "gradient_clipping": 1.0,
+        **({"tensor_parallel": TENSOR_PARALLEL} if tp > 1 else {}),
     }
 
 
+PIPELINES_4 = [  # name, stages, data-parallel ranks, ZeRO stage, tensor-parallel ranks (DeepSpeed refuses ZeRO 2-3)
+    ("PP2 x DP2", 2, 2, 1, 1),
+    ("PP2 x DP2 ZeRO-2", 2, 2, 2, 1),
+    ("PP2 x DP2 ZeRO-3", 2, 2, 3, 1),
+    ("PP2 x TP2", 2, 1, 1, 2),
+]
+
+
+def pipeline_engine(args, stages: int, dp: int, zero: int, tp: int):
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    module = PipelineModule(layers(args), num_stages=stages, loss_fn=loss_fn, seed_layers=True)
+    return zeroshard.initialize(model=module, config=config(args, args.micro_batches // dp, zero, tp))[0]
+
+
 def systems(args) -> dict:
-    """name -> (engine, data-parallel size, stages)."""
+    """name -> (engine, data-parallel size, stages, the layout's ZeRO stage and tensor-parallel size); each pipeline
+    layout also as ``<name> limit``: a second engine built alike, for the compute-only limit."""
     import zeroshard
     from zeroshard.pipe import PipelineModule
 
     world, m = args.world, args.micro_batches
-    layouts = [(f"PP{world}", world, 1, 1)]
-    if world == 4:  # with ZeRO-2 (DeepSpeed refuses it) each stage's gradients and Adam state are halved too
-        layouts += [("PP2 x DP2", 2, 2, 1), ("PP2 x DP2 ZeRO-2", 2, 2, 2)]
+    layouts = [(f"PP{world}", world, 1, 1, 1)] + (PIPELINES_4 if world == 4 else [])
     out = {}
-    for name, stages, dp, zero in layouts:
-        module = PipelineModule(layers(args), num_stages=stages, loss_fn=loss_fn, seed_layers=True)
-        out[name] = (zeroshard.initialize(model=module, config=config(args, m // dp, zero))[0], dp, stages)
+    for name, stages, dp, zero, tp in layouts:
+        if args.only in (None, name):
+            out[name] = (pipeline_engine(args, stages, dp, zero, tp), dp, stages, zero)
+            out[f"{name} limit"] = (pipeline_engine(args, stages, dp, zero, tp), dp, stages, zero)
     module = PipelineModule(layers(args), num_stages=1, loss_fn=loss_fn, seed_layers=True)
-    out[f"DP{world} ZeRO-1"] = (zeroshard.initialize(model=module, config=config(args, m // world, 1))[0], world, 1)
-    engine = zeroshard.initialize(model=Whole(args), config=config(args, m // world, 3), gather_unit_classes=["Block"])
-    out[f"DP{world} ZeRO-3"] = (engine[0], world, 1)
-    deepspeed = deepspeed_pipeline(args)
+    out[f"DP{world} ZeRO-1"] = (zeroshard.initialize(model=module, config=config(args, m // world, 1))[0], world, 1, 1)
+    engine = zeroshard.initialize(model=Whole(args), config=config(args, m // world, 3))
+    out[f"DP{world} ZeRO-3"] = (engine[0], world, 1, 3)
+    deepspeed = deepspeed_pipeline(args) if args.only in (None, f"DeepSpeed 0.19.8 PP{world}") else None
     if deepspeed is not None:
-        out[f"DeepSpeed 0.19.8 PP{world}"] = (deepspeed, 1, world)
-    return {name: value for name, value in out.items() if args.only in (None, name)}
+        out[f"DeepSpeed 0.19.8 PP{world}"] = (deepspeed, 1, world, 1)
+    return {name: value for name, value in out.items() if args.only in (None, name, name.removesuffix(" limit"))}
 
 
 def deepspeed_pipeline(args):
@@ -162,7 +200,7 @@ def one_step(engine, dp: int, stages: int, micro_batches: list) -> float:
     from zeroshard import comm
 
     gas = len(micro_batches) // dp
-    rank = comm.get_rank() % dp if stages > 1 else comm.get_rank()
+    rank = engine.grid.get_data_parallel_rank() if stages > 1 and hasattr(engine, "grid") else comm.get_rank() % dp
     mine = micro_batches[rank * gas : (rank + 1) * gas]
     if hasattr(engine, "train_batch"):
         return float(engine.train_batch(iter(mine)))
@@ -176,8 +214,45 @@ def one_step(engine, dp: int, stages: int, micro_batches: list) -> float:
     return total.item() / comm.get_world_size()  # the mean over the data-parallel ranks, as train_batch returns
 
 
+def stage_work(args, engine, dp: int, micro_batches: list) -> float:
+    """One step's work of this rank's stage alone (the compute-only limit; inside ``compute_only``): each of its
+    micro-batches' forward and backward, the first stage from the ids, the others from a stand-in activation (the last
+    one's loss from the labels, the others' backward from a stand-in gradient), then the optimizer step."""
+    gas = len(micro_batches) // dp
+    first, last = engine.is_first_stage(), engine.is_last_stage()
+    shape = (args.micro, args.seq, args.hidden)
+    engine.module.train()
+    for micro, (ids, labels) in enumerate(micro_batches[:gas]):
+        inputs = ids if first else torch.randn(shape, requires_grad=True)
+        output = engine.module(inputs)
+        if last:
+            tensors, grads = [loss_fn(output, labels) * (engine.stack.loss_scale / gas)], None
+        else:
+            tensors, grads = [output], [torch.randn(shape) * 1e-3]
+        engine._backward_from(tensors, grads, micro == gas - 1)
+    engine._optimizer_step()
+    return 0.0
+
+
+def analytic_state(engine, zero: int) -> int:
+    """Model-state bytes this rank should hold between steps (fp32 Adam): per parameter it holds (a tensor-parallel
+    piece counted by its size), 4 bytes of parameter, 4 of gradient, 4 of master and 8 of moments; from ZeRO-1 on the
+    gradient, master and moments are shards over the stage's ``d`` data-parallel ranks (ZeRO-1 holds the whole
+    gradient only while it accumulates, then keeps its shard, as ZeRO-2 does), and at ZeRO-3 the parameter is its fp32
+    master shard (no copy of its own)."""
+    from zeroshard.zero import GatheredParameters
+
+    with GatheredParameters(list(engine.module.parameters())):  # ZeRO-3 keeps shards: gathered to count them whole
+        held = sum(p.numel() for p in engine.module.parameters())
+    d = engine.mesh.shard.size
+    shards = d if zero >= 1 else 1
+    parameter = 0 if zero >= 3 else 4
+    return round(held * (parameter + (4 + 12) / shards))
+
+
 def worker(args) -> dict:
     from zeroshard import comm
+    from zeroshard.testing import compute_only
 
     chosen = systems(args)
     world = comm.Group("world", tuple(range(comm.get_world_size())), None)
@@ -187,22 +262,27 @@ def worker(args) -> dict:
     losses = {}
     for step in range(args.steps):
         micro_batches = batch(args, step)
-        for name, (engine, dp, stages) in chosen.items():
+        for name, (engine, dp, stages, _) in chosen.items():
             ours = hasattr(engine, "comm_ledger")
             if ours:
                 engine.comm_ledger.reset()
             waited = engine.exchange.waited if hasattr(engine, "exchange") else 0.0
+            limit = name.endswith(" limit")
             comm.barrier(world)
             start = time.perf_counter()
-            losses[name] = one_step(engine, dp, stages, micro_batches)
+            if limit:
+                with compute_only():
+                    losses[name] = stage_work(args, engine, dp, micro_batches)
+            else:
+                losses[name] = one_step(engine, dp, stages, micro_batches)
             times[name].append(time.perf_counter() - start)
-            waits[name].append((engine.exchange.waited - waited) if hasattr(engine, "exchange") else 0.0)
-            if ours:
+            waits[name].append((engine.exchange.waited - waited) if hasattr(engine, "exchange") and not limit else 0.0)
+            if ours and not limit:
                 ledger = engine.comm_ledger.summary()
                 pipe = sum(t.wire_bytes for (op, group), t in ledger.items() if group == "pipe_exchange")
                 wire[name].append((sum(t.wire_bytes for t in ledger.values()), pipe))
     out = {}
-    for name, (engine, dp, stages) in chosen.items():
+    for name, (engine, dp, stages, zero) in chosen.items():
         ours = hasattr(engine, "state_bytes")
         state = engine.state_bytes() if ours else {}
         out[name] = {
@@ -211,20 +291,22 @@ def worker(args) -> dict:
             "wire": statistics.median(w[0] for w in wire[name][2:]) if wire[name] else None,
             "pipe": statistics.median(w[1] for w in wire[name][2:]) if wire[name] else None,
             "state": sum(v for k, v in state.items() if k not in ("idle_buffers", "staging", "gathered")),
+            "analytic_state": analytic_state(engine, zero) if ours else None,
             "loss": losses[name],
             "stages": stages,
             "dp": dp,
+            "tp": engine.mesh.tensor.size if ours else 1,
         }
     out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
 
-def analytic_pipe_bytes(args, stage: int, stages: int, dp: int) -> int:
+def analytic_pipe_bytes(args, stage: int, stages: int, dp: int, tp: int = 1) -> int:
     """Bytes stage ``stage`` sends its neighbours per step: each of its m micro-batches' activation after a word
     forward (the announcement itself went with the first step's first activation), the gradient after a status word
-    back."""
+    back; a tensor-parallel rank its 1/tp slice of each (``pipeline.pipe_partitioned``)."""
     m = args.micro_batches // dp
-    activation = args.micro * args.seq * args.hidden * 4
+    activation = args.micro * args.seq * args.hidden * 4 // tp
     forward = (8 + activation) if stage < stages - 1 else 0
     backward = (8 + activation) if stage > 0 else 0
     return m * (forward + backward)
@@ -242,27 +324,30 @@ def main() -> None:
     parser.add_argument("--only", default=None)
     args = parser.parse_args()
     results = run_distributed(worker, args.world, args, timeout_s=3600)
-    print("| system | median step (ms) | ratio to DP ZeRO-1 | bubble measured (per stage) | (p-1)/(m+p-1) | "
-          "pipe MB/step/rank (analytic) | wire MB/step/rank | state MB/rank | final loss |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| system | median step (ms) | ratio to DP ZeRO-1 | ratio to its compute-only limit | bubble measured (per "
+          "stage) | (p-1)/(m+p-1) | pipe MB/step/rank (analytic) | wire MB/step/rank | state MB/rank (analytic) | "
+          "final loss |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base = results[0].get(f"DP{args.world} ZeRO-1", {}).get("ms")
     for name, row in results[0].items():
-        if name == "rss_mb":
+        if name == "rss_mb" or name.endswith(" limit"):
             continue
-        stages, dp = row["stages"], row["dp"]
+        stages, dp, tp = row["stages"], row["dp"], row["tp"]
+        limits = [r[f"{name} limit"]["ms"] for r in results] if f"{name} limit" in results[0] else None
         m = args.micro_batches // dp
         measured = stages > 1 and row["wire"] is not None  # DeepSpeed's engine: neither waits nor ledger here
-        bubbles = " / ".join(f"{r[name]['bubble']:.2f}" for r in results[: args.world : dp]) if measured else "-"
+        bubbles = " / ".join(f"{r[name]['bubble']:.2f}" for r in results[:: dp * tp]) if measured else "-"
         theory = f"{(stages - 1) / (m + stages - 1):.2f}" if stages > 1 else "-"
         pipe = "-"
         if stages > 1 and row["pipe"] is not None:
             measured = [r[name]["pipe"] for r in results]
-            analytic = [analytic_pipe_bytes(args, r // dp, stages, dp) for r in range(args.world)]
+            analytic = [analytic_pipe_bytes(args, r // (dp * tp), stages, dp, tp) for r in range(args.world)]
             pipe = " / ".join(f"{a / 1e6:.3f} ({b / 1e6:.3f})" for a, b in zip(measured, analytic))
         wire = f"{row['wire'] / 1e6:.2f}" if row["wire"] is not None else "-"
         ratio = f"{row['ms'] / base:.3f}" if base else "-"
-        state = f"{row['state'] / 1e6:.1f}" if row["wire"] is not None else "-"
-        print(f"| {name} | {row['ms']:.1f} | {ratio} | {bubbles} | {theory} | {pipe} | {wire} | {state} | "
+        state = f"{row['state'] / 1e6:.3f} ({row['analytic_state'] / 1e6:.3f})" if row["wire"] is not None else "-"
+        to_limit = f"{row['ms'] / max(limits):.3f}" if limits else "-"  # the slowest stage's own work bounds the step
+        print(f"| {name} | {row['ms']:.1f} | {ratio} | {to_limit} | {bubbles} | {theory} | {pipe} | {wire} | {state} | "
               f"{row['loss']:.4f} |")  # fmt: skip
     if args.only:
         print(f"peak RSS per rank (MB): {[round(r['rss_mb']) for r in results]}")

@@ -229,6 +229,9 @@ TENSOR_PARALLEL = {
 }
 
 
+WHOLE = {"pipe_partitioned": False, "grad_partitioned": False}  # each tensor-parallel rank sends everything
+
+
 def tensor_parallel_cases() -> dict:
     """PP2 x TP2 on 4 ranks, both ways clients ask for it: ``num_stages`` with ``tensor_parallel.autotp_size``
     (ZeRO-1), and gpt-neox's ``PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)`` with no size in the
@@ -240,6 +243,7 @@ def tensor_parallel_cases() -> dict:
     return {
         "autotp": train_case(2, 4, "parameters", 1, extra=autotp),
         "zero3": train_case(2, 4, "parameters", 3, extra=autotp),
+        "whole": train_case(2, 4, "parameters", 1, extra={**autotp, "pipeline": WHOLE}),
         "topology": train_case(2, 4, "parameters", 2, extra={"tensor_parallel": TENSOR_PARALLEL}, topology=topology),
     }
 
@@ -1014,6 +1018,19 @@ def test_pipeline_with_tensor_parallelism_matches_one_process(four, route):
         assert len(got["splits"]) == 9, sorted(got["splits"])  # 3 blocks a stage: fc weight and bias, out weight
         for name, value in got["weights"].items():
             torch.testing.assert_close(value, as_held(got, expected["weights"], name), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_tensor_parallel_ranks_send_slices_between_stages_and_gather_the_same_values(four):
+    """``pipeline.pipe_partitioned`` / ``grad_partitioned`` (DeepSpeed's defaults, on): each of a stage's 2
+    tensor-parallel ranks sends half of each activation and input gradient (plus the status word), the receiving
+    stage gathers the halves; the run is bit for bit the run that sends them whole (both off)."""
+    activation = MICRO * SEQ * DIM * 4
+    for result in four:
+        sliced, whole = result["tensor_parallel"]["autotp"], result["tensor_parallel"]["whole"]
+        assert sliced["losses"] == whole["losses"]
+        assert all(torch.equal(value, whole["weights"][name]) for name, value in sliced["weights"].items())
+        assert sliced["sent_between_stages"] == 4 * (8 + activation // 2)  # 4 micro-batches, one direction a stage
+        assert whole["sent_between_stages"] == 4 * (8 + activation)
 
 
 def test_the_grid_answers_as_deepspeeds_grid_on_the_same_topology(four):

@@ -15,15 +15,18 @@ class PipelineConfig(Section):
     """DeepSpeed's ``pipeline`` block, read when the model is a ``PipelineModule`` (the module's own arguments decide
     its stages and partition, as in DeepSpeed). ``stages`` must match the module's; ``activation_checkpoint_interval``
     > 0 sets the module's; ``use_reentrant: false`` makes its checkpoint function torch's non-reentrant one (the
-    default of zeroshard's ``PipelineModule`` already). ``pipe_partitioned`` / ``grad_partitioned`` cut activations
-    and gradients over a tensor-parallel group, which pipelines here do not have: no effect."""
+    default of zeroshard's ``PipelineModule`` already). With tensor parallelism inside the stages,
+    ``pipe_partitioned`` / ``grad_partitioned`` send each tensor-parallel rank's slice of the activations / input
+    gradients between stages, gathered over the receiving stage's tensor group (``zeroshard.pipe.exchange``): 1/T of
+    the bytes between stages, the same values; off, each rank sends them whole. No effect without tensor
+    parallelism."""
 
     stages: Optional[int] = None  # "auto" (DeepSpeed's default): the module's
     partition: str = "best"
     seed_layers: bool = False
     activation_checkpoint_interval: int = Field(0, ge=0)
-    pipe_partitioned: bool = satisfied(True, "activations are split only over a tensor-parallel group (none here)")
-    grad_partitioned: bool = satisfied(True, "gradients are split only over a tensor-parallel group (none here)")
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
     use_reentrant: Optional[bool] = None
     # zeroshard's: the most the activations one micro-batch sends to the next stage may take (None: a quarter of the
     # device's memory); a receiving stage refuses an announcement above it before allocating anything

@@ -16,6 +16,12 @@ same way and stops too, so a failure anywhere reaches every stage of the pipelin
 waits no longer than the group's collectives do, and names the neighbour that stayed silent.
 Sends do not wait (the schedule relies on it, ``zeroshard.pipe.schedule``); :meth:`StageExchange.finish` waits for
 them at the end of the batch.
+
+With tensor parallelism inside the stages, the T tensor-parallel ranks of a stage hold the same activations (a stage
+ends after a row-parallel layer's sum) and the same input gradients (a column-parallel layer sums them). Each then
+sends only its 1/T slice of every tensor to its peer of the next (previous) stage, which gathers the slices over its
+own tensor group (DeepSpeed's ``pipeline.pipe_partitioned`` / ``grad_partitioned``): the link between stages carries
+1/T of the bytes, the tensor group's link the rest, and what arrives is bit for bit what was held.
 """
 
 from __future__ import annotations
@@ -57,8 +63,19 @@ Output = Union[torch.Tensor, tuple]
 class StageExchange:
     """This rank's ends of the channels to the previous and next stages of its pipe group."""
 
-    def __init__(self, pipe: comm.Group, stage: int, stages: int, device: torch.device, limit_bytes: int):
+    def __init__(
+        self,
+        pipe: comm.Group,
+        stage: int,
+        stages: int,
+        device: torch.device,
+        limit_bytes: int,
+        slices: Optional[dict[int, comm.Group]] = None,
+    ):
+        """``slices``: per channel tag (activations, gradients), the tensor group whose ranks each send a slice of
+        the tensors on it (the module's docstring); a channel not named sends them whole."""
         self.pipe, self.stage, self.device = pipe, stage, device
+        self.slices = {tag: group for tag, group in (slices or {}).items() if group.size > 1}
         self.previous = pipe.ranks[stage - 1] if stage > 0 else None
         self.next = pipe.ranks[stage + 1] if stage < stages - 1 else None
         self._in_flight: list[tuple[comm.Pending, list[torch.Tensor]]] = []  # sends and the tensors they read
@@ -76,11 +93,11 @@ class StageExchange:
         header = encode(announcement)
         tensors = [output] if isinstance(output, torch.Tensor) else list(output)
         if header.tolist() == self._sent_header:  # the receiver reuses the last announcement
-            self._post(self.next, ACTIVATIONS, [torch.zeros(1, dtype=torch.int64, device=self.device), *tensors])
+            self._post(self.next, ACTIVATIONS, [torch.zeros(1, dtype=torch.int64, device=self.device), *tensors], 1)
         else:
             self._sent_header = header.tolist()
             header = header.to(self.device)
-            self._post(self.next, ACTIVATIONS, [header.new_tensor([header.numel()]), header, *tensors])
+            self._post(self.next, ACTIVATIONS, [header.new_tensor([header.numel()]), header, *tensors], 2)
         return announcement
 
     def receive_activations(self) -> tuple[Announcement, Output]:
@@ -104,22 +121,18 @@ class StageExchange:
             raise PipelineError(f"rank {comm.get_rank()}: {sender} announced a header of {length} fields")
         tensors = []
         for meta in announcement.tensors:
-            tensor = self._receive(
-                torch.empty(meta.shape, dtype=meta.dtype, device=self.device), self.previous, ACTIVATIONS
-            )
+            tensor = self._receive_payload(meta, self.previous, ACTIVATIONS)
             tensors.append(tensor.requires_grad_(meta.requires_grad))
         return announcement, tensors[0] if announcement.single else tuple(tensors)
 
     def send_gradients(self, grads: list[torch.Tensor]) -> None:
-        self._post(self.previous, GRADIENTS, [torch.zeros(1, dtype=torch.int64, device=self.device), *grads])
+        self._post(self.previous, GRADIENTS, [torch.zeros(1, dtype=torch.int64, device=self.device), *grads], words=1)
 
     def receive_gradients(self, announcement: Announcement) -> list[torch.Tensor]:
         """The gradients of the tensors ``announcement`` (what this stage sent) marked as requiring one."""
         self._first_word(self.next, GRADIENTS, "gradients")
         return [
-            self._receive(torch.empty(meta.shape, dtype=meta.dtype, device=self.device), self.next, GRADIENTS)
-            for meta in announcement.tensors
-            if meta.requires_grad
+            self._receive_payload(meta, self.next, GRADIENTS) for meta in announcement.tensors if meta.requires_grad
         ]
 
     def begin(self) -> None:
@@ -147,10 +160,15 @@ class StageExchange:
             pending.wait()
         self._in_flight.clear()
 
-    def _post(self, peer: Optional[int], tag: int, tensors: list[torch.Tensor]) -> None:
+    def _post(self, peer: Optional[int], tag: int, tensors: list[torch.Tensor], words: int) -> None:
+        """Send ``tensors`` to ``peer``: the first ``words`` (the status word, the announcement) whole, the payload
+        whole or this rank's slice of each (``slices``)."""
         self.exchanged = True
-        for tensor in tensors:
+        group = self.slices.get(tag)
+        for index, tensor in enumerate(tensors):
             tensor = _wire(tensor.detach().contiguous())
+            if group is not None and index >= words:
+                tensor = _slice(tensor, group)
             try:
                 pending = comm.send(tensor, peer, self.pipe, tag=tag, async_op=True)
             except comm.CollectiveError as err:  # the neighbour closed the channel: it stopped waiting for us
@@ -183,6 +201,20 @@ class StageExchange:
             )
         return word
 
+    def _receive_payload(self, meta, peer: int, tag: int) -> torch.Tensor:
+        """One announced tensor from ``peer``: whole, or this rank's slice gathered over the tensor group."""
+        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        group = self.slices.get(tag)
+        if group is None:
+            return self._receive(tensor, peer, tag)
+        wire = _wire(tensor)
+        per = -(-wire.numel() // group.size)
+        gathered = torch.empty(per * group.size, dtype=wire.dtype, device=self.device)
+        self._receive(gathered[group.rank * per : (group.rank + 1) * per], peer, tag)
+        comm.all_gather(gathered, gathered[group.rank * per : (group.rank + 1) * per], group)
+        wire.view(-1).copy_(gathered[: wire.numel()])
+        return tensor
+
     def _receive(self, tensor: torch.Tensor, peer: int, tag: int, word: bool = False) -> torch.Tensor:
         started = time.perf_counter()
         try:
@@ -198,6 +230,18 @@ class StageExchange:
         if not word:
             self.exchanged = True
         return tensor
+
+
+def _slice(tensor: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    """This rank's slice of ``tensor`` (flattened, zero-padded to a multiple of the group's size)."""
+    flat = tensor.reshape(-1)
+    per = -(-flat.numel() // group.size)
+    start, stop = group.rank * per, min((group.rank + 1) * per, flat.numel())
+    if stop - start == per:
+        return flat[start:stop]
+    piece = flat.new_zeros(per)
+    piece[: max(stop - start, 0)] = flat[start:stop]
+    return piece
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:

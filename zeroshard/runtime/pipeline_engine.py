@@ -40,6 +40,7 @@ from ..pipe import (
     parallel_dims,
     train_steps,
 )
+from ..pipe.exchange import ACTIVATIONS, GRADIENTS
 from .activation_checkpointing import in_effect as checkpointing_in_effect
 from .engine import ZeroshardEngine
 from .micro_batches import DataExhausted
@@ -71,7 +72,10 @@ class PipelineEngine(ZeroshardEngine):
         # failed batch left unreceived reaches another group
         channel = self.mesh.derive("pipe_exchange", self.mesh.dims.derived("pipe"))
         limit = self.settings.pipeline.max_activation_bytes or get_accelerator().total_memory() // 4
-        self.exchange = StageExchange(channel, self.stage_id, self.num_stages, self.device, limit)
+        block = self.settings.pipeline  # DeepSpeed's: each tensor-parallel rank sends a slice, the receiver gathers
+        slices = {ACTIVATIONS: self.mesh.tensor} if block.pipe_partitioned else {}
+        slices.update({GRADIENTS: self.mesh.tensor} if block.grad_partitioned else {})
+        self.exchange = StageExchange(channel, self.stage_id, self.num_stages, self.device, limit, slices)
         self.ties = ties  # tie key -> this rank's tie group (the stages holding the tied module), the mesh's
         self.data_iterator: Optional[Iterator] = None
         self.batch_fn = None
