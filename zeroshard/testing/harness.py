@@ -74,11 +74,14 @@ def _worker(
 RANK_THREADS = 1  # ranks share the machine's cores; the parity references use the same count (see parity.py)
 
 # Note [ranks forked from a preloaded server]: a spawned rank spends ~5 s of CPU importing torch and
-# torch._dynamo (which the first optimizer imports) before it runs a line of the test; over a suite's hundreds of
-# ranks that is most of its time on a small machine. The ranks are forked from multiprocessing's fork server,
-# which imports these once. Like spawned ranks, they start from a process that never ran a collective or touched
-# a GPU, get the caller's current environment and sys.path, and have fn and args pickled to them.
-_PRELOADED = ["torch", "torch._dynamo", "torch.distributed.nn"]
+# torch._dynamo (which the first optimizer imports), and ~2 s more importing zeroshard's engine and transformers'
+# modeling code, before it runs a line of the test; over a suite's hundreds of ranks that is most of its time on a
+# small machine (preloading zeroshard and transformers too took two test files from 96 to 61 s). The ranks are forked
+# from multiprocessing's fork server, which imports these once (a module that is not installed is skipped). Like
+# spawned ranks, they start from a process that never ran a collective or touched a GPU (none of these modules does
+# at import), get the caller's current environment and sys.path, and have fn and args pickled to them. Modules read
+# at import are the server's: the package under test, imported before any test changes it.
+_PRELOADED = ["torch", "torch._dynamo", "torch.distributed.nn", "zeroshard.runtime", "transformers.modeling_utils"]
 
 
 def _start_method() -> mp.context.BaseContext:
