@@ -288,9 +288,11 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_ends_bit_identical(tmp_p
 def test_a_node_that_leaves_continues_at_world_size_one_with_the_same_global_batch(tmp_path):
     """Two nodes under --nnodes 1:2; node 1 (its agent and rank) dies at step 3. Node 0's agent restarts with the
     node that is left: world size 1, the same elastic global batch (accumulation 2 -> 4), resumed from the
-    checkpoint two ranks saved (resharded)."""
+    checkpoint two ranks saved (resharded). ``--rdzv_conf`` reaches both agents: the rendezvous of the node left
+    waits 3 s for more nodes, not torchrun's 30."""
     port = str(_free_port())
     common = ["--no_ssh", "--nnodes", "1:2", "--num_gpus", "1", "--max_restarts", "1", "--master_port", port]
+    common += ["--rdzv_conf", "last_call_timeout=3,keep_alive_interval=1"]  # torchrun's 30 s and 5 s: a slow test
     env = {**os.environ, "ELASTIC": "1"}
     nodes = [
         subprocess.Popen(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zeroshard.testing import run_distributed
 from zeroshard.testing.fixtures import module_from_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +29,10 @@ def start(*argv, cwd) -> subprocess.CompletedProcess:
     )
 
 
-def result(out: subprocess.CompletedProcess) -> dict:
+def result(out) -> dict:
+    """A launched run's RESULT line (its exit checked), or a reference computed in one process as it is."""
+    if isinstance(out, dict):
+        return out
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -55,22 +59,16 @@ CLI_FIT = [
 def runs(tmp_path_factory):
     """Every Lightning run the tests below read (each a 2-process job started by Lightning's own launcher), two at
     a time: one run alone leaves the cores idle about 40% of the time. The processes, not their results: each test
-    checks its own run's exit."""
+    checks its own run's exit. DDP's references run in one process beside them (``ddp_references``)."""
     base = tmp_path_factory.mktemp("lightning")
     fits = {
         "stage3": ["class3"],  # first: the resumed run starts from its checkpoint
-        "ddp": ["ddp"],
         "stage2": ["zeroshard_stage_2"],
         "offload": ["zeroshard_stage_2_offload", "--cpu_adam"],
         "offload3": ["zeroshard_stage_3_offload", "--cpu_adam"],
     }
     jobs = {name: ["train.py", base / name, *args] for name, args in fits.items()}
     jobs["config_optimizer"] = ["train.py", base / "config_optimizer", "ignored", "--config_optimizer", "--epochs", "2"]
-    # the references of the 2-epoch runs: DDP with the config block's optimizer, and DDP in fp32 and bf16-mixed
-    jobs["ddp_constant_lr"] = ["train.py", base / "ddp_constant_lr", "ddp", "--constant_lr", "--epochs", "2"]
-    jobs["ddp-bf16-mixed"] = ["train.py", base / "ddp-bf16-mixed", "ddp", "--precision", "bf16-mixed", "--epochs", "2"]
-    skip = ["--skip_first", str(FP16_SKIPPED)]
-    jobs["ddp-32-true"] = ["train.py", base / "ddp-32-true", "ddp", "--epochs", "2", *skip]
     for strategy, precision in MIXED_PRECISION:
         jobs[f"{strategy}-{precision}"] = [
             "train.py",
@@ -81,13 +79,13 @@ def runs(tmp_path_factory):
             "--epochs",
             "2",
         ]
-    jobs["fabric_ddp"] = ["fabric_train.py", base / "fabric_ddp", "ddp"]
     jobs["fabric"] = ["fabric_train.py", base / "fabric", "zeroshard"]
     jobs["cli"] = CLI_FIT
     jobs["seed_onebit"] = ["seed_onebit.py", "200", "100"]
     jobs["hostile"] = ["hostile_checkpoint.py", base / "cwd-hostile"]  # writes into an existing directory
     resume = ["train.py", base / "resumed", "class3", "--resume", base / "stage3" / "ckpt" / "epoch=1-step=8.ckpt"]
     with ThreadPoolExecutor(2) as pool:
+        references = pool.submit(run_distributed, ddp_references, 1, base)  # beside the launched runs
         started = {}
         for name, argv in jobs.items():
             (base / f"cwd-{name}").mkdir()
@@ -96,8 +94,29 @@ def runs(tmp_path_factory):
         (base / "cwd-resumed").mkdir()
         started["resumed"] = pool.submit(start, *resume, cwd=base / "cwd-resumed")
         outs = {name: future.result() for name, future in started.items()}
+        outs.update(references.result()[0])
     outs["dirs"] = {name: base / name for name in fits}
     return outs
+
+
+def ddp_references(base: Path) -> dict:
+    """Lightning's DDP runs the tests compare with, each in one process (``--devices 1``: the batch of both ranks,
+    the mean of their losses, which is what DDP's averaged gradient is the gradient of): Trainer fits for 4 epochs,
+    and for 2 with a constant LR (the config block's optimizer), in bf16 autocast, and skipping the first steps (the
+    fp16 run's overflows); Fabric's run."""
+    train = module_from_file(SCRIPTS / "train.py", "lightning_train_reference")
+    fabric = module_from_file(SCRIPTS / "fabric_train.py", "lightning_fabric_reference")
+    fits = {
+        "ddp": [],
+        "ddp_constant_lr": ["--constant_lr", "--epochs", "2"],
+        "ddp-bf16-mixed": ["--precision", "bf16-mixed", "--epochs", "2"],
+        "ddp-32-true": ["--epochs", "2", "--skip_first", str(FP16_SKIPPED)],
+    }
+    out = {name: train.fit([str(base / name), "ddp", "--devices", "1", *argv]) for name, argv in fits.items()}
+    out["fabric_ddp"] = fabric.run(str(base / "fabric_ddp"), "ddp", devices=1)
+    for value in out.values():
+        assert value.pop("global_zero")
+    return out
 
 
 @pytest.mark.parametrize("name", ["stage2", "stage3", "offload", "offload3"])

@@ -23,7 +23,15 @@ from ..arguments import bounded
 from ..log import LEVEL_VARIABLE, log_to_stdout
 from .convert import convert_main
 from .hostfile import check_resource_flags, parse_hostfile, select_resources
-from .multinode import LAUNCHERS, Job, agent_command, exported_environment, read_env_files, wait_for_master
+from .multinode import (
+    LAUNCHERS,
+    Job,
+    agent_command,
+    exported_environment,
+    parse_rdzv_conf,
+    read_env_files,
+    wait_for_master,
+)
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -63,6 +71,22 @@ def _add_node_options(parser: argparse.ArgumentParser) -> None:
         default=300.0,
         help="seconds a node waits for the master's rendezvous port before it gives up (default 300)",
     )
+    parser.add_argument(
+        "--rdzv_conf",
+        "--rdzv-conf",
+        type=_rdzv_conf,
+        default=(),
+        help="torchrun's rendezvous options for a multi-node job, KEY=SECONDS,... (join_timeout, last_call_timeout: "
+        "how long the nodes left after one leaves wait for more before going on, default 30; close_timeout, "
+        "heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt, read_timeout)",
+    )
+
+
+def _rdzv_conf(text: str) -> tuple[tuple[str, int], ...]:
+    try:
+        return parse_rdzv_conf(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--rdzv_conf: ")) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +182,11 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
             "zeroshard: a multi-node launch needs --hostfile (every node started from here), or --no_ssh "
             "--node_rank K on each node"
         )
+    if args.rdzv_conf:
+        raise SystemExit(
+            "zeroshard: --rdzv_conf sets a multi-node job's rendezvous (--hostfile, or --no_ssh --node_rank K); one "
+            "node alone waits for no other: drop it"
+        )
     nprocs = _local_processes(args)
     cmd = [
         sys.executable,
@@ -239,6 +268,7 @@ def _job(args: argparse.Namespace, master_addr: str, nodes: int) -> Job:
         module=args.module,
         as_deepspeed=args.as_deepspeed,
         master_timeout=args.master_timeout,
+        rdzv_conf=args.rdzv_conf,
     )
 
 

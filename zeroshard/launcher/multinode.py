@@ -39,6 +39,40 @@ class Job:
     module: bool = False
     as_deepspeed: bool = False
     master_timeout: float = 300.0
+    rdzv_conf: tuple[tuple[str, int], ...] = ()  # the c10d rendezvous's timeouts (--rdzv_conf), seconds
+
+
+# torchrun's c10d rendezvous options a user may set (whole seconds, or counts), as its --rdzv_conf takes them;
+# ``is_host`` is the launcher's own (node 0 hosts the rendezvous store)
+RDZV_OPTIONS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "read_timeout",
+)
+
+
+def parse_rdzv_conf(text: str) -> tuple[tuple[str, int], ...]:
+    """``--rdzv_conf KEY=VALUE,...`` (torchrun's flag): the c10d rendezvous's timeouts, e.g.
+    ``last_call_timeout=5`` (how long a rendezvous that has its minimum of nodes waits for more: after a node
+    leaves an elastic job, the survivors wait this long before going on). Keys are :data:`RDZV_OPTIONS`, values
+    whole numbers from 1 to 86400; anything else is a ``ValueError`` naming it."""
+    options: dict[str, int] = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep:
+            raise ValueError(f"--rdzv_conf: {item.strip()!r} is not KEY=VALUE")
+        if key not in RDZV_OPTIONS:
+            raise ValueError(f"--rdzv_conf: unknown option {key[:40]!r}; known: {', '.join(RDZV_OPTIONS)}")
+        if key in options:
+            raise ValueError(f"--rdzv_conf: {key} given twice")
+        if not value.isascii() or not value.isdigit() or not 1 <= int(value) <= 86400:
+            raise ValueError(f"--rdzv_conf: {key}={value[:40]!r} is not a whole number from 1 to 86400")
+        options[key] = int(value)
+    return tuple(options.items())
 
 
 def parse_env_text(text: str, source: str) -> dict[str, str]:
@@ -86,6 +120,8 @@ def node_command(job: Job, node_rank: str, nproc: int) -> list[str]:
     cmd += ["--nnodes", job.nnodes, "--num_gpus", str(nproc), "--master_addr", job.master_addr]
     cmd += ["--master_port", str(job.master_port), "--max_restarts", str(job.max_restarts)]
     cmd += ["--master_timeout", str(job.master_timeout)]
+    if job.rdzv_conf:
+        cmd += ["--rdzv_conf", ",".join(f"{k}={v}" for k, v in job.rdzv_conf)]
     cmd += ["--module"] * job.module + ["--as_deepspeed"] * job.as_deepspeed
     return cmd + [job.script, *job.script_args]
 
@@ -156,7 +192,8 @@ def agent_command(job: Job, node_rank: int, nproc: int, rdzv_id: str) -> list[st
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={job.nnodes}", f"--nproc_per_node={nproc}"]
     cmd += [f"--max_restarts={job.max_restarts}", "--rdzv_backend=c10d", f"--rdzv_id={rdzv_id}"]
     cmd += [f"--rdzv_endpoint={job.master_addr}:{job.master_port}"]
-    cmd += [f"--rdzv_conf=is_host={'true' if node_rank == 0 else 'false'}"]
+    options = [("is_host", "true" if node_rank == 0 else "false"), *job.rdzv_conf]
+    cmd += ["--rdzv_conf=" + ",".join(f"{key}={value}" for key, value in options)]
     if job.as_deepspeed:  # every rank starts in the runner, which installs the alias before the script runs
         return cmd + ["--module", "zeroshard.compat.run", *(["-m"] if job.module else []), job.script, *job.script_args]
     return cmd + ["--module"] * job.module + [job.script, *job.script_args]

@@ -74,14 +74,14 @@ def _worker(
 RANK_THREADS = 1  # ranks share the machine's cores; the parity references use the same count (see parity.py)
 
 # Note [ranks forked from a preloaded server]: a spawned rank spends ~5 s of CPU importing torch and
-# torch._dynamo (which the first optimizer imports), and ~2 s more importing zeroshard's engine and transformers'
-# modeling code, before it runs a line of the test; over a suite's hundreds of ranks that is most of its time on a
-# small machine (preloading zeroshard and transformers too took two test files from 96 to 61 s). The ranks are forked
-# from multiprocessing's fork server, which imports these once (a module that is not installed is skipped). Like
-# spawned ranks, they start from a process that never ran a collective or touched a GPU (none of these modules does
-# at import), get the caller's current environment and sys.path, and have fn and args pickled to them. Modules read
-# at import are the server's: the package under test, imported before any test changes it.
-_PRELOADED = ["torch", "torch._dynamo", "torch.distributed.nn", "zeroshard.runtime", "transformers.modeling_utils"]
+# torch._dynamo (which the first optimizer imports), and ~0.5 s more importing zeroshard's engine, before it runs a
+# line of the test; over a suite's hundreds of ranks that is most of its time on a small machine. The ranks are
+# forked from multiprocessing's fork server, which imports these once. Like spawned ranks, they start from a process
+# that never ran a collective or touched a GPU, get the caller's current environment and sys.path, and have fn and
+# args pickled to them. Only what every training process imports is preloaded: a rank's memory is what a user's
+# process holds (tests compare its peak RSS with `zeroshard estimate`, whose runtime baseline imports torch and
+# zeroshard alone; transformers preloaded too added 40 MiB to it).
+_PRELOADED = ["torch", "torch._dynamo", "torch.distributed.nn", "zeroshard.runtime"]
 
 
 def _start_method() -> mp.context.BaseContext:

@@ -97,6 +97,8 @@ def test_hostfile_errors_exit_naming_the_line_or_flag(tmp_path, monkeypatch):
         (["--master_port", "70000"], "--master_port: must be 1-65535, got 70000"),
         (["--max_restarts", "-1"], "--max_restarts: must be >= 0, got -1"),
         (["--ssh_port", "x"], "--ssh_port: expected an integer, got 'x'"),
+        (["--rdzv_conf", "last_call_timeout=;rm"], "--rdzv_conf/--rdzv-conf: last_call_timeout=';rm' is not a whole number"),
+        (["--rdzv_conf", "is_host=true"], "--rdzv_conf/--rdzv-conf: unknown option 'is_host'"),
     ],
 )
 def test_out_of_range_flags_exit_2_naming_the_flag(tmp_path, capsys, argv, message):
@@ -107,6 +109,15 @@ def test_out_of_range_flags_exit_2_naming_the_flag(tmp_path, capsys, argv, messa
     with pytest.raises(SystemExit) as exit_:
         main([*argv, str(script)])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_rendezvous_options_on_one_node_alone_are_refused(tmp_path):
+    from zeroshard.launcher.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(SystemExit, match="--rdzv_conf sets a multi-node job's rendezvous"):
+        main(["--num_gpus", "1", "--rdzv_conf", "last_call_timeout=5", str(script)])
 
 
 def test_node_rank_beyond_the_node_count_is_refused(tmp_path):

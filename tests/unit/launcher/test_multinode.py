@@ -10,6 +10,7 @@ from zeroshard.launcher.multinode import (
     exported_environment,
     openmpi_command,
     parse_env_text,
+    parse_rdzv_conf,
     pdsh_command,
     read_env_files,
     slurm_command,
@@ -52,6 +53,39 @@ def test_agent_joins_a_c10d_rendezvous_at_the_master():
     assert "--rdzv_backend=c10d" in cmd and "--rdzv_endpoint=10.0.0.1:29500" in cmd
     assert "--rdzv_conf=is_host=false" in cmd and cmd[-1] == "t.py"
     assert "--rdzv_conf=is_host=true" in agent_command(JOB, 0, 2, "job")
+
+
+def test_rendezvous_options_reach_every_nodes_agent():
+    """``--rdzv_conf last_call_timeout=5,join_timeout=60``: each node's agent gets them after the launcher's own
+    ``is_host``, and a node started by ssh passes them on to its launcher."""
+    job = Job("t.py", (), "10.0.0.1", 29500, "1:2", rdzv_conf=parse_rdzv_conf("last_call_timeout=5, join_timeout=60"))
+    assert "--rdzv_conf=is_host=false,last_call_timeout=5,join_timeout=60" in agent_command(job, 1, 1, "job")
+    remote = shlex.split(ssh_commands(job, NODES, {}, "/w", None)[1][2])
+    assert remote[remote.index("--rdzv_conf") + 1] == "last_call_timeout=5,join_timeout=60"
+    assert "--rdzv_conf" not in shlex.split(ssh_commands(JOB, NODES, {}, "/w", None)[0][2])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("last_call_timeout", "is not KEY=VALUE"),
+        ("is_host=true", "unknown option 'is_host'"),
+        ("last_call_timeout=5;touch /tmp/x", "is not a whole number"),
+        ("last_call_timeout=$(reboot)", "is not a whole number"),
+        ("last_call_timeout=nan", "is not a whole number"),
+        ("last_call_timeout=-1", "is not a whole number"),
+        ("last_call_timeout=0", "is not a whole number"),
+        ("last_call_timeout=1e9", "is not a whole number"),
+        ("last_call_timeout=99999999999999999999", "is not a whole number"),
+        ("last_call_timeout=\u0665", "is not a whole number"),
+        ("last_call_timeout=٥", "is not a whole number"),
+        ("last_call_timeout=5,last_call_timeout=6", "given twice"),
+        ("timeout=5", "unknown option"),
+    ],
+)
+def test_hostile_rendezvous_options_are_named_errors(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_rdzv_conf(text)
 
 
 def test_environment_files_and_exported_variables(tmp_path):

@@ -1,6 +1,9 @@
 """Lightning Fabric with ZeroshardFabricStrategy (or Fabric's DDP): train, save, load.
 
-usage: fabric_train.py OUT_DIR {ddp|zeroshard}  -> RESULT {...} on rank 0"""
+usage: fabric_train.py OUT_DIR {ddp|zeroshard} [DEVICES]  -> RESULT {...} on rank 0
+
+DEVICES 1 (ddp) is Fabric DDP's reference in one process: both ranks' halves of the data and the mean of their
+losses; ``run(out_dir, mode, devices)`` returns the result instead of printing it."""
 
 import json
 import sys
@@ -19,16 +22,20 @@ def data():
     return x, x @ torch.randn(8, 2, generator=g)
 
 
-def main(out_dir: str, mode: str) -> None:
+def run(out_dir: str, mode: str, devices: int = 2) -> dict:
     strategy = "ddp" if mode == "ddp" else ZeroshardFabricStrategy(stage=3, stage3_param_persistence_threshold=0)
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    if devices == 1:
+        assert mode == "ddp", "one device is DDP's reference"
+        strategy = "auto"
+    fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     model, optimizer = fabric.setup(model, optimizer)
     x, y = data()
-    shard = slice(fabric.global_rank * 16, (fabric.global_rank + 1) * 16)
+    per = 32 // devices
+    shard = slice(fabric.global_rank * per, (fabric.global_rank + 1) * per)
 
     def train(steps: int) -> None:
         for _ in range(steps):
@@ -50,21 +57,18 @@ def main(out_dir: str, mode: str) -> None:
     state = {"model": model, "optimizer": optimizer, "step": 0}
     remainder = fabric.load(f"{out_dir}/ckpt", state)
     restored = full_loss()
-    if fabric.global_rank == 0:
-        print(
-            "RESULT "
-            + json.dumps(
-                {
-                    "initial": initial,
-                    "trained": trained,
-                    "moved": moved,
-                    "restored": restored,
-                    "step": state["step"],
-                    "best": float(remainder["best"]),
-                }
-            )
-        )
+    return {
+        "initial": initial,
+        "trained": trained,
+        "moved": moved,
+        "restored": restored,
+        "step": state["step"],
+        "best": float(remainder["best"]),
+        "global_zero": fabric.global_rank == 0,
+    }
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    outcome = run(*sys.argv[1:3], *map(int, sys.argv[3:4]))
+    if outcome.pop("global_zero"):
+        print("RESULT " + json.dumps(outcome))

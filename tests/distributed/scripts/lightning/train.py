@@ -1,9 +1,13 @@
 """A Lightning training script run under Lightning's own launcher (2 CPU processes) with a chosen strategy.
 
 usage: train.py OUT_DIR STRATEGY [--precision P] [--epochs N] [--resume CKPT] [--cpu_adam] [--constant_lr]
+                [--devices N]
 STRATEGY: ddp | a registered zeroshard name | class3 (ZeroshardStrategy(stage=3), every parameter sharded)
 Prints RESULT {...} on rank 0: the full-data loss after training, the last step's gradient norm before clipping (the
-engine's, or under DDP the averaged gradients' measured before the step), the paths."""
+engine's, or under DDP the averaged gradients' measured before the step), the paths. ``--devices 1`` (STRATEGY ddp)
+is DDP's reference in one process: the batch of both ranks (8 samples: Lightning's DistributedSampler deals rank r
+samples r, r + 2, ... of the unshuffled data, so the two ranks' k-th batches of 4 are the k-th 8 in order) and the
+mean of their losses; ``fit(argv)`` returns the result instead of printing it."""
 
 import argparse
 import json
@@ -88,7 +92,7 @@ class Regressor(L.LightningModule):
         self.full_loss = self.full_data_loss()
 
 
-def main() -> None:
+def fit(argv=None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("strategy")
@@ -99,7 +103,8 @@ def main() -> None:
     parser.add_argument("--config_optimizer", action="store_true", help="optimizer from the config block")
     parser.add_argument("--constant_lr", action="store_true", help="no LR scheduler (the config-block run's)")
     parser.add_argument("--skip_first", type=int, default=0, help="optimizer steps skipped at the start")
-    args = parser.parse_args()
+    parser.add_argument("--devices", type=int, default=2, choices=(1, 2), help="1: DDP's reference in one process")
+    args = parser.parse_args(argv)
 
     L.seed_everything(0)
     if args.config_optimizer:
@@ -110,12 +115,15 @@ def main() -> None:
         strategy = ZeroshardStrategy(config=config)
     elif args.strategy == "class3":
         strategy = ZeroshardStrategy(stage=3, stage3_param_persistence_threshold=0)
+    elif args.devices == 1:
+        assert args.strategy == "ddp", "one device is DDP's reference"
+        strategy = "auto"
     else:
         strategy = args.strategy
     checkpoints = ModelCheckpoint(dirpath=f"{args.out_dir}/ckpt", save_top_k=-1, every_n_epochs=1)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=args.devices,
         strategy=strategy,
         precision=args.precision,
         max_epochs=args.epochs,
@@ -132,28 +140,26 @@ def main() -> None:
         constant_lr=args.constant_lr,
         skip_first=args.skip_first,
     )
-    loader = torch.utils.data.DataLoader(data(), batch_size=4, shuffle=False)
+    loader = torch.utils.data.DataLoader(data(), batch_size=8 // args.devices, shuffle=False)
     trainer.fit(model, loader, ckpt_path=args.resume)
     trainer.save_checkpoint(f"{args.out_dir}/final.ckpt")
-    if trainer.is_global_zero:
-        print(
-            "RESULT "
-            + json.dumps(
-                {
-                    "full_loss": model.full_loss,
-                    "initial_loss": model.initial_loss,
-                    "global_step": trainer.global_step,
-                    "checkpoints": sorted(os.listdir(f"{args.out_dir}/ckpt")),
-                    "lr": trainer.optimizers[0].param_groups[0]["lr"],
-                    "skipped_steps": trainer.strategy.engine.skipped_steps
-                    if hasattr(trainer.strategy, "engine")
-                    else model.skipped,
-                    "grad_norm": trainer.strategy.engine.get_global_grad_norm()
-                    if hasattr(trainer.strategy, "engine")
-                    else model.grad_norm,
-                }
-            )
-        )
+    engine = getattr(trainer.strategy, "engine", None)
+    return {
+        "full_loss": model.full_loss,
+        "initial_loss": model.initial_loss,
+        "global_step": trainer.global_step,
+        "checkpoints": sorted(os.listdir(f"{args.out_dir}/ckpt")),
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "skipped_steps": engine.skipped_steps if engine is not None else model.skipped,
+        "grad_norm": engine.get_global_grad_norm() if engine is not None else model.grad_norm,
+        "global_zero": trainer.is_global_zero,
+    }
+
+
+def main() -> None:
+    outcome = fit()
+    if outcome.pop("global_zero"):
+        print("RESULT " + json.dumps(outcome))
 
 
 if __name__ == "__main__":
