@@ -97,7 +97,7 @@ def test_hostfile_errors_exit_naming_the_line_or_flag(tmp_path, monkeypatch):
         (["--master_port", "70000"], "--master_port: must be 1-65535, got 70000"),
         (["--max_restarts", "-1"], "--max_restarts: must be >= 0, got -1"),
         (["--ssh_port", "x"], "--ssh_port: expected an integer, got 'x'"),
-        (["--rdzv_conf", "last_call_timeout=;rm"], "--rdzv_conf/--rdzv-conf: last_call_timeout=';rm' is not a whole number"),
+        (["--rdzv_conf", "last_call_timeout=;rm"], "--rdzv-conf: last_call_timeout=';rm' is not a whole number"),
         (["--rdzv_conf", "is_host=true"], "--rdzv_conf/--rdzv-conf: unknown option 'is_host'"),
     ],
 )

@@ -5,9 +5,10 @@ usage: train.py OUT_DIR STRATEGY [--precision P] [--epochs N] [--resume CKPT] [-
 STRATEGY: ddp | a registered zeroshard name | class3 (ZeroshardStrategy(stage=3), every parameter sharded)
 Prints RESULT {...} on rank 0: the full-data loss after training, the last step's gradient norm before clipping (the
 engine's, or under DDP the averaged gradients' measured before the step), the paths. ``--devices 1`` (STRATEGY ddp)
-is DDP's reference in one process: the batch of both ranks (8 samples: Lightning's DistributedSampler deals rank r
-samples r, r + 2, ... of the unshuffled data, so the two ranks' k-th batches of 4 are the k-th 8 in order) and the
-mean of their losses; ``fit(argv)`` returns the result instead of printing it."""
+is DDP's reference in one process: the batch of both ranks and the mean of their losses. Lightning shuffles the
+training data of a distributed run (a ``DistributedSampler``, seed 0 plus the epoch) and deals rank r the samples
+at r, r + 2, ... of that permutation, so the two ranks' k-th batches of 4 are its k-th 8: one process reads the same
+permutation in batches of 8. ``fit(argv)`` returns the result instead of printing it."""
 
 import argparse
 import json
@@ -140,7 +141,10 @@ def fit(argv=None) -> dict:
         constant_lr=args.constant_lr,
         skip_first=args.skip_first,
     )
-    loader = torch.utils.data.DataLoader(data(), batch_size=8 // args.devices, shuffle=False)
+    loader = torch.utils.data.DataLoader(data(), batch_size=4, shuffle=False)
+    if args.devices == 1:  # DDP's order: the distributed sampler's permutation, both ranks' batches at once
+        sampler = torch.utils.data.DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=0)
+        loader = torch.utils.data.DataLoader(data(), batch_size=8, sampler=sampler)
     trainer.fit(model, loader, ckpt_path=args.resume)
     trainer.save_checkpoint(f"{args.out_dir}/final.ckpt")
     engine = getattr(trainer.strategy, "engine", None)
