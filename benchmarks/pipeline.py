@@ -323,7 +323,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--only", default=None)
     args = parser.parse_args()
-    results = run_distributed(worker, args.world, args, timeout_s=3600)
+    # --only reports a peak RSS, a whole process's: fresh interpreters then, as launched
+    results = run_distributed(worker, args.world, args, timeout_s=3600, fresh_interpreters=args.only is not None)
     print("| system | median step (ms) | ratio to DP ZeRO-1 | ratio to its compute-only limit | bubble measured (per "
           "stage) | (p-1)/(m+p-1) | pipe MB/step/rank (analytic) | wire MB/step/rank | state MB/rank (analytic) | "
           "final loss |")  # fmt: skip

@@ -50,8 +50,17 @@ def main() -> None:
     runs = [("stage 2", 2, None)] + [(f"stage 3, depth {d}", 3, d) for d in args.depths]
     rows = {}
     for label, stage, depth in runs:
-        rows[label] = run_distributed(
-            alone, args.world, cfg, stage, depth, args.micro, args.steps, args.warmup, timeout_s=3600
+        rows[label] = run_distributed(  # fresh interpreters, as launched: a peak RSS is a whole process's
+            alone,
+            args.world,
+            cfg,
+            stage,
+            depth,
+            args.micro,
+            args.steps,
+            args.warmup,
+            timeout_s=3600,
+            fresh_interpreters=True,
         )[0]
         print(f"{label}: {rows[label]}", flush=True)
     base = rows.get("stage 3, depth 1", next(iter(rows.values())))["step_s"]

@@ -194,8 +194,8 @@ def run_size(
     by_system = {}  # each system alone: its memory, and its timing when not interleaved
     for name in tqdm(names, desc=f"{size} x {world} ranks, {dtype}", unit="system", leave=False):
         measure = (steps, warmup) if alone else (2, 0)
-        by_system[name] = run_distributed(
-            alone_worker, world, cfg, name, micro, *measure, dtype, timeout_s=7200, env=ENV
+        by_system[name] = run_distributed(  # a peak RSS is a whole process's: fresh interpreters, as launched
+            alone_worker, world, cfg, name, micro, *measure, dtype, timeout_s=7200, env=ENV, fresh_interpreters=True
         )[0]
     return {
         "dtype": dtype,

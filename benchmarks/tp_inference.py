@@ -105,6 +105,7 @@ def main():
                 args.repeats,
                 timeout_s=3600,
                 env={"ZEROSHARD_ACCELERATOR": "cuda" if torch.cuda.is_available() else "cpu"},
+                fresh_interpreters=True,  # its peak RSS is a whole process's, as launched
             )
             rows.append((tp, results, analytic_bytes(model, tp, element)))
     print(

@@ -13,7 +13,7 @@ def skip_collective_on_last_rank():
 
     mesh = comm.build_mesh(comm.ParallelDims.for_world(comm.get_world_size()))
     if comm.get_rank() == comm.get_world_size() - 1:
-        time.sleep(30)  # never joins the all-reduce
+        time.sleep(6)  # never joins the all-reduce (twice rank 0's 3 s timeout; then the harness need not wait longer)
         return None
     comm.all_reduce(torch.ones(4), mesh.world)
 

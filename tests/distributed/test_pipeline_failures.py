@@ -456,10 +456,10 @@ def _slow(batches, seconds: float):
 
 
 def stuck_stage_case() -> str:
-    """PP2 on 2 ranks with a 10 s group timeout: stage 0's data loader takes 25 s."""
+    """PP2 on 2 ranks with a 10 s group timeout: stage 0's data loader takes 18 s."""
     engine = _pipeline()
     data = _batch(engine)
-    return _error(lambda: engine.train_batch(_slow(data, 25.0) if engine.stage_id == 0 else iter(data)))
+    return _error(lambda: engine.train_batch(_slow(data, 18.0) if engine.stage_id == 0 else iter(data)))
 
 
 def test_a_stage_stuck_in_user_code_is_named_by_its_neighbour_after_the_group_timeout():

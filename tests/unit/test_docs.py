@@ -3,16 +3,21 @@ with a meaning), and every Python block of the README, the home page and the tut
 ``<!-- illustrative -->`` on the line before them (fragments, or what needs several processes or a GPU).
 
 A page's runnable blocks run in order in one fresh process (later blocks use what earlier ones defined), in a
-temporary directory, with this checkout's zeroshard first on the path. The site build itself (``bash
-scripts/docs.sh``, warnings as errors) runs in ``scripts/test.sh``."""
+temporary directory, with this checkout's zeroshard: a plain process forked from the test harness's server, which
+has imported torch and zeroshard's engine once (``run_distributed(..., join_process_group=False)``), so a page costs
+what its code does, not 3 s of imports. The site build itself (``bash scripts/docs.sh``, warnings as errors) runs in
+``scripts/test.sh``."""
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from zeroshard.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "tutorials").glob("*.md"))]
@@ -62,8 +67,12 @@ def test_the_code_of_the_page_runs(page, tmp_path):
         pytest.skip(f"{page.name} has no runnable block (all marked illustrative)")
     script = tmp_path / "page.py"
     script.write_text("\n\n".join(blocks))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "ZEROSHARD_DOCS_FIXTURES": str(ROOT / "tests" / "fixtures")}  # fmt: skip
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, f"{page.name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    env = {"OMP_NUM_THREADS": "1", "ZEROSHARD_DOCS_FIXTURES": str(ROOT / "tests" / "fixtures")}
+    run_distributed(run_page, 1, str(script), env=env, timeout_s=600, join_process_group=False)
+
+
+def run_page(script: str) -> None:
+    """``python page.py`` in its directory, this checkout first on the path."""
+    os.chdir(os.path.dirname(script))
+    sys.path.insert(0, str(ROOT))
+    runpy.run_path(script, run_name="__main__")

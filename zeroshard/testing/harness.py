@@ -35,29 +35,36 @@ def _worker(
     comm_timeout_s: float,
     environ: dict[str, str],
     args: tuple,
+    join: bool = True,
 ) -> None:
     os.environ.clear()  # the caller's environment now, as a spawned process would get it (not the server's)
     os.environ.update(environ)
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "ZEROSHARD_ACCELERATOR": environ.get("ZEROSHARD_ACCELERATOR", "cpu"),
-        }
-    )
+    if join:  # a rank of the harness's group; otherwise a plain process, as `python script.py` starts one
+        os.environ.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "ZEROSHARD_ACCELERATOR": environ.get("ZEROSHARD_ACCELERATOR", "cpu"),
+            }
+        )
     import torch
 
     from .. import comm
     from ..log import log_to_stdout
 
     torch.set_num_threads(RANK_THREADS)
-    log_to_stdout()  # a rank's lines go to its stdout, as under the launcher
+    if join:
+        log_to_stdout()  # a rank's lines go to its stdout, as under the launcher
     result_path = Path(out_dir) / f"rank{rank}.pkl"
     try:
-        comm.init_distributed(
-            init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=comm_timeout_s)
-        )
+        if join:
+            comm.init_distributed(
+                init_method=f"file://{store}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=comm_timeout_s),
+            )
         (Path(out_dir) / f"rank{rank}.started").touch()
         value = fn(*args)
         payload = ("ok", value)
@@ -74,18 +81,20 @@ def _worker(
 RANK_THREADS = 1  # ranks share the machine's cores; the parity references use the same count (see parity.py)
 
 # Note [ranks forked from a preloaded server]: a spawned rank spends ~5 s of CPU importing torch and
-# torch._dynamo (which the first optimizer imports), and ~0.5 s more importing zeroshard's engine, before it runs a
-# line of the test; over a suite's hundreds of ranks that is most of its time on a small machine. The ranks are
-# forked from multiprocessing's fork server, which imports these once. Like spawned ranks, they start from a process
-# that never ran a collective or touched a GPU, get the caller's current environment and sys.path, and have fn and
-# args pickled to them. Only what every training process imports is preloaded: a rank's memory is what a user's
-# process holds (tests compare its peak RSS with `zeroshard estimate`, whose runtime baseline imports torch and
-# zeroshard alone; transformers preloaded too added 40 MiB to it).
-_PRELOADED = ["torch", "torch._dynamo", "torch.distributed.nn", "zeroshard.runtime"]
+# torch._dynamo (which the first optimizer imports), and ~2 s more importing zeroshard's engine and transformers'
+# modeling code, before it runs a line of the test; over a suite's hundreds of ranks that is most of its time on a
+# small machine (preloading zeroshard and transformers too took two test files from 96 to 61 s). The ranks are forked
+# from multiprocessing's fork server, which imports these once (a module that is not installed is skipped). Like
+# spawned ranks, they start from a process that never ran a collective or touched a GPU (none of these modules does
+# at import), get the caller's current environment and sys.path, and have fn and args pickled to them. What a
+# forked rank does not have is a user's process's memory: it maps every preloaded module (transformers adds 40 MiB
+# to a rank training a plain torch model), so whatever measures a process's memory as a whole (`zeroshard estimate`
+# against the peak RSS, a benchmark's peak) runs with `fresh_interpreters=True`, each rank importing what it uses.
+_PRELOADED = ["torch", "torch._dynamo", "torch.distributed.nn", "zeroshard.runtime", "transformers.modeling_utils"]
 
 
-def _start_method() -> mp.context.BaseContext:
-    if "forkserver" not in mp.get_all_start_methods():  # Windows
+def _start_method(fresh: bool = False) -> mp.context.BaseContext:
+    if fresh or "forkserver" not in mp.get_all_start_methods():  # a fresh interpreter each; Windows has no other
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(_PRELOADED)
@@ -117,18 +126,26 @@ def run_distributed(
     comm_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
     start_timeout_s: float = 600.0,
+    join_process_group: bool = True,
+    fresh_interpreters: bool = False,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks; return the per-rank results in rank order.
 
     ``fn`` must be importable (module level) and its results picklable (CPU tensors are fine). ``timeout_s``
     counts from the moment every rank has joined the process group: spawning and importing torch take
-    seconds to minutes on a loaded machine and are bounded separately by ``start_timeout_s``.
+    seconds to minutes on a loaded machine and are bounded separately by ``start_timeout_s``. Without
+    ``join_process_group`` each process runs ``fn`` as a plain process would (no process group, no ``RANK`` /
+    ``WORLD_SIZE``: a script that sets up what it needs, as ``python script.py`` runs it), forked from the same
+    preloaded server. ``fresh_interpreters``: each rank a new interpreter importing everything itself
+    (multiprocessing's spawn), as a launched rank is, for what depends on the process as a whole (its peak memory),
+    at the cost of the imports the fork server saves.
     """
-    ctx = _start_method()
+    ctx = _start_method(fresh_interpreters)
     environ = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory(prefix="zeroshard-test-") as tmp:
         store = os.path.join(tmp, "store")
-        rank_args = [(fn, r, world_size, store, tmp, comm_timeout_s, environ, args) for r in range(world_size)]
+        joined = join_process_group
+        rank_args = [(fn, r, world_size, store, tmp, comm_timeout_s, environ, args, joined) for r in range(world_size)]
         procs = [ctx.Process(target=_worker, args=one, daemon=True) for one in rank_args]
         for p in procs:
             p.start()
