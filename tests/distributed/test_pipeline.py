@@ -10,6 +10,7 @@ reference itself."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -92,6 +93,47 @@ class TupleHead(nn.Module):
     def forward(self, inputs):
         x, _, side = inputs
         return self.proj(x + side.float())
+
+
+class MoEBlock(nn.Module):
+    """A block whose MLP is DeepSpeed's MoE layer: 4 experts over ``ep`` ranks, top-1, no token dropped (each rank's
+    tokens routed as one process routes them); its output only (the aux loss is not this model's loss)."""
+
+    def __init__(self, ep: int = 1):
+        from zeroshard.moe import MoE
+
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        expert = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+        self.moe = MoE(DIM, expert, num_experts=4, ep_size=ep, k=1, drop_tokens=False, use_rts=False)
+
+    def forward(self, x):
+        return x + self.moe(self.norm(x))[0]
+
+
+def moe_specs(ep: int) -> list:
+    """The tied model with every other block a mixture of experts over ``ep`` ranks."""
+    from zeroshard.pipe import LayerSpec
+
+    layer_specs = specs()
+    return [*layer_specs[:1], *[LayerSpec(MoEBlock, ep) if k % 2 else s for k, s in enumerate(layer_specs[1:-2])],
+            *layer_specs[-2:]]  # fmt: skip
+
+
+def moe_case(stage: int) -> dict:
+    """PP2 x DP2 with expert parallelism over each stage's 2 data-parallel ranks (DeepSpeed's layer, ep_size 2):
+    its losses, this stage's weights (each rank's experts as it holds them) and its expert rank."""
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    module = PipelineModule(moe_specs(2), num_stages=2, loss_fn=cross_entropy, seed_layers=True)
+    engine, *_ = zeroshard.initialize(model=module, config=config(4, stage))
+    dp = engine.grid.get_data_parallel_rank()
+    losses = [engine.train_batch(iter(step[dp * 4 : (dp + 1) * 4])).item() for step in global_batches(2, 4)]
+    out = {"losses": losses, "weights": weights_of(module), "expert_rank": engine.mesh.expert.rank}
+    out["experts"] = engine.mesh.expert.size
+    engine.destroy()
+    return out
 
 
 def tuple_specs() -> list:
@@ -437,10 +479,12 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out["resume_zero3"] = {"saved": resume_case(ckpt_dir, 2, 2, save=True, zero=3, tag="pp2_zero3")}
     out["resume_zero3"]["pp4"] = resume_case(ckpt_dir, 4, 4, zero=1, tag="pp2_zero3")
     out["resume_zero3"]["pp1_dp4"] = resume_case(ckpt_dir, 1, 1, zero=3, tag="pp2_zero3")
+    out["resume_zero3"]["pp2_tp2"] = resume_case(ckpt_dir, 2, 4, zero=1, tag="pp2_zero3", tp=2)
     out["resume_tp"] = {"saved": resume_case(ckpt_dir, 2, 4, save=True, tag="pp2_tp2", tp=2)}
     out["resume_tp"]["pp4"] = resume_case(ckpt_dir, 4, 4, tag="pp2_tp2")
     out["resume_tp"]["pp1_dp4"] = resume_case(ckpt_dir, 1, 2, zero=2, tag="pp2_tp2", tp=2)
     out["tensor_parallel"] = tensor_parallel_cases()
+    out["experts"] = {stage: moe_case(stage) for stage in (1, 3)}
     out["tensor_parallel_grid"] = tensor_parallel_grid_case()
     out["cases"] = {}
     for case in CASES_4:
@@ -958,23 +1002,25 @@ def _one_process(ckpt_dir: str, tag: str) -> dict:
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_a_checkpoint_resumes_at_other_stage_counts_data_parallel_degrees_and_one_process(four, checkpoint_dir, zero):
-    """Saved at PP2 x DP2 (ZeRO-1; or ZeRO-2 / ZeRO-3, resumed under ZeRO-1 at PP4 and under the same stage at DP4);
-    loaded at PP4, at DP4 without a pipeline and in one process, each continues as the run that went on."""
+    """Saved at PP2 x DP2 (ZeRO-1; or ZeRO-2 / ZeRO-3, resumed under ZeRO-1 at PP4 and under the same stage at DP4,
+    and the ZeRO-3 one under ZeRO-1 at PP2 x TP2); loaded at PP4, at DP4 without a pipeline and in one process, each
+    continues as the run that went on (a tensor-parallel rank holding its pieces of it)."""
     from zeroshard.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 
     key, tag = {1: ("resume", "pp2"), 2: ("resume_zero2", "pp2_zero2"), 3: ("resume_zero3", "pp2_zero3")}[zero]
     saved = {n: t for r in four for n, t in r[key]["saved"]["at_save"].items()}  # every stage's parameters
     uninterrupted = {n: t for r in four for n, t in r[key]["saved"]["weights"].items()}
     losses = four[0][key]["saved"]["losses"]
-    runs = [r[key][layout] for layout in ("pp4", "pp1_dp4") for r in four]
+    layouts = ("pp4", "pp1_dp4", "pp2_tp2") if zero == 3 else ("pp4", "pp1_dp4")
+    runs = [r[key][layout] for layout in layouts for r in four]
     runs += run_distributed(_one_process, 1, checkpoint_dir, tag)
     for run in runs:
         assert run["global_steps"] == 3
         for name, value in run["at_save"].items():
-            assert torch.equal(value, saved[name]), name  # weights exact after the load
+            assert torch.equal(value, as_held(run, saved, name)), name  # weights exact after the load
         assert max(abs(a - b) for a, b in zip(run["losses"], losses)) <= 1e-6, (run["losses"], losses)
         for name, value in run["weights"].items():
-            torch.testing.assert_close(value, uninterrupted[name], rtol=1e-6, atol=1e-6, msg=name)
+            torch.testing.assert_close(value, as_held(run, uninterrupted, name), rtol=1e-6, atol=1e-6, msg=name)
     consolidated = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag)
     assert set(consolidated) == set(saved)
     for name, value in consolidated.items():
@@ -1031,6 +1077,25 @@ def test_tensor_parallel_ranks_send_slices_between_stages_and_gather_the_same_va
         assert all(torch.equal(value, whole["weights"][name]) for name, value in sliced["weights"].items())
         assert sliced["sent_between_stages"] == 4 * (8 + activation // 2)  # 4 micro-batches, one direction a stage
         assert whole["sent_between_stages"] == 4 * (8 + activation)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pipeline_with_expert_parallelism_matches_one_process(four, stage):
+    """PP2 x DP2 with DeepSpeed's MoE layer (4 experts, ep_size 2) in half the blocks, under ZeRO-1 and ZeRO-3: each
+    stage's data-parallel ranks split its experts and exchange tokens; the losses and every rank's experts (its 2
+    of the one process's 4) equal one process's."""
+    expected = reference(moe_specs(1), global_batches(2, 4))
+    for rank, result in enumerate(four):
+        got = result["experts"][stage]
+        assert got["experts"] == 2 and got["expert_rank"] == rank % 2
+        assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"])) <= 1e-6, (rank, got["losses"])
+        local = 0
+        for name, value in got["weights"].items():
+            if ".deepspeed_experts." in name:  # local expert i of expert rank r is expert r * 2 + i
+                head, index, tail = re.match(r"(.*\.deepspeed_experts\.)(\d+)(\..*)", name).groups()
+                name, local = f"{head}{got['expert_rank'] * 2 + int(index)}{tail}", local + 1
+            torch.testing.assert_close(value, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
+        assert local > 0
 
 
 def test_the_grid_answers_as_deepspeeds_grid_on_the_same_topology(four):

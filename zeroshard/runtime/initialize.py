@@ -212,7 +212,7 @@ def _resolve(
     tp_size = tensor_parallel_size(model, parsed.tensor_parallel)
     sp_size, sequence = _sequence_parallel(mpu, parsed)
     ep_size = expert_parallel_size(model, parsed.expert_parallel)
-    pp_size = pipeline_stages(model, parsed, sp=sp_size, ep=ep_size)
+    pp_size = pipeline_stages(model, parsed, sp=sp_size)
     dims = comm.ParallelDims.for_world(
         comm.get_world_size(),
         tp=tp_size,

@@ -84,8 +84,12 @@ def _split(model: torch.nn.Module, cfg, mesh: comm.Mesh, materialize) -> dict:
 
 def expert_parallel_size(model: torch.nn.Module, settings) -> int:
     """The expert-parallel size: the tagged experts' group (DeepSpeed's protocol), or ``expert_parallel.autoep_size``
-    when enabled; both given must agree (1: off)."""
+    when enabled; both given must agree (1: off). A pipeline's stages hold different layers, so what they declare is
+    agreed over the world first (a collective call for a ``PipelineModule``): stages without experts take the size
+    the others declare, stages declaring different sizes are refused by name."""
     size = declared_expert_parallel(model)
+    if isinstance(model, PipelineModule):
+        size = _agreed_over_stages(size, model)
     configured = settings.autoep_size if settings.enabled else None
     if size is None:
         return configured or 1
@@ -96,6 +100,19 @@ def expert_parallel_size(model: torch.nn.Module, settings) -> int:
             "experts are split already; remove the expert_parallel block"
         )
     return size
+
+
+def _agreed_over_stages(size: Optional[int], model: PipelineModule) -> Optional[int]:
+    """The one expert-parallel size the pipeline's stages declare (None: none does); every rank answers alike."""
+    declared = gather_text(str(size or ""), comm.world_group())
+    sizes = sorted({int(text) for text in declared if text.isdigit()})
+    if len(sizes) > 1:
+        by_stage = {f"stage {model.topology().get_coord(rank).pipe}": text for rank, text in enumerate(declared)}
+        raise NotImplementedError(
+            f"the pipeline's stages declare expert groups of different sizes ({by_stage}): one expert group size "
+            "per model is implemented"
+        )
+    return sizes[0] if sizes else None
 
 
 def broadcast_module(module: torch.nn.Module, group: comm.Group, skip: frozenset = frozenset()) -> None:
@@ -199,7 +216,7 @@ def refuse_experts_split_by_transformers(model: torch.nn.Module) -> None:
         )
 
 
-def pipeline_stages(model: torch.nn.Module, parsed, *, sp: int, ep: int) -> int:
+def pipeline_stages(model: torch.nn.Module, parsed, *, sp: int) -> int:
     """The pipeline stages of ``model`` (1 unless it is a ``PipelineModule``), after checking what runs with them and
     applying the config's ``pipeline`` block to it."""
     block = parsed.pipeline
@@ -218,12 +235,10 @@ def pipeline_stages(model: torch.nn.Module, parsed, *, sp: int, ep: int) -> int:
             "zero_optimization.layer_major with a PipelineModule: the pipeline engine's train_batch runs its stages' "
             "micro-batches in the 1F1B order, each stage gathering its own layers; drop layer_major"
         )
-    other = {"sequence_parallel_size": sp, "expert parallelism": ep}
-    combined = [f"{key} {size}" for key, size in other.items() if size > 1]
-    if combined and stages > 1:
+    if sp > 1 and stages > 1:
         raise NotImplementedError(
-            f"pipeline parallelism ({stages} stages) with {', '.join(combined)} is not implemented: pipelines run "
-            "with data and tensor parallelism and ZeRO 0-3; drop the other axis or the pipeline"
+            f"pipeline parallelism ({stages} stages) with sequence_parallel_size {sp} is not implemented: pipelines "
+            "run with data, tensor and expert parallelism and ZeRO 0-3; drop the sequence parallelism or the pipeline"
         )
     split = [
         n

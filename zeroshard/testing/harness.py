@@ -149,24 +149,7 @@ def run_distributed(
         procs = [ctx.Process(target=_worker, args=one, daemon=True) for one in rank_args]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + start_timeout_s + timeout_s
-        started = False
-        failed_early = None
-        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-            if not started and all((Path(tmp) / f"rank{r}.started").exists() for r in range(world_size)):
-                started, deadline = True, time.monotonic() + timeout_s
-            for rank, p in enumerate(procs):
-                if not p.is_alive() and failed_early is None:
-                    payload = _read(tmp, rank)
-                    if payload is None or payload[0] == "error":
-                        failed_early = rank
-            if failed_early is not None:
-                # give the other ranks a moment to fail on their own (their errors name the op), then stop them
-                grace = time.monotonic() + min(comm_timeout_s + 10, 30)
-                while time.monotonic() < grace and any(p.is_alive() for p in procs):
-                    time.sleep(0.1)
-                break
-            time.sleep(0.05)
+        started = _wait(procs, tmp, start_timeout_s, timeout_s, comm_timeout_s)
         hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
@@ -183,6 +166,29 @@ def run_distributed(
         if hung:
             raise WorkerHang(f"ranks {hung} of {world_size} did not finish within {timeout_s:.0f}s and were killed")
         return results
+
+
+def _wait(procs: list, tmp: str, start_timeout_s: float, timeout_s: float, comm_timeout_s: float) -> bool:
+    """Wait until every rank has exited, one failed (then briefly for the others to fail on their own: their errors
+    name the op), or the time is up; returns whether every rank started (joined its process group)."""
+    deadline = time.monotonic() + start_timeout_s + timeout_s
+    started = False
+    failed_early = None
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        if not started and all((Path(tmp) / f"rank{r}.started").exists() for r in range(len(procs))):
+            started, deadline = True, time.monotonic() + timeout_s
+        for rank, p in enumerate(procs):
+            if not p.is_alive() and failed_early is None:
+                payload = _read(tmp, rank)
+                if payload is None or payload[0] == "error":
+                    failed_early = rank
+        if failed_early is not None:
+            grace = time.monotonic() + min(comm_timeout_s + 10, 30)
+            while time.monotonic() < grace and any(p.is_alive() for p in procs):
+                time.sleep(0.1)
+            break
+        time.sleep(0.05)
+    return started
 
 
 def _read(tmp: str, rank: int):
