@@ -179,10 +179,20 @@ def fits_interleaved(params: int, world: int, systems: int) -> bool:
 
 
 def run_size(
-    size: str, world: int, steps: int, micro: int, warmup: int, names: list[str], alone=None, dtype: str = "fp32"
+    size: str,
+    world: int,
+    steps: int,
+    micro: int,
+    warmup: int,
+    names: list[str],
+    alone=None,
+    dtype: str = "fp32",
+    fresh: bool = True,
 ) -> dict:
     """One model size on ``world`` ranks: interleaved timing when every system fits in memory at once
-    (``alone=None`` decides; True/False forces), else each system timed alone in fresh processes."""
+    (``alone=None`` decides; True/False forces), else each system timed alone in fresh processes. Each system's
+    memory is measured alone, in fresh interpreters as launched ranks start (``fresh=False``: forked from the test
+    harness's preloaded server, whose peak RSS is not a launched rank's; the smoke test reads no RSS)."""
     cfg = gpt_config(size)
     params = sum(p.numel() for p in GPT(cfg).parameters())
     alone = not fits_interleaved(params, world, len(names)) if alone is None else alone
@@ -195,7 +205,7 @@ def run_size(
     for name in tqdm(names, desc=f"{size} x {world} ranks, {dtype}", unit="system", leave=False):
         measure = (steps, warmup) if alone else (2, 0)
         by_system[name] = run_distributed(  # a peak RSS is a whole process's: fresh interpreters, as launched
-            alone_worker, world, cfg, name, micro, *measure, dtype, timeout_s=7200, env=ENV, fresh_interpreters=True
+            alone_worker, world, cfg, name, micro, *measure, dtype, timeout_s=7200, env=ENV, fresh_interpreters=fresh
         )[0]
     return {
         "dtype": dtype,

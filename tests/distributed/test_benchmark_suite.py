@@ -17,7 +17,11 @@ NAMES = ["ddp", "fsdp2", "zeroshard-0", "zeroshard-1", "zeroshard-2", "zeroshard
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_suite_smoke(tmp_path, dtype):
     suite.SIZES["tiny"] = (2, 64, 128)  # 2 layers, width 64: every parameter count here is even
-    result = suite.run_size("tiny", world=2, steps=3, micro=2, warmup=1, names=NAMES, alone=False, dtype=dtype)
+    # fresh=False: the ranks forked from the harness's server (no peak RSS is read here, and fresh interpreters
+    # would spend 20 s importing)
+    result = suite.run_size(
+        "tiny", world=2, steps=3, micro=2, warmup=1, names=NAMES, alone=False, dtype=dtype, fresh=False
+    )
     timing, memory, params = result["timing"], result["memory"], result["params"]
     reference = timing["ddp"]["loss"]
     for name in NAMES:

@@ -77,8 +77,8 @@ def test_prediction_matches_the_run(stage, offload, recompute):
     count, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
     # the estimate runs here, as `zeroshard estimate` runs before a job, not inside the measured process (its own
     # imports and meta-tensor trace added 26 MiB to the peak it predicts); the ranks are fresh interpreters, as
-    # launched ranks are (a rank forked from the harness's preloaded server maps its modules lazily: its peak RSS
-    # read 60 MiB low)
+    # launched ranks are (a rank forked from the harness's preloaded server read its peak RSS up to 60 MiB off a fresh
+    # one's, low or high with what the server had imported)
     sample = torch.zeros(MICRO, CFG.block_size, dtype=torch.long)
     est = zeroshard.estimate(lambda: build(recompute), config(stage, offload), 2, (sample, sample))
     predicted = {c: sum(est.bytes[c].values()) for c in est.bytes}
