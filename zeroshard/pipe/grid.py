@@ -65,16 +65,9 @@ class PipelineGrid:
             raise ValueError(f"stage_to_global: unknown coordinates {sorted(kwargs)} (this grid has {axes})")
         return self._mesh.dims.rank_at(self.global_rank, **coordinates)
 
-    def get_pipe_parallel_rank(self) -> int:
-        return self.stage_id
-
-    def get_pipeline_model_parallel_rank(self) -> int:
-        return self.stage_id
+    get_pipe_parallel_rank = get_stage_id
 
     def get_pipe_parallel_world_size(self) -> int:
-        return self.pipe_parallel_size
-
-    def get_pipeline_model_parallel_world_size(self) -> int:
         return self.pipe_parallel_size
 
     def get_pipe_parallel_group(self):
@@ -104,20 +97,18 @@ class PipelineGrid:
     def get_slice_parallel_rank(self) -> int:
         return self._mesh.tensor.rank
 
-    def get_tensor_model_parallel_rank(self) -> int:
-        return self._mesh.tensor.rank
-
     def get_slice_parallel_world_size(self) -> int:
-        return self.slice_parallel_size
-
-    def get_tensor_model_parallel_world_size(self) -> int:
         return self.slice_parallel_size
 
     def get_slice_parallel_group(self):
         return comm.process_group(self._mesh.tensor)
 
-    def get_tensor_model_parallel_group(self):
-        return comm.process_group(self._mesh.tensor)
+    # DeepSpeed's Megatron-style names for the same axes
+    get_pipeline_model_parallel_rank = get_stage_id
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+    get_tensor_model_parallel_rank = get_slice_parallel_rank
+    get_tensor_model_parallel_world_size = get_slice_parallel_world_size
+    get_tensor_model_parallel_group = get_slice_parallel_group
 
 
 def _check_index(name: str, value, size: int) -> None:
