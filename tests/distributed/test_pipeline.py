@@ -1,6 +1,7 @@
 """Pipeline parallelism (``deepspeed.pipe.PipelineModule`` through ``initialize``), on 4 and 3 Gloo ranks against one
 process running the same layers in sequence on the global batch: the same loss each step and the same weights after
-5 AdamW steps at PP4, PP2 x DP2 and PP3, 1 and 8 micro-batches, each partition method, ZeRO 0 and 1; the tied
+5 AdamW steps at PP4, PP2 x DP2 and PP3, 1 and 8 micro-batches, each partition method, ZeRO 0-3; with tensor,
+expert and sequence parallelism inside the stages; checkpoints across layouts; the tied
 embedding equal on the stages holding it; tuples of mixed dtypes between stages; activation checkpointing
 bit-identical; ``eval_batch``; DeepSpeed's clients' uses of the surface; failures named on every rank.
 
@@ -133,6 +134,82 @@ def moe_case(stage: int) -> dict:
     losses = [engine.train_batch(iter(step[dp * 4 : (dp + 1) * 4])).item() for step in global_batches(2, 4)]
     out = {"losses": losses, "weights": weights_of(module), "expert_rank": engine.mesh.expert.rank}
     out["experts"] = engine.mesh.expert.size
+    engine.destroy()
+    return out
+
+
+HEADS = 2
+
+
+def core_attention(q, k, v):
+    """Causal attention per head over [batch, tokens, heads, head_dim]."""
+    out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+    return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """A causal self-attention block. Given a sequence-parallel group, each rank holds a piece of the tokens and
+    DeepSpeed's ``DistributedAttention`` trades it for a piece of the heads around the core (Ulysses)."""
+
+    def __init__(self, group=None):
+        from zeroshard.compat.deepspeed.sequence.layer import DistributedAttention
+
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)  # a key bias has no gradient: Adam would step its noise
+        self.out = nn.Linear(DIM, DIM)
+        self.attend = core_attention if group is None else DistributedAttention(core_attention, group, 2, 1)
+
+    def forward(self, x):
+        batch, tokens, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(batch, tokens, 3, HEADS, DIM // HEADS).unbind(2)
+        return x + self.out(self.attend(q, k, v).reshape(batch, tokens, DIM))
+
+
+def attention_specs(group=None) -> list:
+    """The tied model with every other block an attention block (over ``group``'s ranks when given)."""
+    from zeroshard.pipe import LayerSpec
+
+    first, *blocks, norm, last = specs(blocks=4)
+    return [first, *[LayerSpec(Attention, group) if k % 2 == 0 else s for k, s in enumerate(blocks)], norm, last]
+
+
+def sequence_parallel_batches() -> list:
+    """One data-parallel rank's micro-batches per step, some labels -100 (not counted): in the first micro-batch
+    of each step the whole second half of every sequence, so one sequence-parallel rank's piece counts no token."""
+    out = []
+    for step in global_batches(1, 4, seed=3):
+        masked = []
+        for micro, (x, y) in enumerate(step):
+            y = y.masked_fill(x % 5 == 0, -100)
+            masked.append((x, y.masked_fill(torch.arange(SEQ) >= SEQ // 2, -100) if micro == 0 else y))
+        out.append(masked)
+    return out
+
+
+def sequence_parallel_case(stage: int) -> dict:
+    """PP2 x SP2: each stage's 2 ranks hold half of every sequence's tokens (Ulysses attention over the group
+    ``sequence_parallel_groups`` registered, the loss token-weighted over it): its losses, this stage's weights and
+    the grid's view."""
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+    from zeroshard.sequence_parallel import sequence_parallel_groups, token_weighted_loss
+
+    groups = sequence_parallel_groups(2)
+    group = groups.get_sequence_parallel_group()
+
+    def loss_fn(out, labels):
+        return token_weighted_loss(cross_entropy(out, labels), labels, group)
+
+    module = PipelineModule(attention_specs(group), num_stages=2, loss_fn=loss_fn, seed_layers=True)
+    engine, *_ = zeroshard.initialize(model=module, config=config(4, stage), mpu=groups)
+    piece = slice(groups.get_sequence_parallel_rank() * SEQ // 2, (groups.get_sequence_parallel_rank() + 1) * SEQ // 2)
+    losses = []
+    for step in sequence_parallel_batches():
+        losses.append(engine.train_batch(iter([(x[:, piece], y[:, piece]) for x, y in step])).item())
+    topology = engine.grid.topology()
+    out = {"losses": losses, "weights": weights_of(module), "axes": topology.get_axis_names(), "dims": topology.dims}
+    out["sequence_rank"], out["stage"] = engine.mesh.sequence.rank, engine.stage_id
     engine.destroy()
     return out
 
@@ -495,6 +572,7 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out["resume_tp"]["pp1_dp4"] = resume_case(ckpt_dir, 1, 2, zero=2, tag="pp2_tp2", tp=2)
     out["tensor_parallel"] = tensor_parallel_cases()
     out["experts"] = {stage: moe_case(stage) for stage in (1, 3)}
+    out["sequence"] = {stage: sequence_parallel_case(stage) for stage in (1, 3)}
     out["tensor_parallel_grid"] = tensor_parallel_grid_case()
     out["cases"] = {}
     for case in CASES_4:
@@ -1093,6 +1171,21 @@ def test_pipeline_with_expert_parallelism_matches_one_process(four, stage):
             return weights[f"{head}{expert_rank * 2 + int(index)}{tail}"]
 
         assert_like_one_process(got, expected, 1e-6, rank, held=held)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pipeline_with_sequence_parallelism_matches_one_process(four, stage):
+    """PP2 x SP2 under ZeRO-1 and ZeRO-3: each stage's 2 ranks hold half of every sequence, attention trades tokens
+    for heads over them (DeepSpeed's ``DistributedAttention``), and the last stage's loss is token-weighted over them
+    (a piece with no counted token included); the losses and every stage's weights equal one process's on whole
+    sequences. The grid's topology shows the sequence axis between data and model."""
+    expected = reference(attention_specs(), sequence_parallel_batches())
+    for rank, result in enumerate(four):
+        got = result["sequence"][stage]
+        assert (got["stage"], got["sequence_rank"]) == divmod(rank, 2)
+        assert got["axes"] == ["pipe", "data", "sequence"] and got["dims"] == [2, 1, 2]
+        assert any(".qkv." in name for name in got["weights"])
+        assert_like_one_process(got, expected, 1e-6, rank)
 
 
 def test_the_grid_answers_as_deepspeeds_grid_on_the_same_topology(four):

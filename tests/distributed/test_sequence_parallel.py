@@ -135,7 +135,7 @@ def sp_worker(
             },
             "state_bytes": engine.state_bytes(),
             "padded": sum(flat.layout.padded_numel for flat in engine.stack.flat_groups),
-            "one_mesh": engine.mesh is mpu.mesh and engine.mesh.gradient is mpu.sequence_data,
+            "mesh": _mesh_kind(engine.mesh, mpu),
             "sizes": (
                 engine.sequence_parallel_size,
                 engine.dp_world_size,
@@ -145,6 +145,16 @@ def sp_worker(
         }
         engine.destroy()
     return out
+
+
+def _mesh_kind(mesh, mpu) -> str:
+    """``registered``: the engine runs on the registration's mesh; ``refined``: on a mesh refining it (more
+    dimensions), its sequence group the registration's own (the same process group and ledger)."""
+    if mesh is mpu.mesh and mesh.gradient is mpu.sequence_data:
+        return "registered"
+    if mesh.base is mpu.mesh and mesh.sequence.handle is mpu.sequence.handle and mesh.context is mpu.mesh.context:
+        return "refined"
+    return "other"
 
 
 @pytest.fixture(scope="module")
@@ -190,12 +200,14 @@ def test_ulysses_matches_one_process_on_whole_sequences(sp_runs, sp, stage):
 
 def test_the_engine_runs_on_the_mesh_the_registration_built(sp_runs):
     """register_with_transformers builds the mesh once (tp given once, each group created once); every engine
-    initialized with it runs on that mesh, and destroying one leaves it whole for the next (each case here is a new
+    initialized with it runs on that mesh, or, where the config adds experts, on a mesh refining it whose sequence
+    group is the registration's; destroying one leaves the registration whole for the next (each case here is a new
     engine on the same registration)."""
     for run in sp_runs:
-        for layout in (2, 4, "tp2"):
-            engines = [case for case in run[layout].values() if isinstance(case, dict) and "one_mesh" in case]
-            assert len(engines) >= 3 and all(case["one_mesh"] for case in engines), layout
+        for layout, kind in ((2, "registered"), (4, "registered"), ("tp2", "registered"), ("mixtral", "refined"),
+                             ("qwen3_moe", "refined"), ("tp2_experts", "refined")):  # fmt: skip
+            engines = [case for case in run[layout].values() if isinstance(case, dict) and "mesh" in case]
+            assert len(engines) >= 2 and all(case["mesh"] == kind for case in engines), layout
 
 
 @pytest.mark.parametrize("family", ("mixtral", "qwen3_moe"))

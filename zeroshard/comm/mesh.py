@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -297,8 +297,10 @@ class Mesh:
     expert_gradient: Group
     pipe: Group
     stage: Group
-    sequence_adopted: bool = False  # built before the mesh (register_with_transformers): its owner tears it down
     registered: bool = False  # built by register_with_transformers for the engines run on it: none tears it down
+    # the registered mesh this one refines (more dimensions than the registration knew): its process groups of the
+    # same ranks are used here, and stay when this mesh goes
+    base: Optional["Mesh"] = field(default=None, compare=False, repr=False)
     # groups built after the mesh by :meth:`derive` (a pipeline's tie groups, its stage channel), by name; released
     # with the mesh
     extra: dict = field(default_factory=dict, compare=False, repr=False)
@@ -349,57 +351,56 @@ class Mesh:
         return group
 
 
-def build_groups(dims: ParallelDims, names: tuple[str, ...], context: CommContext) -> dict[str, Group]:
+def build_groups(
+    dims: ParallelDims, names: tuple[str, ...], context: CommContext, built: Optional[dict] = None
+) -> dict[str, Group]:
     """This rank's group of each derived name in ``names`` (a collective call: every rank makes the same calls in
     the same order), one process group per distinct partition of the world: two names with the same ranks share
     it. A group of the whole world uses the default group; a group of one rank needs none (its collectives are
-    skipped)."""
+    skipped). ``built``: partitions whose process groups exist already (partition -> this rank's handle)."""
     world_size, rank = get_world_size(), get_rank()
-    handles: dict[tuple, dict] = {}
+    handles: dict[tuple, Any] = dict(built or {})
     groups = {}
     for name in names:
         key = tuple(map(tuple, dims.derived(name)))
-        if key not in handles:
-            handles[key] = {part: new_process_group(list(part)) if 1 < len(part) < world_size else None for part in key}
         part = next(p for p in key if rank in p)
-        groups[name] = Group(name, part, handles[key][part], context, partition=key)
+        if key not in handles:
+            made = {p: new_process_group(list(p)) if 1 < len(p) < world_size else None for p in key}
+            handles[key] = made[part]
+        groups[name] = Group(name, part, handles[key], context, partition=key)
     return groups
 
 
 def build_mesh(
     dims: ParallelDims,
     context: Optional[CommContext] = None,
-    sequence: Optional[Group] = None,
+    base: Optional[Mesh] = None,
     registered: bool = False,
 ) -> Mesh:
     """Create the mesh's groups (a collective call). Their collectives count in ``context`` (by default a new child
-    of the process's default context). ``sequence``: the sequence-parallel group of a mesh built before the engine
-    (by ``register_with_transformers``) whose other dimensions differ, adopted when its ranks are one of this mesh's
-    sequence groups. ``registered``: built by ``register_with_transformers``, outliving the engines run on it."""
+    of the process's default context). ``base``: the mesh ``register_with_transformers`` built, which this one
+    refines with what the config adds (hybrid sharding, experts, pipeline stages): a dimension with the same ranks
+    as one of the base's is the base's group (its process group, its ledger), so attention and the engine share one
+    set of groups. ``registered``: built by ``register_with_transformers``, outliving the engines run on it."""
     world_size = get_world_size()
     if dims.world_size != world_size:
         raise ValueError(f"the parallel dimensions {dims} cover {dims.world_size} ranks, the world has {world_size}")
-    if sequence is not None and list(sequence.ranks) not in dims.derived("sequence"):
-        raise ValueError(
-            f"the sequence-parallel group {list(sequence.ranks)} given is not one of {dims.derived('sequence')}: "
-            f"sequence_parallel_size {dims.sp} with tensor_parallel.autotp_size {dims.tp} groups ranks "
-            "tp apart (pass tensor_parallel_size= to register_with_transformers)"
-        )
+    if base is not None:
+        context = base.context
     context = context or DEFAULT_CONTEXT.child()
-    built = tuple(name for name in DERIVED if name not in ON_DEMAND and (name != "sequence" or sequence is None))
-    groups = build_groups(dims, built, context)
+    built = {g.partition: g.handle for g in _groups(base) if g.partition} if base is not None else {}
+    groups = build_groups(dims, tuple(name for name in DERIVED if name not in ON_DEMAND), context, built)
     world = Group("world", tuple(range(world_size)), None, context)
     for name in ("gradient", "expert_gradient", "stage"):
         if groups[name].size == world_size:  # without tensor (expert, pipeline) parallelism it is the world
             groups[name] = world
-    return Mesh(
-        dims=dims,
-        world=world,
-        sequence=sequence or groups.pop("sequence"),
-        sequence_adopted=sequence is not None,
-        registered=registered,
-        **groups,
-    )
+    return Mesh(dims=dims, world=world, registered=registered, base=base, **groups)
+
+
+def _groups(mesh: Mesh) -> list[Group]:
+    """Every group of ``mesh``: its dimensions' and those derived after it."""
+    named = [getattr(mesh, name) for name in DERIVED if name not in ON_DEMAND]
+    return [*named, *(g for g in mesh.extra.values() if g is not None)]
 
 
 def planned_group(name: str, size: int) -> Group:
@@ -410,32 +411,15 @@ def planned_group(name: str, size: int) -> Group:
 
 
 def destroy_mesh(mesh: Mesh) -> None:
-    """Tear down the process groups :func:`build_mesh` created (the default group and an adopted sequence group
-    stay: they are not the mesh's; a registered mesh stays whole)."""
+    """Tear down the process groups :func:`build_mesh` and :meth:`Mesh.derive` created (the default group and its
+    base's groups stay: they are not the mesh's; a registered mesh stays whole)."""
     if not dist.is_initialized() or mesh.registered:
         return
-    adopted = mesh.sequence.handle if mesh.sequence_adopted else None
-    handles = {
-        id(g.handle): g.handle
-        for g in (
-            mesh.tensor,
-            mesh.sequence,
-            mesh.shard,
-            mesh.replica,
-            mesh.batch,
-            mesh.gradient,
-            mesh.expert,
-            mesh.expert_shard,
-            mesh.expert_gradient,
-            mesh.pipe,
-            mesh.stage,
-            *(g for g in mesh.extra.values() if g is not None),
-        )
-    }
+    kept = {id(g.handle) for g in _groups(mesh.base)} if mesh.base is not None else set()
+    handles = {id(g.handle): g.handle for g in _groups(mesh) if g.handle is not None and id(g.handle) not in kept}
     mesh.extra.clear()
     for handle in handles.values():
-        if handle is not None and handle is not adopted:
-            dist.destroy_process_group(handle)
+        dist.destroy_process_group(handle)
 
 
 def tensor_parallel_group(tp_size: int) -> Group:

@@ -108,19 +108,19 @@ class PipeModelDataParallelTopology(ProcessTopology):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
 
 
-MESH_AXES = {"pipe": "pp", "data": "dp_shard", "model": "tp"}  # a pipeline topology's axes on the mesh
+MESH_AXES = {"pipe": "pp", "data": "dp_shard", "sequence": "sp", "model": "tp"}  # a pipeline topology's axes, meshed
 
 
 def parallel_dims(topology: ProcessTopology) -> ParallelDims:
-    """The mesh a pipeline topology describes: ``pipe`` stages, ``data``-parallel ranks and ``model`` (tensor-
-    parallel) ranks as the mesh's ``pp``, ``dp_shard`` and ``tp``. Its numbering must be the mesh's (``pipe``
+    """The mesh a pipeline topology describes: ``pipe`` stages, ``data``-, ``sequence``- and ``model`` (tensor-)
+    parallel ranks as the mesh's ``pp``, ``dp_shard``, ``sp`` and ``tp``. Its numbering must be the mesh's (``pipe``
     outermost, ``model`` innermost, as ``PipeDataParallelTopology`` and gpt-neox's ``PipeModelDataParallelTopology``
     lay ranks out), so the topology is a view of the mesh and not a second grid."""
     unknown = [axis for axis in topology.get_axis_names() if axis not in MESH_AXES]
     if unknown or "pipe" not in topology.get_axis_names():
         raise ValueError(
-            f"topology axes {topology.get_axis_names()}: a pipeline topology has a 'pipe' axis and may have 'data' "
-            f"and 'model' ones (tensor parallelism); {unknown or ['no pipe axis']} has no place on the mesh"
+            f"topology axes {topology.get_axis_names()}: a pipeline topology has a 'pipe' axis and may have 'data', "
+            f"'sequence' and 'model' ones; {unknown or ['no pipe axis']} has no place on the mesh"
         )
     sizes = {MESH_AXES[axis]: topology.get_dim(axis) for axis in topology.get_axis_names()}
     dims = ParallelDims(**sizes)
@@ -138,11 +138,15 @@ def parallel_dims(topology: ProcessTopology) -> ParallelDims:
 
 def pipeline_topology(dims: ParallelDims, model_axis: bool = False) -> ProcessTopology:
     """The pipeline topology DeepSpeed's clients read off the engine (``engine.grid.topology()``) for a mesh of
-    pipeline, data- and tensor-parallel ranks: ``PipeModelDataParallelTopology`` with tensor parallelism (or
-    ``model_axis``: the client built one, of size 1), else ``PipeDataParallelTopology``."""
-    if dims.sp > 1:
-        raise ValueError(f"a pipeline topology has no sequence-parallel axis (the mesh {dims})")
+    pipeline, data-, sequence- and tensor-parallel ranks: ``PipeModelDataParallelTopology`` with tensor parallelism
+    (or ``model_axis``: the client built one, of size 1), else ``PipeDataParallelTopology``; with sequence
+    parallelism (DeepSpeed's topologies have no such axis) a ``ProcessTopology`` of the same axes and a ``sequence``
+    axis between ``data`` and ``model``, as the mesh orders them."""
     data = dims.dp_replicate * dims.dp_shard
+    if dims.sp > 1:
+        model = [("model", dims.tp)] if dims.tp > 1 or model_axis else []
+        axes = [("pipe", dims.pp), ("data", data), ("sequence", dims.sp), *model]
+        return ProcessTopology(axes=[a for a, _ in axes], dims=[d for _, d in axes])
     if dims.tp > 1 or model_axis:
         return PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=data)
     return PipeDataParallelTopology(num_pp=dims.pp, num_dp=data)

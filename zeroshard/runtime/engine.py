@@ -323,11 +323,13 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
 
     def _batch_mean(self, values: list, micro_batches: int) -> torch.Tensor:
         """Per-micro-batch losses (or outputs, elementwise) summed over micro-batches, divided by their count and
-        averaged over the data-parallel ranks, as DeepSpeed's pipeline engine reduces them."""
+        averaged over the data-parallel ranks, as DeepSpeed's pipeline engine reduces them, and over the sequence-
+        parallel ones: each holds its tokens' mean (equal token counts: their average is the sample's) or the
+        sample's own (``token_weighted_loss``: the same value on each)."""
         total = torch.stack([v.detach().float() for v in values]).sum(0) / micro_batches
-        if self.mesh.batch.size > 1:
-            comm.all_reduce(total, self.mesh.batch)
-            total /= self.mesh.batch.size
+        if self.mesh.gradient.size > 1:
+            comm.all_reduce(total, self.mesh.gradient)
+            total /= self.mesh.gradient.size
         return total
 
     def _optimizer_step(self) -> None:

@@ -90,13 +90,14 @@ def _move_module(module: torch.nn.Module, device: torch.device, policy: Precisio
             buffer.data = buffer.data.to(device=device, dtype=dtype)
 
 
-def _sequence_parallel(mpu: Any, parsed) -> tuple[int, Optional[comm.Group]]:
-    """The sequence-parallel degree and, when ``mpu`` (``register_with_transformers``'s mesh, or any object with
-    DeepSpeed's sequence-parallel getters) brings one, its group. Other mpu shapes (Megatron's model parallelism) are
-    refused by name; ``sequence_parallel_size`` in the config must agree with the mpu when both are given."""
+def _sequence_parallel(mpu: Any, parsed) -> tuple[int, Optional[comm.Mesh], Optional[tuple[int, ...]]]:
+    """The sequence-parallel degree and what ``mpu`` brings: ``register_with_transformers``'s mesh (the engine's
+    mesh refines it), or the ranks of the sequence group of another object with DeepSpeed's sequence-parallel getters
+    (the engine builds a group of the same ranks). Other mpu shapes (Megatron's model parallelism) are refused by
+    name; ``sequence_parallel_size`` in the config must agree with the mpu when both are given."""
     configured = parsed.sequence_parallel_size
     if mpu is None:
-        return configured, None
+        return configured, None, None
     if not hasattr(mpu, "get_sequence_parallel_world_size"):
         raise NotImplementedError(
             f"initialize(mpu=...): an mpu of type {type(mpu).__name__} without get_sequence_parallel_world_size(); "
@@ -109,10 +110,24 @@ def _sequence_parallel(mpu: Any, parsed) -> tuple[int, Optional[comm.Group]]:
             f"sequence_parallel_size {configured} in the config but the mpu's sequence-parallel group has {size} "
             "ranks; make them agree (or drop the key: the mpu sets it)"
         )
-    group = getattr(mpu, "sequence", None)
-    if not isinstance(group, comm.Group):
-        group = comm.group_of(mpu.get_sequence_parallel_group(), "sequence", comm.DEFAULT_CONTEXT.child())
-    return size, group
+    registered = getattr(mpu, "mesh", None)
+    if isinstance(registered, comm.Mesh):
+        return size, registered, None
+    return size, None, comm.group_of(mpu.get_sequence_parallel_group(), "sequence").ranks
+
+
+def _engine_mesh(dims: comm.ParallelDims, registered: Optional[comm.Mesh], sequence: Optional[tuple]) -> comm.Mesh:
+    """The registered mesh when the config adds nothing to it, else a mesh of ``dims`` refining it; an mpu's
+    sequence group must be one of the mesh's."""
+    if sequence is not None and list(sequence) not in dims.derived("sequence"):
+        raise ValueError(
+            f"the mpu's sequence-parallel group {list(sequence)} is not one of {dims.derived('sequence')}: "
+            f"sequence_parallel_size {dims.sp} with tensor_parallel.autotp_size {dims.tp} groups ranks tp apart "
+            "(pass tensor_parallel_size= to register_with_transformers)"
+        )
+    if registered is not None and registered.dims == dims:  # the mesh built once, at registration
+        return registered
+    return comm.build_mesh(dims, base=registered)
 
 
 def _materializer(model: torch.nn.Module, pretrained: Any, world: comm.Group, device) -> Optional[Materializer]:
@@ -206,13 +221,13 @@ def _join_process_group(dist_init_required: Optional[bool]) -> None:
 def _resolve(
     source: Any, args: Any, model: torch.nn.Module, training_data: Any, mpu: Any
 ) -> tuple[comm.Mesh, Resolution]:
-    """The rank mesh (the engine's process groups, counting in a comm context of its own, shared with a
-    sequence-parallel group built before it) and the config with every ``"auto"`` filled in for it."""
+    """The rank mesh (the engine's process groups, counting in a comm context of its own, or refining the mesh a
+    sequence-parallel registration built, in its context) and the config with every ``"auto"`` filled in for it."""
     parsed = parse_config(source)
     tp_size = tensor_parallel_size(model, parsed.tensor_parallel)
-    sp_size, sequence = _sequence_parallel(mpu, parsed)
+    sp_size, registered, sequence = _sequence_parallel(mpu, parsed)
     ep_size = expert_parallel_size(model, parsed.expert_parallel)
-    pp_size = pipeline_stages(model, parsed, sp=sp_size)
+    pp_size = pipeline_stages(model, parsed)
     dims = comm.ParallelDims.for_world(
         comm.get_world_size(),
         tp=tp_size,
@@ -222,11 +237,7 @@ def _resolve(
         experts_span_tensor=parsed.expert_parallel.enabled,  # AutoEP routes the experts: it folds tp into ep
         pp=pp_size,
     )
-    registered = getattr(mpu, "mesh", None)
-    if isinstance(registered, comm.Mesh) and registered.dims == dims:  # the mesh built once, at registration
-        mesh = registered
-    else:
-        mesh = comm.build_mesh(dims, context=sequence.context if sequence is not None else None, sequence=sequence)
+    mesh = _engine_mesh(dims, registered, sequence)
     dataloader_batch = training_data.batch_size if isinstance(training_data, DataLoader) else None
     resolution = resolve_config(
         parsed,

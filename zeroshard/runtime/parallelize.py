@@ -216,7 +216,7 @@ def refuse_experts_split_by_transformers(model: torch.nn.Module) -> None:
         )
 
 
-def pipeline_stages(model: torch.nn.Module, parsed, *, sp: int) -> int:
+def pipeline_stages(model: torch.nn.Module, parsed) -> int:
     """The pipeline stages of ``model`` (1 unless it is a ``PipelineModule``), after checking what runs with them and
     applying the config's ``pipeline`` block to it."""
     block = parsed.pipeline
@@ -234,11 +234,6 @@ def pipeline_stages(model: torch.nn.Module, parsed, *, sp: int) -> int:
         raise NotImplementedError(
             "zero_optimization.layer_major with a PipelineModule: the pipeline engine's train_batch runs its stages' "
             "micro-batches in the 1F1B order, each stage gathering its own layers; drop layer_major"
-        )
-    if sp > 1 and stages > 1:
-        raise NotImplementedError(
-            f"pipeline parallelism ({stages} stages) with sequence_parallel_size {sp} is not implemented: pipelines "
-            "run with data, tensor and expert parallelism and ZeRO 0-3; drop the sequence parallelism or the pipeline"
         )
     split = [
         n

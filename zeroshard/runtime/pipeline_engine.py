@@ -327,9 +327,14 @@ class PipelineEngine(ZeroshardEngine):
 
 def _check_placed_as_built(module: PipelineModule, mesh: comm.Mesh) -> None:
     """The module built the layers of the stage its topology names for this rank; the mesh must run it there, with
-    the topology's tensor-parallel ranks (a module built for another world or layout holds other layers)."""
+    the topology's tensor- and sequence-parallel ranks (a module built for another world or layout holds other
+    layers)."""
     built = parallel_dims(module.topology())
-    if built.coordinate(comm.get_rank(), "pp") != mesh.pipe.rank or (built.tp > 1 and built.tp != mesh.tensor.size):
+    if (
+        built.coordinate(comm.get_rank(), "pp") != mesh.pipe.rank
+        or (built.tp > 1 and built.tp != mesh.tensor.size)
+        or (built.sp > 1 and built.sp != mesh.sequence.size)
+    ):
         raise PipelineError(
             f"rank {comm.get_rank()}: the PipelineModule was built for stage {module.stage_id} of {module.topology()}, "
             f"but the engine's mesh ({mesh.dims}) places this rank at stage {mesh.pipe.rank}; build the module after "

@@ -86,7 +86,8 @@ def test_a_pipeline_topology_is_a_view_of_the_mesh(record):
     [
         (ProcessTopology(["data", "pipe"], [2, 2]), "pipeline axis must be outermost"),
         (ProcessTopology(["pipe", "model", "data"], [2, 2, 2]), "model axis innermost"),
-        (ProcessTopology(["pipe", "sequence"], [2, 2]), "has no place on the mesh"),
+        (ProcessTopology(["pipe", "expert"], [2, 2]), "has no place on the mesh"),
+        (ProcessTopology(["pipe", "sequence", "data"], [2, 2, 2]), "elsewhere on the mesh"),
         (ProcessTopology(["data", "model"], [2, 2]), "has a 'pipe' axis"),
     ],
 )
@@ -97,9 +98,18 @@ def test_a_topology_the_mesh_cannot_be_is_refused_by_name(topology, message):
         parallel_dims(topology)
 
 
-def test_a_mesh_with_sequence_parallelism_has_no_pipeline_topology():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_mesh_with_sequence_parallelism_has_a_sequence_axis_between_data_and_model(tp):
+    """DeepSpeed's topologies have no sequence axis: the view of a mesh with one is a ``ProcessTopology`` whose
+    ``sequence`` axis sits where the mesh orders ``sp``, each rank at its mesh coordinates, and reads back as it."""
     from zeroshard.comm import ParallelDims
-    from zeroshard.pipe import pipeline_topology
+    from zeroshard.pipe import parallel_dims, pipeline_topology
 
-    with pytest.raises(ValueError, match="no sequence-parallel axis"):
-        pipeline_topology(ParallelDims(pp=2, sp=2))
+    dims = ParallelDims(pp=2, dp_shard=2, sp=2, tp=tp)
+    view = pipeline_topology(dims)
+    assert view.get_axis_names() == ["pipe", "data", "sequence", "model"][: 3 + (tp > 1)]
+    assert parallel_dims(view) == dims
+    for rank in range(dims.world_size):
+        coord = view.get_coord(rank)
+        on_mesh = tuple(dims.coordinate(rank, d) for d in ("pp", "dp_shard", "sp"))
+        assert (coord.pipe, coord.data, coord.sequence) == on_mesh
