@@ -37,6 +37,38 @@ def worker(cases: dict) -> dict:
     out = {name: engine_train(c) for name, (c, _) in cases.items()}
     if "qwZ" in cases:
         out["gathered"] = exact_gather_check(cases["qwZ"][0])
+        out["exchange"] = quantized_exchange_check(cases["qgZ"][0])
+    return out
+
+
+def quantized_exchange_check(c: ParityCase) -> dict:
+    """qgZ is the stack's gradient exchange: the quantized one, its reduction quantized; like the exact one its
+    step runs no collective, so an offloaded step may still run behind the next forward; a 1-bit optimizer, which
+    compresses its own exchange, is refused with it by name."""
+    import shutil
+    import tempfile
+
+    import zeroshard
+
+    offloaded, swap = c.config(), tempfile.mkdtemp(prefix="zeropp_swap_")  # the NVMe state may step behind
+    offloaded["zero_optimization"] = {
+        **offloaded["zero_optimization"],
+        "offload_optimizer": {"device": "nvme", "nvme_path": swap},
+    }
+    out = {}
+    for name, quantized in (("exact", False), ("qgZ", True)):
+        offloaded["zero_optimization"][QG] = quantized
+        engine, _, _, _ = zeroshard.initialize(model=make_model(), config=offloaded)
+        stack = engine.stack
+        out[name] = (type(stack.exchange).__name__, stack.reducer.reduction.value, stack.steps_behind)
+        engine.destroy()
+    shutil.rmtree(swap, ignore_errors=True)
+    onebit = {**c.config(), "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}}
+    try:
+        zeroshard.initialize(model=make_model(), config=onebit)
+        out["onebit"] = "accepted"
+    except NotImplementedError as error:
+        out["onebit"] = str(error)
     return out
 
 
@@ -97,6 +129,14 @@ def test_two_ranks(runs, name):
 def test_gathered_parameters_are_exact_under_quantized_weights(runs):
     for rank in runs[2]:
         assert rank["gathered"] == {"exact": True, "quantized_differs": True}
+
+
+def test_quantized_gradients_are_an_exchange_of_their_own(runs):
+    for rank in runs[2]:
+        checked = rank["exchange"]
+        assert checked["exact"] == ("ExactExchange", "exact", True)
+        assert checked["qgZ"] == ("QuantizedExchange", "quantized", True)
+        assert "zero_quantized_gradients with optimizer OneBitAdam" in checked["onebit"], checked["onebit"]
 
 
 def test_hierarchical_partitioning_with_quantized_weights_and_gradients(runs):

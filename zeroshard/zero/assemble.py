@@ -16,7 +16,6 @@ import torch
 
 from .. import comm
 from ..accelerator import get_accelerator
-from ..comm.compression import Codec
 from ..log import log_rank0
 from ..offload import OffloadDevice, OffloadPlan, shard_homes
 from ..precision import LossScaler, PrecisionPolicy
@@ -85,7 +84,7 @@ def build_zero_stack(
     shard and reduce over the ranks holding them, divided by the whole data-parallel size as every gradient is;
     ``tied``: the parameters pipeline stages share, with the tie's group (``GradientNorm.sum_tied``)."""
     z = config.zero_optimization
-    stage = StagePolicy.for_stage(z.stage)
+    stage, quantized = StagePolicy.for_stage(z.stage), QuantizedComm.from_config(z)
     # stage 0 reduces over the whole data-parallel group; sharded stages over the shard group inside it
     shard_group = mesh.shard if stage.partition_optimizer else mesh.gradient
     plan = _plan(model, param_groups, z, shard_group=shard_group, gather_unit_classes=gather_unit_classes,
@@ -97,7 +96,7 @@ def build_zero_stack(
     every = build_flat_groups(
         plans=plan.flat_groups, layouts=plan.layouts, shard_group=shard_group, compute_dtype=placement.policy.compute,
         device=placement.device, records=records, buffers=buffers, materialize=materialize,
-        shard_home=homes.place if homes is not None else None, quantized=QuantizedComm.from_config(z),
+        shard_home=homes.place if homes is not None else None, quantized=quantized,
         expert_shard_group=mesh.expert_shard if stage.partition_optimizer else mesh.expert_gradient,
     )  # fmt: skip
     flats, frozen = every[: len(plan.trainable)], every[len(plan.trainable) :]
@@ -116,7 +115,7 @@ def build_zero_stack(
         frozen_groups=frozen,
         optimizer_state=state,
         reducer=reducer,
-        exchange=exchange_for(state.optimizer, flats, reducer, state.group_of_flat),
+        exchange=exchange_for(state.optimizer, flats, reducer, state.group_of_flat, quantized.gradient_codec),
         loss_scaler=LossScaler.from_config(config.fp16),
         norm=_norm_axes(mesh, stage),
         ties=[tied.get(flat.params[0]) for flat in flats],
@@ -130,10 +129,7 @@ def _gradient_side(model, plan, flats, frozen, state, *, mesh, placement, stage,
     """The gradient buckets (one per flat group), the stage-3 runtime over them (None below stage 3) and the
     reducer whose hooks fill them."""
     z = config.zero_optimization
-    codec = QuantizedComm.from_config(z).gradient_codec
-    buckets = _gradient_buckets(
-        flats, mesh=mesh, placement=placement, state=state, stage=stage, buffers=buffers, codec=codec
-    )
+    buckets = _gradient_buckets(flats, mesh=mesh, placement=placement, state=state, stage=stage, buffers=buffers)
     stage3 = None
     if plan.units:
         stage3 = _stage3_runtime(
@@ -179,7 +175,7 @@ def _gradient_check(buckets, names: dict, mesh: comm.Mesh, config) -> Optional[G
     settings = config.gradient_check
     if not settings.enabled:
         return None
-    if any(bucket.codec is not None for bucket in buckets):
+    if config.zero_optimization.zero_quantized_gradients:
         raise NotImplementedError(
             "gradient_check with zero_optimization.zero_quantized_gradients: the quantized reduce-scatter is not "
             "exact, and the check cannot tell its rounding from a lost gradient; use one or the other"
@@ -228,10 +224,8 @@ def _gradient_buckets(
     state: OptimizerState,
     stage: StagePolicy,
     buffers: ReusableBuffers,
-    codec: Optional[Codec] = None,
 ) -> list[GradBucket]:
-    """One bucket per flat group; its gradient shard waits where the optimizer state says (``grad_home``); ``codec``
-    (``zero_quantized_gradients``) quantizes its reduce-scatter."""
+    """One bucket per flat group; its gradient shard waits where the optimizer state says (``grad_home``)."""
     # hybrid sharding: the shard groups' results are summed across replica groups (stage 0 reduced over all)
     replica = mesh.replica if stage.partition_optimizer else None
     policy, offload = placement.policy, placement.offload
@@ -243,7 +237,6 @@ def _gradient_buckets(
             home=state.grad_home(index, policy.grad, pin, buffers),
             replica_group=replica,
             buffers=buffers,
-            codec=codec,
         )
         for index, flat in enumerate(flats)
     ]

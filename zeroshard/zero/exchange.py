@@ -3,6 +3,9 @@ in ``docs/design.md``).
 
 - :class:`ExactExchange`: the reducer sums and averages every gradient exactly (reduce-scatter, or all-reduce at
   stage 0); the step uses the reduced shards as they are. Every optimizer but the 1-bit ones.
+- :class:`QuantizedExchange`: ZeRO++ qgZ (``zero_quantized_gradients``, stage 3): as the exact one, but each rank
+  sends its chunks block-quantized (int4) and the owner sums the decompressed ones in fp32, so each chunk is rounded
+  once: close to the exact sum, not equal to it.
 - :class:`MomentumExchange`: 1-bit Adam, at every stage. Exact during the warm-up; afterwards the reducer keeps each
   rank's own whole gradient and the momentum is averaged 1-bit compressed over the shard layout
   (:mod:`.onebit_momentum`), which turns the gradients into the shards that take the optimizer's momentum to the
@@ -12,7 +15,9 @@ in ``docs/design.md``).
   compressed all-reduce of the layout it was given (``ShardLayout.compressed``).
 
 The optimizer declares its exchange (``zero_needs.gradient_exchange``, :mod:`zeroshard.optim.contract`: ``"exact"``
-unless it says otherwise), so nothing in ``zero/`` asks which optimizer family it holds. The exchange owns the
+unless it says otherwise), so nothing in ``zero/`` asks which optimizer family it holds; the config's
+``zero_quantized_gradients`` turns the exact one into the quantized one (a 1-bit optimizer, which compresses its
+own exchange, is refused with it). The exchange owns the
 reduction mode, the whole-gradient holding that comes with it, the group the norm of unreduced gradients is averaged
 over, the post-norm transform, the compression state (checkpointed per rank) and the step at which compression
 began.
@@ -26,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import comm
+from ..comm.compression import Codec
 from ..optim.contract import needs_of
 from .flat_group import FlatGroup
 from .grad_home import GradHome, ResidentGrad
@@ -39,6 +45,8 @@ class ExactExchange:
     """Every gradient reduced exactly (see the module)."""
 
     describe = "exact"  # what the compressed phase does, for the line that announces it
+    summed = Reduction.EXACT  # how the gradients are summed when they are (the warm-up of the 1-bit ones)
+    step_communicates = False  # whether the step itself runs collectives (a 1-bit exchange's transform does)
 
     def __init__(
         self,
@@ -62,8 +70,8 @@ class ExactExchange:
     def choose_reduction(self, steps_taken: int) -> None:
         """Set the reducer's mode for the next backward; note the step compression begins at."""
         before = self.reducer.reduction
-        self.reducer.reduction = Reduction.EXACT if self._exact_next() else Reduction.LOCAL
-        if before is Reduction.EXACT and self.reducer.reduction is Reduction.LOCAL and self.compressed_from is None:
+        self.reducer.reduction = self.summed if self._exact_next() else Reduction.LOCAL
+        if before is not Reduction.LOCAL and self.reducer.reduction is Reduction.LOCAL and self.compressed_from is None:
             self.compressed_from = steps_taken + 1  # a global step: skipped steps count, unlike the optimizer's
             if comm.get_rank() == 0:  # zeroshard's logger (zeroshard.log formats it)
                 logging.getLogger("zeroshard").info(
@@ -87,8 +95,20 @@ class ExactExchange:
         return 0
 
 
+class QuantizedExchange(ExactExchange):
+    """ZeRO++ qgZ: every gradient reduce-scattered as block-quantized chunks with ``codec`` (see the module)."""
+
+    summed = Reduction.QUANTIZED
+
+    def __init__(self, optimizer, flats, reducer, group_of_flat, codec: Codec):
+        super().__init__(optimizer, flats, reducer, group_of_flat)
+        reducer.codec = codec  # what the reducer's quantized reduction sends (choose_reduction selects it)
+
+
 class _Compressed(ExactExchange):
     """What both 1-bit exchanges share: one flat layout without hybrid replicas, and the optimizer's warm-up."""
+
+    step_communicates = True
 
     def __init__(self, optimizer, flats, reducer, group_of_flat):
         super().__init__(optimizer, flats, reducer, group_of_flat)
@@ -161,8 +181,21 @@ EXCHANGES = {"exact": ExactExchange, "momentum": MomentumExchange, "optimizer_av
 
 
 def exchange_for(
-    optimizer: torch.optim.Optimizer, flats: list[FlatGroup], reducer: GradientReducer, group_of_flat: list[int]
+    optimizer: torch.optim.Optimizer,
+    flats: list[FlatGroup],
+    reducer: GradientReducer,
+    group_of_flat: list[int],
+    quantized: Optional[Codec] = None,
 ) -> ExactExchange:
     """The exchange ``optimizer`` declares (``zeroshard.optim.contract.needs_of``: ``"exact"`` unless it says
-    otherwise); the optimizer state refused the ones that cannot run here (e.g. stage 0 only) before."""
-    return EXCHANGES[needs_of(optimizer).gradient_exchange](optimizer, flats, reducer, group_of_flat)
+    otherwise; the optimizer state refused the ones that cannot run here, e.g. stage 0 only, before), or with a
+    ``quantized`` codec (``zero_quantized_gradients``) the quantized one."""
+    declared = needs_of(optimizer).gradient_exchange
+    if quantized is None:
+        return EXCHANGES[declared](optimizer, flats, reducer, group_of_flat)
+    if declared != "exact":
+        raise NotImplementedError(
+            f"zero_optimization.zero_quantized_gradients with optimizer {type(optimizer).__name__}: the optimizer "
+            "compresses the gradient exchange itself after its warm-up; use one of the two"
+        )
+    return QuantizedExchange(optimizer, flats, reducer, group_of_flat, quantized)

@@ -45,6 +45,7 @@ class UnusedParameterError(RuntimeError, AssertionError):
 
 class Reduction(Enum):
     EXACT = "exact"  # summed across ranks: all-reduce (stage 0) or reduce-scatter
+    QUANTIZED = "quantized"  # reduce-scattered as block-quantized chunks, summed in fp32 (ZeRO++ qgZ): not exact
     LOCAL = "local"  # not reduced, kept whole: the step communicates (a 1-bit optimizer after its warm-up)
 
 
@@ -66,17 +67,9 @@ class GradBucket:
         home: GradHome,
         replica_group: Optional[comm.Group],
         buffers: ReusableBuffers,
-        codec: Optional[Codec] = None,
     ):
         self.flat = flat
         self.group = flat.shard_group  # the group this bucket reduces over (a test seam can point it elsewhere)
-        self.codec = codec  # ZeRO++ qgZ: the exact reduction's reduce-scatter sends block-quantized chunks
-        # the exact reduction: all-reduce when the flat group is not partitioned, else a reduce-scatter (quantized
-        # under qgZ); each returns this rank's reduced part and the pending collective
-        if not flat.partitioned:
-            self._exchange = self._all_reduce
-        else:
-            self._exchange = self._quantized_reduce_scatter if codec is not None else self._reduce_scatter
         self.buffers = buffers
         self.layout = flat.layout
         self.reduce_dtype = reduce_dtype
@@ -129,8 +122,11 @@ class GradBucket:
         else:
             target.copy_(grad.reshape(-1))
 
-    def launch_reduce(self, predivide: float, async_op: bool, reduction: Reduction = Reduction.EXACT) -> None:
-        """Issue the reduction; parameters whose gradient never arrived (unused this step) count as zero."""
+    def launch_reduce(
+        self, predivide: float, async_op: bool, reduction: Reduction = Reduction.EXACT, codec: Optional[Codec] = None
+    ) -> None:
+        """Issue the reduction (``codec``: the quantized one's); parameters whose gradient never arrived (unused this
+        step) count as zero. Unpartitioned (stage 0, or a shard group of one) it is an all-reduce, never quantized."""
         self._draw_staging()
         for slot, arrived in zip(self.layout.slots, self.arrived):
             if not arrived:
@@ -140,8 +136,12 @@ class GradBucket:
             self._staging.div_(predivide)
         if reduction is Reduction.LOCAL:  # this rank's own gradient, kept: nothing to wait for
             self._reduced, self._pending = self._staging, None
+        elif not self.flat.partitioned:
+            self._reduced, self._pending = self._all_reduce(async_op)
+        elif reduction is Reduction.QUANTIZED:
+            self._reduced, self._pending = self._quantized_reduce_scatter(async_op, codec)
         else:
-            self._reduced, self._pending = self._exchange(async_op)
+            self._reduced, self._pending = self._reduce_scatter(async_op)
         self.state = GradState.REDUCING
 
     def _all_reduce(self, async_op: bool) -> tuple[torch.Tensor, comm.Pending]:
@@ -157,10 +157,10 @@ class GradBucket:
         shard = self._staging[lo:hi]
         return shard, comm.reduce_scatter(shard, self._staging, self.group, async_op=async_op, scratch=self._scratch)
 
-    def _quantized_reduce_scatter(self, async_op: bool) -> tuple[torch.Tensor, comm.Pending]:
+    def _quantized_reduce_scatter(self, async_op: bool, codec: Codec) -> tuple[torch.Tensor, comm.Pending]:
         """ZeRO++ qgZ: block-quantized chunks sent, the owner summing the decompressed ones in fp32."""
         lo, hi = self.layout.shard_range(self.flat.shard_rank)
-        pending = comm.compressed_reduce_scatter(self._staging, None, self.group, async_op=async_op, codec=self.codec)
+        pending = comm.compressed_reduce_scatter(self._staging, None, self.group, async_op=async_op, codec=codec)
         return self._staging[lo:hi], pending
 
     @property
@@ -248,6 +248,7 @@ class GradientReducer:
         self._launch_limit = 0  # buckets from this index wait for the end of backward (see _on_grad)
         self._in_flight: deque[GradBucket] = deque()  # reductions launched, not yet accumulated
         self._reduction = Reduction.EXACT
+        self.codec: Optional[Codec] = None  # what the QUANTIZED reduction sends (the exchange that uses it sets it)
 
     @property
     def reduction(self) -> Reduction:
@@ -321,7 +322,7 @@ class GradientReducer:
         limit = MAX_IN_FLIGHT if self.overlap_comm else 0
         while self._next_launch < self._launch_limit and self.buckets[self._next_launch].complete:
             bucket = self.buckets[self._next_launch]
-            bucket.launch_reduce(self.predivide, self.overlap_comm, self.reduction)
+            bucket.launch_reduce(self.predivide, self.overlap_comm, self.reduction, self.codec)
             self._in_flight.append(bucket)
             self._next_launch += 1
             while len(self._in_flight) > limit:
@@ -343,7 +344,7 @@ class GradientReducer:
         if not self.ignore_unused_parameters:
             self._refuse_unused()
         for bucket in self.buckets[self._next_launch :]:
-            bucket.launch_reduce(self.predivide, True, self.reduction)
+            bucket.launch_reduce(self.predivide, True, self.reduction, self.codec)
             self._in_flight.append(bucket)
         while self._in_flight:
             self._finish_oldest()

@@ -118,9 +118,10 @@ class ZeroStack:
         self.global_grad_norm: Optional[float] = None
         self.exchange.choose_reduction(self.steps_taken)
         # the offloaded step runs behind the next forward where nothing in it is a collective (see step_behind):
-        # an elementwise optimizer's (norms or whole matrices are collectives, optim.contract), exchanged exactly
-        exact = type(exchange) is ExactExchange and needs_of(optimizer_state.optimizer).elementwise
-        self.steps_behind = stage3 is not None and exact and optimizer_state.can_step_behind
+        # an elementwise optimizer's (norms or whole matrices are collectives, optim.contract) whose exchange is
+        # done when backward is
+        local = not exchange.step_communicates and needs_of(optimizer_state.optimizer).elementwise
+        self.steps_behind = stage3 is not None and local and optimizer_state.can_step_behind
         if optimizer_state.speculation is not None:  # tied gradients are summed over the stages after backward
             optimizer_state.speculation.excluded.update(k for k, tie in enumerate(ties or []) if tie is not None)
 
