@@ -1,8 +1,9 @@
 """Pipeline parallelism against data parallelism on the same ranks: a small GPT as a ``PipelineModule`` (tied
 embedding and head, ``--layers`` transformer blocks), trained on the same global batch by PP over all ranks (1F1B,
-``--micro_batches`` micro-batches), PP2 x DP2 with ZeRO-1, ZeRO-2 and ZeRO-3 and PP2 x TP2 (4 ranks), DP with ZeRO-1
-and DP with ZeRO-3 (a plain module over the same layers); DeepSpeed 0.19.8's pipeline engine joins the turns when it
-imports and runs here.
+``--micro_batches`` micro-batches), PP2 x DP2 with ZeRO-1, ZeRO-2 and ZeRO-3, PP2 x TP2, PP2 x SP2 (Ulysses attention
+over each stage's two ranks) and PP2 x DP2 x EP2 (every other block's MLP 4 experts over each stage's data-parallel
+ranks) at 4 ranks, DP with ZeRO-1 and DP with ZeRO-3 (a plain module over the same layers); DeepSpeed 0.19.8's
+pipeline engine joins the turns when it imports and runs here.
 
     python benchmarks/pipeline.py [--world 2] [--hidden 256] [--layers 8] [--micro 4] [--seq 64] [--micro_batches 8]
     PYTHONPATH=/tmp/dsenv DS_ACCELERATOR=cpu python benchmarks/pipeline.py   # with DeepSpeed beside
@@ -16,8 +17,8 @@ a word forward (the announcement goes once, and again when it changes), the grad
 model-state bytes per rank between steps against the analytic count (``analytic_state``); the compute-only limit of
 each pipeline layout: a second engine built alike runs the stage's own work (each micro-batch's forward and backward
 on stand-in activations, then the step) inside ``zeroshard.testing.compute_only``, nothing communicated and no stage
-waiting for another; the final loss (every system the same). ``--only NAME`` runs one system alone and adds its peak
-RSS.
+waiting for another; the final loss (every system the same but the MoE model's). ``--only NAME`` runs one system
+alone and adds its peak RSS.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import resource
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -44,18 +46,37 @@ class Embed(nn.Module):
         return self.weight[ids]
 
 
+HEADS = 8
+
+
+def causal_attention(q, k, v):
+    """Per head over [batch, tokens, heads, head_dim]."""
+    out = nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+    return out.transpose(1, 2)
+
+
 class Block(nn.Module):
-    def __init__(self, hidden: int):
+    """A pre-norm transformer block. ``group``: a sequence-parallel group its tokens are split over (attention
+    trades them for heads, DeepSpeed's ``DistributedAttention``); ``experts``: its MLP is DeepSpeed's MoE layer with
+    that many experts over ``ep`` ranks (top-1, no token dropped)."""
+
+    def __init__(self, hidden: int, group=None, experts: int = 0, ep: int = 1):
         super().__init__()
+        from zeroshard.compat.deepspeed.sequence.layer import DistributedAttention
+        from zeroshard.moe import MoE
+
         self.ln_1, self.ln_2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.attn = nn.MultiheadAttention(hidden, 8, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.attend = causal_attention if group is None else DistributedAttention(causal_attention, group, 2, 1)
+        mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.mlp = MoE(hidden, mlp, experts, ep_size=ep, k=1, drop_tokens=False, use_rts=False) if experts else mlp
 
     def forward(self, x):
-        h = self.ln_1(x)
-        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln_2(x))
+        batch, tokens, hidden = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(batch, tokens, 3, HEADS, hidden // HEADS).unbind(2)
+        x = x + self.proj(self.attend(q, k, v).reshape(batch, tokens, hidden))
+        out = self.mlp(self.ln_2(x))
+        return x + (out[0] if isinstance(out, tuple) else out)
 
 
 class Norm(nn.LayerNorm):
@@ -70,12 +91,17 @@ def loss_fn(out, labels):
     return nn.functional.cross_entropy(out.reshape(-1, VOCAB), labels.reshape(-1))
 
 
-def layers(args) -> list:
+def layers(args, group=None, ep: int = 0) -> list:
+    """The model's layers; ``group``: attention over that sequence-parallel group; ``ep``: every other block's MLP
+    4 experts over ``ep`` ranks."""
     from zeroshard.pipe import LayerSpec, TiedLayerSpec
+
+    def block(k: int):
+        return LayerSpec(Block, args.hidden, group, 4, ep) if ep and k % 2 else LayerSpec(Block, args.hidden, group)
 
     return [
         TiedLayerSpec("embed", Embed, args.hidden),
-        *[LayerSpec(Block, args.hidden) for _ in range(args.layers)],
+        *[block(k) for k in range(args.layers)],
         LayerSpec(Norm, args.hidden),
         TiedLayerSpec("embed", Embed, args.hidden, forward_fn=logits),
     ]
@@ -123,20 +149,40 @@ def config(args, micro_batches: int, stage: int, tp: int = 1) -> dict:
     }
 
 
-PIPELINES_4 = [  # name, stages, data-parallel ranks, ZeRO stage, tensor-parallel ranks (DeepSpeed refuses ZeRO 2-3)
-    ("PP2 x DP2", 2, 2, 1, 1),
-    ("PP2 x DP2 ZeRO-2", 2, 2, 2, 1),
-    ("PP2 x DP2 ZeRO-3", 2, 2, 3, 1),
-    ("PP2 x TP2", 2, 1, 1, 2),
+@dataclass(frozen=True)
+class Layout:
+    """A pipeline layout: ``dp`` data-parallel ranks per stage, ``tp`` tensor-, ``sp`` sequence-parallel ranks,
+    ``ep`` ranks splitting each MoE block's experts (out of the stage's data-parallel ranks)."""
+
+    name: str
+    stages: int
+    dp: int
+    zero: int
+    tp: int = 1
+    sp: int = 1
+    ep: int = 0
+
+
+PIPELINES_4 = [  # DeepSpeed refuses ZeRO 2-3 with pipelines, and has no sequence parallelism in them
+    Layout("PP2 x DP2", 2, 2, 1),
+    Layout("PP2 x DP2 ZeRO-2", 2, 2, 2),
+    Layout("PP2 x DP2 ZeRO-3", 2, 2, 3),
+    Layout("PP2 x TP2", 2, 1, 1, tp=2),
+    Layout("PP2 x SP2", 2, 1, 1, sp=2),
+    Layout("PP2 x DP2 x EP2", 2, 2, 1, ep=2),
 ]
 
 
-def pipeline_engine(args, stages: int, dp: int, zero: int, tp: int):
+def pipeline_engine(args, layout: Layout):
     import zeroshard
     from zeroshard.pipe import PipelineModule
+    from zeroshard.sequence_parallel import sequence_parallel_groups
 
-    module = PipelineModule(layers(args), num_stages=stages, loss_fn=loss_fn, seed_layers=True)
-    return zeroshard.initialize(model=module, config=config(args, args.micro_batches // dp, zero, tp))[0]
+    groups = sequence_parallel_groups(layout.sp) if layout.sp > 1 else None
+    group = groups.sequence if groups is not None else None  # zeroshard's group: attention counted in the ledger
+    module = PipelineModule(layers(args, group, layout.ep), num_stages=layout.stages, loss_fn=loss_fn, seed_layers=True)
+    cfg = config(args, args.micro_batches // layout.dp, layout.zero, layout.tp)
+    return zeroshard.initialize(model=module, config=cfg, mpu=groups)[0]
 
 
 def systems(args) -> dict:
@@ -146,12 +192,12 @@ def systems(args) -> dict:
     from zeroshard.pipe import PipelineModule
 
     world, m = args.world, args.micro_batches
-    layouts = [(f"PP{world}", world, 1, 1, 1)] + (PIPELINES_4 if world == 4 else [])
+    layouts = [Layout(f"PP{world}", world, 1, 1)] + (PIPELINES_4 if world == 4 else [])
     out = {}
-    for name, stages, dp, zero, tp in layouts:
-        if args.only in (None, name):
-            out[name] = (pipeline_engine(args, stages, dp, zero, tp), dp, stages, zero)
-            out[f"{name} limit"] = (pipeline_engine(args, stages, dp, zero, tp), dp, stages, zero)
+    for layout in layouts:
+        if args.only in (None, layout.name):
+            for name in (layout.name, f"{layout.name} limit"):
+                out[name] = (pipeline_engine(args, layout), layout.dp, layout.stages, layout.zero)
     module = PipelineModule(layers(args), num_stages=1, loss_fn=loss_fn, seed_layers=True)
     out[f"DP{world} ZeRO-1"] = (zeroshard.initialize(model=module, config=config(args, m // world, 1))[0], world, 1, 1)
     engine = zeroshard.initialize(model=Whole(args), config=config(args, m // world, 3))
@@ -196,16 +242,31 @@ def batch(args, step: int) -> list:
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def one_step(engine, dp: int, stages: int, micro_batches: list) -> float:
+def own_micro_batches(engine, dp: int, stages: int, micro_batches: list) -> list:
+    """This rank's micro-batches of the global batch: its data-parallel rank's, and of those its sequence-parallel
+    rank's piece of the tokens."""
     from zeroshard import comm
 
     gas = len(micro_batches) // dp
     rank = engine.grid.get_data_parallel_rank() if stages > 1 and hasattr(engine, "grid") else comm.get_rank() % dp
-    mine = micro_batches[rank * gas : (rank + 1) * gas]
+    own = micro_batches[rank * gas : (rank + 1) * gas]
+    sequence = engine.mesh.sequence if hasattr(engine, "mesh") else None
+    if sequence is None or sequence.size == 1:
+        return own
+    piece = own[0][0].shape[1] // sequence.size
+    tokens = slice(sequence.rank * piece, (sequence.rank + 1) * piece)
+    return [(ids[:, tokens], labels[:, tokens]) for ids, labels in own]
+
+
+def one_step(engine, dp: int, stages: int, micro_batches: list) -> float:
+    from zeroshard import comm
+
+    gas = len(micro_batches) // dp
+    batches = own_micro_batches(engine, dp, stages, micro_batches)
     if hasattr(engine, "train_batch"):
-        return float(engine.train_batch(iter(mine)))
+        return float(engine.train_batch(iter(batches)))
     total = torch.zeros(1)
-    for ids, labels in mine:
+    for ids, labels in batches:
         loss = engine(ids, labels)
         engine.backward(loss)
         engine.step()
@@ -218,11 +279,12 @@ def stage_work(args, engine, dp: int, micro_batches: list) -> float:
     """One step's work of this rank's stage alone (the compute-only limit; inside ``compute_only``): each of its
     micro-batches' forward and backward, the first stage from the ids, the others from a stand-in activation (the last
     one's loss from the labels, the others' backward from a stand-in gradient), then the optimizer step."""
-    gas = len(micro_batches) // dp
+    batches = own_micro_batches(engine, dp, engine.num_stages, micro_batches)
+    gas = len(batches)
     first, last = engine.is_first_stage(), engine.is_last_stage()
-    shape = (args.micro, args.seq, args.hidden)
+    shape = (args.micro, batches[0][0].shape[1], args.hidden)  # a sequence-parallel rank's piece of the tokens
     engine.module.train()
-    for micro, (ids, labels) in enumerate(micro_batches[:gas]):
+    for micro, (ids, labels) in enumerate(batches):
         inputs = ids if first else torch.randn(shape, requires_grad=True)
         output = engine.module(inputs)
         if last:
@@ -239,15 +301,19 @@ def analytic_state(engine, zero: int) -> int:
     piece counted by its size), 4 bytes of parameter, 4 of gradient, 4 of master and 8 of moments; from ZeRO-1 on the
     gradient, master and moments are shards over the stage's ``d`` data-parallel ranks (ZeRO-1 holds the whole
     gradient only while it accumulates, then keeps its shard, as ZeRO-2 does), and at ZeRO-3 the parameter is its fp32
-    master shard (no copy of its own)."""
+    master shard (no copy of its own). The shards of dense parameters are over the stage's data x sequence ranks, an
+    expert's over the ranks holding the same experts."""
     from zeroshard.zero import GatheredParameters
 
     with GatheredParameters(list(engine.module.parameters())):  # ZeRO-3 keeps shards: gathered to count them whole
-        held = sum(p.numel() for p in engine.module.parameters())
-    d = engine.mesh.shard.size
-    shards = d if zero >= 1 else 1
+        sizes = {n: p.numel() for n, p in engine.module.named_parameters()}
+    experts = sum(numel for name, numel in sizes.items() if ".deepspeed_experts." in name)
     parameter = 0 if zero >= 3 else 4
-    return round(held * (parameter + (4 + 12) / shards))
+    total = 0.0
+    for held, group in ((sum(sizes.values()) - experts, engine.mesh.shard), (experts, engine.mesh.expert_shard)):
+        shards = group.size if zero >= 1 else 1
+        total += held * (parameter + (4 + 12) / shards)
+    return round(total)
 
 
 def worker(args) -> dict:
@@ -296,17 +362,19 @@ def worker(args) -> dict:
             "stages": stages,
             "dp": dp,
             "tp": engine.mesh.tensor.size if ours else 1,
+            "sp": engine.mesh.sequence.size if ours else 1,
         }
     out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
 
-def analytic_pipe_bytes(args, stage: int, stages: int, dp: int, tp: int = 1) -> int:
+def analytic_pipe_bytes(args, stage: int, stages: int, dp: int, tp: int = 1, sp: int = 1) -> int:
     """Bytes stage ``stage`` sends its neighbours per step: each of its m micro-batches' activation after a word
     forward (the announcement itself went with the first step's first activation), the gradient after a status word
-    back; a tensor-parallel rank its 1/tp slice of each (``pipeline.pipe_partitioned``)."""
+    back; a tensor-parallel rank its 1/tp slice of each (``pipeline.pipe_partitioned``), a sequence-parallel rank
+    its 1/sp piece of the tokens."""
     m = args.micro_batches // dp
-    activation = args.micro * args.seq * args.hidden * 4 // tp
+    activation = args.micro * args.seq * args.hidden * 4 // (tp * sp)
     forward = (8 + activation) if stage < stages - 1 else 0
     backward = (8 + activation) if stage > 0 else 0
     return m * (forward + backward)
@@ -333,16 +401,17 @@ def main() -> None:
     for name, row in results[0].items():
         if name == "rss_mb" or name.endswith(" limit"):
             continue
-        stages, dp, tp = row["stages"], row["dp"], row["tp"]
+        stages, dp, tp, sp = row["stages"], row["dp"], row["tp"], row["sp"]
+        per_stage = dp * tp * sp
         limits = [r[f"{name} limit"]["ms"] for r in results] if f"{name} limit" in results[0] else None
         m = args.micro_batches // dp
         measured = stages > 1 and row["wire"] is not None  # DeepSpeed's engine: neither waits nor ledger here
-        bubbles = " / ".join(f"{r[name]['bubble']:.2f}" for r in results[:: dp * tp]) if measured else "-"
+        bubbles = " / ".join(f"{r[name]['bubble']:.2f}" for r in results[::per_stage]) if measured else "-"
         theory = f"{(stages - 1) / (m + stages - 1):.2f}" if stages > 1 else "-"
         pipe = "-"
         if stages > 1 and row["pipe"] is not None:
             measured = [r[name]["pipe"] for r in results]
-            analytic = [analytic_pipe_bytes(args, r // (dp * tp), stages, dp, tp) for r in range(args.world)]
+            analytic = [analytic_pipe_bytes(args, r // per_stage, stages, dp, tp, sp) for r in range(args.world)]
             pipe = " / ".join(f"{a / 1e6:.3f} ({b / 1e6:.3f})" for a, b in zip(measured, analytic))
         wire = f"{row['wire'] / 1e6:.2f}" if row["wire"] is not None else "-"
         ratio = f"{row['ms'] / base:.3f}" if base else "-"

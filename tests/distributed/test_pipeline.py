@@ -122,9 +122,10 @@ def moe_specs(ep: int) -> list:
             *layer_specs[-2:]]  # fmt: skip
 
 
-def moe_case(stage: int) -> dict:
+def moe_case(stage: int, ckpt_dir: str = None) -> dict:
     """PP2 x DP2 with expert parallelism over each stage's 2 data-parallel ranks (DeepSpeed's layer, ep_size 2):
-    its losses, this stage's weights (each rank's experts as it holds them) and its expert rank."""
+    its losses, this stage's weights (each rank's experts as it holds them) and its expert rank; saved at the end
+    under ``pp2_ep2`` when ``ckpt_dir`` is given."""
     import zeroshard
     from zeroshard.pipe import PipelineModule
 
@@ -134,6 +135,8 @@ def moe_case(stage: int) -> dict:
     losses = [engine.train_batch(iter(step[dp * 4 : (dp + 1) * 4])).item() for step in global_batches(2, 4)]
     out = {"losses": losses, "weights": weights_of(module), "expert_rank": engine.mesh.expert.rank}
     out["experts"] = engine.mesh.expert.size
+    if ckpt_dir is not None:
+        engine.save_checkpoint(ckpt_dir, tag="pp2_ep2")
     engine.destroy()
     return out
 
@@ -187,31 +190,60 @@ def sequence_parallel_batches() -> list:
     return out
 
 
-def sequence_parallel_case(stage: int) -> dict:
+def sequence_parallel_case(stage: int, ckpt_dir: str = None) -> dict:
     """PP2 x SP2: each stage's 2 ranks hold half of every sequence's tokens (Ulysses attention over the group
     ``sequence_parallel_groups`` registered, the loss token-weighted over it): its losses, this stage's weights and
-    the grid's view."""
+    the grid's view; saved at the end under ``pp2_sp2`` when ``ckpt_dir`` is given."""
     import zeroshard
     from zeroshard.pipe import PipelineModule
     from zeroshard.sequence_parallel import sequence_parallel_groups, token_weighted_loss
 
     groups = sequence_parallel_groups(2)
-    group = groups.get_sequence_parallel_group()
 
-    def loss_fn(out, labels):
-        return token_weighted_loss(cross_entropy(out, labels), labels, group)
+    def loss_fn(out, labels):  # DeepSpeed's clients pass the torch group: either does
+        return token_weighted_loss(cross_entropy(out, labels), labels, groups.get_sequence_parallel_group())
 
-    module = PipelineModule(attention_specs(group), num_stages=2, loss_fn=loss_fn, seed_layers=True)
+    # the registration's group itself, so attention's exchanges count in the engine's ledger
+    module = PipelineModule(attention_specs(groups.sequence), num_stages=2, loss_fn=loss_fn, seed_layers=True)
     engine, *_ = zeroshard.initialize(model=module, config=config(4, stage), mpu=groups)
     piece = slice(groups.get_sequence_parallel_rank() * SEQ // 2, (groups.get_sequence_parallel_rank() + 1) * SEQ // 2)
     losses = []
     for step in sequence_parallel_batches():
+        engine.comm_ledger.reset()
         losses.append(engine.train_batch(iter([(x[:, piece], y[:, piece]) for x, y in step])).item())
     topology = engine.grid.topology()
     out = {"losses": losses, "weights": weights_of(module), "axes": topology.get_axis_names(), "dims": topology.dims}
+    out["all_to_all"] = engine.comm_ledger.summary()[("all_to_all", "sequence")].bytes  # the last step's
+    out["attention_layers"] = sum(isinstance(m, Attention) for m in module.modules())
     out["sequence_rank"], out["stage"] = engine.mesh.sequence.rank, engine.stage_id
+    if ckpt_dir is not None:
+        engine.save_checkpoint(ckpt_dir, tag="pp2_sp2")
     engine.destroy()
     return out
+
+
+def load_case(ckpt_dir: str, tag: str, layer_specs: list) -> dict:
+    """PP4 under ZeRO-1 (one data-parallel rank, no sequence or expert parallelism) loads checkpoint ``tag``: what
+    each stage holds after the load."""
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    module = PipelineModule(layer_specs, num_stages=4, loss_fn=cross_entropy, seed_layers=True)
+    engine, *_ = zeroshard.initialize(model=module, config=config(4, 1))
+    engine.load_checkpoint(ckpt_dir, tag=tag)
+    out = {"weights": weights_of(module), "global_steps": engine.global_steps}
+    engine.destroy()
+    return out
+
+
+def as_one_process_names(name: str, expert_rank: int) -> str:
+    """A parameter's name as one process numbers it: an expert rank's local expert i of the 2 it holds is expert
+    ``expert_rank * 2 + i`` (other names are the same)."""
+    split = re.match(r"(.*\.deepspeed_experts\.)(\d+)(\..*)", name)
+    if split is None:
+        return name
+    head, index, tail = split.groups()
+    return f"{head}{expert_rank * 2 + int(index)}{tail}"
 
 
 def tuple_specs() -> list:
@@ -571,8 +603,10 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out["resume_tp"]["pp4"] = resume_case(ckpt_dir, 4, 4, tag="pp2_tp2")
     out["resume_tp"]["pp1_dp4"] = resume_case(ckpt_dir, 1, 2, zero=2, tag="pp2_tp2", tp=2)
     out["tensor_parallel"] = tensor_parallel_cases()
-    out["experts"] = {stage: moe_case(stage) for stage in (1, 3)}
-    out["sequence"] = {stage: sequence_parallel_case(stage) for stage in (1, 3)}
+    out["experts"] = {stage: moe_case(stage, ckpt_dir if stage == 3 else None) for stage in (1, 3)}
+    out["sequence"] = {stage: sequence_parallel_case(stage, ckpt_dir if stage == 3 else None) for stage in (1, 3)}
+    out["loaded"] = {"pp2_ep2": load_case(ckpt_dir, "pp2_ep2", moe_specs(1))}
+    out["loaded"]["pp2_sp2"] = load_case(ckpt_dir, "pp2_sp2", attention_specs())
     out["tensor_parallel_grid"] = tensor_parallel_grid_case()
     out["cases"] = {}
     for case in CASES_4:
@@ -1163,12 +1197,8 @@ def test_pipeline_with_expert_parallelism_matches_one_process(four, stage):
         assert got["experts"] == 2 and got["expert_rank"] == rank % 2
         assert any(".deepspeed_experts." in name for name in got["weights"])
 
-        def held(weights, name, expert_rank=got["expert_rank"]):  # local expert i of expert rank r: expert r * 2 + i
-            split = re.match(r"(.*\.deepspeed_experts\.)(\d+)(\..*)", name)
-            if split is None:
-                return weights[name]
-            head, index, tail = split.groups()
-            return weights[f"{head}{expert_rank * 2 + int(index)}{tail}"]
+        def held(weights, name, expert_rank=got["expert_rank"]):
+            return weights[as_one_process_names(name, expert_rank)]
 
         assert_like_one_process(got, expected, 1e-6, rank, held=held)
 
@@ -1186,6 +1216,35 @@ def test_pipeline_with_sequence_parallelism_matches_one_process(four, stage):
         assert got["axes"] == ["pipe", "data", "sequence"] and got["dims"] == [2, 1, 2]
         assert any(".qkv." in name for name in got["weights"])
         assert_like_one_process(got, expected, 1e-6, rank)
+        # per attention layer and micro-batch: q, k, v and the output out and their gradients back, each a rank's
+        # piece (2 sequences of SEQ / 2 tokens, all heads) in fp32
+        per_layer = 2 * 4 * (MICRO * SEQ // 2 * DIM * 4)
+        assert got["all_to_all"] == per_layer * 4 * got["attention_layers"] > 0, got
+
+
+@pytest.mark.parametrize("saved", ["pp2_ep2", "pp2_sp2"])
+def test_expert_and_sequence_parallel_pipelines_load_at_four_stages(four, checkpoint_dir, saved):
+    """Saved at PP2 x DP2 x EP2 and at PP2 x SP2 (both ZeRO-3), loaded at PP4 under ZeRO-1 with neither axis: each
+    stage holds exactly what the saving run ended with (the experts of both expert ranks, in order), and the
+    consolidated checkpoint is that whole model."""
+    from zeroshard.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+
+    if saved == "pp2_ep2":  # the saving ranks' experts, as one process numbers them
+        ended = {}
+        for result in four:
+            got = result["experts"][3]
+            ended.update({as_one_process_names(n, got["expert_rank"]): t for n, t in got["weights"].items()})
+    else:
+        ended = {n: t for result in four for n, t in result["sequence"][3]["weights"].items()}
+    for result in four:
+        loaded = result["loaded"][saved]
+        assert loaded["global_steps"] == STEPS
+        for name, value in loaded["weights"].items():
+            assert torch.equal(value, ended[name]), name
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=saved)
+    assert set(consolidated) == set(ended)
+    for name, value in consolidated.items():
+        assert torch.equal(value, ended[name]), name
 
 
 def test_the_grid_answers_as_deepspeeds_grid_on_the_same_topology(four):

@@ -10,13 +10,15 @@ from typing import Any, Callable
 import torch
 
 from zeroshard.comm.autograd import all_to_all_in_group
-from zeroshard.comm.groups import group_of
+from zeroshard.comm.groups import as_group
 
 
 class DistributedAttention(torch.nn.Module):
     """``local_attention(q, k, v, *args, **kwargs)`` over the ranks of ``sequence_process_group`` (a process group,
-    or ``None`` for the world). ``scatter_idx`` is the heads dimension split across ranks, ``gather_idx`` the
-    sequence dimension joined (DeepSpeed's defaults: 2 and 0, Megatron's [seq, batch, heads, dim] layout)."""
+    ``None`` for the world, or a zeroshard group such as ``sequence_parallel_groups(P).sequence``, whose exchanges
+    then count in its mesh's ledger, the engine's). ``scatter_idx`` is the heads dimension split across ranks,
+    ``gather_idx`` the sequence dimension joined (DeepSpeed's defaults: 2 and 0, Megatron's [seq, batch, heads, dim]
+    layout)."""
 
     def __init__(
         self,
@@ -32,7 +34,7 @@ class DistributedAttention(torch.nn.Module):
         self.scatter_idx, self.gather_idx = scatter_idx, gather_idx
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any):
-        group = group_of(self.spg, "world" if self.spg is None else "sequence")
+        group = as_group(self.spg, "world" if self.spg is None else "sequence")
         scatter, gather = self.scatter_idx, self.gather_idx
         query, key, value = (all_to_all_in_group(t, group, scatter, gather) for t in (query, key, value))
         context = self.local_attn(query, key, value, *args, **kwargs)
