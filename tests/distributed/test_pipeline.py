@@ -5,8 +5,8 @@ expert and sequence parallelism inside the stages; checkpoints across layouts; t
 embedding equal on the stages holding it; tuples of mixed dtypes between stages; activation checkpointing
 bit-identical; ``eval_batch``; DeepSpeed's clients' uses of the surface; failures named on every rank.
 
-One spawn per world size runs every case (process start-up dominates these tiny models); each rank computes the
-reference itself."""
+One spawn per world size runs every case (process start-up dominates these tiny models); the one-process references
+are computed here, in pytest's process, once per test."""
 
 from __future__ import annotations
 
