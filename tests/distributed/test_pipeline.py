@@ -495,6 +495,11 @@ def failure_case(kind: str) -> str:
             module = PipelineModule(specs(), topology=topology, loss_fn=cross_entropy)
             tensor_parallel = {**TENSOR_PARALLEL, "autotp_size": 1}
             zeroshard.initialize(model=module, config=config(2, 1, tensor_parallel=tensor_parallel))
+        elif kind == "sequence_axis":  # built for 2 sequence ranks per stage, run without sequence parallelism
+            from zeroshard.pipe import ProcessTopology
+
+            topology = ProcessTopology(["pipe", "data", "sequence"], [2, 1, 2])
+            zeroshard.initialize(model=PipelineModule(specs(), topology=topology), config=config(2, 1))
         elif kind == "stages_mismatch":
             module = PipelineModule(specs(), num_stages=2, loss_fn=cross_entropy)
             zeroshard.initialize(model=module, config=config(2, 1, pipeline={"stages": 4}))
@@ -528,7 +533,7 @@ def failure_case(kind: str) -> str:
 
 
 FAILURES = ("stages_not_dividing", "more_stages_than_layers", "not_a_module", "layer_major", "stages_mismatch",
-            "loss_fn", "short_iterator", "vector_loss", "megatron_split", "tp_disagrees")  # fmt: skip
+            "loss_fn", "short_iterator", "vector_loss", "megatron_split", "tp_disagrees", "sequence_axis")  # fmt: skip
 
 
 def resume_case(
@@ -787,6 +792,10 @@ def test_eval_batch_with_other_micro_batch_counts_equals_one_process(four):
                 "config's tensor_parallel.autotp_size is 1"
             ]
             * 4,
+        ),
+        (
+            "sequence_axis",
+            ["ValueError: the PipelineModule's topology has sequence=2 but the sequence-parallel size is 1"] * 4,
         ),
         (
             "stages_mismatch",

@@ -227,7 +227,7 @@ def _resolve(
     tp_size = tensor_parallel_size(model, parsed.tensor_parallel)
     sp_size, registered, sequence = _sequence_parallel(mpu, parsed)
     ep_size = expert_parallel_size(model, parsed.expert_parallel)
-    pp_size = pipeline_stages(model, parsed)
+    pp_size = pipeline_stages(model, parsed, sp=sp_size)
     dims = comm.ParallelDims.for_world(
         comm.get_world_size(),
         tp=tp_size,

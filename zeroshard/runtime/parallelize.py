@@ -216,9 +216,10 @@ def refuse_experts_split_by_transformers(model: torch.nn.Module) -> None:
         )
 
 
-def pipeline_stages(model: torch.nn.Module, parsed) -> int:
-    """The pipeline stages of ``model`` (1 unless it is a ``PipelineModule``), after checking what runs with them and
-    applying the config's ``pipeline`` block to it."""
+def pipeline_stages(model: torch.nn.Module, parsed, *, sp: int) -> int:
+    """The pipeline stages of ``model`` (1 unless it is a ``PipelineModule``), after checking what runs with them
+    (``sp``: the sequence-parallel size, which a topology's ``sequence`` axis must be) and applying the config's
+    ``pipeline`` block to it."""
     block = parsed.pipeline
     if not isinstance(model, PipelineModule):
         given = sorted(block.model_fields_set)
@@ -230,6 +231,12 @@ def pipeline_stages(model: torch.nn.Module, parsed) -> int:
             )
         return 1
     stages = model.num_stages
+    axis = model.topology().get_dim("sequence")
+    if axis and axis != sp:
+        raise ValueError(
+            f"the PipelineModule's topology has sequence={axis} but the sequence-parallel size is {sp} (the mpu's "
+            "group, or sequence_parallel_size); build the topology for the sequence parallelism it runs with"
+        )
     if parsed.zero_optimization.layer_major:
         raise NotImplementedError(
             "zero_optimization.layer_major with a PipelineModule: the pipeline engine's train_batch runs its stages' "
