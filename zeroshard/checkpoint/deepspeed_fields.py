@@ -57,7 +57,9 @@ class ModelStates:
     aliases: dict[str, str]
 
 
-def model_states(path: str, model: Any) -> ModelStates:
+def model_states(path: str, model: Any, module: Optional[dict] = None) -> ModelStates:
+    """The checked fields of DeepSpeed's ``mp_rank_XX_model_states.pt``; ``module``: the weights where the file holds
+    none (a pipeline stage's, ``module: None``: they are in its layer files)."""
     if not isinstance(model, dict) or "param_shapes" not in model:
         raise CheckpointError(f"{path}: not DeepSpeed model states (no 'param_shapes')")
     world = _count(path, model, "dp_world_size", 1, MAX_WORLD)
@@ -69,7 +71,8 @@ def model_states(path: str, model: Any) -> ModelStates:
     seen = [name for group in groups for name, _ in group]
     if len(set(seen)) != len(seen):
         raise CheckpointError(f"{path}: field 'param_shapes' names a parameter twice")
-    module = _get(path, model, "module", "module", (dict,), "the module's state dict")
+    if module is None:
+        module = _get(path, model, "module", "module", (dict,), "the module's state dict")
     buffers = {}
     for name in _get(path, model, "buffer_names", "buffer_names", (list, tuple), "a list of names", ()):
         if name in module:

@@ -43,6 +43,7 @@ from .deepspeed_fields import (
     model_states,
     rank_record,
 )
+from .deepspeed_pipeline import join_stages, layer_files, stage_buffers
 from .deepspeed_ranks import check_partitions, check_stage3_pieces
 from .deepspeed_record import ENGINE_KEYS, DeepSpeedCheckpoint, hyperparameters, read_deepspeed_file, update_rule
 from .manifest import plain_name
@@ -71,23 +72,41 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     if tag is None:
         raise CheckpointError(f"{ds_dir}: no 'latest' file; pass the tag (the step directory's name) with --tag")
     path = os.path.join(ds_dir, plain_name(tag, "tag", ds_dir))
-    model_files = sorted(glob.glob(os.path.join(path, "*mp_rank_*_model_states.pt")))
+    model_files = sorted(glob.glob(os.path.join(path, "*mp_rank_*_model_states.pt")))  # stage 3: one per rank too
     if not model_files:
         raise CheckpointError(f"{path}: no DeepSpeed model states (mp_rank_00_model_states.pt) here")
-    if any(not re.search(r"mp_rank_00_model_states\.pt$", f) for f in model_files):
-        raise CheckpointError(f"{path}: a tensor-parallel DeepSpeed checkpoint (mp_rank_01...) is not importable")
-    model = read_deepspeed_file(model_files[0])
+    layers = layer_files(path)
+    if not layers:  # one model: the first file (stage 3 writes one per rank, each with the model states)
+        if any(not re.search(r"mp_rank_00_model_states\.pt$", f) for f in model_files):
+            raise CheckpointError(f"{path}: a tensor-parallel DeepSpeed checkpoint (mp_rank_01...) is not importable")
+        return _read_stage(path, 0, layers, model_files[0])
+    stage_files = [f for f in model_files if re.fullmatch(r"mp_rank_\d\d_model_states\.pt", os.path.basename(f))]
+    said = read_deepspeed_file(stage_files[0]).get("mp_world_size") if stage_files else None  # the stage count
+    expected = [os.path.join(path, f"mp_rank_{mp:02d}_model_states.pt") for mp in range(said or len(stage_files))]
+    if not stage_files or stage_files != expected:
+        raise CheckpointError(
+            f"{path}: the pipeline's stage files are {[os.path.basename(f) for f in stage_files]}, not mp_rank_00 .. "
+            "mp_rank_<stages - 1>: a stage's files are missing"
+        )
+    return join_stages(path, [_read_stage(path, mp, layers, file) for mp, file in enumerate(stage_files)])
+
+
+def _read_stage(path: str, mp: int, layers: dict, model_file: str) -> DeepSpeedCheckpoint:
+    """Model-parallel rank ``mp``'s files (``model_file``: its model states): the whole model's, or one pipeline
+    stage's (``layers``: the layer files, where a stage's module weights are)."""
+    model = read_deepspeed_file(model_file)
     if isinstance(model, dict) and (model.get("frozen_param_shapes") or model.get("frozen_param_fragments")):
         raise CheckpointError(f"{path}: frozen parameters in a DeepSpeed checkpoint are not importable yet")
-    states = model_states(model_files[0], model)
+    module = stage_buffers(path, model, layers) if layers and isinstance(model, dict) else None
+    states = model_states(model_file, model, module)
     world, groups = states.world, states.groups
-    present = len(glob.glob(os.path.join(path, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")))
+    present = len(glob.glob(os.path.join(path, f"*zero_pp_rank_*_mp_rank_{mp:02d}_optim_states.pt")))
     if present > world:
         raise CheckpointError(
             f"{path}: {present} ranks' optimizer files, but the model states say dp_world_size {world}: files of "
             "different runs"
         )
-    ranks = [rank_record(*_optim_file(path, rank), groups) for rank in range(world)]
+    ranks = [rank_record(*_optim_file(path, rank, mp), groups) for rank in range(world)]
     stage = agreed_stage(path, ranks)
     check_same_hyperparameters(path, ranks)
     inner, base = [r.inner for r in ranks], [r.base for r in ranks]
@@ -122,14 +141,14 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     )
 
 
-def _optim_file(path: str, rank: int) -> tuple[str, Any]:
+def _optim_file(path: str, rank: int, mp: int = 0) -> tuple[str, Any]:
     for prefix in ("", "bf16_"):
-        candidate = os.path.join(path, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+        candidate = os.path.join(path, f"{prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt")
         if os.path.exists(candidate):
             return candidate, read_deepspeed_file(candidate)
     raise CheckpointError(
-        f"{path}: rank {rank}'s optimizer states (zero_pp_rank_{rank}_mp_rank_00_optim_states.pt) are missing; the "
-        "model states say the checkpoint was written by more ranks"
+        f"{path}: rank {rank}'s optimizer states (zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt) are missing; "
+        "the model states say the checkpoint was written by more ranks"
     )
 
 

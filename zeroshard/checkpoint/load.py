@@ -16,8 +16,8 @@ from .. import comm
 from ..log import log_rank0
 from .agreement import agree_on_load
 from .client_state import read_client_tensors, restore_client_state
-from .deepspeed_import import is_deepspeed_checkpoint
-from .deepspeed_universal import LATEST_UNIVERSAL, is_universal_checkpoint, universal_sources
+from .deepspeed_import import is_deepspeed_checkpoint, read_deepspeed_checkpoint
+from .deepspeed_universal import LATEST_UNIVERSAL, in_memory, is_universal_checkpoint, universal_sources
 from .manifest import rank_file, saved_split
 from .piece_reader import PieceReader
 from .reading import Sources, read_manifest, resolve_tag, scalar_value
@@ -136,8 +136,9 @@ def _open_and_check(
 
 
 def _open(state: TrainingState, load_dir: str, tag: Optional[str], universal: bool) -> Optional[tuple]:
-    """(path, manifest, sources) of the checkpoint to load, or None when ``load_dir`` names none; DeepSpeed's files
-    are refused with the way to load them."""
+    """(path, manifest, sources) of the checkpoint to load, or None when ``load_dir`` names none; DeepSpeed's ZeRO
+    and pipeline files are read in memory as ``zeroshard convert --from-deepspeed`` reads them (every rank reads
+    them; ``load`` agrees on the verdict)."""
     tag = resolve_tag(load_dir, tag, LATEST_UNIVERSAL if universal else "latest")
     if tag is None:
         if universal:
@@ -160,11 +161,9 @@ def _open(state: TrainingState, load_dir: str, tag: Optional[str], universal: bo
         manifest, sources = universal_sources(load_dir, tag)  # every rank reads it; load() agrees on the verdict
         return path, manifest, sources
     if not os.path.exists(os.path.join(path, "manifest.json")) and is_deepspeed_checkpoint(path):
-        raise CheckpointError(
-            f"{path} is a DeepSpeed checkpoint: import it first with `zeroshard convert --from-deepspeed {load_dir} "
-            "OUT_DIR`, then load OUT_DIR (weights, fp32 masters, Adam moments, steps, scheduler and client state come "
-            "over; any world size and stage can load it)"
-        )
+        # DeepSpeed's own files (ZeRO ranks, or a pipeline's stages and layer files), read as the import reads them
+        manifest, sources = in_memory(read_deepspeed_checkpoint(load_dir, tag), tag)
+        return path, manifest, sources
     manifest = read_manifest(path)
     return path, manifest, Sources(path, manifest)
 

@@ -1,0 +1,168 @@
+"""DeepSpeed's pipeline checkpoints (layer files, one model-states file per stage, ZeRO-1 partitions per stage and
+data-parallel rank; fixtures written by DeepSpeed 0.19.8's pipeline engine at PP2 x DP2, fp32 and bf16, with its own
+continuation) load into zeroshard's pipeline engine: ``load_checkpoint`` on DeepSpeed's directory, at the same
+layout and at PP4, gives every fp32 master and Adam moment bit for bit, the tied embedding once, the step, the
+scheduler and the client state; 3 more steps continue as DeepSpeed continued. ``zeroshard convert
+--from-deepspeed`` writes the same model. Hostile copies (a missing or foreign layer file, a stage's partition
+missing, a stage of another run) are named errors; the files are read with the restricted unpickler, so nothing in
+them runs."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroshard.testing import run_distributed
+from zeroshard.testing.fixtures import module_from_file
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_pipe_checkpoints"
+CASES = ("pp2_dp2_fp32", "pp2_dp2_bf16")
+GAS = 4  # the fixtures' micro-batches per data-parallel rank and step (8 per step in all)
+
+
+def _layers():
+    return module_from_file(FIXTURES / "layers.py", "ds_pipe_fixture_layers")
+
+
+def _expected(case: str) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    return load_file(FIXTURES / case / "expected.safetensors"), json.loads(
+        (FIXTURES / case / "expected.json").read_text()
+    )
+
+
+def resume(case: str, stages: int) -> dict:
+    """zeroshard's pipeline engine on the fixture's model at ``stages`` stages (the config DeepSpeed ran), loading
+    DeepSpeed's own directory; what it loaded, then 3 more steps of the same global batches."""
+    import zeroshard
+    from zeroshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    layers = _layers()
+    _, facts = _expected(case)
+    torch.manual_seed(1)  # weights that differ from the checkpoint's until it loads
+    module = PipelineModule(
+        layers.layer_specs(LayerSpec, TiedLayerSpec), num_stages=stages, loss_fn=layers.cross_entropy
+    )
+    config = {**facts["config"], "gradient_accumulation_steps": GAS * 2 * stages // 4}
+    engine, *_ = zeroshard.initialize(model=module, config=config)
+    _, client = engine.load_checkpoint(str(FIXTURES / case / "ckpt"))
+    access = engine.param_access
+    loaded = {
+        name: tuple(access.full_fp32_param(p).clone() if key == "fp32" else access.full_optimizer_state(p, key).clone()
+                    for key in ("fp32", "exp_avg", "exp_avg_sq"))
+        for name, p in module.named_parameters()
+    }  # fmt: skip
+    out = {"loaded": loaded, "client": client, "steps": engine.global_steps, "lr": engine.get_lr()}
+    dp, gas = engine.grid.get_data_parallel_rank(), config["gradient_accumulation_steps"]
+    out["losses"] = [
+        engine.train_batch(iter(step[dp * gas : (dp + 1) * gas])).item() for step in layers.batches(5, 2 * GAS)[2:]
+    ]
+    out["continued"] = {name: access.full_fp32_param(p).clone() for name, p in module.named_parameters()}
+    engine.destroy()
+    return out
+
+
+def four_rank_worker() -> dict:
+    return {case: {stages: resume(case, stages) for stages in (2, 4)} for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list:
+    return run_distributed(four_rank_worker, 4, timeout_s=600)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("case", CASES)
+def test_deepspeeds_pipeline_checkpoint_loads_exactly_and_continues_as_deepspeed(runs, case, stages):
+    tensors, facts = _expected(case)
+    within = 1e-6 if case.endswith("fp32") else 2e-2  # bf16 compute: DeepSpeed's and zeroshard's kernels round apart
+    for rank, result in enumerate(runs):
+        got = result[case][stages]
+        assert got["steps"] == 2 and got["client"] == facts["client_state"], (got["steps"], got["client"])
+        assert got["lr"] == facts["lrs"], got["lr"]
+        assert got["loaded"], rank
+        for name, (master, exp_avg, exp_avg_sq) in got["loaded"].items():
+            assert torch.equal(master, tensors[f"fp32.{name}"]), name
+            assert torch.equal(exp_avg, tensors[f"exp_avg.{name}"]), name
+            assert torch.equal(exp_avg_sq, tensors[f"exp_avg_sq.{name}"]), name
+        for loss, want in zip(got["losses"], facts["continued_losses"], strict=True):
+            assert abs(loss - want) <= within * abs(want), (got["losses"], facts["continued_losses"])
+        for name, value in got["continued"].items():
+            torch.testing.assert_close(value, tensors[f"continued.{name}"], rtol=within, atol=within, msg=name)
+
+
+def test_the_import_writes_the_whole_model_once(tmp_path):
+    from zeroshard.checkpoint import convert_deepspeed_checkpoint, get_fp32_state_dict_from_zero_checkpoint
+
+    tensors, _ = _expected("pp2_dp2_fp32")
+    converted = convert_deepspeed_checkpoint(str(FIXTURES / "pp2_dp2_fp32" / "ckpt"), str(tmp_path / "zs"))
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "zs"), tag=Path(converted).name)
+    assert set(weights) == {n.removeprefix("fp32.") for n in tensors if n.startswith("fp32.")}
+    for name, value in weights.items():
+        assert torch.equal(value, tensors[f"fp32.{name}"]), name
+
+
+def _hostile_copy(tmp_path: Path, edit) -> str:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "pp2_dp2_fp32" / "ckpt", copy)
+    edit(copy / "global_step2")
+    return str(copy)
+
+
+def _other_runs_stage(step: Path) -> None:
+    """Stage 1's optimizer partitions taken from the bf16 run of the same model (a copy of another checkpoint):
+    its tied embedding is another run's."""
+    other = FIXTURES / "pp2_dp2_bf16" / "ckpt" / "global_step2"
+    for rank in (0, 1):
+        shutil.copy(other / f"bf16_zero_pp_rank_{rank}_mp_rank_01_optim_states.pt",
+                    step / f"zero_pp_rank_{rank}_mp_rank_01_optim_states.pt")  # fmt: skip
+
+
+class _RunsCode:
+    """Unpickling it would run a shell command (the restricted reader refuses the class instead)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_layer_file_whose_pickle_would_run_code_is_refused_and_nothing_runs(tmp_path):
+    from zeroshard.checkpoint import CheckpointError
+    from zeroshard.checkpoint.deepspeed_import import read_deepspeed_checkpoint
+
+    marker = tmp_path / "ran"
+
+    def plant(step: Path) -> None:
+        torch.save({"weight": _RunsCode(marker)}, step / "layer_05-model_states.pt")
+
+    with pytest.raises(CheckpointError, match="layer_05-model_states.pt"):
+        read_deepspeed_checkpoint(_hostile_copy(tmp_path, plant))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda step: (step / "layer_03-model_states.pt").unlink(), "layer_03-model_states.pt is missing"),
+        (
+            lambda step: shutil.copy(step / "layer_00-model_states.pt", step / "layer_05-model_states.pt"),
+            "a layer file of another model",
+        ),
+        (lambda step: (step / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink(), "rank 1's optimizer states"),
+        (lambda step: (step / "mp_rank_01_model_states.pt").unlink(), "a stage's files are missing"),
+        (_other_runs_stage, "the tied parameter tied_modules.embed.weight differs"),
+    ],
+    ids=["missing_layer", "foreign_layer", "missing_partition", "missing_stage", "another_runs_stage"],
+)
+def test_a_broken_pipeline_checkpoint_is_a_named_error(tmp_path, edit, message):
+    from zeroshard.checkpoint import CheckpointError
+    from zeroshard.checkpoint.deepspeed_import import read_deepspeed_checkpoint
+
+    with pytest.raises(CheckpointError, match=message):
+        read_deepspeed_checkpoint(_hostile_copy(tmp_path, edit))
