@@ -14,8 +14,9 @@ def _convert_parser() -> argparse.ArgumentParser:
         prog="zeroshard convert",
         description="Write a checkpoint's fp32 weights as safetensors (streaming); with --from-deepspeed, import a "
         "DeepSpeed checkpoint (ZeRO rank files, a pipeline's stage and layer files, or a universal folder) as a "
-        "zeroshard checkpoint (optimizer state included) to resume from; with --to deepspeed-universal, write a zeroshard checkpoint as a DeepSpeed "
-        "universal folder (OUT_DIR/<tag>_universal and OUT_DIR/latest_universal) that DeepSpeed resumes with "
+        "zeroshard checkpoint (optimizer state included) to resume from; with --to deepspeed-universal, write a "
+        "zeroshard checkpoint as a DeepSpeed universal folder (OUT_DIR/<tag>_universal and OUT_DIR/latest_universal) "
+        "that DeepSpeed resumes with "
         '"checkpoint": {"load_universal": true}.',
     )
     parser.add_argument("checkpoint_dir")
