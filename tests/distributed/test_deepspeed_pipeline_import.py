@@ -1,8 +1,8 @@
 """DeepSpeed's pipeline checkpoints (layer files, one model-states file per stage, ZeRO-1 partitions per stage and
 data-parallel rank; fixtures written by DeepSpeed 0.19.8's pipeline engine at PP2 x DP2, fp32 and bf16, with its own
 continuation) load into zeroshard's pipeline engine: ``load_checkpoint`` on DeepSpeed's directory, at the same
-layout and at PP4, gives every fp32 master and Adam moment bit for bit, the tied embedding once, the step, the
-scheduler and the client state; 3 more steps continue as DeepSpeed continued. ``zeroshard convert
+layout, at PP4 and in one process, gives every fp32 master and Adam moment bit for bit, the tied embedding once, the
+step, the scheduler and the client state; 3 more steps continue as DeepSpeed continued. ``zeroshard convert
 --from-deepspeed`` writes the same model. Hostile copies (a missing or foreign layer file, a stage's partition
 missing, a stage of another run) are named errors; the files are read with the restricted unpickler, so nothing in
 them runs."""
@@ -47,7 +47,8 @@ def resume(case: str, stages: int) -> dict:
     module = PipelineModule(
         layers.layer_specs(LayerSpec, TiedLayerSpec), num_stages=stages, loss_fn=layers.cross_entropy
     )
-    config = {**facts["config"], "gradient_accumulation_steps": GAS * 2 * stages // 4}
+    data_parallel = zeroshard.comm.get_world_size() // stages
+    config = {**facts["config"], "gradient_accumulation_steps": 2 * GAS // data_parallel}  # the same global batch
     engine, *_ = zeroshard.initialize(model=module, config=config)
     _, client = engine.load_checkpoint(str(FIXTURES / case / "ckpt"))
     access = engine.param_access
@@ -70,17 +71,22 @@ def four_rank_worker() -> dict:
     return {case: {stages: resume(case, stages) for stages in (2, 4)} for case in CASES}
 
 
+def one_process_worker() -> dict:
+    return {case: {1: resume(case, 1)} for case in CASES}
+
+
 @pytest.fixture(scope="module")
-def runs() -> list:
-    return run_distributed(four_rank_worker, 4, timeout_s=600)
+def runs() -> dict:
+    return {"four": run_distributed(four_rank_worker, 4, timeout_s=600), "one": run_distributed(one_process_worker, 1)}
 
 
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages", [2, 4, 1])
 @pytest.mark.parametrize("case", CASES)
 def test_deepspeeds_pipeline_checkpoint_loads_exactly_and_continues_as_deepspeed(runs, case, stages):
+    """At DeepSpeed's layout (PP2 x DP2), at PP4 and in one process (one stage): the same model."""
     tensors, facts = _expected(case)
     within = 1e-6 if case.endswith("fp32") else 2e-2  # bf16 compute: DeepSpeed's and zeroshard's kernels round apart
-    for rank, result in enumerate(runs):
+    for rank, result in enumerate(runs["one" if stages == 1 else "four"]):
         got = result[case][stages]
         assert got["steps"] == 2 and got["client"] == facts["client_state"], (got["steps"], got["client"])
         assert got["lr"] == facts["lrs"], got["lr"]
