@@ -8,7 +8,6 @@ missing, a stage of another run) are named errors; the files are read with the r
 them runs."""
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 
 from zeroshard.testing import run_distributed
 from zeroshard.testing.fixtures import module_from_file
+from zeroshard.testing.hostile import CodeRunningPickle
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_pipe_checkpoints"
 CASES = ("pp2_dp2_fp32", "pp2_dp2_bf16")
@@ -128,16 +128,6 @@ def _other_runs_stage(step: Path) -> None:
                     step / f"zero_pp_rank_{rank}_mp_rank_01_optim_states.pt")  # fmt: skip
 
 
-class _RunsCode:
-    """Unpickling it would run a shell command (the restricted reader refuses the class instead)."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_a_layer_file_whose_pickle_would_run_code_is_refused_and_nothing_runs(tmp_path):
     from zeroshard.checkpoint import CheckpointError
     from zeroshard.checkpoint.deepspeed_import import read_deepspeed_checkpoint
@@ -145,7 +135,7 @@ def test_a_layer_file_whose_pickle_would_run_code_is_refused_and_nothing_runs(tm
     marker = tmp_path / "ran"
 
     def plant(step: Path) -> None:
-        torch.save({"weight": _RunsCode(marker)}, step / "layer_05-model_states.pt")
+        torch.save({"weight": CodeRunningPickle(marker)}, step / "layer_05-model_states.pt")
 
     with pytest.raises(CheckpointError, match="layer_05-model_states.pt"):
         read_deepspeed_checkpoint(_hostile_copy(tmp_path, plant))

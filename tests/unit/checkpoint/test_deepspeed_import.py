@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from zeroshard.checkpoint import CheckpointError, convert_deepspeed_checkpoint, get_fp32_state_dict_from_zero_checkpoint
 from zeroshard.checkpoint.reading import read_manifest
+from zeroshard.testing.hostile import CodeRunningPickle
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed_checkpoints"
 CASES = [f"{o}stage{s}_{d}" for o in ("", "fused_adamw_", "fused_adam_", "cpuadam_adamw_") for s in (1, 2, 3)
@@ -115,20 +116,10 @@ def _copy(tmp_path: Path, case: str = "stage2_fp32") -> Path:
     return target
 
 
-class RunsCode:
-    """What a hostile pickle holds: unpickling it would create a file."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_a_pickle_with_a_foreign_class_is_refused_and_nothing_runs(tmp_path):
     ds, marker = _copy(tmp_path), tmp_path / "ran"
     model = ds / "global_step2" / "mp_rank_00_model_states.pt"
-    torch.save({"param_shapes": [], "evil": RunsCode(str(marker))}, model)
+    torch.save({"param_shapes": [], "evil": CodeRunningPickle(marker)}, model)
     with pytest.raises(
         CheckpointError, match=r"mp_rank_00_model_states.pt: refused to unpickle class (posix|os)\.system"
     ):

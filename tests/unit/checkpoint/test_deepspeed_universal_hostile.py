@@ -18,6 +18,7 @@ import torch
 
 from zeroshard.checkpoint import convert_deepspeed_checkpoint, export_universal_checkpoint, read_deepspeed_file
 from zeroshard.checkpoint.safetensors_io import CheckpointError
+from zeroshard.testing.hostile import CodeRunningPickle
 
 from .test_deepspeed_import_hostile import _plain  # DeepSpeed's records as plain values
 
@@ -44,14 +45,6 @@ def _edit(file: Path, change) -> None:
     torch.save(data, file)
 
 
-class RunsCode:
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def _memo_graph():
     node: list = []
     for _ in range(60):
@@ -74,7 +67,7 @@ def test_the_plain_copy_converts_and_resumes_the_same_values(tmp_path):
 def test_a_pickle_that_runs_code_is_refused_and_does_not_run(tmp_path):
     ds = _folder(tmp_path)
     marker = tmp_path / "ran"
-    torch.save({"param": RunsCode(str(marker))}, ds / TAG / "zero" / "up.weight" / "fp32.pt")
+    torch.save({"param": CodeRunningPickle(marker)}, ds / TAG / "zero" / "up.weight" / "fp32.pt")
     with pytest.raises(CheckpointError, match=r"up.weight/fp32.pt: refused to unpickle"):
         _convert(ds, tmp_path)
     assert not marker.exists() and not (tmp_path / "out" / TAG).exists()
