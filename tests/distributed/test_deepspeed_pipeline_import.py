@@ -128,6 +128,18 @@ def _other_runs_stage(step: Path) -> None:
                     step / f"zero_pp_rank_{rank}_mp_rank_01_optim_states.pt")  # fmt: skip
 
 
+def _stage_count(value):
+    """Stage 0's model states rewritten to claim ``value`` stages (read with the restricted reader, saved by torch)."""
+
+    def edit(step: Path) -> None:
+        from zeroshard.checkpoint.deepspeed_record import read_deepspeed_file
+
+        model = read_deepspeed_file(str(step / "mp_rank_00_model_states.pt"))
+        torch.save({**model, "mp_world_size": value}, step / "mp_rank_00_model_states.pt")
+
+    return edit
+
+
 def test_a_layer_file_whose_pickle_would_run_code_is_refused_and_nothing_runs(tmp_path):
     from zeroshard.checkpoint import CheckpointError
     from zeroshard.checkpoint.deepspeed_import import read_deepspeed_checkpoint
@@ -153,8 +165,9 @@ def test_a_layer_file_whose_pickle_would_run_code_is_refused_and_nothing_runs(tm
         (lambda step: (step / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink(), "rank 1's optimizer states"),
         (lambda step: (step / "mp_rank_01_model_states.pt").unlink(), "a stage's files are missing"),
         (_other_runs_stage, "the tied parameter tied_modules.embed.weight differs"),
+        (_stage_count("3"), "mp_world_size '3'.*a stage's files are missing"),
     ],
-    ids=["missing_layer", "foreign_layer", "missing_partition", "missing_stage", "another_runs_stage"],
+    ids=["missing_layer", "foreign_layer", "missing_partition", "missing_stage", "another_runs_stage", "stage_count"],
 )
 def test_a_broken_pipeline_checkpoint_is_a_named_error(tmp_path, edit, message):
     from zeroshard.checkpoint import CheckpointError

@@ -79,22 +79,24 @@ def read_deepspeed_checkpoint(ds_dir: str, tag: Optional[str] = None) -> DeepSpe
     if not layers:  # one model: the first file (stage 3 writes one per rank, each with the model states)
         if any(not re.search(r"mp_rank_00_model_states\.pt$", f) for f in model_files):
             raise CheckpointError(f"{path}: a tensor-parallel DeepSpeed checkpoint (mp_rank_01...) is not importable")
-        return _read_stage(path, 0, layers, model_files[0])
+        return _read_stage(path, 0, layers, model_files[0], read_deepspeed_file(model_files[0]))
     stage_files = [f for f in model_files if re.fullmatch(r"mp_rank_\d\d_model_states\.pt", os.path.basename(f))]
-    said = read_deepspeed_file(stage_files[0]).get("mp_world_size") if stage_files else None  # the stage count
-    expected = [os.path.join(path, f"mp_rank_{mp:02d}_model_states.pt") for mp in range(said or len(stage_files))]
-    if not stage_files or stage_files != expected:
+    models = [read_deepspeed_file(f) for f in stage_files]
+    said = models[0].get("mp_world_size") if models and isinstance(models[0], dict) else None  # the stage count
+    expected = [os.path.join(path, f"mp_rank_{mp:02d}_model_states.pt") for mp in range(len(stage_files))]
+    if not stage_files or stage_files != expected or said != len(stage_files):
         raise CheckpointError(
-            f"{path}: the pipeline's stage files are {[os.path.basename(f) for f in stage_files]}, not mp_rank_00 .. "
-            "mp_rank_<stages - 1>: a stage's files are missing"
+            f"{path}: the pipeline's stage files are {[os.path.basename(f) for f in stage_files]}, and stage 0's model "
+            f"states say mp_world_size {said!r}; a pipeline of N stages has mp_rank_00 .. mp_rank_<N - 1>: a stage's "
+            "files are missing"
         )
-    return join_stages(path, [_read_stage(path, mp, layers, file) for mp, file in enumerate(stage_files)])
+    stages = [_read_stage(path, mp, layers, file, model) for mp, (file, model) in enumerate(zip(stage_files, models))]
+    return join_stages(path, stages)
 
 
-def _read_stage(path: str, mp: int, layers: dict, model_file: str) -> DeepSpeedCheckpoint:
-    """Model-parallel rank ``mp``'s files (``model_file``: its model states): the whole model's, or one pipeline
-    stage's (``layers``: the layer files, where a stage's module weights are)."""
-    model = read_deepspeed_file(model_file)
+def _read_stage(path: str, mp: int, layers: dict, model_file: str, model: Any) -> DeepSpeedCheckpoint:
+    """Model-parallel rank ``mp``'s files (``model_file``, read: ``model``, its model states): the whole model's, or
+    one pipeline stage's (``layers``: the layer files, where a stage's module weights are)."""
     if isinstance(model, dict) and (model.get("frozen_param_shapes") or model.get("frozen_param_fragments")):
         raise CheckpointError(f"{path}: frozen parameters in a DeepSpeed checkpoint are not importable yet")
     module = stage_buffers(path, model, layers) if layers and isinstance(model, dict) else None
