@@ -1,6 +1,7 @@
 """Pipeline parallelism as DeepSpeed's clients call it (``deepspeed.pipe``): layer specifications, process
 topologies as views of the mesh, where layers go, the order stages work in and what a stage announces before sending
-activations, all pure (no communication); the module a pipeline trains (``PipelineModule``: each rank builds its
+activations, all pure (no communication): the instructions a stage runs and DeepSpeed's schedules of them, and
+their check on paper (``simulate.py``); the module a pipeline trains (``PipelineModule``: each rank builds its
 stage's layers); the protocol between neighbouring stages (``exchange.py``) and DeepSpeed's grid getters over the mesh
 (``grid.py``). The engine that runs it is ``zeroshard.runtime.pipeline_engine``."""
 
@@ -9,7 +10,8 @@ from .grid import PipelineGrid
 from .messages import Announcement, PipeMessageError, TensorMeta, announce, encode, parse
 from .module import PipelineModule
 from .partition import manual_boundaries, partition_balanced, partition_boundaries, partition_uniform
-from .schedule import KINDS, Step, eval_steps, train_steps
+from .schedule import DataParallelSchedule, InferenceSchedule, PipeSchedule, TrainSchedule
+from .simulate import ScheduleError, StageTrace, simulate
 from .spec import LayerSpec, TiedLayerSpec
 from .topology import (
     PipeDataParallelTopology,
@@ -21,29 +23,32 @@ from .topology import (
 
 __all__ = [
     "Announcement",
-    "KINDS",
+    "DataParallelSchedule",
+    "InferenceSchedule",
     "LayerSpec",
     "PipeDataParallelTopology",
     "PipeMessageError",
     "PipeModelDataParallelTopology",
+    "PipeSchedule",
     "PipelineError",
     "PipelineGrid",
     "PipelineModule",
     "ProcessTopology",
+    "ScheduleError",
     "StageAborted",
     "StageExchange",
-    "Step",
+    "StageTrace",
     "TensorMeta",
     "TiedLayerSpec",
+    "TrainSchedule",
     "announce",
     "encode",
-    "eval_steps",
     "manual_boundaries",
-    "partition_balanced",
-    "partition_boundaries",
     "parallel_dims",
     "parse",
+    "partition_balanced",
+    "partition_boundaries",
     "partition_uniform",
     "pipeline_topology",
-    "train_steps",
+    "simulate",
 ]

@@ -1,60 +1,189 @@
-"""The order each pipeline stage runs its work in, pure: one-forward-one-backward (1F1B) for training, forwards
-only for evaluation.
+"""The order each pipeline stage runs its work in, pure: DeepSpeed's schedules, by their names and their private
+helpers, since clients subclass them and replace ``TrainSchedule.steps`` with their own (diffusion-pipe loads each
+micro-batch before exchanging, to broadcast its targets from the first stage to the last).
 
-Stage ``s`` of ``p`` with ``m`` micro-batches first runs ``min(p - s - 1, m)`` forwards (the warm-up: the later
-stages need that many before the first gradient comes back), then alternates one forward and one backward, then
-drains the remaining backwards; so it never holds more than ``p - s`` micro-batches' activations (GPipe holds
-``m``). The compute order per stage is DeepSpeed's ``TrainSchedule``'s; the exchanges are written beside it as
-separate steps: a stage receives an activation before its forward and sends the output after, receives the output's
-gradient before its backward and sends the input's gradient after. Sends do not wait for the receiver (the engine
-issues them asynchronously), receives do; with that, every stage's next receive has a matching send earlier in the
-sender's order, so the schedule cannot deadlock (``tests/unit/pipe/test_schedule.py`` runs every stage to the end).
+A schedule is built for one stage (``micro_batches``, ``stages``, ``stage_id``); ``steps()`` yields a list of
+instructions (``zeroshard.pipe.instructions``) per step, and a micro-batch in flight lives in a slot of the stage's
+buffers (``_buffer_idx``, ``num_pipe_buffers``). The engine runs every step's instructions in order; sends do not
+wait for the receiver, receives do. :mod:`zeroshard.pipe.simulate` runs all stages of a schedule that way and names
+a receive that would wait for ever, a slot read before it was written or a label paired with another micro-batch's
+activations; the engine checks a schedule so before running it.
+
+- :class:`TrainSchedule`: one forward, one backward (1F1B), DeepSpeed's lockstep order: step ``t`` of stage ``s`` is
+  a forward when ``t`` and ``s`` have the same parity. Stage ``s`` of ``p`` holds at most ``min(p - s, m)``
+  micro-batches' activations (GPipe holds ``m``); the idle fraction of each stage, its bubble, is ``(p - 1) / (m +
+  p - 1)`` when every stage takes the same time.
+- :class:`InferenceSchedule`: forwards only, two slots.
+- :class:`DataParallelSchedule`: one stage, forward and backward per micro-batch (DeepSpeed's example).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Iterator
 
-KINDS = ("recv_activation", "forward", "send_activation", "recv_grad", "backward", "send_grad")
-
-
-@dataclass(frozen=True)
-class Step:
-    """One piece of a stage's work on micro-batch ``micro`` (``kind`` in :data:`KINDS`)."""
-
-    kind: str
-    micro: int
-
-
-def train_steps(stage: int, stages: int, micro_batches: int) -> list[Step]:
-    """Stage ``stage``'s 1F1B order over ``micro_batches`` micro-batches."""
-    _check(stage, stages, micro_batches)
-    warmup = min(stages - stage - 1, micro_batches)
-    order = [("forward", i) for i in range(warmup)]
-    for i in range(micro_batches - warmup):
-        order += [("forward", warmup + i), ("backward", i)]
-    order += [("backward", i) for i in range(micro_batches - warmup, micro_batches)]
-    return [step for kind, micro in order for step in _with_exchanges(kind, micro, stage, stages)]
+from .instructions import (
+    BackwardPass,
+    ForwardPass,
+    LoadMicroBatch,
+    OptimizerStep,
+    PipeInstruction,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
 
 
-def eval_steps(stage: int, stages: int, micro_batches: int) -> list[Step]:
-    """Stage ``stage``'s forwards over ``micro_batches`` micro-batches, in order."""
-    _check(stage, stages, micro_batches)
-    return [step for i in range(micro_batches) for step in _with_exchanges("forward", i, stage, stages)]
+def _is_even(x: int) -> bool:
+    return x % 2 == 0
 
 
-def _with_exchanges(kind: str, micro: int, stage: int, stages: int) -> list[Step]:
-    first, last = stage == 0, stage == stages - 1
-    if kind == "forward":
-        before, after = (None if first else "recv_activation"), (None if last else "send_activation")
-    else:
-        before, after = (None if last else "recv_grad"), (None if first else "send_grad")
-    return [Step(k, micro) for k in (before, kind, after) if k is not None]
+def _is_odd(x: int) -> bool:
+    return x % 2 != 0
 
 
-def _check(stage: int, stages: int, micro_batches: int) -> None:
-    for name, value, low in (("stages", stages, 1), ("micro_batches", micro_batches, 1), ("stage", stage, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"pipeline schedule: {name} must be an int >= {low}, got {value!r}")
-    if stage >= stages:
-        raise ValueError(f"pipeline schedule: stage {stage} of {stages} stages does not exist")
+class PipeSchedule:
+    """The instructions of stage ``stage_id`` of ``stages`` over a batch of ``micro_batches``; subclasses define
+    :meth:`steps` (and :meth:`num_pipe_buffers` when they keep fewer slots than micro-batches)."""
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int):
+        for name, value, low in (("stages", stages, 1), ("micro_batches", micro_batches, 1), ("stage_id", stage_id, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"pipeline schedule: {name} must be an int >= {low}, got {value!r}")
+        if stage_id >= stages:
+            raise ValueError(f"pipeline schedule: stage {stage_id} of {stages} stages does not exist")
+        self.micro_batches, self.stages, self.stage_id = micro_batches, stages, stage_id
+        self.prev_stage, self.next_stage = stage_id - 1, stage_id + 1
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        raise NotImplementedError(f"{type(self).__name__}.steps(): a schedule yields a list of instructions per step")
+
+    def num_pipe_buffers(self) -> int:
+        return self.micro_batches
+
+    def _valid_micro_batch(self, micro_batch_id: int) -> bool:
+        return 0 <= micro_batch_id < self.micro_batches
+
+    def _valid_stage(self, stage_id: int) -> bool:
+        return 0 <= stage_id < self.stages
+
+    def _buffer_idx(self, micro_batch_id: int) -> int:
+        """The slot of micro-batch ``micro_batch_id``: slots are reused in turn."""
+        if not self._valid_micro_batch(micro_batch_id):
+            raise ValueError(f"micro-batch {micro_batch_id} is not one of this batch's {self.micro_batches}")
+        return micro_batch_id % self.num_pipe_buffers()
+
+    @property
+    def stage(self) -> int:
+        return self.stage_id
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.micro_batches
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.stages - 1
+
+    def __iter__(self):
+        self.it = None
+        return self
+
+    def __next__(self) -> list[PipeInstruction]:
+        if self.it is None:
+            self.it = self.steps()
+        return next(self.it)
+
+
+class TrainSchedule(PipeSchedule):
+    """1F1B in DeepSpeed's lockstep order (the module's docstring). At each step a stage first exchanges (a forward
+    step sends the previous micro-batch's input gradients and receives this one's activations; a backward step
+    receives this micro-batch's output gradients and sends the previous one's activations), then the first and last
+    stages load a forward's micro-batch, then it computes; the last step reduces and steps."""
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        previous = -1
+        total = 2 * (self.micro_batches + self.stages - 1)
+        for step_id in range(total):
+            micro, forward = self._step_to_micro_batch(step_id)
+            valid, previous_valid = self._valid_micro_batch(micro), self._valid_micro_batch(previous)
+            cmds: list[PipeInstruction] = []
+            if forward:
+                if previous_valid and self._valid_stage(self.prev_stage):
+                    cmds.append(SendGrad(self._buffer_idx(previous)))
+                if valid and self._valid_stage(self.prev_stage):
+                    cmds.append(RecvActivation(self._buffer_idx(micro)))
+            else:
+                if valid and self._valid_stage(self.next_stage):
+                    cmds.append(RecvGrad(self._buffer_idx(micro)))
+                if previous_valid and self._valid_stage(self.next_stage):
+                    cmds.append(SendActivation(self._buffer_idx(previous)))
+            if forward and valid and (self.is_first_stage or self.is_last_stage):
+                cmds.append(LoadMicroBatch(self._buffer_idx(micro)))
+            if valid:
+                cmds.append((ForwardPass if forward else BackwardPass)(self._buffer_idx(micro)))
+            if step_id == total - 1:
+                cmds += [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
+            previous = micro
+            yield cmds
+
+    def num_pipe_buffers(self) -> int:
+        """The most micro-batches in flight on this stage: the warm-up's forwards and the one being drained."""
+        return max(2, min(self.stages - self.stage_id, self.micro_batches))
+
+    def _step_to_micro_batch(self, step_id: int) -> tuple[int, bool]:
+        """(micro-batch, is forward) of step ``step_id``: stages of one parity run forwards on even steps and
+        backwards on odd ones, the others the other way; a stage starts its forwards ``stage_id // 2`` double steps
+        late and its backwards when the last stage's first gradient has come back to it (out-of-range ids: idle)."""
+        forward = _is_even(step_id) == _is_even(self.stage_id)
+        if forward:
+            return step_id // 2 - self.stage_id // 2, True
+        return step_id // 2 - self.stages + self.stage_id // 2 + 1, False
+
+
+class InferenceSchedule(PipeSchedule):
+    """Forwards only, micro-batch ``t - stage_id`` at step ``t``, alternating between two slots: even stages send
+    the previous output before receiving the next input, odd stages the other way round."""
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        for step_id in range(self.micro_batches + self.stages - 1):
+            micro = step_id - self.stage_id
+            even = _is_even(self.stage_id)
+            receive_slot, send_slot = (step_id % 2, (step_id + 1) % 2) if even else ((step_id + 1) % 2, step_id % 2)
+            cmds: list[PipeInstruction] = []
+            if (self.is_first_stage or self.is_last_stage) and self._valid_micro_batch(micro):
+                cmds.append(LoadMicroBatch(receive_slot))
+            send = self._valid_stage(self.next_stage) and self._valid_micro_batch(micro - 1)
+            receive = self._valid_stage(self.prev_stage) and self._valid_micro_batch(micro)
+            exchange = [SendActivation(send_slot)] * send + [RecvActivation(receive_slot)] * receive
+            cmds += exchange if even else exchange[::-1]
+            if self._valid_micro_batch(micro):
+                cmds.append(ForwardPass(receive_slot))
+            yield cmds
+
+    def num_pipe_buffers(self) -> int:
+        return 2
+
+
+class DataParallelSchedule(PipeSchedule):
+    """One stage: load, forward and backward each micro-batch in one slot, then reduce and step."""
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        for step_id in range(self.micro_batches):
+            cmds: list[PipeInstruction] = [LoadMicroBatch(0), ForwardPass(0), BackwardPass(0)]
+            if step_id == self.micro_batches - 1:
+                cmds += [ReduceGrads(), OptimizerStep()]
+            yield cmds
+
+    def num_pipe_buffers(self) -> int:
+        return 1

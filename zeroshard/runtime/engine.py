@@ -187,16 +187,20 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         self._backward_from([loss.float() * scale], None, self.is_gradient_accumulation_boundary(), retain_graph)
         return loss
 
-    def _backward_from(self, tensors: list, grads: Optional[list], boundary: bool, retain_graph: bool = False) -> None:
+    def _backward_from(
+        self, tensors: list, grads: Optional[list], boundary: bool, retain_graph: bool = False, finish: bool = True
+    ) -> None:
         """Backward from ``tensors`` (the scaled loss, or a pipeline stage's outputs with the gradients the next stage
-        sent back) through the stack's hooks; ``boundary``: it ends a gradient accumulation (the reductions run)."""
+        sent back) through the stack's hooks; ``boundary``: it ends a gradient accumulation (the reductions run);
+        ``finish``: wait for them here (a pipeline stage waits later: ``stack.end_backward``)."""
         started = time.perf_counter()
         self.stack.refuse_if_offloaded("backward")
         self.stack.begin_backward(boundary, tensors[0])
         torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
         self.reporting.sample_memory()
         reduce_started = time.perf_counter()
-        self.stack.end_backward(graph_retained=retain_graph)
+        if finish:
+            self.stack.end_backward(graph_retained=retain_graph)
         self.reporting.timers["backward"] += reduce_started - started
         self.reporting.timers["reduce_wait"] += time.perf_counter() - reduce_started
 

@@ -2,8 +2,11 @@
 engine of one stage.
 
 Each rank runs the stage of a :class:`~zeroshard.pipe.PipelineModule` its pipe coordinate names, through the same
-ZeRO stack as any engine (stages 0-2, over the ranks of its stage). A batch is ``gradient_accumulation_steps``
-micro-batches run in the 1F1B order (:func:`zeroshard.pipe.train_steps`), activations and their gradients passed
+ZeRO stack as any engine, over the ranks of its stage. A batch is ``gradient_accumulation_steps`` micro-batches run
+as a schedule orders them (``zeroshard.pipe.schedule``: DeepSpeed's ``TrainSchedule``, 1F1B), instruction by
+instruction through ``_INSTRUCTION_MAP`` as DeepSpeed's engine runs them (a client's replacement of an entry, or of
+``TrainSchedule.steps``, is what runs; a schedule is first run on paper for every stage, ``zeroshard.pipe.simulate``),
+activations and their gradients passed
 between neighbours (:mod:`zeroshard.pipe.exchange`). The arithmetic is one model's: the last stage scales each
 micro-batch's loss by ``1 / micro-batches`` once, the other stages back-propagate the gradients they receive as
 they are (scaling them again was DeepSpeed issue 8152); the gradients are reduced over the data-parallel ranks of
@@ -17,33 +20,44 @@ place gradients are exchanged between pipelines, the ranks of each stage agree o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
+import types
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils._pytree import tree_map
 
 from .. import comm
 from ..accelerator import get_accelerator
 from ..checkpoint.view import PipelinePlacement, TrainingState
 from ..pipe import (
-    Announcement,
     PipelineError,
     PipelineGrid,
     PipelineModule,
     StageAborted,
     StageExchange,
-    Step,
-    eval_steps,
     parallel_dims,
-    train_steps,
 )
 from ..pipe.exchange import ACTIVATIONS, GRADIENTS
-from .activation_checkpointing import in_effect as checkpointing_in_effect
+from ..pipe.instructions import (
+    BATCH_END,
+    BackwardPass,
+    ForwardPass,
+    LoadMicroBatch,
+    OptimizerStep,
+    PipeInstruction,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
+from ..pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
+from ..pipe.simulate import ScheduleError, commands_of, simulate
 from .engine import ZeroshardEngine
 from .micro_batches import DataExhausted
+from .pipeline_batch import PipelineBatch
 from .sampler import RepeatingLoader
 
 
@@ -83,6 +97,9 @@ class PipelineEngine(ZeroshardEngine):
         self.outputs = None  # eval_batch(return_logits=True): the last micro-batch's outputs (last stage)
         self._return_logits = False
         self._failed: Optional[str] = None  # a batch failed: the channels are out of step, nothing more runs
+        self._batch: Optional[PipelineBatch] = None  # the batch running, or the last one
+        self._checked_schedules: set = set()  # (schedule, its steps, micro-batches, stages, training) run on paper
+        self.peak_micro_batches_in_flight = 0  # the last training batch's on this stage (activations kept)
         if self.training_dataloader is not None and (self.is_first_stage() or self.is_last_stage()):
             # initialize(training_data=...): read forever, as DeepSpeed does; the loader (its resumable sampler,
             # which checkpoints save) stays the engine's
@@ -148,12 +165,14 @@ class PipelineEngine(ZeroshardEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         started, waited_before = time.perf_counter(), self.exchange.waited
-        steps = train_steps(self.stage_id, self.num_stages, self.micro_batches)
-        losses = self._run(steps, True, scalar=True, call="train_batch", micro_batches=self.micro_batches)
+        schedule = TrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+        losses, batch_end = self._run(schedule, True, scalar=True, call="train_batch")
         self.agg_train_loss = self._mean_loss(losses, self.micro_batches)
         self._last_loss = self.agg_train_loss
         self.counters.micro_steps += self.micro_batches
-        self._optimizer_step()
+        for instruction in batch_end:  # the reductions and the optimizer step, as the schedule orders them
+            self._exec(instruction)
+        self._batch.finish_reductions()  # a client's schedule may leave out ReduceGrads
         self.reporting.timers["train_batch"] += time.perf_counter() - started
         self.reporting.timers["pipe_wait"] += self.exchange.waited - waited_before
         self.reporting.print_flops_profile()
@@ -184,9 +203,11 @@ class PipelineEngine(ZeroshardEngine):
         self._return_logits = return_logits
         try:
             with torch.no_grad():
-                steps = eval_steps(self.stage_id, self.num_stages, micro_batches)
+                schedule = InferenceSchedule(
+                    micro_batches=micro_batches, stages=self.num_stages, stage_id=self.stage_id
+                )
                 scalar = compute_loss and bcast_loss and reduce_output == "avg"
-                outputs = self._run(steps, compute_loss, scalar, call="eval_batch", micro_batches=micro_batches)
+                outputs, _ = self._run(schedule, compute_loss, scalar, call="eval_batch")
         finally:
             self._return_logits = False
             self.set_dataiterator(training_iterator)
@@ -203,52 +224,141 @@ class PipelineEngine(ZeroshardEngine):
         return result
 
     # -- running a schedule -------------------------------------------------------------------------
-    def _run(self, steps: list[Step], compute_loss: bool, scalar: bool, call: str, micro_batches: int) -> list:
-        """Run ``steps`` (this stage's order over ``micro_batches``); returns the last stage's per-micro-batch losses
-        (or outputs; ``scalar``: each must be a one-element tensor, checked as it is computed).
+    def _run(self, schedule: PipeSchedule, compute_loss: bool, scalar: bool, call: str) -> tuple[list, list]:
+        """Run this stage's instructions of ``schedule`` up to the batch's end; returns the last stage's per-micro-
+        batch losses (or outputs; ``scalar``: each must be a one-element tensor, checked as it is computed) and the
+        instructions that end the batch (reductions, the optimizer step), for the caller to run once the loss is
+        known.
 
         A failure anywhere ends every rank with a named error (the module's docstring). The end of the data at a
         batch boundary is no failure: when every rank's batch stopped because an iterator ended before anything of
         it ran, every rank raises :class:`PipelineDataExhausted` (a ``StopIteration``) and the engine goes on with
         the next iterator."""
         self._refuse_after_failure(call)
-        run = _Run(self, compute_loss, scalar, micro_batches)
+        body, batch_end = self._instructions(schedule)
+        batch = self._batch = PipelineBatch(self, compute_loss, scalar, schedule.micro_batches)
         self.exchange.begin()
-        boundary = max((s.micro for s in steps if s.kind == "backward"), default=None)
-        agreed = False
+        backwards = [i for i, instruction in enumerate(body) if isinstance(instruction, BackwardPass)]
+        boundary = backwards[-1] if backwards else len(body)  # where the stage's ranks agree nobody failed
+        done, agreed = 0, False
         try:
-            for step in steps:
-                if step.micro == boundary and step.kind == "backward":
+            for done, instruction in enumerate(body):
+                if done == boundary:
                     agreed = True
                     self._agree(None, self.mesh.stage)  # every rank of this stage got here: its reductions all run
-                run.do(step, boundary=step.micro == boundary)
-            if boundary is None:
+                self._exec(instruction)
+            done = len(body)
+            if boundary == len(body):
                 agreed = True
                 self._agree(None, self.mesh.stage)
             self.exchange.finish()
         except Exception as error:
-            aborted = error if isinstance(error, StageAborted) else None
-            origin = aborted.origin if aborted is not None else comm.get_rank()
-            ended = isinstance(error, PipelineDataExhausted) or (aborted is not None and aborted.data_ended)
-            clean = ended and run.steps_done == 0 and not self.exchange.exchanged  # nothing of the batch ran here
-            owed = {s.kind for s in steps[run.steps_done :]}  # what the neighbours still wait for from this rank
-            source = aborted.source if aborted is not None else None
-            self.exchange.abort(origin, "send_activation" in owed, "send_grad" in owed, source, data_ended=clean)
-            if not agreed:
-                self._agree(origin, self.mesh.stage)
-            if not self._agree(origin, self.mesh.world, clean):
-                self._failed = f"{type(error).__name__}: {error}".splitlines()[0]
-                raise
-            if isinstance(error, PipelineDataExhausted):
-                raise
-            raise PipelineDataExhausted(
-                f"rank {comm.get_rank()} (pipeline stage {self.stage_id}): the data ended at a batch boundary on rank "
-                f"{origin} (pipeline stage {self.mesh.dims.coordinate(origin, 'pp')}); nothing of this batch ran"
-            ) from None
+            batch.settle_after_failure()
+            self._stop_batch(error, body[done:], clean=done == 0 and not self.exchange.exchanged, agreed=agreed)
         # a failure after the stages agreed (an out-of-memory in the last backward) reaches every rank here, before
         # the loss broadcast and the gradient norm join the stages
-        self._agree(None, self.mesh.world)
-        return run.results
+        try:
+            self._agree(None, self.mesh.world)
+        except StageAborted:
+            batch.settle_after_failure()
+            raise
+        if batch.backwards:
+            self.peak_micro_batches_in_flight = batch.peak_in_flight
+        return batch.results, batch_end
+
+    def _stop_batch(self, error: Exception, left: list, clean: bool, agreed: bool) -> None:
+        """The batch failed on this rank with ``error`` (``left``: the instructions it did not run; ``clean``:
+        nothing of the batch ran here): tell the neighbours and the other ranks, then raise."""
+        aborted = error if isinstance(error, StageAborted) else None
+        origin = aborted.origin if aborted is not None else comm.get_rank()
+        ended = isinstance(error, PipelineDataExhausted) or (aborted is not None and aborted.data_ended)
+        clean = ended and clean
+        owed = {type(instruction) for instruction in left}  # what the neighbours still wait for from this rank
+        source = aborted.source if aborted is not None else None
+        self.exchange.abort(origin, SendActivation in owed, SendGrad in owed, source, data_ended=clean)
+        if not agreed:
+            self._agree(origin, self.mesh.stage)
+        if not self._agree(origin, self.mesh.world, clean):
+            self._failed = f"{type(error).__name__}: {error}".splitlines()[0]
+            raise error
+        if isinstance(error, PipelineDataExhausted):
+            raise error
+        raise PipelineDataExhausted(
+            f"rank {comm.get_rank()} (pipeline stage {self.stage_id}): the data ended at a batch boundary on rank "
+            f"{origin} (pipeline stage {self.mesh.dims.coordinate(origin, 'pp')}); nothing of this batch ran"
+        ) from None
+
+    def _instructions(self, schedule: PipeSchedule) -> tuple[list, list]:
+        """This stage's instructions of ``schedule``, split where the batch ends; a schedule not run before is first
+        run on paper for every stage (``zeroshard.pipe.simulate``): one that would deadlock or mix micro-batches up
+        is refused before anything runs."""
+        kind = type(schedule)
+        key = (kind, kind.steps, schedule.micro_batches, schedule.stages, torch.is_grad_enabled())
+        if key not in self._checked_schedules:
+            try:
+                simulate(lambda stage: kind(schedule.micro_batches, schedule.stages, stage), schedule.stages, key[-1])
+            except ScheduleError as error:
+                raise PipelineError(f"rank {comm.get_rank()}: {kind.__name__} cannot run: {error}") from None
+            self._checked_schedules.add(key)
+        commands = [instruction for _, instruction in commands_of(schedule)]
+        split = next((i for i, c in enumerate(commands) if isinstance(c, BATCH_END)), len(commands))
+        return commands[:split], commands[split:]
+
+    def _exec(self, instruction: PipeInstruction) -> None:
+        """Run ``instruction`` through ``_INSTRUCTION_MAP`` (the class's, so a client's entry is the one that runs),
+        as DeepSpeed's engine does."""
+        function = self._INSTRUCTION_MAP.get(type(instruction))
+        if function is None:
+            raise PipelineError(
+                f"rank {comm.get_rank()}: no entry in PipelineEngine._INSTRUCTION_MAP runs {instruction!r}"
+            )
+        types.MethodType(function, self)(**instruction.kwargs)
+
+    # DeepSpeed's names for what each instruction does (clients' subclasses call them through super())
+    def _exec_load_micro_batch(self, buffer_id: int) -> None:
+        self._batch.load(buffer_id)
+
+    def _exec_forward_pass(self, buffer_id: int) -> None:
+        self._batch.forward(buffer_id)
+
+    def _exec_backward_pass(self, buffer_id: int) -> None:
+        self._batch.backward(buffer_id)
+
+    def _exec_send_activations(self, buffer_id: int) -> None:
+        self._batch.send_activations(buffer_id)
+
+    def _exec_recv_activations(self, buffer_id: int) -> None:
+        self._batch.receive_activations(buffer_id)
+
+    def _exec_send_grads(self, buffer_id: int) -> None:
+        self._batch.send_gradients(buffer_id)
+
+    def _exec_recv_grads(self, buffer_id: int) -> None:
+        self._batch.receive_gradients(buffer_id)
+
+    def _exec_reduce_grads(self) -> None:
+        self._batch.finish_reductions()
+
+    def _exec_reduce_tied_grads(self) -> None:
+        self._batch.finish_reductions()
+        self.stack.sum_tied_gradients()
+
+    def _exec_optimizer_step(self) -> None:
+        self._batch.finish_reductions()
+        self._optimizer_step()
+
+    _INSTRUCTION_MAP = {
+        LoadMicroBatch: _exec_load_micro_batch,
+        ForwardPass: _exec_forward_pass,
+        BackwardPass: _exec_backward_pass,
+        SendActivation: _exec_send_activations,
+        RecvActivation: _exec_recv_activations,
+        SendGrad: _exec_send_grads,
+        RecvGrad: _exec_recv_grads,
+        ReduceGrads: _exec_reduce_grads,
+        ReduceTiedGrads: _exec_reduce_tied_grads,
+        OptimizerStep: _exec_optimizer_step,
+    }
 
     def _agree(self, failed: Optional[int], group: comm.Group, clean: bool = False) -> bool:
         """Agree with the other ranks of ``group`` (this stage's, or the world at the end of a batch) on whether any
@@ -340,94 +450,3 @@ def _check_placed_as_built(module: PipelineModule, mesh: comm.Mesh) -> None:
             f"but the engine's mesh ({mesh.dims}) places this rank at stage {mesh.pipe.rank}; build the module after "
             "init_distributed, with the topology of the world it runs on"
         )
-
-
-class _Run:
-    """One batch's state on one stage: per micro-batch, the inputs, the outputs kept for backward, the announcement
-    of what was sent and the labels."""
-
-    def __init__(self, engine: PipelineEngine, compute_loss: bool, scalar: bool, micro_batches: int):
-        self.engine, self.compute_loss, self.scalar = engine, compute_loss, scalar
-        self.micro_batches = micro_batches
-        self.steps_done = 0
-        self.inputs: dict[int, Any] = {}
-        self.outputs: dict[int, Any] = {}
-        self.sent: dict[int, Announcement] = {}
-        self.received: dict[int, list] = {}
-        self.results: list = []
-
-    def do(self, step: Step, boundary: bool) -> None:
-        getattr(self, step.kind)(step.micro, boundary)
-        self.steps_done += 1
-
-    def recv_activation(self, micro: int, boundary: bool) -> None:
-        self.inputs[micro] = self.engine.exchange.receive_activations()[1]
-
-    def forward(self, micro: int, boundary: bool) -> None:
-        engine = self.engine
-        labels = None
-        if engine.is_first_stage() or engine.is_last_stage():
-            inputs, labels = engine._next_batch(micro, self.micro_batches)
-            if engine.is_first_stage():
-                self.inputs[micro] = tree_map(
-                    lambda t: t.detach().to(engine.device) if torch.is_tensor(t) else t,
-                    tuple(inputs) if isinstance(inputs, list) else inputs,
-                )
-        # a received activation goes in as a copy, as DeepSpeed passes it: a stage may start with an in-place layer
-        # (nn.ReLU(inplace=True)), and the received leaf keeps the gradient to send back
-        inputs = tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, self.inputs[micro])
-        with checkpointing_in_effect(engine.activation_checkpointing):
-            output = engine.module(inputs)
-        if not engine.is_last_stage():
-            self.outputs[micro] = output
-            return
-        loss_fn = engine.module.loss_fn
-        if self.compute_loss and loss_fn is not None:
-            labels = tree_map(lambda t: t.to(engine.device) if torch.is_tensor(t) else t, labels)
-            output_or_loss = loss_fn(output, labels)
-        else:
-            output_or_loss = output
-        if self.scalar and not (torch.is_tensor(output_or_loss) and output_or_loss.numel() == 1):
-            got = tuple(output_or_loss.shape) if torch.is_tensor(output_or_loss) else type(output_or_loss).__name__
-            raise PipelineError(
-                f"rank {comm.get_rank()}: the last stage's loss must be a one-element tensor, got {got} (set "
-                "loss_fn on the PipelineModule, or return the loss from the last layer)"
-            )
-        if engine._return_logits:
-            engine.outputs = output
-        self.outputs[micro] = output_or_loss
-        self.results.append(output_or_loss.detach() if torch.is_tensor(output_or_loss) else output_or_loss)
-
-    def send_activation(self, micro: int, boundary: bool) -> None:
-        self.sent[micro] = self.engine.exchange.send_activations(self.outputs[micro])
-        if not torch.is_grad_enabled():
-            del self.outputs[micro], self.inputs[micro]
-
-    def recv_grad(self, micro: int, boundary: bool) -> None:
-        self.received[micro] = self.engine.exchange.receive_gradients(self.sent.pop(micro))
-
-    def backward(self, micro: int, boundary: bool) -> None:
-        engine, output = self.engine, self.outputs.pop(micro)
-        if engine.is_first_stage():
-            self.inputs.pop(micro, None)  # no gradient goes back from the first stage
-        if engine.is_last_stage():  # a one-element loss: forward checked it
-            scale = engine.stack.loss_scale / engine.micro_batches  # once, on the last stage only
-            tensors, grads = [output.float().reshape(()) * scale], None
-        else:
-            outputs = [output] if torch.is_tensor(output) else list(output)
-            tensors, grads = [t for t in outputs if t.requires_grad], self.received.pop(micro)
-            if not tensors:
-                return  # nothing before this point trains (a frozen stage)
-        try:
-            engine._backward_from(tensors, grads, boundary)
-        except Exception:
-            if boundary:  # after the stage agreed: its other ranks wait in this backward's gradient reductions
-                with contextlib.suppress(Exception):  # the batch has failed whatever this does; the first error counts
-                    engine.stack.end_backward()  # what this rank still owes them, launched and finished
-            raise
-
-    def send_grad(self, micro: int, boundary: bool) -> None:
-        inputs = self.inputs.pop(micro)
-        inputs = [inputs] if torch.is_tensor(inputs) else list(inputs)
-        grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad]
-        self.engine.exchange.send_gradients(grads)

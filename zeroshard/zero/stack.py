@@ -112,6 +112,7 @@ class ZeroStack:
         self.access = ParamAccess(records, optimizer_state, reducer, self.states)  # one parameter's state
         # the global norm, and what pipeline stages share
         self.gradient_norm = GradientNorm(flat_groups, norm, device, ties)
+        self._ties_summed = False  # sum_tied_gradients ran since the last step
         self.consecutive_skipped = 0
         self.steps_taken = 0  # optimizer steps attempted (applied or skipped)
         self.overflow = False  # DeepSpeed's name: whether the last step was skipped for non-finite gradients
@@ -163,13 +164,22 @@ class ZeroStack:
         if self.stage3 is not None:
             self.stage3.end_backward(graph_retained=graph_retained)
 
+    def sum_tied_gradients(self) -> None:
+        """Sum the reduced gradients of parameters tied across pipeline stages over those stages, once per step
+        (a pipeline schedule's ``ReduceTiedGrads``, else the step itself)."""
+        if not self._ties_summed:
+            self.settle()
+            self.reducer.verify_gradients(self.steps_taken + 1)  # the reduction's check, before the ties add to them
+            self.gradient_norm.sum_tied(self.reducer.grads)
+            self._ties_summed = True
+
     def step(self) -> bool:
         """Unscale, clip and apply the reduced gradients; False when an fp16 overflow skipped the step."""
         self.settle()
-        self.reducer.verify_gradients(self.steps_taken + 1)
         scale = self.loss_scaler.scale
         grads = self.reducer.grads  # where each shard waits: in memory, or on disk (NVMe optimizer offload)
-        self.gradient_norm.sum_tied(grads)
+        self.sum_tied_gradients()
+        self._ties_summed = False  # this step consumes them
         average_over = self.reducer.gradient_group if self.exchange.averages_itself() else None
         norm = math.sqrt(self.gradient_norm.squared(grads, average_over).item()) / scale
         overflow = self.overflow = not math.isfinite(norm)
@@ -408,6 +418,15 @@ class NoOptimizerStack:
 
     def begin_backward(self, boundary: bool, scaled_loss: torch.Tensor) -> None:
         self.needs_optimizer("backward")
+
+    def sum_tied_gradients(self) -> None:
+        """Sum the reduced gradients of parameters tied across pipeline stages over those stages, once per step
+        (a pipeline schedule's ``ReduceTiedGrads``, else the step itself)."""
+        if not self._ties_summed:
+            self.settle()
+            self.reducer.verify_gradients(self.steps_taken + 1)  # the reduction's check, before the ties add to them
+            self.gradient_norm.sum_tied(self.reducer.grads)
+            self._ties_summed = True
 
     def step(self) -> bool:
         self.needs_optimizer("step")

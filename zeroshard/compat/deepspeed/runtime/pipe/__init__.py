@@ -1,7 +1,16 @@
 """``deepspeed.runtime.pipe``: the names DeepSpeed exports here, zeroshard's."""
 
-from . import engine, module, topology
+from . import engine, module, schedule, topology
 from .module import LayerSpec, PipelineModule, TiedLayerSpec
 from .topology import ProcessTopology
 
-__all__ = ["LayerSpec", "PipelineModule", "ProcessTopology", "TiedLayerSpec", "engine", "module", "topology"]
+__all__ = [
+    "LayerSpec",
+    "PipelineModule",
+    "ProcessTopology",
+    "TiedLayerSpec",
+    "engine",
+    "module",
+    "schedule",
+    "topology",
+]

@@ -1,0 +1,47 @@
+"""``deepspeed.runtime.pipe.schedule``: DeepSpeed's pipeline instructions and schedules are zeroshard's
+(``zeroshard.pipe.instructions``, ``zeroshard.pipe.schedule``), the same classes: a client's patch of
+``TrainSchedule.steps`` or its ``_INSTRUCTION_MAP`` entry keyed by ``ReduceGrads`` changes what the engine runs."""
+
+from .....pipe.instructions import (
+    BackwardPass,
+    BufferOpInstruction,
+    ForwardPass,
+    LoadMicroBatch,
+    OptimizerStep,
+    PipeInstruction,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
+from .....pipe.schedule import (
+    DataParallelSchedule,
+    InferenceSchedule,
+    PipeSchedule,
+    TrainSchedule,
+    _is_even,
+    _is_odd,
+)
+
+__all__ = [
+    "BackwardPass",
+    "BufferOpInstruction",
+    "DataParallelSchedule",
+    "ForwardPass",
+    "InferenceSchedule",
+    "LoadMicroBatch",
+    "OptimizerStep",
+    "PipeInstruction",
+    "PipeSchedule",
+    "RecvActivation",
+    "RecvGrad",
+    "ReduceGrads",
+    "ReduceTiedGrads",
+    "SendActivation",
+    "SendGrad",
+    "TrainSchedule",
+    "_is_even",
+    "_is_odd",
+]

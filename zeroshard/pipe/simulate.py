@@ -1,0 +1,217 @@
+"""Every stage of a pipeline schedule run together on paper, pure: the check the engine makes before it runs a
+schedule it has not run before (a client's ``TrainSchedule.steps`` of its own included), and the tests' proof that
+no schedule deadlocks.
+
+The model is the engine's: a send puts its micro-batch on the channel to its neighbour and goes on; a receive waits
+until the channel has one, first in first out; everything else runs at once. Each stage's slots are followed: what
+micro-batch each holds as inputs, labels, outputs, output gradients and input gradients, so a slot read before it
+is written, one overwritten while still needed, or a last stage pairing one micro-batch's activations with another's
+labels is an error naming the stage, the step and the instruction. When no stage can move and some have not
+finished, the schedule deadlocks: the error names what each stuck stage waits for."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .instructions import (
+    BATCH_END,
+    BufferOpInstruction,
+    PipeInstruction,
+    RecvActivation,
+    RecvGrad,
+)
+from .schedule import PipeSchedule
+
+
+class ScheduleError(ValueError):
+    """A schedule that would deadlock, or read or overwrite a slot out of turn."""
+
+
+@dataclass
+class StageTrace:
+    """What one stage did: the micro-batches it ran forward and backward, in order, and the most it held at once
+    (forwards run whose backward had not; in evaluation, 1)."""
+
+    forwards: list[int] = field(default_factory=list)
+    backwards: list[int] = field(default_factory=list)
+    peak_in_flight: int = 0
+
+
+@dataclass
+class _Slots:
+    inputs: dict = field(default_factory=dict)
+    labels: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    sent: dict = field(default_factory=dict)
+    output_grads: dict = field(default_factory=dict)
+    input_grads: dict = field(default_factory=dict)
+
+
+def commands_of(schedule: PipeSchedule) -> list[tuple[int, PipeInstruction]]:
+    """(step, instruction) of ``schedule`` in the order they run; checked to be instructions, the batch's end last."""
+    commands, ended = [], None
+    for step, cmds in enumerate(schedule.steps()):
+        if not isinstance(cmds, (list, tuple)):
+            raise ScheduleError(f"{type(schedule).__name__}: step {step} yielded {type(cmds).__name__}, not a list")
+        for cmd in cmds:
+            if not isinstance(cmd, PipeInstruction):
+                raise ScheduleError(f"{type(schedule).__name__}: step {step} holds {cmd!r}, not a pipeline instruction")
+            if isinstance(cmd, BATCH_END):
+                ended = ended or (step, cmd)
+            elif ended is not None:
+                raise ScheduleError(
+                    f"{type(schedule).__name__} (stage {schedule.stage_id}): {cmd!r} at step {step} comes after "
+                    f"{ended[1]!r} (step {ended[0]}); reductions and the optimizer step end the batch"
+                )
+            commands.append((step, cmd))
+    return commands
+
+
+def simulate(make: Callable[[int], PipeSchedule], stages: int, training: bool) -> list[StageTrace]:
+    """Run the schedules ``make(stage)`` of every stage together (the module's docstring); returns each stage's
+    trace, or raises :class:`ScheduleError`."""
+    programs = [commands_of(make(stage)) for stage in range(stages)]
+    micro_batches = make(0).micro_batches
+    channels: dict[tuple, deque] = {}
+    runs = [_StageRun(stage, stages, training, channels) for stage in range(stages)]
+    at = [0] * stages
+    while any(at[s] < len(programs[s]) for s in range(stages)):
+        moved = False
+        for s, program in enumerate(programs):
+            while at[s] < len(program) and runs[s].do(*program[at[s]]):
+                at[s] += 1
+                moved = True
+        if not moved:
+            stuck = [f"stage {s} at step {programs[s][at[s]][0]}: {programs[s][at[s]][1]!r}" for s in range(stages)
+                     if at[s] < len(programs[s])]  # fmt: skip
+            raise ScheduleError(f"the schedule deadlocks: every unfinished stage waits ({'; '.join(stuck)})")
+    left = {key: list(queue) for key, queue in channels.items() if queue}
+    if left:
+        raise ScheduleError(f"the schedule sends what is never received: {left}")
+    for run in runs:
+        run.check_complete(micro_batches)
+    return [run.trace for run in runs]
+
+
+class _StageRun:
+    def __init__(self, stage: int, stages: int, training: bool, channels: dict):
+        self.stage, self.stages, self.training, self.channels = stage, stages, training, channels
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.slots, self.trace = _Slots(), StageTrace()
+        self.loaded = 0
+        self.in_flight = 0
+
+    def do(self, step: int, cmd: PipeInstruction) -> bool:
+        """Run ``cmd``; False when it is a receive with nothing to receive yet."""
+        if not isinstance(cmd, BufferOpInstruction):
+            return True
+        self.where = f"stage {self.stage}, step {step}, {cmd!r}"
+        slot = cmd.buffer_id
+        if isinstance(cmd, (RecvActivation, RecvGrad)):
+            peer = self.stage - 1 if isinstance(cmd, RecvActivation) else self.stage + 1
+            self._neighbour(peer)
+            queue = self.channels.get((peer, self.stage, type(cmd)))
+            if not queue:
+                return False
+            micro = queue.popleft()
+            if isinstance(cmd, RecvActivation):
+                self._write(self.slots.inputs, slot, micro, "inputs")
+            else:
+                self._expect(self.slots.sent, slot, micro, "the activations sent")
+                self._write(self.slots.output_grads, slot, micro, "output gradients")
+            return True
+        getattr(self, type(cmd).__name__, self._unknown)(slot)
+        return True
+
+    def LoadMicroBatch(self, slot: int) -> None:
+        if not (self.first or self.last):
+            raise ScheduleError(f"{self.where}: only the first and last stages read data")
+        micro, self.loaded = self.loaded, self.loaded + 1
+        if self.first:
+            self._write(self.slots.inputs, slot, micro, "inputs")
+        if self.last:
+            self._write(self.slots.labels, slot, micro, "labels")
+
+    def ForwardPass(self, slot: int) -> None:
+        micro = self._read(self.slots.inputs, slot, "inputs")
+        if self.last:
+            self._expect(self.slots.labels, slot, micro, "labels")
+            del self.slots.labels[slot]
+        if not self.training:
+            del self.slots.inputs[slot]
+        self._write(self.slots.outputs, slot, micro, "outputs")
+        if not self.training and self.last:
+            del self.slots.outputs[slot]  # the loss, kept by the engine as a result
+        self.trace.forwards.append(micro)
+        self.in_flight += 1 if self.training else 0
+        self.trace.peak_in_flight = max(self.trace.peak_in_flight, self.in_flight if self.training else 1)
+
+    def SendActivation(self, slot: int) -> None:
+        self._neighbour(self.stage + 1)
+        micro = self._read(self.slots.outputs, slot, "outputs")
+        self.channels.setdefault((self.stage, self.stage + 1, RecvActivation), deque()).append(micro)
+        del self.slots.outputs[slot]
+        if self.training:
+            self._write(self.slots.sent, slot, micro, "the activations sent")
+
+    def BackwardPass(self, slot: int) -> None:
+        if not self.training:
+            raise ScheduleError(f"{self.where}: a backward in an evaluation schedule")
+        if self.last:
+            micro = self._read(self.slots.outputs, slot, "the loss")
+            del self.slots.outputs[slot]
+        else:
+            micro = self._read(self.slots.output_grads, slot, "output gradients")
+            del self.slots.output_grads[slot], self.slots.sent[slot]
+        if self.first:
+            del self.slots.inputs[slot]  # nothing goes back from the first stage
+        else:
+            self._write(self.slots.input_grads, slot, micro, "input gradients")
+        self.trace.backwards.append(micro)
+        self.in_flight -= 1
+
+    def SendGrad(self, slot: int) -> None:
+        self._neighbour(self.stage - 1)
+        micro = self._read(self.slots.input_grads, slot, "input gradients")
+        self._expect(self.slots.inputs, slot, micro, "inputs")
+        del self.slots.input_grads[slot], self.slots.inputs[slot]
+        self.channels.setdefault((self.stage, self.stage - 1, RecvGrad), deque()).append(micro)
+
+    def _unknown(self, slot: int) -> None:
+        raise ScheduleError(f"{self.where}: an instruction the simulation does not know")
+
+    def check_complete(self, micro_batches: int) -> None:
+        self.where = f"stage {self.stage} at the end"
+        expected = list(range(micro_batches))
+        if sorted(self.trace.forwards) != expected or (self.training and sorted(self.trace.backwards) != expected):
+            raise ScheduleError(
+                f"{self.where}: each of the {micro_batches} micro-batches runs forward"
+                + (" and backward" if self.training else "")
+                + f" once; ran forwards {self.trace.forwards}, backwards {self.trace.backwards}"
+            )
+        held = {name: dict(v) for name, v in vars(self.slots).items() if v}
+        if held:
+            raise ScheduleError(f"{self.where}: slots still hold {held}")
+
+    def _neighbour(self, peer: int) -> None:
+        if not 0 <= peer < self.stages:
+            raise ScheduleError(f"{self.where}: there is no stage {peer} to exchange with")
+
+    def _read(self, slots: dict, slot: int, what: str) -> int:
+        if slot not in slots:
+            raise ScheduleError(f"{self.where}: slot {slot} holds no {what}")
+        return slots[slot]
+
+    def _expect(self, slots: dict, slot: int, micro: int, what: str) -> None:
+        held: Optional[int] = slots.get(slot)
+        if held != micro:
+            raise ScheduleError(f"{self.where}: slot {slot} holds the {what} of micro-batch {held}, not of {micro}")
+
+    def _write(self, slots: dict, slot: int, micro: int, what: str) -> None:
+        if slot in slots:
+            raise ScheduleError(
+                f"{self.where}: slot {slot} still holds the {what} of micro-batch {slots[slot]} (writing {micro})"
+            )
+        slots[slot] = micro
