@@ -164,6 +164,62 @@ def test_client_optimizer_and_scheduler_objects_and_accumulation_bookkeeping():
     assert model_error(r0["weights"], model.state_dict()) <= 1e-5
 
 
+def configure_optimizer_worker():
+    """diffusion-pipe's route: an engine built without an optimizer gets one from ``_configure_optimizer`` (a
+    callable over the parameters it chose), a torch scheduler set on the engine afterwards; then
+    ``communication_data_type`` set to bf16 halves the bytes of the next step's reductions."""
+    import zeroshard
+    from zeroshard import comm
+
+    model = make_model()
+    cfg = {**BASE, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}
+    engine, *_ = zeroshard.initialize(model=model, config=cfg)
+    before = engine.optimizer
+    engine._configure_optimizer(lambda params: torch.optim.AdamW(params, lr=1e-2), list(model.parameters()))
+    engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0 / (step + 1))
+    rank, world = comm.get_rank(), comm.get_world_size()
+    _train(engine, rank, world, gas=2)
+    weights = _weights(engine)
+    refused = {}
+    for value in ("int8", torch.int64, float("nan"), None):
+        try:
+            engine.communication_data_type = value
+        except ValueError as error:
+            refused[repr(value)] = str(error)
+    try:
+        engine._configure_optimizer(None, list(model.parameters()))
+    except RuntimeError as error:
+        refused["again"] = str(error)
+    wire = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        engine.communication_data_type = dtype
+        engine.comm_ledger.reset()
+        _train(engine, rank, world, steps=1, gas=2)
+        wire[str(dtype)] = {op: t.wire_bytes for (op, _), t in engine.comm_ledger.summary().items()}
+    dtype = str(engine.communication_data_type)
+    return {"before": before, "weights": weights, "refused": refused, "wire": wire, "dtype": dtype}
+
+
+def test_an_optimizer_configured_after_initialize_trains_as_one_process_and_the_reduction_dtype_follows():
+    r0, _ = run_distributed(configure_optimizer_worker, 2)
+    assert r0["before"] is None and r0["dtype"] == "torch.bfloat16"
+    model = make_model()
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda step: 1.0 / (step + 1))
+    for x, y in make_batches(3, 8):
+        model(x, y).backward()
+        ref.step()
+        ref_sched.step()
+        ref.zero_grad()
+    assert model_error(r0["weights"], model.state_dict()) <= 1e-5
+    assert set(r0["refused"]) == {"'int8'", "torch.int64", "nan", "None", "again"}
+    assert "engine.communication_data_type = 'int8'" in r0["refused"]["'int8'"]
+    assert "already has an optimizer" in r0["refused"]["again"]
+    fp32, bf16 = r0["wire"]["torch.float32"], r0["wire"]["torch.bfloat16"]
+    assert bf16["reduce_scatter"] == fp32["reduce_scatter"] / 2, (fp32, bf16)  # the gradients' reduction
+    assert bf16["all_gather"] == fp32["all_gather"] > 0  # the updated fp32 weights, as before
+
+
 def dataloader_worker():
     import zeroshard
 

@@ -196,12 +196,16 @@ def get_all_ranks_from_group(group=None) -> list[int]:
 def get_rank(group=None) -> int:
     if group is None or not is_initialized():
         return _get_rank()
+    if isinstance(group, Group):
+        return group.rank
     return dist.get_rank(group)
 
 
 def get_world_size(group=None) -> int:
     if group is None or not is_initialized():
         return _get_world_size()
+    if isinstance(group, Group):
+        return group.size
     return dist.get_world_size(group)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import inspect
 import time
 import weakref
@@ -17,8 +18,9 @@ from ..accelerator import get_accelerator
 from ..checkpoint.view import TrainingCounters
 from ..config import Resolution
 from ..log import log_rank0, logger
-from ..precision import PrecisionPolicy
+from ..precision import DTYPE_NAMES, PrecisionPolicy
 from ..zero import ZeroOptimizer, ZeroStack
+from ..zero.stack import NoOptimizerStack
 from ..zero.stage3.layer_major import Fibers
 from .activation_checkpointing import CheckpointingOptions
 from .activation_checkpointing import in_effect as checkpointing_in_effect
@@ -57,11 +59,14 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         tensor_splits: dict,
         optimizer: Optional[ZeroOptimizer] = None,
         collate_fn: Optional[Callable] = None,
+        attach_optimizer: Optional[Callable[[Any, Any], ZeroStack]] = None,
     ):
         super().__init__()
         self.module = module
         self.stack = stack  # every object holding this rank's model state (zeroshard.zero.stack)
         self._optimizer = optimizer  # the clients' torch.optim view of the stack (None without an optimizer)
+        # (optimizer, model_parameters) -> the stack built again over them (initialize's; _configure_optimizer)
+        self._attach_optimizer = attach_optimizer
         # the config's activation_checkpointing block, in effect while this engine's forward runs (None: what
         # zeroshard.runtime.activation_checkpointing.configure set)
         self.activation_checkpointing = activation_checkpointing
@@ -140,6 +145,46 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
                     f"compile.kwargs); it takes {sorted(accepted)}"
                 )
             self._compiled = torch.compile(self.module, backend=backend, **options)
+
+    def _configure_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
+        """DeepSpeed's: give an engine built without an optimizer one after ``initialize`` (diffusion-pipe builds
+        its optimizer from the engine's grid this way): ``client_optimizer`` is an optimizer, a callable
+        ``params -> optimizer`` or None (the config's ``optimizer`` block); the ZeRO stack is built over it as
+        ``initialize`` would have, and ``engine.optimizer`` is its view."""
+        if self._attach_optimizer is None or not isinstance(self.stack, NoOptimizerStack):
+            raise RuntimeError(
+                f"rank {comm.get_rank()}: engine._configure_optimizer(): this engine already has an optimizer (its "
+                "state lives in the ZeRO stack); pass the optimizer to initialize, or call this once on an engine "
+                "built without one"
+            )
+        if client_optimizer is None and self.settings.optimizer is None:
+            raise ValueError(
+                "engine._configure_optimizer(None, ...): no optimizer given and the config has no 'optimizer' block"
+            )
+        self.stack = self._attach_optimizer(client_optimizer, model_parameters)
+        self._attach_optimizer = None
+        self.reporting.stack = self.stack
+        self._optimizer = ZeroOptimizer(self.stack)
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in (the config's ``communication_data_type``; by default the compute
+        dtype)."""
+        return self.policy.reduce
+
+    @communication_data_type.setter
+    def communication_data_type(self, value: Any) -> None:
+        """Set after ``initialize``, as DeepSpeed's engine allows (diffusion-pipe sets its model's dtype): a torch
+        floating dtype or a config name (``"bf16"``, ``"fp32"``, ...); the next backward's reductions use it."""
+        dtype = DTYPE_NAMES.get(value) if isinstance(value, str) else value
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"engine.communication_data_type = {value!r}: torch.float32, torch.bfloat16 or torch.float16 (or "
+                f"one of {sorted(DTYPE_NAMES)})"
+            )
+        if self.stack.reducer is not None:
+            self.stack.reducer.set_reduce_dtype(dtype)
+        self.policy = dataclasses.replace(self.policy, reduce=dtype)
 
     def empty_partition_cache(self) -> None:
         """Drop the idle gather and staging buffers the stack keeps for reuse (DeepSpeed's call, which OpenRLHF
@@ -338,7 +383,12 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
 
     def _optimizer_step(self) -> None:
         started = time.perf_counter()
-        self._step_applied = self.stack.step()
+        plain = self.settings.zero_optimization.stage == 0 and self.policy.compute == torch.float32
+        if plain and self.settings.gradient_clipping > 0:
+            self.clip_fp32_gradients()  # where DeepSpeed calls it: clipping on, no ZeRO, no fp16/bf16
+        # through the torch view when there is one: its step hooks run, and a torch scheduler set on it afterwards
+        # (``engine.lr_scheduler = LinearLR(engine.optimizer, ...)``) sees the optimizer step first
+        self._step_applied = self.stack.step() if self._optimizer is None else self._optimizer.step()
         if self._step_applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -351,7 +401,19 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         self.counters.global_steps += 1
         self.counters.global_samples += self.batch.train_batch_size
         self.reporting.timers["optimizer_step"] += time.perf_counter() - started
-        self.reporting.step_taken(self._last_loss)
+        if self.reporting.step_taken(self._last_loss):
+            self._report_progress(self.global_steps)
+
+    def clip_fp32_gradients(self) -> None:
+        """DeepSpeed's hook before an fp32 step without ZeRO when ``gradient_clipping`` is set (diffusion-pipe
+        replaces it so a stage without trainable parameters does not fail), called at the same point. Here the
+        reduced gradients live in the stack's flat buffers, not in each parameter's ``.grad``, and the step clips
+        them there by the global norm, as DeepSpeed's own would; a replacement that clips ``.grad`` finds none."""
+
+    def _report_progress(self, step: int) -> None:
+        """DeepSpeed's hook for the line printed every ``steps_per_print`` steps (diffusion-pipe replaces it to print
+        less): the loss, learning rate, norm, throughput and exposed waits of the last steps."""
+        self.reporting.report(self._last_loss)
 
     def _save_periodically(self) -> None:
         """``checkpoint.save_interval_steps``: a checkpoint into ``checkpoint.save_dir`` every N optimizer steps,

@@ -82,6 +82,15 @@ class DeepSpeedAccessors:
     def get_lr(self) -> list[float]:
         return self.stack.learning_rates()
 
+    def get_mom(self) -> list:
+        """Each parameter group's momentum as DeepSpeed reports it: Adam's ``betas``, else SGD's ``momentum``."""
+        if self._optimizer is None:
+            return []
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in self._optimizer.param_groups]
+
+    def steps_per_print(self) -> int:
+        return self.settings.steps_per_print
+
     def get_global_grad_norm(self) -> Optional[float]:
         return self.stack.global_grad_norm
 

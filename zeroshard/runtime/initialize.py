@@ -342,11 +342,20 @@ def _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, unit
     """The model placed, split over the mesh's tensor and expert dimensions and sharded by the ZeRO stack over the
     optimizer the client gave or the config names (``units``: the extra gather-unit classes and leaf modules; a
     stack without an optimizer when neither names one); returns the stack, what ``parallelize`` did (each split
-    parameter's split, a pipeline's ties) and the placement (device, precision, offload)."""
+    parameter's split, a pipeline's ties), the placement (device, precision, offload) and how to build the stack
+    again with an optimizer (``engine._configure_optimizer``)."""
     placement = _placement(cfg)
     materialize = _materializer(model, pretrained, mesh.world, placement.device)
     _move_module(model, placement.device, placement.policy)
     plan = parallelize(model, cfg, mesh, materialize)
+    stack = _build_stack(model, optimizer, model_parameters, cfg, mesh, placement, materialize, units, plan)
+    attach = functools.partial(_build_stack, model, cfg=cfg, mesh=mesh, placement=placement, materialize=None,
+                               units=units, plan=plan)  # fmt: skip
+    return stack, plan, placement, attach
+
+
+def _build_stack(model, optimizer, model_parameters, cfg, mesh, placement, materialize, units, plan):
+    """The ZeRO stack over ``model`` (placed by ``parallelize``: ``plan``) and the optimizer given or configured."""
     if optimizer is None and cfg.optimizer is None:
         stack = ZeroStack.without_optimizer(placement.device)
     else:
@@ -365,7 +374,7 @@ def _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, unit
             tied=plan.tied,
         )
     _finish_parameters(model, materialize, placement, stack, mesh, plan.pieces)
-    return stack, plan, placement
+    return stack
 
 
 def initialize(
@@ -407,7 +416,7 @@ def initialize(
     if cfg.log_level is not None:  # DeepSpeed's log_level sets its logger's level; handlers stay the program's
         logger.setLevel(cfg.log_level.upper())
     units = (gather_unit_classes, leaf_modules)
-    stack, plan, placement = _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, units)
+    stack, plan, placement, attach = _shard_model(model, optimizer, model_parameters, cfg, mesh, pretrained, units)
     view = ZeroOptimizer(stack) if isinstance(stack, ZeroStack) else None  # the clients' torch.optim view of it
     scheduler = _build_scheduler(lr_scheduler, cfg, view)
     dataloader = _build_dataloader(training_data, resolution, mesh, collate_fn, plan)
@@ -424,6 +433,7 @@ def initialize(
         tensor_splits={name: plan.pieces[p] for name, p in model.named_parameters() if p in plan.pieces},
         optimizer=view,
         collate_fn=collate_fn,
+        attach_optimizer=attach,
     )
     _auto_resume(engine)
     mesh.context.ledger.reset()  # the engine counts training traffic, not the initial weights or a resume

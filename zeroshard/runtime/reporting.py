@@ -127,9 +127,10 @@ class Reporting:
         now = self.exposed_wait()
         return {k: v - before.get(k, 0.0) if v >= before.get(k, 0.0) else v for k, v in now.items()}, now
 
-    def step_taken(self, last_loss: Optional[torch.Tensor]) -> None:
-        """After an optimizer step (applied or skipped): the monitors' events, and every ``steps_per_print`` steps
-        the report line. ``last_loss`` is read (a device sync) only when one of them needs it."""
+    def step_taken(self, last_loss: Optional[torch.Tensor]) -> bool:
+        """After an optimizer step (applied or skipped): the monitors' events; True every ``steps_per_print`` steps,
+        when the report line is due (:meth:`report`, which the engine's ``_report_progress`` calls). ``last_loss`` is
+        read (a device sync) only when one of them needs it."""
         self.sample_memory()
         if self.monitors.enabled:
             samples = self.counters.global_samples
@@ -147,10 +148,11 @@ class Reporting:
                 ]
             )
         every = self.settings.steps_per_print
-        if every and self.counters.global_steps % every == 0:
-            self._report(_value(last_loss))
+        return bool(every) and self.counters.global_steps % every == 0
 
-    def _report(self, loss: Optional[float]) -> None:
+    def report(self, last_loss: Optional[torch.Tensor]) -> None:
+        """The report line of the last ``steps_per_print`` steps."""
+        loss = _value(last_loss)
         elapsed = time.perf_counter() - self._window_start
         samples = self.settings.steps_per_print * self.batch.train_batch_size
         norm = self.stack.global_grad_norm

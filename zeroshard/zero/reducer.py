@@ -261,6 +261,18 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.hold_whole(reduction is Reduction.LOCAL)
 
+    def set_reduce_dtype(self, dtype: torch.dtype) -> None:
+        """Reduce in ``dtype`` from the next backward on (DeepSpeed's ``communication_data_type``, set after
+        ``initialize``); only between steps, when no bucket holds a gradient."""
+        busy = [self.param_names[b.flat.params[0]] for b in self.buckets if b.state is not GradState.EMPTY]
+        if busy:
+            raise RuntimeError(
+                f"rank {comm.get_rank()}: communication_data_type set while gradients wait in their buckets (from "
+                f"'{busy[0]}' on); set it between optimizer steps"
+            )
+        for bucket in self.buckets:
+            bucket.reduce_dtype = dtype
+
     @property
     def grads(self) -> list[GradHome]:
         """Where the reduced gradient shards wait for the step, one per flat group."""

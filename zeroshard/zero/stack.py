@@ -420,13 +420,7 @@ class NoOptimizerStack:
         self.needs_optimizer("backward")
 
     def sum_tied_gradients(self) -> None:
-        """Sum the reduced gradients of parameters tied across pipeline stages over those stages, once per step
-        (a pipeline schedule's ``ReduceTiedGrads``, else the step itself)."""
-        if not self._ties_summed:
-            self.settle()
-            self.reducer.verify_gradients(self.steps_taken + 1)  # the reduction's check, before the ties add to them
-            self.gradient_norm.sum_tied(self.reducer.grads)
-            self._ties_summed = True
+        self.needs_optimizer("step")
 
     def step(self) -> bool:
         self.needs_optimizer("step")

@@ -1,6 +1,7 @@
 """``deepspeed.runtime``."""
 
 from . import (
+    activation_checkpointing,
     base_optimizer,
     checkpoint_engine,
     config,
@@ -15,6 +16,7 @@ from . import (
 )
 
 __all__ = [
-    "base_optimizer", "checkpoint_engine", "config", "dataloader", "engine", "lr_schedules", "pipe",
+    "activation_checkpointing", "base_optimizer", "checkpoint_engine",
+    "config", "dataloader", "engine", "lr_schedules", "pipe",
     "sequence_parallel", "swap_tensor", "utils", "zero",
 ]  # fmt: skip

@@ -11,6 +11,9 @@ import torch
 
 from zeroshard import comm
 from zeroshard.accelerator import get_accelerator, host_rss
+from zeroshard.pipe import partition_balanced, partition_uniform
+
+from .._not_built import not_built
 
 
 def move_to_device(item: Any, device: Union[str, torch.device], criterion_func: Optional[Callable] = None) -> Any:
@@ -56,4 +59,28 @@ def clip_grad_norm_(
     return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
 
-__all__ = ["clip_grad_norm_", "move_to_device", "see_memory_usage"]
+def is_model_parallel_parameter(p: torch.Tensor) -> bool:
+    """DeepSpeed's test: the parameter carries Megatron's flag of a tensor-parallel piece (``model_parallel`` or
+    ``tensor_model_parallel``, set by the client's layers)."""
+    return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))
+
+
+def _from_meta(*args: Any, **kwargs: Any) -> None:
+    PartitionedTensor()  # the refusal, naming the class
+
+
+PartitionedTensor = not_built(
+    "deepspeed.runtime.utils.PartitionedTensor",
+    "pipeline activations are split over the tensor group by the engine itself (pipeline.pipe_partitioned)",
+    from_meta=staticmethod(_from_meta),
+)
+
+__all__ = [
+    "PartitionedTensor",
+    "clip_grad_norm_",
+    "is_model_parallel_parameter",
+    "move_to_device",
+    "partition_balanced",
+    "partition_uniform",
+    "see_memory_usage",
+]

@@ -7,7 +7,7 @@ from zeroshard.runtime.sampler import RepeatingLoader
 
 from . import groups, leaf_modules, logging, tensor_fragment, timer, zero_to_fp32
 from .leaf_modules import *  # noqa: F403
-from .logging import log_dist, logger, print_dist
+from .logging import log_dist, logger, print_dist, set_log_level_from_string
 from .tensor_fragment import *  # noqa: F403
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "logger",
     "logging",
     "print_dist",
+    "set_log_level_from_string",
     "timer",
     "zero_to_fp32",
     *leaf_modules.__all__,

@@ -32,6 +32,12 @@ def _mesh() -> comm.Mesh:
     return engine.mesh
 
 
+def _handle(group: Group) -> Any:
+    """What DeepSpeed's getters return: the torch ``ProcessGroup``, or for a group of this rank alone (which has
+    none: zeroshard skips its collectives) the zeroshard group, which ``deepspeed.comm``'s calls take as well."""
+    return comm.process_group(group) if group.handle is not None or group.size == comm.get_world_size() else group
+
+
 def _tensor() -> Group:
     return _mesh().tensor
 
@@ -41,7 +47,7 @@ def _data() -> Group:
 
 
 def get_tensor_model_parallel_group() -> Any:
-    return comm.process_group(_tensor())
+    return _handle(_tensor())
 
 
 def get_tensor_model_parallel_world_size() -> int:
@@ -58,7 +64,7 @@ def get_tensor_model_parallel_src_rank() -> int:
 
 
 def get_data_parallel_group() -> Any:
-    return comm.process_group(_data())
+    return _handle(_data())
 
 
 def get_data_parallel_world_size() -> int:
@@ -70,7 +76,7 @@ def get_data_parallel_rank() -> int:
 
 
 def _get_sequence_parallel_group() -> Any:
-    return comm.process_group(_mesh().sequence)
+    return _handle(_mesh().sequence)
 
 
 def _get_sequence_parallel_world_size() -> int:
@@ -82,7 +88,7 @@ def _get_sequence_parallel_rank() -> int:
 
 
 def _get_sequence_data_parallel_group() -> Any:
-    return comm.process_group(_data())
+    return _handle(_data())
 
 
 def _get_sequence_data_parallel_world_size() -> int:
@@ -91,6 +97,11 @@ def _get_sequence_data_parallel_world_size() -> int:
 
 def _get_sequence_data_parallel_rank() -> int:
     return _data().rank
+
+
+def _get_broadcast_src_rank() -> int:
+    """The global rank the model is broadcast from over the (sequence x) data-parallel group: its first."""
+    return _data().ranks[0]
 
 
 get_sequence_parallel_group = _get_sequence_parallel_group
@@ -245,6 +256,7 @@ def _get_expert_model_parallel_world_size() -> int:
 
 __all__ = [
     "_create_expert_and_data_parallel",
+    "_get_broadcast_src_rank",
     "_create_expert_data_and_model_parallel",
     "_get_max_expert_size",
     "_get_max_expert_size_name",

@@ -22,4 +22,13 @@ def print_dist(message: str, ranks: Optional[list[int]] = None) -> None:
         print(f"[Rank {comm.get_rank()}] {message}")
 
 
-__all__ = ["log_dist", "logger", "print_dist"]
+def set_log_level_from_string(log_level_str: str, custom_logger=None) -> None:
+    """DeepSpeed's: set its logger's level (``custom_logger`` instead when given) by name, ``"info"``,
+    ``"debug"``, ...; handlers stay the program's."""
+    levels = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+    if not isinstance(log_level_str, str) or log_level_str.lower() not in levels:
+        raise ValueError(f"set_log_level_from_string({log_level_str!r}): one of {sorted(levels)}")
+    (custom_logger or logger).setLevel(levels[log_level_str.lower()])
+
+
+__all__ = ["log_dist", "logger", "print_dist", "set_log_level_from_string"]

@@ -1,6 +1,6 @@
 """``deepspeed.runtime.pipe``: the names DeepSpeed exports here, zeroshard's."""
 
-from . import engine, module, schedule, topology
+from . import engine, module, p2p, schedule, topology
 from .module import LayerSpec, PipelineModule, TiedLayerSpec
 from .topology import ProcessTopology
 
@@ -11,6 +11,7 @@ __all__ = [
     "TiedLayerSpec",
     "engine",
     "module",
+    "p2p",
     "schedule",
     "topology",
 ]
