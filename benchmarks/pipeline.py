@@ -228,6 +228,7 @@ def deepspeed_pipeline(args):
         whole = Whole(args).layers.state_dict()  # the same weights as the other systems, by name
         module.load_state_dict({name: whole[name] for name in module.state_dict()})
         cfg = config(args, args.micro_batches, 1)
+        cfg["zero_optimization"] = {"stage": 1}  # without zeroshard's stage-3 keys, which DeepSpeed's schema refuses
         cfg["optimizer"]["params"]["torch_adam"] = True
         return deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)[0]
     except Exception as err:  # noqa: BLE001 - reported, the other systems run

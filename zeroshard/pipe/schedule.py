@@ -36,14 +36,6 @@ from .instructions import (
 )
 
 
-def _is_even(x: int) -> bool:
-    return x % 2 == 0
-
-
-def _is_odd(x: int) -> bool:
-    return x % 2 != 0
-
-
 class PipeSchedule:
     """The instructions of stage ``stage_id`` of ``stages`` over a batch of ``micro_batches``; subclasses define
     :meth:`steps` (and :meth:`num_pipe_buffers` when they keep fewer slots than micro-batches)."""
@@ -145,7 +137,7 @@ class TrainSchedule(PipeSchedule):
         """(micro-batch, is forward) of step ``step_id``: stages of one parity run forwards on even steps and
         backwards on odd ones, the others the other way; a stage starts its forwards ``stage_id // 2`` double steps
         late and its backwards when the last stage's first gradient has come back to it (out-of-range ids: idle)."""
-        forward = _is_even(step_id) == _is_even(self.stage_id)
+        forward = step_id % 2 == self.stage_id % 2
         if forward:
             return step_id // 2 - self.stage_id // 2, True
         return step_id // 2 - self.stages + self.stage_id // 2 + 1, False
@@ -158,7 +150,7 @@ class InferenceSchedule(PipeSchedule):
     def steps(self) -> Iterator[list[PipeInstruction]]:
         for step_id in range(self.micro_batches + self.stages - 1):
             micro = step_id - self.stage_id
-            even = _is_even(self.stage_id)
+            even = self.stage_id % 2 == 0
             receive_slot, send_slot = (step_id % 2, (step_id + 1) % 2) if even else ((step_id + 1) % 2, step_id % 2)
             cmds: list[PipeInstruction] = []
             if (self.is_first_stage or self.is_last_stage) and self._valid_micro_batch(micro):

@@ -400,10 +400,9 @@ def initialize(
     ``gather_unit_classes`` (module classes or class names) adds to ``zero_optimization.gather_unit_classes``:
     under stage 3 each module of those classes is one gather unit. ``leaf_modules`` (modules of ``model`` or their
     paths) adds to ``zero_optimization.leaf_module``: each is one gather unit with no unit inside it.
-    ``pretrained`` (a safetensors file, a Hugging Face checkpoint directory or a zeroshard checkpoint) fills a
-    model built under ``zero.Init``, one flat group at a time (no rank holds the whole model, nothing is
-    broadcast). ``mpu``: the mesh ``zeroshard.sequence_parallel.register_with_transformers`` built (the engine runs
-    on it). ``train_batch_size`` counts the data-parallel ranks: world / (sequence x tensor parallel sizes).
+    ``pretrained`` (safetensors, a Hugging Face or zeroshard checkpoint) fills a model built under ``zero.Init``, one
+    flat group at a time. ``mpu``: the mesh ``register_with_transformers`` built (the engine runs on it).
+    ``train_batch_size`` counts the data-parallel ranks: world / (sequence x tensor parallel sizes).
     """
     if model is None:
         raise ValueError("initialize needs model=")
