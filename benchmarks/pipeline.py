@@ -10,15 +10,17 @@ pipeline engine joins the turns when it imports and runs here.
 
 The systems take turns step by step in one process group, so machine noise hits all alike. Per system: median step
 time; for pipelines, the bubble: the fraction of the step each stage spent waiting in receives (measured; the
-transfers are in it too), beside the schedule's own (p - 1) / (m + p - 1); the bytes each rank sends per step (the
-engine's ledger: ``send`` on the pipe group, and the data-parallel reductions) against the analytic bytes between
+transfers are in it too), beside the schedule's own: (p - 1) / (m + p - 1) for 1F1B, (p - 1) / (3m + p - 1) for
+ZB-H1 (``pipeline.schedule: "zb-h1"``, each backward split in two; its rows end in ``zb-h1``); the bytes each rank
+sends per step (the engine's ledger: ``send`` on the pipe group, and the data-parallel reductions) against the
+analytic bytes between
 stages: per micro-batch, the activation (micro x seq x hidden x 4 bytes; a tensor-parallel rank sends half of it) and
 a word forward (the announcement goes once, and again when it changes), the gradient and a status word back;
 model-state bytes per rank between steps against the analytic count (``analytic_state``); the compute-only limit of
 each pipeline layout: a second engine built alike runs the stage's own work (each micro-batch's forward and backward
 on stand-in activations, then the step) inside ``zeroshard.testing.compute_only``, nothing communicated and no stage
-waiting for another; the final loss (every system the same but the MoE model's). ``--only NAME`` runs one system
-alone and adds its peak RSS.
+waiting for another; the final loss (every system the same but the MoE model's). ``--only NAME[,NAME...]`` runs
+those systems alone and adds their peak RSS.
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ class Layout:
     tp: int = 1
     sp: int = 1
     ep: int = 0
+    schedule: str = "1f1b"  # pipeline.schedule
 
 
 PIPELINES_4 = [  # DeepSpeed refuses ZeRO 2-3 with pipelines, and has no sequence parallelism in them
@@ -182,6 +185,7 @@ def pipeline_engine(args, layout: Layout):
     group = groups.sequence if groups is not None else None  # zeroshard's group: attention counted in the ledger
     module = PipelineModule(layers(args, group, layout.ep), num_stages=layout.stages, loss_fn=loss_fn, seed_layers=True)
     cfg = config(args, args.micro_batches // layout.dp, layout.zero, layout.tp)
+    cfg["pipeline"] = {"schedule": layout.schedule}
     return zeroshard.initialize(model=module, config=cfg, mpu=groups)[0]
 
 
@@ -192,20 +196,26 @@ def systems(args) -> dict:
     from zeroshard.pipe import PipelineModule
 
     world, m = args.world, args.micro_batches
-    layouts = [Layout(f"PP{world}", world, 1, 1)] + (PIPELINES_4 if world == 4 else [])
+    layouts = [Layout(f"PP{world}", world, 1, 1), Layout(f"PP{world} zb-h1", world, 1, 1, schedule="zb-h1")]
+    layouts += PIPELINES_4 if world == 4 else []
     out = {}
     for layout in layouts:
-        if args.only in (None, layout.name):
+        if chosen_by(args, layout.name):
             for name in (layout.name, f"{layout.name} limit"):
                 out[name] = (pipeline_engine(args, layout), layout.dp, layout.stages, layout.zero)
     module = PipelineModule(layers(args), num_stages=1, loss_fn=loss_fn, seed_layers=True)
     out[f"DP{world} ZeRO-1"] = (zeroshard.initialize(model=module, config=config(args, m // world, 1))[0], world, 1, 1)
     engine = zeroshard.initialize(model=Whole(args), config=config(args, m // world, 3))
     out[f"DP{world} ZeRO-3"] = (engine[0], world, 1, 3)
-    deepspeed = deepspeed_pipeline(args) if args.only in (None, f"DeepSpeed 0.19.8 PP{world}") else None
+    deepspeed = deepspeed_pipeline(args) if chosen_by(args, f"DeepSpeed 0.19.8 PP{world}") else None
     if deepspeed is not None:
         out[f"DeepSpeed 0.19.8 PP{world}"] = (deepspeed, 1, world, 1)
-    return {name: value for name, value in out.items() if args.only in (None, name, name.removesuffix(" limit"))}
+    return {name: value for name, value in out.items() if chosen_by(args, name.removesuffix(" limit"))}
+
+
+def chosen_by(args, name: str) -> bool:
+    """``--only`` names one system, or several separated by commas (``--only "PP4,PP4 zb-h1"``)."""
+    return args.only is None or name in args.only.split(",")
 
 
 def deepspeed_pipeline(args):
@@ -408,7 +418,10 @@ def main() -> None:
         m = args.micro_batches // dp
         measured = stages > 1 and row["wire"] is not None  # DeepSpeed's engine: neither waits nor ledger here
         bubbles = " / ".join(f"{r[name]['bubble']:.2f}" for r in results[::per_stage]) if measured else "-"
-        theory = f"{(stages - 1) / (m + stages - 1):.2f}" if stages > 1 else "-"
+        # 1F1B: (p - 1) / (m + p - 1); ZB-H1 with a forward, B and W of one cost each: (p - 1) / (3m + p - 1)
+        zero_bubble = name.endswith("zb-h1")
+        theory = (p - 1) / ((3 * m if zero_bubble else m) + p - 1) if (p := stages) > 1 else None
+        theory = f"{theory:.2f}" if theory is not None else "-"
         pipe = "-"
         if stages > 1 and row["pipe"] is not None:
             measured = [r[name]["pipe"] for r in results]

@@ -363,6 +363,7 @@ def train_case(
     result["sent_between_stages"] = sent  # the last step's
     result["gathers"] = gathers
     result["splits"], result["tp_rank"] = dict(engine.tensor_splits), engine.mesh.tensor.rank
+    result["peak"] = engine.peak_micro_batches_in_flight
     engine.destroy()
     return result
 
@@ -629,7 +630,25 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out["gpt_neox"] = gpt_neox_case()
     out["failures"] = {kind: failure_case(kind) for kind in FAILURES}
     out["after_failures"] = train_case(4, 8, "uniform", 0)  # nothing a failed batch left behind reaches this run
+    zero_bubble = {"pipeline": {"schedule": "zb-h1"}}
+    out["zero_bubble"] = {case: train_case(*case, extra=zero_bubble) for case in ZERO_BUBBLE_CASES}
+    out["zero_bubble_refused"] = refused_case(zero_bubble)
     return out
+
+
+ZERO_BUBBLE_CASES = [(4, 8, "uniform", 0), (2, 8, "parameters", 2)]  # (stages, gas, partition, ZeRO stage)
+
+
+def refused_case(extra: dict) -> list[str]:
+    """What building ``extra``'s schedule says with ZeRO-3 and with activation checkpointing."""
+    messages = []
+    for stage, interval in ((3, 0), (1, 1)):
+        try:
+            train_case(2, 4, "parameters", stage, interval=interval, extra=extra)
+            messages.append("built")
+        except NotImplementedError as error:
+            messages.append(str(error))
+    return messages
 
 
 @pytest.fixture(scope="module")
@@ -664,6 +683,29 @@ def test_losses_and_weights_match_one_process(four, case):
         # ZeRO-3 gathers its units within the stage in each micro-batch's forward and backward; ZeRO 0-2 after the step
         assert got["gathers"] >= 2 * gas if zero == 3 else got["gathers"] <= 4, (zero, got["gathers"])
         assert_like_one_process(got, expected, 1e-6 * 10, rank)
+
+
+@pytest.mark.parametrize("case", ZERO_BUBBLE_CASES)
+def test_the_zero_bubble_schedule_matches_one_process_holding_what_it_states(four, case):
+    """ZB-H1 (``pipeline.schedule: "zb-h1"``): each backward split, the weight gradients deferred, the reductions
+    (ZeRO-2 at PP2 x DP2) launched by the last micro-batch's weight pass; the same losses and weights as one process,
+    every stage holding min(p, m) micro-batches at most (1F1B: p - s)."""
+    stages, gas, _, _ = case
+    expected = reference(specs(), global_batches(4 // stages, gas))
+    for rank, result in enumerate(four):
+        got = result["zero_bubble"][case]
+        assert_like_one_process(got, expected, 1e-6 * 10, rank)
+        assert got["peak"] == min(stages, gas), (case, got["stage"], got["peak"])
+        one_f_one_b = result["cases"].get(case)
+        if one_f_one_b is not None:
+            assert one_f_one_b["peak"] == min(stages - one_f_one_b["stage"], gas)
+
+
+def test_the_zero_bubble_schedule_refuses_zero3_and_activation_checkpointing_by_name(four):
+    for result in four:
+        zero3, checkpointed = result["zero_bubble_refused"]
+        assert "pipeline.schedule 'zb-h1' with zero_optimization.stage 3 is not implemented" in zero3
+        assert "'zb-h1' with activation checkpointing (activation_checkpoint_interval 1)" in checkpointed
 
 
 def test_the_offloaded_step_during_backward_leaves_tied_layers_to_the_step(four):

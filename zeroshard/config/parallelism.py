@@ -19,7 +19,8 @@ class PipelineConfig(Section):
     ``pipe_partitioned`` / ``grad_partitioned`` send each tensor-parallel rank's slice of the activations / input
     gradients between stages, gathered over the receiving stage's tensor group (``zeroshard.pipe.exchange``): 1/T of
     the bytes between stages, the same values; off, each rank sends them whole. No effect without tensor
-    parallelism."""
+    parallelism. ``schedule`` (zeroshard's) orders each stage's work: ``"1f1b"`` (DeepSpeed's ``TrainSchedule``) or
+    ``"zb-h1"`` (zero bubble: each backward split, the weight gradients run where a stage would idle)."""
 
     stages: Optional[int] = None  # "auto" (DeepSpeed's default): the module's
     partition: str = "best"
@@ -31,6 +32,8 @@ class PipelineConfig(Section):
     # zeroshard's: the most the activations one micro-batch sends to the next stage may take (None: a quarter of the
     # device's memory); a receiving stage refuses an announcement above it before allocating anything
     max_activation_bytes: Optional[int] = Field(None, ge=1)
+    # zeroshard's: the training schedule, DeepSpeed's 1F1B or zero-bubble ZB-H1 (zeroshard.pipe.zero_bubble)
+    schedule: Literal["1f1b", "zb-h1"] = "1f1b"
 
     @field_validator("stages", mode="before")
     @classmethod

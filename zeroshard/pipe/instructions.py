@@ -57,6 +57,17 @@ class BackwardPass(BufferOpInstruction):
     """Back-propagate the slot's outputs (the loss on the last stage, else the gradients received for them)."""
 
 
+class BackwardInputPass(BufferOpInstruction):
+    """zeroshard's, for the zero-bubble schedules: the first half of :class:`BackwardPass`, the gradients of the
+    slot's inputs only (what the previous stage waits for); the weights' gradients wait for
+    :class:`BackwardWeightPass` (``zeroshard.runtime.split_backward``)."""
+
+
+class BackwardWeightPass(BufferOpInstruction):
+    """zeroshard's: the second half, the slot's weight gradients (reduced over the stage's data-parallel ranks at
+    the batch's last one); the slot's activations are freed after it."""
+
+
 class SendActivation(BufferOpInstruction):
     """Send the slot's outputs to the next stage."""
 

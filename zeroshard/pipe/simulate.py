@@ -47,6 +47,7 @@ class _Slots:
     sent: dict = field(default_factory=dict)
     output_grads: dict = field(default_factory=dict)
     input_grads: dict = field(default_factory=dict)
+    weights_pending: dict = field(default_factory=dict)  # after BackwardInputPass, before BackwardWeightPass
 
 
 def commands_of(schedule: PipeSchedule) -> list[tuple[int, PipeInstruction]]:
@@ -157,6 +158,19 @@ class _StageRun:
             self._write(self.slots.sent, slot, micro, "the activations sent")
 
     def BackwardPass(self, slot: int) -> None:
+        self._backward(slot)
+        self.in_flight -= 1
+
+    def BackwardInputPass(self, slot: int) -> None:
+        micro = self._backward(slot)
+        self._write(self.slots.weights_pending, slot, micro, "weight gradients still to compute")
+
+    def BackwardWeightPass(self, slot: int) -> None:
+        self._read(self.slots.weights_pending, slot, "weight gradients still to compute (BackwardInputPass first)")
+        del self.slots.weights_pending[slot]
+        self.in_flight -= 1
+
+    def _backward(self, slot: int) -> int:
         if not self.training:
             raise ScheduleError(f"{self.where}: a backward in an evaluation schedule")
         if self.last:
@@ -170,7 +184,7 @@ class _StageRun:
         else:
             self._write(self.slots.input_grads, slot, micro, "input gradients")
         self.trace.backwards.append(micro)
-        self.in_flight -= 1
+        return micro
 
     def SendGrad(self, slot: int) -> None:
         self._neighbour(self.stage - 1)

@@ -238,10 +238,29 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         """Backward from ``tensors`` (the scaled loss, or a pipeline stage's outputs with the gradients the next stage
         sent back) through the stack's hooks; ``boundary``: it ends a gradient accumulation (the reductions run);
         ``finish``: wait for them here (a pipeline stage waits later: ``stack.end_backward``)."""
+        self._backward_with(
+            lambda: torch.autograd.backward(tensors, grads, retain_graph=retain_graph),
+            boundary,
+            finish,
+            root=tensors[0],
+            retain_graph=retain_graph,
+        )
+
+    def _backward_with(
+        self,
+        run: Callable[[], None],
+        boundary: bool,
+        finish: bool = True,
+        root: Optional[torch.Tensor] = None,
+        retain_graph: bool = False,
+    ) -> None:
+        """``run`` (the autograd calls that bring the parameters' gradients) inside the stack's backward: its
+        reductions launched as gradients arrive (``root``: the tensor the outer backward starts from, when there
+        is one; a zero-bubble W starts from several inside nodes)."""
         started = time.perf_counter()
         self.stack.refuse_if_offloaded("backward")
-        self.stack.begin_backward(boundary, tensors[0])
-        torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
+        self.stack.begin_backward(boundary, root)
+        run()
         self.reporting.sample_memory()
         reduce_started = time.perf_counter()
         if finish:

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map
 from .. import comm
 from ..pipe import Announcement, PipelineError
 from .activation_checkpointing import in_effect as checkpointing_in_effect
+from .split_backward import WeightWork, backward_input
 
 if TYPE_CHECKING:
     from .pipeline_engine import PipelineEngine
@@ -37,7 +38,8 @@ class PipelineBatch:
         self.sent: dict[int, Announcement] = {}
         self.received: dict[int, list] = {}
         self.results: list = []
-        self.loaded = self.backwards = 0
+        self.loaded = self.backwards = self.weights_done = 0
+        self.weight_work: dict[int, WeightWork] = {}  # slot -> what its W still has to do (zero-bubble schedules)
         self.in_flight = self.peak_in_flight = 0  # micro-batches whose forward ran and backward has not
         self.reductions_pending = False  # the last backward launched reductions nobody has waited for yet
 
@@ -116,6 +118,33 @@ class PipelineBatch:
                 return  # nothing before this point trains (a frozen stage)
         self.reductions_pending = boundary
         engine._backward_from(tensors, grads, boundary, finish=not boundary)
+
+    def backward_input(self, slot: int) -> None:
+        """B of a zero-bubble schedule: the gradients of the slot's inputs only; the weights' wait for
+        :meth:`backward_weight` (``zeroshard.runtime.split_backward``)."""
+        engine, output = self.engine, self.outputs.pop(slot)
+        self.backwards += 1
+        inputs = self.inputs.get(slot)
+        inputs = [] if inputs is None else [inputs] if torch.is_tensor(inputs) else list(inputs)
+        leaves = [x for x in inputs if torch.is_tensor(x) and x.requires_grad]
+        if engine.is_first_stage():
+            self.inputs.pop(slot, None)  # no gradient goes back from the first stage
+        if engine.is_last_stage():
+            tensors, grads = [output.float().reshape(()) * (engine.stack.loss_scale / engine.micro_batches)], None
+        else:
+            outputs = [output] if torch.is_tensor(output) else list(output)
+            tensors, grads = [t for t in outputs if t.requires_grad], self.received.pop(slot)
+        engine.stack.refuse_if_offloaded("backward")
+        self.weight_work[slot] = backward_input(tensors, grads, leaves) if tensors else WeightWork()
+
+    def backward_weight(self, slot: int) -> None:
+        """W: the slot's weight gradients, into the stack's hooks (reduced at the batch's last W)."""
+        engine, work = self.engine, self.weight_work.pop(slot)
+        boundary = self.weights_done == self.micro_batches - 1
+        self.weights_done += 1
+        self.in_flight -= 1
+        self.reductions_pending = boundary
+        engine._backward_with(work.run, boundary, finish=not boundary)
 
     def send_gradients(self, slot: int) -> None:
         inputs = self.inputs.pop(slot)

@@ -41,7 +41,9 @@ from ..pipe import (
 from ..pipe.exchange import ACTIVATIONS, GRADIENTS
 from ..pipe.instructions import (
     BATCH_END,
+    BackwardInputPass,
     BackwardPass,
+    BackwardWeightPass,
     ForwardPass,
     LoadMicroBatch,
     OptimizerStep,
@@ -55,10 +57,13 @@ from ..pipe.instructions import (
 )
 from ..pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
 from ..pipe.simulate import ScheduleError, commands_of, simulate
+from ..pipe.zero_bubble import ZeroBubbleH1Schedule
 from .engine import ZeroshardEngine
 from .micro_batches import DataExhausted
 from .pipeline_batch import PipelineBatch
 from .sampler import RepeatingLoader
+
+SCHEDULES = {"1f1b": TrainSchedule, "zb-h1": ZeroBubbleH1Schedule}  # pipeline.schedule -> the training schedule
 
 
 class PipelineDataExhausted(PipelineError, DataExhausted):
@@ -76,6 +81,7 @@ class PipelineEngine(ZeroshardEngine):
         module: PipelineModule = self.module
         self.num_stages, self.stage_id = module.num_stages, self.mesh.pipe.rank
         _check_placed_as_built(module, self.mesh)
+        _check_schedule(self.settings.pipeline.schedule, module, self.stack)
         self.micro_batches = self.batch.gradient_accumulation_steps
         self.micro_batch_size = self.batch.micro_batch_size
         self.grid = PipelineGrid(self.mesh, model_axis="model" in module.topology().get_axis_names())
@@ -165,7 +171,8 @@ class PipelineEngine(ZeroshardEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         started, waited_before = time.perf_counter(), self.exchange.waited
-        schedule = TrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+        kind = SCHEDULES[self.settings.pipeline.schedule]
+        schedule = kind(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
         losses, batch_end = self._run(schedule, True, scalar=True, call="train_batch")
         self.agg_train_loss = self._mean_loss(losses, self.micro_batches)
         self._last_loss = self.agg_train_loss
@@ -238,7 +245,8 @@ class PipelineEngine(ZeroshardEngine):
         body, batch_end = self._instructions(schedule)
         batch = self._batch = PipelineBatch(self, compute_loss, scalar, schedule.micro_batches)
         self.exchange.begin()
-        backwards = [i for i, instruction in enumerate(body) if isinstance(instruction, BackwardPass)]
+        # the backward that brings the batch's last weight gradients (and launches the reductions)
+        backwards = [i for i, c in enumerate(body) if isinstance(c, (BackwardPass, BackwardWeightPass))]
         boundary = backwards[-1] if backwards else len(body)  # where the stage's ranks agree nobody failed
         done, agreed = 0, False
         try:
@@ -324,6 +332,12 @@ class PipelineEngine(ZeroshardEngine):
     def _exec_backward_pass(self, buffer_id: int) -> None:
         self._batch.backward(buffer_id)
 
+    def _exec_backward_input_pass(self, buffer_id: int) -> None:
+        self._batch.backward_input(buffer_id)
+
+    def _exec_backward_weight_pass(self, buffer_id: int) -> None:
+        self._batch.backward_weight(buffer_id)
+
     def _exec_send_activations(self, buffer_id: int) -> None:
         self._batch.send_activations(buffer_id)
 
@@ -351,6 +365,8 @@ class PipelineEngine(ZeroshardEngine):
         LoadMicroBatch: _exec_load_micro_batch,
         ForwardPass: _exec_forward_pass,
         BackwardPass: _exec_backward_pass,
+        BackwardInputPass: _exec_backward_input_pass,
+        BackwardWeightPass: _exec_backward_weight_pass,
         SendActivation: _exec_send_activations,
         RecvActivation: _exec_recv_activations,
         SendGrad: _exec_send_grads,
@@ -433,6 +449,22 @@ class PipelineEngine(ZeroshardEngine):
                 + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
             )
         return batch
+
+
+def _check_schedule(name: str, module: PipelineModule, stack) -> None:
+    """A zero-bubble schedule splits each backward on autograd's graph (``zeroshard.runtime.split_backward``): a
+    checkpointed region would be recomputed in both halves, and ZeRO-3's weights are gathered for one backward."""
+    if name == "zb-h1" and getattr(stack, "stage3", None) is not None:
+        raise NotImplementedError(
+            "pipeline.schedule 'zb-h1' with zero_optimization.stage 3 is not implemented (each backward is split in "
+            "two and stage 3 gathers the weights for one); use stage 0-2, or schedule '1f1b'"
+        )
+    if name == "zb-h1" and module.activation_checkpoint_interval > 0:
+        raise NotImplementedError(
+            "pipeline.schedule 'zb-h1' with activation checkpointing (activation_checkpoint_interval "
+            f"{module.activation_checkpoint_interval}) is not implemented: each backward is split in two and a "
+            "checkpointed region would be recomputed in both; set the interval to 0, or schedule '1f1b'"
+        )
 
 
 def _check_placed_as_built(module: PipelineModule, mesh: comm.Mesh) -> None:

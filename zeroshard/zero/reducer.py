@@ -278,8 +278,9 @@ class GradientReducer:
         """Where the reduced gradient shards wait for the step, one per flat group."""
         return [bucket.home for bucket in self.buckets]
 
-    def begin_backward(self, boundary: bool, root: torch.Tensor) -> None:
-        """Called before ``root.backward()``; ``root`` tells which autograd graph task is the outer backward."""
+    def begin_backward(self, boundary: bool, root: Optional[torch.Tensor]) -> None:
+        """Called before ``root.backward()``; ``root`` tells which autograd graph task is the outer backward (None:
+        there are several, each gradient's arrival counted as from a nested one)."""
         self._reducing = boundary or self.reduce_every_micro_step
         self._boundary = boundary
         if self._reducing and self.check is not None:
@@ -287,7 +288,7 @@ class GradientReducer:
         self._next_launch = 0
         self._launch_limit = len(self.buckets)
         self._outer_task = None
-        if root.requires_grad:
+        if root is not None and root.requires_grad:
             self._root_hook = root.register_hook(self._note_outer_task)
 
     def _note_outer_task(self, grad: torch.Tensor) -> None:

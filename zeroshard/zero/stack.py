@@ -148,8 +148,9 @@ class ZeroStack:
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
-    def begin_backward(self, boundary: bool, scaled_loss: torch.Tensor) -> None:
-        """Before the user's backward: whether it ends an accumulation, and the loss autograd starts from."""
+    def begin_backward(self, boundary: bool, scaled_loss: Optional[torch.Tensor]) -> None:
+        """Before the user's backward: whether it ends an accumulation, and the loss autograd starts from (None:
+        autograd starts from several inside nodes, a zero-bubble schedule's weight pass)."""
         self.settle()  # the gradients it accumulates into are the previous step's until that step is done
         if boundary:  # the step's last micro-batch: its final gradients may be stepped as they come
             self.optimizer_state.arm_speculation(self.loss_scaler.scale)
