@@ -11,7 +11,8 @@ pipeline engine joins the turns when it imports and runs here.
 The systems take turns step by step in one process group, so machine noise hits all alike. Per system: median step
 time; for pipelines, the bubble: the fraction of the step each stage spent waiting in receives (measured; the
 transfers are in it too), beside the schedule's own: (p - 1) / (m + p - 1) for 1F1B, (p - 1) / (3m + p - 1) for
-ZB-H1 (``pipeline.schedule: "zb-h1"``, each backward split in two; its rows end in ``zb-h1``); the bytes each rank
+ZB-H1 (``pipeline.schedule: "zb-h1"``, each backward split in two; its rows end in ``zb-h1``; rows ending in
+``time`` split the layers by their measured time, ``partition_method="time"``); the bytes each rank
 sends per step (the engine's ledger: ``send`` on the pipe group, and the data-parallel reductions) against the
 analytic bytes between
 stages: per micro-batch, the activation (micro x seq x hidden x 4 bytes; a tensor-parallel rank sends half of it) and
@@ -164,6 +165,7 @@ class Layout:
     sp: int = 1
     ep: int = 0
     schedule: str = "1f1b"  # pipeline.schedule
+    partition: str = "parameters"  # partition_method ("time": each layer timed on the first micro-batch)
 
 
 PIPELINES_4 = [  # DeepSpeed refuses ZeRO 2-3 with pipelines, and has no sequence parallelism in them
@@ -183,7 +185,9 @@ def pipeline_engine(args, layout: Layout):
 
     groups = sequence_parallel_groups(layout.sp) if layout.sp > 1 else None
     group = groups.sequence if groups is not None else None  # zeroshard's group: attention counted in the ledger
-    module = PipelineModule(layers(args, group, layout.ep), num_stages=layout.stages, loss_fn=loss_fn, seed_layers=True)
+    profile = batch(args, 0)[0] if layout.partition == "time" else None
+    module = PipelineModule(layers(args, group, layout.ep), num_stages=layout.stages, loss_fn=loss_fn, seed_layers=True,
+                            partition_method=layout.partition, profile_batch=profile)  # fmt: skip
     cfg = config(args, args.micro_batches // layout.dp, layout.zero, layout.tp)
     cfg["pipeline"] = {"schedule": layout.schedule}
     return zeroshard.initialize(model=module, config=cfg, mpu=groups)[0]
@@ -196,7 +200,8 @@ def systems(args) -> dict:
     from zeroshard.pipe import PipelineModule
 
     world, m = args.world, args.micro_batches
-    layouts = [Layout(f"PP{world}", world, 1, 1), Layout(f"PP{world} zb-h1", world, 1, 1, schedule="zb-h1")]
+    layouts = [Layout(f"PP{world}", world, 1, 1), Layout(f"PP{world} zb-h1", world, 1, 1, schedule="zb-h1"),
+               Layout(f"PP{world} time", world, 1, 1, partition="time")]  # fmt: skip
     layouts += PIPELINES_4 if world == 4 else []
     out = {}
     for layout in layouts:

@@ -344,6 +344,7 @@ def train_case(
         seed_layers=True,
         partition_method=partition,
         activation_checkpoint_interval=interval,
+        profile_batch=global_batches(1, 1)[0][0] if partition == "time" else None,
     )
     engine, *_ = zeroshard.initialize(model=module, config=config(gas, stage, **(extra or {})))
     batches = global_batches(engine.grid.get_data_parallel_world_size(), gas)
@@ -633,10 +634,12 @@ def _four_ranks(ckpt_dir: str) -> dict:
     zero_bubble = {"pipeline": {"schedule": "zb-h1"}}
     out["zero_bubble"] = {case: train_case(*case, extra=zero_bubble) for case in ZERO_BUBBLE_CASES}
     out["zero_bubble_refused"] = refused_case(zero_bubble)
+    out["time_partition"] = train_case(*TIME_CASE)
     return out
 
 
 ZERO_BUBBLE_CASES = [(4, 8, "uniform", 0), (2, 8, "parameters", 2)]  # (stages, gas, partition, ZeRO stage)
+TIME_CASE = (4, 8, "time", 1)  # partition_method="time": each layer timed on one micro-batch, the ranks agreeing
 
 
 def refused_case(extra: dict) -> list[str]:
@@ -699,6 +702,16 @@ def test_the_zero_bubble_schedule_matches_one_process_holding_what_it_states(fou
         one_f_one_b = result["cases"].get(case)
         if one_f_one_b is not None:
             assert one_f_one_b["peak"] == min(stages - one_f_one_b["stage"], gas)
+
+
+def test_a_partition_by_measured_time_is_agreed_on_by_every_rank_and_exact(four):
+    """Each rank times the layers itself; the averaged times split the model alike on all of them (a stage per layer
+    run at least), and the model trains as one process."""
+    expected = reference(specs(), global_batches(1, 8))
+    parts = {tuple(result["time_partition"]["parts"]) for result in four}
+    assert len(parts) == 1 and all(b - a >= 1 for a, b in zip(next(iter(parts)), next(iter(parts))[1:])), parts
+    for rank, result in enumerate(four):
+        assert_like_one_process(result["time_partition"], expected, 1e-6 * 10, rank)
 
 
 def test_the_zero_bubble_schedule_refuses_zero3_and_activation_checkpointing_by_name(four):

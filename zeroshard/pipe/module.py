@@ -10,8 +10,8 @@ The clients of DeepSpeed's pipeline engine subclass this class and reach into it
 ``_partition_layers``, calls ``_set_bounds`` and patches ``_count_layer_params``; it and gpt-neox read ``_topo``,
 ``global_rank``, ``_layer_specs``, ``parts``, ``loss_fn``; gpt-neox keeps its own layer list in ``specs`` and
 constructs twice. Those names and their order of calls during construction are DeepSpeed's. Building a module here
-communicates nothing: the engine (``zeroshard.initialize``) builds the process groups, starts the tied copies equal
-and places the module.
+communicates nothing (but ``partition_method="time"``, whose measured layer times the ranks average): the engine
+(``zeroshard.initialize``) builds the process groups, starts the tied copies equal and places the module.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import comm
 from .partition import partition_boundaries
+from .profile import layer_times
 from .spec import LayerSpec, TiedLayerSpec
 from .topology import PipeDataParallelTopology, ProcessTopology, parallel_dims
 
@@ -36,7 +37,8 @@ class PipelineModule(nn.Module):
     """``layers``: modules, :class:`LayerSpec` / :class:`TiedLayerSpec` (built only on the stage holding them) or
     callables without parameters; ``num_stages`` or a ``topology`` (``pipe`` outermost, as
     ``PipeDataParallelTopology`` lays it out); ``loss_fn(outputs, labels)`` on the last stage;
-    ``partition_method``: ``parameters`` (the default), ``uniform`` or ``type:<regex>``;
+    ``partition_method``: ``parameters`` (the default), ``uniform``, ``type:<regex>`` or ``time`` (the layers'
+    forward + backward seconds on ``profile_batch``, one micro-batch ``(inputs, labels)``, balanced);
     ``activation_checkpoint_interval`` layers per checkpointed block (0: none) with ``activation_checkpoint_func``
     (torch's non-reentrant checkpoint by default), only blocks of ``checkpointable_layers`` classes when given."""
 
@@ -54,6 +56,7 @@ class PipelineModule(nn.Module):
         activation_checkpoint_func: Callable = non_reentrant_checkpoint,
         checkpointable_layers: Optional[list] = None,
         dynamic_shape: bool = False,
+        profile_batch: Optional[tuple] = None,
     ):
         super().__init__()
         if num_stages is None and topology is None:
@@ -88,6 +91,7 @@ class PipelineModule(nn.Module):
             )
         self._num_layers = len(self._layer_specs)
         self._local_start, self._local_stop = 0, None
+        self.profile_batch = profile_batch  # partition_method="time": the micro-batch (inputs, labels) it times
         self._partition_layers(method=partition_method)
         self.forward_funcs: list = []
         self.fwd_map: dict = {}
@@ -137,8 +141,27 @@ class PipelineModule(nn.Module):
                     f"partition_method {method!r}: the pattern after 'type:' is not a regex ({err})"
                 ) from None
             matches = [bool(pattern.search(_layer_name(spec))) for spec in self._layer_specs]
-        self.parts = partition_boundaries(method, self.num_stages, counts, matches)
+        times = self._layer_times() if method.lower() == "time" else ()
+        self.parts = partition_boundaries(method, self.num_stages, counts, matches, times)
         self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
+    def _layer_times(self) -> list[float]:
+        """``partition_method="time"``: each layer's forward + backward seconds on ``profile_batch``
+        (``zeroshard.pipe.profile``), averaged over the ranks so that all of them split the model alike (the one
+        collective of building a module)."""
+        if self.profile_batch is None:
+            raise ValueError(
+                "partition_method='time' measures each layer on one micro-batch: pass profile_batch=(inputs, labels) "
+                "as the data iterator yields them"
+            )
+        times = layer_times(self._layer_specs, self.profile_batch, self.loss_fn,
+                            seed=self.base_seed if self.seed_layers else None)  # fmt: skip
+        if comm.is_initialized() and self.world_size > 1:
+            agreed = torch.tensor(times, dtype=torch.float64)
+            comm.all_reduce(agreed, comm.world_group())
+            times = (agreed / self.world_size).tolist()
+        self.layer_seconds = times
+        return times
 
     def _count_layer_params(self) -> list[int]:
         """Trainable parameters of each layer (a LayerSpec is built to count, one at a time, as DeepSpeed does)."""

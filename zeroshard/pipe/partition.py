@@ -7,7 +7,9 @@ places them: a client's checkpoint names each layer's file by its index, and its
 - ``uniform``: the same number of layers per stage, the first ``layers % stages`` stages one more;
 - ``parameters``: the layers' trainable parameter counts balanced (``balanced`` below);
 - ``type:<regex>``: the layers whose class name matches balanced, one unit each;
-- ``manual``: boundaries the client gives (diffusion-pipe's ``partition_split``: ``stages - 1`` layer indices).
+- ``manual``: boundaries the client gives (diffusion-pipe's ``partition_split``: ``stages - 1`` layer indices);
+- ``time`` (zeroshard's): the layers' measured forward + backward seconds (``zeroshard.pipe.profile``), split so the
+  slowest stage is as fast as can be (:func:`partition_min_max`: the stage that takes longest sets the step's pace).
 
 ``balanced`` is the linear-partition dynamic program DeepSpeed runs: for the first ``i`` layers in ``j`` parts it
 keeps the one split whose heaviest and lightest parts differ least (ties: the latest last boundary), built from the
@@ -61,10 +63,40 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     return bounds[::-1]
 
 
-def partition_boundaries(method: str, num_stages: int, counts: Sequence[int], matches: Sequence[bool]) -> list[int]:
-    """The boundaries for ``method`` (``uniform``, ``parameters``, ``type:<regex>``) from each layer's trainable
-    parameter count (``counts``) and whether its class name matched the ``type:`` pattern (``matches``)."""
+def partition_min_max(weights: Sequence[float], num_parts: int) -> list[int]:
+    """Boundaries of ``weights`` cut into ``num_parts`` consecutive non-empty runs whose largest sum is as small as
+    can be (of equal ones, the earliest boundaries)."""
+    count = len(weights)
+    _check_counts(count, num_parts)
+    if any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0 for w in weights):
+        raise ValueError(f"layer weights must be finite numbers >= 0, got {list(weights)}")
+    if count <= num_parts:
+        return partition_uniform(count, num_parts)
+    prefix = [0.0]
+    for weight in weights:
+        prefix.append(prefix[-1] + weight)
+    # best[j][i] = (the largest run of the best split of the first i layers in j runs, its last boundary)
+    best = [[(math.inf, 0)] * (count + 1) for _ in range(num_parts + 1)]
+    best[0][0] = (0.0, 0)
+    for j in range(1, num_parts + 1):
+        for i in range(j, count - (num_parts - j) + 1):
+            best[j][i] = min(((max(best[j - 1][k][0], prefix[i] - prefix[k]), k) for k in range(j - 1, i)),
+                             key=lambda c: c[0])  # fmt: skip
+    bounds = [count]
+    for j in range(num_parts, 0, -1):
+        bounds.append(best[j][bounds[-1]][1])
+    return bounds[::-1]
+
+
+def partition_boundaries(
+    method: str, num_stages: int, counts: Sequence[int], matches: Sequence[bool], times: Sequence[float] = ()
+) -> list[int]:
+    """The boundaries for ``method`` (``uniform``, ``parameters``, ``type:<regex>``, ``time``) from each layer's
+    trainable parameter count (``counts``), whether its class name matched the ``type:`` pattern (``matches``) and
+    its measured seconds (``times``)."""
     method = method.lower()
+    if method == "time":
+        return partition_min_max(list(times), num_stages)
     if method == "uniform":
         return partition_uniform(len(counts), num_stages)
     if method == "parameters":
@@ -74,8 +106,8 @@ def partition_boundaries(method: str, num_stages: int, counts: Sequence[int], ma
             raise ValueError(f"partition_method {method!r} matches no layer's class name")
         return partition_balanced([1 if m else 0 for m in matches], num_stages)
     raise NotImplementedError(
-        f"partition_method {method!r} is not implemented (it has 'uniform', 'parameters', 'type:<regex>' and, with "
-        "the boundaries given, 'manual')"
+        f"partition_method {method!r} is not implemented (it has 'uniform', 'parameters', 'type:<regex>', 'time' "
+        "and, with the boundaries given, 'manual')"
     )
 
 

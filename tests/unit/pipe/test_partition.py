@@ -52,3 +52,60 @@ def test_methods_by_name():
 def test_bad_partition_input_is_a_named_error(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_the_time_partition_makes_the_slowest_stage_as_fast_as_can_be():
+    """``partition_min_max`` against every split (brute force) of seeded weight vectors: its largest run is the
+    smallest any split has, and every stage holds a layer."""
+    import itertools
+    import random
+
+    from zeroshard.pipe.partition import partition_min_max
+
+    rng = random.Random(3)
+    for _ in range(200):
+        count, parts = rng.randint(1, 9), rng.randint(1, 4)
+        weights = [rng.choice([0.0, rng.uniform(0, 5), 1.0]) for _ in range(count)]
+        bounds = partition_min_max(weights, parts)
+        assert bounds[0] == 0 and bounds[-1] == count and len(bounds) == parts + 1
+        if count <= parts:
+            continue
+        assert all(a < b for a, b in zip(bounds, bounds[1:]))
+        largest = max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = min(
+            max(sum(weights[a:b]) for a, b in zip((0, *cut), (*cut, count)))
+            for cut in itertools.combinations(range(1, count), parts - 1)
+        )
+        assert largest == pytest.approx(best)
+    with pytest.raises(ValueError, match="finite numbers"):
+        partition_min_max([1.0, float("nan")], 2)
+
+
+def test_layer_times_build_each_layer_once_and_include_the_loss():
+    import torch
+    from torch import nn
+
+    from zeroshard.pipe import LayerSpec, TiedLayerSpec
+    from zeroshard.pipe.profile import layer_times
+
+    built = []
+
+    class Counted(nn.Linear):
+        def __init__(self, *args):
+            super().__init__(*args)
+            built.append(type(self).__name__)
+
+    specs = [TiedLayerSpec("e", Counted, 8, 8), LayerSpec(Counted, 8, 8), torch.tanh,
+             TiedLayerSpec("e", Counted, 8, 8, forward_fn=lambda m, x: m(x))]  # fmt: skip
+    losses = []
+
+    def loss_fn(out, labels):
+        losses.append(labels)
+        return (out - labels).square().mean()
+
+    times = layer_times(specs, (torch.randn(4, 8), torch.zeros(4, 8)), loss_fn)
+    assert len(times) == 4 and all(t > 0 for t in times)
+    assert built == ["Counted", "Counted"]  # the tie built once
+    assert len(losses) == 3  # the last layer's runs (the first warms up) include the loss
+    with pytest.raises(ValueError, match=r"profile_batch=\(inputs, labels\)"):
+        layer_times(specs, torch.randn(4, 8), loss_fn)
