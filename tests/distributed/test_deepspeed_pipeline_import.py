@@ -3,13 +3,16 @@ data-parallel rank; fixtures written by DeepSpeed 0.19.8's pipeline engine at PP
 continuation) load into zeroshard's pipeline engine: ``load_checkpoint`` on DeepSpeed's directory, at the same
 layout, at PP4 and in one process, gives every fp32 master and Adam moment bit for bit, the tied embedding once, the
 step, the scheduler and the client state; 3 more steps continue as DeepSpeed continued. ``zeroshard convert
---from-deepspeed`` writes the same model. Hostile copies (a missing or foreign layer file, a stage's partition
-missing, a stage of another run) are named errors; the files are read with the restricted unpickler, so nothing in
-them runs."""
+--from-deepspeed`` writes the same model. Back: what zeroshard saved after the load, exported with
+``--pipeline_stages``, is DeepSpeed's layer files and stage states beside a universal folder, which DeepSpeed 0.19.8
+resumes at PP2 x DP2 and PP4 and continues as its own run did. Hostile copies (a missing or foreign layer file, a
+stage's partition missing, a stage of another run) are named errors; the files are read with the restricted
+unpickler, so nothing in them runs."""
 
 import json
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -35,9 +38,10 @@ def _expected(case: str) -> tuple[dict, dict]:
     )
 
 
-def resume(case: str, stages: int) -> dict:
+def resume(case: str, stages: int, save_to: Optional[str] = None) -> dict:
     """zeroshard's pipeline engine on the fixture's model at ``stages`` stages (the config DeepSpeed ran), loading
-    DeepSpeed's own directory; what it loaded, then 3 more steps of the same global batches."""
+    DeepSpeed's own directory; what it loaded, then 3 more steps of the same global batches. ``save_to``: saved
+    there (tag ``loaded``) right after the load, for the export back to DeepSpeed."""
     import zeroshard
     from zeroshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
@@ -51,6 +55,8 @@ def resume(case: str, stages: int) -> dict:
     config = {**facts["config"], "gradient_accumulation_steps": 2 * GAS // data_parallel}  # the same global batch
     engine, *_ = zeroshard.initialize(model=module, config=config)
     _, client = engine.load_checkpoint(str(FIXTURES / case / "ckpt"))
+    if save_to is not None:
+        engine.save_checkpoint(save_to, tag="loaded", client_state=client)
     access = engine.param_access
     loaded = {
         name: tuple(access.full_fp32_param(p).clone() if key == "fp32" else access.full_optimizer_state(p, key).clone()
@@ -67,8 +73,9 @@ def resume(case: str, stages: int) -> dict:
     return out
 
 
-def four_rank_worker() -> dict:
-    return {case: {stages: resume(case, stages) for stages in (2, 4)} for case in CASES}
+def four_rank_worker(save_to: str) -> dict:
+    return {case: {stages: resume(case, stages, save_to if (case, stages) == (CASES[0], 2) else None)
+                   for stages in (2, 4)} for case in CASES}  # fmt: skip
 
 
 def one_process_worker() -> dict:
@@ -76,8 +83,14 @@ def one_process_worker() -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    return {"four": run_distributed(four_rank_worker, 4, timeout_s=600), "one": run_distributed(one_process_worker, 1)}
+def saved(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("zeroshard_pipeline")
+
+
+@pytest.fixture(scope="module")
+def runs(saved) -> dict:
+    four = run_distributed(four_rank_worker, 4, str(saved), timeout_s=600)
+    return {"four": four, "one": run_distributed(one_process_worker, 1)}
 
 
 @pytest.mark.parametrize("stages", [2, 4, 1])
@@ -99,6 +112,88 @@ def test_deepspeeds_pipeline_checkpoint_loads_exactly_and_continues_as_deepspeed
             assert abs(loss - want) <= within * abs(want), (got["losses"], facts["continued_losses"])
         for name, value in got["continued"].items():
             torch.testing.assert_close(value, tensors[f"continued.{name}"], rtol=within, atol=within, msg=name)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_the_export_back_writes_deepspeeds_pipeline_files(runs, saved, tmp_path, stages):
+    """``zeroshard convert CK OUT --to deepspeed-universal --pipeline_stages N`` on the checkpoint zeroshard saved
+    after loading DeepSpeed's: the universal folder, each layer's tensors in its own file under its own names (the
+    tied embedding once, at its first index; the parameterless layers' files empty), one engine state per stage."""
+    from zeroshard.checkpoint import export_universal_checkpoint
+    from zeroshard.checkpoint.deepspeed_record import read_deepspeed_file
+
+    tensors, _ = _expected(CASES[0])
+    folder = Path(export_universal_checkpoint(str(saved), str(tmp_path), tag="loaded", pipeline_stages=stages))
+    files = sorted(p.name for p in folder.glob("layer_*-model_states.pt"))
+    mp_ranks = sorted(p.name for p in folder.glob("mp_rank_*_model_states.pt"))
+    assert mp_ranks == [f"mp_rank_{s:02d}_model_states.pt" for s in range(stages)]
+    assert not (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt").exists()
+    for name in mp_ranks:
+        state = read_deepspeed_file(str(folder / name))
+        assert state["module"] is None and state["mp_world_size"] == stages and state["global_steps"] == 2
+    seen = set()
+    for name in files:
+        index = int(name.split("_")[1].split("-")[0])
+        for key, value in read_deepspeed_file(str(folder / name)).items():
+            full = f"{index}.{key}" if f"fp32.{index}.{key}" in tensors else f"tied_modules.embed.{key}"
+            assert torch.equal(value.float(), tensors[f"fp32.{full}"]), (name, key)
+            seen.add(full)
+    assert seen == {n.removeprefix("fp32.") for n in tensors if n.startswith("fp32.")}
+    assert (folder / "zero" / "tied_modules.embed.weight" / "exp_avg.pt").exists()
+
+
+def test_the_export_back_refuses_what_it_cannot_write(runs, saved, tmp_path):
+    """Stage counts that are not one, a checkpoint that is no pipeline's, a manifest whose layer files were edited:
+    named errors, nothing written."""
+    from zeroshard.checkpoint import CheckpointError, export_universal_checkpoint
+
+    for bad in (0, True, "2", 5000, 8):
+        with pytest.raises(CheckpointError, match="pipeline_stages"):
+            export_universal_checkpoint(str(saved), str(tmp_path / "a"), tag="loaded", pipeline_stages=bad)
+    edited = tmp_path / "edited"
+    shutil.copytree(saved, edited)
+    manifest = json.loads((edited / "loaded" / "manifest.json").read_text())
+    manifest["pipeline"]["layer_files"][0] = [99, ""]
+    (edited / "loaded" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        export_universal_checkpoint(str(edited), str(tmp_path / "b"), tag="loaded", pipeline_stages=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited"]
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_deepspeed_resumes_the_export_and_continues_as_its_own_run(runs, saved, tmp_path, stages):
+    """Real DeepSpeed 0.19.8 (ZEROSHARD_TEST_DEEPSPEED: a directory holding it, put on PYTHONPATH; never this
+    environment) builds the fixture's pipeline at ``stages`` stages, resumes the export with ``load_universal`` and
+    trains 3 steps: its losses equal those of its own run continuing within 1e-6."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    where = os.environ.get("ZEROSHARD_TEST_DEEPSPEED")
+    if not where:
+        pytest.skip(
+            "set ZEROSHARD_TEST_DEEPSPEED to a directory holding DeepSpeed (pip install --target DIR deepspeed)"
+        )
+    from zeroshard.checkpoint import export_universal_checkpoint
+
+    export_universal_checkpoint(str(saved), str(tmp_path / "ds"), tag="loaded", pipeline_stages=stages)
+    _, facts = _expected(CASES[0])
+    script = Path(__file__).parent / "scripts" / "deepspeed_resume_pipeline.py"
+    out = tmp_path / "losses.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{where}{os.pathsep}{FIXTURES}",
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script),
+               str(tmp_path / "ds"), json.dumps(facts["config"]), str(stages), str(out)]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = json.loads(out.read_text())
+    for loss, want in zip(losses, facts["continued_losses"], strict=True):
+        assert abs(loss - want) <= 1e-6 * abs(want), (losses, facts["continued_losses"])
 
 
 def test_the_import_writes_the_whole_model_once(tmp_path):

@@ -124,11 +124,19 @@ class OptimizerState(_Strict):
 class PipelineRecord(_Strict):
     stages: conint(ge=1, strict=True)
     parts: list[NonNegative]
+    # [layer index, tie key or ""] of the layers DeepSpeed writes a file for; absent before it was kept
+    layer_files: Optional[list[list]] = None
 
     @model_validator(mode="after")
     def _boundaries(self):
         if len(self.parts) != self.stages + 1 or self.parts[0] != 0 or self.parts != sorted(self.parts):
             raise ValueError(f"parts {self.parts} are not the increasing boundaries of {self.stages} stages")
+        for entry in self.layer_files or []:
+            index, key = (entry + [None, None])[:2] if len(entry) == 2 else (None, None)
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.parts[-1]:
+                raise ValueError(f"layer_files entry {entry!r} is not [a layer index below {self.parts[-1]}, a key]")
+            if not isinstance(key, str):
+                raise ValueError(f"layer_files entry {entry!r}: the tie key is not a string")
         return self
 
 

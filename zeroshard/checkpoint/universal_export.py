@@ -30,21 +30,34 @@ from .safetensors_io import CheckpointError
 DEEPSPEED_LAYOUT = "0.19.8"  # the DeepSpeed whose universal layout is written (its loader checks the version)
 
 
-def export_universal_checkpoint(ckpt_dir: str, out_dir: str, tag: Optional[str] = None) -> str:
+def export_universal_checkpoint(
+    ckpt_dir: str, out_dir: str, tag: Optional[str] = None, pipeline_stages: Optional[int] = None
+) -> str:
     """``zeroshard convert CK OUT --to deepspeed-universal``: the zeroshard checkpoint ``ckpt_dir`` (tag ``tag``
     or its ``latest``; weights joined whole whatever the tensor- or expert-parallel degree) as a universal folder
     ``OUT/<tag>_universal`` with ``OUT/latest_universal``, which DeepSpeed resumes with ``"checkpoint":
-    {"load_universal": true}`` at any world size and ZeRO stage. Returns its path."""
+    {"load_universal": true}`` at any world size and ZeRO stage. ``pipeline_stages``: a pipeline's checkpoint, for
+    DeepSpeed's pipeline engine at that many stages (see :func:`write_universal_folder`). Returns its path."""
     tag = resolve_tag(ckpt_dir, tag)
     if tag is None:
         raise CheckpointError(f"{ckpt_dir}: no 'latest' file; pass the checkpoint's tag with --tag")
-    return write_universal_folder(os.path.join(ckpt_dir, tag), os.path.join(out_dir, f"{tag}_universal"))
+    output = os.path.join(out_dir, f"{tag}_universal")
+    return write_universal_folder(os.path.join(ckpt_dir, tag), output, pipeline_stages)
 
 
-def write_universal_folder(input_folder: str, output_folder: str) -> str:
+def write_universal_folder(input_folder: str, output_folder: str, pipeline_stages: Optional[int] = None) -> str:
     """DeepSpeed's ``ds_to_universal`` contract: the checkpoint in the tag folder ``input_folder`` (zeroshard's, or
     DeepSpeed's ZeRO rank files) written as the universal folder ``output_folder``, with ``latest_universal`` beside
-    it naming it. Written into a hidden folder and renamed; an existing folder is never replaced."""
+    it naming it. Written into a hidden folder and renamed; an existing folder is never replaced.
+
+    ``pipeline_stages``: a pipeline's checkpoint for DeepSpeed's pipeline engine at that many stages: its weights also
+    as DeepSpeed's layer files (``layer_XX-model_states.pt``, each layer's tensors under its own names, a tied module
+    at its first index), and one engine state per stage (``mp_rank_XX_model_states.pt``, ``module: None``), which
+    DeepSpeed 0.19.8's pipeline engine resumes with ``load_universal`` (tested against it at PP2 x DP2 and PP4)."""
+    if pipeline_stages is not None and (
+        isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, int) or not 1 <= pipeline_stages <= 4096
+    ):
+        raise CheckpointError(f"pipeline_stages must be an int in 1..4096, got {pipeline_stages!r}")
     input_folder, output_folder = os.path.normpath(input_folder), os.path.normpath(output_folder)
     out_dir, out_tag = os.path.split(output_folder)
     plain_name(out_tag, "output folder name", out_dir or ".")
@@ -69,10 +82,12 @@ def write_universal_folder(input_folder: str, output_folder: str) -> str:
     tmp = os.path.join(out_dir, f".{out_tag}.tmp")
     try:
         try:
+            if pipeline_stages is not None:
+                _pipeline_files(manifest, pipeline_stages)  # before anything is written
             os.makedirs(out_dir or ".", exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "zero"))
-            _write_universal(sources, manifest, tmp)
+            _write_universal(sources, manifest, tmp, pipeline_stages)
             os.rename(tmp, output_folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -119,7 +134,7 @@ def _write_optimizer_state(manifest: dict, groups: list[dict], path: str) -> Non
     )
 
 
-def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
+def _write_universal(sources: Sources, manifest: dict, tmp: str, pipeline_stages: Optional[int] = None) -> None:
     optimizer = manifest["optimizer"]
     flat_groups = optimizer["flat_groups"]
     groups: list[dict[str, list[int]]] = [{} for _ in optimizer["param_groups"]] or [{}]
@@ -164,8 +179,42 @@ def _write_universal(sources: Sources, manifest: dict, tmp: str) -> None:
         "ds_version": DEEPSPEED_LAYOUT,
         **{k: v for k, v in client.items() if k not in ENGINE_KEYS},
     }
+    if pipeline_stages is not None:
+        _write_pipeline(manifest, module, model_states, pipeline_stages, tmp)
+        return
     for file in MODEL_STATES:  # DeepSpeed reads the first below stage 3, the second under stage 3
         torch.save(model_states, os.path.join(tmp, file))
+
+
+def _pipeline_files(manifest: dict, stages: int) -> list:
+    """The layers to write a file for, checked against the stage count before anything is written."""
+    files = (manifest.get("pipeline") or {}).get("layer_files")
+    if not files:
+        raise CheckpointError(
+            "pipeline_stages: this checkpoint is not a pipeline's, or was saved before zeroshard recorded which "
+            "layers have files (load it in a pipeline engine and save it again)"
+        )
+    layers = manifest["pipeline"]["parts"][-1]
+    if stages > layers:
+        raise CheckpointError(f"pipeline_stages {stages}: the model has {layers} layers, fewer than the stages")
+    return files
+
+
+def _write_pipeline(manifest: dict, module: dict, model_states: dict, stages: int, tmp: str) -> None:
+    """DeepSpeed's pipeline files beside the universal folder (see :func:`write_universal_folder`)."""
+    files = _pipeline_files(manifest, stages)
+    placed = set()
+    for index, tie in files:
+        prefix = f"tied_modules.{tie}." if tie else f"{index}."
+        state = {name[len(prefix) :]: tensor for name, tensor in module.items() if name.startswith(prefix)}
+        placed.update(prefix + name for name in state)
+        torch.save(state, os.path.join(tmp, f"layer_{int(index):02d}-model_states.pt"))
+    outside = sorted(set(module) - placed)
+    if outside:
+        raise CheckpointError(f"pipeline_stages: {outside[:3]} belong to no layer file (a pipeline's names do)")
+    for stage in range(stages):
+        torch.save({**model_states, "module": None, "mp_world_size": stages},
+                   os.path.join(tmp, f"mp_rank_{stage:02d}_model_states.pt"))  # fmt: skip
 
 
 def _flat_index(entry: dict) -> Optional[int]:

@@ -68,6 +68,8 @@ class PipelinePlacement:
     stage: int
     tied_keys: frozenset  # the tied modules this stage holds
     mirrored_keys: frozenset  # those of them an earlier stage saves
+    # (layer index, tie key or "") of each layer DeepSpeed writes a layer file for (PipelineModule.layer_state_files)
+    layer_files: tuple = ()
 
     def _layer_or_tie(self, name: str) -> tuple[Optional[int], Optional[str]]:
         head, _, rest = name.removeprefix("module.").partition(".")
@@ -87,7 +89,7 @@ class PipelinePlacement:
         return self._layer_or_tie(name)[1] in self.mirrored_keys
 
     def record(self) -> dict:
-        return {"stages": self.stages, "parts": list(self.parts)}
+        return {"stages": self.stages, "parts": list(self.parts), "layer_files": [list(f) for f in self.layer_files]}
 
 
 @dataclass(frozen=True)

@@ -47,17 +47,26 @@ def _convert_parser() -> argparse.ArgumentParser:
         help="what to write from a zeroshard checkpoint: its fp32 weights (default), or the whole training state as "
         "a DeepSpeed universal checkpoint",
     )
+    parser.add_argument(
+        "--pipeline_stages",
+        type=int,
+        default=None,
+        help="with --to deepspeed-universal, a pipeline's checkpoint for DeepSpeed's pipeline engine at this many "
+        "stages: its layer files and one engine state per stage beside the universal folder",
+    )
     return parser
 
 
 def convert_main(argv: Sequence[str]) -> int:
     """``zeroshard convert CKPT_DIR OUT [--tag T] [--max_shard_size 5GB] [--dtype bf16] [--no_progress]``,
     ``zeroshard convert --from-deepspeed DS_DIR OUT_DIR [--tag T]`` (a ZeRO or universal checkpoint of DeepSpeed's), or
-    ``zeroshard convert CKPT_DIR OUT_DIR --to deepspeed-universal [--tag T]``."""
+    ``zeroshard convert CKPT_DIR OUT_DIR --to deepspeed-universal [--tag T] [--pipeline_stages N]``."""
     parser = _convert_parser()
     args = parser.parse_args(argv)
     if args.from_deepspeed and args.to != "safetensors":
         parser.error("--from-deepspeed writes a zeroshard checkpoint; --to applies to zeroshard checkpoints")
+    if args.pipeline_stages is not None and args.to != "deepspeed-universal":
+        parser.error("--pipeline_stages applies to --to deepspeed-universal")
     if args.dtype != "fp32" and (args.from_deepspeed or args.to != "safetensors"):
         parser.error("--dtype applies to the weights written as safetensors, not to whole training states")
     from ..checkpoint import (
@@ -72,7 +81,8 @@ def convert_main(argv: Sequence[str]) -> int:
             print(convert_deepspeed_checkpoint(args.checkpoint_dir, args.output, tag=args.tag))
             return 0
         if args.to == "deepspeed-universal":
-            print(export_universal_checkpoint(args.checkpoint_dir, args.output, tag=args.tag))
+            stages = args.pipeline_stages
+            print(export_universal_checkpoint(args.checkpoint_dir, args.output, tag=args.tag, pipeline_stages=stages))
             return 0
         files = convert_zero_checkpoint_to_fp32_state_dict(
             args.checkpoint_dir,

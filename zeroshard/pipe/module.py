@@ -196,6 +196,20 @@ class PipelineModule(nn.Module):
                 self.add_module(str(index), layer)
             self.forward_funcs.append(layer)
 
+    def layer_state_files(self) -> list[tuple[int, str]]:
+        """The layers DeepSpeed's engine writes a ``layer_XX-model_states.pt`` for, every stage's: each module (a
+        ``LayerSpec`` or an ``nn.Module``, parameterless ones too: their file is empty), and a tied module at the
+        index of its spec without ``forward_fn`` (``(index, tie key)``; ``""`` for an untied layer). Callables
+        without parameters, and a tied module's uses through ``forward_fn``, have none."""
+        files = []
+        for index, spec in enumerate(self._layer_specs):
+            if isinstance(spec, TiedLayerSpec):
+                if spec.forward_fn is None:
+                    files.append((index, spec.key))
+            elif isinstance(spec, (LayerSpec, nn.Module)):
+                files.append((index, ""))
+        return files
+
     def tied_keys(self) -> dict[str, list[int]]:
         """Every tie key of the whole model, with the stages holding a copy (sorted: the first is the owner)."""
         stages: dict[str, set[int]] = {}

@@ -118,7 +118,8 @@ class PipelineEngine(ZeroshardEngine):
         mirrored = frozenset(
             k for k in tied if self.ties.get(k) is not None and self.ties[k].ranks[0] != comm.get_rank()
         )
-        placement = PipelinePlacement(self.num_stages, tuple(module.parts), self.stage_id, tied, mirrored)
+        files = tuple(module.layer_state_files())
+        placement = PipelinePlacement(self.num_stages, tuple(module.parts), self.stage_id, tied, mirrored, files)
         return dataclasses.replace(super()._training_state(), pipeline=placement)
 
     @property

@@ -61,3 +61,16 @@ def test_an_unsealed_edit_fails_the_checksum():
     data["params"]["w"]["split"]["parts"] = 1
     with pytest.raises(CheckpointError, match="fails its checksum"):
         validate(data, "m")
+
+
+def test_a_pipeline_records_layer_files_are_layer_indices_with_a_tie_key():
+    from pydantic import ValidationError
+
+    from zeroshard.checkpoint.manifest import PipelineRecord
+
+    record = PipelineRecord(stages=2, parts=[0, 3, 7], layer_files=[[0, "embed"], [1, ""], [6, ""]])
+    assert record.layer_files == [[0, "embed"], [1, ""], [6, ""]]
+    assert PipelineRecord(stages=2, parts=[0, 3, 7]).layer_files is None  # saved before it was kept
+    for bad in ([[7, ""]], [[-1, ""]], [[True, ""]], [[1]], [[1, 2]], [["1", ""]], [[1, "", 3]]):
+        with pytest.raises(ValidationError, match="layer_files entry"):
+            PipelineRecord(stages=2, parts=[0, 3, 7], layer_files=bad)
