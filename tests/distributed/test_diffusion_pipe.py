@@ -7,8 +7,9 @@ in ``client_state``, ``load_checkpoint(load_module_strict=False)``) continues ex
 
 The cases here write the client's patches in the test. ``ZEROSHARD_TEST_DIFFUSION_PIPE`` (a diffusion-pipe checkout
 or bare git directory) runs its own files instead: ``utils/pipeline.py`` (``ManualPipelineModule``) imported
-unmodified, and ``train_schedule_steps`` from ``utils/patches.py`` by its source, unmodified (the rest of that module
-imports the model repositories it vendors as git submodules, HunyuanVideo and ComfyUI)."""
+unmodified, and ``train_schedule_steps``, ``broadcast_model`` and ``clip_grad_norm_`` from ``utils/patches.py`` by
+their source, unmodified (the rest of that module imports the model repositories it vendors as git submodules,
+HunyuanVideo and ComfyUI)."""
 
 from __future__ import annotations
 
@@ -168,10 +169,13 @@ def client_route(directory: str) -> dict:
     import zeroshard
 
     zeroshard.install_as_deepspeed()
+    import deepspeed
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.schedule import TrainSchedule
 
     TrainSchedule.steps = load_first(TrainSchedule.steps)  # as diffusion-pipe's apply_patches() assigns it
+    broadcasts = []
+    deepspeed.runtime.engine.DeepSpeedEngine._broadcast_model = lambda self: broadcasts.append(self.global_steps)
     module = PipelineModule(layers=layers(), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
     whole = train(module, directory)
     module = PipelineModule(layers=layers(), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
@@ -179,7 +183,7 @@ def client_route(directory: str) -> dict:
     module = PipelineModule(layers=layers(), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
     resumed = train(module, directory, resume=True)
     expected = expected_run(whole["facts"]["stage"], 2)
-    return {"whole": whole, "first": first, "resumed": resumed, "expected_run": expected}
+    return {"whole": whole, "first": first, "resumed": resumed, "expected_run": expected, "broadcasts": broadcasts}
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +215,7 @@ def test_the_clients_schedule_and_instruction_map_run_and_train_as_one_process(r
         loaded_first = ["LoadMicroBatch(buffer_id=0)", "RecvActivation(buffer_id=0)"]  # DeepSpeed's: the other way
         assert result["expected_run"][: rank + 1] == loaded_first[: rank + 1]
         assert run.count("client ReduceGrads") == BATCHES and "ReduceGrads()" not in run
+        assert result["broadcasts"] == [0, 0, 0]  # the client's _broadcast_model, once per initialize
 
 
 def test_a_schedule_that_would_deadlock_is_refused_on_every_rank_before_anything_runs():
@@ -278,7 +283,7 @@ def their_patches() -> dict:
             return all(imports_only_torch_or_deepspeed(s) for s in statements)
         return False
 
-    wanted = ("train_schedule_steps", "clip_grad_norm_")
+    wanted = ("train_schedule_steps", "clip_grad_norm_", "broadcast_model")
     keep = [node for node in tree.body if imports_only_torch_or_deepspeed(node)
             or (isinstance(node, ast.FunctionDef) and node.name in wanted)]  # fmt: skip
     namespace: dict = {}
@@ -304,6 +309,13 @@ def their_route(directory: str, source: str) -> dict:
     deepspeed.runtime.engine.DeepSpeedEngine.clip_fp32_gradients = lambda self: clip_grad_norm_(
         parameters=self.module.parameters(), max_norm=self.gradient_clipping(), mpu=self.mpu
     )
+    broadcasts = []
+
+    def broadcast_model(self):  # theirs, counted
+        broadcasts.append(self.global_steps)
+        return patches["broadcast_model"](self)
+
+    deepspeed.runtime.engine.DeepSpeedEngine._broadcast_model = broadcast_model
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "pipeline.py").write_text(client_file("utils/pipeline.py"))
         spec = importlib.util.spec_from_file_location("diffusion_pipe_pipeline", Path(tmp, "pipeline.py"))
@@ -317,7 +329,7 @@ def their_route(directory: str, source: str) -> dict:
     whole = train(build(), directory)
     first = train(build(), directory, stop_after=2)
     resumed = train(build(), directory, resume=True)
-    return {"whole": whole, "first": first, "resumed": resumed, "parts": build().parts}
+    return {"whole": whole, "first": first, "resumed": resumed, "parts": build().parts, "broadcasts": broadcasts}
 
 
 @pytest.mark.skipif(SOURCE is None, reason="set ZEROSHARD_TEST_DIFFUSION_PIPE to a diffusion-pipe checkout")
@@ -325,7 +337,7 @@ def test_diffusion_pipes_own_files_run_unmodified_and_train_as_one_process(tmp_p
     results = run_distributed(their_route, 2, str(tmp_path), SOURCE)
     check_route(results, reference())
     for result in results:
-        assert result["parts"] == [0, 4, 6]
+        assert result["parts"] == [0, 4, 6] and result["broadcasts"] == [0, 0, 0]
         run = result["whole"]["run"]
         assert run[0].startswith("LoadMicroBatch") or result["whole"]["facts"]["stage"] == 1
         first_forward_step = [r for r in run if not r.startswith("client")][:3]

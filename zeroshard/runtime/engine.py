@@ -423,6 +423,17 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         if self.reporting.step_taken(self._last_loss):
             self._report_progress(self.global_steps)
 
+    def _broadcast_model(self) -> None:
+        """DeepSpeed's hook at engine construction, which ``deepspeed.initialize`` calls where DeepSpeed's engine
+        does (diffusion-pipe replaces it to skip frozen weights). The ranks already started from the first one's
+        weights in ``initialize``, before ZeRO flattened them: nothing is left to broadcast here."""
+
+    @property
+    def seq_data_parallel_group(self) -> comm.Group:
+        """DeepSpeed's name for the ranks gradients are averaged over (data x sequence parallel): the mesh's
+        gradient group (``deepspeed.comm``'s calls take it as a group)."""
+        return self.mesh.gradient
+
     def clip_fp32_gradients(self) -> None:
         """DeepSpeed's hook before an fp32 step without ZeRO when ``gradient_clipping`` is set (diffusion-pipe
         replaces it so a stage without trainable parameters does not fail), called at the same point. Here the

@@ -31,8 +31,6 @@ NOT_ENGINE_CALLS = {
     "dataloader_drop_last": "TrainingArguments.dataloader_drop_last",
     "get_data_parallel_rank": "Megatron-LM's mpu (accelerate/utils/megatron_lm.py); diffusion-pipe's engine.grid",
     "get_model_parallel_rank": "diffusion-pipe's clip_grad_norm_ on the mpu (the pipeline grid has it)",
-    "_broadcast_model": "diffusion-pipe assigns its own onto DeepSpeedEngine (a patch); zeroshard broadcasts the "
-    "model before the engine exists (before ZeRO flattens it), so nothing calls it",
     "get_sequence_parallel_group": "the mpu object register_with_transformers returns (it has it)",
     "log_level": "TrainingArguments.log_level",
     "loss_scale": "Lightning's strategy attribute",

@@ -67,6 +67,7 @@ def initialize(
         mpu=mpu,
     )
     live_engines.track(built[0])
+    built[0]._broadcast_model()  # where DeepSpeed's engine calls it: a client's replacement runs (its groups exist)
     zero = built[0].settings.zero_optimization
     if zero.stage == 3 and isinstance(model, torch.nn.Module):  # DeepSpeed flags the leaves its config chose
         modules = dict(model.named_modules())
