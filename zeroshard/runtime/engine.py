@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import inspect
 import time
 import weakref
@@ -18,9 +17,8 @@ from ..accelerator import get_accelerator
 from ..checkpoint.view import TrainingCounters
 from ..config import Resolution
 from ..log import log_rank0, logger
-from ..precision import DTYPE_NAMES, PrecisionPolicy
+from ..precision import PrecisionPolicy
 from ..zero import ZeroOptimizer, ZeroStack
-from ..zero.stack import NoOptimizerStack
 from ..zero.stage3.layer_major import Fibers
 from .activation_checkpointing import CheckpointingOptions
 from .activation_checkpointing import in_effect as checkpointing_in_effect
@@ -28,6 +26,7 @@ from .activation_fit import ActivationFit
 from .batch_check import check_same_batch
 from .engine_api import DeepSpeedAccessors
 from .engine_export import CheckpointAndExport
+from .engine_hooks import ClientHooks
 from .micro_batches import StepMemory, TrainBatchError, describe, loss_of, read_step
 from .reporting import Reporting
 from .sampler import RepeatingLoader
@@ -38,11 +37,12 @@ class NoSyncError(RuntimeError, AssertionError):
     DeepSpeed asserts there and its clients' tests expect that class."""
 
 
-class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
+class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, ClientHooks, torch.nn.Module):
     """Wraps the user's module; ``backward`` scales the loss by 1/gradient_accumulation_steps (and the fp16
     loss scale), gradients are averaged over data-parallel ranks, and ``step`` applies the optimizer only
     at accumulation boundaries. This class is the loop; DeepSpeed's accessors (``engine_api.py``), weights and
-    checkpoints (``engine_export.py``) and what is measured and printed (``reporting.py``) live beside it."""
+    checkpoints (``engine_export.py``), the hooks clients call or replace after ``initialize`` (``engine_hooks.py``)
+    and what is measured and printed (``reporting.py``) live beside it."""
 
     def __init__(
         self,
@@ -145,46 +145,6 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
                     f"compile.kwargs); it takes {sorted(accepted)}"
                 )
             self._compiled = torch.compile(self.module, backend=backend, **options)
-
-    def _configure_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
-        """DeepSpeed's: give an engine built without an optimizer one after ``initialize`` (diffusion-pipe builds
-        its optimizer from the engine's grid this way): ``client_optimizer`` is an optimizer, a callable
-        ``params -> optimizer`` or None (the config's ``optimizer`` block); the ZeRO stack is built over it as
-        ``initialize`` would have, and ``engine.optimizer`` is its view."""
-        if self._attach_optimizer is None or not isinstance(self.stack, NoOptimizerStack):
-            raise RuntimeError(
-                f"rank {comm.get_rank()}: engine._configure_optimizer(): this engine already has an optimizer (its "
-                "state lives in the ZeRO stack); pass the optimizer to initialize, or call this once on an engine "
-                "built without one"
-            )
-        if client_optimizer is None and self.settings.optimizer is None:
-            raise ValueError(
-                "engine._configure_optimizer(None, ...): no optimizer given and the config has no 'optimizer' block"
-            )
-        self.stack = self._attach_optimizer(client_optimizer, model_parameters)
-        self._attach_optimizer = None
-        self.reporting.stack = self.stack
-        self._optimizer = ZeroOptimizer(self.stack)
-
-    @property
-    def communication_data_type(self) -> torch.dtype:
-        """The dtype gradients are reduced in (the config's ``communication_data_type``; by default the compute
-        dtype)."""
-        return self.policy.reduce
-
-    @communication_data_type.setter
-    def communication_data_type(self, value: Any) -> None:
-        """Set after ``initialize``, as DeepSpeed's engine allows (diffusion-pipe sets its model's dtype): a torch
-        floating dtype or a config name (``"bf16"``, ``"fp32"``, ...); the next backward's reductions use it."""
-        dtype = DTYPE_NAMES.get(value) if isinstance(value, str) else value
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"engine.communication_data_type = {value!r}: torch.float32, torch.bfloat16 or torch.float16 (or "
-                f"one of {sorted(DTYPE_NAMES)})"
-            )
-        if self.stack.reducer is not None:
-            self.stack.reducer.set_reduce_dtype(dtype)
-        self.policy = dataclasses.replace(self.policy, reduce=dtype)
 
     def empty_partition_cache(self) -> None:
         """Drop the idle gather and staging buffers the stack keeps for reuse (DeepSpeed's call, which OpenRLHF
@@ -422,28 +382,6 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, torch.nn.Module):
         self.reporting.timers["optimizer_step"] += time.perf_counter() - started
         if self.reporting.step_taken(self._last_loss):
             self._report_progress(self.global_steps)
-
-    def _broadcast_model(self) -> None:
-        """DeepSpeed's hook at engine construction, which ``deepspeed.initialize`` calls where DeepSpeed's engine
-        does (diffusion-pipe replaces it to skip frozen weights). The ranks already started from the first one's
-        weights in ``initialize``, before ZeRO flattened them: nothing is left to broadcast here."""
-
-    @property
-    def seq_data_parallel_group(self) -> comm.Group:
-        """DeepSpeed's name for the ranks gradients are averaged over (data x sequence parallel): the mesh's
-        gradient group (``deepspeed.comm``'s calls take it as a group)."""
-        return self.mesh.gradient
-
-    def clip_fp32_gradients(self) -> None:
-        """DeepSpeed's hook before an fp32 step without ZeRO when ``gradient_clipping`` is set (diffusion-pipe
-        replaces it so a stage without trainable parameters does not fail), called at the same point. Here the
-        reduced gradients live in the stack's flat buffers, not in each parameter's ``.grad``, and the step clips
-        them there by the global norm, as DeepSpeed's own would; a replacement that clips ``.grad`` finds none."""
-
-    def _report_progress(self, step: int) -> None:
-        """DeepSpeed's hook for the line printed every ``steps_per_print`` steps (diffusion-pipe replaces it to print
-        less): the loss, learning rate, norm, throughput and exposed waits of the last steps."""
-        self.reporting.report(self._last_loss)
 
     def _save_periodically(self) -> None:
         """``checkpoint.save_interval_steps``: a checkpoint into ``checkpoint.save_dir`` every N optimizer steps,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import types
 from typing import Any, Iterator, Optional
 
 import torch
@@ -40,27 +39,17 @@ from ..pipe import (
 )
 from ..pipe.exchange import ACTIVATIONS, GRADIENTS
 from ..pipe.instructions import (
-    BATCH_END,
-    BackwardInputPass,
     BackwardPass,
     BackwardWeightPass,
-    ForwardPass,
-    LoadMicroBatch,
-    OptimizerStep,
-    PipeInstruction,
-    RecvActivation,
-    RecvGrad,
-    ReduceGrads,
-    ReduceTiedGrads,
     SendActivation,
     SendGrad,
 )
 from ..pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
-from ..pipe.simulate import ScheduleError, commands_of, simulate
 from ..pipe.zero_bubble import ZeroBubbleH1Schedule
 from .engine import ZeroshardEngine
 from .micro_batches import DataExhausted
 from .pipeline_batch import PipelineBatch
+from .pipeline_instructions import InstructionRunner
 from .sampler import RepeatingLoader
 
 SCHEDULES = {"1f1b": TrainSchedule, "zb-h1": ZeroBubbleH1Schedule}  # pipeline.schedule -> the training schedule
@@ -72,7 +61,7 @@ class PipelineDataExhausted(PipelineError, DataExhausted):
     keep working; inside a batch the rank whose data ended raises it and the batch has failed."""
 
 
-class PipelineEngine(ZeroshardEngine):
+class PipelineEngine(InstructionRunner, ZeroshardEngine):
     """The engine of one pipeline stage (see the module). ``forward`` / ``backward`` / ``step`` are refused as in
     DeepSpeed: ``train_batch`` runs all three for a whole batch."""
 
@@ -296,86 +285,6 @@ class PipelineEngine(ZeroshardEngine):
             f"rank {comm.get_rank()} (pipeline stage {self.stage_id}): the data ended at a batch boundary on rank "
             f"{origin} (pipeline stage {self.mesh.dims.coordinate(origin, 'pp')}); nothing of this batch ran"
         ) from None
-
-    def _instructions(self, schedule: PipeSchedule) -> tuple[list, list]:
-        """This stage's instructions of ``schedule``, split where the batch ends; a schedule not run before is first
-        run on paper for every stage (``zeroshard.pipe.simulate``): one that would deadlock or mix micro-batches up
-        is refused before anything runs."""
-        kind = type(schedule)
-        key = (kind, kind.steps, schedule.micro_batches, schedule.stages, torch.is_grad_enabled())
-        if key not in self._checked_schedules:
-            try:
-                simulate(lambda stage: kind(schedule.micro_batches, schedule.stages, stage), schedule.stages, key[-1])
-            except ScheduleError as error:
-                raise PipelineError(f"rank {comm.get_rank()}: {kind.__name__} cannot run: {error}") from None
-            self._checked_schedules.add(key)
-        commands = [instruction for _, instruction in commands_of(schedule)]
-        split = next((i for i, c in enumerate(commands) if isinstance(c, BATCH_END)), len(commands))
-        return commands[:split], commands[split:]
-
-    def _exec(self, instruction: PipeInstruction) -> None:
-        """Run ``instruction`` through ``_INSTRUCTION_MAP`` (the class's, so a client's entry is the one that runs),
-        as DeepSpeed's engine does."""
-        function = self._INSTRUCTION_MAP.get(type(instruction))
-        if function is None:
-            raise PipelineError(
-                f"rank {comm.get_rank()}: no entry in PipelineEngine._INSTRUCTION_MAP runs {instruction!r}"
-            )
-        types.MethodType(function, self)(**instruction.kwargs)
-
-    # DeepSpeed's names for what each instruction does (clients' subclasses call them through super())
-    def _exec_load_micro_batch(self, buffer_id: int) -> None:
-        self._batch.load(buffer_id)
-
-    def _exec_forward_pass(self, buffer_id: int) -> None:
-        self._batch.forward(buffer_id)
-
-    def _exec_backward_pass(self, buffer_id: int) -> None:
-        self._batch.backward(buffer_id)
-
-    def _exec_backward_input_pass(self, buffer_id: int) -> None:
-        self._batch.backward_input(buffer_id)
-
-    def _exec_backward_weight_pass(self, buffer_id: int) -> None:
-        self._batch.backward_weight(buffer_id)
-
-    def _exec_send_activations(self, buffer_id: int) -> None:
-        self._batch.send_activations(buffer_id)
-
-    def _exec_recv_activations(self, buffer_id: int) -> None:
-        self._batch.receive_activations(buffer_id)
-
-    def _exec_send_grads(self, buffer_id: int) -> None:
-        self._batch.send_gradients(buffer_id)
-
-    def _exec_recv_grads(self, buffer_id: int) -> None:
-        self._batch.receive_gradients(buffer_id)
-
-    def _exec_reduce_grads(self) -> None:
-        self._batch.finish_reductions()
-
-    def _exec_reduce_tied_grads(self) -> None:
-        self._batch.finish_reductions()
-        self.stack.sum_tied_gradients()
-
-    def _exec_optimizer_step(self) -> None:
-        self._batch.finish_reductions()
-        self._optimizer_step()
-
-    _INSTRUCTION_MAP = {
-        LoadMicroBatch: _exec_load_micro_batch,
-        ForwardPass: _exec_forward_pass,
-        BackwardPass: _exec_backward_pass,
-        BackwardInputPass: _exec_backward_input_pass,
-        BackwardWeightPass: _exec_backward_weight_pass,
-        SendActivation: _exec_send_activations,
-        RecvActivation: _exec_recv_activations,
-        SendGrad: _exec_send_grads,
-        RecvGrad: _exec_recv_grads,
-        ReduceGrads: _exec_reduce_grads,
-        ReduceTiedGrads: _exec_reduce_tied_grads,
-        OptimizerStep: _exec_optimizer_step,
-    }
 
     def _agree(self, failed: Optional[int], group: comm.Group, clean: bool = False) -> bool:
         """Agree with the other ranks of ``group`` (this stage's, or the world at the end of a batch) on whether any
