@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from .instructions import (
     BATCH_END,
@@ -50,9 +50,10 @@ class _Slots:
     weights_pending: dict = field(default_factory=dict)  # after BackwardInputPass, before BackwardWeightPass
 
 
-def commands_of(schedule: PipeSchedule) -> list[tuple[int, PipeInstruction]]:
-    """(step, instruction) of ``schedule`` in the order they run; checked to be instructions, the batch's end last."""
-    commands, ended = [], None
+def instructions_of(schedule: PipeSchedule) -> Iterator[tuple[int, PipeInstruction]]:
+    """(step, instruction) of ``schedule`` in the order they run, produced as the schedule yields them (a batch of
+    a million micro-batches is never listed); each checked to be an instruction, the batch's end last."""
+    ended = None
     for step, cmds in enumerate(schedule.steps()):
         if not isinstance(cmds, (list, tuple)):
             raise ScheduleError(f"{type(schedule).__name__}: step {step} yielded {type(cmds).__name__}, not a list")
@@ -66,14 +67,13 @@ def commands_of(schedule: PipeSchedule) -> list[tuple[int, PipeInstruction]]:
                     f"{type(schedule).__name__} (stage {schedule.stage_id}): {cmd!r} at step {step} comes after "
                     f"{ended[1]!r} (step {ended[0]}); reductions and the optimizer step end the batch"
                 )
-            commands.append((step, cmd))
-    return commands
+            yield step, cmd
 
 
 def simulate(make: Callable[[int], PipeSchedule], stages: int, training: bool) -> list[StageTrace]:
     """Run the schedules ``make(stage)`` of every stage together (the module's docstring); returns each stage's
     trace, or raises :class:`ScheduleError`."""
-    programs = [commands_of(make(stage)) for stage in range(stages)]
+    programs = [list(instructions_of(make(stage))) for stage in range(stages)]
     micro_batches = make(0).micro_batches
     channels: dict[tuple, deque] = {}
     runs = [_StageRun(stage, stages, training, channels) for stage in range(stages)]

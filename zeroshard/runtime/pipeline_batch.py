@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map
 
 from .. import comm
 from ..pipe import Announcement, PipelineError
+from ..pipe.instructions import BackwardPass, BackwardWeightPass, PipeInstruction
 from .activation_checkpointing import in_effect as checkpointing_in_effect
 from .split_backward import WeightWork, backward_input
 
@@ -42,6 +43,21 @@ class PipelineBatch:
         self.weight_work: dict[int, WeightWork] = {}  # slot -> what its W still has to do (zero-bubble schedules)
         self.in_flight = self.peak_in_flight = 0  # micro-batches whose forward ran and backward has not
         self.reductions_pending = False  # the last backward launched reductions nobody has waited for yet
+        self.activations_sent = self.gradients_sent = 0
+
+    def brings_last_gradients(self, instruction: PipeInstruction) -> bool:
+        """Whether ``instruction`` is the backward that brings the batch's last weight gradients (and launches the
+        reductions): the last ``BackwardPass``, or a zero-bubble schedule's last ``BackwardWeightPass``."""
+        if isinstance(instruction, BackwardPass):
+            return self.backwards == self.micro_batches - 1
+        return isinstance(instruction, BackwardWeightPass) and self.weights_done == self.micro_batches - 1
+
+    def owes(self, first: bool, last: bool) -> tuple[bool, bool]:
+        """Whether this stage still owes the next stage activations, and the previous one gradients (every
+        schedule sends each micro-batch's once: zeroshard's by construction, a client's checked on paper)."""
+        training = torch.is_grad_enabled()
+        return (not last and self.activations_sent < self.micro_batches,
+                training and not first and self.gradients_sent < self.micro_batches)  # fmt: skip
 
     def load(self, slot: int) -> None:
         engine = self.engine
@@ -95,6 +111,7 @@ class PipelineBatch:
 
     def send_activations(self, slot: int) -> None:
         self.sent[slot] = self.engine.exchange.send_activations(self.outputs[slot])
+        self.activations_sent += 1
         if not torch.is_grad_enabled():
             del self.outputs[slot]
 
@@ -151,6 +168,7 @@ class PipelineBatch:
         inputs = [inputs] if torch.is_tensor(inputs) else list(inputs)
         grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad]
         self.engine.exchange.send_gradients(grads)
+        self.gradients_sent += 1
 
     def finish_reductions(self) -> None:
         """Wait for the reductions the last backward launched (once)."""

@@ -38,12 +38,7 @@ from ..pipe import (
     parallel_dims,
 )
 from ..pipe.exchange import ACTIVATIONS, GRADIENTS
-from ..pipe.instructions import (
-    BackwardPass,
-    BackwardWeightPass,
-    SendActivation,
-    SendGrad,
-)
+from ..pipe.instructions import BATCH_END
 from ..pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
 from ..pipe.zero_bubble import ZeroBubbleH1Schedule
 from .engine import ZeroshardEngine
@@ -232,27 +227,27 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         it ran, every rank raises :class:`PipelineDataExhausted` (a ``StopIteration``) and the engine goes on with
         the next iterator."""
         self._refuse_after_failure(call)
-        body, batch_end = self._instructions(schedule)
+        stream = self._instructions(schedule)
         batch = self._batch = PipelineBatch(self, compute_loss, scalar, schedule.micro_batches)
         self.exchange.begin()
-        # the backward that brings the batch's last weight gradients (and launches the reductions)
-        backwards = [i for i, c in enumerate(body) if isinstance(c, (BackwardPass, BackwardWeightPass))]
-        boundary = backwards[-1] if backwards else len(body)  # where the stage's ranks agree nobody failed
-        done, agreed = 0, False
+        done, agreed, batch_end = 0, False, []
         try:
-            for done, instruction in enumerate(body):
-                if done == boundary:
+            for instruction in stream:
+                if isinstance(instruction, BATCH_END):  # the rest run once the loss is known
+                    batch_end = [instruction, *stream]
+                    break
+                if batch.brings_last_gradients(instruction):
                     agreed = True
                     self._agree(None, self.mesh.stage)  # every rank of this stage got here: its reductions all run
                 self._exec(instruction)
-            done = len(body)
-            if boundary == len(body):
+                done += 1
+            if not agreed:  # a batch without backward (evaluation)
                 agreed = True
                 self._agree(None, self.mesh.stage)
             self.exchange.finish()
         except Exception as error:
             batch.settle_after_failure()
-            self._stop_batch(error, body[done:], clean=done == 0 and not self.exchange.exchanged, agreed=agreed)
+            self._stop_batch(error, batch, clean=done == 0 and not self.exchange.exchanged, agreed=agreed)
         # a failure after the stages agreed (an out-of-memory in the last backward) reaches every rank here, before
         # the loss broadcast and the gradient norm join the stages
         try:
@@ -264,16 +259,16 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
             self.peak_micro_batches_in_flight = batch.peak_in_flight
         return batch.results, batch_end
 
-    def _stop_batch(self, error: Exception, left: list, clean: bool, agreed: bool) -> None:
-        """The batch failed on this rank with ``error`` (``left``: the instructions it did not run; ``clean``:
-        nothing of the batch ran here): tell the neighbours and the other ranks, then raise."""
+    def _stop_batch(self, error: Exception, batch: PipelineBatch, clean: bool, agreed: bool) -> None:
+        """The batch failed on this rank with ``error`` (``clean``: nothing of the batch ran here): tell the
+        neighbours it still owes a message (``batch``'s counts) and the other ranks, then raise."""
         aborted = error if isinstance(error, StageAborted) else None
         origin = aborted.origin if aborted is not None else comm.get_rank()
         ended = isinstance(error, PipelineDataExhausted) or (aborted is not None and aborted.data_ended)
         clean = ended and clean
-        owed = {type(instruction) for instruction in left}  # what the neighbours still wait for from this rank
         source = aborted.source if aborted is not None else None
-        self.exchange.abort(origin, SendActivation in owed, SendGrad in owed, source, data_ended=clean)
+        owes_next, owes_previous = batch.owes(self.is_first_stage(), self.is_last_stage())
+        self.exchange.abort(origin, owes_next, owes_previous, source, data_ended=clean)
         if not agreed:
             self._agree(origin, self.mesh.stage)
         if not self._agree(origin, self.mesh.world, clean):
