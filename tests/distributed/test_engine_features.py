@@ -140,6 +140,19 @@ def client_objects_worker():
     }
 
 
+def adamw_with_lambda_schedule() -> dict:
+    """One process: torch's AdamW at lr 1e-2 scaled by 1 / (step + 1), 3 steps of 8 rows."""
+    model = make_model()
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda step: 1.0 / (step + 1))
+    for x, y in make_batches(3, 8):
+        model(x, y).backward()
+        ref.step()
+        ref_sched.step()
+        ref.zero_grad()
+    return model.state_dict()
+
+
 def test_client_optimizer_and_scheduler_objects_and_accumulation_bookkeeping():
     r0, _ = run_distributed(client_objects_worker, 2)
     assert r0["same_opt"] and r0["same_sched"]
@@ -153,15 +166,7 @@ def test_client_optimizer_and_scheduler_objects_and_accumulation_bookkeeping():
     ]
     assert r0["lr"] == [pytest.approx(1e-2 / 4)]  # LambdaLR stepped once per optimizer step
     assert r0["triad"] == (8, 2, 2, 1) and r0["norm"] > 0
-    model = make_model()
-    ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda step: 1.0 / (step + 1))
-    for x, y in make_batches(3, 8):
-        model(x, y).backward()
-        ref.step()
-        ref_sched.step()
-        ref.zero_grad()
-    assert model_error(r0["weights"], model.state_dict()) <= 1e-5
+    assert model_error(r0["weights"], adamw_with_lambda_schedule()) <= 1e-5
 
 
 def configure_optimizer_worker():
@@ -203,15 +208,7 @@ def configure_optimizer_worker():
 def test_an_optimizer_configured_after_initialize_trains_as_one_process_and_the_reduction_dtype_follows():
     r0, _ = run_distributed(configure_optimizer_worker, 2)
     assert r0["before"] is None and r0["dtype"] == "torch.bfloat16"
-    model = make_model()
-    ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda step: 1.0 / (step + 1))
-    for x, y in make_batches(3, 8):
-        model(x, y).backward()
-        ref.step()
-        ref_sched.step()
-        ref.zero_grad()
-    assert model_error(r0["weights"], model.state_dict()) <= 1e-5
+    assert model_error(r0["weights"], adamw_with_lambda_schedule()) <= 1e-5
     assert set(r0["refused"]) == {"'int8'", "torch.int64", "nan", "None", "again"}
     assert "engine.communication_data_type = 'int8'" in r0["refused"]["'int8'"]
     assert "already has an optimizer" in r0["refused"]["again"]

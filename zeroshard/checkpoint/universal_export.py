@@ -82,12 +82,13 @@ def write_universal_folder(input_folder: str, output_folder: str, pipeline_stage
     tmp = os.path.join(out_dir, f".{out_tag}.tmp")
     try:
         try:
+            pipeline = None  # (stages, the layers with files), checked before anything is written
             if pipeline_stages is not None:
-                _pipeline_files(manifest, pipeline_stages)  # before anything is written
+                pipeline = (pipeline_stages, _pipeline_files(manifest, pipeline_stages))
             os.makedirs(out_dir or ".", exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(os.path.join(tmp, "zero"))
-            _write_universal(sources, manifest, tmp, pipeline_stages)
+            _write_universal(sources, manifest, tmp, pipeline)
             os.rename(tmp, output_folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -134,7 +135,7 @@ def _write_optimizer_state(manifest: dict, groups: list[dict], path: str) -> Non
     )
 
 
-def _write_universal(sources: Sources, manifest: dict, tmp: str, pipeline_stages: Optional[int] = None) -> None:
+def _write_universal(sources: Sources, manifest: dict, tmp: str, pipeline: Optional[tuple[int, list]] = None) -> None:
     optimizer = manifest["optimizer"]
     flat_groups = optimizer["flat_groups"]
     groups: list[dict[str, list[int]]] = [{} for _ in optimizer["param_groups"]] or [{}]
@@ -179,8 +180,8 @@ def _write_universal(sources: Sources, manifest: dict, tmp: str, pipeline_stages
         "ds_version": DEEPSPEED_LAYOUT,
         **{k: v for k, v in client.items() if k not in ENGINE_KEYS},
     }
-    if pipeline_stages is not None:
-        _write_pipeline(manifest, module, model_states, pipeline_stages, tmp)
+    if pipeline is not None:
+        _write_pipeline(module, model_states, *pipeline, tmp)
         return
     for file in MODEL_STATES:  # DeepSpeed reads the first below stage 3, the second under stage 3
         torch.save(model_states, os.path.join(tmp, file))
@@ -200,9 +201,8 @@ def _pipeline_files(manifest: dict, stages: int) -> list:
     return files
 
 
-def _write_pipeline(manifest: dict, module: dict, model_states: dict, stages: int, tmp: str) -> None:
+def _write_pipeline(module: dict, model_states: dict, stages: int, files: list, tmp: str) -> None:
     """DeepSpeed's pipeline files beside the universal folder (see :func:`write_universal_folder`)."""
-    files = _pipeline_files(manifest, stages)
     placed = set()
     for index, tie in files:
         prefix = f"tied_modules.{tie}." if tie else f"{index}."

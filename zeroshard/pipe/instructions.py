@@ -85,3 +85,21 @@ class RecvGrad(BufferOpInstruction):
 
 
 BATCH_END = (ReduceTiedGrads, ReduceGrads, OptimizerStep)  # after every instruction on a micro-batch
+
+__all__ = [
+    "BATCH_END",
+    "BackwardInputPass",
+    "BackwardPass",
+    "BackwardWeightPass",
+    "BufferOpInstruction",
+    "ForwardPass",
+    "LoadMicroBatch",
+    "OptimizerStep",
+    "PipeInstruction",
+    "RecvActivation",
+    "RecvGrad",
+    "ReduceGrads",
+    "ReduceTiedGrads",
+    "SendActivation",
+    "SendGrad",
+]

@@ -36,15 +36,9 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     """Boundaries of ``weights`` cut into ``num_parts`` consecutive runs whose sums are balanced as DeepSpeed
     balances them (see the module docstring)."""
-    count = len(weights)
-    _check_counts(count, num_parts)
-    if any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0 for w in weights):
-        raise ValueError(f"layer weights must be finite numbers >= 0, got {list(weights)}")
+    count, prefix = len(weights), _prefix_sums(weights, num_parts)
     if count <= num_parts:
         return partition_uniform(count, num_parts)
-    prefix = [0.0]
-    for weight in weights:
-        prefix.append(prefix[-1] + weight)
     inf = math.inf
     # best[i][j] = (spread, heaviest, lightest, last boundary) of the kept split of the first i layers in j parts
     best = [[(inf, inf, inf, 0)] * (num_parts + 1) for _ in range(count + 1)]
@@ -66,15 +60,9 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
 def partition_min_max(weights: Sequence[float], num_parts: int) -> list[int]:
     """Boundaries of ``weights`` cut into ``num_parts`` consecutive non-empty runs whose largest sum is as small as
     can be (of equal ones, the earliest boundaries)."""
-    count = len(weights)
-    _check_counts(count, num_parts)
-    if any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0 for w in weights):
-        raise ValueError(f"layer weights must be finite numbers >= 0, got {list(weights)}")
+    count, prefix = len(weights), _prefix_sums(weights, num_parts)
     if count <= num_parts:
         return partition_uniform(count, num_parts)
-    prefix = [0.0]
-    for weight in weights:
-        prefix.append(prefix[-1] + weight)
     # best[j][i] = (the largest run of the best split of the first i layers in j runs, its last boundary)
     best = [[(math.inf, 0)] * (count + 1) for _ in range(num_parts + 1)]
     best[0][0] = (0.0, 0)
@@ -119,6 +107,17 @@ def manual_boundaries(split: Sequence[int], num_layers: int, num_stages: int) ->
     if any(isinstance(b, bool) or not isinstance(b, int) for b in split) or bounds != sorted(bounds):
         raise ValueError(f"manual partition boundaries must be increasing layer indices in 0..{num_layers}: {split}")
     return bounds
+
+
+def _prefix_sums(weights: Sequence[float], num_parts: int) -> list[float]:
+    """The running sums of ``weights`` (0 first), checked to be finite numbers >= 0 cut into ``num_parts``."""
+    _check_counts(len(weights), num_parts)
+    if any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0 for w in weights):
+        raise ValueError(f"layer weights must be finite numbers >= 0, got {list(weights)}")
+    prefix = [0.0]
+    for weight in weights:
+        prefix.append(prefix[-1] + weight)
+    return prefix
 
 
 def _check_counts(num_items: int, num_parts: int) -> None:

@@ -82,8 +82,7 @@ def backward_input(
             handles.append(node.register_prehook(lambda grads_in, node=node: captured.__setitem__(node, grads_in)))
     try:
         if inputs:
-            torch.autograd.backward(outputs, [g for g in grads] if grads[0] is not None else None, inputs=inputs,
-                                    retain_graph=True)  # fmt: skip
+            torch.autograd.backward(outputs, None if grads[0] is None else grads, inputs=inputs, retain_graph=True)
     finally:
         for handle in handles:
             handle.remove()

@@ -2,26 +2,9 @@
 (``zeroshard.pipe.instructions``, ``zeroshard.pipe.schedule``), the same classes: a client's patch of
 ``TrainSchedule.steps`` or its ``_INSTRUCTION_MAP`` entry keyed by ``ReduceGrads`` changes what the engine runs."""
 
-from .....pipe.instructions import (
-    BackwardPass,
-    BufferOpInstruction,
-    ForwardPass,
-    LoadMicroBatch,
-    OptimizerStep,
-    PipeInstruction,
-    RecvActivation,
-    RecvGrad,
-    ReduceGrads,
-    ReduceTiedGrads,
-    SendActivation,
-    SendGrad,
-)
-from .....pipe.schedule import (
-    DataParallelSchedule,
-    InferenceSchedule,
-    PipeSchedule,
-    TrainSchedule,
-)
+from .....pipe import instructions
+from .....pipe.instructions import *  # noqa: F403 - DeepSpeed's instruction classes, the same objects
+from .....pipe.schedule import DataParallelSchedule, InferenceSchedule, PipeSchedule, TrainSchedule
 
 
 def _is_even(x: int) -> bool:
@@ -34,21 +17,10 @@ def _is_odd(x: int) -> bool:
 
 
 __all__ = [
-    "BackwardPass",
-    "BufferOpInstruction",
+    *(name for name in instructions.__all__ if name != "BATCH_END"),
     "DataParallelSchedule",
-    "ForwardPass",
     "InferenceSchedule",
-    "LoadMicroBatch",
-    "OptimizerStep",
-    "PipeInstruction",
     "PipeSchedule",
-    "RecvActivation",
-    "RecvGrad",
-    "ReduceGrads",
-    "ReduceTiedGrads",
-    "SendActivation",
-    "SendGrad",
     "TrainSchedule",
     "_is_even",
     "_is_odd",
