@@ -106,6 +106,47 @@ def test_frozen_and_rank_dependent_unused_parameters(stage, overlap):
         torch.testing.assert_close(r0["weights"][name], r1["weights"][name], rtol=0, atol=0)
 
 
+def branch_in_first_micro_batch_worker(stage):
+    import zeroshard
+    from zeroshard import comm
+
+    cfg = {
+        **BASE,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 64},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    }
+    engine, _, _, _ = zeroshard.initialize(model=BranchyModel(), config=cfg)
+    for x in _branch_batches(comm.get_rank()):
+        for micro in range(2):
+            engine.backward(engine(x[micro], use_branch=micro == 0))
+            engine.step()
+    return _weights(engine)
+
+
+def _branch_batches(rank):
+    return [
+        torch.randint(0, 16, (2, 2, 4), generator=torch.Generator().manual_seed(10 * step + rank)) for step in range(3)
+    ]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_branch_only_an_earlier_micro_batch_took_keeps_its_gradient(stage):
+    """Stages 0-1 reduce once, at the last micro-batch: a parameter that backward did not reach then still holds
+    the earlier micro-batches' gradient (it was lost: reduced as zero)."""
+    results = run_distributed(branch_in_first_micro_batch_worker, 2, stage, timeout_s=120)
+    model = BranchyModel()
+    reference = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for batches in zip(_branch_batches(0), _branch_batches(1)):
+        for x in batches:
+            for micro in range(2):
+                (model(x[micro], use_branch=micro == 0) / 4).backward()
+        reference.step()
+        reference.zero_grad()
+    for result in results:
+        assert model_error(result, model.state_dict()) <= 1e-6
+
+
 def client_objects_worker():
     import zeroshard
     from zeroshard import comm

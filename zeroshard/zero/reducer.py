@@ -354,6 +354,7 @@ class GradientReducer:
             self._root_hook = None
         if not self._reducing:
             return
+        self._stage_accumulated()
         if not self.ignore_unused_parameters:
             self._refuse_unused()
         for bucket in self.buckets[self._next_launch :]:
@@ -362,6 +363,22 @@ class GradientReducer:
         while self._in_flight:
             self._finish_oldest()
         self._reducing = False
+
+    def _stage_accumulated(self) -> None:
+        """At the boundary of an accumulation reduced only there (stages 0-1), a parameter that an earlier
+        micro-batch's backward reached but this last one did not (a branch taken earlier, the other model chunk of
+        a DualPipeV rank) holds its accumulated gradient in ``.grad``, its hook never fired: staged now, as the
+        hook would have, so it is reduced instead of counted as zero."""
+        if self.reduce_every_micro_step:
+            return
+        for index in range(self._next_launch, len(self.buckets)):
+            bucket = self.buckets[index]
+            for position, param in enumerate(bucket.flat.params):
+                if not bucket.arrived[position] and param.grad is not None:
+                    if self.check is not None:
+                        self.check.observe(index, position, param.grad)
+                    bucket.stage_grad(position, param.grad, next_to_reduce=index == self._next_launch)
+                    param.grad = None
 
     def _refuse_unused(self) -> None:
         """``ignore_unused_parameters: false`` (DeepSpeed's stage-3 check): a trainable parameter that received no
