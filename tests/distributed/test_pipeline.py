@@ -328,15 +328,17 @@ def train_case(
     interval: int = 0,
     extra: dict = None,
     topology=None,
+    dual: bool = False,
 ) -> dict:
     """Train the pipeline STEPS batches; returns its losses, this stage's weights (and how the tensor-parallel ones
-    are split) and the tied weight after each step. ``topology``: built on it instead of ``stages``."""
+    are split) and the tied weight after each step. ``topology``: built on it instead of ``stages``; ``dual``: a
+    ``DualPipeVModule`` (two stages per rank, the DualPipeV schedule)."""
     import zeroshard
-    from zeroshard.pipe import PipelineModule
+    from zeroshard.pipe import DualPipeVModule, PipelineModule
     from zeroshard.zero import GatheredParameters
 
     layer_specs = specs(tied=tied)
-    module = PipelineModule(
+    module = (DualPipeVModule if dual else PipelineModule)(
         layer_specs,
         num_stages=None if topology is not None else stages,
         topology=topology,
@@ -436,16 +438,25 @@ def tensor_parallel_grid_case() -> dict:
     return out
 
 
-def eval_case(micro_batches: int) -> dict:
-    """PP2 x DP2: eval_batch over ``micro_batches`` micro-batches (training uses 4), before and after one step."""
+def eval_case(micro_batches: int, dual: bool = False) -> dict:
+    """PP2 x DP2: eval_batch over ``micro_batches`` micro-batches (training uses 4), before and after one step.
+    ``dual``: a DualPipeVModule, which also refuses an evaluation of fewer than 4 micro-batches."""
     import zeroshard
-    from zeroshard.pipe import PipelineModule
+    from zeroshard.pipe import DualPipeVModule, PipelineModule
 
-    module = PipelineModule(specs(), num_stages=2, loss_fn=cross_entropy, seed_layers=True)
+    module = (DualPipeVModule if dual else PipelineModule)(
+        specs(), num_stages=2, loss_fn=cross_entropy, seed_layers=True
+    )
     engine, *_ = zeroshard.initialize(model=module, config=config(4, 1))
     dp = engine.grid.get_data_parallel_rank()
     evaluation = global_batches(2, micro_batches, seed=5)[0]
     mine = evaluation[dp * micro_batches : (dp + 1) * micro_batches]
+    refused = None
+    if dual:
+        try:
+            engine.eval_batch(iter(mine), num_micro_batches=3)
+        except ValueError as error:
+            refused = str(error)
     before, logits = engine.eval_batch(iter(mine), return_logits=True, num_micro_batches=micro_batches)
     engine.train_batch(iter(global_batches(2, 4)[0][dp * 4 : (dp + 1) * 4]))
     after = engine.eval_batch(iter(mine), num_micro_batches=micro_batches)
@@ -456,6 +467,7 @@ def eval_case(micro_batches: int) -> dict:
         "logits": None if logits is None else tuple(logits.shape),
         "per_micro": None if per_micro is None else len(per_micro),
         "stage": engine.stage_id,
+        "refused": refused,
     }
     engine.destroy()
     return result
@@ -539,19 +551,30 @@ FAILURES = ("stages_not_dividing", "more_stages_than_layers", "not_a_module", "l
 
 
 def resume_case(
-    ckpt_dir: str, stages: int, gas: int, save: bool = False, zero: int = 1, tag: str = "pp2", tp: int = 1
+    ckpt_dir: str,
+    stages: int,
+    gas: int,
+    save: bool = False,
+    zero: int = 1,
+    tag: str = "pp2",
+    tp: int = 1,
+    dual: bool = False,
+    per_step: int = 4,
 ) -> dict:
     """``save``: PP2 x DP2 (or PP2 x TP2) trains 3 steps, saves, trains 2 more (the uninterrupted run); otherwise a
     run of ``stages`` stages and ``tp`` tensor-parallel ranks loads that checkpoint and trains the same 2 steps (the
-    same 4 micro-batches per step: ``gas`` per data-parallel rank). ``zero``: the ZeRO stage of this run."""
+    same ``per_step`` micro-batches per step: ``gas`` per data-parallel rank). ``zero``: the ZeRO stage of this run;
+    ``dual``: a DualPipeVModule."""
     import zeroshard
-    from zeroshard.pipe import PipelineModule
+    from zeroshard.pipe import DualPipeVModule, PipelineModule
 
-    module = PipelineModule(specs(), num_stages=stages, loss_fn=cross_entropy, seed_layers=True)
+    module = (DualPipeVModule if dual else PipelineModule)(
+        specs(), num_stages=stages, loss_fn=cross_entropy, seed_layers=True
+    )
     extra = {"tensor_parallel": {**TENSOR_PARALLEL, "autotp_size": tp}} if tp > 1 else {}
     engine, *_ = zeroshard.initialize(model=module, config=config(gas, zero, **extra))
     dp = engine.grid.get_data_parallel_rank()
-    batches = global_batches(1, 4)  # 4 micro-batches per step, whoever reads them
+    batches = global_batches(1, per_step)  # per_step micro-batches per step, whoever reads them
     out = {"stage": engine.stage_id}
     if save:
         for step in batches[:3]:
@@ -635,7 +658,31 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out["zero_bubble"] = {case: train_case(*case, extra=zero_bubble) for case in ZERO_BUBBLE_CASES}
     out["zero_bubble_refused"] = refused_case(zero_bubble)
     out["time_partition"] = train_case(*TIME_CASE)
+    out["dualpipev"] = {case: train_case(*case[:4], interval=case[4], dual=True) for case in DUALPIPEV_CASES}
+    out["dualpipev_eval"] = eval_case(5, dual=True)
+    out["dualpipev_refused"] = dualpipev_refused_case()
+    saved = resume_case(ckpt_dir, 2, 4, save=True, zero=2, tag="pp2_dualpipev", dual=True, per_step=8)
+    out["resume_dualpipev"] = {"saved": saved}  # saved by DualPipeV at PP2 x DP2, resumed by 1F1B and DualPipeV at PP4
+    out["resume_dualpipev"]["pp4"] = resume_case(ckpt_dir, 4, 8, tag="pp2_dualpipev", per_step=8)
+    out["resume_dualpipev"]["pp4_dual"] = resume_case(ckpt_dir, 4, 8, tag="pp2_dualpipev", dual=True, per_step=8)
     return out
+
+
+# (stages, gas, partition, ZeRO stage, activation checkpoint interval): DualPipeV with its B/W split (ZeRO 0-2, no
+# checkpointing) at PP4 and PP2 x DP2, and without it (ZeRO-3 and activation checkpointing) at PP2 x DP2
+DUALPIPEV_CASES = [(4, 8, "uniform", 0, 0), (2, 4, "parameters", 2, 0), (2, 4, "parameters", 3, 1)]
+
+
+def dualpipev_refused_case() -> list[str]:
+    """What a DualPipeVModule says of fewer than 2p micro-batches and of another pipeline.schedule."""
+    messages = []
+    for gas, extra in ((2, {}), (4, {"pipeline": {"schedule": "zb-h1"}})):
+        try:
+            train_case(2, gas, "parameters", 1, extra=extra, dual=True)
+            messages.append("built")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
 
 
 ZERO_BUBBLE_CASES = [(4, 8, "uniform", 0), (2, 8, "parameters", 2)]  # (stages, gas, partition, ZeRO stage)
@@ -702,6 +749,60 @@ def test_the_zero_bubble_schedule_matches_one_process_holding_what_it_states(fou
         one_f_one_b = result["cases"].get(case)
         if one_f_one_b is not None:
             assert one_f_one_b["peak"] == min(stages - one_f_one_b["stage"], gas)
+
+
+@pytest.mark.parametrize("case", DUALPIPEV_CASES)
+def test_dualpipev_matches_one_process_holding_what_it_states(four, case):
+    """A DualPipeVModule (two stages per rank, the tied embedding and head one module on rank 0) runs DualPipeV: with
+    the B/W split at ZeRO 0-2, DeepSpeed's plain order under ZeRO-3 with activation checkpointing; the same losses
+    and weights as one process, every rank holding 2p + 1 chunks' activations at most (each chunk half a 1F1B
+    stage's layers: p + 1/2 stages' worth, 1F1B's first stage p)."""
+    stages, gas = case[:2]
+    expected = reference(specs(), global_batches(4 // stages, gas))
+    held = set()
+    for rank, result in enumerate(four):
+        got = result["dualpipev"][case]
+        assert_like_one_process(got, expected, 1e-6 * 10, rank)
+        assert got["peak"] == 2 * stages + 1, (case, got["stage"], got["peak"])
+        held |= set(got["weights"])
+        # both ends of the V on rank 0: the embedding and the head tied to it, one module there and nowhere else
+        assert ("tied_modules.embed.weight" in got["weights"]) == (got["stage"] == 0)
+        assert len(got["parts"]) == 2 * stages + 1
+    assert held == set(expected["weights"])
+
+
+def test_dualpipev_evaluates_as_one_process_and_refuses_what_it_cannot_run(four):
+    """eval_batch runs DualPipeV forward only (the loss on rank 0, which holds the model's last chunk); fewer than
+    2p micro-batches, or a pipeline.schedule beside the module's, are refused by name on every rank."""
+    before, after = eval_reference(5)
+    for result in four:
+        got = result["dualpipev_eval"]
+        assert abs(got["before"] - before) <= 1e-6 and abs(got["after"] - after) <= 1e-5, (got, before, after)
+        loss_rank = got["stage"] == 0
+        assert got["logits"] == ((MICRO, SEQ, VOCAB) if loss_rank else None)
+        assert got["per_micro"] == (5 if loss_rank else None)
+        assert "DualPipeV needs at least 2 * 2 micro-batches (gradient_accumulation_steps) for 2" in got["refused"]
+        few, schedule = result["dualpipev_refused"]
+        assert "DualPipeV needs gradient_accumulation_steps >= 2 * 2 (two per pipeline rank), got 2" in few
+        assert "pipeline.schedule 'zb-h1' with a DualPipeVModule: the module's class chooses DualPipeV" in schedule
+
+
+def test_a_dualpipev_checkpoint_resumes_under_1f1b_and_dualpipev_at_another_stage_count(four):
+    """Saved by DualPipeV at PP2 x DP2 (ZeRO-2): every stage's parameters under the whole model's names, so 1F1B and
+    DualPipeV at PP4 load it exactly and continue as the run that went on."""
+    saved_runs = [r["resume_dualpipev"]["saved"] for r in four]
+    saved = {n: t for run in saved_runs for n, t in run["at_save"].items()}
+    uninterrupted = {n: t for run in saved_runs for n, t in run["weights"].items()}
+    assert set(saved) == set(reference(specs(), global_batches(1, 1))["weights"])
+    for layout in ("pp4", "pp4_dual"):
+        for result in four:
+            run = result["resume_dualpipev"][layout]
+            assert run["global_steps"] == 3
+            for name, value in run["at_save"].items():
+                assert torch.equal(value, saved[name]), (layout, name)
+            assert max(abs(a - b) for a, b in zip(run["losses"], saved_runs[0]["losses"])) <= 1e-6, layout
+            for name, value in run["weights"].items():
+                torch.testing.assert_close(value, uninterrupted[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
 def test_a_partition_by_measured_time_is_agreed_on_by_every_rank_and_exact(four):

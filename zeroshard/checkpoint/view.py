@@ -63,13 +63,15 @@ class PipelinePlacement:
     stage's parameters under names that do not depend on the partition. A tied module's copies are equal: the
     first stage holding it saves it, the others (``mirrored_keys``) read it back from there."""
 
-    stages: int
+    stages: int  # the pipeline's ranks (each writes its stage's entries)
     parts: tuple[int, ...]  # stage s holds layers parts[s] .. parts[s + 1] - 1
     stage: int
     tied_keys: frozenset  # the tied modules this stage holds
     mirrored_keys: frozenset  # those of them an earlier stage saves
     # (layer index, tie key or "") of each layer DeepSpeed writes a layer file for (PipelineModule.layer_state_files)
     layer_files: tuple = ()
+    # the model's stages (parts' indices) this rank runs: its own (empty), or DualPipeV's two
+    chunks: tuple = ()
 
     def _layer_or_tie(self, name: str) -> tuple[Optional[int], Optional[str]]:
         head, _, rest = name.removeprefix("module.").partition(".")
@@ -81,7 +83,7 @@ class PipelinePlacement:
         """Whether this stage holds the tensor ``name`` (names outside layers and ties: every stage's)."""
         layer, tie = self._layer_or_tie(name)
         if layer is not None:
-            return self.parts[self.stage] <= layer < self.parts[self.stage + 1]
+            return any(self.parts[c] <= layer < self.parts[c + 1] for c in self.chunks or (self.stage,))
         return tie is None or tie in self.tied_keys
 
     def mirrors(self, name: str) -> bool:
@@ -89,7 +91,9 @@ class PipelinePlacement:
         return self._layer_or_tie(name)[1] in self.mirrored_keys
 
     def record(self) -> dict:
-        return {"stages": self.stages, "parts": list(self.parts), "layer_files": [list(f) for f in self.layer_files]}
+        # the model's stages, as ``parts`` cuts it (DualPipeV's are twice its ranks)
+        stages = len(self.parts) - 1
+        return {"stages": stages, "parts": list(self.parts), "layer_files": [list(f) for f in self.layer_files]}
 
 
 @dataclass(frozen=True)

@@ -71,13 +71,19 @@ class StageExchange:
         device: torch.device,
         limit_bytes: int,
         slices: Optional[dict[int, comm.Group]] = None,
+        phase: int = 0,
     ):
         """``slices``: per channel tag (activations, gradients), the tensor group whose ranks each send a slice of
-        the tensors on it (the module's docstring); a channel not named sends them whole."""
+        the tensors on it (the module's docstring); a channel not named sends them whole. ``phase`` 1: the channels
+        of DualPipeV's second chunk of each rank (``zeroshard.pipe.dualpipev``), whose activations flow back
+        towards stage 0, on tags of their own."""
         self.pipe, self.stage, self.device = pipe, stage, device
         self.slices = {tag: group for tag, group in (slices or {}).items() if group.size > 1}
-        self.previous = pipe.ranks[stage - 1] if stage > 0 else None
-        self.next = pipe.ranks[stage + 1] if stage < stages - 1 else None
+        order = list(pipe.ranks) if phase == 0 else list(pipe.ranks)[::-1]
+        position = order.index(pipe.ranks[stage])
+        self.previous = order[position - 1] if position > 0 else None
+        self.next = order[position + 1] if position < stages - 1 else None
+        self.tag_offset = 2 * phase
         self._in_flight: list[tuple[comm.Pending, list[torch.Tensor]]] = []  # sends and the tensors they read
         self.waited = 0.0  # seconds spent in receives so far (the pipeline's bubble, and the transfers)
         self._sent_header: Optional[list] = None  # the announcement sent last to the next stage (its fields)
@@ -102,7 +108,7 @@ class StageExchange:
 
     def receive_activations(self) -> tuple[Announcement, Output]:
         """The previous stage's output: leaves requiring grad where it announced so."""
-        sender = f"stage {self.stage - 1} (rank {self.previous})"
+        sender = f"stage {self._stage_of(self.previous)} (rank {self.previous})"
         length = self._first_word(self.previous, ACTIVATIONS, "activations")
         if length == 0 and self._received is not None:
             announcement = self._received
@@ -151,7 +157,7 @@ class StageExchange:
         word = torch.tensor([code], dtype=torch.int64, device=self.device)
         for peer, tag, owed in ((self.next, ACTIVATIONS, owes_next), (self.previous, GRADIENTS, owes_previous)):
             if owed and peer is not None and peer != source:
-                comm.post_send(word, peer, self.pipe, tag=tag)
+                comm.post_send(word, peer, self.pipe, tag=tag + self.tag_offset)
         self._in_flight.clear()  # never waited for: the receiver may have stopped
 
     def finish(self) -> None:
@@ -170,9 +176,9 @@ class StageExchange:
             if group is not None and index >= words:
                 tensor = _slice(tensor, group)
             try:
-                pending = comm.send(tensor, peer, self.pipe, tag=tag, async_op=True)
+                pending = comm.send(tensor, peer, self.pipe, tag=tag + self.tag_offset, async_op=True)
             except comm.CollectiveError as err:  # the neighbour closed the channel: it stopped waiting for us
-                stage = self.stage + 1 if peer == self.next else self.stage - 1
+                stage = self._stage_of(peer)
                 raise StageAborted(
                     f"rank {comm.get_rank()} (pipeline stage {self.stage}): rank {peer} (pipeline stage {stage}) "
                     "stopped waiting for this stage and closed the channel (its own error says why)",
@@ -180,6 +186,9 @@ class StageExchange:
                     source=peer,
                 ) from err
             self._in_flight.append((pending, [tensor]))
+
+    def _stage_of(self, peer: int) -> int:
+        return self.pipe.ranks.index(peer)
 
     def _first_word(self, peer: int, tag: int, what: str) -> int:
         word = int(self._receive(torch.zeros(1, dtype=torch.int64, device=self.device), peer, tag, word=True).item())
@@ -218,9 +227,9 @@ class StageExchange:
     def _receive(self, tensor: torch.Tensor, peer: int, tag: int, word: bool = False) -> torch.Tensor:
         started = time.perf_counter()
         try:
-            comm.recv(_wire(tensor), peer, self.pipe, tag=tag)
+            comm.recv(_wire(tensor), peer, self.pipe, tag=tag + self.tag_offset)
         except comm.CollectiveError as err:
-            stage = self.stage - 1 if peer == self.previous else self.stage + 1
+            stage = self._stage_of(peer)
             raise PipelineError(
                 f"rank {comm.get_rank()} (pipeline stage {self.stage}): nothing came from rank {peer} (pipeline stage "
                 f"{stage}) within the process group's timeout ({comm.group_timeout(self.pipe)}): it is stuck or gone "

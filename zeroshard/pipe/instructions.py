@@ -38,8 +38,15 @@ class ReduceTiedGrads(PipeInstruction):
     """Sum the gradients of tied parameters over the stages holding a copy."""
 
 
+class CommitP2P(PipeInstruction):
+    """DeepSpeed 0.19's, in its DualPipeV schedule: launch the sends and receives queued since the last one, as one
+    batch. zeroshard's sends leave when their instruction runs and its receives wait at theirs (a schedule is
+    checked on paper for that model, ``zeroshard.pipe.simulate``), so there is nothing left to launch here."""
+
+
 class BufferOpInstruction(PipeInstruction):
-    """An instruction on the in-flight micro-batch held in slot ``buffer_id``."""
+    """An instruction on the in-flight micro-batch held in slot ``buffer_id`` (DualPipeV's also name the
+    ``phase``, the rank's model chunk it runs on: ``zeroshard.pipe.dualpipev``)."""
 
     def __init__(self, buffer_id: int, **kwargs):
         super().__init__(buffer_id=buffer_id, **kwargs)
@@ -92,6 +99,7 @@ __all__ = [
     "BackwardPass",
     "BackwardWeightPass",
     "BufferOpInstruction",
+    "CommitP2P",
     "ForwardPass",
     "LoadMicroBatch",
     "OptimizerStep",

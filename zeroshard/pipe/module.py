@@ -237,10 +237,14 @@ class PipelineModule(nn.Module):
         return x
 
     def _run(self, start: int, stop: int, micro: int) -> Callable:
+        # the layers are taken now: a checkpointed block's recomputation in backward runs these, whichever chunk
+        # (DualPipeVModule's phase) is active by then
+        layers, first = self.forward_funcs[start:stop], (self._local_start or 0) + start
+
         def run(*inputs):
             x = inputs[0] if len(inputs) == 1 else inputs
-            for offset, layer in enumerate(self.forward_funcs[start:stop]):
-                self.curr_layer = (self._local_start or 0) + start + offset
+            for offset, layer in enumerate(layers):
+                self.curr_layer = first + offset
                 if self.seed_layers:
                     (self.seed_fn or torch.manual_seed)(self.base_seed * (micro + 1) + self.curr_layer)
                 x = layer(x)
@@ -276,6 +280,52 @@ class PipelineModule(nn.Module):
     def get_additional_losses(self):
         """Losses beside the main one a subclass reports (DeepSpeed's hook; none here)."""
         return None
+
+
+class DualPipeVModule(PipelineModule):
+    """DeepSpeed 0.19's module for the DualPipeV schedule (``zeroshard.pipe.dualpipev``): the layers cut into ``2 *
+    num_stages`` stages (``num_stages`` counts pipeline ranks, as for :class:`PipelineModule`, and becomes ``2 *
+    num_stages`` once partitioned, as in DeepSpeed); rank ``r`` builds stage ``r`` (phase 0) and stage ``2 *
+    num_stages - 1 - r`` (phase 1). Layers tied between its two stages (rank 0's first and last: the usual embedding
+    and head) are one module there, whose gradients need no exchange. ``forward`` runs the active phase's layers
+    (:meth:`activate_phase`); the engine activates each before running it."""
+
+    def _partition_layers(self, method: str = "parameters") -> None:
+        ranks = self.num_stages
+        if self._num_layers < 2 * ranks:
+            raise ValueError(
+                f"DualPipeVModule: {self._num_layers} layers cannot fill the {2 * ranks} stages of {ranks} pipeline "
+                "ranks (two per rank, each needs at least one layer)"
+            )
+        self.num_stages = 2 * ranks
+        super()._partition_layers(method)
+        mirror = self.num_stages - 1 - self.stage_id
+        self.phase_bounds = [
+            (self.parts[self.stage_id], self.parts[self.stage_id + 1]),
+            (self.parts[mirror], self.parts[mirror + 1]),
+        ]
+
+    def _build(self) -> None:
+        self.phase_funcs = []
+        for start, stop in self.phase_bounds:
+            self._set_bounds(start, stop)
+            self.forward_funcs = []
+            super()._build()
+            self.phase_funcs.append(self.forward_funcs)
+        self.activate_phase(0)
+
+    def activate_phase(self, phase: int) -> None:
+        """Make ``forward`` run the layers of ``phase`` (0: this rank's stage on the way out, 1: on the way back)."""
+        if phase not in (0, 1):
+            raise ValueError(f"DualPipeVModule has phases 0 and 1, got {phase!r}")
+        self.active_phase = phase
+        self.forward_funcs = self.phase_funcs[phase]
+        self._local_start, self._local_stop = self.phase_bounds[phase]
+
+    def stage_owner(self, layer_idx: int) -> int:
+        """The pipeline rank that builds ``layer_idx``."""
+        stage = super().stage_owner(layer_idx)
+        return min(stage, self.num_stages - 1 - stage)
 
 
 def _layer_name(spec) -> str:

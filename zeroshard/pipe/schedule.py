@@ -52,6 +52,24 @@ class PipeSchedule:
     def steps(self) -> Iterator[list[PipeInstruction]]:
         raise NotImplementedError(f"{type(self).__name__}.steps(): a schedule yields a list of instructions per step")
 
+    # Where the model's chunks (virtual stages) run: here one per rank, stage s on rank s; DualPipeV's two per rank
+    # (``zeroshard.pipe.dualpipev``). An instruction's ``phase`` (0 when it names none) is the rank's chunk it runs.
+    def virtual_stages(self) -> int:
+        return self.stages
+
+    def virtual_stage(self, phase: int = 0) -> int:
+        """The virtual stage this rank runs in ``phase``."""
+        return self.stage_id
+
+    def owner(self, virtual_stage: int) -> int:
+        """The rank that runs ``virtual_stage``."""
+        return virtual_stage
+
+    def handoff_slot(self, slot: int) -> int:
+        """Where a micro-batch in ``slot`` of this rank's chunk lives in the rank's next chunk, when the model passes
+        from one to the other on this rank (no exchange: DualPipeV's turn on the last rank)."""
+        return slot
+
     def num_pipe_buffers(self) -> int:
         return self.micro_batches
 

@@ -7,7 +7,12 @@ until the channel has one, first in first out; everything else runs at once. Eac
 micro-batch each holds as inputs, labels, outputs, output gradients and input gradients, so a slot read before it
 is written, one overwritten while still needed, or a last stage pairing one micro-batch's activations with another's
 labels is an error naming the stage, the step and the instruction. When no stage can move and some have not
-finished, the schedule deadlocks: the error names what each stuck stage waits for."""
+finished, the schedule deadlocks: the error names what each stuck stage waits for.
+
+A rank may run several chunks of the model (virtual stages; an instruction's ``phase`` names which, the schedule says
+where each runs: DualPipeV's two per rank). Channels join virtual stages; where the next virtual stage runs on the
+same rank, a forward's output becomes its input there and its input gradients the output gradients here, with no
+exchange."""
 
 from __future__ import annotations
 
@@ -31,8 +36,8 @@ class ScheduleError(ValueError):
 
 @dataclass
 class StageTrace:
-    """What one stage did: the micro-batches it ran forward and backward, in order, and the most it held at once
-    (forwards run whose backward had not; in evaluation, 1)."""
+    """What one stage did: the micro-batches it ran forward and backward, in order (each once per chunk it runs),
+    and the most it held at once (forwards run whose backward had not, over its chunks; in evaluation, 1)."""
 
     forwards: list[int] = field(default_factory=list)
     backwards: list[int] = field(default_factory=list)
@@ -48,6 +53,7 @@ class _Slots:
     output_grads: dict = field(default_factory=dict)
     input_grads: dict = field(default_factory=dict)
     weights_pending: dict = field(default_factory=dict)  # after BackwardInputPass, before BackwardWeightPass
+    handed: dict = field(default_factory=dict)  # a slot of the next chunk on this rank -> the slot it came from
 
 
 def instructions_of(schedule: PipeSchedule) -> Iterator[tuple[int, PipeInstruction]]:
@@ -73,10 +79,11 @@ def instructions_of(schedule: PipeSchedule) -> Iterator[tuple[int, PipeInstructi
 def simulate(make: Callable[[int], PipeSchedule], stages: int, training: bool) -> list[StageTrace]:
     """Run the schedules ``make(stage)`` of every stage together (the module's docstring); returns each stage's
     trace, or raises :class:`ScheduleError`."""
-    programs = [list(instructions_of(make(stage))) for stage in range(stages)]
-    micro_batches = make(0).micro_batches
+    schedules = [make(stage) for stage in range(stages)]
+    programs = [list(instructions_of(schedule)) for schedule in schedules]
+    micro_batches = schedules[0].micro_batches
     channels: dict[tuple, deque] = {}
-    runs = [_StageRun(stage, stages, training, channels) for stage in range(stages)]
+    runs = [_StageRun(schedule, training, channels) for schedule in schedules]
     at = [0] * stages
     while any(at[s] < len(programs[s]) for s in range(stages)):
         moved = False
@@ -97,9 +104,11 @@ def simulate(make: Callable[[int], PipeSchedule], stages: int, training: bool) -
 
 
 class _StageRun:
-    def __init__(self, stage: int, stages: int, training: bool, channels: dict):
-        self.stage, self.stages, self.training, self.channels = stage, stages, training, channels
-        self.first, self.last = stage == 0, stage == stages - 1
+    def __init__(self, schedule: PipeSchedule, training: bool, channels: dict):
+        self.schedule, self.training, self.channels = schedule, training, channels
+        self.stage, self.stages = schedule.stage_id, schedule.virtual_stages()
+        held = {schedule.virtual_stage(phase) for phase in range(self.stages // schedule.stages)}
+        self.reads_inputs, self.reads_labels = 0 in held, self.stages - 1 in held
         self.slots, self.trace = _Slots(), StageTrace()
         self.loaded = 0
         self.in_flight = 0
@@ -109,11 +118,13 @@ class _StageRun:
         if not isinstance(cmd, BufferOpInstruction):
             return True
         self.where = f"stage {self.stage}, step {step}, {cmd!r}"
+        self.virtual = self.schedule.virtual_stage(cmd.kwargs.get("phase", 0))
+        self.first, self.last = self.virtual == 0, self.virtual == self.stages - 1
         slot = cmd.buffer_id
         if isinstance(cmd, (RecvActivation, RecvGrad)):
-            peer = self.stage - 1 if isinstance(cmd, RecvActivation) else self.stage + 1
+            peer = self.virtual - 1 if isinstance(cmd, RecvActivation) else self.virtual + 1
             self._neighbour(peer)
-            queue = self.channels.get((peer, self.stage, type(cmd)))
+            queue = self.channels.get((peer, self.virtual, type(cmd)))
             if not queue:
                 return False
             micro = queue.popleft()
@@ -127,13 +138,14 @@ class _StageRun:
         return True
 
     def LoadMicroBatch(self, slot: int) -> None:
-        if not (self.first or self.last):
+        if not (self.reads_inputs or self.reads_labels):
             raise ScheduleError(f"{self.where}: only the first and last stages read data")
         micro, self.loaded = self.loaded, self.loaded + 1
-        if self.first:
+        if self.reads_inputs:
             self._write(self.slots.inputs, slot, micro, "inputs")
-        if self.last:
-            self._write(self.slots.labels, slot, micro, "labels")
+        if self.reads_labels:  # a rank holding both ends keeps the labels in its loss chunk's slot
+            labels = self.schedule.handoff_slot(slot) if self.reads_inputs and self.stages > 1 else slot
+            self._write(self.slots.labels, labels, micro, "labels")
 
     def ForwardPass(self, slot: int) -> None:
         micro = self._read(self.slots.inputs, slot, "inputs")
@@ -145,14 +157,21 @@ class _StageRun:
         self._write(self.slots.outputs, slot, micro, "outputs")
         if not self.training and self.last:
             del self.slots.outputs[slot]  # the loss, kept by the engine as a result
+        elif self._local(self.virtual + 1):  # the next chunk runs here: its input, as if sent and received
+            handed = self.schedule.handoff_slot(slot)
+            self._write(self.slots.inputs, handed, micro, "inputs")
+            del self.slots.outputs[slot]
+            if self.training:
+                self._write(self.slots.sent, slot, micro, "the activations sent")
+                self.slots.handed[handed] = slot
         self.trace.forwards.append(micro)
         self.in_flight += 1 if self.training else 0
         self.trace.peak_in_flight = max(self.trace.peak_in_flight, self.in_flight if self.training else 1)
 
     def SendActivation(self, slot: int) -> None:
-        self._neighbour(self.stage + 1)
+        self._neighbour(self.virtual + 1)
         micro = self._read(self.slots.outputs, slot, "outputs")
-        self.channels.setdefault((self.stage, self.stage + 1, RecvActivation), deque()).append(micro)
+        self.channels.setdefault((self.virtual, self.virtual + 1, RecvActivation), deque()).append(micro)
         del self.slots.outputs[slot]
         if self.training:
             self._write(self.slots.sent, slot, micro, "the activations sent")
@@ -181,24 +200,27 @@ class _StageRun:
             del self.slots.output_grads[slot], self.slots.sent[slot]
         if self.first:
             del self.slots.inputs[slot]  # nothing goes back from the first stage
+        elif self._local(self.virtual - 1):  # the previous chunk runs here: its output gradients
+            del self.slots.inputs[slot]
+            self._write(self.slots.output_grads, self.slots.handed.pop(slot), micro, "output gradients")
         else:
             self._write(self.slots.input_grads, slot, micro, "input gradients")
         self.trace.backwards.append(micro)
         return micro
 
     def SendGrad(self, slot: int) -> None:
-        self._neighbour(self.stage - 1)
+        self._neighbour(self.virtual - 1)
         micro = self._read(self.slots.input_grads, slot, "input gradients")
         self._expect(self.slots.inputs, slot, micro, "inputs")
         del self.slots.input_grads[slot], self.slots.inputs[slot]
-        self.channels.setdefault((self.stage, self.stage - 1, RecvGrad), deque()).append(micro)
+        self.channels.setdefault((self.virtual, self.virtual - 1, RecvGrad), deque()).append(micro)
 
     def _unknown(self, slot: int) -> None:
         raise ScheduleError(f"{self.where}: an instruction the simulation does not know")
 
     def check_complete(self, micro_batches: int) -> None:
         self.where = f"stage {self.stage} at the end"
-        expected = list(range(micro_batches))
+        expected = sorted(list(range(micro_batches)) * (self.stages // self.schedule.stages))  # once per chunk
         if sorted(self.trace.forwards) != expected or (self.training and sorted(self.trace.backwards) != expected):
             raise ScheduleError(
                 f"{self.where}: each of the {micro_batches} micro-batches runs forward"
@@ -212,6 +234,12 @@ class _StageRun:
     def _neighbour(self, peer: int) -> None:
         if not 0 <= peer < self.stages:
             raise ScheduleError(f"{self.where}: there is no stage {peer} to exchange with")
+        if self._local(peer):
+            raise ScheduleError(f"{self.where}: stage {peer} runs on this rank; nothing is exchanged with it")
+
+    def _local(self, virtual: int) -> bool:
+        """Whether ``virtual`` is another chunk this rank runs."""
+        return 0 <= virtual < self.stages and self.schedule.owner(virtual) == self.stage
 
     def _read(self, slots: dict, slot: int, what: str) -> int:
         if slot not in slots:

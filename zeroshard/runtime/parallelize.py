@@ -230,7 +230,7 @@ def pipeline_stages(model: torch.nn.Module, parsed, *, sp: int) -> int:
                 stacklevel=4,
             )
         return 1
-    stages = model.num_stages
+    stages = model.topology().get_dim("pipe")  # ranks (a DualPipeVModule runs two of its num_stages on each)
     axis = model.topology().get_dim("sequence")
     if axis and axis != sp:
         raise ValueError(

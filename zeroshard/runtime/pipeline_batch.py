@@ -1,7 +1,10 @@
 """One batch of one pipeline stage: the slots holding its micro-batches in flight (inputs, labels, outputs kept for
 backward, what was announced when they were sent, the gradients received for them) and what each instruction of a
 schedule does to them. The engine (``zeroshard.runtime.pipeline_engine``) runs a schedule's instructions through
-its ``_INSTRUCTION_MAP``, whose entries call these.
+its ``_INSTRUCTION_MAP``, whose entries call these. An instruction's ``phase`` is the chunk of the model it runs on
+(one per rank; DualPipeV's two, ``zeroshard.pipe.dualpipev``): where the model passes between two chunks of this
+rank, a forward's output becomes the next chunk's input and a backward's input gradients the previous chunk's output
+gradients, with no exchange.
 
 Gradients are reduced over the stage's data-parallel ranks while the batch's last backward runs (bucket by bucket,
 as any engine's); waiting for them is left to :class:`~zeroshard.pipe.instructions.ReduceGrads`, so the stage sends
@@ -19,6 +22,7 @@ from torch.utils._pytree import tree_map
 from .. import comm
 from ..pipe import Announcement, PipelineError
 from ..pipe.instructions import BackwardPass, BackwardWeightPass, PipeInstruction
+from ..pipe.schedule import PipeSchedule
 from .activation_checkpointing import in_effect as checkpointing_in_effect
 from .split_backward import WeightWork, backward_input
 
@@ -30,52 +34,74 @@ class PipelineBatch:
     """The slots of one batch on one stage (see the module); ``results``: the last stage's per-micro-batch losses
     (or outputs) in the order they were computed."""
 
-    def __init__(self, engine: PipelineEngine, compute_loss: bool, scalar: bool, micro_batches: int):
-        self.engine, self.compute_loss, self.scalar = engine, compute_loss, scalar
-        self.micro_batches = micro_batches
+    def __init__(self, engine: PipelineEngine, compute_loss: bool, scalar: bool, schedule: PipeSchedule):
+        self.engine, self.compute_loss, self.scalar, self.schedule = engine, compute_loss, scalar, schedule
+        self.micro_batches = schedule.micro_batches
+        self.chunks = schedule.virtual_stages() // schedule.stages  # the model's chunks this rank runs
+        held = {schedule.virtual_stage(phase) for phase in range(self.chunks)}
+        self.reads_inputs, self.reads_labels = 0 in held, schedule.virtual_stages() - 1 in held
         self.inputs: dict[int, Any] = {}
         self.labels: dict[int, Any] = {}
         self.outputs: dict[int, Any] = {}
         self.sent: dict[int, Announcement] = {}
         self.received: dict[int, list] = {}
         self.results: list = []
-        self.loaded = self.backwards = self.weights_done = 0
+        self.handed: dict[int, int] = {}  # a slot of this rank's next chunk -> the slot of the chunk it came from
+        self.loaded = self.backwards = self.gradient_passes = 0
         self.weight_work: dict[int, WeightWork] = {}  # slot -> what its W still has to do (zero-bubble schedules)
-        self.in_flight = self.peak_in_flight = 0  # micro-batches whose forward ran and backward has not
+        self.in_flight = self.peak_in_flight = 0  # micro-batches (per chunk) whose forward ran and backward has not
         self.reductions_pending = False  # the last backward launched reductions nobody has waited for yet
-        self.activations_sent = self.gradients_sent = 0
+        self.activations_sent = [0] * self.chunks
+        self.gradients_sent = [0] * self.chunks
 
     def brings_last_gradients(self, instruction: PipeInstruction) -> bool:
         """Whether ``instruction`` is the backward that brings the batch's last weight gradients (and launches the
-        reductions): the last ``BackwardPass``, or a zero-bubble schedule's last ``BackwardWeightPass``."""
-        if isinstance(instruction, BackwardPass):
-            return self.backwards == self.micro_batches - 1
-        return isinstance(instruction, BackwardWeightPass) and self.weights_done == self.micro_batches - 1
+        reductions): the last ``BackwardPass`` or ``BackwardWeightPass`` (a zero-bubble schedule's) of the batch,
+        one per micro-batch and chunk."""
+        return (isinstance(instruction, (BackwardPass, BackwardWeightPass))
+                and self.gradient_passes == self.micro_batches * self.chunks - 1)  # fmt: skip
 
-    def owes(self, first: bool, last: bool) -> tuple[bool, bool]:
-        """Whether this stage still owes the next stage activations, and the previous one gradients (every
-        schedule sends each micro-batch's once: zeroshard's by construction, a client's checked on paper)."""
+    def owes(self, phase: int) -> tuple[bool, bool]:
+        """Whether this rank's ``phase`` still owes its next stage activations, and its previous one gradients
+        (every schedule sends each micro-batch's once: zeroshard's by construction, a client's checked on paper)."""
+        first, last = self._ends(phase)
         training = torch.is_grad_enabled()
-        return (not last and self.activations_sent < self.micro_batches,
-                training and not first and self.gradients_sent < self.micro_batches)  # fmt: skip
+        return (not last and not self._here(phase, 1) and self.activations_sent[phase] < self.micro_batches,
+                training and not first and not self._here(phase, -1)
+                and self.gradients_sent[phase] < self.micro_batches)  # fmt: skip
+
+    def _ends(self, phase: int) -> tuple[bool, bool]:
+        """Whether ``phase``'s chunk is the model's first (reads the inputs), and its last (computes the loss)."""
+        virtual = self.schedule.virtual_stage(phase)
+        return virtual == 0, virtual == self.schedule.virtual_stages() - 1
+
+    def _here(self, phase: int, step: int) -> bool:
+        """Whether the chunk ``step`` (1: next, -1: previous) from ``phase``'s runs on this rank too."""
+        virtual = self.schedule.virtual_stage(phase) + step
+        schedule = self.schedule
+        return 0 <= virtual < schedule.virtual_stages() and schedule.owner(virtual) == schedule.stage_id
 
     def load(self, slot: int) -> None:
         engine = self.engine
         inputs, labels = engine._next_batch(self.loaded, self.micro_batches)
         self.loaded += 1
-        if engine.is_first_stage():
+        if self.reads_inputs:
             self.inputs[slot] = tree_map(
                 lambda t: t.detach().to(engine.device) if torch.is_tensor(t) else t,
                 tuple(inputs) if isinstance(inputs, list) else inputs,
             )
-        if engine.is_last_stage():
-            self.labels[slot] = tree_map(lambda t: t.to(engine.device) if torch.is_tensor(t) else t, labels)
+        if self.reads_labels:  # a rank holding both ends keeps them in its loss chunk's slot
+            labels_slot = self.schedule.handoff_slot(slot) if self.reads_inputs and self.chunks > 1 else slot
+            self.labels[labels_slot] = tree_map(lambda t: t.to(engine.device) if torch.is_tensor(t) else t, labels)
 
-    def receive_activations(self, slot: int) -> None:
-        self.inputs[slot] = self.engine.exchange.receive_activations()[1]
+    def receive_activations(self, slot: int, phase: int = 0) -> None:
+        self.inputs[slot] = self.engine.exchanges[phase].receive_activations()[1]
 
-    def forward(self, slot: int) -> None:
+    def forward(self, slot: int, phase: int = 0) -> None:
         engine = self.engine
+        first, last = self._ends(phase)
+        if self.chunks > 1:
+            engine.module.activate_phase(phase)
         if slot not in self.inputs:
             raise PipelineError(
                 f"rank {comm.get_rank()} (pipeline stage {engine.stage_id}): ForwardPass({slot}) before its inputs "
@@ -91,8 +117,16 @@ class PipelineBatch:
         if torch.is_grad_enabled():
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        if not engine.is_last_stage():
+        if not last:
             self.outputs[slot] = output
+            if self._here(phase, 1):  # the next chunk runs here: its input, as a receive would give it
+                handed = self.schedule.handoff_slot(slot)
+                self.inputs[handed] = tree_map(
+                    lambda t: t.detach().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t, output
+                )
+                self.handed[handed] = slot
+                if not torch.is_grad_enabled():
+                    del self.outputs[slot]
             return
         labels = self.labels.pop(slot, None)
         loss_fn = engine.module.loss_fn
@@ -109,66 +143,71 @@ class PipelineBatch:
             self.outputs[slot] = output_or_loss
         self.results.append(output_or_loss.detach() if torch.is_tensor(output_or_loss) else output_or_loss)
 
-    def send_activations(self, slot: int) -> None:
-        self.sent[slot] = self.engine.exchange.send_activations(self.outputs[slot])
-        self.activations_sent += 1
+    def send_activations(self, slot: int, phase: int = 0) -> None:
+        self.sent[slot] = self.engine.exchanges[phase].send_activations(self.outputs[slot])
+        self.activations_sent[phase] += 1
         if not torch.is_grad_enabled():
             del self.outputs[slot]
 
-    def receive_gradients(self, slot: int) -> None:
-        self.received[slot] = self.engine.exchange.receive_gradients(self.sent.pop(slot))
+    def receive_gradients(self, slot: int, phase: int = 0) -> None:
+        self.received[slot] = self.engine.exchanges[phase].receive_gradients(self.sent.pop(slot))
 
-    def backward(self, slot: int) -> None:
+    def _backward_start(self, slot: int, phase: int) -> tuple[list, Any]:
+        """What the slot's backward starts from: the scaled loss on the model's last chunk, else the outputs that
+        need a gradient with the gradients received (or handed back) for them."""
         engine, output = self.engine, self.outputs.pop(slot)
-        boundary = self.backwards == self.micro_batches - 1
+        first, last = self._ends(phase)
         self.backwards += 1
-        self.in_flight -= 1
-        if engine.is_first_stage():
-            self.inputs.pop(slot, None)  # no gradient goes back from the first stage
-        if engine.is_last_stage():  # a one-element loss: forward checked it
-            scale = engine.stack.loss_scale / engine.micro_batches  # once, on the last stage only
-            tensors, grads = [output.float().reshape(()) * scale], None
-        else:
-            outputs = [output] if torch.is_tensor(output) else list(output)
-            tensors, grads = [t for t in outputs if t.requires_grad], self.received.pop(slot)
-            if not tensors:
-                return  # nothing before this point trains (a frozen stage)
-        self.reductions_pending = boundary
-        engine._backward_from(tensors, grads, boundary, finish=not boundary)
+        if first:
+            self.inputs.pop(slot, None)  # no gradient goes back from the model's first chunk
+        if last:  # a one-element loss: forward checked it; scaled once, on the last chunk only
+            return [output.float().reshape(()) * (engine.stack.loss_scale / engine.micro_batches)], None
+        outputs = [output] if torch.is_tensor(output) else list(output)
+        return [t for t in outputs if t.requires_grad], self.received.pop(slot)
 
-    def backward_input(self, slot: int) -> None:
+    def backward(self, slot: int, phase: int = 0) -> None:
+        tensors, grads = self._backward_start(slot, phase)
+        boundary = self.gradient_passes == self.micro_batches * self.chunks - 1
+        self.gradient_passes += 1
+        self.in_flight -= 1
+        if tensors:  # else nothing before this point trains (a frozen stage)
+            self.reductions_pending = boundary
+            self.engine._backward_from(tensors, grads, boundary, finish=not boundary)
+        self._hand_back(slot, phase)
+
+    def backward_input(self, slot: int, phase: int = 0) -> None:
         """B of a zero-bubble schedule: the gradients of the slot's inputs only; the weights' wait for
         :meth:`backward_weight` (``zeroshard.runtime.split_backward``)."""
-        engine, output = self.engine, self.outputs.pop(slot)
-        self.backwards += 1
         inputs = self.inputs.get(slot)
         inputs = [] if inputs is None else [inputs] if torch.is_tensor(inputs) else list(inputs)
         leaves = [x for x in inputs if torch.is_tensor(x) and x.requires_grad]
-        if engine.is_first_stage():
-            self.inputs.pop(slot, None)  # no gradient goes back from the first stage
-        if engine.is_last_stage():
-            tensors, grads = [output.float().reshape(()) * (engine.stack.loss_scale / engine.micro_batches)], None
-        else:
-            outputs = [output] if torch.is_tensor(output) else list(output)
-            tensors, grads = [t for t in outputs if t.requires_grad], self.received.pop(slot)
-        engine.stack.refuse_if_offloaded("backward")
+        tensors, grads = self._backward_start(slot, phase)
+        self.engine.stack.refuse_if_offloaded("backward")
         self.weight_work[slot] = backward_input(tensors, grads, leaves) if tensors else WeightWork()
+        self._hand_back(slot, phase)
 
-    def backward_weight(self, slot: int) -> None:
-        """W: the slot's weight gradients, into the stack's hooks (reduced at the batch's last W)."""
+    def backward_weight(self, slot: int, phase: int = 0) -> None:
+        """W: the slot's weight gradients, into the stack's hooks (reduced at the batch's last gradient pass)."""
         engine, work = self.engine, self.weight_work.pop(slot)
-        boundary = self.weights_done == self.micro_batches - 1
-        self.weights_done += 1
+        boundary = self.gradient_passes == self.micro_batches * self.chunks - 1
+        self.gradient_passes += 1
         self.in_flight -= 1
         self.reductions_pending = boundary
         engine._backward_with(work.run, boundary, finish=not boundary)
 
-    def send_gradients(self, slot: int) -> None:
+    def _hand_back(self, slot: int, phase: int) -> None:
+        """Where the previous chunk runs on this rank, its output gradients are this slot's input gradients."""
+        if self._here(phase, -1):
+            self.received[self.handed.pop(slot)] = self._input_gradients(slot)
+
+    def _input_gradients(self, slot: int) -> list[torch.Tensor]:
         inputs = self.inputs.pop(slot)
         inputs = [inputs] if torch.is_tensor(inputs) else list(inputs)
-        grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad]
-        self.engine.exchange.send_gradients(grads)
-        self.gradients_sent += 1
+        return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad]
+
+    def send_gradients(self, slot: int, phase: int = 0) -> None:
+        self.engine.exchanges[phase].send_gradients(self._input_gradients(slot))
+        self.gradients_sent[phase] += 1
 
     def finish_reductions(self) -> None:
         """Wait for the reductions the last backward launched (once)."""

@@ -30,6 +30,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..checkpoint.view import PipelinePlacement, TrainingState
 from ..pipe import (
+    DualPipeVModule,
     PipelineError,
     PipelineGrid,
     PipelineModule,
@@ -37,6 +38,7 @@ from ..pipe import (
     StageExchange,
     parallel_dims,
 )
+from ..pipe.dualpipev import DualPipeVSchedule
 from ..pipe.exchange import ACTIVATIONS, GRADIENTS
 from ..pipe.instructions import BATCH_END
 from ..pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
@@ -63,10 +65,15 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
     def __init__(self, module: PipelineModule, *, ties: dict, **kwargs):
         super().__init__(module, **kwargs)
         module: PipelineModule = self.module
-        self.num_stages, self.stage_id = module.num_stages, self.mesh.pipe.rank
+        self.num_stages, self.stage_id = self.mesh.pipe.size, self.mesh.pipe.rank
         _check_placed_as_built(module, self.mesh)
-        _check_schedule(self.settings.pipeline.schedule, module, self.stack)
         self.micro_batches = self.batch.gradient_accumulation_steps
+        self.dual = isinstance(module, DualPipeVModule)  # DualPipeV: two chunks of the model per rank
+        # the backward split in B and W (zero-bubble schedules) needs each backward's weights whole and no recomputation
+        self._split_backward = (
+            getattr(self.stack, "stage3", None) is None and module.activation_checkpoint_interval == 0
+        )
+        _check_schedule(self.settings.pipeline.schedule, module, self.stack, self.micro_batches, self.mesh)
         self.micro_batch_size = self.batch.micro_batch_size
         self.grid = PipelineGrid(self.mesh, model_axis="model" in module.topology().get_axis_names())
         self.is_pipe_parallel = self.num_stages > 1
@@ -79,7 +86,11 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         block = self.settings.pipeline  # DeepSpeed's: each tensor-parallel rank sends a slice, the receiver gathers
         slices = {ACTIVATIONS: self.mesh.tensor} if block.pipe_partitioned else {}
         slices.update({GRADIENTS: self.mesh.tensor} if block.grad_partitioned else {})
-        self.exchange = StageExchange(channel, self.stage_id, self.num_stages, self.device, limit, slices)
+        self.exchanges = [
+            StageExchange(channel, self.stage_id, self.num_stages, self.device, limit, slices, phase=phase)
+            for phase in range(2 if self.dual else 1)
+        ]
+        self.exchange = self.exchanges[0]
         self.ties = ties  # tie key -> this rank's tie group (the stages holding the tied module), the mesh's
         self.data_iterator: Optional[Iterator] = None
         self.batch_fn = None
@@ -103,7 +114,10 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
             k for k in tied if self.ties.get(k) is not None and self.ties[k].ranks[0] != comm.get_rank()
         )
         files = tuple(module.layer_state_files())
-        placement = PipelinePlacement(self.num_stages, tuple(module.parts), self.stage_id, tied, mirrored, files)
+        chunks = (self.stage_id, 2 * self.num_stages - 1 - self.stage_id) if self.dual else ()
+        placement = PipelinePlacement(
+            self.num_stages, tuple(module.parts), self.stage_id, tied, mirrored, files, chunks
+        )
         return dataclasses.replace(super()._training_state(), pipeline=placement)
 
     @property
@@ -115,7 +129,29 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         return self.stage_id == 0
 
     def is_last_stage(self) -> bool:
-        return self.stage_id == self.num_stages - 1
+        """Whether this rank computes the loss (and reads the labels): the last stage's, or under DualPipeV rank 0,
+        whose second chunk ends the model."""
+        return self.stage_id == self._loss_stage()
+
+    def _loss_stage(self) -> int:
+        return 0 if self.dual else self.num_stages - 1
+
+    def _train_schedule(self) -> PipeSchedule:
+        if self.dual:
+            return DualPipeVSchedule(
+                self.micro_batches, self.num_stages, self.stage_id, split_backward=self._split_backward
+            )
+        kind = SCHEDULES[self.settings.pipeline.schedule]
+        return kind(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+
+    def _inference_schedule(self, micro_batches: int) -> PipeSchedule:
+        if self.dual:
+            return DualPipeVSchedule(micro_batches, self.num_stages, self.stage_id, forward_only=True)
+        return InferenceSchedule(micro_batches=micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+
+    def _waited(self) -> float:
+        """Seconds this rank has spent in pipeline receives (the bubble, and the transfers)."""
+        return sum(exchange.waited for exchange in self.exchanges)
 
     def get_pipeline_parallel_rank(self) -> int:
         return self.stage_id
@@ -155,10 +191,8 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
-        started, waited_before = time.perf_counter(), self.exchange.waited
-        kind = SCHEDULES[self.settings.pipeline.schedule]
-        schedule = kind(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
-        losses, batch_end = self._run(schedule, True, scalar=True, call="train_batch")
+        started, waited_before = time.perf_counter(), self._waited()
+        losses, batch_end = self._run(self._train_schedule(), True, scalar=True, call="train_batch")
         self.agg_train_loss = self._mean_loss(losses, self.micro_batches)
         self._last_loss = self.agg_train_loss
         self.counters.micro_steps += self.micro_batches
@@ -166,7 +200,7 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
             self._exec(instruction)
         self._batch.finish_reductions()  # a client's schedule may leave out ReduceGrads
         self.reporting.timers["train_batch"] += time.perf_counter() - started
-        self.reporting.timers["pipe_wait"] += self.exchange.waited - waited_before
+        self.reporting.timers["pipe_wait"] += self._waited() - waited_before
         self.reporting.print_flops_profile()
         self._save_periodically()
         return self.agg_train_loss
@@ -189,15 +223,13 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         micro_batches = self.micro_batches if num_micro_batches is None else num_micro_batches
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"eval_batch(num_micro_batches={num_micro_batches!r}): a positive int")
+        schedule = self._inference_schedule(micro_batches)  # refused before the iterators are swapped
         training_iterator = self.data_iterator
         self.set_dataiterator(data_iter)
         self.module.eval()
         self._return_logits = return_logits
         try:
             with torch.no_grad():
-                schedule = InferenceSchedule(
-                    micro_batches=micro_batches, stages=self.num_stages, stage_id=self.stage_id
-                )
                 scalar = compute_loss and bcast_loss and reduce_output == "avg"
                 outputs, _ = self._run(schedule, compute_loss, scalar, call="eval_batch")
         finally:
@@ -228,8 +260,9 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         the next iterator."""
         self._refuse_after_failure(call)
         stream = self._instructions(schedule)
-        batch = self._batch = PipelineBatch(self, compute_loss, scalar, schedule.micro_batches)
-        self.exchange.begin()
+        batch = self._batch = PipelineBatch(self, compute_loss, scalar, schedule)
+        for exchange in self.exchanges:
+            exchange.begin()
         done, agreed, batch_end = 0, False, []
         try:
             for instruction in stream:
@@ -244,10 +277,12 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
             if not agreed:  # a batch without backward (evaluation)
                 agreed = True
                 self._agree(None, self.mesh.stage)
-            self.exchange.finish()
+            for exchange in self.exchanges:
+                exchange.finish()
         except Exception as error:
             batch.settle_after_failure()
-            self._stop_batch(error, batch, clean=done == 0 and not self.exchange.exchanged, agreed=agreed)
+            exchanged = any(exchange.exchanged for exchange in self.exchanges)
+            self._stop_batch(error, batch, clean=done == 0 and not exchanged, agreed=agreed)
         # a failure after the stages agreed (an out-of-memory in the last backward) reaches every rank here, before
         # the loss broadcast and the gradient norm join the stages
         try:
@@ -267,8 +302,8 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         ended = isinstance(error, PipelineDataExhausted) or (aborted is not None and aborted.data_ended)
         clean = ended and clean
         source = aborted.source if aborted is not None else None
-        owes_next, owes_previous = batch.owes(self.is_first_stage(), self.is_last_stage())
-        self.exchange.abort(origin, owes_next, owes_previous, source, data_ended=clean)
+        for phase, exchange in enumerate(self.exchanges):
+            exchange.abort(origin, *batch.owes(phase), source, data_ended=clean)
         if not agreed:
             self._agree(origin, self.mesh.stage)
         if not self._agree(origin, self.mesh.world, clean):
@@ -319,7 +354,7 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         if self.is_last_stage():
             result.copy_(self._average(losses, micro_batches).reshape(1))  # one element: _Run.forward checked
         if self.mesh.pipe.size > 1:
-            comm.broadcast(result, src=self.mesh.pipe.ranks[-1], group=self.mesh.pipe)
+            comm.broadcast(result, src=self.mesh.pipe.ranks[self._loss_stage()], group=self.mesh.pipe)
         return result[0]
 
     def _average(self, values: list, micro_batches: int) -> torch.Tensor:
@@ -356,9 +391,13 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         return batch
 
 
-def _check_schedule(name: str, module: PipelineModule, stack) -> None:
+def _check_schedule(name: str, module: PipelineModule, stack, micro_batches: int, mesh: comm.Mesh) -> None:
     """A zero-bubble schedule splits each backward on autograd's graph (``zeroshard.runtime.split_backward``): a
-    checkpointed region would be recomputed in both halves, and ZeRO-3's weights are gathered for one backward."""
+    checkpointed region would be recomputed in both halves, and ZeRO-3's weights are gathered for one backward.
+    A ``DualPipeVModule`` runs DualPipeV (with the split where the stack allows it)."""
+    if isinstance(module, DualPipeVModule):
+        _check_dualpipev(name, micro_batches, mesh)
+        return
     if name == "zb-h1" and getattr(stack, "stage3", None) is not None:
         raise NotImplementedError(
             "pipeline.schedule 'zb-h1' with zero_optimization.stage 3 is not implemented (each backward is split in "
@@ -369,6 +408,24 @@ def _check_schedule(name: str, module: PipelineModule, stack) -> None:
             "pipeline.schedule 'zb-h1' with activation checkpointing (activation_checkpoint_interval "
             f"{module.activation_checkpoint_interval}) is not implemented: each backward is split in two and a "
             "checkpointed region would be recomputed in both; set the interval to 0, or schedule '1f1b'"
+        )
+
+
+def _check_dualpipev(name: str, micro_batches: int, mesh: comm.Mesh) -> None:
+    stages = mesh.pipe.size
+    if name != "1f1b":
+        raise ValueError(
+            f"pipeline.schedule {name!r} with a DualPipeVModule: the module's class chooses DualPipeV (as in "
+            "DeepSpeed); drop pipeline.schedule, or build a PipelineModule for that schedule"
+        )
+    if micro_batches < 2 * stages:
+        raise ValueError(
+            f"DualPipeV needs gradient_accumulation_steps >= 2 * {stages} (two per pipeline rank), got {micro_batches}"
+        )
+    if mesh.tensor.size > 1 or mesh.sequence.size > 1:
+        raise NotImplementedError(
+            "a DualPipeVModule with tensor or sequence parallelism inside its stages is not implemented; use a "
+            "PipelineModule (1F1B) for that layout"
         )
 
 

@@ -14,10 +14,12 @@ import torch
 
 from .. import comm
 from ..pipe import PipelineError
+from ..pipe.dualpipev import DualPipeVSchedule
 from ..pipe.instructions import (
     BackwardInputPass,
     BackwardPass,
     BackwardWeightPass,
+    CommitP2P,
     ForwardPass,
     LoadMicroBatch,
     OptimizerStep,
@@ -34,7 +36,10 @@ from ..pipe.simulate import ScheduleError, instructions_of, simulate
 from ..pipe.zero_bubble import ZeroBubbleH1Schedule
 
 # zeroshard's schedules as defined here (a client replacing ``steps`` makes its schedule a client's)
-BUILT_IN = {kind: kind.steps for kind in (TrainSchedule, InferenceSchedule, DataParallelSchedule, ZeroBubbleH1Schedule)}
+BUILT_IN = {
+    kind: kind.steps
+    for kind in (TrainSchedule, InferenceSchedule, DataParallelSchedule, ZeroBubbleH1Schedule, DualPipeVSchedule)
+}
 
 
 class InstructionRunner:
@@ -65,33 +70,37 @@ class InstructionRunner:
             )
         types.MethodType(function, self)(**instruction.kwargs)
 
-    # DeepSpeed's names for what each instruction does (clients' subclasses call them through super())
+    # DeepSpeed's names for what each instruction does (clients' subclasses call them through super()); ``phase``:
+    # the rank's chunk of the model (DualPipeV's instructions name it)
     def _exec_load_micro_batch(self, buffer_id: int) -> None:
         self._batch.load(buffer_id)
 
-    def _exec_forward_pass(self, buffer_id: int) -> None:
-        self._batch.forward(buffer_id)
+    def _exec_forward_pass(self, buffer_id: int, phase: int = 0) -> None:
+        self._batch.forward(buffer_id, phase)
 
-    def _exec_backward_pass(self, buffer_id: int) -> None:
-        self._batch.backward(buffer_id)
+    def _exec_backward_pass(self, buffer_id: int, phase: int = 0) -> None:
+        self._batch.backward(buffer_id, phase)
 
-    def _exec_backward_input_pass(self, buffer_id: int) -> None:
-        self._batch.backward_input(buffer_id)
+    def _exec_backward_input_pass(self, buffer_id: int, phase: int = 0) -> None:
+        self._batch.backward_input(buffer_id, phase)
 
-    def _exec_backward_weight_pass(self, buffer_id: int) -> None:
-        self._batch.backward_weight(buffer_id)
+    def _exec_backward_weight_pass(self, buffer_id: int, phase: int = 0) -> None:
+        self._batch.backward_weight(buffer_id, phase)
 
-    def _exec_send_activations(self, buffer_id: int) -> None:
-        self._batch.send_activations(buffer_id)
+    def _exec_send_activations(self, buffer_id: int, phase: int = 0) -> None:
+        self._batch.send_activations(buffer_id, phase)
 
-    def _exec_recv_activations(self, buffer_id: int) -> None:
-        self._batch.receive_activations(buffer_id)
+    def _exec_recv_activations(self, buffer_id: int, phase: int = 0) -> None:
+        self._batch.receive_activations(buffer_id, phase)
 
-    def _exec_send_grads(self, buffer_id: int) -> None:
-        self._batch.send_gradients(buffer_id)
+    def _exec_send_grads(self, buffer_id: int, phase: int = 0) -> None:
+        self._batch.send_gradients(buffer_id, phase)
 
-    def _exec_recv_grads(self, buffer_id: int) -> None:
-        self._batch.receive_gradients(buffer_id)
+    def _exec_recv_grads(self, buffer_id: int, phase: int = 0) -> None:
+        self._batch.receive_gradients(buffer_id, phase)
+
+    def _exec_commit_p2p(self) -> None:
+        """Sends left and receives waited when their instructions ran (``CommitP2P``'s docstring)."""
 
     def _exec_reduce_grads(self) -> None:
         self._batch.finish_reductions()
@@ -117,4 +126,5 @@ class InstructionRunner:
         ReduceGrads: _exec_reduce_grads,
         ReduceTiedGrads: _exec_reduce_tied_grads,
         OptimizerStep: _exec_optimizer_step,
+        CommitP2P: _exec_commit_p2p,
     }

@@ -31,6 +31,7 @@ from ._not_built import not_built
 from .comm import init_distributed
 from .runtime.config import DeepSpeedConfig
 from .runtime.engine import DeepSpeedEngine, initialize
+from .runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 
 _KERNELS = "DeepSpeed's fused CUDA transformer kernels are not built; the model's own layers train under ZeRO"
 DeepSpeedTransformerLayer = not_built("deepspeed.DeepSpeedTransformerLayer", _KERNELS)
@@ -45,6 +46,8 @@ __all__ = [
     "DeepSpeedEngine",
     "DeepSpeedTransformerConfig",
     "DeepSpeedTransformerLayer",
+    "DualPipeVEngine",
+    "DualPipeVModule",
     "__version__",
     "__zeroshard_version__",
     "accelerator",

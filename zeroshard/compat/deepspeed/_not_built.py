@@ -1,5 +1,5 @@
 """Names DeepSpeed's clients import for features zeroshard does not build (sparse attention, DeepSpeed's CUDA kernels
-and their builders, its transformer layer, curriculum learning, the DualPipeV schedule, ...).
+and their builders, its transformer layer, curriculum learning, ...).
 
 Importing them works, so a script or a training stack that imports a name and never calls it runs; calling one,
 constructing one (a subclass too), or using it as a context manager raises ``NotImplementedError`` naming the

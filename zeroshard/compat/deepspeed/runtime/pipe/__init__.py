@@ -1,6 +1,6 @@
 """``deepspeed.runtime.pipe``: the names DeepSpeed exports here, zeroshard's."""
 
-from . import engine, module, p2p, schedule, topology
+from . import dualpipev, engine, module, p2p, schedule, topology
 from .module import LayerSpec, PipelineModule, TiedLayerSpec
 from .topology import ProcessTopology
 
@@ -9,6 +9,7 @@ __all__ = [
     "PipelineModule",
     "ProcessTopology",
     "TiedLayerSpec",
+    "dualpipev",
     "engine",
     "module",
     "p2p",

@@ -1,6 +1,6 @@
 """``deepspeed.runtime.pipe.module``: the pipeline module and layer specifications are zeroshard's
 (``zeroshard.pipe``)."""
 
-from .....pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from .....pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
 
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
+__all__ = ["DualPipeVModule", "LayerSpec", "PipelineModule", "TiedLayerSpec"]

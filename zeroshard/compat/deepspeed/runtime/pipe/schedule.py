@@ -4,6 +4,7 @@
 
 from .....pipe import instructions
 from .....pipe.instructions import *  # noqa: F403 - DeepSpeed's instruction classes, the same objects
+from .....pipe.dualpipev import DualPipeVSchedule
 from .....pipe.schedule import DataParallelSchedule, InferenceSchedule, PipeSchedule, TrainSchedule
 
 
@@ -19,6 +20,7 @@ def _is_odd(x: int) -> bool:
 __all__ = [
     *(name for name in instructions.__all__ if name != "BATCH_END"),
     "DataParallelSchedule",
+    "DualPipeVSchedule",
     "InferenceSchedule",
     "PipeSchedule",
     "TrainSchedule",
