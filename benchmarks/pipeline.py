@@ -10,9 +10,11 @@ pipeline engine joins the turns when it imports and runs here.
 
 The systems take turns step by step in one process group, so machine noise hits all alike. Per system: median step
 time; for pipelines, the bubble: the fraction of the step each stage spent waiting in receives (measured; the
-transfers are in it too), beside the schedule's own: (p - 1) / (m + p - 1) for 1F1B, (p - 1) / (3m + p - 1) for
-ZB-H1 (``pipeline.schedule: "zb-h1"``, each backward split in two; its rows end in ``zb-h1``; rows ending in
-``time`` split the layers by their measured time, ``partition_method="time"``); the bytes each rank
+transfers are in it too), beside the schedule's own (``zeroshard.pipe.simulate``'s clock, stages of equal cost):
+(p - 1) / (m + p - 1) for 1F1B, (p - 1) / (3m + p - 1) for ZB-H1 (``pipeline.schedule: "zb-h1"``, each backward
+split in two; its rows end in ``zb-h1``) and DualPipeV with its split (a ``DualPipeVModule``, two stages per rank;
+rows ending in ``dualpipev``); rows ending in ``time`` split the layers by their measured time,
+``partition_method="time"``; the bytes each rank
 sends per step (the engine's ledger: ``send`` on the pipe group, and the data-parallel reductions) against the
 analytic bytes between
 stages: per micro-batch, the activation (micro x seq x hidden x 4 bytes; a tensor-parallel rank sends half of it) and
@@ -31,6 +33,7 @@ import resource
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -166,6 +169,7 @@ class Layout:
     ep: int = 0
     schedule: str = "1f1b"  # pipeline.schedule
     partition: str = "parameters"  # partition_method ("time": each layer timed on the first micro-batch)
+    dual: bool = False  # a DualPipeVModule (the DualPipeV schedule)
 
 
 PIPELINES_4 = [  # DeepSpeed refuses ZeRO 2-3 with pipelines, and has no sequence parallelism in them
@@ -180,14 +184,15 @@ PIPELINES_4 = [  # DeepSpeed refuses ZeRO 2-3 with pipelines, and has no sequenc
 
 def pipeline_engine(args, layout: Layout):
     import zeroshard
-    from zeroshard.pipe import PipelineModule
+    from zeroshard.pipe import DualPipeVModule, PipelineModule
     from zeroshard.sequence_parallel import sequence_parallel_groups
 
     groups = sequence_parallel_groups(layout.sp) if layout.sp > 1 else None
     group = groups.sequence if groups is not None else None  # zeroshard's group: attention counted in the ledger
     profile = batch(args, 0)[0] if layout.partition == "time" else None
-    module = PipelineModule(layers(args, group, layout.ep), num_stages=layout.stages, loss_fn=loss_fn, seed_layers=True,
-                            partition_method=layout.partition, profile_batch=profile)  # fmt: skip
+    kind = DualPipeVModule if layout.dual else PipelineModule
+    module = kind(layers(args, group, layout.ep), num_stages=layout.stages, loss_fn=loss_fn, seed_layers=True,
+                  partition_method=layout.partition, profile_batch=profile)  # fmt: skip
     cfg = config(args, args.micro_batches // layout.dp, layout.zero, layout.tp)
     cfg["pipeline"] = {"schedule": layout.schedule}
     return zeroshard.initialize(model=module, config=cfg, mpu=groups)[0]
@@ -201,7 +206,8 @@ def systems(args) -> dict:
 
     world, m = args.world, args.micro_batches
     layouts = [Layout(f"PP{world}", world, 1, 1), Layout(f"PP{world} zb-h1", world, 1, 1, schedule="zb-h1"),
-               Layout(f"PP{world} time", world, 1, 1, partition="time")]  # fmt: skip
+               Layout(f"PP{world} time", world, 1, 1, partition="time"),
+               Layout(f"PP{world} dualpipev", world, 1, 1, dual=True)]  # fmt: skip
     layouts += PIPELINES_4 if world == 4 else []
     out = {}
     for layout in layouts:
@@ -212,9 +218,10 @@ def systems(args) -> dict:
     out[f"DP{world} ZeRO-1"] = (zeroshard.initialize(model=module, config=config(args, m // world, 1))[0], world, 1, 1)
     engine = zeroshard.initialize(model=Whole(args), config=config(args, m // world, 3))
     out[f"DP{world} ZeRO-3"] = (engine[0], world, 1, 3)
-    deepspeed = deepspeed_pipeline(args) if chosen_by(args, f"DeepSpeed 0.19.8 PP{world}") else None
-    if deepspeed is not None:
-        out[f"DeepSpeed 0.19.8 PP{world}"] = (deepspeed, 1, world, 1)
+    for name, dual in ((f"DeepSpeed 0.19.8 PP{world}", False), (f"DeepSpeed 0.19.8 PP{world} dualpipev", True)):
+        deepspeed = deepspeed_pipeline(args, dual) if chosen_by(args, name) else None
+        if deepspeed is not None:
+            out[name] = (deepspeed, 1, world, 1)
     return {name: value for name, value in out.items() if chosen_by(args, name.removesuffix(" limit"))}
 
 
@@ -223,12 +230,12 @@ def chosen_by(args, name: str) -> bool:
     return args.only is None or name in args.only.split(",")
 
 
-def deepspeed_pipeline(args):
-    """DeepSpeed's own pipeline engine on the same layers (its LayerSpec classes), or None where it does not import
-    or run here; the reason is printed."""
+def deepspeed_pipeline(args, dual: bool = False):
+    """DeepSpeed's own pipeline engine on the same layers (its LayerSpec classes; ``dual``: its DualPipeVModule, which
+    it runs without a B/W split), or None where it does not import or run here; the reason is printed."""
     try:
         import deepspeed
-        from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+        from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
     except ImportError:
         return None
     specs = [
@@ -239,7 +246,8 @@ def deepspeed_pipeline(args):
     ]
     try:
         deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group the harness made
-        module = PipelineModule(specs, num_stages=args.world, loss_fn=loss_fn)  # its seed_layers fails on CPU
+        kind = DualPipeVModule if dual else PipelineModule
+        module = kind(specs, num_stages=args.world, loss_fn=loss_fn)  # its seed_layers fails on CPU
         whole = Whole(args).layers.state_dict()  # the same weights as the other systems, by name
         module.load_state_dict({name: whole[name] for name in module.state_dict()})
         cfg = config(args, args.micro_batches, 1)
@@ -294,22 +302,33 @@ def one_step(engine, dp: int, stages: int, micro_batches: list) -> float:
 def stage_work(args, engine, dp: int, micro_batches: list) -> float:
     """One step's work of this rank's stage alone (the compute-only limit; inside ``compute_only``): each of its
     micro-batches' forward and backward, the first stage from the ids, the others from a stand-in activation (the last
-    one's loss from the labels, the others' backward from a stand-in gradient), then the optimizer step."""
+    one's loss from the labels, the others' backward from a stand-in gradient), then the optimizer step. A
+    DualPipeV rank does this for each of its two stages (phase 0 the model's first on rank 0, phase 1 its last)."""
     batches = own_micro_batches(engine, dp, engine.num_stages, micro_batches)
     gas = len(batches)
-    first, last = engine.is_first_stage(), engine.is_last_stage()
+    phases = (0, 1) if engine.dual else (0,)
     shape = (args.micro, batches[0][0].shape[1], args.hidden)  # a sequence-parallel rank's piece of the tokens
     engine.module.train()
-    for micro, (ids, labels) in enumerate(batches):
-        inputs = ids if first else torch.randn(shape, requires_grad=True)
-        output = engine.module(inputs)
-        if last:
-            tensors, grads = [loss_fn(output, labels) * (engine.stack.loss_scale / gas)], None
-        else:
-            tensors, grads = [output], [torch.randn(shape) * 1e-3]
-        engine._backward_from(tensors, grads, micro == gas - 1)
+    for phase in phases:
+        if engine.dual:
+            engine.module.activate_phase(phase)
+        first = engine.is_first_stage() and phase == 0
+        last = engine.is_last_stage() and phase == phases[-1]
+        for micro, (ids, labels) in enumerate(batches):
+            inputs = ids if first else torch.randn(shape, requires_grad=True)
+            output = engine.module(inputs)
+            if last:
+                tensors, grads = [loss_fn(output, labels) * (engine.stack.loss_scale / gas)], None
+            else:
+                tensors, grads = [output], [torch.randn(shape) * 1e-3]
+            engine._backward_from(tensors, grads, micro == gas - 1 and phase == phases[-1])
     engine._optimizer_step()
     return 0.0
+
+
+def pipe_wait(engine) -> float:
+    """Seconds the engine has waited in pipeline receives (0 for an engine without a pipeline of zeroshard's)."""
+    return sum(exchange.waited for exchange in getattr(engine, "exchanges", ()))
 
 
 def analytic_state(engine, zero: int) -> int:
@@ -348,7 +367,7 @@ def worker(args) -> dict:
             ours = hasattr(engine, "comm_ledger")
             if ours:
                 engine.comm_ledger.reset()
-            waited = engine.exchange.waited if hasattr(engine, "exchange") else 0.0
+            waited = pipe_wait(engine)
             limit = name.endswith(" limit")
             comm.barrier(world)
             start = time.perf_counter()
@@ -358,7 +377,7 @@ def worker(args) -> dict:
             else:
                 losses[name] = one_step(engine, dp, stages, micro_batches)
             times[name].append(time.perf_counter() - start)
-            waits[name].append((engine.exchange.waited - waited) if hasattr(engine, "exchange") and not limit else 0.0)
+            waits[name].append(0.0 if limit else pipe_wait(engine) - waited)
             if ours and not limit:
                 ledger = engine.comm_ledger.summary()
                 pipe = sum(t.wire_bytes for (op, group), t in ledger.items() if group == "pipe_exchange")
@@ -384,16 +403,37 @@ def worker(args) -> dict:
     return out
 
 
-def analytic_pipe_bytes(args, stage: int, stages: int, dp: int, tp: int = 1, sp: int = 1) -> int:
+def analytic_pipe_bytes(args, stage: int, stages: int, dp: int, tp: int = 1, sp: int = 1, dual: bool = False) -> int:
     """Bytes stage ``stage`` sends its neighbours per step: each of its m micro-batches' activation after a word
     forward (the announcement itself went with the first step's first activation), the gradient after a status word
     back; a tensor-parallel rank its 1/tp slice of each (``pipeline.pipe_partitioned``), a sequence-parallel rank
-    its 1/sp piece of the tokens."""
+    its 1/sp piece of the tokens. DualPipeV (``dual``): the same for each of the rank's two stages, the second's
+    activations going back towards rank 0 and nothing crossing the turn on the last rank."""
     m = args.micro_batches // dp
     activation = args.micro * args.seq * args.hidden * 4 // (tp * sp)
     forward = (8 + activation) if stage < stages - 1 else 0
     backward = (8 + activation) if stage > 0 else 0
-    return m * (forward + backward)
+    turned = (
+        (forward + backward) if dual else 0
+    )  # phase 1: forward to stage - 1 unless 0, back to stage + 1 unless last
+    return m * (forward + backward + turned)
+
+
+def schedule_bubble(name: str, stages: int, micro_batches: int) -> Optional[float]:
+    """The row's schedule's own bubble on ``zeroshard.pipe.simulate``'s clock (every stage alike)."""
+    from zeroshard.pipe import DualPipeVSchedule, TrainSchedule, simulate
+    from zeroshard.pipe.simulate import bubbles
+    from zeroshard.pipe.zero_bubble import ZeroBubbleH1Schedule
+
+    if stages == 1:
+        return None
+    if name.endswith("dualpipev"):  # DeepSpeed's own runs it without the B/W split
+        split = not name.startswith("DeepSpeed")
+        make = lambda s: DualPipeVSchedule(micro_batches, stages, s, split_backward=split)  # noqa: E731
+    else:
+        kind = ZeroBubbleH1Schedule if name.endswith("zb-h1") else TrainSchedule
+        make = lambda s: kind(micro_batches, stages, s)  # noqa: E731
+    return max(bubbles(simulate(make, stages, training=True)))
 
 
 def main() -> None:
@@ -410,7 +450,7 @@ def main() -> None:
     # --only reports a peak RSS, a whole process's: fresh interpreters then, as launched
     results = run_distributed(worker, args.world, args, timeout_s=3600, fresh_interpreters=args.only is not None)
     print("| system | median step (ms) | ratio to DP ZeRO-1 | ratio to its compute-only limit | bubble measured (per "
-          "stage) | (p-1)/(m+p-1) | pipe MB/step/rank (analytic) | wire MB/step/rank | state MB/rank (analytic) | "
+          "stage) | the schedule's | pipe MB/step/rank (analytic) | wire MB/step/rank | state MB/rank (analytic) | "
           "final loss |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     base = results[0].get(f"DP{args.world} ZeRO-1", {}).get("ms")
@@ -423,14 +463,13 @@ def main() -> None:
         m = args.micro_batches // dp
         measured = stages > 1 and row["wire"] is not None  # DeepSpeed's engine: neither waits nor ledger here
         bubbles = " / ".join(f"{r[name]['bubble']:.2f}" for r in results[::per_stage]) if measured else "-"
-        # 1F1B: (p - 1) / (m + p - 1); ZB-H1 with a forward, B and W of one cost each: (p - 1) / (3m + p - 1)
-        zero_bubble = name.endswith("zb-h1")
-        theory = (p - 1) / ((3 * m if zero_bubble else m) + p - 1) if (p := stages) > 1 else None
+        theory = schedule_bubble(name, stages, m)
         theory = f"{theory:.2f}" if theory is not None else "-"
         pipe = "-"
         if stages > 1 and row["pipe"] is not None:
             measured = [r[name]["pipe"] for r in results]
-            analytic = [analytic_pipe_bytes(args, r // per_stage, stages, dp, tp, sp) for r in range(args.world)]
+            dual = name.endswith("dualpipev")
+            analytic = [analytic_pipe_bytes(args, r // per_stage, stages, dp, tp, sp, dual) for r in range(args.world)]
             pipe = " / ".join(f"{a / 1e6:.3f} ({b / 1e6:.3f})" for a, b in zip(measured, analytic))
         wire = f"{row['wire'] / 1e6:.2f}" if row["wire"] is not None else "-"
         ratio = f"{row['ms'] / base:.3f}" if base else "-"

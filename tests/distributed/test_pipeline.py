@@ -476,7 +476,7 @@ def eval_case(micro_batches: int, dual: bool = False) -> dict:
 def failure_case(kind: str) -> str:
     """Run one hostile case; returns the error each rank raised, as 'Type: message'."""
     import zeroshard
-    from zeroshard.pipe import PipelineError, PipelineModule
+    from zeroshard.pipe import DualPipeVModule, PipelineError, PipelineModule
 
     calls = {"n": 0}
 
@@ -517,18 +517,22 @@ def failure_case(kind: str) -> str:
         elif kind == "stages_mismatch":
             module = PipelineModule(specs(), num_stages=2, loss_fn=cross_entropy)
             zeroshard.initialize(model=module, config=config(2, 1, pipeline={"stages": 4}))
-        elif kind in ("loss_fn", "short_iterator", "vector_loss"):
+        elif kind.removeprefix("dualpipev_") in ("loss_fn", "short_iterator", "vector_loss"):
+            dual, kind = kind.startswith("dualpipev_"), kind.removeprefix("dualpipev_")
             stages = 2 if kind == "short_iterator" else 4
+            gas = 8 if dual and stages == 4 else 4
 
             def vector(out, labels):  # one loss per token: not a loss the engine can average
                 return torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="none")
 
             loss_fn = {"loss_fn": failing_loss, "short_iterator": cross_entropy, "vector_loss": vector}[kind]
-            module = PipelineModule(specs(), num_stages=stages, loss_fn=loss_fn, seed_layers=True)
-            engine, *_ = zeroshard.initialize(model=module, config=config(4, 1))
-            data = global_batches(4 // stages, 4)[0][:4]
-            if kind == "short_iterator" and engine.global_rank == 3:
-                data = data[:2]  # the last stage of the second pipeline runs out at micro-batch 2
+            module = (DualPipeVModule if dual else PipelineModule)(
+                specs(), num_stages=stages, loss_fn=loss_fn, seed_layers=True
+            )
+            engine, *_ = zeroshard.initialize(model=module, config=config(gas, 1))
+            data = global_batches(4 // stages, gas)[0][:gas]
+            if kind == "short_iterator" and engine.global_rank == (1 if dual else 3):
+                data = data[:2]  # the second pipeline's reader of labels runs out at micro-batch 2
             try:
                 engine.train_batch(iter(data))
             except Exception as error:  # noqa: BLE001 - the error is the result; the engine refuses to go on
@@ -547,7 +551,8 @@ def failure_case(kind: str) -> str:
 
 
 FAILURES = ("stages_not_dividing", "more_stages_than_layers", "not_a_module", "layer_major", "stages_mismatch",
-            "loss_fn", "short_iterator", "vector_loss", "megatron_split", "tp_disagrees", "sequence_axis")  # fmt: skip
+            "loss_fn", "short_iterator", "vector_loss", "megatron_split", "tp_disagrees", "sequence_axis",
+            "dualpipev_loss_fn", "dualpipev_short_iterator")  # fmt: skip
 
 
 def resume_case(
@@ -977,6 +982,20 @@ def test_eval_batch_with_other_micro_batch_counts_equals_one_process(four):
             + ["StageAborted: rank 1 (pipeline stage 0): stopped waiting for gradients from rank 3: rank 3 failed"]
             + ["StageAborted: rank 2 (pipeline stage 1): stopped before reducing gradients: rank 3 (pipeline stage 1)"]
             + ["PipelineDataExhausted: rank 3 (pipeline stage 1): the data iterator ended at micro-batch 2 of 4"],
+        ),
+        (  # DualPipeV: rank 0 holds the loss; its word reaches rank 1 on whichever of its two channels it reads
+            "dualpipev_loss_fn",
+            ["ValueError: loss_fn: labels out of range"]
+            + ["StageAborted: rank 1 (pipeline stage 1): stopped waiting for gradients from rank 0: rank 0 failed"]
+            + ["StageAborted: rank 2 (pipeline stage 2): stopped waiting for activations from rank 1: rank 0 failed"]
+            + ["StageAborted: rank 3 (pipeline stage 3): stopped waiting for activations from rank 2: rank 0 failed"],
+        ),
+        (  # DualPipeV at PP2 x DP2: rank 1 (stage 0 of the second pipeline) reads the data
+            "dualpipev_short_iterator",
+            ["StageAborted: rank 0 (pipeline stage 0): stopped before reducing gradients: rank 1 (pipeline stage 0)"]
+            + ["PipelineDataExhausted: rank 1 (pipeline stage 0): the data iterator ended at micro-batch 2 of 4"]
+            + ["StageAborted: rank 2 (pipeline stage 1): stopped before reducing gradients: rank 1 (pipeline stage 0)"]
+            + ["StageAborted: rank 3 (pipeline stage 1): stopped waiting for activations from rank 1: rank 1 failed"],
         ),
     ],
 )

@@ -145,21 +145,6 @@ class StageExchange:
         """A batch starts: nothing of it exchanged yet."""
         self.exchanged = False
 
-    def abort(
-        self, origin: int, owes_next: bool, owes_previous: bool, source: Optional[int] = None, data_ended: bool = False
-    ) -> None:
-        """Tell the neighbours that rank ``origin`` failed (``data_ended``: its data ended before its batch exchanged
-        anything), on the channels they may wait on: the next stage when this batch still owes it activations, the
-        previous one when it still owes gradients; never ``source`` (the neighbour the word came from: it has
-        stopped). Each word is waited for a bounded time: a neighbour still running reads it before anything else
-        from this rank; one that stopped on its own never will."""
-        code = -1 - origin - (self.world_size if data_ended else 0)
-        word = torch.tensor([code], dtype=torch.int64, device=self.device)
-        for peer, tag, owed in ((self.next, ACTIVATIONS, owes_next), (self.previous, GRADIENTS, owes_previous)):
-            if owed and peer is not None and peer != source:
-                comm.post_send(word, peer, self.pipe, tag=tag + self.tag_offset)
-        self._in_flight.clear()  # never waited for: the receiver may have stopped
-
     def finish(self) -> None:
         """Wait until every send of the batch has been received."""
         for pending, _ in self._in_flight:
@@ -239,6 +224,39 @@ class StageExchange:
         if not word:
             self.exchanged = True
         return tensor
+
+
+def stop_neighbours(
+    exchanges: list[StageExchange],
+    origin: int,
+    owed: list[tuple[bool, bool]],
+    source: Optional[int] = None,
+    data_ended: bool = False,
+) -> list:
+    """Tell the neighbours that rank ``origin`` failed (``data_ended``: its data ended before its batch exchanged
+    anything), on the channels of ``exchanges`` (this rank's, one per chunk of the model it runs) they may wait on:
+    per exchange, ``owed`` says whether the batch still owes its next stage activations and its previous one
+    gradients; never ``source`` (the neighbour the word came from: it has stopped). A neighbour reached by several
+    channels (DualPipeV's two chunks) gets the word on each and takes it on the one it reads.
+
+    The words are posted, not waited for (a neighbour that stopped on its own never takes its word, and waiting
+    for one that will not come would hold up the words to the others, or time out and close the channel); returned
+    with the batch's earlier sends still on their way (a neighbour takes those first), for the caller to keep alive:
+    a send whose handle is dropped is never delivered. No neighbour joins the agreement on the failure that follows
+    before it has taken its word or stopped."""
+    world = exchanges[0].world_size
+    word = torch.tensor([-1 - origin - (world if data_ended else 0)], dtype=torch.int64, device=exchanges[0].device)
+    posted = []
+    for exchange, (owes_next, owes_previous) in zip(exchanges, owed):
+        for peer, tag, owes in ((exchange.next, ACTIVATIONS, owes_next), (exchange.previous, GRADIENTS, owes_previous)):
+            if owes and peer is not None and peer != source:
+                try:
+                    posted.append(comm.send(word, peer, exchange.pipe, tag=tag + exchange.tag_offset, async_op=True))
+                except comm.CollectiveError:
+                    pass  # the neighbour closed the channel: it has stopped
+        posted += exchange._in_flight  # the batch's sends not yet taken: never waited for, the receiver may stop
+        exchange._in_flight = []
+    return posted
 
 
 def _slice(tensor: torch.Tensor, group: comm.Group) -> torch.Tensor:

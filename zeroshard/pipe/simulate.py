@@ -12,7 +12,12 @@ finished, the schedule deadlocks: the error names what each stuck stage waits fo
 A rank may run several chunks of the model (virtual stages; an instruction's ``phase`` names which, the schedule says
 where each runs: DualPipeV's two per rank). Channels join virtual stages; where the next virtual stage runs on the
 same rank, a forward's output becomes its input there and its input gradients the output gradients here, with no
-exchange."""
+exchange.
+
+Each stage also keeps a clock: a forward takes one unit, a backward two, its halves (``BackwardInputPass``,
+``BackwardWeightPass``) one each; a send carries the sender's time, a receive waits for it. Each trace's ``busy`` and
+``finished`` give the schedule's own bubble on that clock (:func:`bubbles`): 1F1B's ``(p - 1) / (m + p - 1)``,
+ZB-H1's ``(p - 1) / (3m + p - 1)``, DualPipeV's, where stages of equal cost wait only for one another."""
 
 from __future__ import annotations
 
@@ -22,7 +27,11 @@ from typing import Callable, Iterator, Optional
 
 from .instructions import (
     BATCH_END,
+    BackwardInputPass,
+    BackwardPass,
+    BackwardWeightPass,
     BufferOpInstruction,
+    ForwardPass,
     PipeInstruction,
     RecvActivation,
     RecvGrad,
@@ -34,6 +43,9 @@ class ScheduleError(ValueError):
     """A schedule that would deadlock, or read or overwrite a slot out of turn."""
 
 
+UNIT_COSTS = {ForwardPass: 1.0, BackwardPass: 2.0, BackwardInputPass: 1.0, BackwardWeightPass: 1.0}
+
+
 @dataclass
 class StageTrace:
     """What one stage did: the micro-batches it ran forward and backward, in order (each once per chunk it runs),
@@ -42,6 +54,14 @@ class StageTrace:
     forwards: list[int] = field(default_factory=list)
     backwards: list[int] = field(default_factory=list)
     peak_in_flight: int = 0
+    busy: float = 0.0  # units of work on the module's clock
+    finished: float = 0.0  # when its last instruction ended
+
+
+def bubbles(traces: list[StageTrace]) -> list[float]:
+    """Each stage's idle fraction of the whole step on the module's clock (from 0 to the last stage's end)."""
+    span = max(trace.finished for trace in traces)
+    return [1.0 - trace.busy / span for trace in traces]
 
 
 @dataclass
@@ -117,6 +137,9 @@ class _StageRun:
         """Run ``cmd``; False when it is a receive with nothing to receive yet."""
         if not isinstance(cmd, BufferOpInstruction):
             return True
+        cost = UNIT_COSTS.get(type(cmd), 0.0)
+        self.trace.busy += cost
+        self.trace.finished += cost
         self.where = f"stage {self.stage}, step {step}, {cmd!r}"
         self.virtual = self.schedule.virtual_stage(cmd.kwargs.get("phase", 0))
         self.first, self.last = self.virtual == 0, self.virtual == self.stages - 1
@@ -127,7 +150,8 @@ class _StageRun:
             queue = self.channels.get((peer, self.virtual, type(cmd)))
             if not queue:
                 return False
-            micro = queue.popleft()
+            micro, sent_at = queue.popleft()
+            self.trace.finished = max(self.trace.finished, sent_at)
             if isinstance(cmd, RecvActivation):
                 self._write(self.slots.inputs, slot, micro, "inputs")
             else:
@@ -171,7 +195,9 @@ class _StageRun:
     def SendActivation(self, slot: int) -> None:
         self._neighbour(self.virtual + 1)
         micro = self._read(self.slots.outputs, slot, "outputs")
-        self.channels.setdefault((self.virtual, self.virtual + 1, RecvActivation), deque()).append(micro)
+        self.channels.setdefault((self.virtual, self.virtual + 1, RecvActivation), deque()).append(
+            (micro, self.trace.finished)
+        )
         del self.slots.outputs[slot]
         if self.training:
             self._write(self.slots.sent, slot, micro, "the activations sent")
@@ -213,7 +239,9 @@ class _StageRun:
         micro = self._read(self.slots.input_grads, slot, "input gradients")
         self._expect(self.slots.inputs, slot, micro, "inputs")
         del self.slots.input_grads[slot], self.slots.inputs[slot]
-        self.channels.setdefault((self.virtual, self.virtual - 1, RecvGrad), deque()).append(micro)
+        self.channels.setdefault((self.virtual, self.virtual - 1, RecvGrad), deque()).append(
+            (micro, self.trace.finished)
+        )
 
     def _unknown(self, slot: int) -> None:
         raise ScheduleError(f"{self.where}: an instruction the simulation does not know")

@@ -8,7 +8,8 @@ micro-batches later than a plain 1F1B would free them; after the last forward, o
 come at the end. So every stage holds at most ``p`` micro-batches' activations, 1F1B's most (its first stage's;
 1F1B's stage ``s`` holds ``p - s``), and with a forward, a B and a W of equal cost the step takes ``3m + p - 1``
 units against 1F1B's ``3(m + p - 1)``: the idle time per stage falls from ``3(p - 1)`` to ``p - 1`` units
-(:func:`plan` returns the order on that clock, ``tests/unit/pipe/test_zero_bubble.py`` checks these counts).
+(``zeroshard.pipe.simulate`` runs the schedule on that clock, ``tests/unit/pipe/test_zero_bubble.py`` checks these
+counts).
 
 Each operation becomes one step of instructions: a forward receives its activations (the first stage loads the
 micro-batch, the last loads its labels), runs and sends; a B receives its output gradients, runs
@@ -17,7 +18,6 @@ slot. The engine checks the schedule on paper before running it (``zeroshard.pip
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator
 
 from .instructions import (
@@ -35,16 +35,6 @@ from .instructions import (
     SendGrad,
 )
 from .schedule import PipeSchedule
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One operation of one stage on the unit clock: ``kind`` F, B or W on micro-batch ``micro``."""
-
-    kind: str
-    micro: int
-    start: float
-    end: float
 
 
 def orders(stages: int, micro_batches: int) -> list[list[tuple[str, int]]]:
@@ -70,27 +60,6 @@ def orders(stages: int, micro_batches: int) -> list[list[tuple[str, int]]]:
     return result
 
 
-def plan(stages: int, micro_batches: int) -> list[list[Planned]]:
-    """:func:`orders` on a clock where every operation takes one unit: a forward starts when its activations have
-    arrived, a B when its output gradients have, each as soon as the stage is free."""
-    planned = [[] for _ in range(stages)]
-    todo = orders(stages, micro_batches)
-    at, free, done = [0] * stages, [0.0] * stages, {}
-    while any(at[s] < len(todo[s]) for s in range(stages)):
-        for s in range(stages):
-            while at[s] < len(todo[s]):
-                kind, k = todo[s][at[s]]
-                source = {"F": (s - 1, "F"), "B": (s + 1, "B")}.get(kind)
-                outside = source is None or not 0 <= source[0] < stages
-                if not outside and (source[0], source[1], k) not in done:
-                    break
-                start = max(free[s], 0.0 if outside else done[(source[0], source[1], k)])
-                free[s] = done[(s, kind, k)] = start + 1.0
-                planned[s].append(Planned(kind, k, start, start + 1.0))
-                at[s] += 1
-    return planned
-
-
 class ZeroBubbleH1Schedule(PipeSchedule):
     """ZB-H1 (the module's docstring): ``pipeline.schedule: "zb-h1"``."""
 
@@ -112,9 +81,3 @@ class ZeroBubbleH1Schedule(PipeSchedule):
 
     def num_pipe_buffers(self) -> int:
         return self.micro_batches
-
-
-def bubble(orders: list[list[Planned]]) -> list[float]:
-    """Each stage's idle fraction of the planned step (from the first start to the last end over all stages)."""
-    span = max(o[-1].end for o in orders) - min(o[0].start for o in orders)
-    return [1.0 - sum(op.end - op.start for op in order) / span for order in orders]

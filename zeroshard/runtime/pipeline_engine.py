@@ -39,7 +39,7 @@ from ..pipe import (
     parallel_dims,
 )
 from ..pipe.dualpipev import DualPipeVSchedule
-from ..pipe.exchange import ACTIVATIONS, GRADIENTS
+from ..pipe.exchange import ACTIVATIONS, GRADIENTS, stop_neighbours
 from ..pipe.instructions import BATCH_END
 from ..pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
 from ..pipe.zero_bubble import ZeroBubbleH1Schedule
@@ -98,6 +98,7 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         self.outputs = None  # eval_batch(return_logits=True): the last micro-batch's outputs (last stage)
         self._return_logits = False
         self._failed: Optional[str] = None  # a batch failed: the channels are out of step, nothing more runs
+        self._stop_words: list = []  # the words that a batch failed, posted to the neighbours (see _stop_batch)
         self._batch: Optional[PipelineBatch] = None  # the batch running, or the last one
         self._checked_schedules: set = set()  # (schedule, its steps, micro-batches, stages, training) run on paper
         self.peak_micro_batches_in_flight = 0  # the last training batch's on this stage (activations kept)
@@ -302,8 +303,9 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         ended = isinstance(error, PipelineDataExhausted) or (aborted is not None and aborted.data_ended)
         clean = ended and clean
         source = aborted.source if aborted is not None else None
-        for phase, exchange in enumerate(self.exchanges):
-            exchange.abort(origin, *batch.owes(phase), source, data_ended=clean)
+        owed = [batch.owes(phase) for phase in range(len(self.exchanges))]
+        # kept for the engine's life: a word a stopped neighbour never takes stays posted
+        self._stop_words += stop_neighbours(self.exchanges, origin, owed, source, data_ended=clean)
         if not agreed:
             self._agree(origin, self.mesh.stage)
         if not self._agree(origin, self.mesh.world, clean):

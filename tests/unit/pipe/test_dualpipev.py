@@ -100,3 +100,19 @@ def test_the_module_builds_a_stage_on_the_way_out_and_one_on_the_way_back():
 def test_a_module_with_fewer_layers_than_stages_is_refused():
     with pytest.raises(ValueError, match="1 layers cannot fill the 2 stages of 1 pipeline ranks"):
         DualPipeVModule([LayerSpec(nn.Linear, 4, 4)], num_stages=1)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+def test_on_the_unit_clock_dualpipev_idles_less_than_1f1b_and_with_the_split_as_little_as_zb_h1(stages):
+    """A chunk is half a 1F1B stage (the clock counts in chunks: 1F1B's units twice); DeepSpeed's order idles less
+    than 1F1B's (p - 1) / (m + p - 1), the split as little as ZB-H1's (p - 1) / (3m + p - 1)."""
+    from zeroshard.pipe import TrainSchedule
+    from zeroshard.pipe.simulate import bubbles
+
+    for m in range(2 * stages, 17):
+        plain = bubbles(simulate(lambda s, m=m: DualPipeVSchedule(m, stages, s), stages, training=True))
+        split = simulate(lambda s, m=m: DualPipeVSchedule(m, stages, s, split_backward=True), stages, training=True)
+        one_f_one_b = bubbles(simulate(lambda s, m=m: TrainSchedule(m, stages, s), stages, training=True))
+        assert max(plain) < min(one_f_one_b) == pytest.approx((stages - 1) / (m + stages - 1))
+        assert bubbles(split) == pytest.approx([(stages - 1) / (3 * m + stages - 1)] * stages)
+        assert max(t.finished for t in split) == 2 * (3 * m + stages - 1)

@@ -5,9 +5,10 @@ no stage holds more than min(p, m) micro-batches."""
 
 import pytest
 
-from zeroshard.pipe import simulate
+from zeroshard.pipe import TrainSchedule, simulate
 from zeroshard.pipe.instructions import BackwardInputPass, BackwardWeightPass, ForwardPass
-from zeroshard.pipe.zero_bubble import ZeroBubbleH1Schedule, bubble, orders, plan
+from zeroshard.pipe.simulate import bubbles
+from zeroshard.pipe.zero_bubble import ZeroBubbleH1Schedule, orders
 
 
 @pytest.mark.parametrize("stages", range(1, 9))
@@ -17,15 +18,18 @@ def test_every_stage_runs_to_its_end_holding_at_most_1f1bs_peak(stages):
         for trace in traces:
             assert trace.forwards == trace.backwards == list(range(micro_batches))
             assert trace.peak_in_flight == min(stages, micro_batches)
-        span = max(op.end for order in plan(stages, micro_batches) for op in order)
+        span = max(trace.finished for trace in traces)
         assert span <= 3 * (micro_batches + stages - 1)
         if micro_batches >= stages:
             assert span == 3 * micro_batches + stages - 1, (stages, micro_batches, span)
 
 
 def test_the_bubble_falls_to_a_third_of_1f1bs():
-    """p = 4, m = 8: idle 3 units per stage of 27 (1F1B: 9 of 33)."""
-    assert [round(b, 4) for b in bubble(plan(4, 8))] == [round(3 / 27, 4)] * 4
+    """p = 4, m = 8: idle 3 units per stage of 27 (1F1B: 9 of 33, its formula (p - 1) / (m + p - 1))."""
+    zero_bubble = simulate(lambda s: ZeroBubbleH1Schedule(8, 4, s), 4, training=True)
+    assert [round(b, 4) for b in bubbles(zero_bubble)] == [round(3 / 27, 4)] * 4
+    one_f_one_b = simulate(lambda s: TrainSchedule(8, 4, s), 4, training=True)
+    assert [round(b, 4) for b in bubbles(one_f_one_b)] == [round(3 / 11, 4)] * 4
     assert orders(4, 8)[3][:6] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]  # W's deferred
 
 

@@ -3,8 +3,8 @@
 ``TrainSchedule.steps`` or its ``_INSTRUCTION_MAP`` entry keyed by ``ReduceGrads`` changes what the engine runs."""
 
 from .....pipe import instructions
-from .....pipe.instructions import *  # noqa: F403 - DeepSpeed's instruction classes, the same objects
 from .....pipe.dualpipev import DualPipeVSchedule
+from .....pipe.instructions import *  # noqa: F403 - DeepSpeed's instruction classes, the same objects
 from .....pipe.schedule import DataParallelSchedule, InferenceSchedule, PipeSchedule, TrainSchedule
 
 
