@@ -15,7 +15,9 @@ its outgoing channels, the only ones its neighbours may be waiting on; a stage t
 same way and stops too, so a failure anywhere reaches every stage of the pipeline and none waits forever. A receive
 waits no longer than the group's collectives do, and names the neighbour that stayed silent.
 Sends do not wait (the schedule relies on it, ``zeroshard.pipe.schedule``); :meth:`StageExchange.finish` waits for
-them at the end of the batch.
+them at the end of the batch. DualPipeV's second chunk on each rank has channels of its own (an exchange with
+``phase=1``, its tags apart), its activations flowing back towards stage 0, so a rank reaches each neighbour on two
+channels per direction.
 
 With tensor parallelism inside the stages, the T tensor-parallel ranks of a stage hold the same activations (a stage
 ends after a row-parallel layer's sum) and the same input gradients (a column-parallel layer sums them). Each then

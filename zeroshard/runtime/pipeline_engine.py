@@ -13,6 +13,9 @@ they are (scaling them again was DeepSpeed issue 8152); the gradients are reduce
 each stage at the last micro-batch, tied parameters summed over the stages holding them, and the gradient norm
 taken over all stages (``zeroshard.zero.stack``).
 
+A ``DualPipeVModule`` runs DualPipeV (``zeroshard.pipe.dualpipev``): two stages per rank, rank 0 holding the loss,
+one exchange per chunk.
+
 A failure on one rank (a ``loss_fn`` raising, a data iterator running out) stops every rank with a named error: the
 failing rank tells its pipeline neighbours (they pass it on), and before the last micro-batch's backward, the one
 place gradients are exchanged between pipelines, the ranks of each stage agree on whether any failed.
