@@ -1,0 +1,63 @@
+"""What a pipeline engine accepts before it runs anything: the schedule its module and ZeRO stack allow (ZB-H1's
+split backward, DualPipeV's micro-batch count and layout) and the stage its mesh gives a rank, which must be the one
+the module was built for."""
+
+from __future__ import annotations
+
+from .. import comm
+from ..pipe import DualPipeVModule, PipelineError, PipelineModule, parallel_dims
+
+
+def check_schedule(name: str, module: PipelineModule, stack, micro_batches: int, mesh: comm.Mesh) -> None:
+    """A zero-bubble schedule splits each backward on autograd's graph (``zeroshard.runtime.split_backward``): a
+    checkpointed region would be recomputed in both halves, and ZeRO-3's weights are gathered for one backward.
+    A ``DualPipeVModule`` runs DualPipeV (with the split where the stack allows it)."""
+    if isinstance(module, DualPipeVModule):
+        _check_dualpipev(name, micro_batches, mesh)
+        return
+    if name == "zb-h1" and getattr(stack, "stage3", None) is not None:
+        raise NotImplementedError(
+            "pipeline.schedule 'zb-h1' with zero_optimization.stage 3 is not implemented (each backward is split in "
+            "two and stage 3 gathers the weights for one); use stage 0-2, or schedule '1f1b'"
+        )
+    if name == "zb-h1" and module.activation_checkpoint_interval > 0:
+        raise NotImplementedError(
+            "pipeline.schedule 'zb-h1' with activation checkpointing (activation_checkpoint_interval "
+            f"{module.activation_checkpoint_interval}) is not implemented: each backward is split in two and a "
+            "checkpointed region would be recomputed in both; set the interval to 0, or schedule '1f1b'"
+        )
+
+
+def _check_dualpipev(name: str, micro_batches: int, mesh: comm.Mesh) -> None:
+    stages = mesh.pipe.size
+    if name != "1f1b":
+        raise ValueError(
+            f"pipeline.schedule {name!r} with a DualPipeVModule: the module's class chooses DualPipeV (as in "
+            "DeepSpeed); drop pipeline.schedule, or build a PipelineModule for that schedule"
+        )
+    if micro_batches < 2 * stages:
+        raise ValueError(
+            f"DualPipeV needs gradient_accumulation_steps >= 2 * {stages} (two per pipeline rank), got {micro_batches}"
+        )
+    if mesh.tensor.size > 1 or mesh.sequence.size > 1:
+        raise NotImplementedError(
+            "a DualPipeVModule with tensor or sequence parallelism inside its stages is not implemented; use a "
+            "PipelineModule (1F1B) for that layout"
+        )
+
+
+def check_placed_as_built(module: PipelineModule, mesh: comm.Mesh) -> None:
+    """The module built the layers of the stage its topology names for this rank; the mesh must run it there, with
+    the topology's tensor- and sequence-parallel ranks (a module built for another world or layout holds other
+    layers)."""
+    built = parallel_dims(module.topology())
+    if (
+        built.coordinate(comm.get_rank(), "pp") != mesh.pipe.rank
+        or (built.tp > 1 and built.tp != mesh.tensor.size)
+        or (built.sp > 1 and built.sp != mesh.sequence.size)
+    ):
+        raise PipelineError(
+            f"rank {comm.get_rank()}: the PipelineModule was built for stage {module.stage_id} of {module.topology()}, "
+            f"but the engine's mesh ({mesh.dims}) places this rank at stage {mesh.pipe.rank}; build the module after "
+            "init_distributed, with the topology of the world it runs on"
+        )
