@@ -666,6 +666,7 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out["dualpipev"] = {case: train_case(*case[:4], interval=case[4], dual=True) for case in DUALPIPEV_CASES}
     out["dualpipev_eval"] = eval_case(5, dual=True)
     out["dualpipev_refused"] = dualpipev_refused_case()
+    out["dualpipev_compat"] = dualpipev_compat_case()
     saved = resume_case(ckpt_dir, 2, 4, save=True, zero=2, tag="pp2_dualpipev", dual=True, per_step=8)
     out["resume_dualpipev"] = {"saved": saved}  # saved by DualPipeV at PP2 x DP2, resumed by 1F1B and DualPipeV at PP4
     out["resume_dualpipev"]["pp4"] = resume_case(ckpt_dir, 4, 8, tag="pp2_dualpipev", per_step=8)
@@ -676,6 +677,20 @@ def _four_ranks(ckpt_dir: str) -> dict:
 # (stages, gas, partition, ZeRO stage, activation checkpoint interval): DualPipeV with its B/W split (ZeRO 0-2, no
 # checkpointing) at PP4 and PP2 x DP2, and without it (ZeRO-3 and activation checkpointing) at PP2 x DP2
 DUALPIPEV_CASES = [(4, 8, "uniform", 0, 0), (2, 4, "parameters", 2, 0), (2, 4, "parameters", 3, 1)]
+
+
+def dualpipev_compat_case() -> dict:
+    """DeepSpeed's spelling: ``deepspeed.pipe.DualPipeVModule`` through ``deepspeed.initialize`` (compat mode), PP4
+    with 8 micro-batches; the engine is ``deepspeed.DualPipeVEngine``."""
+    import zeroshard.compat.deepspeed as deepspeed
+    from zeroshard.compat.deepspeed.pipe import DualPipeVModule
+
+    module = DualPipeVModule(specs(), num_stages=4, loss_fn=cross_entropy, seed_layers=True, partition_method="uniform")
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config(8, 1))
+    losses = [engine.train_batch(iter(step)).item() for step in global_batches(1, 8)]
+    result = {"losses": losses, "engine": isinstance(engine, deepspeed.DualPipeVEngine), "weights": weights_of(module)}
+    engine.destroy()
+    return result
 
 
 def dualpipev_refused_case() -> list[str]:
@@ -774,6 +789,14 @@ def test_dualpipev_matches_one_process_holding_what_it_states(four, case):
         assert ("tied_modules.embed.weight" in got["weights"]) == (got["stage"] == 0)
         assert len(got["parts"]) == 2 * stages + 1
     assert held == set(expected["weights"])
+
+
+def test_deepspeeds_dualpipev_spelling_trains_as_one_process(four):
+    expected = reference(specs(), global_batches(1, 8))
+    for rank, result in enumerate(four):
+        got = result["dualpipev_compat"]
+        assert got["engine"]
+        assert_like_one_process(got, expected, 1e-6 * 10, rank)
 
 
 def test_dualpipev_evaluates_as_one_process_and_refuses_what_it_cannot_run(four):
