@@ -14,7 +14,8 @@ transfers are in it too), beside the schedule's own (``zeroshard.pipe.simulate``
 (p - 1) / (m + p - 1) for 1F1B, (p - 1) / (3m + p - 1) for ZB-H1 (``pipeline.schedule: "zb-h1"``, each backward
 split in two; its rows end in ``zb-h1``) and DualPipeV with its split (a ``DualPipeVModule``, two stages per rank;
 rows ending in ``dualpipev``); rows ending in ``time`` split the layers by their measured time,
-``partition_method="time"``; the bytes each rank
+``partition_method="time"``; rows ending in ``interleaved`` run interleaved 1F1B, two stages per rank
+(``stages_per_rank=2``: (p - 1) / (2m + p - 1)); the bytes each rank
 sends per step (the engine's ledger: ``send`` on the pipe group, and the data-parallel reductions) against the
 analytic bytes between
 stages: per micro-batch, the activation (micro x seq x hidden x 4 bytes; a tensor-parallel rank sends half of it) and
@@ -170,6 +171,7 @@ class Layout:
     schedule: str = "1f1b"  # pipeline.schedule
     partition: str = "parameters"  # partition_method ("time": each layer timed on the first micro-batch)
     dual: bool = False  # a DualPipeVModule (the DualPipeV schedule)
+    per_rank: int = 1  # stages_per_rank (interleaved 1F1B when 2 or more)
 
 
 PIPELINES_4 = [  # DeepSpeed refuses ZeRO 2-3 with pipelines, and has no sequence parallelism in them
@@ -190,9 +192,9 @@ def pipeline_engine(args, layout: Layout):
     groups = sequence_parallel_groups(layout.sp) if layout.sp > 1 else None
     group = groups.sequence if groups is not None else None  # zeroshard's group: attention counted in the ledger
     profile = batch(args, 0)[0] if layout.partition == "time" else None
-    kind = DualPipeVModule if layout.dual else PipelineModule
+    kind, extra = (DualPipeVModule, {}) if layout.dual else (PipelineModule, {"stages_per_rank": layout.per_rank})
     module = kind(layers(args, group, layout.ep), num_stages=layout.stages, loss_fn=loss_fn, seed_layers=True,
-                  partition_method=layout.partition, profile_batch=profile)  # fmt: skip
+                  partition_method=layout.partition, profile_batch=profile, **extra)  # fmt: skip
     cfg = config(args, args.micro_batches // layout.dp, layout.zero, layout.tp)
     cfg["pipeline"] = {"schedule": layout.schedule}
     return zeroshard.initialize(model=module, config=cfg, mpu=groups)[0]
@@ -207,7 +209,8 @@ def systems(args) -> dict:
     world, m = args.world, args.micro_batches
     layouts = [Layout(f"PP{world}", world, 1, 1), Layout(f"PP{world} zb-h1", world, 1, 1, schedule="zb-h1"),
                Layout(f"PP{world} time", world, 1, 1, partition="time"),
-               Layout(f"PP{world} dualpipev", world, 1, 1, dual=True)]  # fmt: skip
+               Layout(f"PP{world} dualpipev", world, 1, 1, dual=True),
+               Layout(f"PP{world} interleaved", world, 1, 1, per_rank=2)]  # fmt: skip
     layouts += PIPELINES_4 if world == 4 else []
     out = {}
     for layout in layouts:
@@ -300,20 +303,20 @@ def one_step(engine, dp: int, stages: int, micro_batches: list) -> float:
 
 
 def stage_work(args, engine, dp: int, micro_batches: list) -> float:
-    """One step's work of this rank's stage alone (the compute-only limit; inside ``compute_only``): each of its
-    micro-batches' forward and backward, the first stage from the ids, the others from a stand-in activation (the last
-    one's loss from the labels, the others' backward from a stand-in gradient), then the optimizer step. A
-    DualPipeV rank does this for each of its two stages (phase 0 the model's first on rank 0, phase 1 its last)."""
+    """One step's work of this rank's stages alone (the compute-only limit; inside ``compute_only``): each of its
+    micro-batches' forward and backward on each stage the rank runs (one; DualPipeV's two; an interleaved module's
+    k), the model's first stage from the ids, the others from a stand-in activation (the last one's loss from the
+    labels, the others' backward from a stand-in gradient), then the optimizer step."""
     batches = own_micro_batches(engine, dp, engine.num_stages, micro_batches)
     gas = len(batches)
-    phases = (0, 1) if engine.dual else (0,)
+    layout = engine._train_schedule()  # which of the model's stages the rank runs in each phase
+    phases = range(layout.virtual_stages() // engine.num_stages)
     shape = (args.micro, batches[0][0].shape[1], args.hidden)  # a sequence-parallel rank's piece of the tokens
     engine.module.train()
     for phase in phases:
-        if engine.dual:
-            engine.module.activate_phase(phase)
-        first = engine.is_first_stage() and phase == 0
-        last = engine.is_last_stage() and phase == phases[-1]
+        engine.module.activate_phase(phase)
+        virtual = layout.virtual_stage(phase)
+        first, last = virtual == 0, virtual == layout.virtual_stages() - 1
         for micro, (ids, labels) in enumerate(batches):
             inputs = ids if first else torch.randn(shape, requires_grad=True)
             output = engine.module(inputs)
@@ -403,31 +406,37 @@ def worker(args) -> dict:
     return out
 
 
-def analytic_pipe_bytes(args, stage: int, stages: int, dp: int, tp: int = 1, sp: int = 1, dual: bool = False) -> int:
+def analytic_pipe_bytes(
+    args, stage: int, stages: int, dp: int, tp: int = 1, sp: int = 1, dual: bool = False, per_rank: int = 1
+) -> int:
     """Bytes stage ``stage`` sends its neighbours per step: each of its m micro-batches' activation after a word
     forward (the announcement itself went with the first step's first activation), the gradient after a status word
     back; a tensor-parallel rank its 1/tp slice of each (``pipeline.pipe_partitioned``), a sequence-parallel rank
     its 1/sp piece of the tokens. DualPipeV (``dual``): the same for each of the rank's two stages, the second's
-    activations going back towards rank 0 and nothing crossing the turn on the last rank."""
+    activations going back towards rank 0 and nothing crossing the turn on the last rank; interleaved (``per_rank``
+    k): its other k - 1 stages send both ways (only the model's first stage sends no gradient back, only its last
+    no activation on)."""
     m = args.micro_batches // dp
     activation = args.micro * args.seq * args.hidden * 4 // (tp * sp)
     forward = (8 + activation) if stage < stages - 1 else 0
     backward = (8 + activation) if stage > 0 else 0
-    turned = (
-        (forward + backward) if dual else 0
-    )  # phase 1: forward to stage - 1 unless 0, back to stage + 1 unless last
-    return m * (forward + backward + turned)
+    turned = (forward + backward) if dual else 0  # phase 1: to stage - 1 unless 0, back to stage + 1 unless last
+    looped = (per_rank - 1) * 2 * (8 + activation)
+    return m * (forward + backward + turned + looped)
 
 
 def schedule_bubble(name: str, stages: int, micro_batches: int) -> Optional[float]:
     """The row's schedule's own bubble on ``zeroshard.pipe.simulate``'s clock (every stage alike)."""
     from zeroshard.pipe import DualPipeVSchedule, TrainSchedule, simulate
+    from zeroshard.pipe.interleaved import Interleaved1F1BSchedule
     from zeroshard.pipe.simulate import bubbles
     from zeroshard.pipe.zero_bubble import ZeroBubbleH1Schedule
 
     if stages == 1:
         return None
-    if name.endswith("dualpipev"):  # DeepSpeed's own runs it without the B/W split
+    if name.endswith("interleaved"):
+        make = lambda s: Interleaved1F1BSchedule(micro_batches, stages, s, chunks=2)  # noqa: E731
+    elif name.endswith("dualpipev"):  # DeepSpeed's own runs it without the B/W split
         split = not name.startswith("DeepSpeed")
         make = lambda s: DualPipeVSchedule(micro_batches, stages, s, split_backward=split)  # noqa: E731
     else:
@@ -468,8 +477,9 @@ def main() -> None:
         pipe = "-"
         if stages > 1 and row["pipe"] is not None:
             measured = [r[name]["pipe"] for r in results]
-            dual = name.endswith("dualpipev")
-            analytic = [analytic_pipe_bytes(args, r // per_stage, stages, dp, tp, sp, dual) for r in range(args.world)]
+            dual, per_rank = name.endswith("dualpipev"), 2 if name.endswith("interleaved") else 1
+            analytic = [analytic_pipe_bytes(args, r // per_stage, stages, dp, tp, sp, dual, per_rank)
+                        for r in range(args.world)]  # fmt: skip
             pipe = " / ".join(f"{a / 1e6:.3f} ({b / 1e6:.3f})" for a, b in zip(measured, analytic))
         wire = f"{row['wire'] / 1e6:.2f}" if row["wire"] is not None else "-"
         ratio = f"{row['ms'] / base:.3f}" if base else "-"

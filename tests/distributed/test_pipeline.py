@@ -329,6 +329,7 @@ def train_case(
     extra: dict = None,
     topology=None,
     dual: bool = False,
+    stages_per_rank: int = 1,
 ) -> dict:
     """Train the pipeline STEPS batches; returns its losses, this stage's weights (and how the tensor-parallel ones
     are split) and the tied weight after each step. ``topology``: built on it instead of ``stages``; ``dual``: a
@@ -347,6 +348,7 @@ def train_case(
         partition_method=partition,
         activation_checkpoint_interval=interval,
         profile_batch=global_batches(1, 1)[0][0] if partition == "time" else None,
+        **({"stages_per_rank": stages_per_rank} if stages_per_rank > 1 else {}),
     )
     engine, *_ = zeroshard.initialize(model=module, config=config(gas, stage, **(extra or {})))
     batches = global_batches(engine.grid.get_data_parallel_world_size(), gas)
@@ -667,6 +669,9 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out["dualpipev_eval"] = eval_case(5, dual=True)
     out["dualpipev_refused"] = dualpipev_refused_case()
     out["dualpipev_compat"] = dualpipev_compat_case()
+    out["interleaved"] = {case: train_case(*case[:4], stages_per_rank=case[4]) for case in INTERLEAVED_CASES}
+    out["interleaved_eval"] = interleaved_eval_case()
+    out["interleaved_refused"] = interleaved_refused_case()
     saved = resume_case(ckpt_dir, 2, 4, save=True, zero=2, tag="pp2_dualpipev", dual=True, per_step=8)
     out["resume_dualpipev"] = {"saved": saved}  # saved by DualPipeV at PP2 x DP2, resumed by 1F1B and DualPipeV at PP4
     out["resume_dualpipev"]["pp4"] = resume_case(ckpt_dir, 4, 8, tag="pp2_dualpipev", per_step=8)
@@ -677,6 +682,36 @@ def _four_ranks(ckpt_dir: str) -> dict:
 # (stages, gas, partition, ZeRO stage, activation checkpoint interval): DualPipeV with its B/W split (ZeRO 0-2, no
 # checkpointing) at PP4 and PP2 x DP2, and without it (ZeRO-3 and activation checkpointing) at PP2 x DP2
 DUALPIPEV_CASES = [(4, 8, "uniform", 0, 0), (2, 4, "parameters", 2, 0), (2, 4, "parameters", 3, 1)]
+
+
+# (stages, gas, partition, ZeRO stage, stages per rank): interleaved 1F1B at PP4 (2 stages per rank, the tied embedding
+# and head on ranks 0 and 3) and at PP2 x DP2 (3 per rank, ZeRO-2; then the tie's two copies are on ranks 0 and 1)
+INTERLEAVED_CASES = [(4, 8, "uniform", 1, 2), (2, 4, "uniform", 2, 3)]
+
+
+def interleaved_eval_case() -> dict:
+    """eval_batch of an interleaved module at PP4 (forwards in the interleaved order), 4 micro-batches."""
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    module = PipelineModule(specs(), num_stages=4, loss_fn=cross_entropy, seed_layers=True, stages_per_rank=2)
+    engine, *_ = zeroshard.initialize(model=module, config=config(4, 1))
+    evaluation = global_batches(2, 2, seed=5)[0]
+    loss = engine.eval_batch(iter(evaluation), num_micro_batches=4).item()
+    engine.destroy()
+    return {"loss": loss}
+
+
+def interleaved_refused_case() -> list[str]:
+    """What a module of 2 stages per rank says of 6 micro-batches on 4 ranks, and of another pipeline.schedule."""
+    messages = []
+    for gas, extra in ((6, {}), (8, {"pipeline": {"schedule": "zb-h1"}})):
+        try:
+            train_case(4, gas, "uniform", 1, extra=extra, stages_per_rank=2)
+            messages.append("built")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
 
 
 def dualpipev_compat_case() -> dict:
@@ -791,6 +826,39 @@ def test_dualpipev_matches_one_process_holding_what_it_states(four, case):
     assert held == set(expected["weights"])
 
 
+@pytest.mark.parametrize("case", INTERLEAVED_CASES)
+def test_interleaved_1f1b_matches_one_process_holding_what_it_states(four, case):
+    """``stages_per_rank`` k: the model cut into k stages per rank, rank r running r, r + p, ...; interleaved 1F1B,
+    the same losses and weights as one process; each rank holds at most 2 (p - r - 1) + (k - 1) p + 1 of its
+    stages' activations (each 1/k of a 1F1B stage)."""
+    stages, gas, _, _, per_rank = case
+    expected = reference(specs(), global_batches(4 // stages, gas))
+    held = set()
+    for rank, result in enumerate(four):
+        got = result["interleaved"][case]
+        assert_like_one_process(got, expected, 1e-6 * 10, rank)
+        s = got["stage"]
+        assert got["peak"] == min(2 * (stages - s - 1) + (per_rank - 1) * stages + 1, per_rank * gas), (case, s)
+        assert len(got["parts"]) == stages * per_rank + 1
+        held |= set(got["weights"])
+    assert held == set(expected["weights"])
+
+
+def test_interleaved_1f1b_evaluates_as_one_process_and_refuses_what_it_cannot_run(four):
+    from zeroshard.pipe import PipelineModule
+
+    model = PipelineModule(specs(), num_stages=1, seed_layers=True, loss_fn=cross_entropy, partition_method="uniform")
+    evaluation = global_batches(2, 2, seed=5)[0]
+    with torch.no_grad():
+        expected = (sum(cross_entropy(model(x), y) for x, y in evaluation) / len(evaluation)).item()
+    for result in four:
+        assert abs(result["interleaved_eval"]["loss"] - expected) <= 1e-6
+        few, schedule = result["interleaved_refused"]
+        assert "interleaved 1F1B (stages_per_rank 2) needs 2 or more pipeline ranks and gradient_accumulation_steps "
+        assert "divisible by them: got 6 on 4 ranks" in few
+        assert "pipeline.schedule 'zb-h1' with a PipelineModule of stages_per_rank 2: the module chooses" in schedule
+
+
 def test_deepspeeds_dualpipev_spelling_trains_as_one_process(four):
     expected = reference(specs(), global_batches(1, 8))
     for rank, result in enumerate(four):
@@ -812,7 +880,9 @@ def test_dualpipev_evaluates_as_one_process_and_refuses_what_it_cannot_run(four)
         assert "DualPipeV needs at least 2 * 2 micro-batches (gradient_accumulation_steps) for 2" in got["refused"]
         few, schedule = result["dualpipev_refused"]
         assert "DualPipeV needs gradient_accumulation_steps >= 2 * 2 (two per pipeline rank), got 2" in few
-        assert "pipeline.schedule 'zb-h1' with a DualPipeVModule: the module's class chooses DualPipeV" in schedule
+        assert (
+            "pipeline.schedule 'zb-h1' with a DualPipeVModule: the module chooses its schedule (DualPipeV" in schedule
+        )
 
 
 def test_a_dualpipev_checkpoint_resumes_under_1f1b_and_dualpipev_at_another_stage_count(four):

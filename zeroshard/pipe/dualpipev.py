@@ -67,6 +67,9 @@ class DualPipeVSchedule(PipeSchedule):
     def owner(self, virtual_stage: int) -> int:
         return min(virtual_stage, 2 * self.stages - 1 - virtual_stage)
 
+    def phase_of(self, virtual_stage: int) -> int:
+        return 0 if virtual_stage < self.stages else 1
+
     def handoff_slot(self, slot: int) -> int:
         return slot + self.micro_batches
 

@@ -15,9 +15,9 @@ its outgoing channels, the only ones its neighbours may be waiting on; a stage t
 same way and stops too, so a failure anywhere reaches every stage of the pipeline and none waits forever. A receive
 waits no longer than the group's collectives do, and names the neighbour that stayed silent.
 Sends do not wait (the schedule relies on it, ``zeroshard.pipe.schedule``); :meth:`StageExchange.finish` waits for
-them at the end of the batch. DualPipeV's second chunk on each rank has channels of its own (an exchange with
-``phase=1``, its tags apart), its activations flowing back towards stage 0, so a rank reaches each neighbour on two
-channels per direction.
+them at the end of the batch. A rank running several chunks of the model (DualPipeV's two, interleaved 1F1B's) has an
+exchange per chunk (``Links``: its neighbours and tags), so it may reach a neighbour on several channels per
+direction.
 
 With tensor parallelism inside the stages, the T tensor-parallel ranks of a stage hold the same activations (a stage
 ends after a row-parallel layer's sum) and the same input gradients (a column-parallel layer sums them). Each then
@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
 from .. import comm
 from .messages import Announcement, announce, encode, parse
+from .schedule import PipeSchedule
 
 ACTIVATIONS, GRADIENTS = 21, 22  # point-to-point tags of the two channels
 
@@ -62,8 +64,21 @@ class StageAborted(PipelineError):
 Output = Union[torch.Tensor, tuple]
 
 
+@dataclass(frozen=True)
+class Links:
+    """Where one chunk of the model a rank runs exchanges: the pipeline stages (positions in the pipe group) running
+    the previous and the next chunk (None at the model's ends, or where that chunk runs on this rank: no exchange),
+    and the tags of each boundary: a boundary's channels are told apart by the phase of the chunk the activations
+    flow into (``PipeSchedule.phase_of``), which both of its ends know, so chunks of one rank pair never share one."""
+
+    previous: Optional[int]
+    next: Optional[int]
+    incoming: int = 0
+    outgoing: int = 0
+
+
 class StageExchange:
-    """This rank's ends of the channels to the previous and next stages of its pipe group."""
+    """This rank's ends of the channels to the previous and next stages of its pipe group (for one chunk)."""
 
     def __init__(
         self,
@@ -73,19 +88,18 @@ class StageExchange:
         device: torch.device,
         limit_bytes: int,
         slices: Optional[dict[int, comm.Group]] = None,
-        phase: int = 0,
+        links: Optional[Links] = None,
     ):
         """``slices``: per channel tag (activations, gradients), the tensor group whose ranks each send a slice of
-        the tensors on it (the module's docstring); a channel not named sends them whole. ``phase`` 1: the channels
-        of DualPipeV's second chunk of each rank (``zeroshard.pipe.dualpipev``), whose activations flow back
-        towards stage 0, on tags of their own."""
+        the tensors on it (the module's docstring); a channel not named sends them whole. ``links``: where this
+        chunk of the model exchanges (a rank running several chunks has an exchange for each); default: stage
+        ``stage`` of a line of ``stages``."""
         self.pipe, self.stage, self.device = pipe, stage, device
         self.slices = {tag: group for tag, group in (slices or {}).items() if group.size > 1}
-        order = list(pipe.ranks) if phase == 0 else list(pipe.ranks)[::-1]
-        position = order.index(pipe.ranks[stage])
-        self.previous = order[position - 1] if position > 0 else None
-        self.next = order[position + 1] if position < stages - 1 else None
-        self.tag_offset = 2 * phase
+        links = links or Links(stage - 1 if stage > 0 else None, stage + 1 if stage < stages - 1 else None)
+        self.previous = pipe.ranks[links.previous] if links.previous is not None else None
+        self.next = pipe.ranks[links.next] if links.next is not None else None
+        self.links = links
         self._in_flight: list[tuple[comm.Pending, list[torch.Tensor]]] = []  # sends and the tensors they read
         self.waited = 0.0  # seconds spent in receives so far (the pipeline's bubble, and the transfers)
         self._sent_header: Optional[list] = None  # the announcement sent last to the next stage (its fields)
@@ -163,7 +177,7 @@ class StageExchange:
             if group is not None and index >= words:
                 tensor = _slice(tensor, group)
             try:
-                pending = comm.send(tensor, peer, self.pipe, tag=tag + self.tag_offset, async_op=True)
+                pending = comm.send(tensor, peer, self.pipe, tag=self.wire_tag(tag, True), async_op=True)
             except comm.CollectiveError as err:  # the neighbour closed the channel: it stopped waiting for us
                 stage = self._stage_of(peer)
                 raise StageAborted(
@@ -173,6 +187,13 @@ class StageExchange:
                     source=peer,
                 ) from err
             self._in_flight.append((pending, [tensor]))
+
+    def wire_tag(self, tag: int, sending: bool) -> int:
+        """The point-to-point tag of ``tag``'s channel (activations or gradients) as this end sends or receives on
+        it: activations go out to the next chunk and gradients come back from it on the outgoing boundary's tags,
+        the other two on the incoming boundary's (``Links``)."""
+        outgoing = (tag == ACTIVATIONS) == sending
+        return tag + 2 * (self.links.outgoing if outgoing else self.links.incoming)
 
     def _stage_of(self, peer: int) -> int:
         return self.pipe.ranks.index(peer)
@@ -214,7 +235,7 @@ class StageExchange:
     def _receive(self, tensor: torch.Tensor, peer: int, tag: int, word: bool = False) -> torch.Tensor:
         started = time.perf_counter()
         try:
-            comm.recv(_wire(tensor), peer, self.pipe, tag=tag + self.tag_offset)
+            comm.recv(_wire(tensor), peer, self.pipe, tag=self.wire_tag(tag, False))
         except comm.CollectiveError as err:
             stage = self._stage_of(peer)
             raise PipelineError(
@@ -226,6 +247,19 @@ class StageExchange:
         if not word:
             self.exchanged = True
         return tensor
+
+
+def links_of(schedule: PipeSchedule, phase: int) -> Links:
+    """Where this rank's chunk of ``phase`` exchanges, as ``schedule`` places the chunks (``Links``)."""
+    virtual, last = schedule.virtual_stage(phase), schedule.virtual_stages() - 1
+
+    def away(neighbour: int) -> Optional[int]:  # the stage running it, unless it is off the model or on this rank
+        if not 0 <= neighbour <= last or schedule.owner(neighbour) == schedule.stage_id:
+            return None
+        return schedule.owner(neighbour)
+
+    outgoing = schedule.phase_of(virtual + 1) if virtual < last else 0
+    return Links(away(virtual - 1), away(virtual + 1), schedule.phase_of(virtual), outgoing)
 
 
 def stop_neighbours(
@@ -253,7 +287,7 @@ def stop_neighbours(
         for peer, tag, owes in ((exchange.next, ACTIVATIONS, owes_next), (exchange.previous, GRADIENTS, owes_previous)):
             if owes and peer is not None and peer != source:
                 try:
-                    posted.append(comm.send(word, peer, exchange.pipe, tag=tag + exchange.tag_offset, async_op=True))
+                    posted.append(comm.send(word, peer, exchange.pipe, tag=exchange.wire_tag(tag, True), async_op=True))
                 except comm.CollectiveError:
                     pass  # the neighbour closed the channel: it has stopped
         posted += exchange._in_flight  # the batch's sends not yet taken: never waited for, the receiver may stop

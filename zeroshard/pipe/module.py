@@ -40,7 +40,9 @@ class PipelineModule(nn.Module):
     ``partition_method``: ``parameters`` (the default), ``uniform``, ``type:<regex>`` or ``time`` (the layers'
     forward + backward seconds on ``profile_batch``, one micro-batch ``(inputs, labels)``, balanced);
     ``activation_checkpoint_interval`` layers per checkpointed block (0: none) with ``activation_checkpoint_func``
-    (torch's non-reentrant checkpoint by default), only blocks of ``checkpointable_layers`` classes when given."""
+    (torch's non-reentrant checkpoint by default), only blocks of ``checkpointable_layers`` classes when given;
+    ``stages_per_rank`` (zeroshard's) k > 1: the layers cut into k stages per rank, rank r building stages r, r + p,
+    ... and the engine running interleaved 1F1B (``zeroshard.pipe.interleaved``)."""
 
     def __init__(
         self,
@@ -57,6 +59,7 @@ class PipelineModule(nn.Module):
         checkpointable_layers: Optional[list] = None,
         dynamic_shape: bool = False,
         profile_batch: Optional[tuple] = None,
+        stages_per_rank: int = 1,
     ):
         super().__init__()
         if num_stages is None and topology is None:
@@ -92,6 +95,9 @@ class PipelineModule(nn.Module):
         self._num_layers = len(self._layer_specs)
         self._local_start, self._local_stop = 0, None
         self.profile_batch = profile_batch  # partition_method="time": the micro-batch (inputs, labels) it times
+        if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+            raise ValueError(f"stages_per_rank must be an int >= 1, got {stages_per_rank!r}")
+        self.stages_per_rank = stages_per_rank
         self._partition_layers(method=partition_method)
         self.forward_funcs: list = []
         self.fwd_map: dict = {}
@@ -128,7 +134,17 @@ class PipelineModule(nn.Module):
 
     def _partition_layers(self, method: str = "parameters") -> None:
         """Decide ``parts`` (every stage's first layer, then the number of layers) and this stage's bounds;
-        subclasses override it (diffusion-pipe's manual split) and call :meth:`_set_bounds`."""
+        subclasses override it (diffusion-pipe's manual split) and call :meth:`_set_bounds`. With
+        ``stages_per_rank`` k > 1 the layers are cut into k stages per rank (``num_stages`` becomes their count, as
+        DeepSpeed's DualPipeVModule makes it) and this rank's are :meth:`_chunk_stages`, in phase order."""
+        ranks = self.num_stages
+        if self.stages_per_rank > 1:
+            if self._num_layers < ranks * self.stages_per_rank:
+                raise ValueError(
+                    f"{type(self).__name__}: {self._num_layers} layers cannot fill the {ranks * self.stages_per_rank} "
+                    f"stages of {ranks} pipeline ranks ({self.stages_per_rank} per rank, each needs at least one layer)"
+                )
+            self.num_stages = ranks * self.stages_per_rank
         if not isinstance(method, str):
             raise TypeError(f"partition_method must be a string, got {method!r}")
         counts = self._count_layer_params() if method.lower() == "parameters" else [0] * self._num_layers
@@ -143,7 +159,17 @@ class PipelineModule(nn.Module):
             matches = [bool(pattern.search(_layer_name(spec))) for spec in self._layer_specs]
         times = self._layer_times() if method.lower() == "time" else ()
         self.parts = partition_boundaries(method, self.num_stages, counts, matches, times)
-        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+        self.phase_bounds = [(self.parts[s], self.parts[s + 1]) for s in self._chunk_stages(ranks)]
+        self._set_bounds(*self.phase_bounds[0])
+
+    def _chunk_stages(self, ranks: int) -> list[int]:
+        """The stages of the model this rank builds, in phase order, for ``ranks`` pipeline ranks: its own; with
+        ``stages_per_rank`` k, stages ``r, r + p, ..., r + (k - 1) p`` (the loop interleaved 1F1B runs)."""
+        return [phase * ranks + self.stage_id for phase in range(self.stages_per_rank)]
+
+    def _owner(self, stage: int) -> int:
+        """The pipeline rank that builds the model's stage ``stage``."""
+        return stage % (self.num_stages // self.stages_per_rank)
 
     def _layer_times(self) -> list[float]:
         """``partition_method="time"``: each layer's forward + backward seconds on ``profile_batch``
@@ -177,6 +203,29 @@ class PipelineModule(nn.Module):
         self._local_start, self._local_stop = start, stop
 
     def _build(self) -> None:
+        """Build this rank's layers: its stage's, or each of its stages' (``stages_per_rank``) in turn, their
+        forward functions kept per phase (:meth:`activate_phase`)."""
+        if self.stages_per_rank == 1:
+            self._build_stage()
+            return
+        self.phase_funcs = []
+        for start, stop in self.phase_bounds:
+            self._set_bounds(start, stop)
+            self.forward_funcs = []
+            self._build_stage()
+            self.phase_funcs.append(self.forward_funcs)
+        self.activate_phase(0)
+
+    def activate_phase(self, phase: int) -> None:
+        """Make ``forward`` run the layers of this rank's stage of ``phase`` (0 .. stages_per_rank - 1)."""
+        if isinstance(phase, bool) or not isinstance(phase, int) or not 0 <= phase < self.stages_per_rank:
+            raise ValueError(f"{type(self).__name__} has phases 0 to {self.stages_per_rank - 1}, got {phase!r}")
+        self.active_phase = phase
+        if self.stages_per_rank > 1:  # one stage: its layers are the only ones
+            self.forward_funcs = self.phase_funcs[phase]
+            self._local_start, self._local_stop = self.phase_bounds[phase]
+
+    def _build_stage(self) -> None:
         start = self._local_start or 0
         for index, spec in enumerate(self._layer_specs[start : self._local_stop], start=start):
             if self.seed_layers:
@@ -269,7 +318,8 @@ class PipelineModule(nn.Module):
     def stage_owner(self, layer_idx: int) -> int:
         if not 0 <= layer_idx < self._num_layers:
             raise ValueError(f"layer {layer_idx} is outside the {self._num_layers} layers")
-        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+        stage = next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+        return self._owner(stage)
 
     def topology(self) -> ProcessTopology:
         return self._topo
@@ -290,41 +340,17 @@ class DualPipeVModule(PipelineModule):
     and head) are one module there, whose gradients need no exchange. ``forward`` runs the active phase's layers
     (:meth:`activate_phase`); the engine activates each before running it."""
 
-    def _partition_layers(self, method: str = "parameters") -> None:
-        ranks = self.num_stages
-        if self._num_layers < 2 * ranks:
+    def __init__(self, layers, *args, **kwargs):
+        if kwargs.setdefault("stages_per_rank", 2) != 2:
             raise ValueError(
-                f"DualPipeVModule: {self._num_layers} layers cannot fill the {2 * ranks} stages of {ranks} pipeline "
-                "ranks (two per rank, each needs at least one layer)"
+                f"DualPipeVModule runs 2 stages per rank, got stages_per_rank={kwargs['stages_per_rank']!r}"
             )
-        self.num_stages = 2 * ranks
-        super()._partition_layers(method)
-        mirror = self.num_stages - 1 - self.stage_id
-        self.phase_bounds = [
-            (self.parts[self.stage_id], self.parts[self.stage_id + 1]),
-            (self.parts[mirror], self.parts[mirror + 1]),
-        ]
+        super().__init__(layers, *args, **kwargs)
 
-    def _build(self) -> None:
-        self.phase_funcs = []
-        for start, stop in self.phase_bounds:
-            self._set_bounds(start, stop)
-            self.forward_funcs = []
-            super()._build()
-            self.phase_funcs.append(self.forward_funcs)
-        self.activate_phase(0)
+    def _chunk_stages(self, ranks: int) -> list[int]:
+        return [self.stage_id, 2 * ranks - 1 - self.stage_id]
 
-    def activate_phase(self, phase: int) -> None:
-        """Make ``forward`` run the layers of ``phase`` (0: this rank's stage on the way out, 1: on the way back)."""
-        if phase not in (0, 1):
-            raise ValueError(f"DualPipeVModule has phases 0 and 1, got {phase!r}")
-        self.active_phase = phase
-        self.forward_funcs = self.phase_funcs[phase]
-        self._local_start, self._local_stop = self.phase_bounds[phase]
-
-    def stage_owner(self, layer_idx: int) -> int:
-        """The pipeline rank that builds ``layer_idx``."""
-        stage = super().stage_owner(layer_idx)
+    def _owner(self, stage: int) -> int:
         return min(stage, self.num_stages - 1 - stage)
 
 

@@ -65,6 +65,10 @@ class PipeSchedule:
         """The rank that runs ``virtual_stage``."""
         return virtual_stage
 
+    def phase_of(self, virtual_stage: int) -> int:
+        """The phase in which its rank runs ``virtual_stage``."""
+        return 0
+
     def handoff_slot(self, slot: int) -> int:
         """Where a micro-batch in ``slot`` of this rank's chunk lives in the rank's next chunk, when the model passes
         from one to the other on this rank (no exchange: DualPipeV's turn on the last rank)."""

@@ -1,6 +1,6 @@
 """What a pipeline engine accepts before it runs anything: the schedule its module and ZeRO stack allow (ZB-H1's
-split backward, DualPipeV's micro-batch count and layout) and the stage its mesh gives a rank, which must be the one
-the module was built for."""
+split backward, DualPipeV's and interleaved 1F1B's micro-batch counts and layouts) and the stage its mesh gives a
+rank, which must be the one the module was built for."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from ..pipe import DualPipeVModule, PipelineError, PipelineModule, parallel_dims
 def check_schedule(name: str, module: PipelineModule, stack, micro_batches: int, mesh: comm.Mesh) -> None:
     """A zero-bubble schedule splits each backward on autograd's graph (``zeroshard.runtime.split_backward``): a
     checkpointed region would be recomputed in both halves, and ZeRO-3's weights are gathered for one backward.
-    A ``DualPipeVModule`` runs DualPipeV (with the split where the stack allows it)."""
-    if isinstance(module, DualPipeVModule):
-        _check_dualpipev(name, micro_batches, mesh)
+    A module of several stages per rank chooses its own schedule (``_check_stages_per_rank``)."""
+    if module.stages_per_rank > 1:
+        _check_stages_per_rank(name, module, micro_batches, mesh)
         return
     if name == "zb-h1" and getattr(stack, "stage3", None) is not None:
         raise NotImplementedError(
@@ -28,21 +28,30 @@ def check_schedule(name: str, module: PipelineModule, stack, micro_batches: int,
         )
 
 
-def _check_dualpipev(name: str, micro_batches: int, mesh: comm.Mesh) -> None:
-    stages = mesh.pipe.size
+def _check_stages_per_rank(name: str, module: PipelineModule, micro_batches: int, mesh: comm.Mesh) -> None:
+    """A module of several stages per rank chooses its schedule (DualPipeV, interleaved 1F1B), which needs enough
+    micro-batches; tensor and sequence parallelism inside such stages are not built."""
+    stages, dual = mesh.pipe.size, isinstance(module, DualPipeVModule)
+    kind = "a DualPipeVModule" if dual else f"a PipelineModule of stages_per_rank {module.stages_per_rank}"
     if name != "1f1b":
         raise ValueError(
-            f"pipeline.schedule {name!r} with a DualPipeVModule: the module's class chooses DualPipeV (as in "
-            "DeepSpeed); drop pipeline.schedule, or build a PipelineModule for that schedule"
+            f"pipeline.schedule {name!r} with {kind}: the module chooses its schedule ("
+            + ("DualPipeV, as in DeepSpeed" if dual else "interleaved 1F1B")
+            + "); drop pipeline.schedule, or build a PipelineModule of one stage per rank for that schedule"
         )
-    if micro_batches < 2 * stages:
+    if dual and micro_batches < 2 * stages:
         raise ValueError(
             f"DualPipeV needs gradient_accumulation_steps >= 2 * {stages} (two per pipeline rank), got {micro_batches}"
         )
+    if not dual and (stages < 2 or micro_batches % stages):
+        raise ValueError(
+            f"interleaved 1F1B (stages_per_rank {module.stages_per_rank}) needs 2 or more pipeline ranks and "
+            f"gradient_accumulation_steps divisible by them: got {micro_batches} on {stages} ranks"
+        )
     if mesh.tensor.size > 1 or mesh.sequence.size > 1:
         raise NotImplementedError(
-            "a DualPipeVModule with tensor or sequence parallelism inside its stages is not implemented; use a "
-            "PipelineModule (1F1B) for that layout"
+            f"{kind} with tensor or sequence parallelism inside its stages is not implemented; use a "
+            "PipelineModule of one stage per rank (1F1B) for that layout"
         )
 
 

@@ -13,8 +13,9 @@ they are (scaling them again was DeepSpeed issue 8152); the gradients are reduce
 each stage at the last micro-batch, tied parameters summed over the stages holding them, and the gradient norm
 taken over all stages (``zeroshard.zero.stack``).
 
-A ``DualPipeVModule`` runs DualPipeV (``zeroshard.pipe.dualpipev``): two stages per rank, rank 0 holding the loss,
-one exchange per chunk.
+A ``DualPipeVModule`` runs DualPipeV (``zeroshard.pipe.dualpipev``: two stages per rank, rank 0 holding the loss), a
+module of ``stages_per_rank`` k > 1 interleaved 1F1B (``zeroshard.pipe.interleaved``); one exchange per stage a rank
+runs.
 
 A failure on one rank (a ``loss_fn`` raising, a data iterator running out) stops every rank with a named error: the
 failing rank tells its pipeline neighbours (they pass it on), and before the last micro-batch's backward, the one
@@ -41,8 +42,9 @@ from ..pipe import (
     StageExchange,
 )
 from ..pipe.dualpipev import DualPipeVSchedule
-from ..pipe.exchange import ACTIVATIONS, GRADIENTS, stop_neighbours
+from ..pipe.exchange import ACTIVATIONS, GRADIENTS, links_of, stop_neighbours
 from ..pipe.instructions import BATCH_END
+from ..pipe.interleaved import Interleaved1F1BSchedule
 from ..pipe.schedule import InferenceSchedule, PipeSchedule, TrainSchedule
 from ..pipe.zero_bubble import ZeroBubbleH1Schedule
 from .engine import ZeroshardEngine
@@ -71,12 +73,13 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         self.num_stages, self.stage_id = self.mesh.pipe.size, self.mesh.pipe.rank
         check_placed_as_built(module, self.mesh)
         self.micro_batches = self.batch.gradient_accumulation_steps
-        self.dual = isinstance(module, DualPipeVModule)  # DualPipeV: two chunks of the model per rank
         # the backward split in B and W (zero-bubble schedules) needs each backward's weights whole and no recomputation
         self._split_backward = (
             getattr(self.stack, "stage3", None) is None and module.activation_checkpoint_interval == 0
         )
         check_schedule(self.settings.pipeline.schedule, module, self.stack, self.micro_batches, self.mesh)
+        layout = self._train_schedule()  # where the model's stages run (any of this module's schedules says alike)
+        self._loss_stage_id = layout.owner(layout.virtual_stages() - 1)
         self.micro_batch_size = self.batch.micro_batch_size
         self.grid = PipelineGrid(self.mesh, model_axis="model" in module.topology().get_axis_names())
         self.is_pipe_parallel = self.num_stages > 1
@@ -90,8 +93,8 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         slices = {ACTIVATIONS: self.mesh.tensor} if block.pipe_partitioned else {}
         slices.update({GRADIENTS: self.mesh.tensor} if block.grad_partitioned else {})
         self.exchanges = [
-            StageExchange(channel, self.stage_id, self.num_stages, self.device, limit, slices, phase=phase)
-            for phase in range(2 if self.dual else 1)
+            StageExchange(channel, self.stage_id, self.num_stages, self.device, limit, slices, links_of(layout, phase))
+            for phase in range(layout.virtual_stages() // self.num_stages)
         ]
         self.exchange = self.exchanges[0]
         self.ties = ties  # tie key -> this rank's tie group (the stages holding the tied module), the mesh's
@@ -118,7 +121,8 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
             k for k in tied if self.ties.get(k) is not None and self.ties[k].ranks[0] != comm.get_rank()
         )
         files = tuple(module.layer_state_files())
-        chunks = (self.stage_id, 2 * self.num_stages - 1 - self.stage_id) if self.dual else ()
+        layout, phases = self._train_schedule(), module.stages_per_rank
+        chunks = tuple(layout.virtual_stage(phase) for phase in range(phases)) if phases > 1 else ()
         placement = PipelinePlacement(
             self.num_stages, tuple(module.parts), self.stage_id, tied, mirrored, files, chunks
         )
@@ -138,20 +142,28 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         return self.stage_id == self._loss_stage()
 
     def _loss_stage(self) -> int:
-        return 0 if self.dual else self.num_stages - 1
+        return self._loss_stage_id
 
     def _train_schedule(self) -> PipeSchedule:
-        if self.dual:
-            return DualPipeVSchedule(
-                self.micro_batches, self.num_stages, self.stage_id, split_backward=self._split_backward
-            )
-        kind = SCHEDULES[self.settings.pipeline.schedule]
-        return kind(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+        return self._schedule(self.micro_batches, training=True)
 
     def _inference_schedule(self, micro_batches: int) -> PipeSchedule:
-        if self.dual:
-            return DualPipeVSchedule(micro_batches, self.num_stages, self.stage_id, forward_only=True)
-        return InferenceSchedule(micro_batches=micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+        return self._schedule(micro_batches, training=False)
+
+    def _schedule(self, micro_batches: int, training: bool) -> PipeSchedule:
+        """This rank's schedule of a batch: the module's (DualPipeV, interleaved 1F1B), else ``pipeline.schedule``'s
+        (evaluation: forwards only)."""
+        module, stages, stage = self.module, self.num_stages, self.stage_id
+        if isinstance(module, DualPipeVModule):
+            split = training and self._split_backward
+            return DualPipeVSchedule(micro_batches, stages, stage, forward_only=not training, split_backward=split)
+        if module.stages_per_rank > 1:
+            chunks = module.stages_per_rank
+            return Interleaved1F1BSchedule(micro_batches, stages, stage, chunks=chunks, forward_only=not training)
+        if not training:
+            return InferenceSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage)
+        kind = SCHEDULES[self.settings.pipeline.schedule]
+        return kind(micro_batches=micro_batches, stages=stages, stage_id=stage)
 
     def _waited(self) -> float:
         """Seconds this rank has spent in pipeline receives (the bubble, and the transfers)."""

@@ -7,6 +7,7 @@ the check on paper every stage of a schedule gets before it first runs. A base c
 
 from __future__ import annotations
 
+import copy
 import types
 from typing import Iterator
 
@@ -31,6 +32,7 @@ from ..pipe.instructions import (
     SendActivation,
     SendGrad,
 )
+from ..pipe.interleaved import Interleaved1F1BSchedule
 from ..pipe.schedule import DataParallelSchedule, InferenceSchedule, PipeSchedule, TrainSchedule
 from ..pipe.simulate import ScheduleError, instructions_of, simulate
 from ..pipe.zero_bubble import ZeroBubbleH1Schedule
@@ -38,7 +40,14 @@ from ..pipe.zero_bubble import ZeroBubbleH1Schedule
 # zeroshard's schedules as defined here (a client replacing ``steps`` makes its schedule a client's)
 BUILT_IN = {
     kind: kind.steps
-    for kind in (TrainSchedule, InferenceSchedule, DataParallelSchedule, ZeroBubbleH1Schedule, DualPipeVSchedule)
+    for kind in (
+        TrainSchedule,
+        InferenceSchedule,
+        DataParallelSchedule,
+        ZeroBubbleH1Schedule,
+        DualPipeVSchedule,
+        Interleaved1F1BSchedule,
+    )
 }
 
 
@@ -54,7 +63,7 @@ class InstructionRunner:
         key = (kind, kind.steps, schedule.micro_batches, schedule.stages, torch.is_grad_enabled())
         if BUILT_IN.get(kind) is not kind.steps and key not in self._checked_schedules:
             try:
-                simulate(lambda stage: kind(schedule.micro_batches, schedule.stages, stage), schedule.stages, key[-1])
+                simulate(lambda stage: _at_stage(schedule, stage), schedule.stages, key[-1])
             except ScheduleError as error:
                 raise PipelineError(f"rank {comm.get_rank()}: {kind.__name__} cannot run: {error}") from None
             self._checked_schedules.add(key)
@@ -128,3 +137,10 @@ class InstructionRunner:
         OptimizerStep: _exec_optimizer_step,
         CommitP2P: _exec_commit_p2p,
     }
+
+
+def _at_stage(schedule: PipeSchedule, stage: int) -> PipeSchedule:
+    """``schedule`` as another stage would build it: the same arguments (a client's own too), another ``stage_id``."""
+    other = copy.copy(schedule)
+    other.stage_id, other.prev_stage, other.next_stage = stage, stage - 1, stage + 1
+    return other

@@ -93,12 +93,12 @@ def test_the_module_builds_a_stage_on_the_way_out_and_one_on_the_way_back():
     out = module(x)
     torch.testing.assert_close(out, getattr(module, "3")(getattr(module, "2")(x)))
     assert [module.stage_owner(i) for i in range(4)] == [0, 0, 0, 0]
-    with pytest.raises(ValueError, match="phases 0 and 1"):
+    with pytest.raises(ValueError, match="phases 0 to 1"):
         module.activate_phase(2)
 
 
 def test_a_module_with_fewer_layers_than_stages_is_refused():
-    with pytest.raises(ValueError, match="1 layers cannot fill the 2 stages of 1 pipeline ranks"):
+    with pytest.raises(ValueError, match=r"1 layers cannot fill the 2 stages of 1 pipeline ranks \(2 per rank"):
         DualPipeVModule([LayerSpec(nn.Linear, 4, 4)], num_stages=1)
 
 
