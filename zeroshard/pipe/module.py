@@ -64,7 +64,7 @@ class PipelineModule(nn.Module):
         super().__init__()
         if num_stages is None and topology is None:
             raise ValueError("PipelineModule needs num_stages= or topology=")
-        _check_arguments(loss_fn, activation_checkpoint_interval, checkpointable_layers)
+        _check_arguments(loss_fn, activation_checkpoint_interval, checkpointable_layers, stages_per_rank)
         self.micro_offset = 0
         self.loss_fn = loss_fn
         self.checkpointable_layers = checkpointable_layers
@@ -75,17 +75,7 @@ class PipelineModule(nn.Module):
         self.num_stages = self._topo.get_dim("pipe")
         self.stage_id = parallel_dims(self._topo).coordinate(self.global_rank, "pp")  # the mesh's pp coordinate
         self._layer_specs = list(layers)
-        for index, spec in enumerate(self._layer_specs):
-            if isinstance(spec, type):  # callable, but calling it would build a module out of the activations
-                raise TypeError(
-                    f"PipelineModule layer {index} is the class {spec.__name__}, not a layer: pass an instance "
-                    f"({spec.__name__}(...)) or LayerSpec({spec.__name__}, ...)"
-                )
-            if not (isinstance(spec, (nn.Module, LayerSpec)) or callable(spec)):
-                raise TypeError(
-                    f"PipelineModule layer {index} is {type(spec).__name__}: a layer is a torch.nn.Module, a "
-                    "LayerSpec / TiedLayerSpec or a callable without parameters"
-                )
+        _check_layers(self._layer_specs)
         _check_ties(self._layer_specs)
         if len(self._layer_specs) < self.num_stages:
             raise ValueError(
@@ -95,8 +85,6 @@ class PipelineModule(nn.Module):
         self._num_layers = len(self._layer_specs)
         self._local_start, self._local_stop = 0, None
         self.profile_batch = profile_batch  # partition_method="time": the micro-batch (inputs, labels) it times
-        if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
-            raise ValueError(f"stages_per_rank must be an int >= 1, got {stages_per_rank!r}")
         self.stages_per_rank = stages_per_rank
         self._partition_layers(method=partition_method)
         self.forward_funcs: list = []
@@ -364,7 +352,9 @@ def _layer_name(spec) -> str:
     return getattr(spec, "__name__", "")
 
 
-def _check_arguments(loss_fn, interval, checkpointable_layers) -> None:
+def _check_arguments(loss_fn, interval, checkpointable_layers, stages_per_rank) -> None:
+    if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+        raise ValueError(f"stages_per_rank must be an int >= 1, got {stages_per_rank!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (outputs, labels) -> loss, got {loss_fn!r}")
     if isinstance(interval, bool) or not isinstance(interval, int):
@@ -373,6 +363,21 @@ def _check_arguments(loss_fn, interval, checkpointable_layers) -> None:
         raise ValueError(f"activation_checkpoint_interval must be >= 0, got {interval}")
     if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
         raise TypeError(f"checkpointable_layers must be a list of class names, got {checkpointable_layers!r}")
+
+
+def _check_layers(specs: list) -> None:
+    """Each layer is a module, a spec or a callable without parameters (a class would be called on activations)."""
+    for index, spec in enumerate(specs):
+        if isinstance(spec, type):  # callable, but calling it would build a module out of the activations
+            raise TypeError(
+                f"PipelineModule layer {index} is the class {spec.__name__}, not a layer: pass an instance "
+                f"({spec.__name__}(...)) or LayerSpec({spec.__name__}, ...)"
+            )
+        if not (isinstance(spec, (nn.Module, LayerSpec)) or callable(spec)):
+            raise TypeError(
+                f"PipelineModule layer {index} is {type(spec).__name__}: a layer is a torch.nn.Module, a "
+                "LayerSpec / TiedLayerSpec or a callable without parameters"
+            )
 
 
 def _check_ties(specs: list) -> None:
