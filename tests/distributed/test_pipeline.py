@@ -672,6 +672,11 @@ def _four_ranks(ckpt_dir: str) -> dict:
     out["interleaved"] = {case: train_case(*case[:4], stages_per_rank=case[4]) for case in INTERLEAVED_CASES}
     out["interleaved_eval"] = interleaved_eval_case()
     out["interleaved_refused"] = interleaved_refused_case()
+    autotp = {"tensor_parallel": {**TENSOR_PARALLEL, "autotp_size": 2}}
+    out["chunked_tensor_parallel"] = {  # PP2 x TP2: DualPipeV and interleaved (2 stages per rank), ZeRO-1
+        "dualpipev": train_case(2, 4, "parameters", 1, extra=autotp, dual=True),
+        "interleaved": train_case(2, 4, "uniform", 1, extra=autotp, stages_per_rank=2),
+    }
     saved = resume_case(ckpt_dir, 2, 4, save=True, zero=2, tag="pp2_dualpipev", dual=True, per_step=8)
     out["resume_dualpipev"] = {"saved": saved}  # saved by DualPipeV at PP2 x DP2, resumed by 1F1B and DualPipeV at PP4
     out["resume_dualpipev"]["pp4"] = resume_case(ckpt_dir, 4, 8, tag="pp2_dualpipev", per_step=8)
@@ -857,6 +862,20 @@ def test_interleaved_1f1b_evaluates_as_one_process_and_refuses_what_it_cannot_ru
         assert "interleaved 1F1B (stages_per_rank 2) needs 2 or more pipeline ranks and gradient_accumulation_steps "
         assert "divisible by them: got 6 on 4 ranks" in few
         assert "pipeline.schedule 'zb-h1' with a PipelineModule of stages_per_rank 2: the module chooses" in schedule
+
+
+@pytest.mark.parametrize("kind, messages", [("dualpipev", 2), ("interleaved", 3)])
+def test_several_stages_per_rank_with_tensor_parallelism_match_one_process(four, kind, messages):
+    """PP2 x TP2 with DualPipeV and interleaved 1F1B: each rank's pieces and the losses equal one process's; each
+    tensor-parallel rank sends half of each activation and gradient, DualPipeV 2 and interleaved (k = 2) 3 messages
+    per micro-batch and rank (the turn on DualPipeV's last rank sends nothing)."""
+    expected = reference(specs(), global_batches(1, 4))
+    half = MICRO * SEQ * DIM * 4 // 2
+    for rank, result in enumerate(four):
+        got = result["chunked_tensor_parallel"][kind]
+        assert got["tp_rank"] == rank % 2 and got["splits"]
+        assert_like_one_process(got, expected, 1e-6, rank, held=functools.partial(as_held, got))
+        assert got["sent_between_stages"] == 4 * messages * (8 + half)
 
 
 def test_deepspeeds_dualpipev_spelling_trains_as_one_process(four):

@@ -30,7 +30,8 @@ def check_schedule(name: str, module: PipelineModule, stack, micro_batches: int,
 
 def _check_stages_per_rank(name: str, module: PipelineModule, micro_batches: int, mesh: comm.Mesh) -> None:
     """A module of several stages per rank chooses its schedule (DualPipeV, interleaved 1F1B), which needs enough
-    micro-batches; tensor and sequence parallelism inside such stages are not built."""
+    micro-batches; sequence parallelism inside such stages is not built (tensor parallelism is: each stage's
+    exchange slices what it sends as any stage's, the turn on DualPipeV's last rank passes it whole)."""
     stages, dual = mesh.pipe.size, isinstance(module, DualPipeVModule)
     kind = "a DualPipeVModule" if dual else f"a PipelineModule of stages_per_rank {module.stages_per_rank}"
     if name != "1f1b":
@@ -48,10 +49,10 @@ def _check_stages_per_rank(name: str, module: PipelineModule, micro_batches: int
             f"interleaved 1F1B (stages_per_rank {module.stages_per_rank}) needs 2 or more pipeline ranks and "
             f"gradient_accumulation_steps divisible by them: got {micro_batches} on {stages} ranks"
         )
-    if mesh.tensor.size > 1 or mesh.sequence.size > 1:
+    if mesh.sequence.size > 1:
         raise NotImplementedError(
-            f"{kind} with tensor or sequence parallelism inside its stages is not implemented; use a "
-            "PipelineModule of one stage per rank (1F1B) for that layout"
+            f"{kind} with sequence parallelism inside its stages is not implemented; use a PipelineModule of one "
+            "stage per rank (1F1B) for that layout"
         )
 
 
