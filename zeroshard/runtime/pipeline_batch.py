@@ -2,9 +2,9 @@
 backward, what was announced when they were sent, the gradients received for them) and what each instruction of a
 schedule does to them. The engine (``zeroshard.runtime.pipeline_engine``) runs a schedule's instructions through
 its ``_INSTRUCTION_MAP``, whose entries call these. An instruction's ``phase`` is the chunk of the model it runs on
-(one per rank; DualPipeV's two, ``zeroshard.pipe.dualpipev``): where the model passes between two chunks of this
-rank, a forward's output becomes the next chunk's input and a backward's input gradients the previous chunk's output
-gradients, with no exchange.
+(one per rank; DualPipeV's two, interleaved 1F1B's k; the schedule says which): where the model passes between two
+chunks of this rank, a forward's output becomes the next chunk's input and a backward's input gradients the previous
+chunk's output gradients, with no exchange.
 
 Gradients are reduced over the stage's data-parallel ranks while the batch's last backward runs (bucket by bucket,
 as any engine's); waiting for them is left to :class:`~zeroshard.pipe.instructions.ReduceGrads`, so the stage sends
@@ -98,8 +98,7 @@ class PipelineBatch:
         self.inputs[slot] = self.engine.exchanges[phase].receive_activations()[1]
 
     def forward(self, slot: int, phase: int = 0) -> None:
-        engine = self.engine
-        first, last = self._ends(phase)
+        engine, last = self.engine, self._ends(phase)[1]
         if self.chunks > 1:
             engine.module.activate_phase(phase)
         if slot not in self.inputs:
