@@ -254,9 +254,7 @@ def links_of(schedule: PipeSchedule, phase: int) -> Links:
     virtual, last = schedule.virtual_stage(phase), schedule.virtual_stages() - 1
 
     def away(neighbour: int) -> Optional[int]:  # the stage running it, unless it is off the model or on this rank
-        if not 0 <= neighbour <= last or schedule.owner(neighbour) == schedule.stage_id:
-            return None
-        return schedule.owner(neighbour)
+        return None if not 0 <= neighbour <= last or schedule.runs(neighbour) else schedule.owner(neighbour)
 
     outgoing = schedule.phase_of(virtual + 1) if virtual < last else 0
     return Links(away(virtual - 1), away(virtual + 1), schedule.phase_of(virtual), outgoing)

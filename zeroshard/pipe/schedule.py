@@ -69,6 +69,15 @@ class PipeSchedule:
         """The phase in which its rank runs ``virtual_stage``."""
         return 0
 
+    def runs(self, virtual_stage: int) -> bool:
+        """Whether this rank runs ``virtual_stage`` (one of the model's stages; False off the model's ends)."""
+        return 0 <= virtual_stage < self.virtual_stages() and self.owner(virtual_stage) == self.stage_id
+
+    def labels_slot(self, slot: int) -> int:
+        """Where ``LoadMicroBatch(slot)`` puts the labels: the same slot, or on a rank that also reads the inputs in
+        another of its stages (DualPipeV's rank 0) the micro-batch's slot in its next stage, the loss's."""
+        return self.handoff_slot(slot) if self.runs(0) and self.virtual_stages() > self.stages else slot
+
     def handoff_slot(self, slot: int) -> int:
         """Where a micro-batch in ``slot`` of this rank's chunk lives in the rank's next chunk, when the model passes
         from one to the other on this rank (no exchange: DualPipeV's turn on the last rank)."""

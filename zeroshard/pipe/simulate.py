@@ -127,8 +127,7 @@ class _StageRun:
     def __init__(self, schedule: PipeSchedule, training: bool, channels: dict):
         self.schedule, self.training, self.channels = schedule, training, channels
         self.stage, self.stages = schedule.stage_id, schedule.virtual_stages()
-        held = {schedule.virtual_stage(phase) for phase in range(self.stages // schedule.stages)}
-        self.reads_inputs, self.reads_labels = 0 in held, self.stages - 1 in held
+        self.reads_inputs, self.reads_labels = schedule.runs(0), schedule.runs(self.stages - 1)
         self.slots, self.trace = _Slots(), StageTrace()
         self.loaded = 0
         self.in_flight = 0
@@ -167,9 +166,8 @@ class _StageRun:
         micro, self.loaded = self.loaded, self.loaded + 1
         if self.reads_inputs:
             self._write(self.slots.inputs, slot, micro, "inputs")
-        if self.reads_labels:  # a rank holding both ends keeps the labels in its loss chunk's slot
-            labels = self.schedule.handoff_slot(slot) if self.reads_inputs and self.stages > 1 else slot
-            self._write(self.slots.labels, labels, micro, "labels")
+        if self.reads_labels:
+            self._write(self.slots.labels, self.schedule.labels_slot(slot), micro, "labels")
 
     def ForwardPass(self, slot: int) -> None:
         micro = self._read(self.slots.inputs, slot, "inputs")
@@ -181,7 +179,7 @@ class _StageRun:
         self._write(self.slots.outputs, slot, micro, "outputs")
         if not self.training and self.last:
             del self.slots.outputs[slot]  # the loss, kept by the engine as a result
-        elif self._local(self.virtual + 1):  # the next chunk runs here: its input, as if sent and received
+        elif self.schedule.runs(self.virtual + 1):  # the next chunk runs here: its input, as if sent and received
             handed = self.schedule.handoff_slot(slot)
             self._write(self.slots.inputs, handed, micro, "inputs")
             del self.slots.outputs[slot]
@@ -226,7 +224,7 @@ class _StageRun:
             del self.slots.output_grads[slot], self.slots.sent[slot]
         if self.first:
             del self.slots.inputs[slot]  # nothing goes back from the first stage
-        elif self._local(self.virtual - 1):  # the previous chunk runs here: its output gradients
+        elif self.schedule.runs(self.virtual - 1):  # the previous chunk runs here: its output gradients
             del self.slots.inputs[slot]
             self._write(self.slots.output_grads, self.slots.handed.pop(slot), micro, "output gradients")
         else:
@@ -262,12 +260,8 @@ class _StageRun:
     def _neighbour(self, peer: int) -> None:
         if not 0 <= peer < self.stages:
             raise ScheduleError(f"{self.where}: there is no stage {peer} to exchange with")
-        if self._local(peer):
+        if self.schedule.runs(peer):
             raise ScheduleError(f"{self.where}: stage {peer} runs on this rank; nothing is exchanged with it")
-
-    def _local(self, virtual: int) -> bool:
-        """Whether ``virtual`` is another chunk this rank runs."""
-        return 0 <= virtual < self.stages and self.schedule.owner(virtual) == self.stage
 
     def _read(self, slots: dict, slot: int, what: str) -> int:
         if slot not in slots:

@@ -38,8 +38,7 @@ class PipelineBatch:
         self.engine, self.compute_loss, self.scalar, self.schedule = engine, compute_loss, scalar, schedule
         self.micro_batches = schedule.micro_batches
         self.chunks = schedule.virtual_stages() // schedule.stages  # the model's chunks this rank runs
-        held = {schedule.virtual_stage(phase) for phase in range(self.chunks)}
-        self.reads_inputs, self.reads_labels = 0 in held, schedule.virtual_stages() - 1 in held
+        self.reads_inputs, self.reads_labels = schedule.runs(0), schedule.runs(schedule.virtual_stages() - 1)
         self.inputs: dict[int, Any] = {}
         self.labels: dict[int, Any] = {}
         self.outputs: dict[int, Any] = {}
@@ -77,9 +76,7 @@ class PipelineBatch:
 
     def _here(self, phase: int, step: int) -> bool:
         """Whether the chunk ``step`` (1: next, -1: previous) from ``phase``'s runs on this rank too."""
-        virtual = self.schedule.virtual_stage(phase) + step
-        schedule = self.schedule
-        return 0 <= virtual < schedule.virtual_stages() and schedule.owner(virtual) == schedule.stage_id
+        return self.schedule.runs(self.schedule.virtual_stage(phase) + step)
 
     def load(self, slot: int) -> None:
         engine = self.engine
@@ -90,9 +87,10 @@ class PipelineBatch:
                 lambda t: t.detach().to(engine.device) if torch.is_tensor(t) else t,
                 tuple(inputs) if isinstance(inputs, list) else inputs,
             )
-        if self.reads_labels:  # a rank holding both ends keeps them in its loss chunk's slot
-            labels_slot = self.schedule.handoff_slot(slot) if self.reads_inputs and self.chunks > 1 else slot
-            self.labels[labels_slot] = tree_map(lambda t: t.to(engine.device) if torch.is_tensor(t) else t, labels)
+        if self.reads_labels:
+            self.labels[self.schedule.labels_slot(slot)] = tree_map(
+                lambda t: t.to(engine.device) if torch.is_tensor(t) else t, labels
+            )
 
     def receive_activations(self, slot: int, phase: int = 0) -> None:
         self.inputs[slot] = self.engine.exchanges[phase].receive_activations()[1]

@@ -79,7 +79,7 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         )
         check_schedule(self.settings.pipeline.schedule, module, self.stack, self.micro_batches, self.mesh)
         layout = self._train_schedule()  # where the model's stages run (any of this module's schedules says alike)
-        self._loss_stage_id = layout.owner(layout.virtual_stages() - 1)
+        self._loss_stage = layout.owner(layout.virtual_stages() - 1)
         self.micro_batch_size = self.batch.micro_batch_size
         self.grid = PipelineGrid(self.mesh, model_axis="model" in module.topology().get_axis_names())
         self.is_pipe_parallel = self.num_stages > 1
@@ -139,10 +139,7 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
     def is_last_stage(self) -> bool:
         """Whether this rank computes the loss (and reads the labels): the last stage's, or under DualPipeV rank 0,
         whose second chunk ends the model."""
-        return self.stage_id == self._loss_stage()
-
-    def _loss_stage(self) -> int:
-        return self._loss_stage_id
+        return self.stage_id == self._loss_stage
 
     def _train_schedule(self) -> PipeSchedule:
         return self._schedule(self.micro_batches, training=True)
@@ -371,7 +368,7 @@ class PipelineEngine(InstructionRunner, ZeroshardEngine):
         if self.is_last_stage():
             result.copy_(self._average(losses, micro_batches).reshape(1))  # one element: _Run.forward checked
         if self.mesh.pipe.size > 1:
-            comm.broadcast(result, src=self.mesh.pipe.ranks[self._loss_stage()], group=self.mesh.pipe)
+            comm.broadcast(result, src=self.mesh.pipe.ranks[self._loss_stage], group=self.mesh.pipe)
         return result[0]
 
     def _average(self, values: list, micro_batches: int) -> torch.Tensor:
