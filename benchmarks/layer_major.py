@@ -174,5 +174,6 @@ def main():
                 flush=True,
             )
 
+
 if __name__ == "__main__":
     main()

@@ -46,8 +46,14 @@ VOCAB = 8192
 
 
 def config(
-    mode: str, knobs: str, nvme_path: str, block_numel: int, verify_reads: bool = False, super_offload=None,
-    clip: float = 1.0, stage: int = 3,
+    mode: str,
+    knobs: str,
+    nvme_path: str,
+    block_numel: int,
+    verify_reads: bool = False,
+    super_offload=None,
+    clip: float = 1.0,
+    stage: int = 3,
 ) -> dict:
     zero: dict = {"stage": stage}
     if stage == 3:
@@ -142,8 +148,17 @@ def worker(args) -> None:
 
 
 def launch(
-    mode: str, knobs: str, layers: int, width: int, steps: int, nvme_path: str, verify: str = "off",
-    super_offload: str = "default", clip: float = 1.0, stage: int = 3, host_link_gbps: float = 0.0,
+    mode: str,
+    knobs: str,
+    layers: int,
+    width: int,
+    steps: int,
+    nvme_path: str,
+    verify: str = "off",
+    super_offload: str = "default",
+    clip: float = 1.0,
+    stage: int = 3,
+    host_link_gbps: float = 0.0,
 ) -> dict:
     """Both ranks' results, started as a user starts them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}

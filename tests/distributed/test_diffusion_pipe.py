@@ -65,6 +65,7 @@ def loss_fn(pred, target):
 def batches(count: int, seed: int = 1) -> list[list]:
     """``count`` batches of ``GAS`` micro-batches, each ((latents, timestep), target)."""
     g = torch.Generator().manual_seed(seed)
+
     def micro_batch():
         latents, timestep = torch.randn(MICRO, DIM, generator=g), torch.rand(MICRO, 1, generator=g)
         return (latents, timestep), torch.randn(MICRO, DIM, generator=g)

@@ -167,8 +167,7 @@ def swap_hygiene_worker(swap_dir):
             ("sub_group_size", 700),
             # the step after backward: the ledger below is exact (with the step during backward, gradients handed
             # off in memory are not read back, as many as its lag allows: the second run)
-            ("offload_optimizer", {"device": "nvme", "nvme_path": swap_dir, "buffer_count": 1,
-                                   "super_offload": False}),
+            ("offload_optimizer", {"device": "nvme", "nvme_path": swap_dir, "buffer_count": 1, "super_offload": False}),
             ("offload_param", {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0, "buffer_count": 1}),
         ),
     )
@@ -260,8 +259,11 @@ BAD = [
     ({"offload_optimizer": {"device": "cpu"}, "sub_group_size": 16}, "Lamb", "sub_group_size"),
     ({"offload_optimizer": NVME}, "Adagrad", "creates its state when constructed"),
     ({"offload_optimizer": {"device": "cpu", "ratio": 1.5}}, "AdamW", "zero_optimization.offload_optimizer.ratio"),
-    ({"offload_optimizer": {"device": "cpu", "ratio": "auto", "keep_on_device_bytes": 0}}, "AdamW",
-     "keeps none of the optimizer state"),
+    (
+        {"offload_optimizer": {"device": "cpu", "ratio": "auto", "keep_on_device_bytes": 0}},
+        "AdamW",
+        "keeps none of the optimizer state",
+    ),
     # the step during backward needs an elementwise optimizer (Lamb's trust ratio reads whole parameters)
     ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "Lamb", "super_offload with Lamb"),
     (

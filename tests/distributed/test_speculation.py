@@ -146,8 +146,10 @@ def speculation_worker(names: list[str], directory: str) -> dict:
     for name in names:
         case_, expect = CASES[name]
         nan = expect == "nan"
-        dirs = {tag: os.path.join(directory, f"{len(results)}-{tag}") for tag in ("spec-commit", "spec-replay",
-                                                                               "sync-commit", "sync-replay")}
+        dirs = {
+            tag: os.path.join(directory, f"{len(results)}-{tag}")
+            for tag in ("spec-commit", "spec-replay", "sync-commit", "sync-replay")
+        }
         speculated = train(case_, True, nan, dirs, {})
         # checkpoints right after the first commit and the first replay, in both runs
         first = {}
@@ -194,8 +196,11 @@ def test_the_step_during_backward_is_the_synchronous_step_bit_for_bit(runs, name
             line = f"{stats.speculated} sub-groups speculated in {len(events)} steps, {stats.committed} committed, "
             assert f"optimizer step during backward (rank 0): {line}" in speculated["log"], speculated["log"]
         counts = speculated["io"]  # engine.disk_io() reports the same counts
-        assert (counts["speculated"], counts["committed"], counts["replayed"]) == (stats.speculated,
-                                                                                   stats.committed, stats.replayed)
+        assert (counts["speculated"], counts["committed"], counts["replayed"]) == (
+            stats.speculated,
+            stats.committed,
+            stats.replayed,
+        )
         assert counts["replay_bytes"] == stats.replay_bytes and counts["speculation_wait_s"] >= 0
         assert all(e[3] > 0 for e in events if e[2]) and all(e[3] == 0 for e in events if not e[2])
         if expect == "commit":  # clipping never clips: every step committed, nothing replayed

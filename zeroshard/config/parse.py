@@ -30,6 +30,14 @@ def parse_config(source: ConfigSource) -> ZeroshardConfig:
         raise ConfigError(format_validation_error(err)) from None
     _reject_enabled_unsupported(config)
     reject_refused(config, written=source)
+    unheeded = keys_not_acted_on(config, written=source)
+    if unheeded:
+        warnings.warn(
+            "config keys accepted but not acted on by zeroshard: "
+            + "; ".join(f"'{key}' = {value!r} ({why})" for key, value, why in unheeded),
+            UserWarning,
+            stacklevel=2,
+        )
     return config
 
 
@@ -94,6 +102,21 @@ def reject_refused(section: BaseModel, path: str = "", written: Any = None) -> N
                 if isinstance(item, BaseModel):
                     given = items[index] if isinstance(items, list) and index < len(items) else None
                     reject_refused(item, f"{key}[{index}].", given)
+
+
+def keys_not_acted_on(section: BaseModel, path: str = "", written: Any = None) -> list[tuple[str, Any, str]]:
+    """(key as the config spells it, value, why) for each key marked ``warned`` whose value is not its default."""
+    written = written if isinstance(written, dict) else {}
+    found = []
+    for name, field in type(section).model_fields.items():
+        value = getattr(section, name)
+        spelling = name if name in written else field.alias or name
+        extra = field.json_schema_extra or {}
+        if "warned" in extra and value != field.get_default(call_default_factory=True):
+            found.append((f"{path}{spelling}", value, extra["warned"]))
+        if isinstance(value, BaseModel):
+            found += keys_not_acted_on(value, f"{path}{spelling}.", written.get(spelling))
+    return found
 
 
 def load_json_or_dict(source: Union[dict, str, os.PathLike]) -> dict:

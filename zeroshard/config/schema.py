@@ -16,7 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .monitoring import CometConfig, CommsLoggerConfig, FlopsProfilerConfig, MonitorConfig, WandbConfig
 from .parallelism import ExpertParallelConfig, PipelineConfig, TensorParallelTrainingConfig
-from .section import Auto, DTypeName, Section, refused, rename_deprecated, satisfied
+from .section import Auto, DTypeName, Section, refused, rename_deprecated, satisfied, warned
 from .zero_optimization import OffloadDevice, ZeroConfig
 
 
@@ -152,37 +152,74 @@ class ElasticityConfig(Section):
         return value
 
 
-_DEEPCOMPILE = "a DeepCompile option (compiler passes for ZeRO), not implemented"
+_ZERO_PASSES = {"z1": (1, 2), "z3": (3,)}  # DeepCompile's ZeRO passes, and the stages each serves
 
 
 class CompileConfig(Section):
     """DeepSpeed's ``compile`` block. The engine compiles only when ``engine.compile()`` is called (as DeepSpeed):
-    ``backend`` and ``kwargs`` are what that call uses when it names none, and ``disable: true`` makes it a no-op."""
+    ``backend`` and ``kwargs`` are what that call uses when it names none, and ``disable: true`` makes it a no-op.
+
+    ``deepcompile: true`` (OpenRLHF's ``--ds.deepcompile``, axolotl's ``deepcompile:``) is served by what
+    ``engine.compile()`` always does: each gather unit compiled with its gathers, prefetches and reductions outside
+    (DeepCompile inserts them into one graph instead). Its ZeRO ``passes`` must name the configured stage; its tuning
+    knobs are accepted and, when not their default, named in one warning saying why they change nothing."""
 
     disable: bool = False
     backend: str = "inductor"
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    deepcompile: bool = refused(False, "DeepCompile (compiler passes for ZeRO) is not implemented")
+    deepcompile: bool = False
     autoep_non_moe: bool = refused(
         False, "compiling the parents of AutoEP layers apart is not implemented; engine.compile() compiles the module"
     )
-    # DeepCompile's options (DeepSpeed reads them only with deepcompile: true)
-    free_activation: bool = refused(False, _DEEPCOMPILE)
-    free_activation_threshold: int = refused(10 * 1024 * 1024, _DEEPCOMPILE)
-    offload_activation: bool = refused(False, _DEEPCOMPILE)
-    offload_activation_pin_memory: bool = refused(True, _DEEPCOMPILE)
-    offload_opt_states: bool = refused(False, _DEEPCOMPILE)
-    offload_parameters: bool = refused(False, _DEEPCOMPILE)
-    double_buffer: bool = refused(True, _DEEPCOMPILE)
-    symmetric_memory: bool = refused(False, _DEEPCOMPILE)
-    debug_log: bool = refused(False, _DEEPCOMPILE)
-    sync_before_reduce: bool = refused(False, _DEEPCOMPILE)
-    sync_after_reduce: bool = refused(False, _DEEPCOMPILE)
-    sync_before_allgather: bool = refused(False, _DEEPCOMPILE)
-    sync_after_allgather: bool = refused(False, _DEEPCOMPILE)
-    keep_int_input_tensors: bool = refused(True, _DEEPCOMPILE)
-    keep_all_input_tensors: bool = refused(False, _DEEPCOMPILE)
-    passes: Optional[list[str]] = refused(None, _DEEPCOMPILE)
+    free_activation: bool = warned(
+        False, "inductor frees each intermediate at its last use inside a compiled unit; to keep fewer activations "
+        "for backward, use activation checkpointing"
+    )  # fmt: skip
+    free_activation_threshold: int = warned(10 * 1024 * 1024, "see free_activation")
+    offload_activation: bool = warned(
+        False, "saved activations stay on the device; activation_checkpointing.cpu_checkpointing moves the "
+        "checkpointed inputs to the host"
+    )  # fmt: skip
+    offload_activation_pin_memory: bool = warned(True, "see offload_activation")
+    offload_opt_states: bool = warned(
+        False, "optimizer states stay where zero_optimization.offload_optimizer puts them (engine.offload_states() "
+        "moves them between steps)"
+    )  # fmt: skip
+    offload_parameters: bool = warned(False, "parameters stay where zero_optimization.offload_param puts them")
+    double_buffer: bool = warned(
+        True, "zeroshard's prefetch gathers the next unit during this one (stage3_prefetch_bucket_size; 0 turns "
+        "it off)"
+    )  # fmt: skip
+    symmetric_memory: bool = warned(False, "collectives use the process group's own buffers")
+    debug_log: bool = warned(False, "there are no graph passes to log; engine.compile() logs the regions and breaks")
+    sync_before_reduce: bool = warned(False, "zeroshard waits on a reduction where its result is read")
+    sync_after_reduce: bool = warned(False, "see sync_before_reduce")
+    sync_before_allgather: bool = warned(False, "zeroshard waits on a gather where its result is read")
+    sync_after_allgather: bool = warned(False, "see sync_before_allgather")
+    keep_int_input_tensors: bool = warned(True, "zeroshard profiles no graph on stored inputs")
+    keep_all_input_tensors: bool = warned(False, "see keep_int_input_tensors")
+    passes: Optional[list[Literal["z1", "z3", "autosp", "autotp"]]] = None
+
+    @field_validator("passes")
+    @classmethod
+    def _served_passes(cls, value: Optional[list[str]]) -> Optional[list[str]]:
+        for name, instead in (("autosp", "sequence_parallel_size"), ("autotp", "tensor_parallel.autotp_size")):
+            if value and name in value:
+                raise NotImplementedError(
+                    f"compile.passes {value}: DeepCompile's '{name}' pass (parallelizing a model while compiling "
+                    f"it) is not implemented; set {instead} instead, and engine.compile() compiles the parallel model"
+                )
+        return value
+
+    def check_stage(self, stage: int) -> None:
+        """Refuse ZeRO passes for another stage than ``stage`` (``passes: ["z3"]`` with ZeRO-1): a ``ValueError``."""
+        wrong = [p for p in self.passes or () if p in _ZERO_PASSES and stage not in _ZERO_PASSES[p]]
+        if wrong:
+            serves = {p: _ZERO_PASSES[p] for p in wrong}
+            raise ValueError(
+                f"compile.passes {wrong} serve ZeRO stages {serves}, but zero_optimization.stage is {stage}; name the "
+                "configured stage's pass (z1 for stages 1-2, z3 for stage 3) or leave passes unset"
+            )
 
 
 class DataTypesConfig(Section):
@@ -385,6 +422,11 @@ class ZeroshardConfig(Section):
     def _one_precision(self):
         if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        return self
+
+    @model_validator(mode="after")
+    def _compile_passes(self):
+        self.compile.check_stage(self.zero_optimization.stage)
         return self
 
     @model_validator(mode="after")

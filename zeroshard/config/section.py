@@ -1,6 +1,7 @@
 """What every section of the config shares: strict keys (an unknown key is an error naming it), numbers that are
 numbers, switches that are switches, one key given under two spellings refused unless equal; the markers of keys
-zeroshard parses but refuses (``refused``) or already satisfies (``satisfied``); and DeepSpeed's deprecated
+zeroshard parses but refuses (``refused``), already satisfies (``satisfied``) or accepts without acting on
+(``warned``); and DeepSpeed's deprecated
 spellings moved to their current keys (``rename_deprecated``)."""
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ def satisfied(default: Any, reason: str, **kwargs) -> Any:
     return Field(default, json_schema_extra={"satisfied": reason}, **kwargs)
 
 
+def warned(default: Any, reason: str, **kwargs) -> Any:
+    """A DeepSpeed key zeroshard accepts and does not act on (a tuning knob of a mechanism it replaces): any value but
+    ``default`` is named, with ``reason``, in the one warning ``parse_config`` gives for all such keys."""
+    return Field(default, json_schema_extra={"warned": reason}, **kwargs)
+
+
 def rename_deprecated(values: Any, old: str, new: str) -> Any:
     """Move a deprecated key to its new name, refusing a conflicting value under both names."""
     if not isinstance(values, dict) or old not in values:
@@ -98,4 +105,4 @@ def rename_deprecated(values: Any, old: str, new: str) -> Any:
     return values
 
 
-__all__ = ["ConfigError", "Section", "refused", "rename_deprecated", "satisfied"]
+__all__ = ["ConfigError", "Section", "refused", "rename_deprecated", "satisfied", "warned"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import inspect
 import time
 import weakref
 from typing import Any, Callable, Iterator, Optional
@@ -24,6 +23,7 @@ from .activation_checkpointing import CheckpointingOptions
 from .activation_checkpointing import in_effect as checkpointing_in_effect
 from .activation_fit import ActivationFit
 from .batch_check import check_same_batch
+from .compiling import CompiledRegions, compile_regions
 from .engine_api import DeepSpeedAccessors
 from .engine_export import CheckpointAndExport
 from .engine_hooks import ClientHooks
@@ -97,7 +97,7 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, ClientHooks, torc
         self.agg_train_loss: Optional[torch.Tensor] = None  # train_batch()'s last mean loss (DeepSpeed's name)
         self._activation_fit: Optional[ActivationFit] = None  # layer_major: a step measured before it runs
         self.reporting = Reporting(self.settings, module, stack, mesh, self.counters, self.batch)
-        self._compiled: Optional[Callable] = None  # the module compiled by compile(), called by forward
+        self.compiled: Optional[CompiledRegions] = None  # the regions compile() compiled in place
         self._batch_checked = mesh.tensor.size == 1  # tensor parallelism: checked at the first forward
         self._destroyed = False
         # a script that never calls destroy() still releases the engine before the process group goes
@@ -115,36 +115,28 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, ClientHooks, torc
             self._batch_checked = True
         self.reporting.count_tokens((inputs, kwargs))
         with self.reporting.forward(started), checkpointing_in_effect(self.activation_checkpointing):
-            out = (self.module if self._compiled is None else self._compiled)(*inputs, **kwargs)
+            with self._compiled_observed():
+                out = self.module(*inputs, **kwargs)
         return out
 
     def compile(
-        self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, schedule: Any = None
+        self,
+        backend: Optional[Any] = None,
+        compile_kwargs: Optional[dict] = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
     ) -> None:
-        """Compile the module with ``torch.compile`` (DeepSpeed's ``engine.compile``, which Accelerate calls when
-        ``dynamo_backend`` is set). ``backend`` and ``compile_kwargs`` default to the config's ``compile`` block;
-        ``compile.disable: true`` leaves the module uncompiled. Compiling twice is a no-op, as in DeepSpeed."""
-        if schedule is not None:
-            raise NotImplementedError("engine.compile(schedule=...): DeepCompile's pass schedules are not implemented")
-        block = self.settings.compile
-        if block.disable:
-            logger.warning("engine.compile(): the config's compile.disable is true; the module stays uncompiled")
-            return
-        if self._compiled is None:
-            if compile_kwargs is not None and not isinstance(compile_kwargs, dict):
-                raise TypeError(f"engine.compile(compile_kwargs=...) takes a dict, not {type(compile_kwargs).__name__}")
-            options = {**block.kwargs, **(compile_kwargs or {})}
-            backend = backend or block.backend
-            if not (isinstance(backend, str) or callable(backend)):
-                raise TypeError(f"engine.compile(backend={backend!r}): a backend is a name ('inductor') or a callable")
-            accepted = set(inspect.signature(torch.compile).parameters) - {"model", "backend"}
-            unknown = sorted(set(options) - accepted)
-            if unknown:
-                raise TypeError(
-                    f"engine.compile(): {unknown} are not torch.compile options (compile_kwargs / the config's "
-                    f"compile.kwargs); it takes {sorted(accepted)}"
-                )
-            self._compiled = torch.compile(self.module, backend=backend, **options)
+        """Compile each gather unit (stage 3) or repeated block (stages 0-2) in place, its hooks outside (Note
+        [per-unit compile] in ``compiling.py``): DeepSpeed's ``engine.compile``, which Accelerate calls for
+        ``dynamo_backend``. ``backend`` and ``compile_kwargs`` default to the config's ``compile`` block;
+        ``compile.disable: true`` leaves the model eager. Compiling twice is a no-op, as in DeepSpeed; compiling
+        after steps have run compiles the regions then."""
+        if self.compiled is None:
+            hooked = self.stack.stage3.hooked_modules() if self.stack.stage3 is not None else ()
+            self.compiled = compile_regions(
+                self.module, hooked, self.settings.compile, backend, compile_kwargs, schedule, compiled_autograd_enabled
+            )
+            self.reporting.compiled = self.compiled
 
     def empty_partition_cache(self) -> None:
         """Drop the idle gather and staging buffers the stack keeps for reuse (DeepSpeed's call, which OpenRLHF
@@ -163,7 +155,10 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, ClientHooks, torc
 
     @property
     def is_compiled(self) -> bool:
-        return self._compiled is not None
+        return self.compiled is not None
+
+    def _compiled_observed(self):
+        return self.compiled.observed() if self.compiled is not None else contextlib.nullcontext()
 
     def __getattr__(self, name: str):
         """What the engine does not define comes from the wrapped module (``engine.generate(...)``, custom
@@ -220,7 +215,8 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, ClientHooks, torc
         started = time.perf_counter()
         self.stack.refuse_if_offloaded("backward")
         self.stack.begin_backward(boundary, root)
-        run()
+        with self._compiled_observed():  # activation checkpointing recomputes compiled regions here
+            run()
         self.reporting.sample_memory()
         reduce_started = time.perf_counter()
         if finish:

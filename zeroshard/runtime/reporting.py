@@ -25,6 +25,7 @@ from ..config import BatchTriad
 from ..log import log_rank0
 from ..profiling import FlopsProfiler
 from ..zero import ZeroStack
+from .compiling import CompiledRegions
 from .memory import MemoryTracker, format_table
 from .monitor import Monitors
 
@@ -67,6 +68,7 @@ class Reporting:
             else None
         )
         self._profile_started: Optional[float] = None
+        self.compiled: Optional[CompiledRegions] = None  # engine.compile()'s regions, once it ran
 
     def count_tokens(self, inputs) -> None:
         """Count the forward's tokens: the first integer tensor of its inputs (token ids: batch x sequence)."""
@@ -178,6 +180,8 @@ class Reporting:
                     f"{kind} {seconds / steps:.4f}" for kind, seconds in sorted(waits.items(), key=lambda i: -i[1])
                 )
             )
+        if self.compiled is not None:
+            log_rank0(self.compiled.report())
         if self.settings.comms_logger.enabled:
             log_rank0(ledger.format())
         self._report_disk()

@@ -123,7 +123,9 @@ class ZeroParameter(AdoptedParameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        missing = _first_without_data(args)
+        # Note [hooks outside compiled graphs]: a compiled unit runs only between its gather and its free, so every
+        # parameter it reads has data; tracing the check would guard each graph on its parameters' identities
+        missing = None if torch.compiler.is_compiling() else _first_without_data(args)
         if missing is not None:
             name, shape, hint = missing
             if func in _GLOBAL_SHAPE:

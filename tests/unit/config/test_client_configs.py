@@ -110,7 +110,7 @@ def test_axolotl_compile_block_is_kept_for_engine_compile():
             {"tensor_parallel": {"partition_config": {"layer_specs": [{"patterns": ["x"], "gather_output": True}]}}},
             r"tensor_parallel.partition_config.layer_specs\[0\].gather_output",
         ),
-        ({"compile": {"deepcompile": True}}, "compile.deepcompile"),
+        ({"compile": {"autoep_non_moe": True}}, "compile.autoep_non_moe"),
     ],
 )
 def test_what_is_really_not_implemented_is_refused_by_name(block, key):

@@ -69,7 +69,7 @@ def test_no_key_inside_deepspeeds_sections_is_unknown(key):
         ("checkpoint.writer", {"type": "fast"}, "FastPersist"),
         ("bf16.bf16_master_weights_and_grads", True, "fp32 master weights"),
         ("tensor_parallel.kernel_inject", True, "inference kernels"),
-        ("compile.offload_opt_states", True, "DeepCompile"),
+        ("compile.autoep_non_moe", True, "AutoEP"),
     ],
 )
 def test_deepspeed_keys_zeroshard_lacks_are_refused_with_their_meaning(key, value, meaning):

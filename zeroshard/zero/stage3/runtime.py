@@ -12,16 +12,19 @@ replaces each such view by its position in its flat group, and backward rebuilds
 group holds then (gathering it first if it was freed). Being entered around the whole forward, these hooks
 sit below any that activation checkpointing enters inside it, so checkpointed regions still save nothing.
 
-Note [hooks outside compiled graphs]: ``engine.compile()`` compiles the whole module, and dynamo inlines module hooks
-into the graphs it captures. Followed into a gather, it would trace the collective and read a parameter that is
-still sharded (an error, not a graph). So every hook the modules and their outputs call is
-``torch.compiler.disable``: dynamo ends the graph there, the hook runs eagerly, and the code between two hooks (one
-unit's forward) is a graph of its own. The parameters it reads are gathered by then.
+Note [hooks outside compiled graphs]: dynamo would trace a hook it meets inside compiled code; followed into a gather,
+it would trace the collective and read a parameter that is still sharded (an error, not a graph). So every hook the
+modules and their outputs call is itself ``torch.compiler.disable`` (a partial of a disabled method, never a lambda
+around one, which dynamo would trace up to the call and count as a graph break). ``engine.compile()`` compiles each
+unit in place (``runtime/compiling.py``, Note [per-unit compile]): its hooks run eagerly around its compiled forward,
+which is one graph, reading parameters gathered by then; a model compiled whole still runs, its graph ending at each
+hook. ``ZeroParameter``'s data check is skipped while dynamo traces, for the same reason (``sharded_param.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -119,18 +122,15 @@ class Stage3Runtime:
         ]
         for unit in units:
             for trigger in unit.triggers:
-                self._handles.append(
-                    trigger.register_forward_pre_hook(
-                        lambda module, args, kwargs, unit=unit: self._pre_forward(unit, module, args, kwargs),
-                        with_kwargs=True,
-                    )
-                )
-                self._handles.append(
-                    trigger.register_forward_hook(
-                        lambda module, args, output, unit=unit: self._post_forward(unit, module, output),
-                        always_call=True,
-                    )
-                )
+                # partials of the disabled methods, not lambdas: Note [hooks outside compiled graphs]
+                pre, post = functools.partial(self._pre_forward, unit), functools.partial(self._post_forward, unit)
+                self._handles.append(trigger.register_forward_pre_hook(pre, with_kwargs=True))
+                self._handles.append(trigger.register_forward_hook(post, always_call=True))
+
+    def hooked_modules(self) -> list[torch.nn.Module]:
+        """The modules whose hooks gather a unit: the root and every unit's triggers (what a compiled region may
+        not hold below it: Note [hooks outside compiled graphs])."""
+        return [self.root_unit.module, *(trigger for unit in self.units for trigger in unit.triggers)]
 
     # -- gathering and freeing, with the live-parameter count ------------------------------
     def _gather(self, unit: GatherUnit, async_op: bool) -> None:
@@ -268,7 +268,7 @@ class Stage3Runtime:
             self._prefetch(self.schedule.ahead_in_forward(position))
 
     @torch.compiler.disable
-    def _post_forward(self, unit: GatherUnit, module: torch.nn.Module, output) -> Any:
+    def _post_forward(self, unit: GatherUnit, module: torch.nn.Module, args, output) -> Any:
         if self._paused:
             return output
         if self._saving is not None and self._saving_owner is module:
