@@ -15,7 +15,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..checkpoint.view import TrainingCounters
 from ..config import Resolution
-from ..log import log_rank0, logger
+from ..log import log_rank0
 from ..precision import PrecisionPolicy
 from ..zero import ZeroOptimizer, ZeroStack
 from ..zero.stage3.layer_major import Fibers
