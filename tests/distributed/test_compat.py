@@ -22,6 +22,11 @@ SCRIPTS = ROOT / "tests" / "distributed" / "scripts" / "compat"
 HAS_BITSANDBYTES = importlib.util.find_spec("bitsandbytes") is not None
 
 
+# Accelerate's DDP path, DeepSpeedPlugin at stages 2 and 3 (3 on NVMe), and its two compile routes: regional
+# (use_regional_compilation: compile_regions_deepspeed on the engine's module) and dynamo_backend (engine.compile())
+ACCELERATE_MODES = ("ddp", "ds2", "ds3", "ds3nvme", "ds3regional", "ds2compile")
+
+
 def launch(*argv, env=None) -> subprocess.CompletedProcess:
     """``zeroshard --as_deepspeed`` on 2 ranks (``argv`` starting with ``--num_gpus N``: on N); ``argv`` starting with
     ``torchrun``: torch's own launcher instead; with ``python``: one plain process."""
@@ -75,8 +80,12 @@ def launches(tmp_path_factory):
             [SCRIPTS / "hf_trainer.py", base / "hf3nvme", 3, "--nvme"],
             [SCRIPTS / "hf_trainer.py", base / "hf3nvme", 3, "--nvme", "--resume"],
         ],
+        "hf3compile": [
+            [SCRIPTS / "hf_trainer.py", base / "hf3compile", 3, "--deepcompile"],
+            [SCRIPTS / "hf_trainer.py", base / "hf3compile", 3, "--deepcompile", "--resume"],
+        ],
         "bert": [[SCRIPTS / "bert_mlm_style.py", *bert], [SCRIPTS / "bert_mlm_style.py", *bert, "--resume"]],
-        **{mode: [[SCRIPTS / "accelerate_train.py", mode, base / mode]] for mode in ("ddp", "ds2", "ds3", "ds3nvme")},
+        **{mode: [[SCRIPTS / "accelerate_train.py", mode, base / mode]] for mode in ACCELERATE_MODES},
         "pretrained": [[SCRIPTS / "hf_zero3_from_pretrained.py", base / "pretrained"]],
         "swift": [
             [SCRIPTS / "ms_swift_elastic.py", base / "swift"],
@@ -131,6 +140,20 @@ def test_hf_trainer_trains_saves_and_resumes(launches, stage):
     assert resumed["losses"] == first["losses"]  # steps 3-4 after resuming from checkpoint-2 match the full run
     again = load_file(directory / "final-resumed" / "model.safetensors")
     assert all(torch.equal(again[k], saved[k]) for k in saved)
+
+
+def test_hf_trainer_with_axolotls_deepcompile_config_trains_and_resumes(launches):
+    """axolotl's ``deepcompile: true`` (a ``compile: {deepcompile: true}`` block in the DeepSpeed config) with
+    ``torch_compile: true`` through the HF Trainer at stage 3: Accelerate calls ``engine.compile()``, each GPT2Block is
+    compiled with inductor, and the run trains and resumes its own checkpoint exactly. Inductor draws GPT-2's dropout
+    masks with its own generator, so the losses follow the eager run's within that noise, not bit for bit (the
+    exactness matrix, without dropout, is tests/distributed/test_compile.py)."""
+    first_run, resumed_run = launches["hf3compile"]
+    first, resumed, eager = result(first_run), result(resumed_run), result(launches["hf3"][0])
+    assert "2 x GPT2Block (transformer.h.0 .. transformer.h.1) compiled in place with inductor" in first_run.stdout + first_run.stderr
+    assert first["global_step"] == 4 and all(math.isfinite(loss) for loss in first["losses"])
+    assert first["losses"] == pytest.approx(eager["losses"], rel=2e-3)
+    assert resumed["global_step"] == 4 and resumed["losses"] == first["losses"]
 
 
 def test_hf_trainer_with_deepspeeds_zero_infinity_config_trains_as_without_offload(launches):
@@ -422,7 +445,7 @@ def test_accelerate_deepspeed_plugin_matches_accelerate_ddp(launches):
     """Accelerate's own loop (accumulate, clip, save_state/load_state, get_state_dict) with DeepSpeedPlugin on
     zeroshard stages 2 and 3 (and 3 with parameters and optimizer on NVMe) against Accelerate's DDP path on the same
     data."""
-    runs = {mode: result(launches[mode][0]) for mode in ("ddp", "ds2", "ds3", "ds3nvme")}
+    runs = {mode: result(launches[mode][0]) for mode in ACCELERATE_MODES}
     assert runs["ddp"]["distributed_type"] == "DistributedType.MULTI_CPU"
     # Accelerate's offload_{optimizer,param}_device: nvme with their *_nvme_path flags: ZeRO-Infinity, bit for bit
     assert runs["ds3nvme"] == runs["ds3"]
@@ -432,6 +455,23 @@ def test_accelerate_deepspeed_plugin_matches_accelerate_ddp(launches):
         assert abs(run["final"] - runs["ddp"]["final"]) <= 1e-5 * runs["ddp"]["final"]
         assert abs(run["weights_sum"] - runs["ddp"]["weights_sum"]) <= 1e-5 * abs(runs["ddp"]["weights_sum"])
         assert run["restored"] == run["final"] and run["moved"] != run["final"]  # load_state went back exactly
+
+
+def test_accelerate_compile_routes_train_as_eager(launches):
+    """Accelerate's regional compile (``use_regional_compilation``: each repeated block and leaf compiled in place
+    while they carry zeroshard's stage-3 hooks) and its ``dynamo_backend`` (``engine.compile()``: the repeated blocks)
+    with inductor: no graph break, and the eager run's losses and weights within fp32 1e-5; save_state and
+    load_state go back exactly."""
+    eager = {stage: result(launches[f"ds{stage}"][0]) for stage in (2, 3)}
+    for mode, stage, compiled in (
+        ("ds3regional", 3, ["inp", "blocks.0", "blocks.1", "out"]),
+        ("ds2compile", 2, ["blocks.0", "blocks.1"]),
+    ):
+        run = result(launches[mode][0])
+        assert run["compiled"] == compiled and run["graph_breaks"] == 0
+        for key in ("final", "moved", "weights_sum"):
+            assert abs(run[key] - eager[stage][key]) <= 1e-5 * abs(eager[stage][key]), (mode, key)
+        assert run["restored"] == run["final"]
 
 
 def no_sync_worker() -> dict:

@@ -1,5 +1,7 @@
 """An Accelerate training loop, run the same way with DeepSpeed (zeroshard, stages 2/3) and with Accelerate's own
-DDP path, to compare. `zeroshard --as_deepspeed --num_gpus 2 accelerate_train.py {ddp|ds2|ds3|ds3nvme} OUT_DIR`."""
+DDP path, to compare. `zeroshard --as_deepspeed --num_gpus 2 accelerate_train.py MODE OUT_DIR`, MODE one of ddp, ds2,
+ds3, ds3nvme, ds3regional (Accelerate's regional compile: each repeated block compiled in place, its
+use_regional_compilation), ds2compile (its dynamo_backend: engine.compile())."""
 
 import json
 import os
@@ -8,6 +10,8 @@ import sys
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DeepSpeedPlugin
+from accelerate.utils import TorchDynamoPlugin
+from torch._dynamo.utils import counters
 
 
 def data():
@@ -17,10 +21,41 @@ def data():
     return torch.utils.data.TensorDataset(x, y)
 
 
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x))
+
+
+class Net(torch.nn.Module):
+    """Two repeated blocks in a ModuleList: what Accelerate's regional compile looks for."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+        self.out = torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        x = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
 def full_loss(model, dataset) -> float:
     x, y = dataset.tensors
     with torch.no_grad():
         return F.mse_loss(model(x), y).item()
+
+
+def compiled_blocks(model) -> list[str]:
+    """The modules compiled in place (``nn.Module.compile``) inside the prepared model."""
+    inner = getattr(model, "module", model)
+    return [name for name, m in inner.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
 
 
 def main(mode: str, out_dir: str) -> None:
@@ -40,10 +75,14 @@ def main(mode: str, out_dir: str) -> None:
         )
         accelerator = Accelerator(deepspeed_plugin=plugin)
     else:
-        plugin = DeepSpeedPlugin(zero_stage=int(mode[-1]), gradient_accumulation_steps=2, zero3_save_16bit_model=True)
-        accelerator = Accelerator(deepspeed_plugin=plugin)
+        stage = int(mode[2])
+        plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=2, zero3_save_16bit_model=True)
+        dynamo = None
+        if mode.endswith("compile") or mode.endswith("regional"):
+            dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=mode.endswith("regional"))
+        accelerator = Accelerator(deepspeed_plugin=plugin, dynamo_plugin=dynamo)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dataset = data()
     loader = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=False)
@@ -79,6 +118,8 @@ def main(mode: str, out_dir: str) -> None:
                     "weights_sum": total,
                     "distributed_type": str(accelerator.distributed_type),
                     "processes": accelerator.num_processes,
+                    "compiled": compiled_blocks(model),
+                    "graph_breaks": sum(counters["graph_break"].values()),
                 }
             )
         )

@@ -1,6 +1,8 @@
 """A Hugging Face Trainer script with a DeepSpeed "auto" config; it imports only transformers and torch.
-Run unmodified with `zeroshard --as_deepspeed --num_gpus 2 hf_trainer.py OUT_DIR STAGE [--resume] [--nvme]`
-(``--nvme``: DeepSpeed's documented ZeRO-Infinity config, stage 3).
+Run unmodified with `zeroshard --as_deepspeed --num_gpus 2 hf_trainer.py OUT_DIR STAGE [--resume] [--nvme]
+[--deepcompile]` (``--nvme``: DeepSpeed's documented ZeRO-Infinity config, stage 3; ``--deepcompile``: axolotl's
+``deepcompile: true`` with ``torch_compile: true``, the compile block its check_deepcompile adds to the config and
+the Trainer's torch_compile, which Accelerate turns into ``engine.compile()``).
 
 Trains a tiny GPT-2 for 4 steps (saving at step 2), saves the model, and prints what the test checks."""
 
@@ -67,7 +69,7 @@ def infinity(nvme_path: str) -> dict:
     }
 
 
-def config(stage: int, nvme_path: str = "") -> dict:
+def config(stage: int, nvme_path: str = "", deepcompile: bool = False) -> dict:
     return {
         "train_micro_batch_size_per_gpu": "auto",
         "train_batch_size": "auto",
@@ -83,15 +85,17 @@ def config(stage: int, nvme_path: str = "") -> dict:
         },
         "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
         **(infinity(nvme_path) if nvme_path else {}),
+        **({"compile": {"deepcompile": True}} if deepcompile else {}),
     }
 
 
-def main(out_dir: str, stage: int, resume: bool, nvme: bool) -> None:
+def main(out_dir: str, stage: int, resume: bool, nvme: bool, deepcompile: bool) -> None:
     if nvme:  # ZeRO-Infinity: parameters and optimizer state in swap files under OUT_DIR/nvme
         os.makedirs(f"{out_dir}/nvme", exist_ok=True)
     args = TrainingArguments(
         output_dir=out_dir,
-        deepspeed=config(stage, f"{out_dir}/nvme" if nvme else ""),
+        deepspeed=config(stage, f"{out_dir}/nvme" if nvme else "", deepcompile),
+        torch_compile=deepcompile,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         max_steps=STEPS,
@@ -121,4 +125,4 @@ def main(out_dir: str, stage: int, resume: bool, nvme: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), "--resume" in sys.argv, "--nvme" in sys.argv)
+    main(sys.argv[1], int(sys.argv[2]), "--resume" in sys.argv, "--nvme" in sys.argv, "--deepcompile" in sys.argv)
