@@ -150,7 +150,8 @@ def test_hf_trainer_with_axolotls_deepcompile_config_trains_and_resumes(launches
     exactness matrix, without dropout, is tests/distributed/test_compile.py)."""
     first_run, resumed_run = launches["hf3compile"]
     first, resumed, eager = result(first_run), result(resumed_run), result(launches["hf3"][0])
-    assert "2 x GPT2Block (transformer.h.0 .. transformer.h.1) compiled in place with inductor" in first_run.stdout + first_run.stderr
+    log = first_run.stdout + first_run.stderr
+    assert "2 x GPT2Block (transformer.h.0 .. transformer.h.1) compiled in place with inductor" in log
     assert first["global_step"] == 4 and all(math.isfinite(loss) for loss in first["losses"])
     assert first["losses"] == pytest.approx(eager["losses"], rel=2e-3)
     assert resumed["global_step"] == 4 and resumed["losses"] == first["losses"]

@@ -24,6 +24,12 @@ outputs are joined back (:func:`gather_from_group` along the rows).
 
 Every collective goes through :mod:`zeroshard.comm.collectives`, so the ledger counts tensor-parallel bytes like
 any others. With one rank in the group each is the identity.
+
+Note [collectives in compiled code]: each function here is ``torch.compiler.disable``. Dynamo cannot trace the
+collectives (their ledger entries, async handles), and left to itself it breaks the graph somewhere inside them, once
+per Python call it meets; disabled, the graph of a compiled region ends at the call, the collective runs eagerly and
+counted, and a new graph starts after it. So a tensor-parallel layer compiles to one graph per stretch between its
+collectives, and ``engine.compile()`` names those breaks in its log.
 """
 
 from __future__ import annotations
@@ -169,16 +175,19 @@ class _GatherInGroup(torch.autograd.Function):
         return summed[ctx.group.rank], None
 
 
+@torch.compiler.disable  # Note [collectives in compiled code]
 def copy_to_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward; backward all-reduces the gradient over ``group`` (enter a tensor-parallel region)."""
     return x if group.size == 1 else _CopyToGroup.apply(x, group)
 
 
+@torch.compiler.disable  # Note [collectives in compiled code]
 def reduce_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-reduce forward; identity backward (leave a tensor-parallel region through a row-parallel layer)."""
     return x if group.size == 1 else _ReduceFromGroup.apply(x, group)
 
 
+@torch.compiler.disable  # Note [collectives in compiled code]
 def gather_from_group(x: torch.Tensor, group: Group, dim: int = -1, total: Optional[int] = None) -> torch.Tensor:
     """Every rank's ``x`` joined along ``dim`` in rank order (a vocabulary-parallel head's logits along the last
     dimension; ``total``: the joined length when the blocks differ, as :func:`scatter_to_group` cut them); backward
@@ -188,6 +197,7 @@ def gather_from_group(x: torch.Tensor, group: Group, dim: int = -1, total: Optio
     return _GatherFromGroup.apply(x, group, dim, x.shape[dim] * group.size if total is None else total)
 
 
+@torch.compiler.disable  # Note [collectives in compiled code]
 def scatter_to_group(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """This rank's block of ``x`` along ``dim`` (the same on every rank; blocks as ``torch.tensor_split`` cuts
     them): each rank of a tensor group routes its slice of the tokens they share. Backward gathers every rank's
@@ -195,12 +205,14 @@ def scatter_to_group(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tenso
     return x if group.size == 1 else _ScatterToGroup.apply(x, group, dim)
 
 
+@torch.compiler.disable  # Note [collectives in compiled code]
 def all_to_all_in_group(x: torch.Tensor, group: Group, split_dim: int, join_dim: int) -> torch.Tensor:
     """Split ``x`` along ``split_dim`` over the group's ranks and join what arrives along ``join_dim`` (Ulysses:
     sequence pieces with all heads in, the whole sequence with a slice of the heads out); backward exchanges back."""
     return x if group.size == 1 else _AllToAll.apply(x, group, split_dim, join_dim)
 
 
+@torch.compiler.disable  # Note [collectives in compiled code]
 def all_to_all_rows_in_group(
     x: torch.Tensor, group: Group, output_splits: list[int], input_splits: list[int]
 ) -> torch.Tensor:
@@ -212,6 +224,7 @@ def all_to_all_rows_in_group(
     return _AllToAllUneven.apply(x, group, list(output_splits), list(input_splits))
 
 
+@torch.compiler.disable  # Note [collectives in compiled code]
 def gather_in_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Every rank's ``x`` stacked along a new first dimension, in rank order; backward sums each slot's gradient over
     the ranks and hands this rank its slot's sum."""

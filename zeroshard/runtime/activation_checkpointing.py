@@ -150,7 +150,11 @@ def reset() -> None:
 
 
 def checkpoint(function, *args) -> Any:
-    """Run ``function(*args)`` keeping only its inputs; its activations are recomputed in backward."""
+    """Run ``function(*args)`` keeping only its inputs; its activations are recomputed in backward. Inside a compiled
+    region (``engine.compile()``) plainly, as torch's: the options' host copies, synchronizations and timings are
+    eager work (and dynamo cannot read the context variable that holds them)."""
+    if torch.compiler.is_compiling():
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
     options = _engine_options.get() or _configured or CheckpointingOptions()
     if not (options.cpu_checkpointing or options.synchronize or options.profile):
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)

@@ -15,7 +15,7 @@ from .. import comm
 from ..accelerator import get_accelerator
 from ..checkpoint.view import TrainingCounters
 from ..config import Resolution
-from ..log import log_rank0
+from ..log import log_rank0, logger
 from ..precision import PrecisionPolicy
 from ..zero import ZeroOptimizer, ZeroStack
 from ..zero.stage3.layer_major import Fibers
@@ -131,6 +131,10 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, ClientHooks, torc
         ``dynamo_backend``. ``backend`` and ``compile_kwargs`` default to the config's ``compile`` block;
         ``compile.disable: true`` leaves the model eager. Compiling twice is a no-op, as in DeepSpeed; compiling
         after steps have run compiles the regions then."""
+        checkpointing = self.activation_checkpointing
+        if checkpointing and (checkpointing.cpu_checkpointing or checkpointing.synchronize or checkpointing.profile):
+            logger.warning("engine.compile(): activation_checkpointing's cpu_checkpointing, synchronize and profile "
+                           "do not apply inside compiled regions (checkpoint() runs there as torch's)")  # fmt: skip
         if self.compiled is None:
             hooked = self.stack.stage3.hooked_modules() if self.stack.stage3 is not None else ()
             self.compiled = compile_regions(
