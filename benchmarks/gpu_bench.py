@@ -2,12 +2,15 @@
 
     python benchmarks/gpu_bench.py [--layers 20] [--width 2048] [--micro 8] [--seq 1024] [--steps 8]
     python benchmarks/gpu_bench.py --stages 2 3 --offload cpu --layers 12     # CPU offload, the step during backward
+    python benchmarks/gpu_bench.py --stages 3 --compile                       # stage 3 eager and engine.compile()
 
 Prints per stage: median step time, tokens/s, model FLOPs utilization (6 x parameters x tokens/s over
 the GPU's dense bf16 peak, ``--peak_tflops``, default H200/H100 SXM 989) and peak device memory. With ``--offload
 cpu`` each stage runs three ways: without offload, with ``offload_optimizer: cpu`` and its step during the GPU's
 backward (``super_offload`` on, zeroshard's default beside a GPU), and with the step after backward (off); the ratio
-column is each step over the same stage's without offload. Without a GPU it runs on the CPU (a smoke test).
+column is each step over the same stage's without offload. With ``--compile`` each stage runs eager and with
+``engine.compile()`` (inductor, each block compiled in place; the first steps, which compile, are not timed). Without a
+GPU it runs on the CPU (a smoke test).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from zeroshard.testing import run_distributed
 from zeroshard.testing.models import GPT, GPTConfig
 
 
-def worker(cfg: GPTConfig, stage: int, micro: int, steps: int, super_offload=None) -> dict:
-    """``super_offload``: None without offload, else ``offload_optimizer: cpu`` with this ``super_offload``."""
+def worker(cfg: GPTConfig, stage: int, micro: int, steps: int, super_offload=None, compiled: bool = False) -> dict:
+    """``super_offload``: None without offload, else ``offload_optimizer: cpu`` with this ``super_offload``;
+    ``compiled``: ``engine.compile()`` before the first step."""
     import zeroshard
     from zeroshard import comm
     from zeroshard.accelerator import get_accelerator
@@ -47,6 +51,8 @@ def worker(cfg: GPTConfig, stage: int, micro: int, steps: int, super_offload=Non
     with zeroshard.zero.Init(enabled=stage == 3):
         model = GPT(cfg)
     engine, *_ = zeroshard.initialize(model=model, config=config)
+    if compiled:
+        engine.compile()
     x = torch.randint(0, cfg.vocab_size, (micro, cfg.block_size), device=engine.device)
     times = []
     for _ in range(steps):
@@ -75,6 +81,7 @@ def main():
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--peak_tflops", type=float, default=989.0)
     parser.add_argument("--offload", choices=["none", "cpu"], default="none")
+    parser.add_argument("--compile", action="store_true", help="each stage eager and with engine.compile()")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     world = torch.cuda.device_count() if gpu else 1
@@ -82,13 +89,16 @@ def main():
     cfg = GPTConfig(vocab_size=32000, block_size=args.seq, n_layer=args.layers, n_head=16, n_embd=args.width)
     ways = {"no offload": None} if args.offload == "none" else {"no offload": None, "cpu, step during backward":
                                                                  True, "cpu, step after backward": False}  # fmt: skip
+    if args.compile:
+        ways = {"no offload": None, "no offload, compiled": None}
     print("| stage | optimizer | parameters | GPUs | step s | step / no offload | tokens/s | MFU | peak device GiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for stage in args.stages:
         base = None
         for way, super_offload in ways.items():
             r = run_distributed(
-                worker, world, cfg, stage, args.micro, args.steps, super_offload, env=env, timeout_s=600
+                worker, world, cfg, stage, args.micro, args.steps, super_offload, "compiled" in way, env=env,
+                timeout_s=600
             )[0]  # fmt: skip
             base = base or r["step_s"]
             tokens_per_s = args.micro * args.seq * r["world"] / r["step_s"]
