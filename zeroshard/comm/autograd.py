@@ -25,11 +25,7 @@ outputs are joined back (:func:`gather_from_group` along the rows).
 Every collective goes through :mod:`zeroshard.comm.collectives`, so the ledger counts tensor-parallel bytes like
 any others. With one rank in the group each is the identity.
 
-Note [collectives in compiled code]: each function here is ``torch.compiler.disable``. Dynamo cannot trace the
-collectives (their ledger entries, async handles), and left to itself it breaks the graph somewhere inside them, once
-per Python call it meets; disabled, the graph of a compiled region ends at the call, the collective runs eagerly and
-counted, and a new graph starts after it. So a tensor-parallel layer compiles to one graph per stretch between its
-collectives, and ``engine.compile()`` names those breaks in its log.
+In compiled code each is one node of the graph (Note [collectives in compiled code] in ``graph_ops.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from .collectives import all_gather, all_reduce, all_to_all, all_to_all_uneven
+from .graph_ops import all_gather_stacked, all_reduce_sum, all_to_all_rows, all_to_all_stacked
 from .groups import Group
 
 
@@ -50,17 +46,13 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        all_reduce(grad, ctx.group)
-        return grad, None
+        return all_reduce_sum(grad, ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        summed = x.contiguous().clone()
-        all_reduce(summed, group)
-        return summed
+        return all_reduce_sum(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -112,8 +104,7 @@ def _gather_along(x: torch.Tensor, group: Group, dim: int, total: int) -> torch.
         padding = list(x.shape)
         padding[dim] = sizes[0] - x.shape[dim]
         local = torch.cat([local, x.new_zeros(padding)], dim)
-    gathered = local.new_empty((group.size, *local.shape))
-    all_gather(gathered, local, group)
+    gathered = all_gather_stacked(local, group, group.size)
     if sizes[-1] == sizes[0]:
         return gathered.movedim(0, dim).flatten(dim, dim + 1)
     return torch.cat([gathered[i].narrow(dim, 0, n) for i, n in enumerate(sizes)], dim)
@@ -137,9 +128,7 @@ def _exchange(x: torch.Tensor, group: Group, split_dim: int, join_dim: int) -> t
         raise ValueError(
             f"all_to_all over {group.size} ranks: dimension {split_dim} of {list(x.shape)} does not divide evenly"
         )
-    sends = torch.stack(x.chunk(group.size, dim=split_dim))
-    received = torch.empty_like(sends)
-    all_to_all(received, sends, group)
+    received = all_to_all_stacked(torch.stack(x.chunk(group.size, dim=split_dim)), group)
     return torch.cat(received.unbind(0), dim=join_dim)
 
 
@@ -155,39 +144,30 @@ class _AllToAllUneven(torch.autograd.Function):
 
 
 def _exchange_rows(x: torch.Tensor, group: Group, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
-    received = x.new_empty((sum(output_splits), *x.shape[1:]))
-    all_to_all_uneven(received, x.contiguous(), output_splits, input_splits, group)
-    return received
+    return all_to_all_rows(x, group, output_splits, input_splits)
 
 
 class _GatherInGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
-        gathered = x.new_empty((group.size, *x.shape))
-        all_gather(gathered, x.contiguous(), group)
-        return gathered
+        return all_gather_stacked(x, group, group.size)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        summed = grad.contiguous().clone()
-        all_reduce(summed, ctx.group)
-        return summed[ctx.group.rank], None
+        return all_reduce_sum(grad, ctx.group)[ctx.group.rank], None
 
 
-@torch.compiler.disable  # Note [collectives in compiled code]
 def copy_to_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward; backward all-reduces the gradient over ``group`` (enter a tensor-parallel region)."""
     return x if group.size == 1 else _CopyToGroup.apply(x, group)
 
 
-@torch.compiler.disable  # Note [collectives in compiled code]
 def reduce_from_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-reduce forward; identity backward (leave a tensor-parallel region through a row-parallel layer)."""
     return x if group.size == 1 else _ReduceFromGroup.apply(x, group)
 
 
-@torch.compiler.disable  # Note [collectives in compiled code]
 def gather_from_group(x: torch.Tensor, group: Group, dim: int = -1, total: Optional[int] = None) -> torch.Tensor:
     """Every rank's ``x`` joined along ``dim`` in rank order (a vocabulary-parallel head's logits along the last
     dimension; ``total``: the joined length when the blocks differ, as :func:`scatter_to_group` cut them); backward
@@ -197,7 +177,6 @@ def gather_from_group(x: torch.Tensor, group: Group, dim: int = -1, total: Optio
     return _GatherFromGroup.apply(x, group, dim, x.shape[dim] * group.size if total is None else total)
 
 
-@torch.compiler.disable  # Note [collectives in compiled code]
 def scatter_to_group(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """This rank's block of ``x`` along ``dim`` (the same on every rank; blocks as ``torch.tensor_split`` cuts
     them): each rank of a tensor group routes its slice of the tokens they share. Backward gathers every rank's
@@ -205,14 +184,12 @@ def scatter_to_group(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tenso
     return x if group.size == 1 else _ScatterToGroup.apply(x, group, dim)
 
 
-@torch.compiler.disable  # Note [collectives in compiled code]
 def all_to_all_in_group(x: torch.Tensor, group: Group, split_dim: int, join_dim: int) -> torch.Tensor:
     """Split ``x`` along ``split_dim`` over the group's ranks and join what arrives along ``join_dim`` (Ulysses:
     sequence pieces with all heads in, the whole sequence with a slice of the heads out); backward exchanges back."""
     return x if group.size == 1 else _AllToAll.apply(x, group, split_dim, join_dim)
 
 
-@torch.compiler.disable  # Note [collectives in compiled code]
 def all_to_all_rows_in_group(
     x: torch.Tensor, group: Group, output_splits: list[int], input_splits: list[int]
 ) -> torch.Tensor:
@@ -224,7 +201,6 @@ def all_to_all_rows_in_group(
     return _AllToAllUneven.apply(x, group, list(output_splits), list(input_splits))
 
 
-@torch.compiler.disable  # Note [collectives in compiled code]
 def gather_in_group(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Every rank's ``x`` stacked along a new first dimension, in rank order; backward sums each slot's gradient over
     the ranks and hands this rank its slot's sum."""

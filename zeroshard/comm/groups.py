@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._opaque_base import OpaqueBase
 
 from ..accelerator import get_accelerator
 from .backend import DEFAULT_TIMEOUT, get_rank, get_world_size
@@ -16,7 +17,7 @@ from .context import DEFAULT_CONTEXT, CommContext
 
 
 @dataclass(frozen=True)
-class Group:
+class Group(OpaqueBase):  # opaque to the compiler (Note [collectives in compiled code] in graph_ops.py)
     name: str
     ranks: tuple[int, ...]
     handle: Any  # the torch ProcessGroup; None means the default (world) group
