@@ -134,6 +134,27 @@ def matrix_worker(directory: str) -> dict:
     out["interchange"] = interchange_worker(directory)
     out["shapes"] = shapes_worker()
     out["calls"] = calls_worker()
+    out["pipeline"] = {kind: pipeline_run(kind == "compiled") for kind in ("eager", "compiled")}
+    return out
+
+
+def pipeline_run(compiled: bool) -> dict:
+    """A two-stage pipeline (ZeRO-1, 2 micro-batches a step): each stage's blocks compiled."""
+    import zeroshard
+    from zeroshard.pipe import PipelineModule
+
+    from .test_pipeline import config, cross_entropy, global_batches, specs, weights_of
+
+    torch._dynamo.reset()
+    module = PipelineModule(specs(), num_stages=2, loss_fn=cross_entropy, seed_layers=True, partition_method="uniform")
+    engine, *_ = zeroshard.initialize(model=module, config=config(2, 1))
+    if compiled:
+        engine.compile(backend="aot_eager")
+    losses = [engine.train_batch(iter(batch[:2])).item() for batch in global_batches(1, 2)]
+    out = {"losses": losses, "params": weights_of(module)}
+    if compiled:
+        out.update(regions=engine.compiled.paths, graphs=engine.compiled.graphs, breaks=dict(engine.compiled.breaks))
+    engine.destroy()
     return out
 
 
@@ -272,3 +293,13 @@ def test_deepspeed_spelling_twice_and_hostile_calls(compiled):
     assert calls["breaks"] == {} and calls["graphs"] == 1
     eager = compiled[0]["stage3"]["eager"]["losses"][:2]
     assert calls["losses"] == pytest.approx(eager, rel=1e-5, abs=0)
+
+
+def test_a_pipeline_stage_compiles_its_blocks(compiled):
+    for rank in compiled:
+        eager, run = rank["pipeline"]["eager"], rank["pipeline"]["compiled"]
+        _same(run, eager)
+        assert run["breaks"] == {} and run["graphs"] == 1
+    # the layers a PipelineModule registers itself (not in a ModuleList): each stage's Blocks
+    regions = [rank["pipeline"]["compiled"]["regions"] for rank in compiled]
+    assert all(regions) and sorted(regions[0] + regions[1], key=int) == ["1", "2", "3", "4", "5", "6"]

@@ -109,7 +109,7 @@ class PipelineBatch:
         inputs = tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, self.inputs[slot])
         if not torch.is_grad_enabled():
             del self.inputs[slot]
-        with checkpointing_in_effect(engine.activation_checkpointing):
+        with checkpointing_in_effect(engine.activation_checkpointing), engine._compiled_observed():
             output = engine.module(inputs)
         if torch.is_grad_enabled():
             self.in_flight += 1

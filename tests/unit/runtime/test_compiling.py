@@ -63,3 +63,18 @@ def test_the_arguments_override_the_config_block_and_backend_in_kwargs_is_droppe
     assert backend == "aot_eager" and options == {"fullgraph": True, "dynamic": True}
     assert compile_options("inductor", None, "aot_eager", {})[0] == "inductor"
     assert callable(compile_options(torch._dynamo.testing.EagerAndRecordGraphs(), None, "inductor", {})[0])
+
+
+class _Attributes(nn.Module):
+    """Blocks registered as attributes, not in a ModuleList (as a PipelineModule registers its layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_blocks_registered_as_attributes_are_repeated_blocks():
+    assert choose_regions(_Attributes(), hooked=()) == ["first", "second"]
