@@ -22,9 +22,10 @@ SCRIPTS = ROOT / "tests" / "distributed" / "scripts" / "compat"
 HAS_BITSANDBYTES = importlib.util.find_spec("bitsandbytes") is not None
 
 
-# Accelerate's DDP path, DeepSpeedPlugin at stages 2 and 3 (3 on NVMe), and its two compile routes: regional
-# (use_regional_compilation: compile_regions_deepspeed on the engine's module) and dynamo_backend (engine.compile())
-ACCELERATE_MODES = ("ddp", "ds2", "ds3", "ds3nvme", "ds3regional", "ds2compile")
+# Accelerate's DDP path, DeepSpeedPlugin at stages 2 and 3 (3 on NVMe), and its regional compile
+# (use_regional_compilation: compile_regions_deepspeed on the engine's module); its dynamo_backend (engine.compile())
+# is the HF Trainer's torch_compile below (hf3compile)
+ACCELERATE_MODES = ("ddp", "ds2", "ds3", "ds3nvme", "ds3regional")
 
 
 def launch(*argv, env=None) -> subprocess.CompletedProcess:
@@ -458,21 +459,15 @@ def test_accelerate_deepspeed_plugin_matches_accelerate_ddp(launches):
         assert run["restored"] == run["final"] and run["moved"] != run["final"]  # load_state went back exactly
 
 
-def test_accelerate_compile_routes_train_as_eager(launches):
+def test_accelerate_regional_compile_trains_as_eager(launches):
     """Accelerate's regional compile (``use_regional_compilation``: each repeated block and leaf compiled in place
-    while they carry zeroshard's stage-3 hooks) and its ``dynamo_backend`` (``engine.compile()``: the repeated blocks)
-    with inductor: no graph break, and the eager run's losses and weights within fp32 1e-5; save_state and
-    load_state go back exactly."""
-    eager = {stage: result(launches[f"ds{stage}"][0]) for stage in (2, 3)}
-    for mode, stage, compiled in (
-        ("ds3regional", 3, ["inp", "blocks.0", "blocks.1", "out"]),
-        ("ds2compile", 2, ["blocks.0", "blocks.1"]),
-    ):
-        run = result(launches[mode][0])
-        assert run["compiled"] == compiled and run["graph_breaks"] == 0
-        for key in ("final", "moved", "weights_sum"):
-            assert abs(run[key] - eager[stage][key]) <= 1e-5 * abs(eager[stage][key]), (mode, key)
-        assert run["restored"] == run["final"]
+    while they carry zeroshard's stage-3 hooks) with inductor: no graph break, and the eager run's losses and weights
+    within fp32 1e-5; save_state and load_state go back exactly."""
+    eager, run = result(launches["ds3"][0]), result(launches["ds3regional"][0])
+    assert run["compiled"] == ["inp", "blocks.0", "blocks.1", "out"] and run["graph_breaks"] == 0
+    for key in ("final", "moved", "weights_sum"):
+        assert abs(run[key] - eager[key]) <= 1e-5 * abs(eager[key]), key
+    assert run["restored"] == run["final"]
 
 
 def no_sync_worker() -> dict:
