@@ -135,6 +135,33 @@ def matrix_worker(directory: str) -> dict:
     out["shapes"] = shapes_worker()
     out["calls"] = calls_worker()
     out["pipeline"] = {kind: pipeline_run(kind == "compiled") for kind in ("eager", "compiled")}
+    out["openrlhf"] = {kind: openrlhf_run(kind == "compiled") for kind in ("eager", "compiled")}
+    return out
+
+
+def openrlhf_run(compiled: bool) -> dict:
+    """OpenRLHF's route: its get_train_ds_config (stage 3, bf16, ``--ds.deepcompile``) through ``deepspeed.initialize``,
+    then ``engine.compile()`` with no arguments (inductor), as its strategy calls it."""
+    import zeroshard
+
+    from ..unit.config.test_client_configs import OPENRLHF
+
+    zeroshard.install_as_deepspeed()
+    import deepspeed
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = {**OPENRLHF, "compile": {"deepcompile": True}, "train_micro_batch_size_per_gpu": MICRO,
+              "train_batch_size": 2 * MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=_gpt(), config=config)
+    if compiled:
+        engine.compile()
+    losses = [_step(engine, *batch) for batch in _batches(3)]
+    out = {"losses": losses, "regions": engine.compiled.paths if compiled else []}
+    out["deepcompile"] = (engine.is_deepcompile_enabled(), engine.is_deepcompile_active())
+    if compiled:
+        out.update(graphs=engine.compiled.graphs, breaks=dict(engine.compiled.breaks))
+    engine.destroy()
     return out
 
 
@@ -303,3 +330,12 @@ def test_a_pipeline_stage_compiles_its_blocks(compiled):
     # the layers a PipelineModule registers itself (not in a ModuleList): each stage's Blocks
     regions = [rank["pipeline"]["compiled"]["regions"] for rank in compiled]
     assert all(regions) and sorted(regions[0] + regions[1], key=int) == ["1", "2", "3", "4", "5", "6"]
+
+
+def test_openrlhfs_deepcompile_route_trains(compiled):
+    for rank in compiled:
+        eager, run = rank["openrlhf"]["eager"], rank["openrlhf"]["compiled"]
+        assert run["regions"] == ["blocks.0", "blocks.1"] and run["breaks"] == {} and run["graphs"] == 1
+        assert eager["deepcompile"] == (True, False) and run["deepcompile"] == (True, True)
+        # bf16: inductor rounds inside its fused kernels where eager rounds after each operation
+        assert run["losses"] == pytest.approx(eager["losses"], rel=1e-2)

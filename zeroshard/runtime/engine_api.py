@@ -180,6 +180,16 @@ class DeepSpeedAccessors:
         """Ranks of a tensor-parallel group (1: none), as ``tensor_parallel.autotp_size`` or ``tp_model_init`` set."""
         return self.mesh.tensor.size
 
+    def is_deepcompile_enabled(self) -> bool:
+        """The config's ``compile.deepcompile`` (DeepSpeed's call)."""
+        return self.settings.compile.deepcompile
+
+    def is_deepcompile_active(self) -> bool:
+        """Whether ``engine.compile()`` ran with ``compile.deepcompile`` set: the units compiled with zeroshard's
+        gathers, prefetches and reductions between them (what DeepCompile's passes do; clients check it after
+        compiling)."""
+        return self.settings.compile.deepcompile and self.compiled is not None
+
     def memory_breakdown(self) -> dict[str, list[dict[str, int]]]:
         """Model-state bytes by category (parameters, gradients, optimizer state, communication buffers,
         gathered units; and per location) at start and at the largest sample, for every rank: a collective.
