@@ -131,6 +131,7 @@ def _local(group: Group) -> bool:
     return group.size == 1 or group.context.local_only()
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False) -> Pending:
     if _local(group):
         return _skip("all_reduce", group)
@@ -184,6 +185,7 @@ def reduce_scatter_scratch_numel(group: Group, numel: int) -> int:
     return numel // group.size * (group.size - 1)
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -241,6 +243,7 @@ def reduce_scatter(
     )
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False) -> Pending:
     """Concatenate every rank's ``input`` into ``output`` (group.size x input.numel()); ``input`` may be this
     rank's chunk of ``output`` itself."""
@@ -274,6 +277,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     )
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = False) -> Pending:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
     if _local(group):
@@ -288,6 +292,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, async_op: bool = Fal
     )
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def reduce(tensor: torch.Tensor, dst: int, group: Group, op: str = "sum", async_op: bool = False) -> Pending:
     """Reduce ``tensor`` of every rank of the group into global rank ``dst``'s (the others' are left undefined)."""
     if _local(group):
@@ -303,6 +308,7 @@ def reduce(tensor: torch.Tensor, dst: int, group: Group, op: str = "sum", async_
     )
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False) -> Pending:
     """Equal chunks of dim 0: chunk j of ``input`` goes to the group's j-th rank, which stores it as its chunk i."""
     if _local(group):
@@ -319,6 +325,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     )
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def all_to_all_uneven(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -347,6 +354,7 @@ def all_to_all_uneven(
     )
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]], dst: int, group: Group) -> Pending:
     """Every rank's ``tensor`` into ``gather_list`` on global rank ``dst`` (``None`` elsewhere)."""
     if _local(group):
@@ -363,6 +371,7 @@ def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]], dst:
     )
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def scatter(tensor: torch.Tensor, scatter_list: Optional[list[torch.Tensor]], src: int, group: Group) -> Pending:
     """Global rank ``src``'s ``scatter_list[i]`` into the ``tensor`` of the group's i-th rank."""
     if _local(group):
@@ -379,11 +388,13 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[list[torch.Tensor]], sr
     )
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0, async_op: bool = False) -> Pending:
     """Point to point, to global rank ``dst``."""
     return _issue("send", group, tensor, 1.0, lambda: dist.isend(tensor, dst, group=group.handle, tag=tag), async_op)
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0, async_op: bool = False) -> Pending:
     """Point to point, from global rank ``src``; it waits no longer than the group's collectives do (a backend's
     receive alone would wait for ever on a sender stuck elsewhere), and its error names ``src``."""
@@ -396,6 +407,7 @@ def recv(tensor: torch.Tensor, src: int, group: Group, tag: int = 0, async_op: b
     return pending
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def post_send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0, wait_s: float = 30.0) -> bool:
     """A send its receiver may never take (the word that a pipeline stage stopped, to a neighbour that may have
     stopped too): waited for at most ``wait_s`` seconds; False when it was not taken by then, or could not be posted
@@ -411,6 +423,7 @@ def post_send(tensor: torch.Tensor, dst: int, group: Group, tag: int = 0, wait_s
     return True
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def barrier(group: Group) -> None:
     if not _local(group):
         entry = group.context.record("barrier", group.name, 0, 0.0, (), "")

@@ -25,6 +25,7 @@ _TAG_REDUCE_SCATTER = 3  # the point-to-point tags of zeroshard.comm.collectives
 _TAG_ALL_GATHER = 4
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def compressed_reduce_scatter(
     input: torch.Tensor,
     error: Optional[torch.Tensor],
@@ -71,6 +72,7 @@ def compressed_reduce_scatter(
     )
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def compressed_all_gather(
     output: torch.Tensor,
     error: Optional[torch.Tensor],
@@ -124,6 +126,7 @@ def all_reduce_error_numels(numel: int, group_size: int) -> tuple[int, int]:
     return (group_size - 1) * chunk, chunk
 
 
+@torch.compiler.disable  # Note [collectives in compiled code] (graph_ops.py)
 def compressed_all_reduce(
     tensor: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, group: Group
 ) -> None:

@@ -6,7 +6,9 @@ opaque reference object to the compiler: a graph input it never traces into, gua
 a collective is one node of the graph; its fake implementation gives the output's shape, and when the graph runs it
 is the same counted collective an eager call makes. The differentiable functions of ``autograd.py`` call these in
 their forward and backward, so one implementation serves eager and compiled code, and a tensor-parallel layer
-compiles to one graph.
+compiles to one graph. Every other collective (``collectives.py``, ``compressed.py``) is ``torch.compiler.disable``:
+called from compiled code (a mixture-of-experts router's count exchange) it ends the graph there, by name, and runs
+eagerly; dynamo never traces into one (where it could rewrite the torch call into the graph past the ledger).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ register_opaque_type(
     Group,
     typ="reference",
     guard_fn=lambda group: [group.name, group.ranks],
-    members={"size": MemberType.USE_REAL, "rank": MemberType.USE_REAL, "name": MemberType.USE_REAL},
+    members={name: MemberType.USE_REAL for name in ("size", "rank", "name", "ranks", "handle", "context", "partition")},
 )
 
 
