@@ -239,11 +239,27 @@ def calls_worker() -> dict:
     import zeroshard
 
     zeroshard.install_as_deepspeed()
+    import logging
+
     import deepspeed
 
+    from zeroshard.log import logger
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    lines, level = Lines(), logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    engine, *_ = deepspeed.initialize(model=_gpt(), config=_config({"stage": 3}, {"compile": {"deepcompile": True}}))
+    config = _config({"stage": 3}, {"compile": {"deepcompile": True}, "steps_per_print": 2})
+    engine, *_ = deepspeed.initialize(model=_gpt(), config=config)
     errors = {}
     for name, call in {
         "unknown_backend": lambda: engine.compile(backend="no_such_backend"),
@@ -268,8 +284,11 @@ def calls_worker() -> dict:
         "losses": losses,
         "graphs": engine.compiled.graphs,
         "breaks": dict(engine.compiled.breaks),
+        "log": [line for line in lines.lines if "compile" in line],
     }
     engine.destroy()
+    logger.removeHandler(lines)
+    logger.setLevel(level)
     return out
 
 
@@ -336,6 +355,10 @@ def test_deepspeed_spelling_twice_and_hostile_calls(compiled):
     assert errors["schedule"][0] == "NotImplementedError" and "schedule" in errors["schedule"][1]
     assert calls["uncompiled_after_errors"] and calls["same_regions"]
     assert calls["breaks"] == {} and calls["graphs"] == 1
+    log = "\n".join(calls["log"])  # rank 0's: what was compiled, and the step report's count
+    assert "compile.deepcompile: each gather unit is compiled with its gathers" in log
+    assert "engine.compile(): 2 x Block (blocks.0 .. blocks.1) compiled in place with aot_eager" in log
+    assert "compiled: 2 regions, 1 graphs (1 since the last report), 0 graph breaks" in log
     eager = compiled[0]["stage3"]["eager"]["losses"][:2]
     assert calls["losses"] == pytest.approx(eager, rel=1e-5, abs=0)
 
