@@ -147,6 +147,47 @@ def matrix_worker(directory: str) -> dict:
     out["calls"] = calls_worker()
     out["pipeline"] = {kind: pipeline_run(kind == "compiled") for kind in ("eager", "compiled")}
     out["openrlhf"] = {kind: openrlhf_run(kind == "compiled") for kind in ("eager", "compiled")}
+    out["sequence_parallel"] = sequence_parallel_runs()  # last: it registers its attention with transformers
+    return out
+
+
+def sequence_parallel_runs() -> dict:
+    """Ulysses (sequence parallelism 2, stage 3) on a tiny Llama fed by DeepSpeed's loader adapter, eager and compiled:
+    its all-to-all exchanges are graph operators like tensor parallelism's."""
+    import zeroshard
+    from zeroshard.sequence_parallel import UlyssesSPDataLoaderAdapter, register_with_transformers, token_weighted_loss
+
+    from .test_sequence_parallel import SP_SEQ, _variant_config, sp_model, sp_samples
+
+    ids, labels = sp_samples(1)
+    samples = [
+        {"input_ids": i, "labels": t, "position_ids": torch.arange(SP_SEQ)[None]} for i, t in zip(ids[0], labels[0])
+    ]
+    mpu = register_with_transformers(sp_model(), "sdpa", 2, micro_batch_size=1)
+    out = {}
+    for kind in ("eager", "compiled"):
+        torch._dynamo.reset()
+        engine, *_ = zeroshard.initialize(model=sp_model(), config=_variant_config(3, "fp32"), mpu=mpu)
+        if kind == "compiled":
+            engine.compile(backend="aot_eager")
+        loader = UlyssesSPDataLoaderAdapter(
+            torch.utils.data.DataLoader(samples, batch_size=None), mpu.sequence.rank, mpu.sequence, 2, "cpu"
+        )
+        losses = []
+        for batch in loader:
+            shift = batch["shift_labels"]
+            output = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=shift,
+                            shift_labels=shift)  # fmt: skip
+            loss = token_weighted_loss(output.loss, shift, mpu.sequence)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        params = {k: v.clone() for k, v in engine.consolidated_state_dict(rank0_only=False).items()}
+        ledger = {f"{op}/{g}": (t.calls, t.bytes) for (op, g), t in engine.comm_ledger.summary().items()}
+        out[kind] = {"losses": losses, "params": params, "ledger": ledger}
+        if kind == "compiled":
+            out[kind].update(graphs=engine.compiled.graphs, breaks=dict(engine.compiled.breaks))
+        engine.destroy()
     return out
 
 
@@ -380,3 +421,10 @@ def test_openrlhfs_deepcompile_route_trains(compiled):
         assert eager["deepcompile"] == (True, False) and run["deepcompile"] == (True, True)
         # bf16: inductor rounds inside its fused kernels where eager rounds after each operation
         assert run["losses"] == pytest.approx(eager["losses"], rel=1e-2)
+
+
+def test_sequence_parallelism_compiles_with_its_exchanges_in_the_graph(compiled):
+    for rank in compiled:
+        eager, run = rank["sequence_parallel"]["eager"], rank["sequence_parallel"]["compiled"]
+        _same(run, eager)
+        assert run["ledger"] == eager["ledger"] and run["breaks"] == {} and run["graphs"] <= 2

@@ -210,7 +210,12 @@ class UlyssesAttention:
                 "whole sequence); UlyssesSPDataLoaderAdapter puts them in the batch"
             )
         expected = self.group.rank * local + torch.arange(local, device=position_ids.device)
-        if not torch.equal(position_ids.reshape(-1, local), expected.expand(position_ids.numel() // local, local)):
+        same = (position_ids.reshape(-1, local) == expected.expand(position_ids.numel() // local, local)).all()
+        if torch.compiler.is_compiling():  # in the graph, not a break: a data-dependent branch would end it here
+            torch._assert_async(same, "Ulysses attention: position_ids are not this rank's tokens' places in the "
+                                "sequence (packed samples are not supported; give one sequence per row)")  # fmt: skip
+            return
+        if not bool(same):
             raise ValueError(
                 f"Ulysses attention: rank {self.group.rank} of the sequence-parallel group got position_ids that are "
                 f"not {self.group.rank * local}..{(self.group.rank + 1) * local - 1} (its tokens' places in the "
