@@ -31,24 +31,11 @@ from ..zero.stage3.units import repeated_block_classes, runs
 Backend = Union[str, Callable]
 
 
-def repeated_children(root: nn.Module) -> frozenset[str]:
-    """The classes of modules that hold modules, run, and are at least two children of one module: the blocks of a
-    ``ModuleList`` (``repeated_block_classes``) or of a module that registers them itself (a ``PipelineModule``'s
-    layers, ``self.layer1``/``self.layer2``); the outermost such classes."""
-    repeated: set[str] = set()
-    for module in root.modules():
-        names = [type(m).__name__ for m in module.children() if runs(m) and next(m.children(), None) is not None]
-        repeated.update(name for name in names if names.count(name) > 1)
-    nested = {type(inner).__name__ for outer in root.modules() if type(outer).__name__ in repeated
-              for inner in outer.modules() if inner is not outer}  # fmt: skip
-    return frozenset(repeated - nested) | repeated_block_classes(root)
-
-
 def choose_regions(root: nn.Module, hooked: Collection[nn.Module]) -> list[str]:
     """Paths of the modules to compile in place, pre-order: the outermost repeated blocks and ``hooked`` modules
     (those that gather a unit) that hold no ``hooked`` module below them; when there are none, the root itself if it
     holds none (a model without repeated blocks at stages 0-2, or one gather unit). Pure: no compiling."""
-    blocks = repeated_children(root)
+    blocks = repeated_block_classes(root, any_parent=True)  # a PipelineModule's layers too
     hooked_ids = {id(m) for m in hooked}
     paths = dict(root.named_modules(remove_duplicate=False))
     holders = {  # every module with a hooked module strictly below it

@@ -69,14 +69,17 @@ def granularity_leaf_paths(root: nn.Module, threshold: int) -> list[str]:
     return chosen
 
 
-def repeated_block_classes(root: nn.Module) -> frozenset[str]:
+def repeated_block_classes(root: nn.Module, any_parent: bool = False) -> frozenset[str]:
     """The classes of the model's repeated blocks: modules that hold modules of their own, run, and appear at least
-    twice in one ``ModuleList`` or ``Sequential`` (HF's ``GPT2Block``, ``LlamaDecoderLayer``, our ``Block``).
+    twice in one ``ModuleList`` or ``Sequential`` (HF's ``GPT2Block``, ``LlamaDecoderLayer``, our ``Block``); with
+    ``any_parent``, twice among the children of any module (a ``PipelineModule`` registers its layers itself).
     Only the outermost such classes: experts repeated inside a repeated decoder layer stay in their layer."""
     repeated: set[str] = set()
     for module in root.modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            names = [type(m).__name__ for m in module if runs(m) and next(m.children(), None) is not None]
+        container = isinstance(module, (nn.ModuleList, nn.Sequential))  # iterated: one block listed twice counts twice
+        if any_parent or container:
+            held = module if container else module.children()
+            names = [type(m).__name__ for m in held if runs(m) and next(m.children(), None) is not None]
             repeated.update(name for name in names if names.count(name) > 1)
 
     nested = {
