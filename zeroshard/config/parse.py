@@ -8,7 +8,7 @@ import os
 import typing
 import warnings
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Iterator, Union
 
 from pydantic import BaseModel, ValidationError
 
@@ -80,43 +80,43 @@ def _is_typo(key: str, known: str) -> bool:
     return row[-1] <= budget
 
 
-def reject_refused(section: BaseModel, path: str = "", written: Any = None) -> None:
-    """Refuse, naming the key as the config spells it (``written``: the dict the section was read from), any value
-    but the default of a key zeroshard parses but does not implement."""
+def marked_fields(section: BaseModel, path: str = "", written: Any = None) -> Iterator[tuple[str, Any, Any, dict]]:
+    """(key as the config spells it, value, default, schema marks) of every field of ``section`` and the sections
+    inside it (``written``: the dict it was read from; a key it does not hold gets DeepSpeed's name)."""
     written = written if isinstance(written, dict) else {}
     for name, field in type(section).model_fields.items():
         value = getattr(section, name)
-        spelling = name if name in written else field.alias or name  # an unwritten key: DeepSpeed's name
+        spelling = name if name in written else field.alias or name
         key = f"{path}{spelling}"
-        extra = field.json_schema_extra or {}
-        if "refused" in extra and value not in (field.get_default(call_default_factory=True), "auto"):
-            raise NotImplementedError(
-                f"config key '{key}' = {value!r} is not implemented by zeroshard ({extra['refused']}); remove the "
-                f"key or set it to {field.get_default(call_default_factory=True)!r}"
-            )
+        yield key, value, field.get_default(call_default_factory=True), field.json_schema_extra or {}
         if isinstance(value, BaseModel):
-            reject_refused(value, f"{key}.", written.get(spelling))
+            yield from marked_fields(value, f"{key}.", written.get(spelling))
         elif isinstance(value, list):
             items = written.get(spelling)
             for index, item in enumerate(value):
                 if isinstance(item, BaseModel):
                     given = items[index] if isinstance(items, list) and index < len(items) else None
-                    reject_refused(item, f"{key}[{index}].", given)
+                    yield from marked_fields(item, f"{key}[{index}].", given)
 
 
-def keys_not_acted_on(section: BaseModel, path: str = "", written: Any = None) -> list[tuple[str, Any, str]]:
+def reject_refused(section: BaseModel, written: Any = None) -> None:
+    """Refuse, naming the key as the config spells it, any value but the default of a key zeroshard parses but does
+    not implement."""
+    for key, value, default, marks in marked_fields(section, written=written):
+        if "refused" in marks and value not in (default, "auto"):
+            raise NotImplementedError(
+                f"config key '{key}' = {value!r} is not implemented by zeroshard ({marks['refused']}); remove the "
+                f"key or set it to {default!r}"
+            )
+
+
+def keys_not_acted_on(section: BaseModel, written: Any = None) -> list[tuple[str, Any, str]]:
     """(key as the config spells it, value, why) for each key marked ``warned`` whose value is not its default."""
-    written = written if isinstance(written, dict) else {}
-    found = []
-    for name, field in type(section).model_fields.items():
-        value = getattr(section, name)
-        spelling = name if name in written else field.alias or name
-        extra = field.json_schema_extra or {}
-        if "warned" in extra and value != field.get_default(call_default_factory=True):
-            found.append((f"{path}{spelling}", value, extra["warned"]))
-        if isinstance(value, BaseModel):
-            found += keys_not_acted_on(value, f"{path}{spelling}.", written.get(spelling))
-    return found
+    return [
+        (key, value, marks["warned"])
+        for key, value, default, marks in marked_fields(section, written=written)
+        if "warned" in marks and value != default
+    ]
 
 
 def load_json_or_dict(source: Union[dict, str, os.PathLike]) -> dict:
