@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import batches, engine_step, limit_system, zeroshard_system  # noqa: E402
+from step_time import batches, engine_step, limit_system, torch_step, zeroshard_system  # noqa: E402
 
 from zeroshard.testing import run_distributed  # noqa: E402
 from zeroshard.testing.models import GPT, GPTConfig  # noqa: E402
@@ -42,16 +42,7 @@ def compiled_limit_system(cfg, lr):
     model = GPT(cfg)
     for block in model.blocks:
         block.compile(backend="inductor")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-
-    def step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+    return torch_step(model, torch.optim.AdamW(model.parameters(), lr=lr, fused=True))
 
 
 def deepspeed_system(cfg, lr, micro: int, compiled: bool):
