@@ -49,6 +49,12 @@ class CheckpointingOptions:
     partition_activations: bool = False
     number_checkpoints: Optional[int] = None
 
+    @property
+    def wraps_segments(self) -> bool:
+        """Whether each checkpointed segment does eager work around it (host copies, synchronizations, timings),
+        which compiled code skips."""
+        return self.cpu_checkpointing or self.synchronize or self.profile
+
 
 _configured: Optional[CheckpointingOptions] = None  # what configure() set; None until it ran (is_configured)
 # the options of the engine whose forward is running (its config's activation_checkpointing block), if any
@@ -156,7 +162,7 @@ def checkpoint(function, *args) -> Any:
     if torch.compiler.is_compiling():
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
     options = _engine_options.get() or _configured or CheckpointingOptions()
-    if not (options.cpu_checkpointing or options.synchronize or options.profile):
+    if not options.wraps_segments:
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
     device = next((a.device for a in args if torch.is_tensor(a)), None)
     if options.cpu_checkpointing and device is not None and device.type != "cpu":

@@ -131,16 +131,16 @@ class ZeroshardEngine(DeepSpeedAccessors, CheckpointAndExport, ClientHooks, torc
         ``dynamo_backend``. ``backend`` and ``compile_kwargs`` default to the config's ``compile`` block;
         ``compile.disable: true`` leaves the model eager. Compiling twice is a no-op, as in DeepSpeed; compiling
         after steps have run compiles the regions then."""
-        checkpointing = self.activation_checkpointing
-        if checkpointing and (checkpointing.cpu_checkpointing or checkpointing.synchronize or checkpointing.profile):
+        if self.compiled is not None:
+            return
+        hooked = self.stack.stage3.hooked_modules() if self.stack.stage3 is not None else ()
+        self.compiled = compile_regions(
+            self.module, hooked, self.settings.compile, backend, compile_kwargs, schedule, compiled_autograd_enabled
+        )
+        self.reporting.compiled = self.compiled
+        if self.compiled is not None and self.activation_checkpointing and self.activation_checkpointing.wraps_segments:
             logger.warning("engine.compile(): activation_checkpointing's cpu_checkpointing, synchronize and profile "
                            "do not apply inside compiled regions (checkpoint() runs there as torch's)")  # fmt: skip
-        if self.compiled is None:
-            hooked = self.stack.stage3.hooked_modules() if self.stack.stage3 is not None else ()
-            self.compiled = compile_regions(
-                self.module, hooked, self.settings.compile, backend, compile_kwargs, schedule, compiled_autograd_enabled
-            )
-            self.reporting.compiled = self.compiled
 
     def empty_partition_cache(self) -> None:
         """Drop the idle gather and staging buffers the stack keeps for reuse (DeepSpeed's call, which OpenRLHF
